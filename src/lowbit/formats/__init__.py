@@ -1,0 +1,1 @@
+"""Reference implementations of the number formats: readable torch code, exact by definition."""

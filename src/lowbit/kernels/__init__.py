@@ -1,0 +1,1 @@
+"""Fast kernels, one sub-package per backend: cpu (numba), triton (CUDA), npu (vendor adapters)."""

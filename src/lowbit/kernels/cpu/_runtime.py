@@ -1,0 +1,40 @@
+"""Shared plumbing for the numba kernels: thread count and zero-copy numpy views of CPU tensors."""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+
+# Options every CPU kernel is compiled with: one place to change them.
+NJIT_OPTIONS = dict(nogil=True, cache=True, boundscheck=False)
+PARALLEL_NJIT_OPTIONS = dict(NJIT_OPTIONS, parallel=True)
+
+
+def sync_threads() -> int:
+    """Set numba's thread count to torch.get_num_threads() (capped by numba's pool); return it."""
+    n = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    if numba.get_num_threads() != n:
+        numba.set_num_threads(n)
+    return n
+
+
+_NUMPY_VIEW = {
+    torch.float16: (torch.int16, np.int16),
+    torch.bfloat16: (torch.int16, np.int16),
+    torch.float32: (torch.float32, np.float32),
+    torch.float64: (torch.float64, np.float64),
+    torch.uint8: (torch.uint8, np.uint8),
+    torch.int8: (torch.int8, np.int8),
+    torch.int16: (torch.int16, np.int16),
+    torch.int32: (torch.int32, np.int32),
+    torch.int64: (torch.int64, np.int64),
+}
+
+
+def as_numpy(t: torch.Tensor) -> np.ndarray:
+    """A numpy view sharing memory with a CPU tensor; FP16/BF16 are viewed as int16 bit patterns."""
+    if t.device.type != "cpu":
+        raise ValueError(f"numba kernels need CPU tensors, got device {t.device}")
+    view_dtype, _ = _NUMPY_VIEW[t.dtype]
+    return (t.view(view_dtype) if view_dtype != t.dtype else t).numpy()
