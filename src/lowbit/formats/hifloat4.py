@@ -19,7 +19,7 @@ Signed zeros (section 2.7 (b)): the output is negative zero exactly when the inp
 code is 0; an input -0.0 gives +0.0 (AMCT's reference, ``torch.sign(-0.0) = 0``; its NPU kernel returns
 -0.0 there). This is also what the packed sign bit (``x < 0``) decodes to, so unpack(pack(x)) equals
 fake_quant(x) bit for bit. Blocks with a NaN or an infinity decode to the default quiet NaN (FP32
-0x7FC00000, BF16 0x7FC0, FP16 0x7E00) in every element; no other block changes.
+0x7FC00000, BF16 0x7FC0, FP16 0x7E00, the Ascend kernel's NaN) in every element; no other block changes.
 
 Packed layout (section 2.5, AMCT ``hif4_pack``; blocks along the last dim of a 2-D input):
 ``scale`` uint8 (rows, cols / 64, 4) = [E6M2 byte, e2 flags, e3 flags of 4-groups 0-7, e3 flags of
@@ -45,6 +45,10 @@ POISON_BYTE = 0xFF  # the block held a NaN or an infinity
 MAX_VALUE = 1.75 * 4 * SCALE_MAX  # 344064
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Poisoned blocks decode to the default quiet NaN, given as bits (torch's own fp32 -> bf16 cast of a NaN
+# differs between its scalar and vector paths, so the reference writes the bits itself).
+NAN_BITS = {torch.float32: 0x7FC00000, torch.bfloat16: 0x7FC0, torch.float16: 0x7E00}
+_INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
 
 @dataclass
@@ -117,13 +121,21 @@ def encode_blocks(blocks: torch.Tensor) -> Blocks:
     )
 
 
-def decode_blocks(fields: Blocks) -> torch.Tensor:
-    """fp32 values (..., 64) of HiF4 fields; blocks whose scale byte is 0xFF are all NaN."""
+def nan_value(dtype: torch.dtype) -> torch.Tensor:
+    """The NaN written for poisoned blocks: the default quiet NaN of ``dtype`` (0-d CPU tensor)."""
+    return torch.tensor(NAN_BITS[dtype], dtype=_INT_VIEW[dtype]).view(dtype)
+
+
+def decode_blocks(fields: Blocks, dtype: torch.dtype) -> torch.Tensor:
+    """Values (..., 64) of HiF4 fields in ``dtype``; blocks whose scale byte is 0xFF are all NaN.
+
+    The fp32 values are exact; the cast to ``dtype`` rounds to nearest even (only FP16 can round).
+    """
     poisoned = (fields.scale_byte == POISON_BYTE).unsqueeze(-1)
     sf = scale_value(torch.where(poisoned.squeeze(-1), 0, fields.scale_byte)).unsqueeze(-1)
     magnitude = fields.code.to(torch.float32) * 0.25 * _pow2(_group_levels(fields.e2, fields.e3)) * sf
-    value = torch.where(fields.negative, -magnitude, magnitude)  # a negative code 0 is -0.0
-    return torch.where(poisoned, torch.nan, value)
+    value = torch.where(fields.negative, -magnitude, magnitude).to(dtype)  # a negative code 0 is -0.0
+    return torch.where(poisoned, nan_value(dtype).to(value.device), value)
 
 
 def check_qdim(x: torch.Tensor, qdim: int) -> int:
@@ -160,8 +172,8 @@ def fake_quant(x: torch.Tensor, qdim: int = -1) -> torch.Tensor:
     with torch.no_grad():
         moved = x.to(torch.float32).movedim(qdim, -1)
         blocks = moved.reshape(*moved.shape[:-1], -1, BLOCK)
-        out = decode_blocks(encode_blocks(blocks)).reshape(moved.shape)
-        return out.movedim(-1, qdim).to(x.dtype).contiguous()
+        out = decode_blocks(encode_blocks(blocks), x.dtype).reshape(moved.shape)
+        return out.movedim(-1, qdim).contiguous()
 
 
 def _flag_byte(flags: torch.Tensor) -> torch.Tensor:
@@ -176,6 +188,14 @@ def _flag_bits(byte: torch.Tensor) -> torch.Tensor:
     return ((byte.to(torch.int32).unsqueeze(-1) >> shifts) & 1).bool()
 
 
+def check_pack_input(x: torch.Tensor) -> None:
+    """Validate a pack input: TypeError for a wrong dtype, RuntimeError (as upstream) unless x is 2-D with
+    a last dim that is a positive multiple of 64."""
+    if isinstance(x, torch.Tensor) and x.dim() != 2:
+        raise RuntimeError(f"HiFloat4 pack expects a 2-D tensor, got shape {tuple(x.shape)}")
+    check_qdim(x, -1)
+
+
 def pack(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a 2-D tensor in 64-blocks along its last dim into AMCT's packed HiF4 bytes.
 
@@ -183,9 +203,7 @@ def pack(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     (rows, cols / 64, 4) and uint8 (rows, cols / 2) on x's device (layout: module docstring).
     Raises TypeError for another dtype, RuntimeError (as upstream) when x is not 2-D or cols % 64 != 0.
     """
-    if isinstance(x, torch.Tensor) and x.dim() != 2:
-        raise RuntimeError(f"HiFloat4 pack expects a 2-D tensor, got shape {tuple(x.shape)}")
-    check_qdim(x, -1)
+    check_pack_input(x)
     rows, cols = x.shape
     fields = encode_blocks(x.to(torch.float32).reshape(rows, cols // BLOCK, BLOCK))
     scale = torch.stack(
@@ -210,6 +228,29 @@ def _as_uint8_tensor(name: str, t: torch.Tensor | np.ndarray) -> torch.Tensor:
     return t
 
 
+def check_packed(
+    scale: torch.Tensor | np.ndarray, value: torch.Tensor | np.ndarray, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate unpack inputs; numpy arrays become tensors. Returns (scale, value) on scale's device.
+
+    Raises TypeError unless both are uint8 and dtype is FP16/BF16/FP32, ValueError unless the shapes are
+    scale (rows, cols / 64, 4) and value (rows, cols / 2), RuntimeError if they are on different devices.
+    """
+    scale = _as_uint8_tensor("scale", scale)
+    value = _as_uint8_tensor("value", value)
+    if dtype not in DTYPES:
+        raise TypeError(f"HiFloat4 unpack produces float16, bfloat16 or float32, got {dtype}")
+    if scale.dim() != 3 or scale.shape[-1] != 4 or value.dim() != 2 or \
+            tuple(value.shape) != (scale.shape[0], scale.shape[1] * BLOCK // 2):
+        raise ValueError(
+            "HiFloat4 unpack expects scale (rows, cols/64, 4) and value (rows, cols/2), got "
+            f"{tuple(scale.shape)} and {tuple(value.shape)}"
+        )
+    if scale.device != value.device:
+        raise RuntimeError(f"HiFloat4 unpack: scale on {scale.device} but value on {value.device}")
+    return scale, value
+
+
 def unpack(
     scale: torch.Tensor | np.ndarray,
     value: torch.Tensor | np.ndarray,
@@ -221,16 +262,7 @@ def unpack(
     the same) or numpy arrays. ``dtype``: FP16, BF16 or FP32. Blocks with scale byte 0xFF are all NaN.
     Raises TypeError for other dtypes, ValueError for inconsistent shapes.
     """
-    scale = _as_uint8_tensor("scale", scale)
-    value = _as_uint8_tensor("value", value).to(scale.device)
-    if dtype not in DTYPES:
-        raise TypeError(f"HiFloat4 unpack produces float16, bfloat16 or float32, got {dtype}")
-    if scale.dim() != 3 or scale.shape[-1] != 4 or value.dim() != 2 or \
-            tuple(value.shape) != (scale.shape[0], scale.shape[1] * BLOCK // 2):
-        raise ValueError(
-            "HiFloat4 unpack expects scale (rows, cols/64, 4) and value (rows, cols/2), got "
-            f"{tuple(scale.shape)} and {tuple(value.shape)}"
-        )
+    scale, value = check_packed(scale, value, dtype)
     rows, n_blocks = scale.shape[:2]
     raw = value.to(torch.int32)
     nibble = torch.stack([raw & 0xF, raw >> 4], dim=-1).reshape(rows, n_blocks, BLOCK)
@@ -241,4 +273,4 @@ def unpack(
         negative=(nibble & 8).bool(),
         code=nibble & 7,
     )
-    return decode_blocks(fields).reshape(rows, n_blocks * BLOCK).to(dtype)
+    return decode_blocks(fields, dtype).reshape(rows, n_blocks * BLOCK)

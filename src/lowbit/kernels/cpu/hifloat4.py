@@ -1,0 +1,294 @@
+"""HiFloat4 numba kernels: fake-quant over any qdim, pack and unpack, bit for bit equal to
+:mod:`lowbit.formats.hifloat4`.
+
+A tensor is seen as (outer, L, inner) around the quant dim; block n covers 64 elements spaced ``inner``
+apart, so no transposed copy is made. Blocks are split into tasks of consecutive blocks (neighbouring
+blocks share cache lines when ``inner > 1``) run in parallel. Every fp32 operation of the reference is done
+in fp32 in the same order; bf16 round-to-nearest-even is integer arithmetic on the fp32 bits.
+
+Per block the 24 possible outputs ((e2 + e3) in 0..2, code 0..7) are converted to the output dtype's bit
+pattern once (a small table) and each element picks its entry and ORs in its sign bit; a poisoned block
+(NaN or infinity in the input) gets a table of NaNs and no sign.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+
+from lowbit.formats import hifloat4 as ref
+from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, as_numpy, sync_threads
+
+BLOCK = ref.BLOCK
+_TASK_BLOCKS = 256  # blocks per parallel task
+
+_F0 = np.float32(0.0)
+_F_QUARTER = np.float32(0.25)
+_F_HALF = np.float32(0.5)
+_F1 = np.float32(1.0)
+_F2 = np.float32(2.0)
+_F4 = np.float32(4.0)
+_C7 = np.float32(ref.C7)
+_SCALE_MIN = np.float32(ref.SCALE_MIN)
+_SCALE_MAX = np.float32(ref.SCALE_MAX)
+_F16_MIN_NORMAL = np.float32(2.0**-14)
+_F16_OVERFLOW = np.float32(65520.0)  # the smallest fp32 that rounds to +inf in fp16
+
+# Output kinds (how the fp32 result becomes the output's bits).
+_KIND_F32, _KIND_BF16, _KIND_F16 = 0, 1, 2
+
+
+class _Format:
+    """How a dtype's bit pattern (viewed as int16/int32) maps to fp32 and back."""
+
+    def __init__(self, int_view, mag_mask, inf_mag, shift, widen, kind, sign):
+        self.int_view = int_view  # torch integer dtype of the same width
+        self.mag_mask = mag_mask  # magnitude bits (all but the sign)
+        self.inf_mag = inf_mag  # magnitudes >= this are Inf or NaN
+        self.shift = shift  # magnitude << shift is the fp32 bit pattern ...
+        self.widen = widen  # ... times this factor (2^112 rebiases the FP16 exponent, exact)
+        self.kind = kind
+        self.sign = sign
+
+
+_FORMATS = {
+    torch.float32: _Format(torch.int32, 0x7FFFFFFF, 0x7F800000, 0, 1.0, _KIND_F32, 1 << 31),
+    torch.bfloat16: _Format(torch.int16, 0x7FFF, 0x7F80, 16, 1.0, _KIND_BF16, 1 << 15),
+    torch.float16: _Format(torch.int16, 0x7FFF, 0x7C00, 13, 2.0**112, _KIND_F16, 1 << 15),
+}
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _bits(v):
+    return np.float32(v).view(np.uint32)
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _float(u):
+    return np.uint32(u).view(np.float32)
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _bf16(v):
+    """Round a finite fp32 value to bfloat16, nearest with ties to even; the result stays fp32."""
+    u = _bits(v)
+    return _float((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000))
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _scale_value(byte):
+    """fp32 value of an E6M2 byte 0..254: 2^((b >> 2) - 48) * (1 + (b & 3) / 4), built from its bits."""
+    return _float((((byte >> 2) + 79) << 23) | ((byte & 3) << 21))
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _out_bits(y, kind):
+    """Bits of the fp32 value ``y >= 0`` in the output dtype (round to nearest even, as torch casts)."""
+    u = np.int64(_bits(y))
+    if kind == _KIND_F32:
+        return u
+    if kind == _KIND_BF16:
+        return (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    if y >= _F16_OVERFLOW:
+        return np.int64(0x7C00)
+    if y < _F16_MIN_NORMAL:  # FP16 subnormal grid 2^-24 = half an fp32 ulp of 0.5: let the FPU round
+        return np.int64(_bits(y + _F_HALF)) - 0x3F000000
+    return (u - 0x38000000 + 0xFFF + ((u >> 13) & 1)) >> 13
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _fill_table(table, byte, kind, nan_bits):
+    """``table[level * 8 + code]`` = output bits of code / 4 * 2^level * sf; NaN bits for byte 0xFF."""
+    if byte == ref.POISON_BYTE:
+        for i in range(24):
+            table[i] = nan_bits
+        return
+    quarter_sf = _scale_value(byte) * _F_QUARTER
+    for level in range(3):
+        for code in range(8):
+            table[level * 8 + code] = _out_bits(np.float32(code << level) * quarter_sf, kind)
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _load_block(src, base, stride, a, negative, mag_mask, inf_mag, shift, widen):
+    """Read 64 elements ``src[base + i * stride]`` (int bit patterns) into fp32 magnitudes ``a`` and sign
+    flags ``negative`` (x < 0); non-finite elements become 0. Returns whether any was non-finite."""
+    poisoned = False
+    for i in range(BLOCK):
+        raw = src[base + i * stride]
+        mag = np.uint32(raw) & mag_mask
+        finite = mag < inf_mag
+        poisoned |= not finite
+        mag = mag if finite else np.uint32(0)
+        a[i] = _float(mag << shift) * widen
+        negative[i] = (raw < 0) & (mag != 0)
+    return poisoned
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _encode_block(a, m4, code, level):
+    """Quantize 64 finite fp32 magnitudes ``a`` (formats.md 2.4).
+
+    Fills ``code`` (0..7) and ``level`` (e2 + e3) per element; ``m4`` (float32[16]) is scratch. Returns
+    (E6M2 byte, e2 flags, e3 flags), flags packed most significant bit first (8 and 16 bits).
+    """
+    block_max = _F0
+    for k in range(16):
+        m = max(max(a[4 * k], a[4 * k + 1]), max(a[4 * k + 2], a[4 * k + 3]))
+        m4[k] = m
+        block_max = max(block_max, m)
+    sf1 = min(max(_bf16(block_max * _C7), _SCALE_MIN), _SCALE_MAX)
+    # E6M2 byte = RNE(sf1 / 2^(E - 2)) - 4 + 4 (E + 48) = RNE(y / 32) with y = bf16 bits - (127 - 48) * 128.
+    y = np.int64(_bits(sf1) >> np.uint32(16)) - 79 * 128
+    byte = (y + 15 + ((y >> 5) & 1)) >> 5
+    r = _bf16(_F1 / _scale_value(byte))
+
+    e2_flags = 0
+    e3_flags = 0
+    for j in range(8):
+        e2 = max(m4[2 * j], m4[2 * j + 1]) * r >= _F4
+        e2_flags = (e2_flags << 1) | np.int64(e2)
+        for k in range(2 * j, 2 * j + 2):
+            t = m4[k] * r
+            if e2:
+                t = t * _F_HALF
+            e3 = t >= _F2
+            e3_flags = (e3_flags << 1) | np.int64(e3)
+            for i in range(4 * k, 4 * k + 4):
+                level[i] = np.int32(e2) + np.int32(e3)
+
+    for i in range(BLOCK):
+        down = np.float32(4 >> level[i]) * _F_QUARTER  # 2^-level
+        v = _bf16((a[i] * r) * down)
+        code[i] = np.int32(min(np.floor(_F4 * v + _F_HALF), _F4 + _F2 + _F1))
+    return byte, e2_flags, e3_flags
+
+
+@numba.njit(**PARALLEL_NJIT_OPTIONS)
+def _fake_quant_kernel(src, dst, n_lines, length, inner, mag_mask, inf_mag, shift, widen, kind, sign,
+                       nan_bits):
+    """Fake-quant ``src`` (flat bit patterns of an (outer, length, inner) tensor) into ``dst``."""
+    n_blocks = n_lines * (length // BLOCK) * inner
+    n_tasks = (n_blocks + _TASK_BLOCKS - 1) // _TASK_BLOCKS
+    for task in numba.prange(n_tasks):
+        a = np.empty(BLOCK, np.float32)
+        negative = np.empty(BLOCK, np.bool_)
+        m4 = np.empty(16, np.float32)
+        code = np.empty(BLOCK, np.int32)
+        level = np.empty(BLOCK, np.int32)
+        table = np.empty(24, np.int64)
+        for n in range(task * _TASK_BLOCKS, min(n_blocks, (task + 1) * _TASK_BLOCKS)):
+            base = (n // inner) * BLOCK * inner + n % inner
+            poisoned = _load_block(src, base, inner, a, negative, mag_mask, inf_mag, shift, widen)
+            byte, _, _ = _encode_block(a, m4, code, level)
+            _fill_table(table, ref.POISON_BYTE if poisoned else byte, kind, nan_bits)
+            block_sign = 0 if poisoned else sign
+            for i in range(BLOCK):
+                bits = table[level[i] * 8 + code[i]]
+                if negative[i]:
+                    bits |= block_sign
+                dst[base + i * inner] = bits
+
+
+@numba.njit(**PARALLEL_NJIT_OPTIONS)
+def _pack_kernel(src, scale, value, n_blocks, mag_mask, inf_mag, shift, widen):
+    """Pack contiguous blocks of ``src`` into ``scale`` (4 bytes per block) and ``value`` (32 per block)."""
+    n_tasks = (n_blocks + _TASK_BLOCKS - 1) // _TASK_BLOCKS
+    for task in numba.prange(n_tasks):
+        a = np.empty(BLOCK, np.float32)
+        negative = np.empty(BLOCK, np.bool_)
+        m4 = np.empty(16, np.float32)
+        code = np.empty(BLOCK, np.int32)
+        level = np.empty(BLOCK, np.int32)
+        for n in range(task * _TASK_BLOCKS, min(n_blocks, (task + 1) * _TASK_BLOCKS)):
+            poisoned = _load_block(src, n * BLOCK, 1, a, negative, mag_mask, inf_mag, shift, widen)
+            byte, e2_flags, e3_flags = _encode_block(a, m4, code, level)
+            scale[4 * n] = ref.POISON_BYTE if poisoned else byte
+            scale[4 * n + 1] = e2_flags
+            scale[4 * n + 2] = e3_flags >> 8
+            scale[4 * n + 3] = e3_flags & 0xFF
+            for i in range(BLOCK // 2):
+                low = code[2 * i] | (np.int32(negative[2 * i]) << 3)
+                high = code[2 * i + 1] | (np.int32(negative[2 * i + 1]) << 3)
+                value[BLOCK // 2 * n + i] = low | (high << 4)
+
+
+@numba.njit(**PARALLEL_NJIT_OPTIONS)
+def _unpack_kernel(scale, value, dst, n_blocks, kind, sign, nan_bits):
+    """Decode packed blocks into output bit patterns ``dst`` (64 per block)."""
+    n_tasks = (n_blocks + _TASK_BLOCKS - 1) // _TASK_BLOCKS
+    for task in numba.prange(n_tasks):
+        table = np.empty(24, np.int64)
+        level = np.empty(16, np.int32)
+        for n in range(task * _TASK_BLOCKS, min(n_blocks, (task + 1) * _TASK_BLOCKS)):
+            byte = np.int64(scale[4 * n])
+            _fill_table(table, byte, kind, nan_bits)
+            block_sign = 0 if byte == ref.POISON_BYTE else sign
+            e2_flags = np.int64(scale[4 * n + 1])
+            e3_flags = (np.int64(scale[4 * n + 2]) << 8) | np.int64(scale[4 * n + 3])
+            for k in range(16):
+                level[k] = ((e2_flags >> (7 - k // 2)) & 1) + ((e3_flags >> (15 - k)) & 1)
+            for i in range(BLOCK):
+                nibble = (np.int64(value[BLOCK // 2 * n + i // 2]) >> (4 * (i % 2))) & 0xF
+                bits = table[level[i // 4] * 8 + (nibble & 7)]
+                if nibble & 8:
+                    bits |= block_sign
+                dst[BLOCK * n + i] = bits
+
+
+def _int_view(t: torch.Tensor) -> np.ndarray:
+    """Flat numpy view of a contiguous CPU float tensor's bit patterns (int16 / int32)."""
+    return as_numpy(t.view(_FORMATS[t.dtype].int_view)).reshape(-1)
+
+
+def fake_quant(x: torch.Tensor, qdim: int = -1, out: torch.Tensor | None = None) -> torch.Tensor:
+    """HiF4 fake-quant of a CPU tensor along ``qdim``; equals :func:`lowbit.formats.hifloat4.fake_quant`.
+
+    ``x``: FP16/BF16/FP32 on CPU, ``x.shape[qdim] % 64 == 0``. ``out``: optional contiguous CPU tensor of
+    x's shape and dtype to write into. Returns the result (``out`` if given). Errors as the reference;
+    ValueError for a non-CPU tensor.
+    """
+    qdim = ref.check_qdim(x, qdim)
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype)
+    if x.numel() == 0:
+        return out
+    src = _int_view(x.contiguous())
+    fmt = _FORMATS[x.dtype]
+    length = x.shape[qdim]
+    inner = int(np.prod(x.shape[qdim + 1:], dtype=np.int64))
+    n_lines = x.numel() // (length * inner)
+    sync_threads()
+    _fake_quant_kernel(src, _int_view(out), n_lines, length, inner, np.uint32(fmt.mag_mask),
+                       np.uint32(fmt.inf_mag), np.uint32(fmt.shift), np.float32(fmt.widen), fmt.kind,
+                       fmt.sign, ref.NAN_BITS[x.dtype])
+    return out
+
+
+def pack(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """AMCT-packed HiF4 bytes of a 2-D CPU tensor; equals :func:`lowbit.formats.hifloat4.pack`."""
+    ref.check_pack_input(x)
+    rows, cols = x.shape
+    scale = torch.empty((rows, cols // BLOCK, 4), dtype=torch.uint8)
+    value = torch.empty((rows, cols // 2), dtype=torch.uint8)
+    if x.numel():
+        fmt = _FORMATS[x.dtype]
+        sync_threads()
+        _pack_kernel(_int_view(x.contiguous()), as_numpy(scale).reshape(-1), as_numpy(value).reshape(-1),
+                     x.numel() // BLOCK, np.uint32(fmt.mag_mask), np.uint32(fmt.inf_mag),
+                     np.uint32(fmt.shift), np.float32(fmt.widen))
+    return scale, value
+
+
+def unpack(scale: torch.Tensor, value: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Decode AMCT-packed HiF4 bytes on the CPU; equals :func:`lowbit.formats.hifloat4.unpack`."""
+    scale, value = ref.check_packed(scale, value, dtype)
+    rows, n_blocks = scale.shape[:2]
+    out = torch.empty((rows, n_blocks * BLOCK), dtype=dtype)
+    if out.numel():
+        fmt = _FORMATS[dtype]
+        sync_threads()
+        _unpack_kernel(as_numpy(scale.contiguous()).reshape(-1), as_numpy(value.contiguous()).reshape(-1),
+                       _int_view(out), rows * n_blocks, fmt.kind, fmt.sign, ref.NAN_BITS[dtype])
+    return out
