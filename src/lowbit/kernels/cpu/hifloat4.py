@@ -35,6 +35,10 @@ _SCALE_MAX = np.float32(ref.SCALE_MAX)
 _F16_MIN_NORMAL = np.float32(2.0**-14)
 _F16_OVERFLOW = np.float32(65520.0)  # the smallest fp32 that rounds to +inf in fp16
 
+# Per-block helpers are inlined into their callers in numba IR: a call of a compiled function that takes
+# arrays costs atomic reference-count updates per array, more than the block's arithmetic.
+_INLINE = dict(NJIT_OPTIONS, inline="always")
+
 # Output kinds (how the fp32 result becomes the output's bits).
 _KIND_F32, _KIND_BF16, _KIND_F16 = 0, 1, 2
 
@@ -42,20 +46,19 @@ _KIND_F32, _KIND_BF16, _KIND_F16 = 0, 1, 2
 class _Format:
     """How a dtype's bit pattern (viewed as int16/int32) maps to fp32 and back."""
 
-    def __init__(self, int_view, mag_mask, inf_mag, shift, widen, kind, sign):
+    def __init__(self, int_view, mag_mask, inf_mag, shift, widen, kind):
         self.int_view = int_view  # torch integer dtype of the same width
         self.mag_mask = mag_mask  # magnitude bits (all but the sign)
         self.inf_mag = inf_mag  # magnitudes >= this are Inf or NaN
         self.shift = shift  # magnitude << shift is the fp32 bit pattern ...
         self.widen = widen  # ... times this factor (2^112 rebiases the FP16 exponent, exact)
         self.kind = kind
-        self.sign = sign
 
 
 _FORMATS = {
-    torch.float32: _Format(torch.int32, 0x7FFFFFFF, 0x7F800000, 0, 1.0, _KIND_F32, 1 << 31),
-    torch.bfloat16: _Format(torch.int16, 0x7FFF, 0x7F80, 16, 1.0, _KIND_BF16, 1 << 15),
-    torch.float16: _Format(torch.int16, 0x7FFF, 0x7C00, 13, 2.0**112, _KIND_F16, 1 << 15),
+    torch.float32: _Format(torch.int32, 0x7FFFFFFF, 0x7F800000, 0, 1.0, _KIND_F32),
+    torch.bfloat16: _Format(torch.int16, 0x7FFF, 0x7F80, 16, 1.0, _KIND_BF16),
+    torch.float16: _Format(torch.int16, 0x7FFF, 0x7C00, 13, 2.0**112, _KIND_F16),
 }
 
 
@@ -83,40 +86,24 @@ def _scale_value(byte):
 
 
 @numba.njit(**NJIT_OPTIONS)
-def _out_bits(y, kind):
-    """Bits of the fp32 value ``y >= 0`` in the output dtype (round to nearest even, as torch casts)."""
-    u = np.int64(_bits(y))
-    if kind == _KIND_F32:
-        return u
-    if kind == _KIND_BF16:
-        return (u + 0x7FFF + ((u >> 16) & 1)) >> 16
-    if y >= _F16_OVERFLOW:
-        return np.int64(0x7C00)
-    if y < _F16_MIN_NORMAL:  # FP16 subnormal grid 2^-24 = half an fp32 ulp of 0.5: let the FPU round
-        return np.int64(_bits(y + _F_HALF)) - 0x3F000000
-    return (u - 0x38000000 + 0xFFF + ((u >> 13) & 1)) >> 13
+def _f16_bits(y):
+    """FP16 bits of a finite fp32 value ``y >= 0``, rounded to nearest even (as torch casts)."""
+    u = _bits(y)
+    normal = (u - np.uint32(0x38000000) + np.uint32(0xFFF) + ((u >> np.uint32(13)) & np.uint32(1))) \
+        >> np.uint32(13)
+    # Below 2^-14 the FP16 grid is 2^-24, half an fp32 ulp of 0.5: adding 0.5 lets the FPU round.
+    subnormal = _bits(y + _F_HALF) - np.uint32(0x3F000000)
+    overflow = np.uint32(0x7C00)
+    return overflow if y >= _F16_OVERFLOW else subnormal if y < _F16_MIN_NORMAL else normal
 
 
-@numba.njit(**NJIT_OPTIONS)
-def _fill_table(table, byte, kind, nan_bits):
-    """``table[level * 8 + code]`` = output bits of code / 4 * 2^level * sf; NaN bits for byte 0xFF."""
-    if byte == ref.POISON_BYTE:
-        for i in range(24):
-            table[i] = nan_bits
-        return
-    quarter_sf = _scale_value(byte) * _F_QUARTER
-    for level in range(3):
-        for code in range(8):
-            table[level * 8 + code] = _out_bits(np.float32(code << level) * quarter_sf, kind)
-
-
-@numba.njit(**NJIT_OPTIONS)
-def _load_block(src, base, stride, a, negative, mag_mask, inf_mag, shift, widen):
-    """Read 64 elements ``src[base + i * stride]`` (int bit patterns) into fp32 magnitudes ``a`` and sign
+@numba.njit(**_INLINE)
+def _load_block(src, a, negative, mag_mask, inf_mag, shift, widen):
+    """Read 64 bit patterns ``src`` (a contiguous or strided view) into fp32 magnitudes ``a`` and sign
     flags ``negative`` (x < 0); non-finite elements become 0. Returns whether any was non-finite."""
     poisoned = False
     for i in range(BLOCK):
-        raw = src[base + i * stride]
+        raw = src[i]
         mag = np.uint32(raw) & mag_mask
         finite = mag < inf_mag
         poisoned |= not finite
@@ -126,7 +113,7 @@ def _load_block(src, base, stride, a, negative, mag_mask, inf_mag, shift, widen)
     return poisoned
 
 
-@numba.njit(**NJIT_OPTIONS)
+@numba.njit(**_INLINE)
 def _encode_block(a, m4, code, level):
     """Quantize 64 finite fp32 magnitudes ``a`` (formats.md 2.4).
 
@@ -165,30 +152,68 @@ def _encode_block(a, m4, code, level):
     return byte, e2_flags, e3_flags
 
 
+@numba.njit(**_INLINE)
+def _store_block(dst, byte, code, level, negative, kind, nan_bits):
+    """Write the decoded block (sign, code / 4 * 2^level * sf) as output bits into the 64-element view
+    ``dst``; every element is ``nan_bits`` if ``byte`` is 0xFF."""
+    if byte == ref.POISON_BYTE:
+        for i in range(BLOCK):
+            dst[i] = nan_bits
+        return
+    quarter_sf = _scale_value(byte) * _F_QUARTER
+    if kind == _KIND_F32:
+        for i in range(BLOCK):
+            y = np.float32(code[i] << level[i]) * quarter_sf  # exact
+            dst[i] = _bits(y) | (np.uint32(negative[i]) << np.uint32(31))
+    elif kind == _KIND_BF16:
+        for i in range(BLOCK):
+            y = np.float32(code[i] << level[i]) * quarter_sf  # exact, at most 6 significant bits
+            dst[i] = (_bits(y) >> np.uint32(16)) | (np.uint32(negative[i]) << np.uint32(15))
+    else:
+        for i in range(BLOCK):
+            y = np.float32(code[i] << level[i]) * quarter_sf
+            dst[i] = _f16_bits(y) | (np.uint32(negative[i]) << np.uint32(15))
+
+
+@numba.njit(**_INLINE)
+def _fake_quant_block(src, dst, scratch, mag_mask, inf_mag, shift, widen, kind, nan_bits):
+    """Fake-quant one block: 64-element views ``src`` (input bits) and ``dst`` (output bits)."""
+    a, negative, m4, code, level = scratch
+    poisoned = _load_block(src, a, negative, mag_mask, inf_mag, shift, widen)
+    byte, _, _ = _encode_block(a, m4, code, level)
+    _store_block(dst, ref.POISON_BYTE if poisoned else byte, code, level, negative, kind, nan_bits)
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _scratch():
+    """Per-task work arrays: magnitudes, signs, 4-group maxima, codes, levels."""
+    return (np.empty(BLOCK, np.float32), np.empty(BLOCK, np.bool_), np.empty(16, np.float32),
+            np.empty(BLOCK, np.int32), np.empty(BLOCK, np.int32))
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _fake_quant_blocks(src, dst, first, last, inner, mag_mask, inf_mag, shift, widen, kind, nan_bits):
+    """Fake-quant blocks first..last-1 of flat (outer, L, inner) bit patterns ``src`` into ``dst``."""
+    scratch = _scratch()
+    for n in range(first, last):
+        base = (n // inner) * BLOCK * inner + n % inner
+        if inner == 1:  # contiguous views (their own specialization: the loops vectorize)
+            _fake_quant_block(src[base:base + BLOCK], dst[base:base + BLOCK], scratch, mag_mask, inf_mag,
+                              shift, widen, kind, nan_bits)
+        else:
+            end = base + BLOCK * inner
+            _fake_quant_block(src[base:end:inner], dst[base:end:inner], scratch, mag_mask, inf_mag, shift,
+                              widen, kind, nan_bits)
+
+
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _fake_quant_kernel(src, dst, n_lines, length, inner, mag_mask, inf_mag, shift, widen, kind, sign,
-                       nan_bits):
-    """Fake-quant ``src`` (flat bit patterns of an (outer, length, inner) tensor) into ``dst``."""
-    n_blocks = n_lines * (length // BLOCK) * inner
+def _fake_quant_kernel(src, dst, n_blocks, inner, mag_mask, inf_mag, shift, widen, kind, nan_bits):
+    """Fake-quant all blocks of ``src`` (see :func:`_fake_quant_blocks`) in parallel tasks."""
     n_tasks = (n_blocks + _TASK_BLOCKS - 1) // _TASK_BLOCKS
     for task in numba.prange(n_tasks):
-        a = np.empty(BLOCK, np.float32)
-        negative = np.empty(BLOCK, np.bool_)
-        m4 = np.empty(16, np.float32)
-        code = np.empty(BLOCK, np.int32)
-        level = np.empty(BLOCK, np.int32)
-        table = np.empty(24, np.int64)
-        for n in range(task * _TASK_BLOCKS, min(n_blocks, (task + 1) * _TASK_BLOCKS)):
-            base = (n // inner) * BLOCK * inner + n % inner
-            poisoned = _load_block(src, base, inner, a, negative, mag_mask, inf_mag, shift, widen)
-            byte, _, _ = _encode_block(a, m4, code, level)
-            _fill_table(table, ref.POISON_BYTE if poisoned else byte, kind, nan_bits)
-            block_sign = 0 if poisoned else sign
-            for i in range(BLOCK):
-                bits = table[level[i] * 8 + code[i]]
-                if negative[i]:
-                    bits |= block_sign
-                dst[base + i * inner] = bits
+        first = task * _TASK_BLOCKS
+        _fake_quant_blocks(src, dst, first, min(n_blocks, first + _TASK_BLOCKS), inner, mag_mask, inf_mag,
+                           shift, widen, kind, nan_bits)
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
@@ -196,13 +221,10 @@ def _pack_kernel(src, scale, value, n_blocks, mag_mask, inf_mag, shift, widen):
     """Pack contiguous blocks of ``src`` into ``scale`` (4 bytes per block) and ``value`` (32 per block)."""
     n_tasks = (n_blocks + _TASK_BLOCKS - 1) // _TASK_BLOCKS
     for task in numba.prange(n_tasks):
-        a = np.empty(BLOCK, np.float32)
-        negative = np.empty(BLOCK, np.bool_)
-        m4 = np.empty(16, np.float32)
-        code = np.empty(BLOCK, np.int32)
-        level = np.empty(BLOCK, np.int32)
+        a, negative, m4, code, level = _scratch()
         for n in range(task * _TASK_BLOCKS, min(n_blocks, (task + 1) * _TASK_BLOCKS)):
-            poisoned = _load_block(src, n * BLOCK, 1, a, negative, mag_mask, inf_mag, shift, widen)
+            poisoned = _load_block(src[n * BLOCK:(n + 1) * BLOCK], a, negative, mag_mask, inf_mag, shift,
+                                   widen)
             byte, e2_flags, e3_flags = _encode_block(a, m4, code, level)
             scale[4 * n] = ref.POISON_BYTE if poisoned else byte
             scale[4 * n + 1] = e2_flags
@@ -215,26 +237,23 @@ def _pack_kernel(src, scale, value, n_blocks, mag_mask, inf_mag, shift, widen):
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _unpack_kernel(scale, value, dst, n_blocks, kind, sign, nan_bits):
+def _unpack_kernel(scale, value, dst, n_blocks, kind, nan_bits):
     """Decode packed blocks into output bit patterns ``dst`` (64 per block)."""
     n_tasks = (n_blocks + _TASK_BLOCKS - 1) // _TASK_BLOCKS
     for task in numba.prange(n_tasks):
-        table = np.empty(24, np.int64)
-        level = np.empty(16, np.int32)
+        code = np.empty(BLOCK, np.int32)
+        level = np.empty(BLOCK, np.int32)
+        negative = np.empty(BLOCK, np.bool_)
         for n in range(task * _TASK_BLOCKS, min(n_blocks, (task + 1) * _TASK_BLOCKS)):
-            byte = np.int64(scale[4 * n])
-            _fill_table(table, byte, kind, nan_bits)
-            block_sign = 0 if byte == ref.POISON_BYTE else sign
             e2_flags = np.int64(scale[4 * n + 1])
             e3_flags = (np.int64(scale[4 * n + 2]) << 8) | np.int64(scale[4 * n + 3])
-            for k in range(16):
-                level[k] = ((e2_flags >> (7 - k // 2)) & 1) + ((e3_flags >> (15 - k)) & 1)
             for i in range(BLOCK):
+                level[i] = ((e2_flags >> (7 - i // 8)) & 1) + ((e3_flags >> (15 - i // 4)) & 1)
                 nibble = (np.int64(value[BLOCK // 2 * n + i // 2]) >> (4 * (i % 2))) & 0xF
-                bits = table[level[i // 4] * 8 + (nibble & 7)]
-                if nibble & 8:
-                    bits |= block_sign
-                dst[BLOCK * n + i] = bits
+                code[i] = nibble & 7
+                negative[i] = nibble >= 8
+            _store_block(dst[n * BLOCK:(n + 1) * BLOCK], np.int64(scale[4 * n]), code, level, negative, kind,
+                         nan_bits)
 
 
 def _int_view(t: torch.Tensor) -> np.ndarray:
@@ -256,13 +275,11 @@ def fake_quant(x: torch.Tensor, qdim: int = -1, out: torch.Tensor | None = None)
         return out
     src = _int_view(x.contiguous())
     fmt = _FORMATS[x.dtype]
-    length = x.shape[qdim]
     inner = int(np.prod(x.shape[qdim + 1:], dtype=np.int64))
-    n_lines = x.numel() // (length * inner)
     sync_threads()
-    _fake_quant_kernel(src, _int_view(out), n_lines, length, inner, np.uint32(fmt.mag_mask),
+    _fake_quant_kernel(src, _int_view(out), x.numel() // BLOCK, inner, np.uint32(fmt.mag_mask),
                        np.uint32(fmt.inf_mag), np.uint32(fmt.shift), np.float32(fmt.widen), fmt.kind,
-                       fmt.sign, ref.NAN_BITS[x.dtype])
+                       ref.NAN_BITS[x.dtype])
     return out
 
 
@@ -290,5 +307,5 @@ def unpack(scale: torch.Tensor, value: torch.Tensor, dtype: torch.dtype = torch.
         fmt = _FORMATS[dtype]
         sync_threads()
         _unpack_kernel(as_numpy(scale.contiguous()).reshape(-1), as_numpy(value.contiguous()).reshape(-1),
-                       _int_view(out), rows * n_blocks, fmt.kind, fmt.sign, ref.NAN_BITS[dtype])
+                       _int_view(out), rows * n_blocks, fmt.kind, ref.NAN_BITS[dtype])
     return out
