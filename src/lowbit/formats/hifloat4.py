@@ -35,6 +35,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from lowbit.errors import DeviceError, DtypeError, ShapeError
+
 BLOCK = 64
 GROUP8 = 8
 GROUP4 = 4
@@ -141,21 +143,22 @@ def decode_blocks(fields: Blocks, dtype: torch.dtype) -> torch.Tensor:
 def check_qdim(x: torch.Tensor, qdim: int) -> int:
     """Validate a fake-quant input and return ``qdim`` as a non-negative dim index.
 
-    Raises TypeError for a dtype other than FP16/BF16/FP32, RuntimeError (as upstream) for a 0-d tensor,
-    a qdim out of range, or a quant-dim length that is 0 or not a multiple of 64.
+    Raises DtypeError (a TypeError and a RuntimeError) for a dtype other than FP16/BF16/FP32, ShapeError
+    (a ValueError and a RuntimeError, as upstream raises RuntimeError) for a 0-d tensor, a qdim out of
+    range, or a quant-dim length that is 0 or not a multiple of 64.
     """
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"HiFloat4 expects a torch.Tensor, got {type(x).__name__}")
+        raise DtypeError(f"HiFloat4 expects a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in DTYPES:
-        raise TypeError(f"HiFloat4 expects float16, bfloat16 or float32, got {x.dtype}")
+        raise DtypeError(f"HiFloat4 expects float16, bfloat16 or float32, got {x.dtype}")
     if x.dim() == 0:
-        raise RuntimeError("HiFloat4 fake-quant needs a tensor with at least 1 dim, got a 0-d tensor")
+        raise ShapeError("HiFloat4 fake-quant needs a tensor with at least 1 dim, got a 0-d tensor")
     if not isinstance(qdim, int) or not -x.dim() <= qdim < x.dim():
-        raise RuntimeError(f"HiFloat4 qdim {qdim!r} is out of range for shape {tuple(x.shape)}")
+        raise ShapeError(f"HiFloat4 qdim {qdim!r} is out of range for shape {tuple(x.shape)}")
     qdim %= x.dim()
     length = x.shape[qdim]
     if length == 0 or length % BLOCK:
-        raise RuntimeError(
+        raise ShapeError(
             f"HiFloat4 quant dim length must be a multiple of 64, got {length} "
             f"(dim {qdim} of shape {tuple(x.shape)})"
         )
@@ -189,10 +192,10 @@ def _flag_bits(byte: torch.Tensor) -> torch.Tensor:
 
 
 def check_pack_input(x: torch.Tensor) -> None:
-    """Validate a pack input: TypeError for a wrong dtype, RuntimeError (as upstream) unless x is 2-D with
-    a last dim that is a positive multiple of 64."""
+    """Validate a pack input: DtypeError for a wrong dtype, ShapeError (a RuntimeError, as upstream) unless
+    x is 2-D with a last dim that is a positive multiple of 64."""
     if isinstance(x, torch.Tensor) and x.dim() != 2:
-        raise RuntimeError(f"HiFloat4 pack expects a 2-D tensor, got shape {tuple(x.shape)}")
+        raise ShapeError(f"HiFloat4 pack expects a 2-D tensor, got shape {tuple(x.shape)}")
     check_qdim(x, -1)
 
 
@@ -201,7 +204,7 @@ def pack(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     ``x``: FP16, BF16 or FP32 (rows, cols), ``cols % 64 == 0``. Returns ``(scale, value)``: uint8
     (rows, cols / 64, 4) and uint8 (rows, cols / 2) on x's device (layout: module docstring).
-    Raises TypeError for another dtype, RuntimeError (as upstream) when x is not 2-D or cols % 64 != 0.
+    Errors: see :func:`check_pack_input`.
     """
     check_pack_input(x)
     rows, cols = x.shape
@@ -224,7 +227,7 @@ def _as_uint8_tensor(name: str, t: torch.Tensor | np.ndarray) -> torch.Tensor:
     if isinstance(t, np.ndarray):
         t = torch.from_numpy(np.ascontiguousarray(t))
     if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8:
-        raise TypeError(f"HiFloat4 unpack expects {name} as uint8, got {getattr(t, 'dtype', type(t))}")
+        raise DtypeError(f"HiFloat4 unpack expects {name} as uint8, got {getattr(t, 'dtype', type(t))}")
     return t
 
 
@@ -233,21 +236,21 @@ def check_packed(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Validate unpack inputs; numpy arrays become tensors. Returns (scale, value) on scale's device.
 
-    Raises TypeError unless both are uint8 and dtype is FP16/BF16/FP32, ValueError unless the shapes are
-    scale (rows, cols / 64, 4) and value (rows, cols / 2), RuntimeError if they are on different devices.
+    Raises DtypeError unless both are uint8 and dtype is FP16/BF16/FP32, ShapeError unless the shapes are
+    scale (rows, cols / 64, 4) and value (rows, cols / 2), DeviceError if they are on different devices.
     """
     scale = _as_uint8_tensor("scale", scale)
     value = _as_uint8_tensor("value", value)
     if dtype not in DTYPES:
-        raise TypeError(f"HiFloat4 unpack produces float16, bfloat16 or float32, got {dtype}")
+        raise DtypeError(f"HiFloat4 unpack produces float16, bfloat16 or float32, got {dtype}")
     if scale.dim() != 3 or scale.shape[-1] != 4 or value.dim() != 2 or \
             tuple(value.shape) != (scale.shape[0], scale.shape[1] * BLOCK // 2):
-        raise ValueError(
+        raise ShapeError(
             "HiFloat4 unpack expects scale (rows, cols/64, 4) and value (rows, cols/2), got "
             f"{tuple(scale.shape)} and {tuple(value.shape)}"
         )
     if scale.device != value.device:
-        raise RuntimeError(f"HiFloat4 unpack: scale on {scale.device} but value on {value.device}")
+        raise DeviceError(f"HiFloat4 unpack: scale on {scale.device} but value on {value.device}")
     return scale, value
 
 
@@ -260,7 +263,7 @@ def unpack(
 
     ``scale``: uint8 (rows, cols / 64, 4); ``value``: uint8 (rows, cols / 2); torch tensors (any device,
     the same) or numpy arrays. ``dtype``: FP16, BF16 or FP32. Blocks with scale byte 0xFF are all NaN.
-    Raises TypeError for other dtypes, ValueError for inconsistent shapes.
+    Errors: see :func:`check_packed`.
     """
     scale, value = check_packed(scale, value, dtype)
     rows, n_blocks = scale.shape[:2]
@@ -274,3 +277,19 @@ def unpack(
         code=nibble & 7,
     )
     return decode_blocks(fields, dtype).reshape(rows, n_blocks * BLOCK)
+
+
+def worked_blocks() -> torch.Tensor:
+    """The eight single-block inputs of formats.md section 2.9 as an fp32 (8, 64) CPU tensor, in order:
+    all 2.0; x_i = i; [1, 0...]; [10, -3, 0.5, 0.1, 1 x4, 0.3 x8, -6.5, 0...]; [1e5, -2e4, 3, 0...];
+    [1e-20, 0...]; zeros; ones with x_3 = NaN."""
+    blocks = torch.zeros(8, BLOCK)
+    blocks[0] = 2.0
+    blocks[1] = torch.arange(BLOCK, dtype=torch.float32)
+    blocks[2, 0] = 1.0
+    blocks[3, :17] = torch.tensor([10, -3, 0.5, 0.1] + [1.0] * 4 + [0.3] * 8 + [-6.5])
+    blocks[4, :3] = torch.tensor([1e5, -2e4, 3.0])
+    blocks[5, 0] = 1e-20
+    blocks[7] = 1.0
+    blocks[7, 3] = float("nan")
+    return blocks

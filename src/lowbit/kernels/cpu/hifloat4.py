@@ -258,29 +258,23 @@ def _unpack_kernel(scale, value, dst, n_blocks, kind, nan_bits):
 
 def _int_view(t: torch.Tensor) -> np.ndarray:
     """Flat numpy view of a contiguous CPU float tensor's bit patterns (int16 / int32)."""
+    if not t.is_contiguous():
+        raise ValueError(f"HiFloat4 CPU kernels need contiguous tensors, got strides {t.stride()}")
     return as_numpy(t.view(_FORMATS[t.dtype].int_view)).reshape(-1)
 
 
-def fake_quant(x: torch.Tensor, qdim: int = -1, out: torch.Tensor | None = None) -> torch.Tensor:
-    """HiF4 fake-quant of a CPU tensor along ``qdim``; equals :func:`lowbit.formats.hifloat4.fake_quant`.
-
-    ``x``: FP16/BF16/FP32 on CPU, ``x.shape[qdim] % 64 == 0``. ``out``: optional contiguous CPU tensor of
-    x's shape and dtype to write into. Returns the result (``out`` if given). Errors as the reference;
-    ValueError for a non-CPU tensor.
-    """
+def fake_quant_into(x: torch.Tensor, qdim: int, out: torch.Tensor) -> None:
+    """HiF4 fake-quant of contiguous CPU ``x`` along ``qdim`` into contiguous ``out`` (same shape and
+    dtype); equals :func:`lowbit.formats.hifloat4.fake_quant`. Errors as the reference's check_qdim."""
     qdim = ref.check_qdim(x, qdim)
-    if out is None:
-        out = torch.empty(x.shape, dtype=x.dtype)
     if x.numel() == 0:
-        return out
-    src = _int_view(x.contiguous())
+        return
     fmt = _FORMATS[x.dtype]
     inner = int(np.prod(x.shape[qdim + 1:], dtype=np.int64))
     sync_threads()
-    _fake_quant_kernel(src, _int_view(out), x.numel() // BLOCK, inner, np.uint32(fmt.mag_mask),
+    _fake_quant_kernel(_int_view(x), _int_view(out), x.numel() // BLOCK, inner, np.uint32(fmt.mag_mask),
                        np.uint32(fmt.inf_mag), np.uint32(fmt.shift), np.float32(fmt.widen), fmt.kind,
                        ref.NAN_BITS[x.dtype])
-    return out
 
 
 def pack(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
