@@ -2,8 +2,8 @@
 :mod:`lowbit.formats.hifloat4`.
 
 A tensor is seen as (outer, L, inner) around the quant dim; block n covers 64 elements spaced ``inner``
-apart, so no transposed copy is made. Blocks are split into tasks of consecutive blocks (neighbouring
-blocks share cache lines when ``inner > 1``) run in parallel. Every fp32 operation of the reference is done
+apart. No transposed copy of the tensor is made: with ``inner > 1``, tiles of 64 x 32 blocks side by side
+go through a small scratch buffer. Tasks of about 256 blocks run in parallel. Every fp32 operation of the reference is done
 in fp32 in the same order; bf16 round-to-nearest-even is integer arithmetic on the fp32 bits.
 
 Per block the 24 possible outputs ((e2 + e3) in 0..2, code 0..7) are converted to the output dtype's bit
@@ -22,6 +22,7 @@ from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, as_
 
 BLOCK = ref.BLOCK
 _TASK_BLOCKS = 256  # blocks per parallel task
+_TILE_COLUMNS = 32  # blocks side by side in a tile when the quant dim is not the last
 
 _F0 = np.float32(0.0)
 _F_QUARTER = np.float32(0.25)
@@ -85,6 +86,17 @@ def _scale_value(byte):
     return _float((((byte >> 2) + 79) << 23) | ((byte & 3) << 21))
 
 
+# bf16(1 / (1 + m / 4)) for the E6M2 mantissa m = 0..3 (formats.md 2.2).
+_RECIPROCAL_MANTISSA = np.array([1.0, 0.80078125, 0.66796875, 0.5703125], dtype=np.float32)
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _reciprocal(byte):
+    """bf16(1 / sf) of an E6M2 byte without a division: 2^-E * bf16(1 / (1 + m / 4)) (the power of two
+    commutes with the rounding, as 1 / sf is far from the subnormal range)."""
+    return _RECIPROCAL_MANTISSA[byte & 3] * _float((127 + 48 - (byte >> 2)) << 23)
+
+
 @numba.njit(**NJIT_OPTIONS)
 def _f16_bits(y):
     """FP16 bits of a finite fp32 value ``y >= 0``, rounded to nearest even (as torch casts)."""
@@ -129,7 +141,7 @@ def _encode_block(a, m4, code, level):
     # E6M2 byte = RNE(sf1 / 2^(E - 2)) - 4 + 4 (E + 48) = RNE(y / 32) with y = bf16 bits - (127 - 48) * 128.
     y = np.int64(_bits(sf1) >> np.uint32(16)) - 79 * 128
     byte = (y + 15 + ((y >> 5) & 1)) >> 5
-    r = _bf16(_F1 / _scale_value(byte))
+    r = _reciprocal(byte)
 
     e2_flags = 0
     e3_flags = 0
@@ -192,28 +204,62 @@ def _scratch():
 
 
 @numba.njit(**NJIT_OPTIONS)
-def _fake_quant_blocks(src, dst, first, last, inner, mag_mask, inf_mag, shift, widen, kind, nan_bits):
-    """Fake-quant blocks first..last-1 of flat (outer, L, inner) bit patterns ``src`` into ``dst``."""
+def _fake_quant_rows(src, dst, first, last, mag_mask, inf_mag, shift, widen, kind, nan_bits):
+    """Fake-quant contiguous blocks first..last-1 (quant dim last) of ``src`` into ``dst``."""
     scratch = _scratch()
     for n in range(first, last):
-        base = (n // inner) * BLOCK * inner + n % inner
-        if inner == 1:  # contiguous views (their own specialization: the loops vectorize)
-            _fake_quant_block(src[base:base + BLOCK], dst[base:base + BLOCK], scratch, mag_mask, inf_mag,
-                              shift, widen, kind, nan_bits)
-        else:
-            end = base + BLOCK * inner
-            _fake_quant_block(src[base:end:inner], dst[base:end:inner], scratch, mag_mask, inf_mag, shift,
-                              widen, kind, nan_bits)
+        _fake_quant_block(src[n * BLOCK:(n + 1) * BLOCK], dst[n * BLOCK:(n + 1) * BLOCK], scratch, mag_mask,
+                          inf_mag, shift, widen, kind, nan_bits)
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _fake_quant_tiles(src, dst, first, last, inner, mag_mask, inf_mag, shift, widen, kind, nan_bits):
+    """Fake-quant tiles first..last-1 of an (outer, L, inner) tensor, inner > 1.
+
+    Tile t covers 64 rows along the quant dim and up to _TILE_COLUMNS neighbouring columns (one block per
+    column). It is copied, transposed, into a scratch tile with each block contiguous, quantized block by
+    block as in the quant-dim-last case, and copied back: reading a block's 64 elements in place would
+    hit one cache set per element when ``inner`` is a power of two.
+    """
+    scratch = _scratch()
+    tile_in = np.empty(BLOCK * _TILE_COLUMNS, src.dtype)
+    tile_out = np.empty(BLOCK * _TILE_COLUMNS, dst.dtype)
+    tiles_per_row = (inner + _TILE_COLUMNS - 1) // _TILE_COLUMNS
+    for t in range(first, last):
+        column = (t % tiles_per_row) * _TILE_COLUMNS
+        width = min(_TILE_COLUMNS, inner - column)
+        base = (t // tiles_per_row) * BLOCK * inner + column
+        for i in range(BLOCK):
+            row = src[base + i * inner:base + i * inner + width]
+            for c in range(width):
+                tile_in[c * BLOCK + i] = row[c]
+        for c in range(width):
+            _fake_quant_block(tile_in[c * BLOCK:(c + 1) * BLOCK], tile_out[c * BLOCK:(c + 1) * BLOCK], scratch,
+                              mag_mask, inf_mag, shift, widen, kind, nan_bits)
+        for i in range(BLOCK):
+            row = dst[base + i * inner:base + i * inner + width]
+            for c in range(width):
+                row[c] = tile_out[c * BLOCK + i]
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
 def _fake_quant_kernel(src, dst, n_blocks, inner, mag_mask, inf_mag, shift, widen, kind, nan_bits):
-    """Fake-quant all blocks of ``src`` (see :func:`_fake_quant_blocks`) in parallel tasks."""
-    n_tasks = (n_blocks + _TASK_BLOCKS - 1) // _TASK_BLOCKS
-    for task in numba.prange(n_tasks):
-        first = task * _TASK_BLOCKS
-        _fake_quant_blocks(src, dst, first, min(n_blocks, first + _TASK_BLOCKS), inner, mag_mask, inf_mag,
-                           shift, widen, kind, nan_bits)
+    """Fake-quant all blocks of flat (outer, L, inner) bit patterns ``src`` into ``dst`` in parallel tasks
+    of about _TASK_BLOCKS blocks."""
+    if inner == 1:
+        n_tasks = (n_blocks + _TASK_BLOCKS - 1) // _TASK_BLOCKS
+        for task in numba.prange(n_tasks):
+            first = task * _TASK_BLOCKS
+            _fake_quant_rows(src, dst, first, min(n_blocks, first + _TASK_BLOCKS), mag_mask, inf_mag, shift,
+                             widen, kind, nan_bits)
+    else:
+        n_tiles = (n_blocks // inner) * ((inner + _TILE_COLUMNS - 1) // _TILE_COLUMNS)
+        tiles_per_task = max(1, _TASK_BLOCKS // _TILE_COLUMNS)
+        n_tasks = (n_tiles + tiles_per_task - 1) // tiles_per_task
+        for task in numba.prange(n_tasks):
+            first = task * tiles_per_task
+            _fake_quant_tiles(src, dst, first, min(n_tiles, first + tiles_per_task), inner, mag_mask, inf_mag,
+                              shift, widen, kind, nan_bits)
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
