@@ -174,7 +174,7 @@ def fake_quant(x: torch.Tensor, qdim: int = -1) -> torch.Tensor:
     qdim = check_qdim(x, qdim)
     with torch.no_grad():
         moved = x.to(torch.float32).movedim(qdim, -1)
-        blocks = moved.reshape(*moved.shape[:-1], -1, BLOCK)
+        blocks = moved.reshape(*moved.shape[:-1], moved.shape[-1] // BLOCK, BLOCK)
         out = decode_blocks(encode_blocks(blocks), x.dtype).reshape(moved.shape)
         return out.movedim(-1, qdim).contiguous()
 
