@@ -6,7 +6,8 @@ so any qdim is read in place. All arithmetic is fp32 in the reference's order; b
 is integer arithmetic on the bits; there is no division: ``bf16(1 / sf)`` is ``2^-E * bf16(1 / (1 + m/4))``
 (exact, the scaling commutes with the rounding), from a four-entry table. The one multiply-add,
 ``4 v + 0.5``, gives the same result fused or not because ``4 v`` is exact. Outputs are written as bit
-patterns so poisoned blocks get the reference's NaN exactly. CUDA tensors; CPU tensors work under
+patterns so poisoned blocks get the reference's NaN exactly; BF16 inputs are widened from their bits
+(the interpreter's BF16 conversion flushes subnormals). CUDA tensors; CPU tensors work under
 TRITON_INTERPRET=1 (how the tests run them).
 """
 
@@ -38,20 +39,24 @@ def _repeat(v, BLOCKS: tl.constexpr, GROUPS: tl.constexpr, TIMES: tl.constexpr):
 
 @triton.jit
 def _fake_quant_kernel(
-    x_ptr,  # *fp16/bf16/fp32 input, contiguous
+    x_ptr,  # *fp16/fp32 input or *int16 bf16 bit patterns, contiguous
     out_ptr,  # *int16/int32 output bit patterns, contiguous
     n_blocks,  # number of 64-element blocks
     inner,  # product of the dims after the quant dim
     nan_bits,  # output bits of a poisoned element
     OUT_DTYPE: tl.constexpr,  # tl.float16 / tl.bfloat16 / tl.float32
     OUT_BITS: tl.constexpr,  # tl.int16 / tl.int32
+    WIDEN_BF16_BITS: tl.constexpr,  # x_ptr holds bf16 bit patterns
     BLOCKS: tl.constexpr,  # blocks per program
 ):
     block = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
     base = (block // inner) * 64 * inner + block % inner
     offs = base[:, None] + tl.arange(0, 64).to(tl.int64)[None, :] * inner  # (BLOCKS, 64)
     mask = (block < n_blocks)[:, None]
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if WIDEN_BF16_BITS:  # bf16 -> fp32 by shifting the bits: exact for subnormals on every target
+        x = (tl.load(x_ptr + offs, mask=mask, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
 
     finite = tl.abs(x) < float("inf")  # False for NaN and +-Inf
     poisoned = tl.max(tl.where(finite, 0, 1), axis=1) > 0
@@ -104,5 +109,9 @@ def fake_quant_into(x: torch.Tensor, qdim: int, out: torch.Tensor) -> None:
     n_blocks = x.numel() // ref.BLOCK
     out_dtype, out_bits = _TL_DTYPES[x.dtype]
     grid = (triton.cdiv(n_blocks, BLOCKS_PER_PROGRAM),)
-    _fake_quant_kernel[grid](x, out.view(_INT_VIEW[x.dtype]), n_blocks, inner, ref.NAN_BITS[x.dtype],
-                             OUT_DTYPE=out_dtype, OUT_BITS=out_bits, BLOCKS=BLOCKS_PER_PROGRAM)
+    bf16 = x.dtype == torch.bfloat16
+    _fake_quant_kernel[grid](
+        x.view(torch.int16) if bf16 else x, out.view(_INT_VIEW[x.dtype]), n_blocks, inner,
+        ref.NAN_BITS[x.dtype], OUT_DTYPE=out_dtype, OUT_BITS=out_bits, WIDEN_BF16_BITS=bf16,
+        BLOCKS=BLOCKS_PER_PROGRAM,
+    )
