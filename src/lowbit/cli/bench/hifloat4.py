@@ -23,14 +23,14 @@ ROW = 4096  # elements per row of the benchmark input (64 blocks)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", default="64M", help="comma-separated element counts: 1M,4M,64M or integers")
     parser.add_argument("--dtypes", default="bfloat16", help="comma-separated input dtypes")
-    parser.add_argument("--qdims", default="-1,0", help="comma-separated quant dims of the (rows, 4096) input")
+    parser.add_argument("--qdims", default="-1,0", help="comma-separated quant dims of the (rows, 4096) input; write --qdims=-1,0")
     parser.add_argument("--reference-size", default="1M", help="elements for the reference comparison")
 
 
 def _size(text: str) -> int:
     n = SIZES.get(text) or int(text)
-    if n % ROW:
-        raise ValueError(f"size {n} is not a multiple of {ROW}")
+    if n % (64 * ROW):  # 64 rows at least, so that any qdim of the (rows, 4096) input is quantizable
+        raise ValueError(f"size {n} is not a multiple of {64 * ROW}")
     return n
 
 
