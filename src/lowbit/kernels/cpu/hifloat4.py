@@ -2,13 +2,14 @@
 :mod:`lowbit.formats.hifloat4`.
 
 A tensor is seen as (outer, L, inner) around the quant dim; block n covers 64 elements spaced ``inner``
-apart. No transposed copy of the tensor is made: with ``inner > 1``, tiles of 64 x 32 blocks side by side
-go through a small scratch buffer. Tasks of about 256 blocks run in parallel. Every fp32 operation of the reference is done
-in fp32 in the same order; bf16 round-to-nearest-even is integer arithmetic on the fp32 bits.
+apart. No transposed copy of the tensor is made: with ``inner > 1``, tiles of 64 x 32 blocks side by
+side go through a small scratch buffer. Tasks of about 256 blocks run in parallel.
 
-Per block the 24 possible outputs ((e2 + e3) in 0..2, code 0..7) are converted to the output dtype's bit
-pattern once (a small table) and each element picks its entry and ORs in its sign bit; a poisoned block
-(NaN or infinity in the input) gets a table of NaNs and no sign.
+Per block: load (bit patterns -> fp32 magnitudes and signs, non-finite -> 0), encode (every fp32
+operation of the reference in the same order; bf16 round-to-nearest-even as integer arithmetic on the
+bits; ``bf16(1 / sf)`` from a four-entry table instead of a division), store (``code << level`` times
+``sf / 4`` is exact in fp32 and is turned into the output dtype's bits; FP16 rounds to nearest even).
+The per-block helpers are inlined so that their 64-element loops vectorize.
 """
 
 from __future__ import annotations
