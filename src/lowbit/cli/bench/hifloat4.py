@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", default="64M", help="comma-separated element counts: 1M,4M,64M or integers")
     parser.add_argument("--dtypes", default="bfloat16", help="comma-separated input dtypes")
     parser.add_argument("--qdims", default="-1,0", help="comma-separated quant dims of the (rows, 4096) input; write --qdims=-1,0")
-    parser.add_argument("--reference-size", default="1M", help="elements for the reference comparison")
+    parser.add_argument("--reference-size", default="4M", help="elements for the reference comparison")
 
 
 def _size(text: str) -> int:
