@@ -3,7 +3,7 @@
 
 A tensor is seen as (outer, L, inner) around the quant dim; block n covers 64 elements spaced ``inner``
 apart. No transposed copy of the tensor is made: with ``inner > 1``, tiles of 64 x 32 blocks side by
-side go through a small scratch buffer. Tasks of about 256 blocks run in parallel.
+side go through a small scratch buffer. Tasks of about 256 blocks run in parallel, scheduled dynamically.
 
 Per block: load (bit patterns -> fp32 magnitudes and signs, non-finite -> 0), encode (every fp32
 operation of the reference in the same order; bf16 round-to-nearest-even as integer arithmetic on the
@@ -319,9 +319,10 @@ def fake_quant_into(x: torch.Tensor, qdim: int, out: torch.Tensor) -> None:
     fmt = _FORMATS[x.dtype]
     inner = int(np.prod(x.shape[qdim + 1:], dtype=np.int64))
     sync_threads()
-    _fake_quant_kernel(_int_view(x), _int_view(out), x.numel() // BLOCK, inner, np.uint32(fmt.mag_mask),
-                       np.uint32(fmt.inf_mag), np.uint32(fmt.shift), np.float32(fmt.widen), fmt.kind,
-                       ref.NAN_BITS[x.dtype])
+    with numba.parallel_chunksize(1):  # tasks go to whichever thread is free (robust to a busy core)
+        _fake_quant_kernel(_int_view(x), _int_view(out), x.numel() // BLOCK, inner, np.uint32(fmt.mag_mask),
+                           np.uint32(fmt.inf_mag), np.uint32(fmt.shift), np.float32(fmt.widen), fmt.kind,
+                           ref.NAN_BITS[x.dtype])
 
 
 def pack(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -333,9 +334,10 @@ def pack(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if x.numel():
         fmt = _FORMATS[x.dtype]
         sync_threads()
-        _pack_kernel(_int_view(x.contiguous()), as_numpy(scale).reshape(-1), as_numpy(value).reshape(-1),
-                     x.numel() // BLOCK, np.uint32(fmt.mag_mask), np.uint32(fmt.inf_mag),
-                     np.uint32(fmt.shift), np.float32(fmt.widen))
+        with numba.parallel_chunksize(1):
+            _pack_kernel(_int_view(x.contiguous()), as_numpy(scale).reshape(-1), as_numpy(value).reshape(-1),
+                         x.numel() // BLOCK, np.uint32(fmt.mag_mask), np.uint32(fmt.inf_mag),
+                         np.uint32(fmt.shift), np.float32(fmt.widen))
     return scale, value
 
 
@@ -347,6 +349,7 @@ def unpack(scale: torch.Tensor, value: torch.Tensor, dtype: torch.dtype = torch.
     if out.numel():
         fmt = _FORMATS[dtype]
         sync_threads()
-        _unpack_kernel(as_numpy(scale.contiguous()).reshape(-1), as_numpy(value.contiguous()).reshape(-1),
-                       _int_view(out), rows * n_blocks, fmt.kind, ref.NAN_BITS[dtype])
+        with numba.parallel_chunksize(1):
+            _unpack_kernel(as_numpy(scale.contiguous()).reshape(-1), as_numpy(value.contiguous()).reshape(-1),
+                           _int_view(out), rows * n_blocks, fmt.kind, ref.NAN_BITS[dtype])
     return out
