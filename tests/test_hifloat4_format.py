@@ -213,6 +213,9 @@ def test_errors():
         hifloat4.fake_quant(torch.ones(2, 64), 2)
     with pytest.raises(RuntimeError, match="out of range"):
         hifloat4.fake_quant(torch.ones(2, 64), -3)
+    with pytest.raises(ShapeError, match="integer"):
+        hifloat4.fake_quant(torch.ones(2, 64), 1.0)
+    assert hifloat4.fake_quant(torch.ones(2, 64), np.int64(1)).shape == (2, 64)
     with pytest.raises(RuntimeError, match="0-d"):
         hifloat4.fake_quant(torch.tensor(1.0))
     for dtype in (torch.float64, torch.int32):

@@ -30,6 +30,7 @@ LSB first and rounds elements to nearest even (section 2.8); this library emits 
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import numpy as np
@@ -153,8 +154,12 @@ def check_qdim(x: torch.Tensor, qdim: int) -> int:
         raise DtypeError(f"HiFloat4 expects float16, bfloat16 or float32, got {x.dtype}")
     if x.dim() == 0:
         raise ShapeError("HiFloat4 fake-quant needs a tensor with at least 1 dim, got a 0-d tensor")
-    if not isinstance(qdim, int) or not -x.dim() <= qdim < x.dim():
-        raise ShapeError(f"HiFloat4 qdim {qdim!r} is out of range for shape {tuple(x.shape)}")
+    try:
+        qdim = operator.index(qdim)
+    except TypeError:
+        raise ShapeError(f"HiFloat4 qdim must be an integer, got {qdim!r}") from None
+    if not -x.dim() <= qdim < x.dim():
+        raise ShapeError(f"HiFloat4 qdim {qdim} is out of range for shape {tuple(x.shape)}")
     qdim %= x.dim()
     length = x.shape[qdim]
     if length == 0 or length % BLOCK:

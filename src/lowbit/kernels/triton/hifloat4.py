@@ -58,10 +58,13 @@ def _fake_quant_kernel(
     else:
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
 
-    finite = tl.abs(x) < float("inf")  # False for NaN and +-Inf
+    # Classify on the bits (no dependence on flush-to-zero): non-finite, and negative = x < 0.
+    bits = x.to(tl.int32, bitcast=True)
+    magnitude_bits = bits & 0x7FFFFFFF
+    finite = magnitude_bits < 0x7F800000
+    negative = (bits < 0) & (magnitude_bits != 0) & finite
     poisoned = tl.max(tl.where(finite, 0, 1), axis=1) > 0
-    x = tl.where(finite, x, 0.0)
-    a = tl.abs(x)
+    a = tl.where(finite, magnitude_bits, 0).to(tl.float32, bitcast=True)
     m4 = tl.max(tl.reshape(a, (BLOCKS, 16, 4)), axis=2)
     m8 = tl.max(tl.reshape(a, (BLOCKS, 8, 8)), axis=2)
     block_max = tl.max(m4, axis=1)
@@ -85,7 +88,7 @@ def _fake_quant_kernel(
     v = _bf16((a * r[:, None]) * tl.where(level == 0, 1.0, tl.where(level == 1, 0.5, 0.25)))
     code = tl.minimum(tl.floor(4.0 * v + 0.5), 7.0)
     magnitude = code * tl.where(level == 0, 1.0, tl.where(level == 1, 2.0, 4.0)) * (sf * 0.25)[:, None]
-    value = tl.where(x < 0, -magnitude, magnitude).to(OUT_DTYPE)
+    value = tl.where(negative, -magnitude, magnitude).to(OUT_DTYPE)
     bits = tl.where(poisoned[:, None], nan_bits.to(OUT_BITS), value.to(OUT_BITS, bitcast=True))
     tl.store(out_ptr + offs, bits, mask=mask)
 
