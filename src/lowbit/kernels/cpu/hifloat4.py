@@ -98,6 +98,21 @@ def _reciprocal(byte):
     return _RECIPROCAL_MANTISSA[byte & 3] * _float((127 + 48 - (byte >> 2)) << 23)
 
 
+_I1 = np.int32(1)
+_I2 = np.int32(2)
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _pow2(level):
+    """2^level and 2^-level as float32 for an int32 level 0..2 (selects on int32: numba would widen
+    shifts and integer arithmetic to 64-bit lanes, halving the vector width)."""
+    if level == _I2:
+        return _F4, _F_QUARTER
+    if level == _I1:
+        return _F2, _F_HALF
+    return _F1, _F1
+
+
 @numba.njit(**NJIT_OPTIONS)
 def _f16_bits(y):
     """FP16 bits of a finite fp32 value ``y >= 0``, rounded to nearest even (as torch casts)."""
@@ -159,8 +174,7 @@ def _encode_block(a, m4, code, level):
                 level[i] = np.int32(e2) + np.int32(e3)
 
     for i in range(BLOCK):
-        down = np.float32(4 >> level[i]) * _F_QUARTER  # 2^-level
-        v = _bf16((a[i] * r) * down)
+        v = _bf16((a[i] * r) * _pow2(level[i])[1])
         code[i] = np.int32(min(np.floor(_F4 * v + _F_HALF), _F4 + _F2 + _F1))
     return byte, e2_flags, e3_flags
 
@@ -176,15 +190,15 @@ def _store_block(dst, byte, code, level, negative, kind, nan_bits):
     quarter_sf = _scale_value(byte) * _F_QUARTER
     if kind == _KIND_F32:
         for i in range(BLOCK):
-            y = np.float32(code[i] << level[i]) * quarter_sf  # exact
+            y = (np.float32(code[i]) * _pow2(level[i])[0]) * quarter_sf  # exact
             dst[i] = _bits(y) | (np.uint32(negative[i]) << np.uint32(31))
     elif kind == _KIND_BF16:
         for i in range(BLOCK):
-            y = np.float32(code[i] << level[i]) * quarter_sf  # exact, at most 6 significant bits
+            y = (np.float32(code[i]) * _pow2(level[i])[0]) * quarter_sf  # exact, at most 6 significant bits
             dst[i] = (_bits(y) >> np.uint32(16)) | (np.uint32(negative[i]) << np.uint32(15))
     else:
         for i in range(BLOCK):
-            y = np.float32(code[i] << level[i]) * quarter_sf
+            y = (np.float32(code[i]) * _pow2(level[i])[0]) * quarter_sf
             dst[i] = _f16_bits(y) | (np.uint32(negative[i]) << np.uint32(15))
 
 
