@@ -1,59 +1,184 @@
-"""HiFloat8 encode/decode on the CPU: numba table look-ups built from the reference encoder.
+"""HiFloat8 encode/decode on the CPU: branch-free int16 arithmetic that LLVM vectorizes (numba).
 
-Encode: a 32768-entry table maps the magnitude bits (input & 0x7FFF) of an FP16 or BF16 value to the
-unsigned code; the sign bit is put back unless the code is zero or NaN (both 0 in the low 7 bits).
-Decode: a 256-entry table of FP16/BF16 bit patterns.
+No table look-ups: a per-element gather from a 32K-entry table does not vectorize (about 0.47 ns/element
+on one Zen 4 core), while the arithmetic below runs 32 elements per AVX-512 instruction. Every
+intermediate is cast back to int16 with ``_i16``: numba widens integer arithmetic to int64, and the casts
+let LLVM keep 16-bit lanes. The kernels are checked bit for bit against the reference on all 65536
+FP16/BF16 patterns and all 256 codes (tests and the ops layer's self-check).
+
+Encode, on the BF16 magnitude bits ``a`` of a finite value (exponent E = (a >> 7) - 127):
+
+1. Saturate: clamp ``a`` to 2^15 (every finite |x| >= 2^15 gives 0x6E, the code of 2^15).
+2. ``band(|E|)`` = 0, 1, 2, 3 for |E| <= 3, <= 7, <= 15, > 15: the binade keeps M = 3 - band mantissa bits
+   (band 3 is the denormal band E < -15, whose grid 2^(k-23) has one point per binade: M = 0).
+3. Round half away from zero by adding half a grid step, ``8 << band``, to ``a``; a carry out of the
+   mantissa moves into the next binade exactly as in IEEE rounding. TA rounding only reads the first
+   dropped bit, so no sticky bits are needed.
+4. From the rounded ``u`` re-derive E and the band and assemble the code: ``m = mantissa >> (4 + band)``;
+   E = 0 and |E| = 1 (Dot 0001, 001): ``(0x10 + 0x10 * (E < 0)) / 2 + (|E| << 3) + m``; |E| = 2..15
+   (Dot 01, 10, 11): ``0x10 + 0x20 * band + 0x10 * (E < 0) + (|E| << M) + m`` (the prefix minus the
+   implicit exponent MSB plus the exponent sign bit); denormal band: ``max(23 - |E|, 1)``
+   (E = -23 always rounds up to 2^-22, code 1); |x| < 2^-23 gives 0.
+5. Inf -> 0x6F, NaN -> 0x80; the sign bit is ORed in unless the code is 0 or NaN.
+
+FP16 inputs are widened exactly to FP32 (bits << 13 viewed as FP32, times 2^112: also exact for
+subnormals) and truncated to the upper 16 bits, a BF16 pattern; truncation is exact here because only the
+first 4 mantissa bits matter (step 3).
+
+Decode: for a code magnitude of Dot class with M mantissa bits and exponent sign s, the value bits are
+``bias + ((+-|E| << M) + m) << (mantissa width - M)`` (``-`` applies to ``|E| << M`` only), with
+``(|E| << M) = (code & 0xF) - m + 16`` for Dot 01/10/11 and ``8`` for Dot 001. The denormal codes 1..7
+(2^(m-23)), the FP16 subnormals (E = -15 and the denormal codes), zero, Inf and NaN are selected apart.
 """
 
 from __future__ import annotations
-
-import functools
 
 import numba
 import numpy as np
 import torch
 
-from lowbit.formats import hifloat8
 from lowbit.kernels.cpu._runtime import PARALLEL_NJIT_OPTIONS, as_numpy, sync_threads
 
+_i16 = np.int16
 
-@functools.cache
-def encode_lut(dtype: torch.dtype) -> np.ndarray:
-    """uint8[32768]: unsigned code of each non-negative FP16/BF16 bit pattern, from the reference."""
-    magnitudes = torch.arange(32768, dtype=torch.int16).view(dtype)
-    return hifloat8.encode(magnitudes).numpy().copy()
+# band(|E|) for q = |E| >> 2 = 0..7 is 0, 1, 2, 2, 3, 3, 3, 3: 2-bit fields packed into one int16 so
+# that the look-up is a shift (vectorizes) rather than a gather.
+_BANDS = np.uint16(sum(band << (2 * q) for q, band in enumerate((0, 1, 2, 2, 3, 3, 3, 3)))).astype(np.int16)
+_BF16_INF = _i16(0x7F80)
+_FP16_INF = _i16(0x7C00)
+_FP32_FROM_FP16_SCALE = np.float32(2.0**112)
 
 
-@functools.cache
-def decode_lut(dtype: torch.dtype) -> np.ndarray:
-    """int16[256]: FP16/BF16 bit pattern of each code, from the reference."""
-    return hifloat8.decode_table(dtype).view(torch.int16).numpy().copy()
+@numba.njit(inline="always")
+def _band(abs_exponent):
+    """0, 1, 2, 3 for |E| <= 3, <= 7, <= 15, > 15 (mantissa bits kept: 3 - band)."""
+    field_shift = _i16(_i16(min(abs_exponent, _i16(31)) >> _i16(1)) & _i16(0xE))  # 2 * (|E| >> 2)
+    return _i16(_i16(_BANDS >> field_shift) & _i16(3))
+
+
+@numba.njit(inline="always")
+def _magnitude_code(a):
+    """Code 0..0x7E of the finite BF16 magnitude bits ``a`` (int16); see the module docstring."""
+    a = min(a, _i16(0x4700))  # 2^15
+    exponent = _i16(_i16(a >> _i16(7)) - _i16(127))
+    u = _i16(a + _i16(_i16(8) << _band(_i16(abs(exponent)))))
+    exponent = _i16(_i16(u >> _i16(7)) - _i16(127))
+    abs_e = _i16(abs(exponent))
+    band = _band(abs_e)
+    m = _i16(_i16(u & _i16(0x7F)) >> _i16(_i16(4) + band))
+    prefix = _i16(_i16(_i16(0x10) + _i16(band << _i16(5))) + (_i16(0x10) if exponent < _i16(0) else _i16(0)))
+    prefix = _i16(prefix >> _i16(1)) if abs_e <= _i16(1) else prefix
+    normal = _i16(_i16(prefix + _i16(_i16(abs_e << _i16(3)) >> band)) + m)
+    denormal = max(_i16(_i16(23) - abs_e), _i16(1))
+    code = denormal if band == _i16(3) else normal
+    return _i16(0) if a < _i16(0x3400) else code  # |x| < 2^-23
+
+
+@numba.njit(inline="always")
+def _signed_code(bits, magnitude, code, inf_magnitude):
+    """uint8 code: Inf/NaN from the input ``magnitude`` bits, then the sign of ``bits`` unless 0 or NaN."""
+    special = _i16(0x6F) if magnitude == inf_magnitude else _i16(0x80)
+    code = special if magnitude >= inf_magnitude else code
+    sign = _i16(_i16(bits >> _i16(8)) & _i16(0x80))
+    return np.uint8(code | (sign if _i16(code & _i16(0x7F)) != _i16(0) else _i16(0)))
+
+
+@numba.njit(inline="always")
+def _f32_from_bits(u):
+    return np.uint32(u).view(np.float32)
+
+
+@numba.njit(inline="always")
+def _bits_from_f32(f):
+    return np.float32(f).view(np.uint32)
+
+
+@numba.njit(inline="always")
+def _bf16_magnitude_from_fp16(magnitude):
+    """BF16 pattern (truncated) of the FP16 magnitude bits: exact widening to FP32, keep the top 16 bits."""
+    wide = _f32_from_bits(np.uint32(magnitude) << np.uint32(13)) * _FP32_FROM_FP16_SCALE
+    return _i16(_bits_from_f32(wide) >> np.uint32(16))
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _encode(src, lut, dst):
-    # src: int16[n] bit patterns, lut: uint8[32768], dst: uint8[n]
+def _encode_bf16(src, dst):
+    # src: int16[n] BF16 bit patterns, dst: uint8[n]
     for i in numba.prange(src.size):
         bits = src[i]
-        code = lut[bits & 0x7FFF]
-        sign = np.uint8((bits >> 8) & 0x80)
-        dst[i] = code | (sign if code & 0x7F else np.uint8(0))
+        magnitude = _i16(bits & _i16(0x7FFF))
+        dst[i] = _signed_code(bits, magnitude, _magnitude_code(magnitude), _BF16_INF)
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _decode(src, lut, dst):
-    # src: uint8[n] codes, lut: int16[256], dst: int16[n] bit patterns
+def _encode_fp16(src, dst):
+    # src: int16[n] FP16 bit patterns, dst: uint8[n]
     for i in numba.prange(src.size):
-        dst[i] = lut[src[i]]
+        bits = src[i]
+        magnitude = _i16(bits & _i16(0x7FFF))
+        code = _magnitude_code(_bf16_magnitude_from_fp16(magnitude))
+        dst[i] = _signed_code(bits, magnitude, code, _FP16_INF)
+
+
+@numba.njit(inline="always")
+def _normal_bits(magnitude, bias, mantissa_width):
+    """Value bits of a code magnitude 0x08..0x7F: ``bias + ((+-|E| << M) + m) << (mantissa_width - M)``."""
+    exponent_bits = magnitude >= _i16(0x20)  # Dot 01, 10, 11: |E| bits in 0x0F with m, exponent sign 0x10
+    m_shift = _i16(4) if magnitude < _i16(0x40) else (_i16(5) if magnitude < _i16(0x60) else _i16(6))
+    field = _i16(magnitude & _i16(0xF)) if exponent_bits else _i16(magnitude & _i16(7))
+    implicit = _i16(16) if exponent_bits else (_i16(8) if magnitude >= _i16(0x10) else _i16(0))
+    m = _i16(field & _i16(_i16(_i16(1) << _i16(_i16(7) - m_shift)) - _i16(1)))
+    shifted_exponent = _i16(_i16(field - m) + implicit)  # |E| << M
+    negative_exponent = _i16(magnitude & (_i16(0x10) if exponent_bits else _i16(0x08))) != _i16(0)
+    v = _i16(m - shifted_exponent) if negative_exponent else _i16(shifted_exponent + m)
+    return _i16(bias + _i16(v << _i16(m_shift + _i16(mantissa_width - 7))))
+
+
+@numba.njit(inline="always")
+def _with_sign_and_nan(code, bits):
+    """Put the code's sign on the value ``bits``; NaN (0x80) gives 0x7FFF for FP16 and BF16."""
+    signed = _i16(bits | _i16(_i16(code & _i16(0x80)) << _i16(8)))
+    return _i16(0x7FFF) if code == _i16(0x80) else signed
+
+
+@numba.njit(**PARALLEL_NJIT_OPTIONS)
+def _decode_bf16(src, dst):
+    # src: uint8[n] codes, dst: int16[n] BF16 bit patterns
+    for i in numba.prange(src.size):
+        code = _i16(src[i])
+        magnitude = _i16(code & _i16(0x7F))
+        bits = _normal_bits(magnitude, _i16(0x3F80), _i16(7))
+        denormal = _i16(_i16(magnitude + _i16(104)) << _i16(7)) if magnitude != _i16(0) else _i16(0)
+        bits = denormal if magnitude < _i16(0x08) else bits  # denormal codes: 2^(m - 23); 0 stays 0
+        bits = _BF16_INF if magnitude == _i16(0x6F) else bits
+        dst[i] = _with_sign_and_nan(code, bits)
+
+
+@numba.njit(**PARALLEL_NJIT_OPTIONS)
+def _decode_fp16(src, dst):
+    # src: uint8[n] codes, dst: int16[n] FP16 bit patterns
+    for i in numba.prange(src.size):
+        code = _i16(src[i])
+        magnitude = _i16(code & _i16(0x7F))
+        bits = _normal_bits(magnitude, _i16(0x3C00), _i16(10))
+        subnormal = _i16(_i16(magnitude - _i16(0x7C)) << _i16(8))  # E = -15: (2 + m) * 2^-16 ...
+        bits = subnormal if magnitude >= _i16(0x7E) else bits
+        denormal = _i16(_i16(2) << magnitude) if magnitude != _i16(0) else _i16(0)  # (2 << m) * 2^-24
+        bits = denormal if magnitude < _i16(0x08) else bits  # denormal codes: 2^(m - 23); 0 stays 0
+        bits = _FP16_INF if magnitude == _i16(0x6F) else bits
+        dst[i] = _with_sign_and_nan(code, bits)
+
+
+_ENCODERS = {torch.bfloat16: _encode_bf16, torch.float16: _encode_fp16}
+_DECODERS = {torch.bfloat16: _decode_bf16, torch.float16: _decode_fp16}
 
 
 def encode_into(x: torch.Tensor, out: torch.Tensor) -> None:
     """Encode contiguous CPU FP16/BF16 ``x`` into contiguous uint8 ``out`` of the same numel."""
     sync_threads()
-    _encode(as_numpy(x).reshape(-1), encode_lut(x.dtype), as_numpy(out).reshape(-1))
+    _ENCODERS[x.dtype](as_numpy(x).reshape(-1), as_numpy(out).reshape(-1))
 
 
 def decode_into(codes: torch.Tensor, out: torch.Tensor) -> None:
     """Decode contiguous CPU uint8 ``codes`` into contiguous FP16/BF16 ``out`` of the same numel."""
     sync_threads()
-    _decode(as_numpy(codes).reshape(-1), decode_lut(out.dtype), as_numpy(out).reshape(-1))
+    _DECODERS[out.dtype](as_numpy(codes).reshape(-1), as_numpy(out).reshape(-1))
