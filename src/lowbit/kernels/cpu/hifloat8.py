@@ -21,9 +21,11 @@ Encode, on the BF16 magnitude bits ``a`` of a finite value (exponent E = (a >> 7
    (E = -23 always rounds up to 2^-22, code 1); |x| < 2^-23 gives 0.
 5. Inf -> 0x6F, NaN -> 0x80; the sign bit is ORed in unless the code is 0 or NaN.
 
-FP16 inputs are widened exactly to FP32 (bits << 13 viewed as FP32, times 2^112: also exact for
-subnormals) and truncated to the upper 16 bits, a BF16 pattern; truncation is exact here because only the
-first 4 mantissa bits matter (step 3).
+FP16 inputs are turned into a BF16 pattern first: rebias the exponent and truncate the mantissa to 7 bits
+(exact here because only the first 4 mantissa bits matter, step 3). Subnormals need normalizing: their
+bits are their value in units of 2^-24, so the FP32 of that integer, exponent minus 24, is the value
+(an int -> float cast: no FP32 subnormal arithmetic, which is slow). The cast needs 32-bit lanes, so the
+FP16 encoder works in blocks and takes the 16-bit-only path for blocks without subnormals (the usual case).
 
 Decode: for a code magnitude of Dot class with M mantissa bits and exponent sign s, the value bits are
 ``bias + ((+-|E| << M) + m) << (mantissa width - M)`` (``-`` applies to ``|E| << M`` only), with
@@ -46,13 +48,16 @@ _i16 = np.int16
 _BANDS = np.uint16(sum(band << (2 * q) for q, band in enumerate((0, 1, 2, 2, 3, 3, 3, 3)))).astype(np.int16)
 _BF16_INF = _i16(0x7F80)
 _FP16_INF = _i16(0x7C00)
-_FP32_FROM_FP16_SCALE = np.float32(2.0**112)
+_FP16_BLOCK = 1024  # elements per parallel step of the FP16 encoder
 
 
 @numba.njit(inline="always")
 def _band(abs_exponent):
-    """0, 1, 2, 3 for |E| <= 3, <= 7, <= 15, > 15 (mantissa bits kept: 3 - band)."""
-    field_shift = _i16(_i16(min(abs_exponent, _i16(31)) >> _i16(1)) & _i16(0xE))  # 2 * (|E| >> 2)
+    """0, 1, 2, 3 for |E| <= 3, <= 7, <= 15, 16..31 (mantissa bits kept: 3 - band).
+
+    Larger |E| wrap around; they only occur below 2^-23, whose code is forced to 0.
+    """
+    field_shift = _i16(_i16(abs_exponent >> _i16(1)) & _i16(0xE))  # 2 * (|E| >> 2) mod 16
     return _i16(_i16(_BANDS >> field_shift) & _i16(3))
 
 
@@ -84,20 +89,31 @@ def _signed_code(bits, magnitude, code, inf_magnitude):
 
 
 @numba.njit(inline="always")
-def _f32_from_bits(u):
-    return np.uint32(u).view(np.float32)
-
-
-@numba.njit(inline="always")
 def _bits_from_f32(f):
     return np.float32(f).view(np.uint32)
 
 
 @numba.njit(inline="always")
 def _bf16_magnitude_from_fp16(magnitude):
-    """BF16 pattern (truncated) of the FP16 magnitude bits: exact widening to FP32, keep the top 16 bits."""
-    wide = _f32_from_bits(np.uint32(magnitude) << np.uint32(13)) * _FP32_FROM_FP16_SCALE
-    return _i16(_bits_from_f32(wide) >> np.uint32(16))
+    """BF16 pattern (truncated) of any FP16 magnitude bits; subnormals are normalized by an int -> FP32 cast."""
+    normal = _i16(_i16(magnitude >> _i16(3)) + _i16(0x3800))  # rebias 15 -> 127, keep 7 mantissa bits
+    # a subnormal's bits are its value in units of 2^-24: the FP32 of that integer, scaled by 2^-24
+    subnormal = _i16(_i16(_bits_from_f32(np.float32(magnitude)) >> np.uint32(16)) - _i16(24 << 7))
+    return normal if magnitude >= _i16(0x400) else subnormal  # zero gives a negative pattern: code 0
+
+
+@numba.njit(inline="always")
+def _bf16_magnitude_from_fp16_normal(magnitude):
+    """As ``_bf16_magnitude_from_fp16`` for FP16 magnitudes that are not subnormal, in 16-bit lanes only."""
+    return _i16(_i16(magnitude >> _i16(3)) + _i16(0x3800)) if magnitude >= _i16(0x400) else _i16(0)
+
+
+@numba.njit(inline="always")
+def _has_fp16_subnormal(src, start, stop):
+    found = False
+    for i in range(start, stop):
+        found |= np.uint16(_i16(src[i] & _i16(0x7FFF)) - _i16(1)) < np.uint16(0x3FF)
+    return found
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
@@ -111,12 +127,21 @@ def _encode_bf16(src, dst):
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
 def _encode_fp16(src, dst):
-    # src: int16[n] FP16 bit patterns, dst: uint8[n]
-    for i in numba.prange(src.size):
-        bits = src[i]
-        magnitude = _i16(bits & _i16(0x7FFF))
-        code = _magnitude_code(_bf16_magnitude_from_fp16(magnitude))
-        dst[i] = _signed_code(bits, magnitude, code, _FP16_INF)
+    # src: int16[n] FP16 bit patterns, dst: uint8[n]. Blocks without subnormals skip the FP32 cast.
+    n = src.size
+    for block in numba.prange((n + _FP16_BLOCK - 1) // _FP16_BLOCK):
+        start = np.uint64(block * _FP16_BLOCK)
+        stop = np.uint64(min(block * _FP16_BLOCK + _FP16_BLOCK, n))
+        if _has_fp16_subnormal(src, start, stop):
+            for i in range(start, stop):
+                magnitude = _i16(src[i] & _i16(0x7FFF))
+                code = _magnitude_code(_bf16_magnitude_from_fp16(magnitude))
+                dst[i] = _signed_code(src[i], magnitude, code, _FP16_INF)
+        else:
+            for i in range(start, stop):
+                magnitude = _i16(src[i] & _i16(0x7FFF))
+                code = _magnitude_code(_bf16_magnitude_from_fp16_normal(magnitude))
+                dst[i] = _signed_code(src[i], magnitude, code, _FP16_INF)
 
 
 @numba.njit(inline="always")

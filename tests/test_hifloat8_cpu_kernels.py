@@ -1,0 +1,36 @@
+"""The numba HiFloat8 FP16 encoder's two block paths (with / without FP16 subnormals), bit for bit."""
+
+import torch
+
+from lowbit.formats import hifloat8
+from lowbit.kernels.cpu import hifloat8 as cpu_kernels
+
+
+def all_fp16_patterns():
+    return torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+
+
+def encode(bits):
+    out = torch.empty(bits.numel(), dtype=torch.uint8)
+    cpu_kernels.encode_into(bits.view(torch.float16), out)
+    return out
+
+
+def test_blocks_without_subnormals_every_other_pattern():
+    bits = all_fp16_patterns()
+    magnitude = bits.to(torch.int32) & 0x7FFF
+    bits = bits[(magnitude == 0) | (magnitude >= 0x400)]  # zero, normals, Inf, NaN: the 16-bit path only
+    assert bits.numel() % cpu_kernels._FP16_BLOCK != 0  # a partial last block too
+    assert torch.equal(encode(bits), hifloat8.encode(bits.view(torch.float16)))
+
+
+def test_subnormals_spread_over_every_block():
+    bits = all_fp16_patterns()[torch.randperm(65536, generator=torch.Generator().manual_seed(0))]
+    assert torch.equal(encode(bits), hifloat8.encode(bits.view(torch.float16)))
+
+
+def test_one_subnormal_in_an_otherwise_normal_block():
+    x = torch.full((3 * cpu_kernels._FP16_BLOCK + 5,), 1.5, dtype=torch.float16)
+    x[cpu_kernels._FP16_BLOCK + 7] = 2.0**-20
+    x[-1] = -(2.0**-15) * 1.25
+    assert torch.equal(encode(x.view(torch.int16)), hifloat8.encode(x))
