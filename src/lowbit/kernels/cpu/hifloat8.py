@@ -27,10 +27,11 @@ bits are their value in units of 2^-24, so the FP32 of that integer, exponent mi
 (an int -> float cast: no FP32 subnormal arithmetic, which is slow). The cast needs 32-bit lanes, so the
 FP16 encoder works in blocks and takes the 16-bit-only path for blocks without subnormals (the usual case).
 
-Decode: for a code magnitude of Dot class with M mantissa bits and exponent sign s, the value bits are
-``bias + ((+-|E| << M) + m) << (mantissa width - M)`` (``-`` applies to ``|E| << M`` only), with
-``(|E| << M) = (code & 0xF) - m + 16`` for Dot 01/10/11 and ``8`` for Dot 001. The denormal codes 1..7
-(2^(m-23)), the FP16 subnormals (E = -15 and the denormal codes), zero, Inf and NaN are selected apart.
+Decode: a code magnitude of Dot class with M mantissa bits has the value bits
+``bias + (v << (mantissa width - M))``, ``v = (|E| << M) + m`` for E >= 0 and ``m - (|E| << M)`` for E < 0,
+where ``|E| << M = (code & 0xF) - m + 16`` for Dot 01/10/11, ``8`` for Dot 001 and 0 for Dot 0001. The
+denormal codes 1..7 (2^(m-23)), the FP16 subnormal outputs (E = -15 and the denormal codes), zero, Inf
+and NaN are selected apart.
 """
 
 from __future__ import annotations
@@ -94,22 +95,33 @@ def _bits_from_f32(f):
 
 
 @numba.njit(inline="always")
-def _bf16_magnitude_from_fp16(magnitude):
-    """BF16 pattern (truncated) of any FP16 magnitude bits; subnormals are normalized by an int -> FP32 cast."""
-    normal = _i16(_i16(magnitude >> _i16(3)) + _i16(0x3800))  # rebias 15 -> 127, keep 7 mantissa bits
-    # a subnormal's bits are its value in units of 2^-24: the FP32 of that integer, scaled by 2^-24
-    subnormal = _i16(_i16(_bits_from_f32(np.float32(magnitude)) >> np.uint32(16)) - _i16(24 << 7))
-    return normal if magnitude >= _i16(0x400) else subnormal  # zero gives a negative pattern: code 0
+def _bf16_from_fp16_normal(magnitude):
+    """BF16 pattern of FP16 magnitude bits >= 0x400 (normal, Inf, NaN): rebias, keep 7 mantissa bits."""
+    return _i16(_i16(magnitude >> _i16(3)) + _i16(0x3800))
 
 
 @numba.njit(inline="always")
-def _bf16_magnitude_from_fp16_normal(magnitude):
-    """As ``_bf16_magnitude_from_fp16`` for FP16 magnitudes that are not subnormal, in 16-bit lanes only."""
-    return _i16(_i16(magnitude >> _i16(3)) + _i16(0x3800)) if magnitude >= _i16(0x400) else _i16(0)
+def _bf16_from_fp16_subnormal(magnitude):
+    """BF16 pattern of FP16 magnitude bits 1..0x3FF (value: the bits times 2^-24); 0 gives a negative one."""
+    return _i16(_i16(_bits_from_f32(np.float32(magnitude)) >> np.uint32(16)) - _i16(24 << 7))
+
+
+@numba.njit(inline="always")
+def _bf16_from_fp16(magnitude):
+    """BF16 pattern of any FP16 magnitude bits (zero: negative, which encodes to 0)."""
+    normal = _bf16_from_fp16_normal(magnitude)
+    return normal if magnitude >= _i16(0x400) else _bf16_from_fp16_subnormal(magnitude)
+
+
+@numba.njit(inline="always")
+def _bf16_from_fp16_without_subnormals(magnitude):
+    """As ``_bf16_from_fp16`` for magnitudes that are zero or >= 0x400, in 16-bit lanes only."""
+    return _bf16_from_fp16_normal(magnitude) if magnitude >= _i16(0x400) else _i16(0)
 
 
 @numba.njit(inline="always")
 def _has_fp16_subnormal(src, start, stop):
+    """Whether src[start:stop] (FP16 bits) holds a nonzero subnormal (magnitude 1..0x3FF)."""
     found = False
     for i in range(start, stop):
         found |= np.uint16(_i16(src[i] & _i16(0x7FFF)) - _i16(1)) < np.uint16(0x3FF)
@@ -135,12 +147,12 @@ def _encode_fp16(src, dst):
         if _has_fp16_subnormal(src, start, stop):
             for i in range(start, stop):
                 magnitude = _i16(src[i] & _i16(0x7FFF))
-                code = _magnitude_code(_bf16_magnitude_from_fp16(magnitude))
+                code = _magnitude_code(_bf16_from_fp16(magnitude))
                 dst[i] = _signed_code(src[i], magnitude, code, _FP16_INF)
         else:
             for i in range(start, stop):
                 magnitude = _i16(src[i] & _i16(0x7FFF))
-                code = _magnitude_code(_bf16_magnitude_from_fp16_normal(magnitude))
+                code = _magnitude_code(_bf16_from_fp16_without_subnormals(magnitude))
                 dst[i] = _signed_code(src[i], magnitude, code, _FP16_INF)
 
 
