@@ -82,11 +82,14 @@ def _magnitude_code(a):
 
 @numba.njit(inline="always")
 def _signed_code(bits, magnitude, code, inf_magnitude):
-    """uint8 code: Inf/NaN from the input ``magnitude`` bits, then the sign of ``bits`` unless 0 or NaN."""
-    special = _i16(0x6F) if magnitude == inf_magnitude else _i16(0x80)
-    code = special if magnitude >= inf_magnitude else code
+    """uint8 code: the sign of ``bits`` unless the code is 0; Inf/NaN from the input ``magnitude`` bits.
+
+    ``code`` is ``_magnitude_code`` of the clamped magnitude: 0x6E for Inf and NaN, so Inf is ``code | 1``.
+    """
     sign = _i16(_i16(bits >> _i16(8)) & _i16(0x80))
-    return np.uint8(code | (sign if _i16(code & _i16(0x7F)) != _i16(0) else _i16(0)))
+    signed = _i16(code | (sign if code != _i16(0) else _i16(0)))
+    special = _i16(signed | _i16(1)) if magnitude == inf_magnitude else _i16(0x80)
+    return np.uint8(special if magnitude >= inf_magnitude else signed)
 
 
 @numba.njit(inline="always")
