@@ -166,7 +166,7 @@ def _normal_bits(magnitude, bias, mantissa_width):
     m_shift = _i16(4) if magnitude < _i16(0x40) else (_i16(5) if magnitude < _i16(0x60) else _i16(6))
     field = _i16(magnitude & _i16(0xF)) if exponent_bits else _i16(magnitude & _i16(7))
     implicit = _i16(16) if exponent_bits else (_i16(8) if magnitude >= _i16(0x10) else _i16(0))
-    m = _i16(field & _i16(_i16(_i16(1) << _i16(_i16(7) - m_shift)) - _i16(1)))
+    m = _i16(field & _i16(_i16(7) >> _i16(m_shift - _i16(4))))  # the low M = 7 - m_shift bits
     shifted_exponent = _i16(_i16(field - m) + implicit)  # |E| << M
     negative_exponent = _i16(magnitude & (_i16(0x10) if exponent_bits else _i16(0x08))) != _i16(0)
     v = _i16(m - shifted_exponent) if negative_exponent else _i16(shifted_exponent + m)
@@ -202,7 +202,7 @@ def _decode_fp16(src, dst):
         bits = _normal_bits(magnitude, _i16(0x3C00), _i16(10))
         subnormal = _i16(_i16(magnitude - _i16(0x7C)) << _i16(8))  # E = -15: (2 + m) * 2^-16 ...
         bits = subnormal if magnitude >= _i16(0x7E) else bits
-        denormal = _i16(_i16(2) << magnitude) if magnitude != _i16(0) else _i16(0)  # (2 << m) * 2^-24
+        denormal = _i16(_i16(2) << _i16(magnitude & _i16(7))) if magnitude != _i16(0) else _i16(0)  # (2 << m) * 2^-24
         bits = denormal if magnitude < _i16(0x08) else bits  # denormal codes: 2^(m - 23); 0 stays 0
         bits = _FP16_INF if magnitude == _i16(0x6F) else bits
         dst[i] = _with_sign_and_nan(code, bits)
