@@ -129,15 +129,16 @@ def _f16_bits(y):
 
 @numba.njit(**_INLINE)
 def _magnitude(raw, mag_mask, shift, widen):
-    """fp32 |x| of one input bit pattern (exact; Inf and NaN give Inf and NaN)."""
-    return _float((np.uint32(raw) & mag_mask) << shift) * widen
+    """fp32 |x| of one input bit pattern (exact; Inf and NaN give Inf and NaN). ``shift & 31`` tells LLVM
+    that a 32-bit shift suffices (numba widens integer arithmetic to 64 bits, halving the vector lanes)."""
+    return _float(np.uint32(np.uint32(np.uint32(raw) & mag_mask) << (shift & np.uint32(31)))) * widen
 
 
 @numba.njit(**_INLINE)
-def _group_maxima(src, n, m4, mag_mask, inf_mag):
-    """Magnitude bits of the 16 4-group maxima of block ``src[n]`` ((blocks, 64) bits) into ``m4`` (uint32[16]),
-    non-finite elements counted as 0 (magnitude bits order like the values). Returns (block maximum
-    bits, whether an element was non-finite)."""
+def _group_maxima(src, n, work, mag_mask, inf_mag, shift, widen):
+    """The 16 4-group maxima (fp32) of block ``src[n]`` ((blocks, 64) bits) into ``work[_M4 + k]``,
+    non-finite elements counted as 0 (compared as magnitude bits, which order like the values). Returns
+    (block maximum bits, whether an element was non-finite)."""
     block_max = np.uint32(0)
     any_max = np.uint32(0)  # including non-finite elements
     for k in range(16):
@@ -146,7 +147,7 @@ def _group_maxima(src, n, m4, mag_mask, inf_mag):
             mag = np.uint32(np.uint32(src[n, 4 * k + p]) & mag_mask)  # np.uint32(): keep 32-bit lanes
             any_max = np.uint32(max(any_max, mag))
             m = np.uint32(max(m, mag if mag < inf_mag else np.uint32(0)))
-        m4[k] = m
+        work[_M4 + k] = _magnitude(m, mag_mask, shift, widen)
         block_max = np.uint32(max(block_max, m))
     return block_max, any_max >= inf_mag
 
@@ -171,14 +172,23 @@ def _group_flags(m8, m4, r):
 
 
 @numba.njit(**_INLINE)
-def _group_shifts(m4, r, quarter_sf, mag_mask, shift, widen, down, up):
-    """Per 4-group k of a block, from its maxima bits ``m4``: ``down[k]`` = 2^-(e2 + e3) and ``up[k]`` =
-    2^(e2 + e3) * sf / 4 (float32[16] each)."""
+def _group_shifts(work, r, quarter_sf):
+    """Per 4-group k of a block, from its maximum ``work[_M4 + k]``: ``work[_DOWN + k]`` = 2^-(e2 + e3) and
+    ``work[_UP + k]`` = 2^(e2 + e3) * sf / 4. The 8-group maxima are spread to both of their 4-groups
+    first, so that the loop over the 16 groups reads contiguous entries (and vectorizes)."""
+    for j in range(8):
+        m8 = max(work[_M4 + 2 * j], work[_M4 + 2 * j + 1])
+        work[_M8 + 2 * j] = m8
+        work[_M8 + 2 * j + 1] = m8
     for k in range(16):
-        m8 = _magnitude(max(m4[k], m4[k ^ 1]), mag_mask, shift, widen)  # 4-groups k and k ^ 1 form an 8-group
-        e2, e3 = _group_flags(m8, _magnitude(m4[k], mag_mask, shift, widen), r)
-        down[k] = (_F1 - _F_HALF * e2) * (_F1 - _F_HALF * e3)
-        up[k] = quarter_sf * (_F1 + e2) * (_F1 + e3)
+        work[_DOWN + k], work[_UP + k] = _level_factors(work[_M8 + k], work[_M4 + k], r, quarter_sf)
+
+
+@numba.njit(**_INLINE)
+def _level_factors(m8, m4, r, quarter_sf):
+    """(2^-level, 2^level * sf / 4) of a 4-group, level = e2 + e3 (see _group_flags), branch-free."""
+    e2, e3 = _group_flags(m8, m4, r)
+    return (_F1 - _F_HALF * e2) * (_F1 - _F_HALF * e3), quarter_sf * (_F1 + e2) * (_F1 + e3)
 
 
 @numba.njit(**_INLINE)
@@ -194,19 +204,18 @@ def _code(w):
 
 
 @numba.njit(**_INLINE)
-def _quantize_block(src, dst, n, m4, down, up, mag_mask, inf_mag, shift, widen, to_bits, nan_bits):
+def _quantize_block(src, dst, n, work, mag_mask, inf_mag, shift, widen, to_bits, nan_bits):
     """Fake-quant block ``src[n]`` (input bits, (blocks, 64)) into ``dst[n]`` (output bits, written by
-    ``to_bits(y, negative)``); ``m4``, ``down``, ``up`` are per-task scratch (16 entries each). Blocks are
-    rows of 2-D views, not slices: a slice costs atomic reference counting per block."""
-    block_max, poisoned = _group_maxima(src, n, m4, mag_mask, inf_mag)
+    ``to_bits(y, negative)``); ``work`` is per-task scratch (_scratch). Blocks are rows of 2-D views, not
+    slices: a slice costs atomic reference counting per block."""
+    block_max, poisoned = _group_maxima(src, n, work, mag_mask, inf_mag, shift, widen)
     byte, r = _block_scale(_magnitude(block_max, mag_mask, shift, widen))
-    _group_shifts(m4, r, _scale_value(byte) * _F_QUARTER, mag_mask, shift, widen, down, up)
+    _group_shifts(work, r, _scale_value(byte) * _F_QUARTER)
     for k in range(16):
         for p in range(4):
             raw = src[n, 4 * k + p]
-            mag = np.uint32(raw) & mag_mask  # non-finite values only reach poisoned blocks, rewritten below
-            a = _float(mag << shift) * widen
-            dst[n, 4 * k + p] = to_bits(_code((a * r) * down[k]) * up[k], (raw < 0) & (mag != 0))
+            a = _magnitude(raw, mag_mask, shift, widen)  # non-finite only in poisoned blocks, rewritten below
+            dst[n, 4 * k + p] = to_bits(_code((a * r) * work[_DOWN + k]) * work[_UP + k], (raw < 0) & (a != _F0))
     if poisoned:
         for i in range(BLOCK):
             dst[n, i] = nan_bits
@@ -231,28 +240,34 @@ def _f32_out(y, negative):
 
 
 @numba.njit(**_INLINE)
-def _fake_quant_block(src, dst, n, m4, down, up, mag_mask, inf_mag, shift, widen, kind, nan_bits):
+def _fake_quant_block(src, dst, n, work, mag_mask, inf_mag, shift, widen, kind, nan_bits):
     """Fake-quant block ``src[n]`` into ``dst[n]`` ((blocks, 64) bit patterns) as the output kind's bits."""
     if kind == _KIND_BF16:
-        _quantize_block(src, dst, n, m4, down, up, mag_mask, inf_mag, shift, widen, _bf16_out, nan_bits)
+        _quantize_block(src, dst, n, work, mag_mask, inf_mag, shift, widen, _bf16_out, nan_bits)
     elif kind == _KIND_F16:
-        _quantize_block(src, dst, n, m4, down, up, mag_mask, inf_mag, shift, widen, _f16_out, nan_bits)
+        _quantize_block(src, dst, n, work, mag_mask, inf_mag, shift, widen, _f16_out, nan_bits)
     else:
-        _quantize_block(src, dst, n, m4, down, up, mag_mask, inf_mag, shift, widen, _f32_out, nan_bits)
+        _quantize_block(src, dst, n, work, mag_mask, inf_mag, shift, widen, _f32_out, nan_bits)
+
+
+# Per-task scratch, one float32 array (one base pointer lets LLVM see that the parts never overlap, so
+# the 16-group loops vectorize without runtime alias checks): per 4-group k the maximum, 2^-level and
+# 2^level * sf / 4 at _M4 + k, _DOWN + k, _UP + k, and the maximum of its 8-group at _M8 + k.
+_M4, _DOWN, _UP, _M8 = 0, 16, 32, 48
 
 
 @numba.njit(**NJIT_OPTIONS)
 def _scratch():
-    """Per-task work arrays: 4-group maxima bits, 2^-level and 2^level * sf / 4 per 4-group."""
-    return np.empty(16, np.uint32), np.empty(16, np.float32), np.empty(16, np.float32)
+    """Per-task work array (see _M4)."""
+    return np.empty(64, np.float32)
 
 
 @numba.njit(**NJIT_OPTIONS)
 def _fake_quant_rows(src, dst, first, last, mag_mask, inf_mag, shift, widen, kind, nan_bits):
     """Fake-quant blocks first..last-1 of ``src`` ((blocks, 64) bits, quant dim last) into ``dst``."""
-    m4, down, up = _scratch()
+    work = _scratch()
     for n in range(first, last):
-        _fake_quant_block(src, dst, n, m4, down, up, mag_mask, inf_mag, shift, widen, kind, nan_bits)
+        _fake_quant_block(src, dst, n, work, mag_mask, inf_mag, shift, widen, kind, nan_bits)
 
 
 @numba.njit(**NJIT_OPTIONS)
@@ -264,7 +279,7 @@ def _fake_quant_tiles(src, dst, first, last, inner, mag_mask, inf_mag, shift, wi
     block as in the quant-dim-last case, and copied back: reading a block's 64 elements in place would
     hit one cache set per element when ``inner`` is a power of two.
     """
-    m4, down, up = _scratch()
+    work = _scratch()
     tile_in = np.empty((_TILE_COLUMNS, BLOCK), src.dtype)
     tile_out = np.empty((_TILE_COLUMNS, BLOCK), dst.dtype)
     tiles_per_row = (inner + _TILE_COLUMNS - 1) // _TILE_COLUMNS
@@ -277,7 +292,7 @@ def _fake_quant_tiles(src, dst, first, last, inner, mag_mask, inf_mag, shift, wi
             for c in range(width):
                 tile_in[c, i] = row[c]
         for c in range(width):
-            _fake_quant_block(tile_in, tile_out, c, m4, down, up, mag_mask, inf_mag, shift, widen, kind,
+            _fake_quant_block(tile_in, tile_out, c, work, mag_mask, inf_mag, shift, widen, kind,
                               nan_bits)
         for i in range(BLOCK):
             row = dst[base + i * inner:base + i * inner + width]
@@ -311,16 +326,16 @@ def _pack_kernel(src, scale, value, n_blocks, mag_mask, inf_mag, shift, widen):
     src = src.reshape(n_blocks, BLOCK)
     n_tasks = (n_blocks + _TASK_BLOCKS - 1) // _TASK_BLOCKS
     for task in numba.prange(n_tasks):
-        m4, down, up = _scratch()
+        work = _scratch()
         for n in range(task * _TASK_BLOCKS, min(n_blocks, (task + 1) * _TASK_BLOCKS)):
-            block_max, poisoned = _group_maxima(src, n, m4, mag_mask, inf_mag)
+            block_max, poisoned = _group_maxima(src, n, work, mag_mask, inf_mag, shift, widen)
             byte, r = _block_scale(_magnitude(block_max, mag_mask, shift, widen))
-            _group_shifts(m4, r, _F1, mag_mask, shift, widen, down, up)
+            _group_shifts(work, r, _F1)
             e2_flags = 0
             e3_flags = 0
             for j in range(8):
-                low = _magnitude(m4[2 * j], mag_mask, shift, widen)
-                high = _magnitude(m4[2 * j + 1], mag_mask, shift, widen)
+                low = work[_M4 + 2 * j]
+                high = work[_M4 + 2 * j + 1]
                 e2, e3_low = _group_flags(max(low, high), low, r)
                 e3_high = _group_flags(max(low, high), high, r)[1]
                 e2_flags = (e2_flags << 1) | np.int64(e2)
@@ -333,11 +348,10 @@ def _pack_kernel(src, scale, value, n_blocks, mag_mask, inf_mag, shift, widen):
                 nibbles = 0
                 for h in range(2):
                     raw = src[n, 2 * i + h]
-                    mag = np.uint32(raw) & mag_mask
-                    mag = mag if mag < inf_mag else np.uint32(0)  # non-finite: code 0, sign 0
-                    a = _float(mag << shift) * widen
-                    code = np.int64(_code((a * r) * down[(2 * i + h) // 4]))
-                    nibbles |= (code | (np.int64((raw < 0) & (mag != 0)) << 3)) << (4 * h)
+                    finite = (np.uint32(raw) & mag_mask) < inf_mag  # non-finite: code 0, sign 0
+                    a = _magnitude(raw, mag_mask, shift, widen) if finite else _F0
+                    code = np.int64(_code((a * r) * work[_DOWN + (2 * i + h) // 4]))
+                    nibbles |= (code | (np.int64((raw < 0) & (a != _F0)) << 3)) << (4 * h)
                 value[BLOCK // 2 * n + i] = nibbles
 
 
