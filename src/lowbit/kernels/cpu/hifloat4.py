@@ -31,7 +31,7 @@ _F_HALF = np.float32(0.5)
 _F1 = np.float32(1.0)
 _F2 = np.float32(2.0)
 _F4 = np.float32(4.0)
-_F7 = np.float32(7.0)
+_F_CODE_MAX = np.float32(1.75)
 _F_BF16_MAGIC = np.float32(1.5 * 2.0**16)
 _C7 = np.float32(ref.C7)
 _SCALE_MIN = np.float32(ref.SCALE_MIN)
@@ -194,13 +194,14 @@ def _level_factors(m8, m4, r, quarter_sf):
 @numba.njit(**_INLINE)
 def _code(w):
     """Element code (0..7, as fp32) of the scaled magnitude ``w = fp32(a * r) * 2^-(e2 + e3)``:
-    ``min(floor(4 * bf16(w) + 0.5), 7)``. bf16 rounding by the FPU: adding 1.5 * 2^(e + 16) to w in
-    [2^e, 2^(e + 1)) leaves the sum's ulp at 2^(e - 7), bf16's ulp of w (w >= 2 gives 7 anyway, hence the
-    clamp; for subnormal w the magic is 0 and the code 0 either way)."""
-    w = min(w, _F2)
+    ``min(floor(4 * bf16(w) + 0.5), 7)``. Clamping w to 1.75 first gives the same codes (bf16(w) >= 1.75
+    gives 7 either way) and keeps the sum below 8. bf16 rounding by the FPU: adding 1.5 * 2^(e + 16) to w
+    in [2^e, 2^(e + 1)) leaves the sum's ulp at 2^(e - 7), bf16's ulp of w, so the sum rounds w to bf16
+    (nearest even); for subnormal w the magic is 0 and the code 0 either way."""
+    w = min(w, _F_CODE_MAX)
     magic = _float(_bits(w) & np.uint32(0x7F800000)) * _F_BF16_MAGIC
     v = (w + magic) - magic
-    return min(np.floor(_F4 * v + _F_HALF), _F7)
+    return np.floor(_F4 * v + _F_HALF)
 
 
 @numba.njit(**_INLINE)
