@@ -174,14 +174,10 @@ def _group_flags(m8, m4, r):
 @numba.njit(**_INLINE)
 def _group_shifts(work, r, quarter_sf):
     """Per 4-group k of a block, from its maximum ``work[_M4 + k]``: ``work[_DOWN + k]`` = 2^-(e2 + e3) and
-    ``work[_UP + k]`` = 2^(e2 + e3) * sf / 4. The 8-group maxima are spread to both of their 4-groups
-    first, so that the loop over the 16 groups reads contiguous entries (and vectorizes)."""
-    for j in range(8):
-        m8 = max(work[_M4 + 2 * j], work[_M4 + 2 * j + 1])
-        work[_M8 + 2 * j] = m8
-        work[_M8 + 2 * j + 1] = m8
+    ``work[_UP + k]`` = 2^(e2 + e3) * sf / 4 (4-groups k and k ^ 1 form an 8-group)."""
     for k in range(16):
-        work[_DOWN + k], work[_UP + k] = _level_factors(work[_M8 + k], work[_M4 + k], r, quarter_sf)
+        m8 = max(work[_M4 + k], work[_M4 + (k ^ 1)])
+        work[_DOWN + k], work[_UP + k] = _level_factors(m8, work[_M4 + k], r, quarter_sf)
 
 
 @numba.njit(**_INLINE)
@@ -253,14 +249,14 @@ def _fake_quant_block(src, dst, n, work, mag_mask, inf_mag, shift, widen, kind, 
 
 # Per-task scratch, one float32 array (one base pointer lets LLVM see that the parts never overlap, so
 # the 16-group loops vectorize without runtime alias checks): per 4-group k the maximum, 2^-level and
-# 2^level * sf / 4 at _M4 + k, _DOWN + k, _UP + k, and the maximum of its 8-group at _M8 + k.
-_M4, _DOWN, _UP, _M8 = 0, 16, 32, 48
+# 2^level * sf / 4 at _M4 + k, _DOWN + k, _UP + k.
+_M4, _DOWN, _UP = 0, 16, 32
 
 
 @numba.njit(**NJIT_OPTIONS)
 def _scratch():
     """Per-task work array (see _M4)."""
-    return np.empty(64, np.float32)
+    return np.empty(48, np.float32)
 
 
 @numba.njit(**NJIT_OPTIONS)
