@@ -5,11 +5,23 @@ A tensor is seen as (outer, L, inner) around the quant dim; block n covers 64 el
 apart. No transposed copy of the tensor is made: with ``inner > 1``, tiles of 64 x 32 blocks side by
 side go through a small scratch buffer. Tasks of about 256 blocks run in parallel, scheduled dynamically.
 
-Per block: load (bit patterns -> fp32 magnitudes and signs, non-finite -> 0), encode (every fp32
-operation of the reference in the same order; bf16 round-to-nearest-even as integer arithmetic on the
-bits; ``bf16(1 / sf)`` from a four-entry table instead of a division), store (``code << level`` times
-``sf / 4`` is exact in fp32 and is turned into the output dtype's bits; FP16 rounds to nearest even).
-The per-block helpers are inlined so that their 64-element loops vectorize.
+Per block (formats.md 2.4, every fp32 operation of the reference in the same order), in loops that
+LLVM vectorizes:
+
+1. one pass over the 16 4-groups: maxima compared as magnitude bits (non-finite elements count 0 and
+   poison the block);
+2. scalar: bf16(M * c7), clamps and E6M2 rounding as integer arithmetic on the bits, ``bf16(1 / sf)``
+   from a four-entry table instead of a division;
+3. one pass over the 16 4-groups: flags e2, e3 as arithmetic (no branches), giving 2^-level and
+   2^level * sf / 4 per group;
+4. one pass over the 64 elements: the in-group bf16 rounding by a magic-number addition (the FPU rounds
+   to nearest even), the half-up code as floor, ``code * 2^level * sf / 4`` (exact in fp32) turned into
+   the output dtype's bits (FP16 rounds to nearest even); a poisoned block is then overwritten with NaN.
+
+Performance notes (numba/LLVM specifics behind the shape of the code): helpers are inlined at numba IR
+level; blocks are rows of 2-D views and per-task scratch is one small array, because every array view
+created or passed per block costs atomic reference counting; integer lanes are kept at 32 bits with
+explicit ``np.uint32`` casts (numba widens integer arithmetic to 64 bits).
 """
 
 from __future__ import annotations
