@@ -224,7 +224,8 @@ def _quantize_block(src, dst, n, work, mag_mask, inf_mag, shift, widen, to_bits,
         for p in range(4):
             raw = src[n, 4 * k + p]
             a = _magnitude(raw, mag_mask, shift, widen)  # non-finite only in poisoned blocks, rewritten below
-            dst[n, 4 * k + p] = to_bits(_code((a * r) * work[_DOWN + k]) * work[_UP + k], (raw < 0) & (a != _F0))
+            y = _code((a * r) * work[_DOWN + k]) * work[_UP + k]
+            dst[n, 4 * k + p] = to_bits(y, (raw < 0) & (a != _F0))
     if poisoned:
         for i in range(BLOCK):
             dst[n, i] = nan_bits
@@ -314,11 +315,13 @@ def _fake_quant_kernel(src, dst, n_blocks, inner, mag_mask, inf_mag, shift, wide
     """Fake-quant all blocks of flat (outer, L, inner) bit patterns ``src`` into ``dst`` in parallel tasks
     of about _TASK_BLOCKS blocks."""
     if inner == 1:
+        src_blocks = src.reshape(n_blocks, BLOCK)
+        dst_blocks = dst.reshape(n_blocks, BLOCK)
         n_tasks = (n_blocks + _TASK_BLOCKS - 1) // _TASK_BLOCKS
         for task in numba.prange(n_tasks):
             first = task * _TASK_BLOCKS
-            _fake_quant_rows(src.reshape(n_blocks, BLOCK), dst.reshape(n_blocks, BLOCK), first, min(n_blocks, first + _TASK_BLOCKS), mag_mask, inf_mag, shift,
-                             widen, kind, nan_bits)
+            _fake_quant_rows(src_blocks, dst_blocks, first, min(n_blocks, first + _TASK_BLOCKS), mag_mask, inf_mag,
+                             shift, widen, kind, nan_bits)
     else:
         n_tiles = (n_blocks // inner) * ((inner + _TILE_COLUMNS - 1) // _TILE_COLUMNS)
         tiles_per_task = max(1, _TASK_BLOCKS // _TILE_COLUMNS)
