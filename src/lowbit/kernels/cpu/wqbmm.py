@@ -29,6 +29,7 @@ Templates (same numbers):
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import numba
@@ -90,9 +91,9 @@ class WorkspaceLayout:
             "a_max": 4 * m * groups,
             "a_sum": 4 * 3 * m * groups,
             "y32": 4 * m * npad,  # float32 accumulators
-            "scale": 2 * groups * npad,  # padded copies, used when N % 64 != 0
-            "offset": 2 * groups * npad,
         }
+        if npad != n:  # padded copies of scale and offset
+            sizes["scale"] = sizes["offset"] = 2 * groups * npad
         if template == "basic":
             sizes["y_int"] = 4 * 3 * m * groups * npad
         offsets, total = {}, 0
@@ -106,41 +107,56 @@ class WorkspaceLayout:
         return workspace[start : start + size].view(dtype).view(shape)
 
 
+@numba.njit(**NJIT_OPTIONS)
+def _msd_preprocess_group(x32, m, g, group_size, a_i8, a_max, a_sum):
+    """MSD components of row m, group g: a_i8[m, :, group], a_max[m, g], a_sum[m, :, g]."""
+    k0 = g * group_size
+    amax = np.float32(0.0)
+    finite = True
+    for kk in range(k0, k0 + group_size):
+        v = abs(x32[m, kk])
+        if not np.isfinite(v):
+            finite = False
+        elif v > amax:
+            amax = v
+    s1 = s2 = s3 = 0
+    if finite and amax != 0:
+        for kk in range(k0, k0 + group_size):
+            t1 = x32[m, kk] / amax * _F1
+            q1 = np.rint(t1)
+            t2 = (t1 - q1) * _F2
+            q2 = np.rint(t2)
+            t3 = (t2 - q2) * _F2
+            q3 = np.rint(t3)
+            a_i8[m, 0, kk], a_i8[m, 1, kk], a_i8[m, 2, kk] = np.int8(q1), np.int8(q2), np.int8(q3)
+            s1 += np.int32(q1)
+            s2 += np.int32(q2)
+            s3 += np.int32(q3)
+    else:
+        a_i8[m, :, k0 : k0 + group_size] = 0
+        if not finite:
+            amax = np.float32(np.nan)
+    a_max[m, g] = amax
+    a_sum[m, 0, g], a_sum[m, 1, g], a_sum[m, 2, g] = s1, s2, s3
+
+
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
 def _msd_preprocess(x32, group_size, a_i8, a_max, a_sum):
     """x32 (M, K) float32 -> a_i8 (M, 3, K) int8, a_max (M, K/G) float32, a_sum (M, 3, K/G) int32."""
-    m_rows, k = x32.shape
-    groups = k // group_size
-    for task in numba.prange(m_rows * groups):
-        m, g = task // groups, task % groups
-        k0 = g * group_size
-        amax = np.float32(0.0)
-        finite = True
-        for kk in range(k0, k0 + group_size):
-            v = abs(x32[m, kk])
-            if not np.isfinite(v):
-                finite = False
-            elif v > amax:
-                amax = v
-        s1 = s2 = s3 = 0
-        if finite and amax != 0:
-            for kk in range(k0, k0 + group_size):
-                t1 = x32[m, kk] / amax * _F1
-                q1 = np.rint(t1)
-                t2 = (t1 - q1) * _F2
-                q2 = np.rint(t2)
-                t3 = (t2 - q2) * _F2
-                q3 = np.rint(t3)
-                a_i8[m, 0, kk], a_i8[m, 1, kk], a_i8[m, 2, kk] = np.int8(q1), np.int8(q2), np.int8(q3)
-                s1 += np.int32(q1)
-                s2 += np.int32(q2)
-                s3 += np.int32(q3)
-        else:
-            a_i8[m, :, k0 : k0 + group_size] = 0
-            if not finite:
-                amax = np.float32(np.nan)
-        a_max[m, g] = amax
-        a_sum[m, 0, g], a_sum[m, 1, g], a_sum[m, 2, g] = s1, s2, s3
+    groups = a_max.shape[1]
+    for task in numba.prange(x32.shape[0] * groups):
+        _msd_preprocess_group(x32, task // groups, task % groups, group_size, a_i8, a_max, a_sum)
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _msd_preprocess_serial(x32, group_size, a_i8, a_max, a_sum):
+    """:func:`_msd_preprocess` on one thread (small inputs: a parallel launch costs more than the work)."""
+    for m in range(x32.shape[0]):
+        for g in range(a_max.shape[1]):
+            _msd_preprocess_group(x32, m, g, group_size, a_i8, a_max, a_sum)
+
+
+_SERIAL_PREPROCESS_MAX = 1 << 16  # elements of x
 
 
 @numba.njit(**NJIT_OPTIONS)
@@ -171,16 +187,19 @@ def _load_half(bits, index, is_bf16):
 
 
 @numba.njit(**NJIT_OPTIONS)
-def _post_process(acc, y1, y2, y3, sums, amax, scale_bits, offset_bits, index, is_bf16, has_offset):
-    """acc + (c * scale) * a_max for one (row, group, 64 columns); Y int32 tiles before the -8*S fix."""
-    f1 = simd.i32x64_to_f32x64(simd.i32x64_add_scalar(y1, np.int32(-8 * sums[0])))
-    f2 = simd.i32x64_to_f32x64(simd.i32x64_add_scalar(y2, np.int32(-8 * sums[1])))
-    f3 = simd.i32x64_to_f32x64(simd.i32x64_add_scalar(y3, np.int32(-8 * sums[2])))
+def _post_process(acc, y1, y2, y3, s1, s2, s3, amax, scale_bits, offset_bits, index, is_bf16, has_offset):
+    """acc + (c * scale) * a_max for one (row, group, 64 columns).
+
+    ``y1..y3``: dpbusd sums (before the -8 * S correction), ``s1..s3``: the component sums S_i.
+    """
+    f1 = simd.i32x64_to_f32x64(simd.i32x64_add_scalar(y1, np.int32(-8 * s1)))
+    f2 = simd.i32x64_to_f32x64(simd.i32x64_add_scalar(y2, np.int32(-8 * s2)))
+    f3 = simd.i32x64_to_f32x64(simd.i32x64_add_scalar(y3, np.int32(-8 * s3)))
     if has_offset:
         offset = _load_half(offset_bits, index, is_bf16)
-        f1 = simd.f32x64_add(f1, simd.f32x64_mul(offset, np.float32(sums[0])))
-        f2 = simd.f32x64_add(f2, simd.f32x64_mul(offset, np.float32(sums[1])))
-        f3 = simd.f32x64_add(f3, simd.f32x64_mul(offset, np.float32(sums[2])))
+        f1 = simd.f32x64_add(f1, simd.f32x64_mul(offset, np.float32(s1)))
+        f2 = simd.f32x64_add(f2, simd.f32x64_mul(offset, np.float32(s2)))
+        f3 = simd.f32x64_add(f3, simd.f32x64_mul(offset, np.float32(s3)))
     c = simd.f32x64_add(simd.f32x64_add(simd.f32x64_mul(f1, _R1), simd.f32x64_mul(f2, _R2)), simd.f32x64_mul(f3, _R3))
     term = simd.f32x64_mul(simd.f32x64_mul(c, _load_half(scale_bits, index, is_bf16)), amax)
     return simd.f32x64_add(acc, term)
@@ -208,7 +227,7 @@ def _preload(tiles, a_quads, a_max, a_sum, scale_bits, offset_bits, group_size, 
                 row = m * npad + 64 * nb
                 acc = simd.f32x64_load(y_flat, row)
                 acc = _post_process(
-                    acc, y1, y2, y3, a_sum[m, :, g], amax, scale_bits, offset_bits, g * npad + 64 * nb, is_bf16, has_offset
+                    acc, y1, y2, y3, a_sum[m, 0, g], a_sum[m, 1, g], a_sum[m, 2, g], amax, scale_bits, offset_bits, g * npad + 64 * nb, is_bf16, has_offset
                 )
                 simd.f32x64_store(y_flat, row, acc)
         for m in range(m_rows):
@@ -254,7 +273,7 @@ def _basic_post_process(y_int, a_max, a_sum, scale_bits, offset_bits, is_bf16, h
             y2 = simd.i32x64_load(y_flat, plane + at)
             y3 = simd.i32x64_load(y_flat, 2 * plane + at)
             acc = _post_process(
-                acc, y1, y2, y3, a_sum[m, :, g], amax, scale_bits, offset_bits, g * npad + 64 * nb, is_bf16, has_offset
+                acc, y1, y2, y3, a_sum[m, 0, g], a_sum[m, 1, g], a_sum[m, 2, g], amax, scale_bits, offset_bits, g * npad + 64 * nb, is_bf16, has_offset
             )
         simd.f32x64_store(y32[m], 64 * nb, simd.f32x64_canonical_nan(acc))
 
@@ -262,15 +281,15 @@ def _basic_post_process(y_int, a_max, a_sum, scale_bits, offset_bits, is_bf16, h
 def _padded_bits(t: torch.Tensor, layout: WorkspaceLayout, workspace: torch.Tensor, name: str) -> np.ndarray:
     """Flat int16 bit patterns of a (K/G, N) half tensor, copied into the padded workspace slot if needed."""
     groups, npad = layout.k // layout.group_size, padded_n(layout.n)
-    if npad == layout.n and t.is_contiguous():
-        return as_numpy(t).reshape(-1)
+    if npad == layout.n:
+        return as_numpy(t.contiguous()).reshape(-1)
     padded = layout.view(workspace, name, t.dtype, (groups, npad))
     padded[:, : layout.n].copy_(t)
     padded[:, layout.n :].zero_()
     return as_numpy(padded).reshape(-1)
 
 
-def wqbmm_msd_into(
+def _msd_into(
     x: torch.Tensor,
     tiles: torch.Tensor,
     antiquant_scale: torch.Tensor,
@@ -299,7 +318,8 @@ def wqbmm_msd_into(
     is_bf16 = x.dtype == torch.bfloat16
     sync_threads()
     a_np, amax_np, asum_np, y_np = as_numpy(a_i8), as_numpy(a_max), as_numpy(a_sum), as_numpy(y32)
-    _msd_preprocess(as_numpy(x32), g, a_np, amax_np, asum_np)
+    preprocess = _msd_preprocess_serial if m * k <= _SERIAL_PREPROCESS_MAX else _msd_preprocess
+    preprocess(as_numpy(x32), g, a_np, amax_np, asum_np)
     a_quads = a_np.reshape(-1).view(np.int32)
     tiles_np = as_numpy(tiles)
     if layout.template == "preload":
@@ -309,3 +329,48 @@ def wqbmm_msd_into(
         _basic_matmul(tiles_np, a_quads, g, y_int)
         _basic_post_process(y_int, amax_np, asum_np, scale_bits, offset_bits, is_bf16, has_offset, y_np)
     out.copy_(y32[:, : layout.n])
+
+
+_TILE_CACHE: dict[int, tuple] = {}
+
+
+def cached_weight_tiles(weight: torch.Tensor, group_size: int) -> torch.Tensor:
+    """:func:`pack_weight_tiles` of ``weight``, computed once per weight tensor and group size.
+
+    The entry lives as long as the weight tensor and is rebuilt when the weight is modified in place
+    (its version counter or data pointer changes).
+    """
+    key = id(weight)
+    stamp = (weight.data_ptr(), weight._version, tuple(weight.shape), tuple(weight.stride()), group_size)
+    entry = _TILE_CACHE.get(key)
+    if entry is not None and entry[0]() is weight and entry[1] == stamp:
+        return entry[2]
+    tiles = pack_weight_tiles(weight, group_size)
+    _TILE_CACHE[key] = (weakref.ref(weight, lambda _, key=key: _TILE_CACHE.pop(key, None)), stamp, tiles)
+    return tiles
+
+
+def workspace_nbytes(m: int, k: int, n: int, group_size: int, template: str) -> int:
+    """Bytes of scratch :func:`wqbmm_into` needs for these sizes and template."""
+    return WorkspaceLayout.build(m, k, n, group_size, template).nbytes
+
+
+def wqbmm_into(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    antiquant_scale: torch.Tensor,
+    antiquant_offset: torch.Tensor | None,
+    group_size: int,
+    template: str,
+    workspace: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """MSD matmul on CPU: ``out`` (M, N) contiguous, x's dtype <- x (M, K) contiguous FP16/BF16.
+
+    ``weight`` (K, N/2) uint8 (tiles cached per weight), scale/offset (K/G, N) in x's dtype,
+    ``workspace`` uint8 with at least :func:`workspace_nbytes` bytes. Validated by lowbit.ops.wqbmm;
+    allocates nothing once the weight's tiles are cached.
+    """
+    m, k = x.shape
+    layout = WorkspaceLayout.build(m, k, out.shape[1], group_size, template)
+    _msd_into(x, cached_weight_tiles(weight, group_size), antiquant_scale, antiquant_offset, layout, workspace, out)
