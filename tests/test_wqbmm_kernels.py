@@ -1,0 +1,120 @@
+"""numba (and Triton-interpreter) WeightQuantBatchMatmul kernels equal the reference bit for bit."""
+
+import numba
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lowbit.formats import wqbmm as ref
+from lowbit.kernels.cpu import _simd as simd
+from lowbit.kernels.cpu import wqbmm as cpu
+
+TEMPLATES = ("basic", "preload")
+
+
+def _bits(t):
+    return t.contiguous().view(torch.int16)
+
+
+def run_cpu(x, weight, scale, offset, g, template):
+    m, k = x.shape
+    out = torch.empty(m, scale.shape[1], dtype=x.dtype)
+    workspace = torch.empty(cpu.workspace_nbytes(m, k, scale.shape[1], g, template), dtype=torch.uint8)
+    cpu.wqbmm_into(x, weight, scale, offset, g, template, workspace, out)
+    return out
+
+
+def _draw_inputs(data, m, k, n, g, dtype, with_offset, edges):
+    seed = data.draw(st.integers(0, 2**31 - 1), label="seed")
+    gen = torch.Generator().manual_seed(seed)
+    x = ((torch.rand(m, k, generator=gen) * 2 - 1) * 10 ** (torch.rand(m, 1, generator=gen) * 6 - 3)).to(dtype)
+    weight = torch.randint(0, 256, (k, n // 2), generator=gen, dtype=torch.uint8)
+    scale = ((torch.rand(k // g, n, generator=gen) * 2 - 1) * 4).to(dtype)
+    offset = torch.randint(-8, 8, (k // g, n), generator=gen).to(dtype) if with_offset else None
+    if edges:
+        fmax = torch.finfo(dtype).max
+        specials = [0.0, -0.0, float("nan"), float("inf"), -float("inf"), fmax, -fmax, torch.finfo(dtype).tiny / 4]
+        for _ in range(data.draw(st.integers(1, 6), label="n_edges")):
+            r, c = data.draw(st.integers(0, m - 1)), data.draw(st.integers(0, k - 1))
+            x[r, c] = data.draw(st.sampled_from(specials))
+        if data.draw(st.booleans(), label="zero group"):
+            r, gi = data.draw(st.integers(0, m - 1)), data.draw(st.integers(0, k // g - 1))
+            x[r, gi * g : (gi + 1) * g] = 0
+        if data.draw(st.booleans(), label="special scale"):
+            scale[data.draw(st.integers(0, k // g - 1)), data.draw(st.integers(0, n - 1))] = data.draw(st.sampled_from(specials))
+    return x, weight, scale, offset
+
+
+@given(data=st.data(), m=st.integers(1, 64), groups=st.integers(1, 3), g=st.sampled_from([32, 64, 128, 256]),
+       n=st.sampled_from([2, 30, 64, 130, 256]), bf16=st.booleans(), with_offset=st.booleans(), edges=st.booleans())
+def test_cpu_kernels_equal_reference(data, m, groups, g, n, bf16, with_offset, edges):
+    dtype = torch.bfloat16 if bf16 else torch.float16
+    x, weight, scale, offset = _draw_inputs(data, m, groups * g, n, g, dtype, with_offset, edges)
+    expected = _bits(ref.wqbmm_msd(x, weight, scale, offset, g))
+    for template in TEMPLATES:
+        assert torch.equal(_bits(run_cpu(x, weight, scale, offset, g, template)), expected), template
+
+
+def test_parallel_preprocess_path_equals_reference():
+    """Inputs above the serial pre-process threshold take the parallel pre-process."""
+    gen = torch.Generator().manual_seed(7)
+    m, k, n, g = 40, 2048, 64, 128
+    assert m * k > cpu._SERIAL_PREPROCESS_MAX
+    x = torch.randn(m, k, generator=gen).half()
+    weight = torch.randint(0, 256, (k, n // 2), generator=gen, dtype=torch.uint8)
+    scale = torch.rand(k // g, n, generator=gen).half()
+    expected = _bits(ref.wqbmm_msd(x, weight, scale, None, g))
+    for template in TEMPLATES:
+        assert torch.equal(_bits(run_cpu(x, weight, scale, None, g, template)), expected)
+
+
+def test_weight_tiles_cache_follows_in_place_updates():
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(2, 64, generator=gen).half()
+    weight = torch.randint(0, 256, (64, 32), generator=gen, dtype=torch.uint8)
+    scale = torch.rand(2, 64, generator=gen).half()
+    first = run_cpu(x, weight, scale, None, 32, "preload")
+    assert torch.equal(first, ref.wqbmm_msd(x, weight, scale, None, 32))
+    weight.bitwise_xor_(0x11)  # bumps the version counter: tiles must be rebuilt
+    assert torch.equal(_bits(run_cpu(x, weight, scale, None, 32, "preload")), _bits(ref.wqbmm_msd(x, weight, scale, None, 32)))
+
+
+@numba.njit
+def _dot_both(w_bytes, a_words):
+    """dpbusd of one 256-byte tile with each int32 of a_words, portable and native lowering."""
+    out = np.empty((2, a_words.size, 64), np.int32)
+    for i in range(a_words.size):
+        simd.i32x64_store(out[0, i], 0, simd.dpbusd_portable(simd.i32x64_zero(), simd.i32x64_load(w_bytes, 0), a_words[i]))
+        if simd.HAS_VNNI:
+            simd.i32x64_store(out[1, i], 0, simd.dpbusd_vnni(simd.i32x64_zero(), simd.i32x64_load(w_bytes, 0), a_words[i]))
+    return out
+
+
+def test_dpbusd_lowerings_agree_with_numpy():
+    """Both dpbusd lowerings (the portable one is what CPUs without AVX512-VNNI run) on extreme bytes."""
+    rng = np.random.default_rng(0)
+    w = rng.integers(0, 256, 256, dtype=np.uint8)
+    w[:8] = 255
+    a = rng.integers(-128, 128, (33, 4), dtype=np.int8)
+    a[0] = -128
+    out = _dot_both(w, a.reshape(-1).view(np.int32))
+    expected = np.einsum("lj,ij->il", w.reshape(64, 4).astype(np.int64), a.astype(np.int64))
+    assert np.array_equal(out[0], expected)
+    if simd.HAS_VNNI:
+        assert np.array_equal(out[1], expected)
+
+
+def test_pack_weight_tiles_layout():
+    """tiles[nb, g, p, lane, j] = u[k0 + j, col] | u[k0 + 4 + j, col] << 4 with u = W + 8."""
+    k, n, g = 64, 70, 32
+    w = torch.randint(-8, 8, (k, n), dtype=torch.int8)
+    from lowbit.formats.int4 import pack_int4
+
+    tiles = cpu.pack_weight_tiles(pack_int4(w), g).reshape(2, k // g, g // 8, 64, 4)
+    u = torch.full((k, 128), 8, dtype=torch.int32)
+    u[:, :n] = w.to(torch.int32) + 8
+    for nb, gi, p, lane, j in [(0, 0, 0, 0, 0), (1, 1, 3, 5, 3), (1, 0, 2, 63, 1), (0, 1, 1, 17, 2)]:
+        k0, col = gi * g + 8 * p, 64 * nb + lane
+        assert int(tiles[nb, gi, p, lane, j]) == int(u[k0 + j, col]) | int(u[k0 + 4 + j, col]) << 4
