@@ -187,7 +187,7 @@ def verify_files(output: Path, golden: Path, dtype: torch.dtype = torch.float16,
     return verify_arrays(to_f32(output), to_f32(golden), **tolerances)
 
 
-def print_verify(result: VerifyResult, file=sys.stdout) -> None:
+def print_verify(result: VerifyResult, file=None) -> None:
     """The sample's printout, plus the totals it did not print."""
     for index, expected, actual, rdiff in result.first:
         print(f"data index: {index:06d}, expected: {expected:-.9f}, actual: {actual:-.9f}, rdiff: {rdiff:-.6f}", file=file)
