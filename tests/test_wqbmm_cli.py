@@ -114,3 +114,16 @@ def test_profile_and_example_small(tmp_path, capsys):
     assert (tmp_path / "output/profile/preload_native.json").exists() or (tmp_path / "output/profile/preload_auto.json").exists()
     assert lowbit("wqbmm", "profile", "--dir", tmp_path, "--backends", "native,reference", "--repeats", 1) == 0
     assert (tmp_path / "output/profile/basic_reference.json").exists()
+
+
+@pytest.mark.parametrize("template", ["basic", "preload"])
+def test_triton_reproduces_the_golden(sample_dir, template):
+    """The Triton kernels (under the interpreter without CUDA) at the sample's default shape."""
+    triton_wqbmm = pytest.importorskip("lowbit.kernels.triton.wqbmm", reason="triton is not installed")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    meta = cli.read_meta(sample_dir)
+    x, weight, scale = (t.to(device) for t in cli.read_inputs(sample_dir, meta))
+    out = torch.empty(1, meta.n, dtype=x.dtype, device=device)
+    workspace = torch.empty(triton_wqbmm.workspace_nbytes(1, meta.k, meta.n, 128, template), dtype=torch.uint8, device=device)
+    triton_wqbmm.wqbmm_into(x, weight, scale, None, 128, template, workspace, out)
+    assert out.cpu().numpy().tobytes() == (sample_dir / "output/golden.bin").read_bytes()

@@ -4,7 +4,7 @@ import numba
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lowbit.formats import wqbmm as ref
@@ -118,3 +118,26 @@ def test_pack_weight_tiles_layout():
     for nb, gi, p, lane, j in [(0, 0, 0, 0, 0), (1, 1, 3, 5, 3), (1, 0, 2, 63, 1), (0, 1, 1, 17, 2)]:
         k0, col = gi * g + 8 * p, 64 * nb + lane
         assert int(tiles[nb, gi, p, lane, j]) == int(u[k0 + j, col]) | int(u[k0 + 4 + j, col]) << 4
+
+
+triton_wqbmm = pytest.importorskip("lowbit.kernels.triton.wqbmm", reason="triton is not installed")
+
+
+def run_triton(x, weight, scale, offset, g, template):
+    m, k = x.shape
+    n = scale.shape[1]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    workspace = torch.empty(triton_wqbmm.workspace_nbytes(m, k, n, g, template), dtype=torch.uint8, device=x.device)
+    triton_wqbmm.wqbmm_into(x, weight, scale, offset, g, template, workspace, out)
+    return out.cpu()
+
+
+@settings(max_examples=6)
+@given(data=st.data(), m=st.integers(1, 20), g=st.sampled_from([32, 64]), n=st.sampled_from([2, 64, 130]),
+       bf16=st.booleans(), with_offset=st.booleans(), edges=st.booleans())
+def test_triton_kernels_equal_reference(data, m, g, n, bf16, with_offset, edges):
+    dtype = torch.bfloat16 if bf16 else torch.float16
+    x, weight, scale, offset = _draw_inputs(data, m, 2 * g, n, g, dtype, with_offset, edges)
+    expected = _bits(ref.wqbmm_msd(x, weight, scale, offset, g))
+    for template in TEMPLATES:
+        assert torch.equal(_bits(run_triton(x, weight, scale, offset, g, template)), expected), template
