@@ -169,3 +169,15 @@ def test_plan_validates_sizes():
         wq.plan_weight_quant_batch_matmul(1, 200, 96, group_size=128)
     with pytest.raises(DtypeError, match="float32"):
         wq.plan_weight_quant_batch_matmul(1, 256, 96, dtype=torch.float32)
+
+
+def test_inference_mode_and_smoke_contracts():
+    from lowbit.cli.smoke import wqbmm as smoke
+    from lowbit.cli.smoke._common import contracts_hold
+
+    x, weight, scale = _operands()
+    with torch.inference_mode():
+        y = wq.weight_quant_batch_matmul(x, weight, scale, group_size=64, backend="native")
+    assert torch.equal(_bits(y), _bits(ref.wqbmm_msd(x, weight, scale, None, 64)))
+    results = smoke.run("native", torch.device("cpu"))
+    assert len(results) == 8 and contracts_hold(results)

@@ -338,16 +338,23 @@ def cached_weight_tiles(weight: torch.Tensor, group_size: int) -> torch.Tensor:
     """:func:`pack_weight_tiles` of ``weight``, computed once per weight tensor and group size.
 
     The entry lives as long as the weight tensor and is rebuilt when the weight is modified in place
-    (its version counter or data pointer changes).
+    (its version counter or data pointer changes). Inference tensors have no version counter: an
+    in-place change of one under torch.inference_mode() is not seen (call :func:`clear_weight_cache`).
     """
     key = id(weight)
-    stamp = (weight.data_ptr(), weight._version, tuple(weight.shape), tuple(weight.stride()), group_size)
+    version = None if weight.is_inference() else weight._version
+    stamp = (weight.data_ptr(), version, tuple(weight.shape), tuple(weight.stride()), group_size)
     entry = _TILE_CACHE.get(key)
     if entry is not None and entry[0]() is weight and entry[1] == stamp:
         return entry[2]
     tiles = pack_weight_tiles(weight, group_size)
     _TILE_CACHE[key] = (weakref.ref(weight, lambda _, key=key: _TILE_CACHE.pop(key, None)), stamp, tiles)
     return tiles
+
+
+def clear_weight_cache() -> None:
+    """Forget every cached weight layout."""
+    _TILE_CACHE.clear()
 
 
 def workspace_nbytes(m: int, k: int, n: int, group_size: int, template: str) -> int:
