@@ -83,24 +83,24 @@ def test_weight_tiles_cache_follows_in_place_updates():
 
 @numba.njit
 def _dot_both(w_bytes, a_words):
-    """dpbusd of one 256-byte tile with each int32 of a_words, portable and native lowering."""
-    out = np.empty((2, a_words.size, 64), np.int32)
+    """dpbusd of one 4 * LANES-byte tile with each int32 of a_words, portable and native lowering."""
+    out = np.empty((2, a_words.size, simd.LANES), np.int32)
     for i in range(a_words.size):
-        simd.i32x64_store(out[0, i], 0, simd.dpbusd_portable(simd.i32x64_zero(), simd.i32x64_load(w_bytes, 0), a_words[i]))
+        simd.i32v_store(out[0, i], 0, simd.dpbusd_portable(simd.i32v_zero(), simd.i32v_load(w_bytes, 0), a_words, i))
         if simd.HAS_VNNI:
-            simd.i32x64_store(out[1, i], 0, simd.dpbusd_vnni(simd.i32x64_zero(), simd.i32x64_load(w_bytes, 0), a_words[i]))
+            simd.i32v_store(out[1, i], 0, simd.dpbusd_vnni(simd.i32v_zero(), simd.i32v_load(w_bytes, 0), a_words, i))
     return out
 
 
 def test_dpbusd_lowerings_agree_with_numpy():
     """Both dpbusd lowerings (the portable one is what CPUs without AVX512-VNNI run) on extreme bytes."""
     rng = np.random.default_rng(0)
-    w = rng.integers(0, 256, 256, dtype=np.uint8)
+    w = rng.integers(0, 256, 4 * simd.LANES, dtype=np.uint8)
     w[:8] = 255
     a = rng.integers(-128, 128, (33, 4), dtype=np.int8)
     a[0] = -128
     out = _dot_both(w, a.reshape(-1).view(np.int32))
-    expected = np.einsum("lj,ij->il", w.reshape(64, 4).astype(np.int64), a.astype(np.int64))
+    expected = np.einsum("lj,ij->il", w.reshape(simd.LANES, 4).astype(np.int64), a.astype(np.int64))
     assert np.array_equal(out[0], expected)
     if simd.HAS_VNNI:
         assert np.array_equal(out[1], expected)
@@ -108,15 +108,16 @@ def test_dpbusd_lowerings_agree_with_numpy():
 
 def test_pack_weight_tiles_layout():
     """tiles[nb, g, p, lane, j] = u[k0 + j, col] | u[k0 + 4 + j, col] << 4 with u = W + 8."""
-    k, n, g = 64, 70, 32
+    k, n, g, lanes = 64, 70, 32, cpu.BLOCK_N
     w = torch.randint(-8, 8, (k, n), dtype=torch.int8)
     from lowbit.formats.int4 import pack_int4
 
-    tiles = cpu.pack_weight_tiles(pack_int4(w), g).reshape(2, k // g, g // 8, 64, 4)
-    u = torch.full((k, 128), 8, dtype=torch.int32)
+    npad = cpu.padded_n(n)
+    tiles = cpu.pack_weight_tiles(pack_int4(w), g).reshape(npad // lanes, k // g, g // 8, lanes, 4)
+    u = torch.full((k, npad), 8, dtype=torch.int32)
     u[:, :n] = w.to(torch.int32) + 8
-    for nb, gi, p, lane, j in [(0, 0, 0, 0, 0), (1, 1, 3, 5, 3), (1, 0, 2, 63, 1), (0, 1, 1, 17, 2)]:
-        k0, col = gi * g + 8 * p, 64 * nb + lane
+    for nb, gi, p, lane, j in [(0, 0, 0, 0, 0), (1, 1, 3, 5, 3), (2, 0, 2, lanes - 1, 1), (0, 1, 1, 17, 2)]:
+        k0, col = gi * g + 8 * p, lanes * nb + lane
         assert int(tiles[nb, gi, p, lane, j]) == int(u[k0 + j, col]) | int(u[k0 + 4 + j, col]) << 4
 
 

@@ -1,16 +1,17 @@
-"""64-lane SIMD values for numba kernels: the register tiles of the int4 matmul kernels.
+"""LANES-wide SIMD values for numba kernels: the register tiles of the int4 matmul kernels.
 
 numba has no vector types, and LLVM does not reliably keep array-held accumulators in registers or find
 VNNI dot products on its own. This module adds two value types, each lowered to one LLVM vector (so they
-live in registers, four AVX-512 registers each on x86):
+live in registers; LANES = 32: two AVX-512 registers each on x86):
 
-    I32x64   <64 x i32>    integer accumulators / 256 bytes of packed weights
-    F32x64   <64 x float>  float32 post-processing
+    I32V   <LANES x i32>    integer accumulators / 4 * LANES bytes of packed weights
+    F32V   <LANES x float>  float32 post-processing
 
 and @intrinsic operations on them. Every operation is exact integer or IEEE float32 arithmetic (fmul/fadd
 without fast-math flags, so LLVM never contracts them into FMA): kernels built from them are bit-exact.
 
-``dpbusd(acc, w, a)``: for each int32 lane i, ``acc[i] + sum_j u8(w byte 4i+j) * s8(a byte j)``. On a CPU
+``dpbusd(acc, w, a_words, index)``: with ``a = a_words[index]`` (int32), for each int32 lane i,
+``acc[i] + sum_j u8(w byte 4i+j) * s8(a byte j)``. On a CPU
 with AVX512-VNNI it is the vpdpbusd instruction; elsewhere it is the same sum in portable LLVM IR.
 """
 
@@ -22,7 +23,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
-LANES = 64
+LANES = 32
 _I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
 _VI32 = ir.VectorType(_I32, LANES)
 _VF32 = ir.VectorType(ir.FloatType(), LANES)
@@ -42,13 +43,13 @@ class _VectorType(types.Type):
         super().__init__(name=name)
 
 
-I32x64 = _VectorType("I32x64")
-F32x64 = _VectorType("F32x64")
+I32V = _VectorType("I32V")
+F32V = _VectorType("F32V")
 
 
 class _VectorModel(models.PrimitiveModel):
     def __init__(self, dmm, fe_type):
-        super().__init__(dmm, fe_type, _VI32 if fe_type.name == "I32x64" else _VF32)
+        super().__init__(dmm, fe_type, _VI32 if fe_type.name == "I32V" else _VF32)
 
 
 register_model(_VectorType)(_VectorModel)
@@ -70,29 +71,29 @@ def _splat(builder, scalar, vector_type):
 
 
 @intrinsic
-def i32x64_zero(typingctx):
-    """All-zero I32x64."""
+def i32v_zero(typingctx):
+    """All-zero I32V."""
 
     def codegen(context, builder, sig, args):
         return ir.Constant(_VI32, [0] * LANES)
 
-    return I32x64(), codegen
+    return I32V(), codegen
 
 
 @intrinsic
-def i32x64_load(typingctx, arr, index):
-    """64 int32 lanes from a 1-D C-contiguous array at element ``index`` (256 bytes, any alignment);
-    a uint8 array is read as 256 bytes, lane i = bytes 4i..4i+3 (little-endian)."""
+def i32v_load(typingctx, arr, index):
+    """LANES int32 lanes from a 1-D C-contiguous array at element ``index`` (4 * LANES bytes, any alignment);
+    a uint8 array is read as 4 * LANES bytes, lane i = bytes 4i..4i+3 (little-endian)."""
 
     def codegen(context, builder, sig, args):
         return builder.load(_element_ptr(context, builder, sig.args[0], args[0], args[1], _VI32), align=1)
 
-    return I32x64(arr, index), codegen
+    return I32V(arr, index), codegen
 
 
 @intrinsic
-def i32x64_store(typingctx, arr, index, value):
-    """Store 64 int32 lanes into a 1-D C-contiguous int32 array at element ``index``."""
+def i32v_store(typingctx, arr, index, value):
+    """Store LANES int32 lanes into a 1-D C-contiguous int32 array at element ``index``."""
 
     def codegen(context, builder, sig, args):
         builder.store(args[2], _element_ptr(context, builder, sig.args[0], args[0], args[1], _VI32), align=1)
@@ -108,7 +109,7 @@ def low_nibbles(typingctx, packed):
     def codegen(context, builder, sig, args):
         return builder.and_(args[0], ir.Constant(_VI32, [0x0F0F0F0F] * LANES))
 
-    return I32x64(packed), codegen
+    return I32V(packed), codegen
 
 
 @intrinsic
@@ -119,7 +120,7 @@ def high_nibbles(typingctx, packed):
         shifted = builder.lshr(args[0], ir.Constant(_VI32, [4] * LANES))
         return builder.and_(shifted, ir.Constant(_VI32, [0x0F0F0F0F] * LANES))
 
-    return I32x64(packed), codegen
+    return I32V(packed), codegen
 
 
 def _dpbusd_portable(builder, acc, w, a_splat):
@@ -142,7 +143,7 @@ def _dpbusd_vnni(builder, acc, w, a_splat):
         lanes = ir.Constant(ir.VectorType(_I32, 16), list(range(16 * p, 16 * p + 16)))
         acc_p, w_p = (builder.shuffle_vector(v, undef, lanes) for v in (acc, w))
         pieces.append(builder.call(fn, [acc_p, w_p, builder.shuffle_vector(a_splat, undef, lanes)]))
-    while len(pieces) > 1:  # concatenate pairwise back to 64 lanes
+    while len(pieces) > 1:  # concatenate pairwise back to LANES lanes
         merged = []
         for lo, hi in zip(pieces[0::2], pieces[1::2]):
             n = lo.type.count
@@ -153,14 +154,17 @@ def _dpbusd_vnni(builder, acc, w, a_splat):
 
 def _make_dpbusd(lower):
     @intrinsic
-    def dpbusd(typingctx, acc, w, a_s8x4):
-        """acc[i] + sum_j u8(w byte 4i+j) * s8(a byte j); ``a_s8x4`` is an int32 holding 4 signed bytes."""
+    def dpbusd(typingctx, acc, w, a_words, index):
+        """acc[i] + sum_j u8(w byte 4i+j) * s8(a byte j) with ``a = a_words[index]``, an int32 holding 4
+        signed bytes (a 1-D C-contiguous int32 array; no negative-index wraparound, no bounds check)."""
 
         def codegen(context, builder, sig, args):
-            acc, w, a = args
+            acc, w, arr, idx = args
+            data = context.make_array(sig.args[2])(context, builder, arr).data
+            a = builder.load(builder.gep(data, [idx]))
             return lower(builder, acc, w, _splat(builder, a, _VI32))
 
-        return I32x64(acc, w, types.int32), codegen
+        return I32V(acc, w, a_words, index), codegen
 
     return dpbusd
 
@@ -171,51 +175,51 @@ dpbusd = dpbusd_vnni if HAS_VNNI else dpbusd_portable
 
 
 @intrinsic
-def i32x64_add_scalar(typingctx, value, scalar):
+def i32v_add_scalar(typingctx, value, scalar):
     """value + scalar in every lane (int32, wrapping)."""
 
     def codegen(context, builder, sig, args):
         return builder.add(args[0], _splat(builder, args[1], _VI32))
 
-    return I32x64(value, types.int32), codegen
+    return I32V(value, types.int32), codegen
 
 
 @intrinsic
-def i32x64_to_f32x64(typingctx, value):
+def i32v_to_f32v(typingctx, value):
     """Convert int32 lanes to float32 (exact below 2**24)."""
 
     def codegen(context, builder, sig, args):
         return builder.sitofp(args[0], _VF32)
 
-    return F32x64(value), codegen
+    return F32V(value), codegen
 
 
 # ---- float32 tiles -------------------------------------------------------------------------------------
 
 
 @intrinsic
-def f32x64_zero(typingctx):
-    """All +0.0 F32x64."""
+def f32v_zero(typingctx):
+    """All +0.0 F32V."""
 
     def codegen(context, builder, sig, args):
         return ir.Constant(_VF32, [0.0] * LANES)
 
-    return F32x64(), codegen
+    return F32V(), codegen
 
 
 @intrinsic
-def f32x64_load(typingctx, arr, index):
-    """64 float32 lanes from a 1-D C-contiguous float32 array at element ``index``."""
+def f32v_load(typingctx, arr, index):
+    """LANES float32 lanes from a 1-D C-contiguous float32 array at element ``index``."""
 
     def codegen(context, builder, sig, args):
         return builder.load(_element_ptr(context, builder, sig.args[0], args[0], args[1], _VF32), align=1)
 
-    return F32x64(arr, index), codegen
+    return F32V(arr, index), codegen
 
 
 @intrinsic
-def f32x64_store(typingctx, arr, index, value):
-    """Store 64 float32 lanes into a 1-D C-contiguous float32 array at element ``index``."""
+def f32v_store(typingctx, arr, index, value):
+    """Store LANES float32 lanes into a 1-D C-contiguous float32 array at element ``index``."""
 
     def codegen(context, builder, sig, args):
         builder.store(args[2], _element_ptr(context, builder, sig.args[0], args[0], args[1], _VF32), align=1)
@@ -225,19 +229,19 @@ def f32x64_store(typingctx, arr, index, value):
 
 
 @intrinsic
-def f16x64_load(typingctx, arr, index):
-    """64 FP16 values (an int16 bit-pattern array) at element ``index``, widened exactly to float32."""
+def f16v_load(typingctx, arr, index):
+    """LANES FP16 values (an int16 bit-pattern array) at element ``index``, widened exactly to float32."""
 
     def codegen(context, builder, sig, args):
         halves = ir.VectorType(ir.HalfType(), LANES)
         return builder.fpext(builder.load(_element_ptr(context, builder, sig.args[0], args[0], args[1], halves), align=1), _VF32)
 
-    return F32x64(arr, index), codegen
+    return F32V(arr, index), codegen
 
 
 @intrinsic
-def bf16x64_load(typingctx, arr, index):
-    """64 BF16 values (an int16 bit-pattern array) at element ``index``, widened exactly to float32."""
+def bf16v_load(typingctx, arr, index):
+    """LANES BF16 values (an int16 bit-pattern array) at element ``index``, widened exactly to float32."""
 
     def codegen(context, builder, sig, args):
         v_i16 = ir.VectorType(_I16, LANES)
@@ -245,7 +249,7 @@ def bf16x64_load(typingctx, arr, index):
         widened = builder.shl(builder.zext(bits, _VI32), ir.Constant(_VI32, [16] * LANES))
         return builder.bitcast(widened, _VF32)
 
-    return F32x64(arr, index), codegen
+    return F32V(arr, index), codegen
 
 
 def _f32_binary(op_name):
@@ -261,19 +265,19 @@ def _f32_binary(op_name):
                 rhs = _splat(builder, rhs, _VF32)
             return getattr(builder, op_name)(lhs, rhs)
 
-        return F32x64(a, types.float32 if scalar_b else F32x64), codegen
+        return F32V(a, types.float32 if scalar_b else F32V), codegen
 
     return op
 
 
-f32x64_add = _f32_binary("fadd")
-f32x64_mul = _f32_binary("fmul")
-f32x64_add.__doc__ = "IEEE float32 a + b per lane (b: F32x64 or float32 scalar)."
-f32x64_mul.__doc__ = "IEEE float32 a * b per lane (b: F32x64 or float32 scalar)."
+f32v_add = _f32_binary("fadd")
+f32v_mul = _f32_binary("fmul")
+f32v_add.__doc__ = "IEEE float32 a + b per lane (b: F32V or float32 scalar)."
+f32v_mul.__doc__ = "IEEE float32 a * b per lane (b: F32V or float32 scalar)."
 
 
 @intrinsic
-def f32x64_canonical_nan(typingctx, value):
+def f32v_canonical_nan(typingctx, value):
     """Every NaN lane replaced by the canonical positive quiet NaN (0x7FC00000)."""
 
     def codegen(context, builder, sig, args):
@@ -281,4 +285,4 @@ def f32x64_canonical_nan(typingctx, value):
         nan = ir.Constant(_VF32, [float("nan")] * LANES)
         return builder.select(is_nan, nan, args[0])
 
-    return F32x64(value), codegen
+    return F32V(value), codegen

@@ -1,13 +1,13 @@
 """numba kernels for the MSD A16W4 matmul (lowbit.formats.wqbmm), bit-exact with the reference.
 
 Weight tiles (built once per weight by :func:`pack_weight_tiles`, cached by the op layer): the (K, N) int4
-weight as unsigned nibbles ``u = W + 8`` (0..15; padded columns hold 8, i.e. W = 0), in blocks of 64
-columns (``NB = ceil(N / 64)``), per block and K-group g, ``G / 8`` chunks of 256 bytes::
+weight as unsigned nibbles ``u = W + 8`` (0..15; padded columns hold 8, i.e. W = 0), in blocks of
+BLOCK_N = 32 columns (``NB = ceil(N / 32)``), per block and K-group g, ``G / 8`` chunks of 128 bytes::
 
     tiles[nb, g, p, lane, j] = u[k0 + j, col] | u[k0 + 4 + j, col] << 4
-    k0 = g * G + 8 * p,  col = 64 * nb + lane,  lane < 64,  j < 4
+    k0 = g * G + 8 * p,  col = 32 * nb + lane,  lane < 32,  j < 4
 
-so one chunk is 64 int32 lanes (one per column) whose low nibbles hold 4 consecutive k of one "quad" and
+so one chunk is 32 int32 lanes (one per column) whose low nibbles hold 4 consecutive k of one "quad" and
 whose high nibbles the next quad: two vpdpbusd per chunk and activation component.
 
 Activations (pre-process, :func:`_msd_preprocess`): per row m and group g the MSD components A1..A3 as
@@ -15,14 +15,14 @@ int8 (K values per component; 4 consecutive k read as one int32 "quad" operand),
 group holds a NaN or an infinity) and the component sums ``S_i``. Integer matmul of a group:
 ``Y_i = sum_k A_i[k] * (u[k] - 8) = dpbusd(A_i, u) - 8 * S_i``: exact in int32.
 
-Post-process (per group, per 64 columns, float32 in the reference's order, no FMA):
+Post-process (per group, per 32 columns, float32 in the reference's order, no FMA):
 ``c = (Y1 * R1 + Y2 * R2) + Y3 * R3``; ``acc = acc + (c * scale) * a_max``; skipped when a_max = 0.
 
 Templates (same numbers):
 
 * ``basic``: pre-process every row -> integer matmul of every (group, row, block) into the workspace
   (``Y_int``, 3 * M * (K/G) * N int32) -> post-process; each stage is a separate parallel loop.
-* ``preload``: pre-process, then one fused loop per 64-column block where each group's integer matmul
+* ``preload``: pre-process, then one fused loop per 32-column block where each group's integer matmul
   stays in registers and is post-processed at once (no ``Y_int``); the next group's weight chunk streams
   in while the previous one is post-processed.
 """
@@ -39,8 +39,12 @@ import torch
 from lowbit.kernels.cpu import _simd as simd
 from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, as_numpy, sync_threads
 
-BLOCK_N = simd.LANES  # columns per register tile
+BLOCK_N = simd.LANES  # columns per register tile (32)
+CHUNK_BYTES = 4 * BLOCK_N  # one weight chunk: BLOCK_N int32 lanes
 _ALIGN = 64
+# Helpers are inlined into the kernels at numba-IR level: no call boundary, no reference counting of the
+# arrays they are passed (which otherwise costs more than the arithmetic in the inner loops).
+_INLINE_OPTIONS = dict(NJIT_OPTIONS, inline="always")
 _F1 = np.float32(7.49)
 _F2 = np.float32(14.98)
 _R1 = np.float32(1.0) / _F1
@@ -50,7 +54,7 @@ TEMPLATES = ("basic", "preload")
 
 
 def padded_n(n: int) -> int:
-    """N rounded up to a whole number of 64-column blocks."""
+    """N rounded up to a whole number of BLOCK_N-column blocks."""
     return -(-n // BLOCK_N) * BLOCK_N
 
 
@@ -64,7 +68,7 @@ def pack_weight_tiles(weight: torch.Tensor, group_size: int) -> torch.Tensor:
     u = torch.full((k, npad), 8, dtype=torch.uint8)
     u[:, 0:n:2] = (weight & 0x0F) ^ 0x08  # two's-complement nibble + 8 == nibble xor 8
     u[:, 1:n:2] = (weight >> 4) ^ 0x08
-    # k = g*G + 8p + 4h + j ; col = 64*nb + lane
+    # k = g*G + 8p + 4h + j ; col = BLOCK_N*nb + lane
     u = u.reshape(k // group_size, group_size // 8, 2, 4, npad // BLOCK_N, BLOCK_N)
     u = u.permute(4, 0, 1, 5, 3, 2)  # (nb, g, p, lane, j, h)
     return (u[..., 0] | (u[..., 1] << 4)).contiguous().reshape(-1)
@@ -107,7 +111,7 @@ class WorkspaceLayout:
         return workspace[start : start + size].view(dtype).view(shape)
 
 
-@numba.njit(**NJIT_OPTIONS)
+@numba.njit(**_INLINE_OPTIONS)
 def _msd_preprocess_group(x32, m, g, group_size, a_i8, a_max, a_sum):
     """MSD components of row m, group g: a_i8[m, :, group], a_max[m, g], a_sum[m, :, g]."""
     k0 = g * group_size
@@ -159,50 +163,91 @@ def _msd_preprocess_serial(x32, group_size, a_i8, a_max, a_sum):
 _SERIAL_PREPROCESS_MAX = 1 << 16  # elements of x
 
 
-@numba.njit(**NJIT_OPTIONS)
+@numba.njit(**_INLINE_OPTIONS)
 def _group_dot(tiles, chunk0, chunks, a_quads, q1, q2, q3):
-    """dpbusd sums of one (64-column block, group): three I32x64 (before the -8 * S correction).
+    """dpbusd sums of one (BLOCK_N-column block, group): three I32V (before the -8 * S correction).
 
-    ``chunk0``: byte offset of the group's first 256-byte chunk; ``q1..q3``: index in ``a_quads`` (int32)
+    ``chunk0``: byte offset of the group's first chunk; ``q1..q3``: index in ``a_quads`` (int32)
     of the first quad of A1..A3 for this row and group.
     """
-    acc1 = simd.i32x64_zero()
-    acc2 = simd.i32x64_zero()
-    acc3 = simd.i32x64_zero()
+    acc1 = simd.i32v_zero()
+    acc2 = simd.i32v_zero()
+    acc3 = simd.i32v_zero()
     for p in range(chunks):
-        packed = simd.i32x64_load(tiles, chunk0 + 256 * p)
+        packed = simd.i32v_load(tiles, chunk0 + CHUNK_BYTES * p)
         low = simd.low_nibbles(packed)
         high = simd.high_nibbles(packed)
-        acc1 = simd.dpbusd(simd.dpbusd(acc1, low, a_quads[q1 + 2 * p]), high, a_quads[q1 + 2 * p + 1])
-        acc2 = simd.dpbusd(simd.dpbusd(acc2, low, a_quads[q2 + 2 * p]), high, a_quads[q2 + 2 * p + 1])
-        acc3 = simd.dpbusd(simd.dpbusd(acc3, low, a_quads[q3 + 2 * p]), high, a_quads[q3 + 2 * p + 1])
+        acc1 = simd.dpbusd(simd.dpbusd(acc1, low, a_quads, q1 + 2 * p), high, a_quads, q1 + 2 * p + 1)
+        acc2 = simd.dpbusd(simd.dpbusd(acc2, low, a_quads, q2 + 2 * p), high, a_quads, q2 + 2 * p + 1)
+        acc3 = simd.dpbusd(simd.dpbusd(acc3, low, a_quads, q3 + 2 * p), high, a_quads, q3 + 2 * p + 1)
     return acc1, acc2, acc3
 
 
-@numba.njit(**NJIT_OPTIONS)
+@numba.njit(**_INLINE_OPTIONS)
+def _group_dot_4rows(tiles, chunk0, chunks, a_quads, q0, row_stride, plane):
+    """:func:`_group_dot` of four rows at once: each weight chunk is unpacked once for all of them (12
+    accumulators, 24 AVX-512 registers). Row r's A1 quads start at ``q0 + r * row_stride``; A2/A3 follow
+    at ``+plane``, ``+2 * plane``. Returns the 12 tiles row by row."""
+    a1 = a2 = a3 = b1 = b2 = b3 = c1 = c2 = c3 = d1 = d2 = d3 = simd.i32v_zero()
+    qa, qb, qc, qd = q0, q0 + row_stride, q0 + 2 * row_stride, q0 + 3 * row_stride
+    p1, p2 = plane, 2 * plane
+    for p in range(chunks):
+        packed = simd.i32v_load(tiles, chunk0 + CHUNK_BYTES * p)
+        lo = simd.low_nibbles(packed)
+        hi = simd.high_nibbles(packed)
+        i = 2 * p
+        a1 = simd.dpbusd(simd.dpbusd(a1, lo, a_quads, qa + i), hi, a_quads, qa + i + 1)
+        a2 = simd.dpbusd(simd.dpbusd(a2, lo, a_quads, qa + p1 + i), hi, a_quads, qa + p1 + i + 1)
+        a3 = simd.dpbusd(simd.dpbusd(a3, lo, a_quads, qa + p2 + i), hi, a_quads, qa + p2 + i + 1)
+        b1 = simd.dpbusd(simd.dpbusd(b1, lo, a_quads, qb + i), hi, a_quads, qb + i + 1)
+        b2 = simd.dpbusd(simd.dpbusd(b2, lo, a_quads, qb + p1 + i), hi, a_quads, qb + p1 + i + 1)
+        b3 = simd.dpbusd(simd.dpbusd(b3, lo, a_quads, qb + p2 + i), hi, a_quads, qb + p2 + i + 1)
+        c1 = simd.dpbusd(simd.dpbusd(c1, lo, a_quads, qc + i), hi, a_quads, qc + i + 1)
+        c2 = simd.dpbusd(simd.dpbusd(c2, lo, a_quads, qc + p1 + i), hi, a_quads, qc + p1 + i + 1)
+        c3 = simd.dpbusd(simd.dpbusd(c3, lo, a_quads, qc + p2 + i), hi, a_quads, qc + p2 + i + 1)
+        d1 = simd.dpbusd(simd.dpbusd(d1, lo, a_quads, qd + i), hi, a_quads, qd + i + 1)
+        d2 = simd.dpbusd(simd.dpbusd(d2, lo, a_quads, qd + p1 + i), hi, a_quads, qd + p1 + i + 1)
+        d3 = simd.dpbusd(simd.dpbusd(d3, lo, a_quads, qd + p2 + i), hi, a_quads, qd + p2 + i + 1)
+    return a1, a2, a3, b1, b2, b3, c1, c2, c3, d1, d2, d3
+
+
+@numba.njit(**_INLINE_OPTIONS)
 def _load_half(bits, index, is_bf16):
     if is_bf16:
-        return simd.bf16x64_load(bits, index)
-    return simd.f16x64_load(bits, index)
+        return simd.bf16v_load(bits, index)
+    return simd.f16v_load(bits, index)
 
 
-@numba.njit(**NJIT_OPTIONS)
+@numba.njit(**_INLINE_OPTIONS)
 def _post_process(acc, y1, y2, y3, s1, s2, s3, amax, scale_bits, offset_bits, index, is_bf16, has_offset):
-    """acc + (c * scale) * a_max for one (row, group, 64 columns).
+    """acc + (c * scale) * a_max for one (row, group, BLOCK_N columns).
 
     ``y1..y3``: dpbusd sums (before the -8 * S correction), ``s1..s3``: the component sums S_i.
     """
-    f1 = simd.i32x64_to_f32x64(simd.i32x64_add_scalar(y1, np.int32(-8 * s1)))
-    f2 = simd.i32x64_to_f32x64(simd.i32x64_add_scalar(y2, np.int32(-8 * s2)))
-    f3 = simd.i32x64_to_f32x64(simd.i32x64_add_scalar(y3, np.int32(-8 * s3)))
+    f1 = simd.i32v_to_f32v(simd.i32v_add_scalar(y1, np.int32(-8 * s1)))
+    f2 = simd.i32v_to_f32v(simd.i32v_add_scalar(y2, np.int32(-8 * s2)))
+    f3 = simd.i32v_to_f32v(simd.i32v_add_scalar(y3, np.int32(-8 * s3)))
     if has_offset:
         offset = _load_half(offset_bits, index, is_bf16)
-        f1 = simd.f32x64_add(f1, simd.f32x64_mul(offset, np.float32(s1)))
-        f2 = simd.f32x64_add(f2, simd.f32x64_mul(offset, np.float32(s2)))
-        f3 = simd.f32x64_add(f3, simd.f32x64_mul(offset, np.float32(s3)))
-    c = simd.f32x64_add(simd.f32x64_add(simd.f32x64_mul(f1, _R1), simd.f32x64_mul(f2, _R2)), simd.f32x64_mul(f3, _R3))
-    term = simd.f32x64_mul(simd.f32x64_mul(c, _load_half(scale_bits, index, is_bf16)), amax)
-    return simd.f32x64_add(acc, term)
+        f1 = simd.f32v_add(f1, simd.f32v_mul(offset, np.float32(s1)))
+        f2 = simd.f32v_add(f2, simd.f32v_mul(offset, np.float32(s2)))
+        f3 = simd.f32v_add(f3, simd.f32v_mul(offset, np.float32(s3)))
+    c = simd.f32v_add(simd.f32v_add(simd.f32v_mul(f1, _R1), simd.f32v_mul(f2, _R2)), simd.f32v_mul(f3, _R3))
+    term = simd.f32v_mul(simd.f32v_mul(c, _load_half(scale_bits, index, is_bf16)), amax)
+    return simd.f32v_add(acc, term)
+
+
+@numba.njit(**_INLINE_OPTIONS)
+def _accumulate_row(y_flat, at, m, g, y1, y2, y3, a_max, a_sum, scale_bits, offset_bits, index, is_bf16, has_offset):
+    """y_flat[at : at + BLOCK_N] += this group's term for row m (nothing when a_max = 0)."""
+    amax = a_max[m, g]
+    if amax != 0:
+        acc = simd.f32v_load(y_flat, at)
+        acc = _post_process(
+            acc, y1, y2, y3, a_sum[m, 0, g], a_sum[m, 1, g], a_sum[m, 2, g], amax, scale_bits, offset_bits, index,
+            is_bf16, has_offset,
+        )
+        simd.f32v_store(y_flat, at, acc)
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
@@ -213,26 +258,26 @@ def _preload(tiles, a_quads, a_max, a_sum, scale_bits, offset_bits, group_size, 
     quads = groups * group_size // 4
     chunks = group_size // 8
     y_flat = y32.reshape(-1)
-    for nb in numba.prange(npad // 64):
+    for nb in numba.prange(npad // BLOCK_N):
         for m in range(m_rows):
-            simd.f32x64_store(y_flat, m * npad + 64 * nb, simd.f32x64_zero())
+            simd.f32v_store(y_flat, m * npad + BLOCK_N * nb, simd.f32v_zero())
         for g in range(groups):
-            chunk0 = (nb * groups + g) * chunks * 256
-            for m in range(m_rows):
+            chunk0 = (nb * groups + g) * chunks * CHUNK_BYTES
+            index = g * npad + BLOCK_N * nb
+            for m in range(0, m_rows - 3, 4):  # rows by fours, then one by one
+                q0 = m * 3 * quads + g * group_size // 4
+                y = _group_dot_4rows(tiles, chunk0, chunks, a_quads, q0, 3 * quads, quads)
+                _accumulate_row(y_flat, m * npad + BLOCK_N * nb, m, g, y[0], y[1], y[2], a_max, a_sum, scale_bits, offset_bits, index, is_bf16, has_offset)
+                _accumulate_row(y_flat, (m + 1) * npad + BLOCK_N * nb, m + 1, g, y[3], y[4], y[5], a_max, a_sum, scale_bits, offset_bits, index, is_bf16, has_offset)
+                _accumulate_row(y_flat, (m + 2) * npad + BLOCK_N * nb, m + 2, g, y[6], y[7], y[8], a_max, a_sum, scale_bits, offset_bits, index, is_bf16, has_offset)
+                _accumulate_row(y_flat, (m + 3) * npad + BLOCK_N * nb, m + 3, g, y[9], y[10], y[11], a_max, a_sum, scale_bits, offset_bits, index, is_bf16, has_offset)
+            for m in range(m_rows - m_rows % 4, m_rows):
                 q0 = m * 3 * quads + g * group_size // 4
                 y1, y2, y3 = _group_dot(tiles, chunk0, chunks, a_quads, q0, q0 + quads, q0 + 2 * quads)
-                amax = a_max[m, g]
-                if amax == 0:
-                    continue
-                row = m * npad + 64 * nb
-                acc = simd.f32x64_load(y_flat, row)
-                acc = _post_process(
-                    acc, y1, y2, y3, a_sum[m, 0, g], a_sum[m, 1, g], a_sum[m, 2, g], amax, scale_bits, offset_bits, g * npad + 64 * nb, is_bf16, has_offset
-                )
-                simd.f32x64_store(y_flat, row, acc)
+                _accumulate_row(y_flat, m * npad + BLOCK_N * nb, m, g, y1, y2, y3, a_max, a_sum, scale_bits, offset_bits, index, is_bf16, has_offset)
         for m in range(m_rows):
-            row = m * npad + 64 * nb
-            simd.f32x64_store(y_flat, row, simd.f32x64_canonical_nan(simd.f32x64_load(y_flat, row)))
+            row = m * npad + BLOCK_N * nb
+            simd.f32v_store(y_flat, row, simd.f32v_canonical_nan(simd.f32v_load(y_flat, row)))
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
@@ -243,16 +288,25 @@ def _basic_matmul(tiles, a_quads, group_size, y_int):
     chunks = group_size // 8
     y_flat = y_int.reshape(-1)
     plane = m_rows * groups * npad
-    for nb in numba.prange(npad // 64):
+    for nb in numba.prange(npad // BLOCK_N):
         for g in range(groups):
-            chunk0 = (nb * groups + g) * chunks * 256
-            for m in range(m_rows):
+            chunk0 = (nb * groups + g) * chunks * CHUNK_BYTES
+            for m in range(0, m_rows - 3, 4):  # rows by fours, then one by one
+                q0 = m * 3 * quads + g * group_size // 4
+                y = _group_dot_4rows(tiles, chunk0, chunks, a_quads, q0, 3 * quads, quads)
+                for r in range(4):
+                    _store_y_int(y_flat, ((m + r) * groups + g) * npad + BLOCK_N * nb, plane, y[3 * r], y[3 * r + 1], y[3 * r + 2])
+            for m in range(m_rows - m_rows % 4, m_rows):
                 q0 = m * 3 * quads + g * group_size // 4
                 y1, y2, y3 = _group_dot(tiles, chunk0, chunks, a_quads, q0, q0 + quads, q0 + 2 * quads)
-                at = (m * groups + g) * npad + 64 * nb
-                simd.i32x64_store(y_flat, at, y1)
-                simd.i32x64_store(y_flat, plane + at, y2)
-                simd.i32x64_store(y_flat, 2 * plane + at, y3)
+                _store_y_int(y_flat, (m * groups + g) * npad + BLOCK_N * nb, plane, y1, y2, y3)
+
+
+@numba.njit(**_INLINE_OPTIONS)
+def _store_y_int(y_flat, at, plane, y1, y2, y3):
+    simd.i32v_store(y_flat, at, y1)
+    simd.i32v_store(y_flat, plane + at, y2)
+    simd.i32v_store(y_flat, 2 * plane + at, y3)
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
@@ -261,21 +315,21 @@ def _basic_post_process(y_int, a_max, a_sum, scale_bits, offset_bits, is_bf16, h
     _, m_rows, groups, npad = y_int.shape
     y_flat = y_int.reshape(-1)
     plane = m_rows * groups * npad
-    for task in numba.prange(m_rows * (npad // 64)):
-        m, nb = task // (npad // 64), task % (npad // 64)
-        acc = simd.f32x64_zero()
+    for task in numba.prange(m_rows * (npad // BLOCK_N)):
+        m, nb = task // (npad // BLOCK_N), task % (npad // BLOCK_N)
+        acc = simd.f32v_zero()
         for g in range(groups):
             amax = a_max[m, g]
             if amax == 0:
                 continue
-            at = (m * groups + g) * npad + 64 * nb
-            y1 = simd.i32x64_load(y_flat, at)
-            y2 = simd.i32x64_load(y_flat, plane + at)
-            y3 = simd.i32x64_load(y_flat, 2 * plane + at)
+            at = (m * groups + g) * npad + BLOCK_N * nb
+            y1 = simd.i32v_load(y_flat, at)
+            y2 = simd.i32v_load(y_flat, plane + at)
+            y3 = simd.i32v_load(y_flat, 2 * plane + at)
             acc = _post_process(
-                acc, y1, y2, y3, a_sum[m, 0, g], a_sum[m, 1, g], a_sum[m, 2, g], amax, scale_bits, offset_bits, g * npad + 64 * nb, is_bf16, has_offset
+                acc, y1, y2, y3, a_sum[m, 0, g], a_sum[m, 1, g], a_sum[m, 2, g], amax, scale_bits, offset_bits, g * npad + BLOCK_N * nb, is_bf16, has_offset
             )
-        simd.f32x64_store(y32[m], 64 * nb, simd.f32x64_canonical_nan(acc))
+        simd.f32v_store(y32[m], BLOCK_N * nb, simd.f32v_canonical_nan(acc))
 
 
 def _padded_bits(t: torch.Tensor, layout: WorkspaceLayout, workspace: torch.Tensor, name: str) -> np.ndarray:
