@@ -161,6 +161,7 @@ def _msd_preprocess_serial(x32, group_size, a_i8, a_max, a_sum):
 
 
 _SERIAL_PREPROCESS_MAX = 1 << 16  # elements of x
+_PARALLEL_CHUNK = 4  # prange iterations (32-column blocks) a thread takes at a time
 
 
 @numba.njit(**_INLINE_OPTIONS)
@@ -371,6 +372,20 @@ def _msd_into(
     offset_bits = _padded_bits(antiquant_offset, layout, workspace, "offset") if has_offset else scale_bits
     is_bf16 = x.dtype == torch.bfloat16
     sync_threads()
+    # Column blocks are handed out in small chunks on demand (not split evenly up front), so a thread
+    # that the OS deschedules on a shared machine does not make the other one wait at the end.
+    previous_chunksize = numba.set_parallel_chunksize(_PARALLEL_CHUNK)
+    try:
+        _run_stages(x32, a_i8, a_max, a_sum, y32, tiles, scale_bits, offset_bits, is_bf16, has_offset, layout, workspace)
+    finally:
+        numba.set_parallel_chunksize(previous_chunksize)
+    out.copy_(y32[:, : layout.n])
+
+
+def _run_stages(x32, a_i8, a_max, a_sum, y32, tiles, scale_bits, offset_bits, is_bf16, has_offset, layout, workspace):
+    """Pre-process, then the stages of the layout's template (numba kernels on workspace views)."""
+    m, k, g = layout.m, layout.k, layout.group_size
+    groups = k // g
     a_np, amax_np, asum_np, y_np = as_numpy(a_i8), as_numpy(a_max), as_numpy(a_sum), as_numpy(y32)
     preprocess = _msd_preprocess_serial if m * k <= _SERIAL_PREPROCESS_MAX else _msd_preprocess
     preprocess(as_numpy(x32), g, a_np, amax_np, asum_np)
@@ -382,7 +397,6 @@ def _msd_into(
         y_int = as_numpy(layout.view(workspace, "y_int", torch.int32, (3, m, groups, padded_n(layout.n))))
         _basic_matmul(tiles_np, a_quads, g, y_int)
         _basic_post_process(y_int, amax_np, asum_np, scale_bits, offset_bits, is_bf16, has_offset, y_np)
-    out.copy_(y32[:, : layout.n])
 
 
 _TILE_CACHE: dict[int, tuple] = {}
