@@ -1,14 +1,15 @@
 """numba kernels for the MSD A16W4 matmul (lowbit.formats.wqbmm), bit-exact with the reference.
 
-Weight tiles (built once per weight by :func:`pack_weight_tiles`, cached by the op layer): the (K, N) int4
-weight as unsigned nibbles ``u = W + 8`` (0..15; padded columns hold 8, i.e. W = 0), in blocks of
-BLOCK_N = 32 columns (``NB = ceil(N / 32)``), per block and K-group g, ``G / 8`` chunks of 128 bytes::
+Weight tiles (built by :func:`pack_weight_tiles` once per weight tensor, see :func:`cached_weight_tiles`):
+the (K, N) int4 weight as unsigned nibbles ``u = W + 8`` (0..15; padded columns hold 8, i.e. W = 0), in
+blocks of BLOCK_N = 32 columns (``NB = ceil(N / 32)``), per block and K-group g, ``G / 8`` chunks of 128 bytes::
 
     tiles[nb, g, p, lane, j] = u[k0 + j, col] | u[k0 + 4 + j, col] << 4
     k0 = g * G + 8 * p,  col = 32 * nb + lane,  lane < 32,  j < 4
 
 so one chunk is 32 int32 lanes (one per column) whose low nibbles hold 4 consecutive k of one "quad" and
-whose high nibbles the next quad: two vpdpbusd per chunk and activation component.
+whose high nibbles the next quad: two vpdpbusd per chunk and activation component. Rows are processed
+four at a time (then one by one), so each chunk is unpacked once for four rows.
 
 Activations (pre-process, :func:`_msd_preprocess`): per row m and group g the MSD components A1..A3 as
 int8 (K values per component; 4 consecutive k read as one int32 "quad" operand), a_max (NaN when the
@@ -23,8 +24,8 @@ Templates (same numbers):
 * ``basic``: pre-process every row -> integer matmul of every (group, row, block) into the workspace
   (``Y_int``, 3 * M * (K/G) * N int32) -> post-process; each stage is a separate parallel loop.
 * ``preload``: pre-process, then one fused loop per 32-column block where each group's integer matmul
-  stays in registers and is post-processed at once (no ``Y_int``); the next group's weight chunk streams
-  in while the previous one is post-processed.
+  stays in registers and is post-processed at once (no ``Y_int``); the weight stream of the next group
+  overlaps the post-processing of this one (out-of-order execution and the hardware prefetcher).
 """
 
 from __future__ import annotations
@@ -50,7 +51,6 @@ _F2 = np.float32(14.98)
 _R1 = np.float32(1.0) / _F1
 _R2 = np.float32(1.0) / (_F1 * _F2)
 _R3 = np.float32(1.0) / (_F1 * _F2 * _F2)
-TEMPLATES = ("basic", "preload")
 
 
 def padded_n(n: int) -> int:
