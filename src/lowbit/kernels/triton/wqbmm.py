@@ -23,10 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_M = 16
-# Columns per program: 64 on a GPU; the interpreter (TRITON_INTERPRET=1) runs each program in Python, so
-# it gets fewer, wider ones. The numbers do not depend on the tiling.
-BLOCK_N = 64
+# Tile per program: (16, 64) on a GPU (tl.dot needs 16 rows there). The interpreter (TRITON_INTERPRET=1)
+# runs each program in Python with numpy's (BLAS-less) integer matmul, so it gets row tiles no taller than
+# the problem and wide column tiles. The numbers do not depend on the tiling.
+BLOCK_M, BLOCK_N = 16, 64
 INTERPRETER_BLOCK_N = 1024
 _F1, _F2 = 7.49, 14.98
 # float32 reciprocals as the reference computes them (Python would fold 7.49 * 14.98 in float64)
@@ -226,10 +226,12 @@ def wqbmm_into(
     offset = antiquant_offset if antiquant_offset is not None else antiquant_scale
     fusion = dict(enable_fp_fusion=False)
     _preprocess_kernel[(m, groups)](x, a_planes, amax, m, k, G=group_size, F1=_F1, F2=_F2, **fusion)
-    block_n = INTERPRETER_BLOCK_N if os.environ.get("TRITON_INTERPRET") == "1" else BLOCK_N
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, block_n))
+    block_m, block_n = BLOCK_M, BLOCK_N
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        block_m, block_n = min(BLOCK_M, triton.next_power_of_2(m)), INTERPRETER_BLOCK_N
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     args = (a_planes, amax, weight, antiquant_scale, offset, y32, yint, m, n, k, *_R)
-    meta = dict(G=group_size, BM=BLOCK_M, BN=block_n, HAS_OFFSET=antiquant_offset is not None)
+    meta = dict(G=group_size, BM=block_m, BN=block_n, HAS_OFFSET=antiquant_offset is not None)
     _matmul_kernel[grid](*args, STORE_YINT=template == "basic", **meta, **fusion)
     if template == "basic":
         _post_kernel[grid](a_planes, amax, antiquant_scale, offset, y32, yint, m, n, k, *_R, **meta, **fusion)
