@@ -81,7 +81,8 @@ def main() -> None:
         base_wall, base_cpu = wall["F.linear bf16"][0], cpu1["F.linear bf16"][0]
         for name in cases:
             (w, wmin), (c, cmin) = wall[name], cpu1[name]
-            print(f"| {m} | {name} | {w:.2f} ({wmin:.2f}) | {base_wall / w:.2f} | {c:.2f} ({cmin:.2f}) | {base_cpu / c:.2f} |")
+            print(f"| {m} | {name} | {w:.2f} ({wmin:.2f}) | {base_wall / w:.2f} "
+                  f"| {c:.2f} ({cmin:.2f}) | {base_cpu / c:.2f} |")
 
 
 if __name__ == "__main__":

@@ -92,7 +92,8 @@ def test_reference_multi_row_against_float64(m, groups, g, n, bf16, seed):
     dtype = torch.bfloat16 if bf16 else torch.float16
     xt, st_ = torch.from_numpy(x).to(dtype), torch.from_numpy(scale).to(dtype)
     y = ref.wqbmm_msd(xt, pack_int4(torch.from_numpy(w)), st_, None, g).to(torch.float64).numpy()
-    y64, bound = float64_matmul_and_bound(xt.double().numpy(), w, st_.double().numpy(), g, 2.0**-8 if bf16 else 2.0**-11)
+    half_ulp = 2.0**-8 if bf16 else 2.0**-11
+    y64, bound = float64_matmul_and_bound(xt.double().numpy(), w, st_.double().numpy(), g, half_ulp)
     assert np.all(np.abs(y - y64) <= bound)
 
 

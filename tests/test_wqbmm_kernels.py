@@ -43,7 +43,8 @@ def _draw_inputs(data, m, k, n, g, dtype, with_offset, edges):
             r, gi = data.draw(st.integers(0, m - 1)), data.draw(st.integers(0, k // g - 1))
             x[r, gi * g : (gi + 1) * g] = 0
         if data.draw(st.booleans(), label="special scale"):
-            scale[data.draw(st.integers(0, k // g - 1)), data.draw(st.integers(0, n - 1))] = data.draw(st.sampled_from(specials))
+            gi, col = data.draw(st.integers(0, k // g - 1)), data.draw(st.integers(0, n - 1))
+            scale[gi, col] = data.draw(st.sampled_from(specials))
     return x, weight, scale, offset
 
 
@@ -78,7 +79,8 @@ def test_weight_tiles_cache_follows_in_place_updates():
     first = run_cpu(x, weight, scale, None, 32, "preload")
     assert torch.equal(first, ref.wqbmm_msd(x, weight, scale, None, 32))
     weight.bitwise_xor_(0x11)  # bumps the version counter: tiles must be rebuilt
-    assert torch.equal(_bits(run_cpu(x, weight, scale, None, 32, "preload")), _bits(ref.wqbmm_msd(x, weight, scale, None, 32)))
+    expected = _bits(ref.wqbmm_msd(x, weight, scale, None, 32))
+    assert torch.equal(_bits(run_cpu(x, weight, scale, None, 32, "preload")), expected)
 
 
 @numba.njit

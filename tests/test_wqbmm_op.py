@@ -95,7 +95,10 @@ def test_out_errors():
 def test_opcheck_and_meta():
     x, weight, scale = _operands(m=2, k=128, n=64, g=32)
     offset = torch.ones(4, 64, dtype=torch.float16)
-    for args in [(x, weight, scale, None, 32, "msd", "preload", None), (x, weight, scale, offset, 32, "msd", "basic", "native")]:
+    for args in [
+        (x, weight, scale, None, 32, "msd", "preload", None),
+        (x, weight, scale, offset, 32, "msd", "basic", "native"),
+    ]:
         torch.library.opcheck(torch.ops.lowbit.weight_quant_batch_matmul.default, args)
     out = torch.empty(2, 64, dtype=torch.float16)
     torch.library.opcheck(torch.ops.lowbit.weight_quant_batch_matmul_out.default, (x, weight, scale, out, None, 32))

@@ -163,7 +163,9 @@ class VerifyResult:
     first: list  # (index, expected, actual, rdiff) of the first ``show`` mismatches
 
 
-def verify_arrays(output: np.ndarray, golden: np.ndarray, *, rtol=1e-6, atol=1e-9, error_tol=1e-3, show=101) -> VerifyResult:
+def verify_arrays(
+    output: np.ndarray, golden: np.ndarray, *, rtol=1e-6, atol=1e-9, error_tol=1e-3, show=101
+) -> VerifyResult:
     """The sample's verify_result.py decision, fixed (module docstring). Arrays: same size, float32."""
     if output.size != golden.size:
         raise ValueError(f"output has {output.size} elements but golden has {golden.size}")
@@ -190,13 +192,18 @@ def verify_files(output: Path, golden: Path, dtype: torch.dtype = torch.float16,
 def print_verify(result: VerifyResult, file=None) -> None:
     """The sample's printout, plus the totals it did not print."""
     for index, expected, actual, rdiff in result.first:
-        print(f"data index: {index:06d}, expected: {expected:-.9f}, actual: {actual:-.9f}, rdiff: {rdiff:-.6f}", file=file)
+        print(
+            f"data index: {index:06d}, expected: {expected:-.9f}, actual: {actual:-.9f}, rdiff: {rdiff:-.6f}",
+            file=file,
+        )
     print(f"mismatches: {result.mismatches}, errors: {result.errors} of {result.size}, "
           f"error ratio: {result.error_ratio:.4f}", file=file)
     print("test pass" if result.passed else "[ERROR] result error", file=file)
 
 
-def profile_sample(root: Path, templates=TEMPLATES, backend_names=("native", "reference"), repeats: int = 5) -> list[dict]:
+def profile_sample(
+    root: Path, templates=TEMPLATES, backend_names=("native", "reference"), repeats: int = 5
+) -> list[dict]:
     """Median time per (template, backend) of plan.run on input/, and a torch.profiler trace of each
     under output/profile/<template>_<backend>.json. Backends that cannot run here are skipped."""
     from torch.profiler import ProfilerActivity, profile
@@ -211,7 +218,8 @@ def profile_sample(root: Path, templates=TEMPLATES, backend_names=("native", "re
         for template in templates:
             try:
                 plan = plan_weight_quant_batch_matmul(
-                    meta.m, meta.k, meta.n, group_size=meta.group_size, template=template, dtype=x.dtype, backend=backend
+                    meta.m, meta.k, meta.n, group_size=meta.group_size, template=template, dtype=x.dtype,
+                    backend=backend,
                 )
             except backends.BackendUnavailable as exc:
                 print(f"skipping {template}/{backend}: {exc}", file=sys.stderr)
@@ -256,7 +264,7 @@ def example(root: Path, backend: str | None = None, meta: SampleMeta | None = No
         status |= 0 if result.passed else 1
     rows = profile_sample(root, backend_names=(backend or "auto",))
     print("[profile] basic vs preload (median us; traces under output/profile/)")
-    _print_rows([{"template": r["template"], "backend": r["backend"], "us": r["us"], "verify": verdicts[r["template"]]} for r in rows])
+    _print_rows([{**{k: r[k] for k in ("template", "backend", "us")}, "verify": verdicts[r["template"]]} for r in rows])
     return status
 
 

@@ -161,7 +161,8 @@ def _execute(fn, x, weight, scale, offset, group_size, template, workspace, out)
         return
     x2d = x.reshape(m, k).contiguous()
     out2d = out.view(m, n) if out.is_contiguous() else torch.empty(m, n, dtype=out.dtype, device=out.device)
-    fn(x2d, weight, scale.contiguous(), None if offset is None else offset.contiguous(), group_size, template, workspace, out2d)
+    offset = None if offset is None else offset.contiguous()
+    fn(x2d, weight, scale.contiguous(), offset, group_size, template, workspace, out2d)
     if out2d.data_ptr() != out.data_ptr():
         out.copy_(out2d.view(out.shape))
 
@@ -198,7 +199,9 @@ def _wqbmm_op(
 
 
 @_wqbmm_op.register_fake
-def _(x, weight, antiquant_scale, antiquant_offset=None, group_size=128, algorithm="msd", template="preload", backend=None):
+def _(
+    x, weight, antiquant_scale, antiquant_offset=None, group_size=128, algorithm="msd", template="preload", backend=None
+):
     _, _, n = _check_args(x, weight, antiquant_scale, antiquant_offset, group_size, algorithm, template)
     return x.new_empty(*x.shape[:-1], n)
 
@@ -221,7 +224,10 @@ def _wqbmm_out_op(
 
 
 @_wqbmm_out_op.register_fake
-def _(x, weight, antiquant_scale, out, antiquant_offset=None, group_size=128, algorithm="msd", template="preload", backend=None):
+def _(
+    x, weight, antiquant_scale, out, antiquant_offset=None, group_size=128, algorithm="msd", template="preload",
+    backend=None,
+):
     _, _, n = _check_args(x, weight, antiquant_scale, antiquant_offset, group_size, algorithm, template)
     _check_out(out, x, n)
 
@@ -304,7 +310,9 @@ class WqbmmPlan:
     ) -> torch.Tensor:
         """Execute the plan (the aclnn "Execute" stage); x must be (..., K) with M rows, of the plan's
         dtype and device. ``out`` / ``workspace``: reused tensors (allocated when None)."""
-        m, k, n = _check_args(x, weight, antiquant_scale, antiquant_offset, self.group_size, self.algorithm, self.template)
+        m, k, n = _check_args(
+            x, weight, antiquant_scale, antiquant_offset, self.group_size, self.algorithm, self.template
+        )
         if (m, k, n) != (self.m, self.k, self.n) or x.dtype != self.dtype or x.device != self.device:
             raise ShapeError(
                 f"{_OP}: plan is for (M, K, N) = {(self.m, self.k, self.n)} {self.dtype} on {self.device}, "

@@ -64,7 +64,8 @@ def _element_ptr(context, builder, arrty, arr, index, vector_type):
 def _splat(builder, scalar, vector_type):
     undef = ir.Constant(vector_type, None)
     first = builder.insert_element(undef, scalar, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(first, undef, ir.Constant(ir.VectorType(_I32, vector_type.count), [0] * vector_type.count))
+    zeros = ir.Constant(ir.VectorType(_I32, vector_type.count), [0] * vector_type.count)
+    return builder.shuffle_vector(first, undef, zeros)
 
 
 # ---- integer tiles -------------------------------------------------------------------------------------
@@ -126,7 +127,8 @@ def high_nibbles(typingctx, packed):
 def _dpbusd_portable(builder, acc, w, a_splat):
     """acc + per-lane dot product of 4 unsigned bytes of w with 4 signed bytes of a, in plain LLVM IR."""
     v_i8, v_i32 = ir.VectorType(_I8, 4 * LANES), ir.VectorType(_I32, 4 * LANES)
-    products = builder.mul(builder.zext(builder.bitcast(w, v_i8), v_i32), builder.sext(builder.bitcast(a_splat, v_i8), v_i32))
+    w_wide = builder.zext(builder.bitcast(w, v_i8), v_i32)
+    products = builder.mul(w_wide, builder.sext(builder.bitcast(a_splat, v_i8), v_i32))
     for j in range(4):
         lane_j = ir.Constant(_VI32, [4 * i + j for i in range(LANES)])
         acc = builder.add(acc, builder.shuffle_vector(products, ir.Constant(v_i32, None), lane_j))
@@ -234,7 +236,8 @@ def f16v_load(typingctx, arr, index):
 
     def codegen(context, builder, sig, args):
         halves = ir.VectorType(ir.HalfType(), LANES)
-        return builder.fpext(builder.load(_element_ptr(context, builder, sig.args[0], args[0], args[1], halves), align=1), _VF32)
+        ptr = _element_ptr(context, builder, sig.args[0], args[0], args[1], halves)
+        return builder.fpext(builder.load(ptr, align=1), _VF32)
 
     return F32V(arr, index), codegen
 

@@ -268,14 +268,30 @@ def _preload(tiles, a_quads, a_max, a_sum, scale_bits, offset_bits, group_size, 
             for m in range(0, m_rows - 3, 4):  # rows by fours, then one by one
                 q0 = m * 3 * quads + g * group_size // 4
                 y = _group_dot_4rows(tiles, chunk0, chunks, a_quads, q0, 3 * quads, quads)
-                _accumulate_row(y_flat, m * npad + BLOCK_N * nb, m, g, y[0], y[1], y[2], a_max, a_sum, scale_bits, offset_bits, index, is_bf16, has_offset)
-                _accumulate_row(y_flat, (m + 1) * npad + BLOCK_N * nb, m + 1, g, y[3], y[4], y[5], a_max, a_sum, scale_bits, offset_bits, index, is_bf16, has_offset)
-                _accumulate_row(y_flat, (m + 2) * npad + BLOCK_N * nb, m + 2, g, y[6], y[7], y[8], a_max, a_sum, scale_bits, offset_bits, index, is_bf16, has_offset)
-                _accumulate_row(y_flat, (m + 3) * npad + BLOCK_N * nb, m + 3, g, y[9], y[10], y[11], a_max, a_sum, scale_bits, offset_bits, index, is_bf16, has_offset)
+                at = m * npad + BLOCK_N * nb
+                _accumulate_row(
+                    y_flat, at, m, g, y[0], y[1], y[2],
+                    a_max, a_sum, scale_bits, offset_bits, index, is_bf16, has_offset,
+                )
+                _accumulate_row(
+                    y_flat, at + npad, m + 1, g, y[3], y[4], y[5],
+                    a_max, a_sum, scale_bits, offset_bits, index, is_bf16, has_offset,
+                )
+                _accumulate_row(
+                    y_flat, at + 2 * npad, m + 2, g, y[6], y[7], y[8],
+                    a_max, a_sum, scale_bits, offset_bits, index, is_bf16, has_offset,
+                )
+                _accumulate_row(
+                    y_flat, at + 3 * npad, m + 3, g, y[9], y[10], y[11],
+                    a_max, a_sum, scale_bits, offset_bits, index, is_bf16, has_offset,
+                )
             for m in range(m_rows - m_rows % 4, m_rows):
                 q0 = m * 3 * quads + g * group_size // 4
                 y1, y2, y3 = _group_dot(tiles, chunk0, chunks, a_quads, q0, q0 + quads, q0 + 2 * quads)
-                _accumulate_row(y_flat, m * npad + BLOCK_N * nb, m, g, y1, y2, y3, a_max, a_sum, scale_bits, offset_bits, index, is_bf16, has_offset)
+                _accumulate_row(
+                    y_flat, m * npad + BLOCK_N * nb, m, g, y1, y2, y3,
+                    a_max, a_sum, scale_bits, offset_bits, index, is_bf16, has_offset,
+                )
         for m in range(m_rows):
             row = m * npad + BLOCK_N * nb
             simd.f32v_store(y_flat, row, simd.f32v_canonical_nan(simd.f32v_load(y_flat, row)))
@@ -295,8 +311,12 @@ def _basic_matmul(tiles, a_quads, group_size, y_int):
             for m in range(0, m_rows - 3, 4):  # rows by fours, then one by one
                 q0 = m * 3 * quads + g * group_size // 4
                 y = _group_dot_4rows(tiles, chunk0, chunks, a_quads, q0, 3 * quads, quads)
-                for r in range(4):
-                    _store_y_int(y_flat, ((m + r) * groups + g) * npad + BLOCK_N * nb, plane, y[3 * r], y[3 * r + 1], y[3 * r + 2])
+                at = (m * groups + g) * npad + BLOCK_N * nb
+                step = groups * npad  # next row
+                _store_y_int(y_flat, at, plane, y[0], y[1], y[2])
+                _store_y_int(y_flat, at + step, plane, y[3], y[4], y[5])
+                _store_y_int(y_flat, at + 2 * step, plane, y[6], y[7], y[8])
+                _store_y_int(y_flat, at + 3 * step, plane, y[9], y[10], y[11])
             for m in range(m_rows - m_rows % 4, m_rows):
                 q0 = m * 3 * quads + g * group_size // 4
                 y1, y2, y3 = _group_dot(tiles, chunk0, chunks, a_quads, q0, q0 + quads, q0 + 2 * quads)
@@ -328,7 +348,8 @@ def _basic_post_process(y_int, a_max, a_sum, scale_bits, offset_bits, is_bf16, h
             y2 = simd.i32v_load(y_flat, plane + at)
             y3 = simd.i32v_load(y_flat, 2 * plane + at)
             acc = _post_process(
-                acc, y1, y2, y3, a_sum[m, 0, g], a_sum[m, 1, g], a_sum[m, 2, g], amax, scale_bits, offset_bits, g * npad + BLOCK_N * nb, is_bf16, has_offset
+                acc, y1, y2, y3, a_sum[m, 0, g], a_sum[m, 1, g], a_sum[m, 2, g], amax,
+                scale_bits, offset_bits, g * npad + BLOCK_N * nb, is_bf16, has_offset,
             )
         simd.f32v_store(y32[m], BLOCK_N * nb, simd.f32v_canonical_nan(acc))
 
@@ -376,7 +397,9 @@ def _msd_into(
     # that the OS deschedules on a shared machine does not make the other one wait at the end.
     previous_chunksize = numba.set_parallel_chunksize(_PARALLEL_CHUNK)
     try:
-        _run_stages(x32, a_i8, a_max, a_sum, y32, tiles, scale_bits, offset_bits, is_bf16, has_offset, layout, workspace)
+        _run_stages(
+            x32, a_i8, a_max, a_sum, y32, tiles, scale_bits, offset_bits, is_bf16, has_offset, layout, workspace
+        )
     finally:
         numba.set_parallel_chunksize(previous_chunksize)
     out.copy_(y32[:, : layout.n])
