@@ -13,9 +13,9 @@ from lowbit import backends
 from lowbit.cli.smoke._common import case_result
 from lowbit.formats import wqbmm as reference
 from lowbit.formats.int4 import unpack_int4
-from lowbit.ops.wqbmm import TEMPLATES, weight_quant_batch_matmul
+from lowbit.ops.wqbmm import DISPATCHER, TEMPLATES, weight_quant_batch_matmul
 
-NAME = "weight_quant_batch_matmul"
+NAME = "wqbmm"
 SEED = 2026
 M, K, N, G = 3, 512, 192, 128
 
@@ -52,7 +52,7 @@ def run(backend: str, device: torch.device) -> list[dict]:
                 )
                 results.append(
                     case_result(
-                        backend=backends.last_backend(NAME),
+                        backend=backends.last_backend(DISPATCHER.op),
                         input_dtype=dtype,
                         output=y,
                         reference=expected,
