@@ -72,6 +72,9 @@ def test_gen_data_multi_row_bf16(tmp_path):
     output, golden = tmp_path / "output/output_z.bin", tmp_path / "output/golden.bin"
     assert lowbit("verify", output, golden, "--dtype", "bfloat16") == 0
     assert not list(tmp_path.glob("**/.*.bin.*"))  # no temporary files left behind
+    assert lowbit("wqbmm", "run", "--dir", tmp_path, "--algorithm", "dequant") == 0
+    dequant = torch.from_numpy(np.fromfile(output, dtype=np.int16))
+    assert torch.equal(dequant, ref.wqbmm_dequant(x, weight, scale, None, 64).view(torch.int16).reshape(-1))
 
 
 def _write(path, values):
