@@ -147,3 +147,20 @@ def test_triton_kernels_equal_reference(data, m, g, n, bf16, with_offset, edges)
     expected = _bits(ref.wqbmm_msd(x, weight, scale, offset, g))
     for template in TEMPLATES:
         assert torch.equal(_bits(run_triton(x, weight, scale, offset, g, template)), expected), template
+
+
+@numba.njit
+def _widen_all(bits, is_bf16):
+    out = np.empty(bits.size, np.float32)
+    for i in range(0, bits.size, simd.LANES):
+        value = simd.bf16v_load(bits, i) if is_bf16 else simd.f16v_load(bits, i)
+        simd.f32v_store(out, i, value)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_half_loads_widen_every_pattern_exactly(dtype):
+    """The scale/offset loads: all 65536 FP16 and BF16 bit patterns against torch's conversion."""
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    widened = _widen_all(bits.numpy(), dtype == torch.bfloat16)
+    assert np.array_equal(widened.view(np.int32), bits.view(dtype).float().numpy().view(np.int32))

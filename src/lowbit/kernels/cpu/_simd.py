@@ -20,6 +20,7 @@ from __future__ import annotations
 from llvmlite import binding as llvm_binding
 from llvmlite import ir
 from numba import types
+from numba.core import config as numba_config
 from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
@@ -31,6 +32,10 @@ _ZMM_I32 = ir.VectorType(_I32, 16)
 
 
 def _host_has_vnni() -> bool:
+    """Whether numba compiles for this CPU (not a NUMBA_CPU_NAME / NUMBA_CPU_FEATURES override, e.g.
+    "generic" for portable caches) and it has AVX512-VNNI."""
+    if numba_config.CPU_NAME not in (None, "host") or numba_config.CPU_FEATURES:
+        return False
     features = llvm_binding.get_host_cpu_features()
     return bool(features.get("avx512vnni") and features.get("avx512bw") and features.get("avx512f"))
 
@@ -232,12 +237,27 @@ def f32v_store(typingctx, arr, index, value):
 
 @intrinsic
 def f16v_load(typingctx, arr, index):
-    """LANES FP16 values (an int16 bit-pattern array) at element ``index``, widened exactly to float32."""
+    """LANES FP16 values (an int16 bit-pattern array) at element ``index``, widened exactly to float32.
+
+    Integer IR only (no half type, so no F16C or libcall needed): the 15 magnitude bits shifted into
+    float32 position and scaled by 2**112 give every finite value exactly (subnormals included); exponent
+    31 becomes 255 (inf; NaN keeps its payload and is quieted, as the hardware conversion does); the sign
+    is copied.
+    """
 
     def codegen(context, builder, sig, args):
-        halves = ir.VectorType(ir.HalfType(), LANES)
-        ptr = _element_ptr(context, builder, sig.args[0], args[0], args[1], halves)
-        return builder.fpext(builder.load(ptr, align=1), _VF32)
+        v_i16 = ir.VectorType(_I16, LANES)
+        splat = lambda value: ir.Constant(_VI32, [value] * LANES)
+        ptr = _element_ptr(context, builder, sig.args[0], args[0], args[1], v_i16)
+        bits = builder.zext(builder.load(ptr, align=1), _VI32)
+        sign = builder.shl(builder.and_(bits, splat(0x8000)), splat(16))
+        magnitude = builder.shl(builder.and_(bits, splat(0x7FFF)), splat(13))
+        finite = builder.fmul(builder.bitcast(magnitude, _VF32), ir.Constant(_VF32, [2.0**112] * LANES))
+        inf_or_nan = builder.icmp_unsigned(">=", builder.and_(bits, splat(0x7C00)), splat(0x7C00))
+        is_nan = builder.icmp_unsigned(">", builder.and_(bits, splat(0x7FFF)), splat(0x7C00))
+        special = builder.or_(magnitude, builder.select(is_nan, splat(0x7FC00000), splat(0x7F800000)))
+        widened = builder.select(inf_or_nan, special, builder.bitcast(finite, _VI32))
+        return builder.bitcast(builder.or_(widened, sign), _VF32)
 
     return F32V(arr, index), codegen
 
