@@ -15,6 +15,7 @@ from lowbit.backends import (
 from lowbit.errors import DeviceError, DtypeError, ShapeError
 from lowbit.ops.hifloat4 import hifloat4_fake_quant, hifloat4_pack, hifloat4_unpack
 from lowbit.ops.hifloat8 import decode_from_hifloat8, encode_to_hifloat8
+from lowbit.ops.wqbmm import WqbmmPlan, plan_weight_quant_batch_matmul, weight_quant_batch_matmul
 
 try:
     __version__ = version("lowbit")
@@ -26,6 +27,7 @@ __all__ = [
     "DeviceError",
     "DtypeError",
     "ShapeError",
+    "WqbmmPlan",
     "decode_from_hifloat8",
     "encode_to_hifloat8",
     "get_backend",
@@ -33,6 +35,8 @@ __all__ = [
     "hifloat4_pack",
     "hifloat4_unpack",
     "last_backend",
+    "plan_weight_quant_batch_matmul",
     "set_backend",
     "use_backend",
+    "weight_quant_batch_matmul",
 ]

@@ -1,4 +1,4 @@
-"""The ``lowbit`` command: info, smoke, bench (and the WeightQuantBatchMatmul tool chain)."""
+"""The ``lowbit`` command: info, smoke, bench, and the WeightQuantBatchMatmul tool chain (wqbmm, verify)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 from lowbit import backends
 from lowbit.cli import bench as bench_pkg
 from lowbit.cli import smoke as smoke_pkg
+from lowbit.cli import wqbmm as wqbmm_cli
 
 BACKEND_CHOICES = list(backends.BACKENDS)
 
@@ -120,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
         _add_bench_arguments(p, module)
         selected = list(modules.items()) if module is None else [(name, module)]
         p.set_defaults(func=_cmd_bench, bench_modules=selected)
+
+    wqbmm_cli.add_subcommands(sub)  # wqbmm gen-data|run|profile|example, verify
     return parser
 
 
