@@ -133,20 +133,10 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([packed & 0x0F, packed >> 4], dim=-1).flatten(-2)
 
 
-def quantize(
-    x: torch.Tensor,
-    block_size: int = 32,
-    scale_rule: str = "floor",
-    rounding: str = "ta",
-    axis: int = -1,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """MXFP4-quantize ``x`` in blocks of ``block_size`` along ``axis``.
-
-    x: FP16/BF16/FP32, any device, ``x.shape[axis] % block_size == 0``. Returns ``(codes, scales)``, both
-    uint8 on x's device: codes with ``shape[axis] // 2`` (two E2M1 codes per byte, even element in the low
-    nibble), scales with ``shape[axis] // block_size`` (E8M0 bytes). Raises TypeError for other dtypes and
-    ValueError for a bad axis, block size, rule or rounding name.
-    """
+def quantized_shapes(
+    x: torch.Tensor, block_size: int, scale_rule: str, rounding: str, axis: int
+) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    """Validate :func:`quantize`'s arguments; return (codes shape, scales shape, axis in [0, x.dim()))."""
     if x.dtype not in INPUT_DTYPES:
         raise TypeError(f"mxfp4 quantize expects float16, bfloat16 or float32 input, got {x.dtype}")
     _check_block_size(block_size)
@@ -161,6 +151,52 @@ def quantize(
             f"mxfp4 quantize: size {k} of axis {axis} (shape {tuple(x.shape)}) is not a multiple of "
             f"block_size {block_size}"
         )
+    before, after = tuple(x.shape[:axis]), tuple(x.shape[axis + 1 :])
+    return before + (k // 2,) + after, before + (k // block_size,) + after, axis
+
+
+def dequantized_shape(
+    codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, axis: int
+) -> tuple[tuple[int, ...], int, int]:
+    """Validate :func:`dequantize`'s arguments (uint8 views); return (output shape, block size, axis)."""
+    if dtype not in OUTPUT_DTYPES:
+        raise TypeError(f"mxfp4 dequantize: unsupported output dtype {dtype}")
+    if codes.dim() == 0 or codes.dim() != scales.dim():
+        raise ValueError(
+            f"mxfp4 dequantize: codes {tuple(codes.shape)} and scales {tuple(scales.shape)} must have "
+            "the same, nonzero number of dimensions"
+        )
+    axis = _normalize_axis(axis, codes.dim())
+    k = 2 * codes.shape[axis]
+    n_blocks = scales.shape[axis]
+    block_size = k // n_blocks if n_blocks else 0
+    other_codes = codes.shape[:axis] + codes.shape[axis + 1 :]
+    other_scales = scales.shape[:axis] + scales.shape[axis + 1 :]
+    if other_codes != other_scales or block_size * n_blocks != k or block_size % 2 or (k and not n_blocks):
+        raise ValueError(
+            f"mxfp4 dequantize: codes {tuple(codes.shape)} and scales {tuple(scales.shape)} do not fit "
+            f"along axis {axis} (need 2 * codes.shape[axis] = an even multiple of scales.shape[axis])"
+        )
+    out_shape = tuple(codes.shape[:axis]) + (k,) + tuple(codes.shape[axis + 1 :])
+    return out_shape, block_size or 2, axis
+
+
+def quantize(
+    x: torch.Tensor,
+    block_size: int = 32,
+    scale_rule: str = "floor",
+    rounding: str = "ta",
+    axis: int = -1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP4-quantize ``x`` in blocks of ``block_size`` along ``axis``.
+
+    x: FP16/BF16/FP32, any device, ``x.shape[axis] % block_size == 0``. Returns ``(codes, scales)``, both
+    uint8 on x's device: codes with ``shape[axis] // 2`` (two E2M1 codes per byte, even element in the low
+    nibble), scales with ``shape[axis] // block_size`` (E8M0 bytes). Raises TypeError for other dtypes and
+    ValueError for a bad axis, block size, rule or rounding name.
+    """
+    _, _, axis = quantized_shapes(x, block_size, scale_rule, rounding, axis)
+    k = x.shape[axis]
     xt = x.movedim(axis, -1)
     blocks = xt.reshape(*xt.shape[:-1], k // block_size, block_size).to(torch.float64)
     finite = torch.isfinite(blocks).all(dim=-1)
@@ -184,28 +220,12 @@ def dequantize(
     ``shape[axis] * 2``; dtype FP16/BF16/FP32/FP64 (values outside the FP16 range become +-Inf there).
     """
     codes, scales = as_uint8(codes), as_uint8(scales)
-    if dtype not in OUTPUT_DTYPES:
-        raise TypeError(f"mxfp4 dequantize: unsupported output dtype {dtype}")
-    if codes.dim() == 0 or codes.dim() != scales.dim():
-        raise ValueError(
-            f"mxfp4 dequantize: codes {tuple(codes.shape)} and scales {tuple(scales.shape)} must have "
-            "the same, nonzero number of dimensions"
-        )
-    axis = _normalize_axis(axis, codes.dim())
-    k = 2 * codes.shape[axis]
+    _, block_size, axis = dequantized_shape(codes, scales, dtype, axis)
     n_blocks = scales.shape[axis]
-    other_codes = codes.shape[:axis] + codes.shape[axis + 1 :]
-    other_scales = scales.shape[:axis] + scales.shape[axis + 1 :]
-    block_size = k // n_blocks if n_blocks else 0
-    if other_codes != other_scales or block_size * n_blocks != k or block_size % 2 or (k and not n_blocks):
-        raise ValueError(
-            f"mxfp4 dequantize: codes {tuple(codes.shape)} and scales {tuple(scales.shape)} do not fit "
-            f"along axis {axis} (need 2 * codes.shape[axis] = an even multiple of scales.shape[axis])"
-        )
     ct = codes.movedim(axis, -1)
     st = scales.movedim(axis, -1)
     values = e2m1_values(torch.float64).to(codes.device)[unpack_nibbles(ct).long()]
-    values = values.reshape(*ct.shape[:-1], n_blocks, block_size or 2)
+    values = values.reshape(*ct.shape[:-1], n_blocks, block_size)
     scale = torch.exp2(st.to(torch.float64) - E8M0_BIAS)
     scale = torch.where(st == E8M0_NAN, math.nan, scale)
     out = (values * scale.unsqueeze(-1)).flatten(-2)

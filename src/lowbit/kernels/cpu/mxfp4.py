@@ -1,0 +1,269 @@
+"""numba MXFP4 quantize / dequantize, bit-exact with :mod:`lowbit.formats.mxfp4`.
+
+Quantize works on the integer bit patterns of the input, never on rounded floats:
+
+* block amax = max of ``bits & abs_mask`` (magnitudes of one float type order like their bit patterns);
+  ``amax >= nonfinite_bits`` means the block holds a NaN or Inf -> scale 0xFF, codes 0;
+* the amax is widened to FP32 bits (a shift for BF16, a table for FP16) and the scale byte is
+  ``E - 2 + bump(M)`` from its exponent field E and fraction M (0 when E == 0), clamped (module rules);
+* each element's code is the number of E2M1 midpoints it passes: ``sum_j |bits| >= thr[byte, j]`` where
+  ``thr[byte, j]`` is the smallest magnitude (as bits of the input type) that rounds past midpoint j at
+  that scale (precomputed exactly per input dtype and rounding mode), plus the sign in bit 3.
+
+Dequantize is a gather from a (256, 16) table of output bit patterns built by the reference.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numba
+import numpy as np
+import torch
+
+from lowbit.formats import mxfp4 as ref
+from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, as_numpy, sync_threads
+
+_RULE_ID = {name: i for i, name in enumerate(ref.SCALE_RULES)}  # floor, nearest, even, ceil, rceil
+_BITS_DTYPE = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+_ABS_MASK = {torch.bfloat16: 0x7FFF, torch.float16: 0x7FFF, torch.float32: 0x7FFFFFFF}
+_NONFINITE_BITS = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00, torch.float32: 0x7F800000}
+_PAIRS = {torch.bfloat16: (torch.int32, 16), torch.float16: (torch.int32, 16), torch.float32: (torch.int64, 32)}
+_UNSIGNED = {torch.int32: np.uint32, torch.int64: np.uint64}
+_BLOCKS_PER_TASK = 256
+
+
+@functools.cache
+def _amax_to_fp32_bits(dtype: torch.dtype) -> np.ndarray:
+    """FP32 bit pattern of every non-negative 16-bit pattern of ``dtype``; empty for FP32 (identity)."""
+    if dtype == torch.float32:
+        return np.zeros(0, dtype=np.int32)
+    patterns = torch.arange(0x8000, dtype=torch.int32).to(torch.int16).view(dtype)
+    return patterns.float().view(torch.int32).numpy().copy()
+
+
+@functools.cache
+def _thresholds(dtype: torch.dtype, rounding: str) -> np.ndarray:
+    """(256, 7) bits of the smallest ``dtype`` magnitude that rounds past each midpoint, per scale byte.
+
+    Unsigned, of the width of the kernel's pair words (uint32 for FP16/BF16, uint64 for FP32).
+    """
+    bits_dtype = _BITS_DTYPE[dtype]
+    scale = torch.exp2(torch.arange(256, dtype=torch.float64) - ref.E8M0_BIAS).unsqueeze(1)
+    midpoints = torch.tensor(ref.E2M1_MIDPOINTS, dtype=torch.float64)
+    strict = torch.tensor([rounding == "rne" and not up for up in ref._RNE_TIE_ROUNDS_UP])
+    target = scale * midpoints  # exact
+    candidate = target.to(dtype)  # nearest; then step up (bits + 1) until it satisfies the predicate
+    for _ in range(2):
+        value = candidate.to(torch.float64)
+        short = torch.where(strict, value <= target, value < target)
+        stepped = (candidate.view(bits_dtype) + short.to(bits_dtype)).view(dtype)
+        candidate = torch.where(short, stepped, candidate)
+    unsigned = _UNSIGNED[_PAIRS[dtype][0]]
+    return candidate.view(bits_dtype).numpy().astype(unsigned)
+
+
+@functools.cache
+def _dequant_table(dtype: torch.dtype) -> np.ndarray:
+    """(256, 16) output values (as bits for FP16/BF16) of every (scale byte, code) pair, from the reference."""
+    codes = torch.arange(16, dtype=torch.uint8)
+    packed = ref.pack_nibbles(codes).expand(256, 8)
+    scales = torch.arange(256, dtype=torch.int32).to(torch.uint8).unsqueeze(1).expand(256, 1)
+    table = ref.dequantize(packed, scales.reshape(256, 1), dtype=dtype)
+    return as_numpy(table.contiguous()).copy()
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _scale_byte(amax_fp32_bits, rule):
+    """E8M0 byte of a finite block from the FP32 bits of its amax (module docstring, scale rules)."""
+    exponent = amax_fp32_bits >> 23
+    fraction = amax_fp32_bits & 0x7FFFFF
+    if exponent == 0:  # zero or FP32-subnormal amax: shared exponent below -127
+        return 0
+    bump = 0
+    if rule == 1:  # nearest: significand >= sqrt(2)
+        bump = 1 if (0x800000 + fraction) ** 2 >= (1 << 47) else 0
+    elif rule == 2:  # even: significand > 1.75
+        bump = 1 if fraction > 0x600000 else 0
+    elif rule == 3:  # ceil: significand > 1
+        bump = 1 if fraction > 0 else 0
+    elif rule == 4:  # rceil: significand > 1.5
+        bump = 1 if fraction > 0x400000 else 0
+    return min(max(exponent - 2 + bump, 0), 254 if rule == 4 else 252)
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _quantize_task(pairs, width, abs_mask, nonfinite_bits, to_fp32, rule, thr, ppb, codes, scales, scratch):
+    """Quantize one run of whole blocks of ``2 * ppb`` elements (``ppb`` pairs per block).
+
+    pairs: (ppb * nb,) uint32 (two FP16/BF16 patterns) or uint64 (two FP32 patterns), element 2i in the
+    low half; codes: (ppb * nb,) uint8; scales: (nb,) uint8; scratch: (ppb * nb,) of pairs' dtype.
+    Pass 1 takes the larger magnitude of each pair; pass 2 reduces each block's run to its amax (halving
+    the whole list in long loops that vectorize when ppb is a power of two); pass 3 sets the scale bytes;
+    pass 4 counts the midpoints each element passes.
+    """
+    nb = scales.size
+    n = pairs.size
+    for i in range(n):
+        w = pairs[i]
+        scratch[i] = max(w & abs_mask, (w >> width) & abs_mask)
+    if ppb & (ppb - 1) == 0:
+        while n > nb:
+            n //= 2
+            for i in range(n):
+                scratch[i] = max(scratch[2 * i], scratch[2 * i + 1])
+    else:
+        for b in range(nb):
+            amax = scratch[b * ppb]
+            for i in range(b * ppb + 1, (b + 1) * ppb):
+                amax = max(amax, scratch[i])
+            scratch[b] = amax
+    for b in range(nb):
+        amax = scratch[b]
+        if amax >= nonfinite_bits:
+            scales[b] = 0xFF
+        else:
+            scales[b] = _scale_byte(np.int64(to_fp32[amax]) if to_fp32.size else np.int64(amax), rule)
+    one = abs_mask - abs_mask + 1  # constants in the pair word type keep every operation vectorizable
+    sign_lo = width - one
+    sign_hi = width + width - one
+    for b in range(nb):
+        byte = scales[b]
+        if ppb == 16:  # MX blocks of 32: a constant trip count lets LLVM emit exactly one vector pass
+            _encode_run(pairs, codes, np.uint64(b) * np.uint64(16), np.uint64(16), width, abs_mask, thr, byte)
+        else:
+            _encode_run(pairs, codes, np.uint64(b) * np.uint64(ppb), np.uint64(ppb), width, abs_mask, thr, byte)
+
+
+@numba.njit(inline="always", **NJIT_OPTIONS)
+def _encode_run(pairs, codes, start, count, width, abs_mask, thr, byte):
+    """codes[i] = the two E2M1 codes of pairs[i] for i in [start, start + count) at scale ``byte``."""
+    if byte == 0xFF:
+        for i in range(start, start + count):
+            codes[i] = 0
+        return
+    one = abs_mask - abs_mask + 1  # constants in the pair word type keep every operation vectorizable
+    sign_lo = width - one
+    sign_hi = width + width - one
+    t0, t1, t2, t3 = thr[byte, 0], thr[byte, 1], thr[byte, 2], thr[byte, 3]
+    t4, t5, t6 = thr[byte, 4], thr[byte, 5], thr[byte, 6]
+    for i in range(start, start + count):  # unsigned indices: no wrap-around checks
+        w = pairs[i]
+        a = w & abs_mask
+        c_lo = ((w >> sign_lo) << 3) + (a >= t0) + (a >= t1) + (a >= t2) + (a >= t3) + (a >= t4) + (a >= t5) + (a >= t6)
+        a = (w >> width) & abs_mask
+        c_hi = ((w >> sign_hi) << 3) + (a >= t0) + (a >= t1) + (a >= t2) + (a >= t3) + (a >= t4) + (a >= t5) + (a >= t6)
+        codes[i] = np.uint8((c_lo & 0xF) | (c_hi << 4))
+
+
+@numba.njit(**PARALLEL_NJIT_OPTIONS)
+def _quantize_blocks(pairs, width, abs_mask, nonfinite_bits, to_fp32, rule, thr, ppb, codes, scales):
+    """Quantize all blocks (``ppb`` pairs each), in parallel tasks of _BLOCKS_PER_TASK blocks."""
+    n_blocks = scales.size
+    n_tasks = (n_blocks + _BLOCKS_PER_TASK - 1) // _BLOCKS_PER_TASK
+    for task in numba.prange(n_tasks):
+        first = task * _BLOCKS_PER_TASK
+        stop = min(n_blocks, first + _BLOCKS_PER_TASK)
+        scratch = np.empty(ppb * (stop - first), dtype=pairs.dtype)
+        _quantize_task(
+            pairs[ppb * first : ppb * stop], width, abs_mask, nonfinite_bits, to_fp32, rule, thr, ppb,
+            codes[ppb * first : ppb * stop], scales[first:stop], scratch,
+        )
+
+
+@numba.njit(**PARALLEL_NJIT_OPTIONS)
+def _dequantize_blocks(codes, scales, table, block_size, out):
+    """out[2i], out[2i+1] = table[scale byte, low / high nibble of codes[i]], block by block."""
+    n_blocks = scales.size
+    half = block_size // 2
+    n_tasks = (n_blocks + _BLOCKS_PER_TASK - 1) // _BLOCKS_PER_TASK
+    for task in numba.prange(n_tasks):
+        stop = min(n_blocks, (task + 1) * _BLOCKS_PER_TASK)
+        for b in range(task * _BLOCKS_PER_TASK, stop):
+            row = table[scales[b]]
+            for i in range(half):
+                byte = codes[b * half + i]
+                out[b * block_size + 2 * i] = row[byte & 0x0F]
+                out[b * block_size + 2 * i + 1] = row[byte >> 4]
+
+
+def quantize(
+    x: torch.Tensor,
+    block_size: int = 32,
+    scale_rule: str = "floor",
+    rounding: str = "ta",
+    axis: int = -1,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as :func:`lowbit.formats.mxfp4.quantize`, for CPU tensors.
+
+    ``out``: optional preallocated contiguous (codes, scales) uint8 CPU tensors of the result shapes
+    (only for ``axis`` = last); they are filled and returned.
+    """
+    codes_shape, scales_shape, axis = ref.quantized_shapes(x, block_size, scale_rule, rounding, axis)
+    if x.device.type != "cpu":
+        raise ValueError(f"numba mxfp4 quantize needs a CPU tensor, got device {x.device}")
+    last = axis == x.dim() - 1
+    xt = x.contiguous() if last else x.movedim(axis, -1).contiguous()
+    moved_codes = codes_shape if last else _moved(codes_shape, axis)
+    moved_scales = scales_shape if last else _moved(scales_shape, axis)
+    if out is not None:
+        codes, scales = out
+        _check_out(codes, moved_codes, "codes")
+        _check_out(scales, moved_scales, "scales")
+        if not last:
+            raise ValueError("out= is only supported for axis = -1")
+    else:
+        codes = torch.empty(moved_codes, dtype=torch.uint8)
+        scales = torch.empty(moved_scales, dtype=torch.uint8)
+    if xt.numel():
+        sync_threads()
+        pair_dtype, width = _PAIRS[x.dtype]
+        _quantize_blocks(
+            xt.reshape(-1).view(pair_dtype).numpy().view(_UNSIGNED[pair_dtype]),
+            _UNSIGNED[pair_dtype](width),
+            _UNSIGNED[pair_dtype](_ABS_MASK[x.dtype]),
+            _UNSIGNED[pair_dtype](_NONFINITE_BITS[x.dtype]),
+            _amax_to_fp32_bits(x.dtype),
+            _RULE_ID[scale_rule],
+            _thresholds(x.dtype, rounding),
+            block_size // 2,
+            codes.view(-1).numpy(),
+            scales.view(-1).numpy(),
+        )
+    if last:
+        return codes, scales
+    return codes.movedim(-1, axis).contiguous(), scales.movedim(-1, axis).contiguous()
+
+
+def dequantize(
+    codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16, axis: int = -1
+) -> torch.Tensor:
+    """Same contract as :func:`lowbit.formats.mxfp4.dequantize`, for CPU tensors."""
+    codes, scales = ref.as_uint8(codes), ref.as_uint8(scales)
+    out_shape, block_size, axis = ref.dequantized_shape(codes, scales, dtype, axis)
+    if codes.device.type != "cpu" or scales.device.type != "cpu":
+        raise ValueError(f"numba mxfp4 dequantize needs CPU tensors, got {codes.device} and {scales.device}")
+    last = axis == codes.dim() - 1
+    ct = codes.contiguous() if last else codes.movedim(axis, -1).contiguous()
+    st = scales.contiguous() if last else scales.movedim(axis, -1).contiguous()
+    out = torch.empty(out_shape if last else _moved(out_shape, axis), dtype=dtype)
+    if out.numel():
+        sync_threads()
+        _dequantize_blocks(
+            ct.view(-1).numpy(), st.view(-1).numpy(), _dequant_table(dtype), block_size, as_numpy(out).reshape(-1)
+        )
+    return out if last else out.movedim(-1, axis).contiguous()
+
+
+def _moved(shape: tuple[int, ...], axis: int) -> tuple[int, ...]:
+    """``shape`` with dimension ``axis`` moved last."""
+    return shape[:axis] + shape[axis + 1 :] + (shape[axis],)
+
+
+def _check_out(t: torch.Tensor, shape: tuple[int, ...], name: str) -> None:
+    if t.dtype != torch.uint8 or tuple(t.shape) != shape or not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError(
+            f"out {name} must be a contiguous uint8 CPU tensor of shape {shape}, got {t.dtype} "
+            f"{tuple(t.shape)} on {t.device}"
+        )
