@@ -1,0 +1,1 @@
+"""The ``lowbit`` command line."""

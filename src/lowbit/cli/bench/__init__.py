@@ -1,0 +1,39 @@
+"""``lowbit bench``: throughput and latency against baselines measured in the same run.
+
+Each operator's module (``lowbit/cli/bench/<op>.py``) defines ``NAME``, ``run(args) -> list[dict]``
+and optionally ``add_arguments(parser)``; rows are printed as a table or JSON.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from types import ModuleType
+
+
+def benches() -> dict[str, ModuleType]:
+    """Benchmark modules by operator name, discovered in this package (modules not starting with '_')."""
+    found = {}
+    for info in pkgutil.iter_modules(__path__):
+        if not info.name.startswith("_"):
+            module = importlib.import_module(f"{__name__}.{info.name}")
+            found[module.NAME] = module
+    return dict(sorted(found.items()))
+
+
+def format_table(rows: list[dict]) -> str:
+    """Rows (dicts with the same keys, in order) as an aligned text table; floats to 4 significant digits."""
+    if not rows:
+        return "(no rows)"
+    keys = list(rows[0])
+    for row in rows[1:]:
+        keys += [k for k in row if k not in keys]
+
+    def cell(v) -> str:
+        return f"{v:.4g}" if isinstance(v, float) else ("" if v is None else str(v))
+
+    table = [keys] + [[cell(row.get(k)) for k in keys] for row in rows]
+    widths = [max(len(r[i]) for r in table) for i in range(len(keys))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in table]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)

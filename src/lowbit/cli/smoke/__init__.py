@@ -1,0 +1,99 @@
+"""``lowbit smoke``: does each operator's hardware path really work here? JSON verdict + exit code.
+
+Exit codes (upstream contract): 0 every contract holds; 1 a contract is broken; 2 the check cannot run
+(device missing, backend unavailable, import failure). Reports go to stdout; on exit 2 an error object
+``{"requested_backend", "hardware_path_verified": false, "error"}`` goes to stderr.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from types import ModuleType
+
+import torch
+
+from lowbit.backends import BackendUnavailable
+from lowbit.cli.smoke import _common
+
+EXIT_OK, EXIT_CONTRACT_BROKEN, EXIT_CANNOT_RUN = 0, 1, 2
+
+# Errors that mean "cannot run here" rather than "ran and broke a contract".
+CANNOT_RUN_ERRORS = (BackendUnavailable, ImportError, OSError, RuntimeError, ValueError)
+
+
+def checks() -> dict[str, ModuleType]:
+    """Smoke modules by operator name, discovered in this package (modules not starting with '_')."""
+    found = {}
+    for info in pkgutil.iter_modules(__path__):
+        if not info.name.startswith("_"):
+            module = importlib.import_module(f"{__name__}.{info.name}")
+            found[module.NAME] = module
+    return dict(sorted(found.items()))
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' -> cuda:0, else npu:0, else cpu; otherwise the named device, which must exist."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda:0")
+        if hasattr(torch, "npu") and torch.npu.is_available():  # type: ignore[attr-defined]
+            return torch.device("npu:0")
+        return torch.device("cpu")
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise BackendUnavailable(f"device {name}: CUDA is not available")
+        if (device.index or 0) >= torch.cuda.device_count():
+            raise BackendUnavailable(f"device {name}: only {torch.cuda.device_count()} CUDA device(s)")
+    elif device.type == "npu":
+        try:
+            import torch_npu  # noqa: F401
+        except ImportError as exc:
+            raise BackendUnavailable(f"device {name}: torch_npu is not importable ({exc})") from exc
+    elif device.type != "cpu":
+        raise BackendUnavailable(f"device {name}: unsupported device type {device.type!r}")
+    return device
+
+
+def run_one(module: ModuleType, backend: str, device: torch.device) -> tuple[dict, int]:
+    """Run one operator's check; returns (report without environment, exit code)."""
+    try:
+        with torch.inference_mode():
+            results = module.run(backend, device)
+    except CANNOT_RUN_ERRORS as exc:
+        return {"op": module.NAME, "hardware_path_verified": False, "error": f"{type(exc).__name__}: {exc}"}, EXIT_CANNOT_RUN
+    ok = _common.contracts_hold(results)
+    report = {
+        "op": module.NAME,
+        "hardware_path_verified": _common.hardware_path_verified(results, device),
+        "results": results,
+    }
+    return report, EXIT_OK if ok else EXIT_CONTRACT_BROKEN
+
+
+def run(op: str, backend: str, device_name: str) -> tuple[dict, int]:
+    """Run ``op`` (or 'all') and build the report; returns (report, exit code).
+
+    The report always has ``requested_backend`` and ``hardware_path_verified``; on success also
+    ``environment`` and ``results`` (one op) or ``ops`` (all); when the check cannot run, ``error``.
+    """
+    available = checks()
+    if op != "all" and op not in available:
+        raise ValueError(f"unknown operator {op!r}; expected one of: all, {', '.join(available)}")
+    try:
+        device = resolve_device(device_name)
+    except (BackendUnavailable, RuntimeError, ValueError) as exc:
+        return {"requested_backend": backend, "hardware_path_verified": False, "error": str(exc)}, EXIT_CANNOT_RUN
+    selected = list(available.values()) if op == "all" else [available[op]]
+    reports, codes = zip(*(run_one(m, backend, device) for m in selected))
+    report = {
+        "requested_backend": backend,
+        "hardware_path_verified": all(r["hardware_path_verified"] for r in reports),
+        "environment": _common.environment(device),
+    }
+    if op == "all":
+        report["ops"] = list(reports)
+    else:
+        report.update({k: v for k, v in reports[0].items() if k != "hardware_path_verified"})
+    return report, max(codes)

@@ -1,0 +1,1 @@
+"""Drop-in modules built on lowbit's operators."""

@@ -1,0 +1,1 @@
+"""Public operators, registered as torch.library custom ops under ``torch.ops.lowbit``."""

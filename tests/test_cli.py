@@ -1,0 +1,103 @@
+"""The lowbit command: smoke verdicts and exit codes, info, bench plumbing."""
+
+import json
+
+import pytest
+import torch
+
+from lowbit.cli import main as cli
+from lowbit.cli.smoke import _common
+from lowbit.cli.smoke import hifloat8 as hifloat8_smoke
+
+
+def run_cli(capsys, *argv):
+    code = cli.main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_smoke_hifloat8_native_cpu_verifies_the_cpu_path(capsys):
+    code, out, err = run_cli(capsys, "smoke", "hifloat8", "--backend", "native", "--device", "cpu")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["requested_backend"] == "native"
+    assert report["hardware_path_verified"] is True
+    assert report["environment"]["device"] == "cpu"
+    assert [r["input_dtype"] for r in report["results"]] == ["float16", "bfloat16"]
+    for r in report["results"]:
+        assert r["backend"] == "native" and r["matches_reference"] and r["shape_preserved"]
+        assert r["max_abs_error"] == 4.0  # 100 -> 96 is the largest error of the smoke input
+
+
+def test_smoke_reference_backend_is_not_a_hardware_path(capsys):
+    code, out, _ = run_cli(capsys, "smoke", "hifloat8", "--backend", "reference", "--device", "cpu")
+    assert code == 0
+    report = json.loads(out)
+    assert report["hardware_path_verified"] is False
+    assert {r["backend"] for r in report["results"]} == {"reference"}
+
+
+def test_smoke_all_covers_every_operator(capsys):
+    from lowbit.cli.smoke import checks
+
+    code, out, _ = run_cli(capsys, "smoke", "all", "--device", "cpu")
+    report = json.loads(out)
+    assert [r["op"] for r in report["ops"]] == list(checks())
+    assert code == 0 and report["hardware_path_verified"] is True
+    assert all("error" not in r for r in report["ops"])
+
+
+def test_smoke_missing_device_exits_2_with_error_on_stderr(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    code, out, err = run_cli(capsys, "smoke", "hifloat8", "--device", "cuda:0")
+    assert code == 2 and out == ""
+    error = json.loads(err)
+    assert error["hardware_path_verified"] is False and "CUDA" in error["error"]
+    assert list(error) == sorted(error)
+
+
+def test_smoke_broken_contract_exits_1(capsys, monkeypatch):
+    real = hifloat8_smoke.decode_from_hifloat8
+    monkeypatch.setattr(hifloat8_smoke, "decode_from_hifloat8", lambda *a, **k: real(*a, **k) + 1)
+    code, out, _ = run_cli(capsys, "smoke", "hifloat8", "--device", "cpu")
+    report = json.loads(out)
+    assert code == 1 and report["hardware_path_verified"] is False
+    assert not any(r["matches_reference"] for r in report["results"])
+
+
+def test_smoke_input_matches_upstream():
+    x = hifloat8_smoke.smoke_input(torch.float16)
+    assert x.shape == (36,) and x[1].item() == 0 and torch.signbit(x[1])
+    assert x[19].item() == -torch.finfo(torch.float16).tiny
+    expected_random = torch.randn(16, generator=torch.Generator().manual_seed(2026)).to(torch.float16)
+    assert torch.equal(x[20:], expected_random)
+
+
+def test_hardware_path_is_never_verified_by_the_triton_interpreter(monkeypatch):
+    results = [{"backend": "native", **{k: True for k in _common.CONTRACT_KEYS}}]
+    assert _common.hardware_path_verified(results, torch.device("cpu"))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not _common.hardware_path_verified(results, torch.device("cuda:0"))
+
+
+def test_info_lists_every_operator(capsys):
+    code, out, _ = run_cli(capsys, "info")
+    report = json.loads(out)
+    assert code == 0
+    assert report["operators"]["encode_to_hifloat8"]["cpu"]["backend"] == "native"
+    assert "torch" in report["environment"]
+
+
+def test_bench_table_formatting():
+    from lowbit.cli.bench import format_table
+
+    text = format_table([{"what": "memcpy", "GB/s": 31.234567}, {"what": "encode", "GB/s": 16.0, "x": 0.5}])
+    assert text.splitlines()[0].split() == ["what", "GB/s", "x"]
+    assert "31.23" in text and "0.5" in text
+
+
+def test_unknown_smoke_operator_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["smoke", "nope"])
+    assert exc.value.code == 2
