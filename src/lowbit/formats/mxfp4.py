@@ -54,6 +54,8 @@ import math
 
 import torch
 
+from lowbit.errors import DtypeError, ShapeError
+
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # codes 0..7; code | 0x8 is the negative
 E2M1_MAX = 6.0  # 0b0_11_1: 1.5 * 2^2
 E2M1_EMAX = 2
@@ -138,16 +140,16 @@ def quantized_shapes(
 ) -> tuple[tuple[int, ...], tuple[int, ...], int]:
     """Validate :func:`quantize`'s arguments; return (codes shape, scales shape, axis in [0, x.dim()))."""
     if x.dtype not in INPUT_DTYPES:
-        raise TypeError(f"mxfp4 quantize expects float16, bfloat16 or float32 input, got {x.dtype}")
+        raise DtypeError(f"mxfp4 quantize expects float16, bfloat16 or float32 input, got {x.dtype}")
     _check_block_size(block_size)
     _check_choice("scale_rule", scale_rule, SCALE_RULES)
     _check_choice("rounding", rounding, ROUNDINGS)
     if x.dim() == 0:
-        raise ValueError("mxfp4 quantize needs at least one dimension, got a 0-d tensor")
+        raise ShapeError("mxfp4 quantize needs at least one dimension, got a 0-d tensor")
     axis = _normalize_axis(axis, x.dim())
     k = x.shape[axis]
     if k % block_size:
-        raise ValueError(
+        raise ShapeError(
             f"mxfp4 quantize: size {k} of axis {axis} (shape {tuple(x.shape)}) is not a multiple of "
             f"block_size {block_size}"
         )
@@ -160,9 +162,9 @@ def dequantized_shape(
 ) -> tuple[tuple[int, ...], int, int]:
     """Validate :func:`dequantize`'s arguments (uint8 views); return (output shape, block size, axis)."""
     if dtype not in OUTPUT_DTYPES:
-        raise TypeError(f"mxfp4 dequantize: unsupported output dtype {dtype}")
+        raise DtypeError(f"mxfp4 dequantize: unsupported output dtype {dtype}")
     if codes.dim() == 0 or codes.dim() != scales.dim():
-        raise ValueError(
+        raise ShapeError(
             f"mxfp4 dequantize: codes {tuple(codes.shape)} and scales {tuple(scales.shape)} must have "
             "the same, nonzero number of dimensions"
         )
@@ -173,7 +175,7 @@ def dequantized_shape(
     other_codes = codes.shape[:axis] + codes.shape[axis + 1 :]
     other_scales = scales.shape[:axis] + scales.shape[axis + 1 :]
     if other_codes != other_scales or block_size * n_blocks != k or block_size % 2 or (k and not n_blocks):
-        raise ValueError(
+        raise ShapeError(
             f"mxfp4 dequantize: codes {tuple(codes.shape)} and scales {tuple(scales.shape)} do not fit "
             f"along axis {axis} (need 2 * codes.shape[axis] = an even multiple of scales.shape[axis])"
         )
@@ -192,8 +194,8 @@ def quantize(
 
     x: FP16/BF16/FP32, any device, ``x.shape[axis] % block_size == 0``. Returns ``(codes, scales)``, both
     uint8 on x's device: codes with ``shape[axis] // 2`` (two E2M1 codes per byte, even element in the low
-    nibble), scales with ``shape[axis] // block_size`` (E8M0 bytes). Raises TypeError for other dtypes and
-    ValueError for a bad axis, block size, rule or rounding name.
+    nibble), scales with ``shape[axis] // block_size`` (E8M0 bytes). Raises DtypeError for other dtypes,
+    ShapeError for a bad axis or length, ValueError for a bad block size, rule or rounding name.
     """
     _, _, axis = quantized_shapes(x, block_size, scale_rule, rounding, axis)
     k = x.shape[axis]
@@ -238,7 +240,7 @@ def as_uint8(t: torch.Tensor) -> torch.Tensor:
         return t
     if t.dtype in _BYTE_VIEW_DTYPES:
         return t.view(torch.uint8)
-    raise TypeError(f"expected uint8, float4_e2m1fn_x2 or float8_e8m0fnu bytes, got {t.dtype}")
+    raise DtypeError(f"expected uint8, float4_e2m1fn_x2 or float8_e8m0fnu bytes, got {t.dtype}")
 
 
 _BYTE_VIEW_DTYPES = tuple(
@@ -249,14 +251,14 @@ _BYTE_VIEW_DTYPES = tuple(
 def as_torch_fp4(codes: torch.Tensor) -> torch.Tensor:
     """View uint8 codes as ``torch.float4_e2m1fn_x2`` (same bytes); TypeError if this torch lacks it."""
     if not hasattr(torch, "float4_e2m1fn_x2"):
-        raise TypeError(f"torch {torch.__version__} has no float4_e2m1fn_x2 dtype")
+        raise DtypeError(f"torch {torch.__version__} has no float4_e2m1fn_x2 dtype")
     return as_uint8(codes).view(torch.float4_e2m1fn_x2)
 
 
 def as_torch_e8m0(scales: torch.Tensor) -> torch.Tensor:
     """View uint8 scale bytes as ``torch.float8_e8m0fnu`` (same bytes); TypeError if this torch lacks it."""
     if not hasattr(torch, "float8_e8m0fnu"):
-        raise TypeError(f"torch {torch.__version__} has no float8_e8m0fnu dtype")
+        raise DtypeError(f"torch {torch.__version__} has no float8_e8m0fnu dtype")
     return as_uint8(scales).view(torch.float8_e8m0fnu)
 
 
@@ -270,7 +272,7 @@ def to_fbgemm_layout(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     if codes.dim() == 0 or codes.shape[:-1] != scales.shape[:-1] or (
         scales.shape[-1] and codes.shape[-1] % scales.shape[-1]
     ):
-        raise ValueError(f"codes {tuple(codes.shape)} and scales {tuple(scales.shape)} do not fit")
+        raise ShapeError(f"codes {tuple(codes.shape)} and scales {tuple(scales.shape)} do not fit")
     n_blocks = scales.shape[-1]
     data = codes.reshape(*codes.shape[:-1], n_blocks, -1) if n_blocks else codes.unsqueeze(-1)
     return torch.cat([data, scales.unsqueeze(-1)], dim=-1).flatten(-2)
@@ -282,7 +284,7 @@ def from_fbgemm_layout(packed: torch.Tensor, block_size: int = 32) -> tuple[torc
     _check_block_size(block_size)
     group = block_size // 2 + 1
     if packed.dim() == 0 or packed.shape[-1] % group:
-        raise ValueError(f"last dim of {tuple(packed.shape)} is not a multiple of {group} bytes")
+        raise ShapeError(f"last dim of {tuple(packed.shape)} is not a multiple of {group} bytes")
     groups = packed.reshape(*packed.shape[:-1], -1, group)
     return groups[..., :-1].flatten(-2).contiguous(), groups[..., -1].contiguous()
 
@@ -322,5 +324,5 @@ def scales_from_pairs(pairs: torch.Tensor, n_blocks: int) -> torch.Tensor:
 
 def _normalize_axis(axis: int, ndim: int) -> int:
     if not -ndim <= axis < ndim:
-        raise ValueError(f"axis {axis} is out of range for a {ndim}-d tensor")
+        raise ShapeError(f"axis {axis} is out of range for a {ndim}-d tensor")
     return axis % ndim

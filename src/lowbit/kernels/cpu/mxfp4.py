@@ -64,13 +64,16 @@ def _thresholds(dtype: torch.dtype, rounding: str) -> np.ndarray:
 
 
 @functools.cache
-def _dequant_table(dtype: torch.dtype) -> np.ndarray:
-    """(256, 16) output values (as bits for FP16/BF16) of every (scale byte, code) pair, from the reference."""
-    codes = torch.arange(16, dtype=torch.uint8)
-    packed = ref.pack_nibbles(codes).expand(256, 8)
-    scales = torch.arange(256, dtype=torch.int32).to(torch.uint8).unsqueeze(1).expand(256, 1)
-    table = ref.dequantize(packed, scales.reshape(256, 1), dtype=dtype)
-    return as_numpy(table.contiguous()).copy()
+def _dequant_pair_table(dtype: torch.dtype) -> np.ndarray:
+    """Flat (256 * 256) table: [256 * scale byte + code byte] -> both decoded elements as one word.
+
+    Built by the reference dequantizer; uint32 words for FP16/BF16, uint64 for FP32 outputs.
+    """
+    code_bytes = torch.arange(256, dtype=torch.int32).to(torch.uint8).expand(256, 256)
+    scale_bytes = torch.arange(256, dtype=torch.int32).to(torch.uint8).unsqueeze(1)
+    values = ref.dequantize(code_bytes.reshape(256 * 256, 1), scale_bytes.repeat_interleave(256, 0), dtype)
+    pair_dtype, _ = _PAIRS[dtype]
+    return values.contiguous().view(pair_dtype).reshape(-1).numpy().view(_UNSIGNED[pair_dtype]).copy()
 
 
 @numba.njit(**NJIT_OPTIONS)
@@ -172,19 +175,16 @@ def _quantize_blocks(pairs, width, abs_mask, nonfinite_bits, to_fp32, rule, thr,
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _dequantize_blocks(codes, scales, table, block_size, out):
-    """out[2i], out[2i+1] = table[scale byte, low / high nibble of codes[i]], block by block."""
+def _dequantize_blocks(codes, scales, table, ppb, out_pairs):
+    """out_pairs[i] = table[scale of i's block, codes[i]]: two decoded elements per code byte."""
     n_blocks = scales.size
-    half = block_size // 2
     n_tasks = (n_blocks + _BLOCKS_PER_TASK - 1) // _BLOCKS_PER_TASK
     for task in numba.prange(n_tasks):
-        stop = min(n_blocks, (task + 1) * _BLOCKS_PER_TASK)
-        for b in range(task * _BLOCKS_PER_TASK, stop):
-            row = table[scales[b]]
-            for i in range(half):
-                byte = codes[b * half + i]
-                out[b * block_size + 2 * i] = row[byte & 0x0F]
-                out[b * block_size + 2 * i + 1] = row[byte >> 4]
+        for b in range(task * _BLOCKS_PER_TASK, min(n_blocks, (task + 1) * _BLOCKS_PER_TASK)):
+            row = np.uint64(scales[b]) * np.uint64(256)
+            start = np.uint64(b) * np.uint64(ppb)
+            for i in range(start, start + np.uint64(ppb)):
+                out_pairs[i] = table[row + np.uint64(codes[i])]
 
 
 def quantize(
@@ -249,9 +249,16 @@ def dequantize(
     st = scales.contiguous() if last else scales.movedim(axis, -1).contiguous()
     out = torch.empty(out_shape if last else _moved(out_shape, axis), dtype=dtype)
     if out.numel():
+        if dtype not in _PAIRS:  # FP64: decode to FP32 (exact) and widen
+            return dequantize(codes, scales, torch.float32, axis).to(dtype)
         sync_threads()
+        pair_dtype, _ = _PAIRS[dtype]
         _dequantize_blocks(
-            ct.view(-1).numpy(), st.view(-1).numpy(), _dequant_table(dtype), block_size, as_numpy(out).reshape(-1)
+            ct.view(-1).numpy(),
+            st.view(-1).numpy(),
+            _dequant_pair_table(dtype),
+            block_size // 2,
+            out.view(-1).view(pair_dtype).numpy().view(_UNSIGNED[pair_dtype]),
         )
     return out if last else out.movedim(-1, axis).contiguous()
 
