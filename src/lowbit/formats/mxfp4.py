@@ -69,7 +69,7 @@ OUTPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # Midpoints between neighbouring E2M1 magnitudes, and whether a value exactly on one rounds up under RNE
 # (it does when the upper neighbour has the even code: 0.75 -> 1.0 (code 2), 1.75 -> 2 (4), 3.5 -> 4 (6)).
 E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
-_RNE_TIE_ROUNDS_UP = (False, True, False, True, False, True, False)
+RNE_TIE_ROUNDS_UP = (False, True, False, True, False, True, False)
 
 _SCALE_CLAMP = {"floor": 125, "nearest": 125, "even": 125, "ceil": 125, "rceil": 127}
 
@@ -119,7 +119,7 @@ def round_to_e2m1(v: torch.Tensor, rounding: str = "ta") -> torch.Tensor:
     _check_choice("rounding", rounding, ROUNDINGS)
     magnitude = v.abs()
     code = torch.zeros(v.shape, dtype=torch.uint8, device=v.device)
-    for midpoint, rne_up in zip(E2M1_MIDPOINTS, _RNE_TIE_ROUNDS_UP):
+    for midpoint, rne_up in zip(E2M1_MIDPOINTS, RNE_TIE_ROUNDS_UP):
         up = magnitude >= midpoint if (rounding == "ta" or rne_up) else magnitude > midpoint
         code += up.to(torch.uint8)
     return code | (torch.signbit(v).to(torch.uint8) << 3)

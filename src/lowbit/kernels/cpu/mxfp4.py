@@ -22,13 +22,12 @@ import numpy as np
 import torch
 
 from lowbit.formats import mxfp4 as ref
+from lowbit.kernels import mxfp4_tables as tables
 from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, as_numpy, sync_threads
 
-_RULE_ID = {name: i for i, name in enumerate(ref.SCALE_RULES)}  # floor, nearest, even, ceil, rceil
-_BITS_DTYPE = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 _ABS_MASK = {torch.bfloat16: 0x7FFF, torch.float16: 0x7FFF, torch.float32: 0x7FFFFFFF}
 _NONFINITE_BITS = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00, torch.float32: 0x7F800000}
-_PAIRS = {torch.bfloat16: (torch.int32, 16), torch.float16: (torch.int32, 16), torch.float32: (torch.int64, 32)}
+_PAIRS = tables.PAIR_WORD  # input dtype -> (torch dtype of two elements, bits per element)
 _UNSIGNED = {torch.int32: np.uint32, torch.int64: np.uint64}
 _BLOCKS_PER_TASK = 256
 
@@ -44,36 +43,14 @@ def _amax_to_fp32_bits(dtype: torch.dtype) -> np.ndarray:
 
 @functools.cache
 def _thresholds(dtype: torch.dtype, rounding: str) -> np.ndarray:
-    """(256, 7) bits of the smallest ``dtype`` magnitude that rounds past each midpoint, per scale byte.
-
-    Unsigned, of the width of the kernel's pair words (uint32 for FP16/BF16, uint64 for FP32).
-    """
-    bits_dtype = _BITS_DTYPE[dtype]
-    scale = torch.exp2(torch.arange(256, dtype=torch.float64) - ref.E8M0_BIAS).unsqueeze(1)
-    midpoints = torch.tensor(ref.E2M1_MIDPOINTS, dtype=torch.float64)
-    strict = torch.tensor([rounding == "rne" and not up for up in ref._RNE_TIE_ROUNDS_UP])
-    target = scale * midpoints  # exact
-    candidate = target.to(dtype)  # nearest; then step up (bits + 1) until it satisfies the predicate
-    for _ in range(2):
-        value = candidate.to(torch.float64)
-        short = torch.where(strict, value <= target, value < target)
-        stepped = (candidate.view(bits_dtype) + short.to(bits_dtype)).view(dtype)
-        candidate = torch.where(short, stepped, candidate)
-    unsigned = _UNSIGNED[_PAIRS[dtype][0]]
-    return candidate.view(bits_dtype).numpy().astype(unsigned)
+    """Midpoint thresholds (tables.thresholds) as unsigned words of the kernel's pair width."""
+    return tables.thresholds(dtype, rounding).numpy().astype(_UNSIGNED[_PAIRS[dtype][0]])
 
 
 @functools.cache
 def _dequant_pair_table(dtype: torch.dtype) -> np.ndarray:
-    """Flat (256 * 256) table: [256 * scale byte + code byte] -> both decoded elements as one word.
-
-    Built by the reference dequantizer; uint32 words for FP16/BF16, uint64 for FP32 outputs.
-    """
-    code_bytes = torch.arange(256, dtype=torch.int32).to(torch.uint8).expand(256, 256)
-    scale_bytes = torch.arange(256, dtype=torch.int32).to(torch.uint8).unsqueeze(1)
-    values = ref.dequantize(code_bytes.reshape(256 * 256, 1), scale_bytes.repeat_interleave(256, 0), dtype)
-    pair_dtype, _ = _PAIRS[dtype]
-    return values.contiguous().view(pair_dtype).reshape(-1).numpy().view(_UNSIGNED[pair_dtype]).copy()
+    """tables.dequant_pairs as unsigned words."""
+    return tables.dequant_pairs(dtype).numpy().view(_UNSIGNED[_PAIRS[dtype][0]])
 
 
 @numba.njit(**NJIT_OPTIONS)
@@ -225,7 +202,7 @@ def quantize(
             _UNSIGNED[pair_dtype](_ABS_MASK[x.dtype]),
             _UNSIGNED[pair_dtype](_NONFINITE_BITS[x.dtype]),
             _amax_to_fp32_bits(x.dtype),
-            _RULE_ID[scale_rule],
+            tables.RULE_ID[scale_rule],
             _thresholds(x.dtype, rounding),
             block_size // 2,
             codes.view(-1).numpy(),
