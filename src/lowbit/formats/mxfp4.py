@@ -238,12 +238,12 @@ def as_uint8(t: torch.Tensor) -> torch.Tensor:
     """Byte view of codes or scales given as uint8, float4_e2m1fn_x2 or float8_e8m0fnu."""
     if t.dtype == torch.uint8:
         return t
-    if t.dtype in _BYTE_VIEW_DTYPES:
+    if t.dtype in BYTE_VIEW_DTYPES:
         return t.view(torch.uint8)
     raise DtypeError(f"expected uint8, float4_e2m1fn_x2 or float8_e8m0fnu bytes, got {t.dtype}")
 
 
-_BYTE_VIEW_DTYPES = tuple(
+BYTE_VIEW_DTYPES = tuple(
     getattr(torch, name) for name in ("float4_e2m1fn_x2", "float8_e8m0fnu") if hasattr(torch, name)
 )
 

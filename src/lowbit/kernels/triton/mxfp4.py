@@ -75,12 +75,13 @@ def _quantize_kernel(
     scales_ptr,  # *uint8: n_blocks E8M0 bytes
     n_blocks,  # number of blocks
     HALF: tl.constexpr,  # block_size // 2
+    HALF_POW2: tl.constexpr,  # HALF rounded up to a power of two (tile width)
     BLOCKS: tl.constexpr,  # blocks per program
     RULE: tl.constexpr,  # scale rule id (floor, nearest, even, ceil, rceil)
 ):
     blk = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
-    pair = tl.arange(0, HALF)
-    inside = (blk < n_blocks)[:, None]
+    pair = tl.arange(0, HALF_POW2)
+    inside = (blk < n_blocks)[:, None] & (pair < HALF)[None, :]
     offs = blk[:, None] * (2 * HALF) + 2 * pair[None, :]
     lo = tl.load(x_ptr + offs, mask=inside, other=0).to(tl.float32).to(tl.int32, bitcast=True)
     hi = tl.load(x_ptr + offs + 1, mask=inside, other=0).to(tl.float32).to(tl.int32, bitcast=True)
@@ -104,11 +105,12 @@ def _dequantize_kernel(
     out_ptr,  # *int32/int64: n_blocks * HALF words of two output elements
     n_blocks,  # number of blocks
     HALF: tl.constexpr,  # block_size // 2
+    HALF_POW2: tl.constexpr,  # HALF rounded up to a power of two (tile width)
     BLOCKS: tl.constexpr,  # blocks per program
 ):
     blk = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
-    pair = tl.arange(0, HALF)
-    inside = (blk < n_blocks)[:, None]
+    pair = tl.arange(0, HALF_POW2)
+    inside = (blk < n_blocks)[:, None] & (pair < HALF)[None, :]
     offs = blk[:, None] * HALF + pair[None, :]
     code = tl.load(codes_ptr + offs, mask=inside, other=0).to(tl.int32)
     scale = tl.load(scales_ptr + blk, mask=blk < n_blocks, other=0).to(tl.int32)
@@ -118,10 +120,8 @@ def _dequantize_kernel(
 def quantize(
     x: torch.Tensor, block_size: int = 32, scale_rule: str = "floor", rounding: str = "ta", axis: int = -1
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as :func:`lowbit.formats.mxfp4.quantize`; block_size must be a power of two >= 2."""
-    codes_shape, scales_shape, axis = ref.quantized_shapes(x, block_size, scale_rule, rounding, axis)
-    if block_size & (block_size - 1):
-        raise ValueError(f"the Triton MXFP4 kernel needs a power-of-two block_size, got {block_size}")
+    """Same contract as :func:`lowbit.formats.mxfp4.quantize`."""
+    _, _, axis = ref.quantized_shapes(x, block_size, scale_rule, rounding, axis)
     xt = x.movedim(axis, -1).contiguous()
     codes = torch.empty(xt.shape[:-1] + (xt.shape[-1] // 2,), dtype=torch.uint8, device=x.device)
     scales = torch.empty(xt.shape[:-1] + (xt.shape[-1] // block_size,), dtype=torch.uint8, device=x.device)
@@ -134,6 +134,7 @@ def quantize(
             scales,
             n_blocks,
             HALF=block_size // 2,
+            HALF_POW2=triton.next_power_of_2(block_size // 2),
             BLOCKS=BLOCKS,
             RULE=tables.RULE_ID[scale_rule],
         )
@@ -143,11 +144,9 @@ def quantize(
 def dequantize(
     codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16, axis: int = -1
 ) -> torch.Tensor:
-    """Same contract as :func:`lowbit.formats.mxfp4.dequantize`; power-of-two block sizes only."""
+    """Same contract as :func:`lowbit.formats.mxfp4.dequantize`."""
     codes, scales = ref.as_uint8(codes), ref.as_uint8(scales)
-    out_shape, block_size, axis = ref.dequantized_shape(codes, scales, dtype, axis)
-    if block_size & (block_size - 1):
-        raise ValueError(f"the Triton MXFP4 kernel needs a power-of-two block_size, got {block_size}")
+    _, block_size, axis = ref.dequantized_shape(codes, scales, dtype, axis)
     if dtype == torch.float64:
         return dequantize(codes, scales, torch.float32, axis).to(dtype)
     ct = codes.movedim(axis, -1).contiguous()
@@ -157,6 +156,13 @@ def dequantize(
     if n_blocks and out.numel():
         word = torch.int32 if dtype != torch.float32 else torch.int64
         _dequantize_kernel[(triton.cdiv(n_blocks, BLOCKS),)](
-            ct, st, _pair_table(dtype, codes.device), out.view(word), n_blocks, HALF=block_size // 2, BLOCKS=BLOCKS
+            ct,
+            st,
+            _pair_table(dtype, codes.device),
+            out.view(word),
+            n_blocks,
+            HALF=block_size // 2,
+            HALF_POW2=triton.next_power_of_2(block_size // 2),
+            BLOCKS=BLOCKS,
         )
     return out.movedim(-1, axis).contiguous()
