@@ -133,11 +133,11 @@ def test_auto_self_checks_pass_on_cpu():
 
 def test_opcheck_and_meta():
     x = torch.randn(2, 4, 64, dtype=torch.bfloat16)
-    torch.library.opcheck(torch.ops.lowbit.mxfp4_quantize, (x, 32, "floor", "ta", 1, "native"))
+    torch.library.opcheck(torch.ops.lowbit.mxfp4_quantize, (x.transpose(1, 2), 32, "floor", "ta", 1, "native"))
     codes, scales = ops.mxfp4_quantize(x)
     torch.library.opcheck(torch.ops.lowbit.mxfp4_dequantize, (codes, scales, torch.float16, -1, "native"))
-    meta_codes, meta_scales = ops.mxfp4_quantize(x.to("meta"), 16, axis=1)
-    assert meta_codes.shape == (2, 2, 64) and meta_scales.shape == (2, 1, 64)
+    meta_codes, meta_scales = ops.mxfp4_quantize(x.transpose(1, 2).to("meta"), 16, axis=1)
+    assert meta_codes.shape == (2, 32, 4) and meta_scales.shape == (2, 4, 4)
     assert ops.mxfp4_dequantize(codes.to("meta"), scales.to("meta"), torch.float32).shape == (2, 4, 64)
 
 

@@ -226,8 +226,8 @@ def dequantize(
     st = scales.contiguous() if last else scales.movedim(axis, -1).contiguous()
     out = torch.empty(out_shape if last else _moved(out_shape, axis), dtype=dtype)
     if out.numel():
-        if dtype not in _PAIRS:  # FP64: decode to FP32 (exact) and widen
-            return dequantize(codes, scales, torch.float32, axis).to(dtype)
+        if dtype not in _PAIRS:  # FP64 (beyond FP32 range at the top): the reference
+            return ref.dequantize(codes, scales, dtype, axis)
         sync_threads()
         pair_dtype, _ = _PAIRS[dtype]
         _dequantize_blocks(

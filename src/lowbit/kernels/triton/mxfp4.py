@@ -68,8 +68,21 @@ def _codes(mag, thr_ptr, byte):
 
 
 @triton.jit
+def _fp32_bits(x_ptr, offs, mask, BF16_BITS: tl.constexpr):
+    """FP32 bit patterns (int32) of the elements at ``offs``, widened exactly.
+
+    BF16 arrives as int16 bit patterns and is shifted (the interpreter flushes BF16 subnormals in a float
+    conversion); FP16 is converted as a float (exact); FP32 arrives as int32 bits.
+    """
+    raw = tl.load(x_ptr + offs, mask=mask, other=0)
+    if BF16_BITS:
+        return raw.to(tl.int32) << 16
+    return raw.to(tl.float32).to(tl.int32, bitcast=True)
+
+
+@triton.jit
 def _quantize_kernel(
-    x_ptr,  # *fp16/bf16/fp32: n_blocks * 2 * HALF elements, blocks contiguous
+    x_ptr,  # *fp16 / *int16 (BF16 bits) / *fp32: n_blocks * 2 * HALF elements, blocks contiguous
     thr_ptr,  # *int32[256, 7]: threshold table for the rounding mode
     codes_ptr,  # *uint8: n_blocks * HALF packed codes (element 2i in the low nibble)
     scales_ptr,  # *uint8: n_blocks E8M0 bytes
@@ -78,13 +91,14 @@ def _quantize_kernel(
     HALF_POW2: tl.constexpr,  # HALF rounded up to a power of two (tile width)
     BLOCKS: tl.constexpr,  # blocks per program
     RULE: tl.constexpr,  # scale rule id (floor, nearest, even, ceil, rceil)
+    BF16_BITS: tl.constexpr,  # x_ptr holds BF16 bit patterns
 ):
     blk = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
     pair = tl.arange(0, HALF_POW2)
     inside = (blk < n_blocks)[:, None] & (pair < HALF)[None, :]
     offs = blk[:, None] * (2 * HALF) + 2 * pair[None, :]
-    lo = tl.load(x_ptr + offs, mask=inside, other=0).to(tl.float32).to(tl.int32, bitcast=True)
-    hi = tl.load(x_ptr + offs + 1, mask=inside, other=0).to(tl.float32).to(tl.int32, bitcast=True)
+    lo = _fp32_bits(x_ptr, offs, inside, BF16_BITS)
+    hi = _fp32_bits(x_ptr, offs + 1, inside, BF16_BITS)
     mag_lo = lo & 0x7FFFFFFF
     mag_hi = hi & 0x7FFFFFFF
     amax = tl.max(tl.maximum(mag_lo, mag_hi), axis=1)
@@ -128,7 +142,7 @@ def quantize(
     n_blocks = scales.numel()
     if n_blocks:
         _quantize_kernel[(triton.cdiv(n_blocks, BLOCKS),)](
-            xt,
+            xt.view(torch.int16) if x.dtype == torch.bfloat16 else xt,
             _fp32_thresholds(rounding, x.device),
             codes,
             scales,
@@ -137,6 +151,7 @@ def quantize(
             HALF_POW2=triton.next_power_of_2(block_size // 2),
             BLOCKS=BLOCKS,
             RULE=tables.RULE_ID[scale_rule],
+            BF16_BITS=x.dtype == torch.bfloat16,
         )
     return codes.movedim(-1, axis).contiguous(), scales.movedim(-1, axis).contiguous()
 
@@ -147,8 +162,8 @@ def dequantize(
     """Same contract as :func:`lowbit.formats.mxfp4.dequantize`."""
     codes, scales = ref.as_uint8(codes), ref.as_uint8(scales)
     _, block_size, axis = ref.dequantized_shape(codes, scales, dtype, axis)
-    if dtype == torch.float64:
-        return dequantize(codes, scales, torch.float32, axis).to(dtype)
+    if dtype == torch.float64:  # beyond FP32 range at the top: the reference
+        return ref.dequantize(codes, scales, dtype, axis)
     ct = codes.movedim(axis, -1).contiguous()
     st = scales.movedim(axis, -1).contiguous()
     out = torch.empty(ct.shape[:-1] + (2 * ct.shape[-1],), dtype=dtype, device=codes.device)
