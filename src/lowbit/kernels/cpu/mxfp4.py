@@ -29,6 +29,7 @@ _ABS_MASK = {torch.bfloat16: 0x7FFF, torch.float16: 0x7FFF, torch.float32: 0x7FF
 _NONFINITE_BITS = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00, torch.float32: 0x7F800000}
 _PAIRS = tables.PAIR_WORD  # input dtype -> (torch dtype of two elements, bits per element)
 _UNSIGNED = {torch.int32: np.uint32, torch.int64: np.uint64}
+_ELEMENT_UNSIGNED = {16: np.uint16, 32: np.uint32}
 _BLOCKS_PER_TASK = 256
 
 
@@ -43,8 +44,8 @@ def _amax_to_fp32_bits(dtype: torch.dtype) -> np.ndarray:
 
 @functools.cache
 def _thresholds(dtype: torch.dtype, rounding: str) -> np.ndarray:
-    """Midpoint thresholds (tables.thresholds) as unsigned words of the kernel's pair width."""
-    return tables.thresholds(dtype, rounding).numpy().astype(_UNSIGNED[_PAIRS[dtype][0]])
+    """tables.thresholds as unsigned words of the element width (uint16 for FP16/BF16, uint32 for FP32)."""
+    return tables.thresholds(dtype, rounding).numpy().astype(_ELEMENT_UNSIGNED[_PAIRS[dtype][1]])
 
 
 @functools.cache
@@ -73,81 +74,93 @@ def _scale_byte(amax_fp32_bits, rule):
 
 
 @numba.njit(**NJIT_OPTIONS)
-def _quantize_task(pairs, width, abs_mask, nonfinite_bits, to_fp32, rule, thr, ppb, codes, scales, scratch):
+def _quantize_task(
+    pairs, width, abs_mask, element_abs_mask, nonfinite_bits, to_fp32, rule, thr, ppb, codes, scales, lo, hi, mag
+):
     """Quantize one run of whole blocks of ``2 * ppb`` elements (``ppb`` pairs per block).
 
     pairs: (ppb * nb,) uint32 (two FP16/BF16 patterns) or uint64 (two FP32 patterns), element 2i in the
-    low half; codes: (ppb * nb,) uint8; scales: (nb,) uint8; scratch: (ppb * nb,) of pairs' dtype.
-    Pass 1 takes the larger magnitude of each pair; pass 2 reduces each block's run to its amax (halving
-    the whole list in long loops that vectorize when ppb is a power of two); pass 3 sets the scale bytes;
-    pass 4 counts the midpoints each element passes.
+    low half; abs_mask: magnitude mask in the pair type, element_abs_mask: (1,) the same in the element
+    type; codes: (ppb * nb,) uint8; scales: (nb,) uint8; lo, hi, mag: (ppb * nb,) scratch of the element
+    type (uint16 / uint32). Every pass is a loop over contiguous arrays that LLVM vectorizes:
+    1. split each pair into its elements lo[i], hi[i] and the larger magnitude mag[i];
+    2. reduce mag to one amax per block (halving the list when ppb is a power of two);
+    3. scale bytes from the amaxes;
+    4. per block, count the thresholds each element's magnitude reaches, add the sign, pack two codes.
     """
     nb = scales.size
     n = pairs.size
     for i in range(n):
         w = pairs[i]
-        scratch[i] = max(w & abs_mask, (w >> width) & abs_mask)
+        lo[i] = w
+        hi[i] = w >> width
+        mag[i] = max(w & abs_mask, (w >> width) & abs_mask)
     if ppb & (ppb - 1) == 0:
         while n > nb:
             n //= 2
             for i in range(n):
-                scratch[i] = max(scratch[2 * i], scratch[2 * i + 1])
+                mag[i] = max(mag[2 * i], mag[2 * i + 1])
     else:
         for b in range(nb):
-            amax = scratch[b * ppb]
+            amax = mag[b * ppb]
             for i in range(b * ppb + 1, (b + 1) * ppb):
-                amax = max(amax, scratch[i])
-            scratch[b] = amax
+                amax = max(amax, mag[i])
+            mag[b] = amax
     for b in range(nb):
-        amax = scratch[b]
+        amax = mag[b]
         if amax >= nonfinite_bits:
             scales[b] = 0xFF
         else:
             scales[b] = _scale_byte(np.int64(to_fp32[amax]) if to_fp32.size else np.int64(amax), rule)
-    one = abs_mask - abs_mask + 1  # constants in the pair word type keep every operation vectorizable
-    sign_lo = width - one
-    sign_hi = width + width - one
+    element_mask = element_abs_mask[0]
     for b in range(nb):
         byte = scales[b]
-        if ppb == 16:  # MX blocks of 32: a constant trip count lets LLVM emit exactly one vector pass
-            _encode_run(pairs, codes, np.uint64(b) * np.uint64(16), np.uint64(16), width, abs_mask, thr, byte)
+        if ppb == 16:  # MX blocks of 32: a constant trip count lets LLVM emit straight vector code
+            _encode_run(lo, hi, codes, np.uint64(b) * np.uint64(16), np.uint64(16), thr, byte, element_mask)
         else:
-            _encode_run(pairs, codes, np.uint64(b) * np.uint64(ppb), np.uint64(ppb), width, abs_mask, thr, byte)
+            _encode_run(lo, hi, codes, np.uint64(b) * np.uint64(ppb), np.uint64(ppb), thr, byte, element_mask)
 
 
 @numba.njit(inline="always", **NJIT_OPTIONS)
-def _encode_run(pairs, codes, start, count, width, abs_mask, thr, byte):
-    """codes[i] = the two E2M1 codes of pairs[i] for i in [start, start + count) at scale ``byte``."""
+def _encode_run(lo, hi, codes, start, count, thr, byte, mask):
+    """codes[i] = codes of elements lo[i] | hi[i] << 4 for i in [start, start + count), at scale ``byte``.
+
+    ``mask``: the magnitude mask in the element type; a pattern above it has the sign bit set. (This
+    exact form, uint8 casts of comparisons, is what LLVM turns into wide vector code.)
+    """
     if byte == 0xFF:
         for i in range(start, start + count):
             codes[i] = 0
         return
-    one = abs_mask - abs_mask + 1  # constants in the pair word type keep every operation vectorizable
-    sign_lo = width - one
-    sign_hi = width + width - one
     t0, t1, t2, t3 = thr[byte, 0], thr[byte, 1], thr[byte, 2], thr[byte, 3]
     t4, t5, t6 = thr[byte, 4], thr[byte, 5], thr[byte, 6]
     for i in range(start, start + count):  # unsigned indices: no wrap-around checks
-        w = pairs[i]
-        a = w & abs_mask
-        c_lo = ((w >> sign_lo) << 3) + (a >= t0) + (a >= t1) + (a >= t2) + (a >= t3) + (a >= t4) + (a >= t5) + (a >= t6)
-        a = (w >> width) & abs_mask
-        c_hi = ((w >> sign_hi) << 3) + (a >= t0) + (a >= t1) + (a >= t2) + (a >= t3) + (a >= t4) + (a >= t5) + (a >= t6)
-        codes[i] = np.uint8((c_lo & 0xF) | (c_hi << 4))
+        e = lo[i]
+        a = e & mask
+        c_lo = (a >= t0) + np.uint8(a >= t1) + np.uint8(a >= t2) + np.uint8(a >= t3) + np.uint8(a >= t4) + np.uint8(a >= t5) + np.uint8(a >= t6)
+        s_lo = np.uint8(e > mask) * np.uint8(8)
+        e = hi[i]
+        a = e & mask
+        c_hi = (a >= t0) + np.uint8(a >= t1) + np.uint8(a >= t2) + np.uint8(a >= t3) + np.uint8(a >= t4) + np.uint8(a >= t5) + np.uint8(a >= t6)
+        s_hi = np.uint8(e > mask) * np.uint8(8)
+        codes[i] = np.uint8(c_lo) | s_lo | ((np.uint8(c_hi) | s_hi) << np.uint8(4))
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _quantize_blocks(pairs, width, abs_mask, nonfinite_bits, to_fp32, rule, thr, ppb, codes, scales):
+def _quantize_blocks(pairs, width, abs_mask, element_abs_mask, nonfinite_bits, to_fp32, rule, thr, ppb, codes, scales):
     """Quantize all blocks (``ppb`` pairs each), in parallel tasks of _BLOCKS_PER_TASK blocks."""
     n_blocks = scales.size
     n_tasks = (n_blocks + _BLOCKS_PER_TASK - 1) // _BLOCKS_PER_TASK
     for task in numba.prange(n_tasks):
         first = task * _BLOCKS_PER_TASK
         stop = min(n_blocks, first + _BLOCKS_PER_TASK)
-        scratch = np.empty(ppb * (stop - first), dtype=pairs.dtype)
+        size = ppb * (stop - first)
+        lo = np.empty(size, dtype=thr.dtype)
+        hi = np.empty(size, dtype=thr.dtype)
+        mag = np.empty(size, dtype=thr.dtype)
         _quantize_task(
-            pairs[ppb * first : ppb * stop], width, abs_mask, nonfinite_bits, to_fp32, rule, thr, ppb,
-            codes[ppb * first : ppb * stop], scales[first:stop], scratch,
+            pairs[ppb * first : ppb * stop], width, abs_mask, element_abs_mask, nonfinite_bits, to_fp32, rule, thr, ppb,
+            codes[ppb * first : ppb * stop], scales[first:stop], lo, hi, mag,
         )
 
 
@@ -200,6 +213,7 @@ def quantize(
             xt.reshape(-1).view(pair_dtype).numpy().view(_UNSIGNED[pair_dtype]),
             _UNSIGNED[pair_dtype](width),
             _UNSIGNED[pair_dtype](_ABS_MASK[x.dtype]),
+            np.array([_ABS_MASK[x.dtype]], dtype=_ELEMENT_UNSIGNED[width]),
             _UNSIGNED[pair_dtype](_NONFINITE_BITS[x.dtype]),
             _amax_to_fp32_bits(x.dtype),
             tables.RULE_ID[scale_rule],
