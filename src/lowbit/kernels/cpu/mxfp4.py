@@ -86,7 +86,8 @@ def _quantize_task(
     1. split each pair into its elements lo[i], hi[i] and the larger magnitude mag[i];
     2. reduce mag to one amax per block (halving the list when ppb is a power of two);
     3. scale bytes from the amaxes;
-    4. per block, count the thresholds each element's magnitude reaches, add the sign, pack two codes.
+    4. per block, count the thresholds each element's magnitude reaches, add the sign, pack two codes
+       (thresholds from the block's row of the table: exact for every scale byte and input dtype).
     """
     nb = scales.size
     n = pairs.size
@@ -112,38 +113,46 @@ def _quantize_task(
             scales[b] = 0xFF
         else:
             scales[b] = _scale_byte(np.int64(to_fp32[amax]) if to_fp32.size else np.int64(amax), rule)
-    element_mask = element_abs_mask[0]
+    mask = element_abs_mask[0]
     for b in range(nb):
         byte = scales[b]
-        if ppb == 16:  # MX blocks of 32: a constant trip count lets LLVM emit straight vector code
-            _encode_run(lo, hi, codes, np.uint64(b) * np.uint64(16), np.uint64(16), thr, byte, element_mask)
-        else:
-            _encode_run(lo, hi, codes, np.uint64(b) * np.uint64(ppb), np.uint64(ppb), thr, byte, element_mask)
+        if ppb != 16 or byte == 0xFF:
+            _encode_block(lo, hi, codes, b * ppb, (b + 1) * ppb, thr, byte, mask)
+            continue
+        # MX blocks of 32, written out here: a literal trip count and no call (which would add array
+        # reference counting per block) let LLVM turn this into straight 16-lane vector code.
+        t0, t1, t2, t3 = thr[byte, 0], thr[byte, 1], thr[byte, 2], thr[byte, 3]
+        t4, t5, t6 = thr[byte, 4], thr[byte, 5], thr[byte, 6]
+        start = np.uint64(b) * np.uint64(16)  # unsigned indices: no wrap-around checks
+        for i in range(start, start + np.uint64(16)):
+            e = lo[i]
+            a = e & mask
+            c_lo = (a >= t0) + np.uint8(a >= t1) + np.uint8(a >= t2) + np.uint8(a >= t3) + np.uint8(a >= t4) + np.uint8(a >= t5) + np.uint8(a >= t6)
+            s_lo = np.uint8(e > mask) * np.uint8(8)  # above the magnitude mask: sign bit set
+            e = hi[i]
+            a = e & mask
+            c_hi = (a >= t0) + np.uint8(a >= t1) + np.uint8(a >= t2) + np.uint8(a >= t3) + np.uint8(a >= t4) + np.uint8(a >= t5) + np.uint8(a >= t6)
+            s_hi = np.uint8(e > mask) * np.uint8(8)
+            codes[i] = np.uint8(c_lo) | s_lo | ((np.uint8(c_hi) | s_hi) << np.uint8(4))
 
 
-@numba.njit(inline="always", **NJIT_OPTIONS)
-def _encode_run(lo, hi, codes, start, count, thr, byte, mask):
-    """codes[i] = codes of elements lo[i] | hi[i] << 4 for i in [start, start + count), at scale ``byte``.
+@numba.njit(**NJIT_OPTIONS)
+def _encode_block(lo, hi, codes, start, stop, thr, byte, mask):
+    """codes[i] for i in [start, stop) from the threshold row of ``byte`` (0xFF: NaN/Inf block, codes 0).
 
-    ``mask``: the magnitude mask in the element type; a pattern above it has the sign bit set. (This
-    exact form, uint8 casts of comparisons, is what LLVM turns into wide vector code.)
+    The general path (any block size); blocks of 32 take the vector path in _quantize_task.
     """
     if byte == 0xFF:
-        for i in range(start, start + count):
+        for i in range(start, stop):
             codes[i] = 0
         return
-    t0, t1, t2, t3 = thr[byte, 0], thr[byte, 1], thr[byte, 2], thr[byte, 3]
-    t4, t5, t6 = thr[byte, 4], thr[byte, 5], thr[byte, 6]
-    for i in range(start, start + count):  # unsigned indices: no wrap-around checks
-        e = lo[i]
-        a = e & mask
-        c_lo = (a >= t0) + np.uint8(a >= t1) + np.uint8(a >= t2) + np.uint8(a >= t3) + np.uint8(a >= t4) + np.uint8(a >= t5) + np.uint8(a >= t6)
-        s_lo = np.uint8(e > mask) * np.uint8(8)
-        e = hi[i]
-        a = e & mask
-        c_hi = (a >= t0) + np.uint8(a >= t1) + np.uint8(a >= t2) + np.uint8(a >= t3) + np.uint8(a >= t4) + np.uint8(a >= t5) + np.uint8(a >= t6)
-        s_hi = np.uint8(e > mask) * np.uint8(8)
-        codes[i] = np.uint8(c_lo) | s_lo | ((np.uint8(c_hi) | s_hi) << np.uint8(4))
+    for i in range(start, stop):
+        c_lo = 8 if lo[i] > mask else 0
+        c_hi = 8 if hi[i] > mask else 0
+        for j in range(7):
+            c_lo += (lo[i] & mask) >= thr[byte, j]
+            c_hi += (hi[i] & mask) >= thr[byte, j]
+        codes[i] = c_lo | (c_hi << 4)
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
