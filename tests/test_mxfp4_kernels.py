@@ -160,3 +160,13 @@ def test_op_errors():
         ops.mxfp4_dequantize(torch.zeros(16, dtype=torch.uint8), torch.zeros(1, dtype=torch.uint8, device="meta"))
     with pytest.raises(ValueError, match="backend"):
         ops.mxfp4_quantize(torch.zeros(32), backend="fast")
+
+
+@pytest.mark.parametrize("dtype", mxfp4.INPUT_DTYPES)
+@pytest.mark.parametrize("out_dtype", [None, torch.float32, torch.bfloat16])
+def test_numba_fake_quantize_is_quantize_then_dequantize(dtype, out_dtype):
+    x = edge_rows(dtype)
+    for block_size in (32, 16):
+        got = cpu_kernels.fake_quantize(x, block_size, "even", "rne", out_dtype)
+        want = mxfp4.dequantize(*mxfp4.quantize(x, block_size, "even", "rne"), out_dtype or dtype)
+        assert_same([got], [want])

@@ -21,6 +21,7 @@ import numba
 import numpy as np
 import torch
 
+from lowbit.errors import DtypeError
 from lowbit.formats import mxfp4 as ref
 from lowbit.kernels import mxfp4_tables as tables
 from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, as_numpy, sync_threads
@@ -156,8 +157,14 @@ def _encode_block(lo, hi, codes, start, stop, thr, byte, mask):
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _quantize_blocks(pairs, width, abs_mask, element_abs_mask, nonfinite_bits, to_fp32, rule, thr, ppb, codes, scales):
-    """Quantize all blocks (``ppb`` pairs each), in parallel tasks of _BLOCKS_PER_TASK blocks."""
+def _quantize_blocks(
+    pairs, width, abs_mask, element_abs_mask, nonfinite_bits, to_fp32, rule, thr, ppb, codes, scales, table, out_pairs
+):
+    """Quantize all blocks (``ppb`` pairs each), in parallel tasks of _BLOCKS_PER_TASK blocks.
+
+    With a non-empty ``table`` (see _dequantize_task) each task also decodes its blocks into
+    ``out_pairs``: quantize-dequantize in one pass over memory.
+    """
     n_blocks = scales.size
     n_tasks = (n_blocks + _BLOCKS_PER_TASK - 1) // _BLOCKS_PER_TASK
     for task in numba.prange(n_tasks):
@@ -167,23 +174,34 @@ def _quantize_blocks(pairs, width, abs_mask, element_abs_mask, nonfinite_bits, t
         lo = np.empty(size, dtype=thr.dtype)
         hi = np.empty(size, dtype=thr.dtype)
         mag = np.empty(size, dtype=thr.dtype)
+        task_codes = codes[ppb * first : ppb * stop]
         _quantize_task(
             pairs[ppb * first : ppb * stop], width, abs_mask, element_abs_mask, nonfinite_bits, to_fp32, rule, thr, ppb,
-            codes[ppb * first : ppb * stop], scales[first:stop], lo, hi, mag,
+            task_codes, scales[first:stop], lo, hi, mag,
         )
+        if table.size:
+            _dequantize_task(task_codes, scales[first:stop], table, ppb, out_pairs[ppb * first : ppb * stop])
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _dequantize_task(codes, scales, table, ppb, out_pairs):
+    """out_pairs[i] = table[256 * scale of i's block + codes[i]]: two decoded elements per code byte."""
+    for b in range(scales.size):
+        row = np.uint64(scales[b]) * np.uint64(256)
+        start = np.uint64(b) * np.uint64(ppb)
+        for i in range(start, start + np.uint64(ppb)):
+            out_pairs[i] = table[row + np.uint64(codes[i])]
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
 def _dequantize_blocks(codes, scales, table, ppb, out_pairs):
-    """out_pairs[i] = table[scale of i's block, codes[i]]: two decoded elements per code byte."""
+    """Decode all blocks, in parallel tasks of _BLOCKS_PER_TASK blocks (see _dequantize_task)."""
     n_blocks = scales.size
     n_tasks = (n_blocks + _BLOCKS_PER_TASK - 1) // _BLOCKS_PER_TASK
     for task in numba.prange(n_tasks):
-        for b in range(task * _BLOCKS_PER_TASK, min(n_blocks, (task + 1) * _BLOCKS_PER_TASK)):
-            row = np.uint64(scales[b]) * np.uint64(256)
-            start = np.uint64(b) * np.uint64(ppb)
-            for i in range(start, start + np.uint64(ppb)):
-                out_pairs[i] = table[row + np.uint64(codes[i])]
+        first = task * _BLOCKS_PER_TASK
+        stop = min(n_blocks, first + _BLOCKS_PER_TASK)
+        _dequantize_task(codes[ppb * first : ppb * stop], scales[first:stop], table, ppb, out_pairs[ppb * first : ppb * stop])
 
 
 def quantize(
@@ -216,24 +234,58 @@ def quantize(
         codes = torch.empty(moved_codes, dtype=torch.uint8)
         scales = torch.empty(moved_scales, dtype=torch.uint8)
     if xt.numel():
-        sync_threads()
-        pair_dtype, width = _PAIRS[x.dtype]
-        _quantize_blocks(
-            xt.reshape(-1).view(pair_dtype).numpy().view(_UNSIGNED[pair_dtype]),
-            _UNSIGNED[pair_dtype](width),
-            _UNSIGNED[pair_dtype](_ABS_MASK[x.dtype]),
-            np.array([_ABS_MASK[x.dtype]], dtype=_ELEMENT_UNSIGNED[width]),
-            _UNSIGNED[pair_dtype](_NONFINITE_BITS[x.dtype]),
-            _amax_to_fp32_bits(x.dtype),
-            tables.RULE_ID[scale_rule],
-            _thresholds(x.dtype, rounding),
-            block_size // 2,
-            codes.view(-1).numpy(),
-            scales.view(-1).numpy(),
-        )
+        _launch_quantize(xt, block_size, scale_rule, rounding, codes, scales)
     if last:
         return codes, scales
     return codes.movedim(-1, axis).contiguous(), scales.movedim(-1, axis).contiguous()
+
+
+def fake_quantize(
+    x: torch.Tensor, block_size: int = 32, scale_rule: str = "floor", rounding: str = "ta", dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """``dequantize(*quantize(x, block_size, scale_rule, rounding), dtype)`` along the last axis, in one pass.
+
+    x: FP16/BF16/FP32 CPU tensor; dtype: FP16/BF16/FP32 (default x.dtype). Bit-exact with the reference pair.
+    """
+    dtype = x.dtype if dtype is None else dtype
+    codes_shape, scales_shape, _ = ref.quantized_shapes(x, block_size, scale_rule, rounding, -1)
+    if dtype not in _PAIRS:
+        raise DtypeError(f"mxfp4 fake_quantize: output dtype must be float16, bfloat16 or float32, got {dtype}")
+    if x.device.type != "cpu":
+        raise ValueError(f"numba mxfp4 fake_quantize needs a CPU tensor, got device {x.device}")
+    out = torch.empty(x.shape, dtype=dtype)
+    if x.numel():
+        codes = torch.empty(codes_shape, dtype=torch.uint8)
+        scales = torch.empty(scales_shape, dtype=torch.uint8)
+        _launch_quantize(x.contiguous(), block_size, scale_rule, rounding, codes, scales, out)
+    return out
+
+
+def _launch_quantize(xt, block_size, scale_rule, rounding, codes, scales, dequantized=None):
+    """Run _quantize_blocks on contiguous ``xt`` (blocks along the last axis) into contiguous outputs."""
+    sync_threads()
+    pair_dtype, width = _PAIRS[xt.dtype]
+    if dequantized is None:
+        table, out_pairs = np.zeros(0, np.uint32), np.zeros(0, np.uint32)
+    else:
+        out_word = _PAIRS[dequantized.dtype][0]
+        table = _dequant_pair_table(dequantized.dtype)
+        out_pairs = dequantized.view(-1).view(out_word).numpy().view(_UNSIGNED[out_word])
+    _quantize_blocks(
+        xt.reshape(-1).view(pair_dtype).numpy().view(_UNSIGNED[pair_dtype]),
+        _UNSIGNED[pair_dtype](width),
+        _UNSIGNED[pair_dtype](_ABS_MASK[xt.dtype]),
+        np.array([_ABS_MASK[xt.dtype]], dtype=_ELEMENT_UNSIGNED[width]),
+        _UNSIGNED[pair_dtype](_NONFINITE_BITS[xt.dtype]),
+        _amax_to_fp32_bits(xt.dtype),
+        tables.RULE_ID[scale_rule],
+        _thresholds(xt.dtype, rounding),
+        block_size // 2,
+        codes.view(-1).numpy(),
+        scales.view(-1).numpy(),
+        table,
+        out_pairs,
+    )
 
 
 def dequantize(

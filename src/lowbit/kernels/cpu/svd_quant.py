@@ -19,8 +19,7 @@ from lowbit.kernels.cpu import mxfp4
 def svd_quant(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, d: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Same contract as :func:`lowbit.formats.svd_quant.svd_quant`: x (M, K) BF16 -> (M, N) BF16."""
     k = x.shape[-1]
-    x_codes, x_scales = mxfp4.quantize(x, BLOCK_SIZE, "floor", "ta")
-    x_deq = mxfp4.dequantize(x_codes, x_scales, torch.bfloat16)
+    x_deq = mxfp4.fake_quantize(x, BLOCK_SIZE, "floor", "ta", torch.bfloat16)
     w_deq = mxfp4.dequantize(w, weight_scales(s, k), torch.bfloat16)
     low = (x @ d) @ u
     return torch.addmm(low, x_deq, w_deq.T)
