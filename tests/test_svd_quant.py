@@ -28,24 +28,12 @@ def upstream_data(b, s_len, n, k, r):
     return uniform(b, s_len, k), uniform(n, k), uniform(k, r), uniform(r, n)
 
 
-def golden_terms(x, weight, d, u):
-    """Upstream golden in BF16: T = Linear(x; d^T), low = Linear(T; u^T), P = Linear(x_deq; w_deq)."""
-    t = F.linear(x, d.T)
+def golden(x, weight, d, u):
+    """Upstream golden in BF16: Linear(x; d^T) -> Linear(.; u^T), plus Linear(x_deq; w_deq), added in BF16."""
+    low = F.linear(F.linear(x, d.T), u.T)
     x_deq = fbgemm_fake_quant(x).to(torch.bfloat16)
     w_deq = fbgemm_fake_quant(weight).to(torch.bfloat16)
-    return t, F.linear(t, u.T), F.linear(x_deq, w_deq)
-
-
-def assert_matches_golden(out, x, weight, d, u):
-    """The upstream criterion np.allclose(out, golden, atol=1e-2, rtol=1e-2), plus the golden's own BF16
-    rounding bound. The golden (and any implementation) rounds T, low, P to BF16 (2^-8 relative each);
-    a one-ulp difference in T propagates through u as up to 2^-7 (|T| @ |u|), which the upstream
-    criterion cannot absorb where terms cancel (seen here: low 126 + P -214 -> 88 vs 92). Upstream's
-    outputs are ~1e5 so it rarely bites there; the scaled-down shapes hit it, hence the stated bound."""
-    t, low, product = golden_terms(x, weight, d, u)
-    golden = (low + product).float()
-    propagated = 2.0**-7 * (t.float().abs() @ u.float().abs() + low.float().abs()) + 2.0**-8 * product.float().abs()
-    assert ((out.float() - golden).abs() <= 1e-2 + 1e-2 * golden.abs() + propagated).all()
+    return low + F.linear(x_deq, w_deq)
 
 
 @pytest.mark.parametrize("backend", ["reference", "native"])
@@ -59,7 +47,7 @@ def test_upstream_golden(backend, b, s_len, r, n, k):
     out = op.svd_quant(x, w, s, d, u, backend=backend)
     assert out.shape == (b, s_len, n) and out.dtype == torch.bfloat16
     assert backends.last_backend(op.OP) == backend
-    assert_matches_golden(out, x, weight, d, u)
+    assert torch.allclose(out.float(), golden(x, weight, d, u).float(), atol=1e-2, rtol=1e-2)  # upstream criterion
 
 
 def test_golden_fake_quant_matches_library_quantizer():
@@ -74,7 +62,9 @@ def test_golden_fake_quant_matches_library_quantizer():
 def test_triton_interpreter_matches_reference(m, n, k, r):
     x, w, s, d, u = op.probe_inputs(m, n, k, r)
     out = triton_backend.svd_quant(x, w, s, d, u)
-    assert torch.allclose(out.float(), ref.svd_quant(x, w, s, d, u).float(), atol=1e-2, rtol=1e-2)
+    want = ref.svd_quant(x, w, s, d, u)
+    assert torch.allclose(out.float(), want.float(), atol=1e-2, rtol=1e-2)
+    assert (out == want).float().mean() > 0.95  # same roundings; only P's FP32 summation order differs
 
 
 def test_backends_quantize_the_activation_identically():

@@ -19,8 +19,10 @@ Contract (upstream ``amct.svd_quant`` checks, in order; every error is also a Ru
   Empty batch dimensions give an empty output (upstream counts them as 1). NaN/Inf in a block of x gives
   a NaN scale for that block (OCP), so the result is NaN there; upstream uses scale byte 252 instead, and
   its output is non-finite there too through x @ d @ u.
-* ``backend``: "reference" (lowbit.formats.svd_quant, FP32 matmuls), "native" (CPU: numba quantizer +
-  oneDNN BF16 matmuls; CUDA: Triton), "auto". Backends agree to matmul rounding, not bit for bit.
+* Rounding: out = bf16(L + bf16(P)) with L = bf16(bf16(x @ d) @ u), as the upstream golden computes it.
+* ``backend``: "reference" (lowbit.formats.svd_quant: torch matmuls, P in FP32), "native" (CPU: numba
+  quantizer + oneDNN BF16 matmuls; CUDA: Triton), "auto". Backends agree up to the matmuls'
+  accumulation order (P may round to the neighbouring BF16 value), not bit for bit.
 * ``out``: optional BF16 tensor of the output shape on x's device; the result is copied into it.
 """
 

@@ -2,7 +2,7 @@
 
     xq, sx = Triton MXFP4 quantize of x (floor scale, TA)       lowbit.kernels.triton.mxfp4
     L      = (x @ d) @ u                                        torch BF16 matmuls (cuBLAS on CUDA)
-    out    = bf16(L + sum_k deq(xq)[m, k] * deq(w)[n, k])       _mx_matmul_kernel, FP32 accumulation
+    out    = bf16(L + bf16(sum_k deq(xq)[m, k] * deq(w)[n, k]))  _mx_matmul_kernel, FP32 accumulation
 
 The MX matmul tile loop reads BYTES code bytes (2 * BYTES elements) of a row block of xq and of w per
 step, decodes each nibble to its exact value times its block's scale, and accumulates
@@ -43,13 +43,25 @@ def _decode(code_bytes, scale_bytes, HIGH: tl.constexpr):
 
 
 @triton.jit
+def _bf16_bits(v):
+    """BF16 bit patterns (int32, low 16 bits) of FP32 ``v``, rounded to nearest even, NaN kept quiet.
+
+    Written out because the interpreter's FP32 -> BF16 cast does not round to nearest even.
+    """
+    bits = v.to(tl.int32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    is_nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    return tl.where(is_nan, (bits >> 16) | 0x40, rounded)
+
+
+@triton.jit
 def _mx_matmul_kernel(
     xq_ptr,  # *uint8 (M, K/2): activation codes
     sx_ptr,  # *uint8 (M, K/32): activation scales
     w_ptr,  # *uint8 (N, K/2): weight codes
     sw_ptr,  # *uint8 (N, sw_stride): weight scales, block g of row n at n * sw_stride + g
     low_ptr,  # *bf16 (M, N): the low-rank product L
-    out_ptr,  # *bf16 (M, N): L + P
+    out_ptr,  # *int16 (M, N): BF16 bits of bf16(L + bf16(P))
     M, N, K_BYTES,  # sizes; K_BYTES = K / 2
     sw_stride,  # 2 * ceil(K / 64)
     BM: tl.constexpr, BN: tl.constexpr, BYTES: tl.constexpr,  # tile sizes (BYTES code bytes per step)
@@ -79,7 +91,8 @@ def _mx_matmul_kernel(
     offs = rows[:, None].to(tl.int64) * N + cols[None, :]
     mask = row_in[:, None] & col_in[None, :]
     low = tl.load(low_ptr + offs, mask=mask, other=0).to(tl.float32)
-    tl.store(out_ptr + offs, (low + acc).to(tl.bfloat16), mask=mask)
+    product = (_bf16_bits(acc) << 16).to(tl.float32, bitcast=True)  # bf16(P), then bf16(L + bf16(P))
+    tl.store(out_ptr + offs, _bf16_bits(low + product).to(tl.int16), mask=mask)
 
 
 def svd_quant(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, d: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -92,7 +105,7 @@ def svd_quant(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, d: torch.Tensor
     if m and n:
         grid = (triton.cdiv(m, BM), triton.cdiv(n, BN))
         _mx_matmul_kernel[grid](
-            x_codes, x_scales, w.contiguous(), s.contiguous(), low, out,
+            x_codes, x_scales, w.contiguous(), s.contiguous(), low, out.view(torch.int16),
             m, n, k // 2, s.shape[1] * 2,
             BM=BM, BN=BN, BYTES=BYTES,
         )
