@@ -170,3 +170,20 @@ def test_numba_fake_quantize_is_quantize_then_dequantize(dtype, out_dtype):
         got = cpu_kernels.fake_quantize(x, block_size, "even", "rne", out_dtype)
         want = mxfp4.dequantize(*mxfp4.quantize(x, block_size, "even", "rne"), out_dtype or dtype)
         assert_same([got], [want])
+
+
+@pytest.mark.parametrize("backend", ["reference", "native"])
+def test_quantize_op_out_argument(backend):
+    x = torch.randn(3, 64, dtype=torch.bfloat16) * 10
+    codes, scales = torch.empty(3, 32, dtype=torch.uint8), torch.empty(3, 2, dtype=torch.uint8)
+    got = ops.mxfp4_quantize(x, 32, "ceil", "ta", out=(codes, scales), backend=backend)
+    assert got[0] is codes and got[1] is scales
+    assert_same(got, mxfp4.quantize(x, 32, "ceil", "ta"))
+    strided = torch.empty(3, 64, dtype=torch.uint8)[:, ::2]  # non-contiguous out
+    ops.mxfp4_quantize(x, out=(strided, scales), backend=backend)
+    assert torch.equal(strided, mxfp4.quantize(x)[0])
+    torch.library.opcheck(torch.ops.lowbit.mxfp4_quantize_out, (x, codes, scales, 32, "floor", "ta", -1, backend))
+    with pytest.raises(ShapeError, match=r"\(3, 32\)"):
+        ops.mxfp4_quantize(x, out=(torch.empty(3, 31, dtype=torch.uint8), scales))
+    with pytest.raises(DtypeError, match="int8"):
+        ops.mxfp4_quantize(x, out=(codes, scales.view(torch.int8)))

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from lowbit import backends
-from lowbit.errors import DeviceError
+from lowbit.errors import DeviceError, DtypeError, ShapeError
 from lowbit.formats import mxfp4
 
 QUANTIZE = "mxfp4_quantize"
@@ -86,6 +86,45 @@ def _(x, block_size, scale_rule, rounding, axis, backend=None):
     return x.new_empty(codes_shape, dtype=torch.uint8), x.new_empty(scales_shape, dtype=torch.uint8)
 
 
+@torch.library.custom_op("lowbit::mxfp4_quantize_out", mutates_args=("codes", "scales"))
+def _quantize_out_op(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    block_size: int,
+    scale_rule: str,
+    rounding: str,
+    axis: int,
+    backend: Optional[str] = None,
+) -> None:
+    _validate_quantize_out(x, codes, scales, block_size, scale_rule, rounding, axis)
+    fn = QUANTIZE_DISPATCH.select(x.device, backend)
+    last = axis % x.dim() == x.dim() - 1
+    numba_kernel = x.device.type == "cpu" and fn is not mxfp4.quantize  # the one that takes out=
+    if numba_kernel and last and codes.is_contiguous() and scales.is_contiguous():
+        fn(x, block_size, scale_rule, rounding, axis, out=(codes, scales))  # no temporaries
+        return
+    got_codes, got_scales = fn(x, block_size, scale_rule, rounding, axis)
+    codes.copy_(got_codes)
+    scales.copy_(got_scales)
+
+
+@_quantize_out_op.register_fake
+def _(x, codes, scales, block_size, scale_rule, rounding, axis, backend=None):
+    _validate_quantize_out(x, codes, scales, block_size, scale_rule, rounding, axis)
+
+
+def _validate_quantize_out(x, codes, scales, block_size, scale_rule, rounding, axis):
+    codes_shape, scales_shape, _ = mxfp4.quantized_shapes(x, block_size, scale_rule, rounding, axis)
+    for name, t, shape in (("codes", codes, codes_shape), ("scales", scales, scales_shape)):
+        if t.dtype != torch.uint8:
+            raise DtypeError(f"mxfp4_quantize: out {name} must be uint8, got {t.dtype}")
+        if tuple(t.shape) != shape:
+            raise ShapeError(f"mxfp4_quantize: out {name} must have shape {shape}, got {tuple(t.shape)}")
+        if t.device != x.device:
+            raise DeviceError(f"mxfp4_quantize: out {name} is on {t.device} but x is on {x.device}")
+
+
 @torch.library.custom_op("lowbit::mxfp4_dequantize", mutates_args=())
 def _dequantize_op(
     codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, axis: int, backend: Optional[str] = None
@@ -113,6 +152,7 @@ def mxfp4_quantize(
     rounding: str = "ta",
     axis: int = -1,
     *,
+    out: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     backend: Optional[str] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MXFP4-quantize ``x`` (FP16/BF16/FP32) in blocks of ``block_size`` along ``axis``.
@@ -120,9 +160,15 @@ def mxfp4_quantize(
     Returns ``(codes, scales)`` uint8 on x's device: codes (..., K/2, ...) with element 2i in the low nibble,
     scales (..., K/block_size, ...) E8M0 bytes. ``scale_rule``: floor (OCP, default), nearest, even, ceil,
     rceil; ``rounding``: "ta" (ties away, default) or "rne". Zero block -> scale 0x00; a block with NaN/Inf
-    -> scale 0xFF and codes 0. ``backend``: "native", "reference" or "auto". See lowbit.formats.mxfp4.
+    -> scale 0xFF and codes 0. ``out``: optional (codes, scales) uint8 tensors of those shapes on x's device,
+    filled and returned (on the CPU with contiguous outputs and the last axis, without temporaries).
+    ``backend``: "native", "reference" or "auto". See lowbit.formats.mxfp4.
     """
-    return torch.ops.lowbit.mxfp4_quantize(x, block_size, scale_rule, rounding, axis, backend)
+    if out is None:
+        return torch.ops.lowbit.mxfp4_quantize(x, block_size, scale_rule, rounding, axis, backend)
+    codes, scales = out
+    torch.ops.lowbit.mxfp4_quantize_out(x, codes, scales, block_size, scale_rule, rounding, axis, backend)
+    return codes, scales
 
 
 def mxfp4_dequantize(
