@@ -13,6 +13,7 @@ from lowbit.backends import (
     use_backend,
 )
 from lowbit.errors import DeviceError, DtypeError, ShapeError
+from lowbit.ops.hifloat4 import hifloat4_fake_quant, hifloat4_pack, hifloat4_unpack
 from lowbit.ops.hifloat8 import decode_from_hifloat8, encode_to_hifloat8
 
 try:
@@ -28,6 +29,9 @@ __all__ = [
     "decode_from_hifloat8",
     "encode_to_hifloat8",
     "get_backend",
+    "hifloat4_fake_quant",
+    "hifloat4_pack",
+    "hifloat4_unpack",
     "last_backend",
     "set_backend",
     "use_backend",

@@ -1,0 +1,157 @@
+"""HiFloat4 kernels (numba, Triton under the interpreter) == the reference, bit for bit, zero tolerance."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lowbit.formats import hifloat4
+from lowbit.kernels.cpu import hifloat4 as cpu_kernels
+from lowbit.ops.hifloat4 import probe_input
+
+triton_kernels = pytest.importorskip("lowbit.kernels.triton.hifloat4", reason="triton is not installed")
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+FAKE_QUANT = {"numba": cpu_kernels.fake_quant_into, "triton-interpreter": triton_kernels.fake_quant_into}
+# log2 of the block scales drawn per dtype: 1e-30 ... 1e30 where the dtype allows it.
+SCALE_EXPONENTS = {torch.float32: (-100, 100), torch.bfloat16: (-100, 100), torch.float16: (-24, 15)}
+
+
+def bits(t):
+    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
+
+
+def run_kernel(kernel, x, qdim):
+    out = torch.empty_like(x)
+    kernel(x, qdim, out)
+    return out
+
+
+def assert_kernel_equals_reference(kernel, x, qdim):
+    out = run_kernel(kernel, x, qdim)
+    expected = hifloat4.fake_quant(x, qdim)
+    differ = bits(out) != bits(expected)
+    assert not differ.any(), (
+        f"{int(differ.sum())} of {x.numel()} differ, e.g. input {x[differ][:4].tolist()} -> "
+        f"{out[differ][:4].tolist()}, expected {expected[differ][:4].tolist()}"
+    )
+
+
+@st.composite
+def drawn_inputs(draw, max_other=5):
+    """(x, qdim): 1-3 dims, the quant dim 64 * (1..3) long at any position, heavy-tailed values at
+    per-block scales drawn over the dtype's range, with zero blocks, -0.0, NaN and +-Inf drawn in."""
+    dtype = draw(st.sampled_from(DTYPES))
+    ndim = draw(st.integers(1, 3))
+    qdim = draw(st.integers(0, ndim - 1))
+    shape = [draw(st.integers(1, max_other)) for _ in range(ndim)]
+    shape[qdim] = 64 * draw(st.integers(1, 3))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    lo, hi = SCALE_EXPONENTS[dtype]
+    tail = draw(st.sampled_from([0.0, 1.0, 4.0]))
+    moved = [s for i, s in enumerate(shape) if i != qdim] + [shape[qdim]]
+    blocks = torch.randn(*moved[:-1], shape[qdim] // 64, 64, generator=g)
+    blocks = blocks * torch.exp2(torch.randn(blocks.shape, generator=g) * tail)
+    blocks = blocks * torch.exp2(torch.randint(lo, hi + 1, blocks.shape[:-1] + (1,), generator=g).float())
+    if draw(st.booleans()):
+        blocks = torch.where(torch.rand(blocks.shape[:-1] + (1,), generator=g) < 0.3, 0.0, blocks)
+    flat = blocks.reshape(-1)
+    for value in draw(st.lists(st.sampled_from([-0.0, float("nan"), float("inf"), float("-inf")]), max_size=3)):
+        flat[int(torch.randint(flat.numel(), (1,), generator=g))] = value
+    if dtype == torch.float16 and draw(st.booleans()):  # FP16 near its max
+        flat[int(torch.randint(flat.numel(), (1,), generator=g))] = 65504.0
+    x = blocks.reshape(moved).movedim(-1, qdim).to(dtype).contiguous()
+    return x, qdim
+
+
+@pytest.mark.parametrize("kernel", FAKE_QUANT.values(), ids=FAKE_QUANT.keys())
+@given(drawn=drawn_inputs())
+def test_kernel_equals_reference_on_drawn_inputs(kernel, drawn):
+    x, qdim = drawn
+    assert_kernel_equals_reference(kernel, x, qdim)
+
+
+@pytest.mark.parametrize("kernel", FAKE_QUANT.values(), ids=FAKE_QUANT.keys())
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kernel_probe_input_qdim_first_middle_last(kernel, dtype):
+    x = probe_input(dtype)  # worked blocks, zero / NaN / Inf / -0.0 blocks, heavy-tailed rows
+    assert_kernel_equals_reference(kernel, x, -1)
+    assert_kernel_equals_reference(kernel, x, 1)
+    assert_kernel_equals_reference(kernel, x.t().contiguous(), 0)
+    assert_kernel_equals_reference(kernel, x.reshape(2, 8, 128).transpose(1, 2).contiguous(), 1)
+    assert_kernel_equals_reference(kernel, x.reshape(4, 4, 128).permute(2, 0, 1).contiguous(), 0)
+
+
+@pytest.mark.parametrize("kernel", FAKE_QUANT.values(), ids=FAKE_QUANT.keys())
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_kernel_every_bit_pattern(kernel, dtype):
+    """All 65 536 FP16 / BF16 bit patterns, in order (neighbours share a block) and shuffled."""
+    x = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype).reshape(-1, 64)
+    assert_kernel_equals_reference(kernel, x, -1)
+    permutation = torch.randperm(x.numel(), generator=torch.Generator().manual_seed(0))
+    assert_kernel_equals_reference(kernel, x.reshape(-1)[permutation].reshape(64, -1), 0)
+
+
+@pytest.mark.parametrize("kernel", FAKE_QUANT.values(), ids=FAKE_QUANT.keys())
+def test_kernel_poisoned_block_changes_nothing_else(kernel):
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(128, 6, generator=g).to(torch.bfloat16)
+    clean = run_kernel(kernel, x, 0)
+    x[70, 2] = float("nan")
+    out = run_kernel(kernel, x, 0)
+    assert bits(out[64:, 2]).eq(hifloat4.NAN_BITS[torch.bfloat16]).all()
+    out[64:, 2] = clean[64:, 2]
+    assert torch.equal(bits(out), bits(clean))
+
+
+@pytest.mark.parametrize("kernel", FAKE_QUANT.values(), ids=FAKE_QUANT.keys())
+def test_kernel_tile_edges_when_the_quant_dim_is_not_last(kernel):
+    """Column counts around the numba tile width (32) and the Triton program width."""
+    g = torch.Generator().manual_seed(8)
+    for columns in (1, 31, 32, 33, 65):
+        x = (torch.randn(2, 128, columns, generator=g) * 1000).to(torch.float32)
+        assert_kernel_equals_reference(kernel, x, 1)
+
+
+def test_reciprocal_table_is_bf16_of_the_reciprocal():
+    for m in range(4):
+        expected = torch.tensor(1.0 / (1 + m / 4)).to(torch.bfloat16).float().item()
+        assert cpu_kernels._RECIPROCAL_MANTISSA[m] == expected
+
+
+# --- pack / unpack kernels ---------------------------------------------------------------------------------
+
+@given(drawn=drawn_inputs(max_other=4))
+def test_numba_pack_equals_reference(drawn):
+    x, _ = drawn
+    x2 = x.reshape(-1, x.shape[-1]) if x.shape[-1] % 64 == 0 else x.reshape(-1, 64)
+    scale, value = cpu_kernels.pack(x2)
+    expected = hifloat4.pack(x2)
+    assert torch.equal(scale, expected[0]) and torch.equal(value, expected[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_numba_unpack_equals_reference_on_random_bytes(dtype):
+    """Arbitrary bytes: every scale byte (0xFF included), every flag pattern, every nibble."""
+    g = torch.Generator().manual_seed(9)
+    scale = torch.randint(0, 256, (300, 2, 4), generator=g, dtype=torch.int32).to(torch.uint8)
+    scale[:256, 0, 0] = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    value = torch.randint(0, 256, (300, 64), generator=g, dtype=torch.int32).to(torch.uint8)
+    out = cpu_kernels.unpack(scale, value, dtype)
+    assert torch.equal(bits(out), bits(hifloat4.unpack(scale, value, dtype)))
+    assert torch.equal(bits(cpu_kernels.unpack(scale.numpy(), value.numpy(), dtype)), bits(out))
+
+
+def test_numba_pack_unpack_round_trip_is_fake_quant():
+    for dtype in DTYPES:
+        x = probe_input(dtype)
+        scale, value = cpu_kernels.pack(x)
+        assert torch.equal(bits(cpu_kernels.unpack(scale, value, dtype)), bits(hifloat4.fake_quant(x)))
+
+
+def test_numba_kernels_refuse_non_contiguous_views():
+    x = torch.randn(128, 64)
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu_kernels.fake_quant_into(x.t(), 0, torch.empty(64, 128))
+    assert isinstance(cpu_kernels._int_view(x), np.ndarray)
