@@ -37,7 +37,9 @@ def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return mxfp4.quantize(x, BLOCK_SIZE, "floor", "ta", axis=-1)
 
 
-def svd_quant(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, d: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def svd_quant(
+    x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, d: torch.Tensor, u: torch.Tensor
+) -> torch.Tensor:
     """out = bf16(L + bf16(deq(MXFP4(x)) @ deq(w)^T)), L = bf16(bf16(x @ d) @ u), for 2-D x (M, K)."""
     k = x.shape[-1]
     x_codes, x_scales = quantize_activation(x)

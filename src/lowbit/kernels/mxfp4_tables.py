@@ -18,7 +18,11 @@ from lowbit.formats import mxfp4 as ref
 RULE_ID = {name: i for i, name in enumerate(ref.SCALE_RULES)}  # floor, nearest, even, ceil, rceil
 BITS_DTYPE = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 # input/output dtype -> (integer dtype holding two consecutive elements, bits per element)
-PAIR_WORD = {torch.bfloat16: (torch.int32, 16), torch.float16: (torch.int32, 16), torch.float32: (torch.int64, 32)}
+PAIR_WORD = {
+    torch.bfloat16: (torch.int32, 16),
+    torch.float16: (torch.int32, 16),
+    torch.float32: (torch.int64, 32),
+}
 
 
 @functools.cache

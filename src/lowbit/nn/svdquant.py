@@ -28,7 +28,9 @@ def svdquant_decompose(weight: torch.Tensor, rank: int = 32) -> tuple[torch.Tens
     floor scales and ties-away elements. Returns tensors on weight's device.
     """
     if weight.dim() != 2 or not weight.is_floating_point():
-        raise ValueError(f"svdquant_decompose expects a 2-D float weight (N, K), got {weight.dtype} {tuple(weight.shape)}")
+        raise ValueError(
+            f"svdquant_decompose expects a 2-D float weight (N, K), got {weight.dtype} {tuple(weight.shape)}"
+        )
     n, k = weight.shape
     if k % 32:
         raise ValueError(f"svdquant_decompose: K = {k} is not a multiple of 32")
@@ -45,7 +47,7 @@ def svdquant_decompose(weight: torch.Tensor, rank: int = 32) -> tuple[torch.Tens
 
 
 class SVDQuantLinear(nn.Module):
-    """A Linear layer computed by ``svd_quant``: BF16 in and out, an MXFP4 residual and a BF16 low-rank branch.
+    """A Linear layer computed by ``svd_quant``: BF16 in/out, an MXFP4 residual plus a BF16 low-rank branch.
 
     Buffers: ``w`` (N, K/2) uint8, ``s`` (N, ceil(K/64), 2) uint8, ``down`` (K, R) and ``up`` (R, N) BF16,
     optional ``bias`` (N,) BF16. Input (..., K) is cast to BF16; output (..., N) BF16. Weights are stored
@@ -58,18 +60,24 @@ class SVDQuantLinear(nn.Module):
         super().__init__()
         if in_features % 32:
             raise ValueError(f"SVDQuantLinear: in_features = {in_features} is not a multiple of 32")
-        self.in_features, self.out_features, self.rank, self.backend = in_features, out_features, rank, backend
-        self.register_buffer("w", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
-        self.register_buffer("s", torch.zeros(out_features, -(-in_features // 64), 2, dtype=torch.uint8, device=device))
-        self.register_buffer("down", torch.zeros(in_features, rank, dtype=torch.bfloat16, device=device))
-        self.register_buffer("up", torch.zeros(rank, out_features, dtype=torch.bfloat16, device=device))
-        self.register_buffer("bias", torch.zeros(out_features, dtype=torch.bfloat16, device=device) if bias else None)
+        self.in_features, self.out_features = in_features, out_features
+        self.rank, self.backend = rank, backend
+        codes = dict(dtype=torch.uint8, device=device)
+        bf16 = dict(dtype=torch.bfloat16, device=device)
+        self.register_buffer("w", torch.zeros(out_features, in_features // 2, **codes))
+        self.register_buffer("s", torch.zeros(out_features, -(-in_features // 64), 2, **codes))
+        self.register_buffer("down", torch.zeros(in_features, rank, **bf16))
+        self.register_buffer("up", torch.zeros(rank, out_features, **bf16))
+        self.register_buffer("bias", torch.zeros(out_features, **bf16) if bias else None)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, rank: int = 32, backend: Optional[str] = None) -> "SVDQuantLinear":
+    def from_linear(
+        cls, linear: nn.Linear, rank: int = 32, backend: Optional[str] = None
+    ) -> "SVDQuantLinear":
         """Build from an ``nn.Linear`` (its weight decomposed by :func:`svdquant_decompose`)."""
         weight = linear.weight
-        module = cls(linear.in_features, linear.out_features, rank, linear.bias is not None, weight.device, backend)
+        has_bias = linear.bias is not None
+        module = cls(linear.in_features, linear.out_features, rank, has_bias, weight.device, backend)
         w, s, d, u = svdquant_decompose(weight, rank)
         module.w.copy_(w)
         module.s.copy_(s)

@@ -40,7 +40,9 @@ def _check_quantize(fn, device: torch.device) -> None:
                 got = fn(x.to(device), 32, rule, rounding, -1)
                 want = mxfp4.quantize(x, 32, rule, rounding, -1)
                 if not all(torch.equal(g.cpu(), w) for g, w in zip(got, want)):
-                    raise RuntimeError(f"native mxfp4 quantize differs from the reference ({dtype}, {rule}, {rounding})")
+                    raise RuntimeError(
+                        f"native mxfp4 quantize differs from the reference ({dtype}, {rule}, {rounding})"
+                    )
 
 
 def _check_dequantize(fn, device: torch.device) -> None:
@@ -58,7 +60,10 @@ QUANTIZE_DISPATCH = backends.register(
     backends.Dispatcher(
         op=QUANTIZE,
         reference=mxfp4.quantize,
-        native={"cpu": "lowbit.kernels.cpu.mxfp4:quantize", "cuda": "lowbit.kernels.triton.mxfp4:quantize"},
+        native={
+            "cpu": "lowbit.kernels.cpu.mxfp4:quantize",
+            "cuda": "lowbit.kernels.triton.mxfp4:quantize",
+        },
         self_check=_check_quantize,
     )
 )
@@ -66,7 +71,10 @@ DEQUANTIZE_DISPATCH = backends.register(
     backends.Dispatcher(
         op=DEQUANTIZE,
         reference=mxfp4.dequantize,
-        native={"cpu": "lowbit.kernels.cpu.mxfp4:dequantize", "cuda": "lowbit.kernels.triton.mxfp4:dequantize"},
+        native={
+            "cpu": "lowbit.kernels.cpu.mxfp4:dequantize",
+            "cuda": "lowbit.kernels.triton.mxfp4:dequantize",
+        },
         self_check=_check_dequantize,
     )
 )
@@ -184,4 +192,5 @@ def mxfp4_dequantize(
     The block size is ``2 * codes.shape[axis] / scales.shape[axis]``. Exact for FP32/BF16 (one rounding
     for FP16); a 0xFF scale gives NaN for its block. ``backend``: "native", "reference" or "auto".
     """
-    return torch.ops.lowbit.mxfp4_dequantize(mxfp4.as_uint8(codes), mxfp4.as_uint8(scales), dtype, axis, backend)
+    codes, scales = mxfp4.as_uint8(codes), mxfp4.as_uint8(scales)
+    return torch.ops.lowbit.mxfp4_dequantize(codes, scales, dtype, axis, backend)

@@ -42,7 +42,7 @@ RTOL = ATOL = 1e-2  # the upstream test's criterion (tests/amct_ops/test_svd_qua
 
 
 def probe_inputs(m: int, n: int, k: int, r: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
-    """Upstream-style test data on the CPU: x, W, d, u ~ U(-10, 10) in BF16, W quantized; returns x, w, s, d, u."""
+    """Upstream-style data on the CPU: x, W, d, u ~ U(-10, 10) in BF16, W quantized -> (x, w, s, d, u)."""
     generator = torch.Generator().manual_seed(seed)
 
     def uniform(*shape):
@@ -66,7 +66,10 @@ DISPATCH = backends.register(
     backends.Dispatcher(
         op=OP,
         reference=ref.svd_quant,
-        native={"cpu": "lowbit.kernels.cpu.svd_quant:svd_quant", "cuda": "lowbit.kernels.triton.svd_quant:svd_quant"},
+        native={
+            "cpu": "lowbit.kernels.cpu.svd_quant:svd_quant",
+            "cuda": "lowbit.kernels.triton.svd_quant:svd_quant",
+        },
         self_check=_self_check,
     )
 )
@@ -74,8 +77,14 @@ DISPATCH = backends.register(
 
 def _validate(x, w, s, d, u) -> tuple[int, ...]:
     """Upstream checks; returns the output shape."""
-    for name, t, want in (("activation", x, torch.bfloat16), ("weights", w, torch.uint8), ("scales", s, torch.uint8),
-                          ("down", d, torch.bfloat16), ("up", u, torch.bfloat16)):
+    expected = (
+        ("activation", x, torch.bfloat16),
+        ("weights", w, torch.uint8),
+        ("scales", s, torch.uint8),
+        ("down", d, torch.bfloat16),
+        ("up", u, torch.bfloat16),
+    )
+    for name, t, want in expected:
         if t.dtype != want:
             raise DtypeError(f"svd_quant: Data Type is wrong: {name} must be {want}, got {t.dtype}")
     if x.dim() < 2 or w.dim() != 2 or s.dim() != 3 or d.dim() != 2 or u.dim() != 2:
@@ -87,7 +96,10 @@ def _validate(x, w, s, d, u) -> tuple[int, ...]:
     if k % 32:
         raise ShapeError(f"svd_quant: K dimension should be a multiple of 32, got K={k}")
     r, n = d.shape[1], u.shape[1]
-    if d.shape[0] != k or u.shape[0] != r or tuple(w.shape) != (n, k // 2) or tuple(s.shape) != (n, -(-k // 64), 2):
+    fits = (tuple(d.shape), tuple(u.shape), tuple(w.shape), tuple(s.shape)) == (
+        (k, r), (r, n), (n, k // 2), (n, -(-k // 64), 2)
+    )
+    if not fits:
         raise ShapeError(f"svd_quant: Input shapes are incompatible: {_shapes(x, w, s, d, u)}")
     devices = {t.device for t in (x, w, s, d, u)}
     if len(devices) > 1:
@@ -102,7 +114,12 @@ def _shapes(*tensors: torch.Tensor) -> str:
 
 @torch.library.custom_op("lowbit::svd_quant", mutates_args=())
 def _svd_quant_op(
-    x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, d: torch.Tensor, u: torch.Tensor, backend: Optional[str] = None
+    x: torch.Tensor,
+    w: torch.Tensor,
+    s: torch.Tensor,
+    d: torch.Tensor,
+    u: torch.Tensor,
+    backend: Optional[str] = None,
 ) -> torch.Tensor:
     out_shape = _validate(x, w, s, d, u)
     fn = DISPATCH.select(x.device, backend)

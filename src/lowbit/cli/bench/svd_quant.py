@@ -41,9 +41,9 @@ def run(args: argparse.Namespace) -> list[dict]:
         min_time = 0.05 if s_len * b < 64 else 0.0  # loop sub-millisecond calls
         samples = []
         for _ in range(args.repeats):
-            linear = median_seconds(lambda: F.linear(x, weight), repeats=1, warmup=1, device=device, min_time=min_time)
-            ours = median_seconds(lambda: svd_quant(x, w, s, d, u, backend=args.backend), repeats=1, warmup=1,
-                                  device=device, min_time=min_time)
+            once = dict(repeats=1, warmup=1, device=device, min_time=min_time)
+            linear = median_seconds(lambda: F.linear(x, weight), **once)
+            ours = median_seconds(lambda: svd_quant(x, w, s, d, u, backend=args.backend), **once)
             samples.append((linear, ours, ours / linear))
         linear, ours, ratio = (statistics.median(column) for column in zip(*samples))
         flops = 2 * b * s_len * n * k

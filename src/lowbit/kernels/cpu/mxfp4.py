@@ -4,13 +4,16 @@ Quantize works on the integer bit patterns of the input, never on rounded floats
 
 * block amax = max of ``bits & abs_mask`` (magnitudes of one float type order like their bit patterns);
   ``amax >= nonfinite_bits`` means the block holds a NaN or Inf -> scale 0xFF, codes 0;
-* the amax is widened to FP32 bits (a shift for BF16, a table for FP16) and the scale byte is
+* the amax is widened to FP32 bits (a 32K-entry table for FP16/BF16) and the scale byte is
   ``E - 2 + bump(M)`` from its exponent field E and fraction M (0 when E == 0), clamped (module rules);
 * each element's code is the number of E2M1 midpoints it passes: ``sum_j |bits| >= thr[byte, j]`` where
   ``thr[byte, j]`` is the smallest magnitude (as bits of the input type) that rounds past midpoint j at
-  that scale (precomputed exactly per input dtype and rounding mode), plus the sign in bit 3.
+  that scale (lowbit.kernels.mxfp4_tables, exact per input dtype and rounding mode), plus the sign.
 
-Dequantize is a gather from a (256, 16) table of output bit patterns built by the reference.
+The input is read as words of two elements (element 2i in the low half), which is exactly one output
+code byte. Work is split into tasks of _BLOCKS_PER_TASK blocks, each running a few passes over
+L1/L2-resident scratch (see _quantize_task). Dequantize gathers both elements of a code byte at once from
+a (scale byte, code byte) table built by the reference; :func:`fake_quantize` does both in one pass.
 """
 
 from __future__ import annotations
@@ -76,7 +79,8 @@ def _scale_byte(amax_fp32_bits, rule):
 
 @numba.njit(**NJIT_OPTIONS)
 def _quantize_task(
-    pairs, width, abs_mask, element_abs_mask, nonfinite_bits, to_fp32, rule, thr, ppb, codes, scales, lo, hi, mag
+    pairs, width, abs_mask, element_abs_mask, nonfinite_bits, to_fp32, rule, thr, ppb, codes, scales,
+    lo, hi, mag,
 ):
     """Quantize one run of whole blocks of ``2 * ppb`` elements (``ppb`` pairs per block).
 
@@ -128,11 +132,17 @@ def _quantize_task(
         for i in range(start, start + np.uint64(16)):
             e = lo[i]
             a = e & mask
-            c_lo = (a >= t0) + np.uint8(a >= t1) + np.uint8(a >= t2) + np.uint8(a >= t3) + np.uint8(a >= t4) + np.uint8(a >= t5) + np.uint8(a >= t6)
+            c_lo = (
+                (a >= t0) + np.uint8(a >= t1) + np.uint8(a >= t2) + np.uint8(a >= t3)
+                + np.uint8(a >= t4) + np.uint8(a >= t5) + np.uint8(a >= t6)
+            )
             s_lo = np.uint8(e > mask) * np.uint8(8)  # above the magnitude mask: sign bit set
             e = hi[i]
             a = e & mask
-            c_hi = (a >= t0) + np.uint8(a >= t1) + np.uint8(a >= t2) + np.uint8(a >= t3) + np.uint8(a >= t4) + np.uint8(a >= t5) + np.uint8(a >= t6)
+            c_hi = (
+                (a >= t0) + np.uint8(a >= t1) + np.uint8(a >= t2) + np.uint8(a >= t3)
+                + np.uint8(a >= t4) + np.uint8(a >= t5) + np.uint8(a >= t6)
+            )
             s_hi = np.uint8(e > mask) * np.uint8(8)
             codes[i] = np.uint8(c_lo) | s_lo | ((np.uint8(c_hi) | s_hi) << np.uint8(4))
 
@@ -158,7 +168,8 @@ def _encode_block(lo, hi, codes, start, stop, thr, byte, mask):
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
 def _quantize_blocks(
-    pairs, width, abs_mask, element_abs_mask, nonfinite_bits, to_fp32, rule, thr, ppb, codes, scales, table, out_pairs
+    pairs, width, abs_mask, element_abs_mask, nonfinite_bits, to_fp32, rule, thr, ppb, codes, scales,
+    table, out_pairs,
 ):
     """Quantize all blocks (``ppb`` pairs each), in parallel tasks of _BLOCKS_PER_TASK blocks.
 
@@ -176,8 +187,8 @@ def _quantize_blocks(
         mag = np.empty(size, dtype=thr.dtype)
         task_codes = codes[ppb * first : ppb * stop]
         _quantize_task(
-            pairs[ppb * first : ppb * stop], width, abs_mask, element_abs_mask, nonfinite_bits, to_fp32, rule, thr, ppb,
-            task_codes, scales[first:stop], lo, hi, mag,
+            pairs[ppb * first : ppb * stop], width, abs_mask, element_abs_mask, nonfinite_bits, to_fp32,
+            rule, thr, ppb, task_codes, scales[first:stop], lo, hi, mag,
         )
         if table.size:
             _dequantize_task(task_codes, scales[first:stop], table, ppb, out_pairs[ppb * first : ppb * stop])
@@ -201,7 +212,8 @@ def _dequantize_blocks(codes, scales, table, ppb, out_pairs):
     for task in numba.prange(n_tasks):
         first = task * _BLOCKS_PER_TASK
         stop = min(n_blocks, first + _BLOCKS_PER_TASK)
-        _dequantize_task(codes[ppb * first : ppb * stop], scales[first:stop], table, ppb, out_pairs[ppb * first : ppb * stop])
+        span = slice(ppb * first, ppb * stop)
+        _dequantize_task(codes[span], scales[first:stop], table, ppb, out_pairs[span])
 
 
 def quantize(
@@ -241,7 +253,11 @@ def quantize(
 
 
 def fake_quantize(
-    x: torch.Tensor, block_size: int = 32, scale_rule: str = "floor", rounding: str = "ta", dtype: torch.dtype | None = None
+    x: torch.Tensor,
+    block_size: int = 32,
+    scale_rule: str = "floor",
+    rounding: str = "ta",
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``dequantize(*quantize(x, block_size, scale_rule, rounding), dtype)`` along the last axis, in one pass.
 
@@ -250,7 +266,7 @@ def fake_quantize(
     dtype = x.dtype if dtype is None else dtype
     codes_shape, scales_shape, _ = ref.quantized_shapes(x, block_size, scale_rule, rounding, -1)
     if dtype not in _PAIRS:
-        raise DtypeError(f"mxfp4 fake_quantize: output dtype must be float16, bfloat16 or float32, got {dtype}")
+        raise DtypeError(f"mxfp4 fake_quantize: output dtype must be FP16, BF16 or FP32, got {dtype}")
     if x.device.type != "cpu":
         raise ValueError(f"numba mxfp4 fake_quantize needs a CPU tensor, got device {x.device}")
     out = torch.empty(x.shape, dtype=dtype)

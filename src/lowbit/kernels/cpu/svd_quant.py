@@ -17,7 +17,9 @@ from lowbit.formats.svd_quant import BLOCK_SIZE, weight_scales
 from lowbit.kernels.cpu import mxfp4
 
 
-def svd_quant(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, d: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def svd_quant(
+    x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, d: torch.Tensor, u: torch.Tensor
+) -> torch.Tensor:
     """Same contract as :func:`lowbit.formats.svd_quant.svd_quant`: x (M, K) BF16 -> (M, N) BF16."""
     k = x.shape[-1]
     x_deq = mxfp4.fake_quantize(x, BLOCK_SIZE, "floor", "ta", torch.bfloat16)

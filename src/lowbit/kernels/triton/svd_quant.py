@@ -76,12 +76,13 @@ def _mx_matmul_kernel(
         k_in = kb < K_BYTES
         a_mask = row_in[:, None] & k_in[None, :]
         w_mask = col_in[:, None] & k_in[None, :]
-        a = tl.load(xq_ptr + rows[:, None].to(tl.int64) * K_BYTES + kb[None, :], mask=a_mask, other=0).to(tl.int32)
-        sa = tl.load(sx_ptr + rows[:, None].to(tl.int64) * (K_BYTES // 16) + kb[None, :] // 16, mask=a_mask, other=127)
-        b = tl.load(w_ptr + cols[:, None].to(tl.int64) * K_BYTES + kb[None, :], mask=w_mask, other=0).to(tl.int32)
-        sb = tl.load(sw_ptr + cols[:, None].to(tl.int64) * sw_stride + kb[None, :] // 16, mask=w_mask, other=127)
-        sa = sa.to(tl.int32)
-        sb = sb.to(tl.int32)
+        row_offs = rows[:, None].to(tl.int64)
+        col_offs = cols[:, None].to(tl.int64)
+        block = kb[None, :] // 16  # 16 code bytes = one block of 32 elements
+        a = tl.load(xq_ptr + row_offs * K_BYTES + kb[None, :], mask=a_mask, other=0).to(tl.int32)
+        sa = tl.load(sx_ptr + row_offs * (K_BYTES // 16) + block, mask=a_mask, other=127).to(tl.int32)
+        b = tl.load(w_ptr + col_offs * K_BYTES + kb[None, :], mask=w_mask, other=0).to(tl.int32)
+        sb = tl.load(sw_ptr + col_offs * sw_stride + block, mask=w_mask, other=127).to(tl.int32)
         a_even = _decode(a, sa, False)
         a_odd = _decode(a, sa, True)
         b_even = _decode(b, sb, False)
@@ -95,7 +96,9 @@ def _mx_matmul_kernel(
     tl.store(out_ptr + offs, _bf16_bits(low + product).to(tl.int16), mask=mask)
 
 
-def svd_quant(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, d: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def svd_quant(
+    x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, d: torch.Tensor, u: torch.Tensor
+) -> torch.Tensor:
     """Same contract as :func:`lowbit.formats.svd_quant.svd_quant`: x (M, K) BF16 -> (M, N) BF16."""
     m, k = x.shape
     n = u.shape[1]
