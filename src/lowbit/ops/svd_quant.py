@@ -21,7 +21,8 @@ Contract (upstream ``amct.svd_quant`` checks, in order; every error is also a Ru
   its output is non-finite there too through x @ d @ u.
 * Rounding: out = bf16(L + bf16(P)) with L = bf16(bf16(x @ d) @ u), as the upstream golden computes it.
 * ``backend``: "reference" (lowbit.formats.svd_quant: torch matmuls, P in FP32), "native" (CPU: numba
-  quantizer + oneDNN BF16 matmuls; CUDA: Triton), "auto". Backends agree up to the matmuls'
+  quantizer + oneDNN BF16 matmuls; CUDA: Triton; NPU: AMCT's ``torch.ops.amct.svd_quant``, unverified),
+  "auto". Backends agree up to the matmuls'
   accumulation order (P may round to the neighbouring BF16 value), not bit for bit.
 * ``out``: optional BF16 tensor of the output shape on x's device; the result is copied into it.
 """
@@ -54,8 +55,8 @@ def probe_inputs(m: int, n: int, k: int, r: int, seed: int = 0) -> tuple[torch.T
 
 
 def _self_check(fn, device: torch.device) -> None:
-    """Native agrees with the reference within the upstream tolerance on a probe (M=5, N=40, K=96, R=32)."""
-    inputs = probe_inputs(5, 40, 96, 32)
+    """Native agrees with the reference within the upstream tolerance on a probe (M=5, N=40, K=128, R=32)."""
+    inputs = probe_inputs(5, 40, 128, 32)
     got = fn(*(t.to(device) for t in inputs)).cpu().float()
     want = ref.svd_quant(*inputs).float()
     if not torch.allclose(got, want, rtol=RTOL, atol=ATOL):
@@ -69,6 +70,7 @@ DISPATCH = backends.register(
         native={
             "cpu": "lowbit.kernels.cpu.svd_quant:svd_quant",
             "cuda": "lowbit.kernels.triton.svd_quant:svd_quant",
+            "npu": "lowbit.kernels.npu.svd_quant:svd_quant",
         },
         self_check=_self_check,
     )
