@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import lowbit.ops.mxfp4 as ops
@@ -187,3 +187,31 @@ def test_quantize_op_out_argument(backend):
         ops.mxfp4_quantize(x, out=(torch.empty(3, 31, dtype=torch.uint8), scales))
     with pytest.raises(DtypeError, match="int8"):
         ops.mxfp4_quantize(x, out=(codes, scales.view(torch.int8)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_every_16bit_pattern_bit_exact(dtype):
+    """All 65536 patterns (NaN payloads, subnormals, +-0, Inf), sorted and shuffled into blocks of 32."""
+    patterns = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
+    shuffled = patterns[torch.randperm(65536, generator=torch.Generator().manual_seed(0))]
+    x = torch.stack([patterns, shuffled]).reshape(-1, 1024)
+    for rule, rounding in RULE_ROUNDING:
+        assert_same(cpu_kernels.quantize(x, 32, rule, rounding), mxfp4.quantize(x, 32, rule, rounding))
+    for rule, rounding in (("floor", "ta"), ("rceil", "rne")):
+        assert_same(triton_kernels.quantize(x, 32, rule, rounding), mxfp4.quantize(x, 32, rule, rounding))
+
+
+@settings(max_examples=10)
+@given(data=st.data())
+def test_triton_random_inputs_bit_exact(data):
+    dtype = data.draw(st.sampled_from(mxfp4.INPUT_DTYPES))
+    rule = data.draw(st.sampled_from(mxfp4.SCALE_RULES))
+    rounding = data.draw(st.sampled_from(mxfp4.ROUNDINGS))
+    block_size = data.draw(st.sampled_from([2, 6, 32, 64]))
+    seed = data.draw(st.integers(0, 2**31))
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(3, 2 * block_size, generator=gen) * torch.exp2(torch.randint(-40, 41, (3, 1), generator=gen).float())
+    x = x.to(dtype)
+    assert_same(triton_kernels.quantize(x, block_size, rule, rounding), mxfp4.quantize(x, block_size, rule, rounding))
+    codes, scales = mxfp4.quantize(x, block_size, rule, rounding)
+    assert_same([triton_kernels.dequantize(codes, scales, dtype)], [mxfp4.dequantize(codes, scales, dtype)])
