@@ -215,3 +215,14 @@ def test_triton_random_inputs_bit_exact(data):
     assert_same(triton_kernels.quantize(x, block_size, rule, rounding), mxfp4.quantize(x, block_size, rule, rounding))
     codes, scales = mxfp4.quantize(x, block_size, rule, rounding)
     assert_same([triton_kernels.dequantize(codes, scales, dtype)], [mxfp4.dequantize(codes, scales, dtype)])
+
+
+@pytest.mark.parametrize("backend", ["reference", "native"])
+def test_dynamic_mx_quant_op_matches_reference_layout(backend):
+    x = torch.randn(5, 96, dtype=torch.bfloat16) * 7
+    for mode in ("round", "rint"):
+        assert_same(ops.dynamic_mx_quant(x, 32, mode, backend=backend), mxfp4.dynamic_mx_quant(x, 32, mode))
+    with pytest.raises(ValueError, match="round_mode"):
+        ops.dynamic_mx_quant(x, round_mode="floor")
+    with pytest.raises(ValueError, match="block_size"):
+        ops.dynamic_mx_quant(x, block_size=16)

@@ -71,6 +71,8 @@ OUTPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 RNE_TIE_ROUNDS_UP = (False, True, False, True, False, True, False)
 
+DYNAMIC_MX_ROUND_MODES = {"round": "ta", "rint": "rne"}  # torch_npu round_mode -> element rounding
+
 _SCALE_CLAMP = {"floor": 125, "nearest": 125, "even": 125, "ceil": 125, "rceil": 127}
 
 
@@ -299,12 +301,11 @@ def dynamic_mx_quant(
     pairs, the last pair padded with byte 0 when L/32 is odd (the layout the svd_quant op takes). Only
     block_size 32 and L % 32 == 0 are supported (ValueError otherwise).
     """
-    modes = {"round": "ta", "rint": "rne"}
-    if round_mode not in modes:
+    if round_mode not in DYNAMIC_MX_ROUND_MODES:
         raise ValueError(f"dynamic_mx_quant: round_mode must be 'round' or 'rint', got {round_mode!r}")
     if block_size != 32:
         raise ValueError(f"dynamic_mx_quant: only block_size 32 is supported, got {block_size}")
-    codes, scales = quantize(x, 32, "floor", modes[round_mode], axis=-1)
+    codes, scales = quantize(x, 32, "floor", DYNAMIC_MX_ROUND_MODES[round_mode], axis=-1)
     return codes, scales_to_pairs(scales)
 
 

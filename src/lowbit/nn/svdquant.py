@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from lowbit.formats import mxfp4
+from lowbit.ops.mxfp4 import dynamic_mx_quant
 from lowbit.ops.svd_quant import svd_quant
 
 
@@ -42,7 +42,7 @@ def svdquant_decompose(weight: torch.Tensor, rank: int = 32) -> tuple[torch.Tens
     d = (left[:, :rank] * root).to(torch.bfloat16)
     u = (root[:, None] * right_t[:rank]).to(torch.bfloat16)
     residual = w64 - (d.to(torch.float64) @ u.to(torch.float64)).T
-    w, s = mxfp4.dynamic_mx_quant(residual.to(torch.float32), 32, "round")
+    w, s = dynamic_mx_quant(residual.to(torch.float32), 32, "round")
     return w, s, d, u
 
 

@@ -194,3 +194,20 @@ def mxfp4_dequantize(
     """
     codes, scales = mxfp4.as_uint8(codes), mxfp4.as_uint8(scales)
     return torch.ops.lowbit.mxfp4_dequantize(codes, scales, dtype, axis, backend)
+
+
+def dynamic_mx_quant(
+    x: torch.Tensor, block_size: int = 32, round_mode: str = "round", *, backend: Optional[str] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch_npu's ``npu_dynamic_mx_quant`` layout through the backend-routed quantizer.
+
+    Same contract as :func:`lowbit.formats.mxfp4.dynamic_mx_quant` (floor scale; "round" = TA, "rint" =
+    RNE; codes (..., L/2), scales (..., ceil(L/64), 2)), computed by ``backend``.
+    """
+    rounding = mxfp4.DYNAMIC_MX_ROUND_MODES.get(round_mode)
+    if rounding is None:
+        raise ValueError(f"dynamic_mx_quant: round_mode must be 'round' or 'rint', got {round_mode!r}")
+    if block_size != 32:
+        raise ValueError(f"dynamic_mx_quant: only block_size 32 is supported, got {block_size}")
+    codes, scales = mxfp4_quantize(x, 32, "floor", rounding, -1, backend=backend)
+    return codes, mxfp4.scales_to_pairs(scales)
