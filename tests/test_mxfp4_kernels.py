@@ -226,3 +226,19 @@ def test_dynamic_mx_quant_op_matches_reference_layout(backend):
         ops.dynamic_mx_quant(x, round_mode="floor")
     with pytest.raises(ValueError, match="block_size"):
         ops.dynamic_mx_quant(x, block_size=16)
+
+
+@pytest.mark.parametrize("backend", ["reference", "native"])
+def test_dequantize_op_out_argument(backend):
+    codes, scales = mxfp4.quantize(torch.randn(3, 64) * 10)
+    out = torch.empty(3, 64, dtype=torch.float16)
+    assert ops.mxfp4_dequantize(codes, scales, torch.float16, out=out, backend=backend) is out
+    assert_same([out], [mxfp4.dequantize(codes, scales, torch.float16)])
+    strided = torch.empty(3, 128, dtype=torch.bfloat16)[:, ::2]
+    ops.mxfp4_dequantize(codes, scales, out=strided, backend=backend)
+    assert_same([strided.contiguous()], [mxfp4.dequantize(codes, scales)])
+    torch.library.opcheck(torch.ops.lowbit.mxfp4_dequantize_out, (codes, scales, out, -1, backend))
+    with pytest.raises(DtypeError, match="float32"):
+        ops.mxfp4_dequantize(codes, scales, torch.float16, out=torch.empty(3, 64))
+    with pytest.raises(ShapeError, match=r"\(3, 64\)"):
+        ops.mxfp4_dequantize(codes, scales, torch.float32, out=torch.empty(3, 63))

@@ -147,6 +147,33 @@ def _(codes, scales, dtype, axis, backend=None):
     return codes.new_empty(out_shape, dtype=dtype)
 
 
+@torch.library.custom_op("lowbit::mxfp4_dequantize_out", mutates_args=("out",))
+def _dequantize_out_op(
+    codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, axis: int, backend: Optional[str] = None
+) -> None:
+    _validate_dequantize_out(codes, scales, out, axis)
+    fn = DEQUANTIZE_DISPATCH.select(codes.device, backend)
+    numba_kernel = codes.device.type == "cpu" and fn is not mxfp4.dequantize  # the one that takes out=
+    last = axis % codes.dim() == codes.dim() - 1
+    if numba_kernel and last and out.is_contiguous() and out.dtype != torch.float64:
+        fn(codes, scales, out.dtype, axis, out=out)  # no temporary
+        return
+    out.copy_(fn(codes, scales, out.dtype, axis))
+
+
+@_dequantize_out_op.register_fake
+def _(codes, scales, out, axis, backend=None):
+    _validate_dequantize_out(codes, scales, out, axis)
+
+
+def _validate_dequantize_out(codes, scales, out, axis):
+    out_shape, _, _ = _validate_dequantize(codes, scales, out.dtype, axis)
+    if tuple(out.shape) != out_shape:
+        raise ShapeError(f"mxfp4_dequantize: out must have shape {out_shape}, got {tuple(out.shape)}")
+    if out.device != codes.device:
+        raise DeviceError(f"mxfp4_dequantize: out is on {out.device} but codes are on {codes.device}")
+
+
 def _validate_dequantize(codes, scales, dtype, axis):
     if codes.device != scales.device:
         raise DeviceError(f"mxfp4_dequantize: codes on {codes.device} but scales on {scales.device}")
@@ -185,15 +212,22 @@ def mxfp4_dequantize(
     dtype: torch.dtype = torch.bfloat16,
     axis: int = -1,
     *,
+    out: Optional[torch.Tensor] = None,
     backend: Optional[str] = None,
 ) -> torch.Tensor:
     """Decode MXFP4 ``(codes, scales)`` (uint8, or float4_e2m1fn_x2 / float8_e8m0fnu views) into ``dtype``.
 
     The block size is ``2 * codes.shape[axis] / scales.shape[axis]``. Exact for FP32/BF16 (one rounding
-    for FP16); a 0xFF scale gives NaN for its block. ``backend``: "native", "reference" or "auto".
+    for FP16); a 0xFF scale gives NaN for its block. ``out``: optional tensor of the result shape on the
+    codes' device and of ``dtype``, filled and returned. ``backend``: "native", "reference" or "auto".
     """
     codes, scales = mxfp4.as_uint8(codes), mxfp4.as_uint8(scales)
-    return torch.ops.lowbit.mxfp4_dequantize(codes, scales, dtype, axis, backend)
+    if out is None:
+        return torch.ops.lowbit.mxfp4_dequantize(codes, scales, dtype, axis, backend)
+    if out.dtype != dtype:
+        raise DtypeError(f"mxfp4_dequantize: dtype={dtype} but out has dtype {out.dtype}")
+    torch.ops.lowbit.mxfp4_dequantize_out(codes, scales, out, axis, backend)
+    return out
 
 
 def dynamic_mx_quant(

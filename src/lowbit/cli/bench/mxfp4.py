@@ -52,6 +52,9 @@ def run(args: argparse.Namespace) -> list[dict]:
             out = (torch.empty_like(codes), torch.empty_like(scales))
             timed("quantize op out=", lambda: quant(out), in_bytes + packed_bytes)
             timed("quantize op alloc", quant, in_bytes + packed_bytes)
+            values = torch.empty_like(x)
+            timed("dequantize op out=", lambda: mxfp4_dequantize(codes, scales, dtype, out=values, backend=args.backend),
+                  in_bytes + packed_bytes)
             timed("dequantize op alloc", lambda: mxfp4_dequantize(codes, scales, dtype, backend=args.backend),
                   in_bytes + packed_bytes)
             for row in case_rows:  # case_rows[0] is the memcpy baseline

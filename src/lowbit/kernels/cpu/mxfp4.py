@@ -305,20 +305,33 @@ def _launch_quantize(xt, block_size, scale_rule, rounding, codes, scales, dequan
 
 
 def dequantize(
-    codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16, axis: int = -1
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    dtype: torch.dtype = torch.bfloat16,
+    axis: int = -1,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Same contract as :func:`lowbit.formats.mxfp4.dequantize`, for CPU tensors."""
+    """Same contract as :func:`lowbit.formats.mxfp4.dequantize`, for CPU tensors.
+
+    ``out``: optional preallocated contiguous CPU tensor of ``dtype`` and the result shape (FP16/BF16/FP32
+    and ``axis`` = last only); it is filled and returned.
+    """
     codes, scales = ref.as_uint8(codes), ref.as_uint8(scales)
     out_shape, block_size, axis = ref.dequantized_shape(codes, scales, dtype, axis)
     if codes.device.type != "cpu" or scales.device.type != "cpu":
         raise ValueError(f"numba mxfp4 dequantize needs CPU tensors, got {codes.device} and {scales.device}")
     last = axis == codes.dim() - 1
+    if out is not None:
+        _check_out(out, out_shape, "values", dtype)
+        if not last or dtype not in _PAIRS:
+            raise ValueError("out= is only supported for axis = -1 and FP16/BF16/FP32 outputs")
+    if dtype not in _PAIRS:  # FP64 (beyond FP32 range at the top): the reference
+        return ref.dequantize(codes, scales, dtype, axis)
     ct = codes.contiguous() if last else codes.movedim(axis, -1).contiguous()
     st = scales.contiguous() if last else scales.movedim(axis, -1).contiguous()
-    out = torch.empty(out_shape if last else _moved(out_shape, axis), dtype=dtype)
+    if out is None:
+        out = torch.empty(out_shape if last else _moved(out_shape, axis), dtype=dtype)
     if out.numel():
-        if dtype not in _PAIRS:  # FP64 (beyond FP32 range at the top): the reference
-            return ref.dequantize(codes, scales, dtype, axis)
         sync_threads()
         pair_dtype, _ = _PAIRS[dtype]
         _dequantize_blocks(
@@ -336,9 +349,9 @@ def _moved(shape: tuple[int, ...], axis: int) -> tuple[int, ...]:
     return shape[:axis] + shape[axis + 1 :] + (shape[axis],)
 
 
-def _check_out(t: torch.Tensor, shape: tuple[int, ...], name: str) -> None:
-    if t.dtype != torch.uint8 or tuple(t.shape) != shape or not t.is_contiguous() or t.device.type != "cpu":
+def _check_out(t: torch.Tensor, shape: tuple[int, ...], name: str, dtype: torch.dtype = torch.uint8) -> None:
+    if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous() or t.device.type != "cpu":
         raise ValueError(
-            f"out {name} must be a contiguous uint8 CPU tensor of shape {shape}, got {t.dtype} "
+            f"out {name} must be a contiguous {dtype} CPU tensor of shape {shape}, got {t.dtype} "
             f"{tuple(t.shape)} on {t.device}"
         )
