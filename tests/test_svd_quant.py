@@ -165,3 +165,13 @@ def test_opcheck_meta_and_compile():
     assert meta.shape == (2, 3, 64) and meta.dtype == torch.bfloat16
     compiled = torch.compile(op.svd_quant, fullgraph=True)
     assert torch.equal(compiled(x3, w, s, d, u), op.svd_quant(x3, w, s, d, u))
+
+
+def test_non_contiguous_inputs():
+    x, w, s, d, u = op.probe_inputs(6, 64, 128, 32)
+    want = op.svd_quant(x, w, s, d, u)
+    x_strided = torch.stack([x, x], dim=-1)[..., 0]
+    d_strided = d.T.contiguous().T
+    u_strided = u.T.contiguous().T
+    assert not (x_strided.is_contiguous() or d_strided.is_contiguous() or u_strided.is_contiguous())
+    assert torch.equal(op.svd_quant(x_strided, w, s, d_strided, u_strided), want)
