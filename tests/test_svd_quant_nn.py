@@ -9,7 +9,7 @@ from lowbit.nn.svdquant import SVDQuantLinear, svdquant_decompose
 
 
 def sqnr_db(signal: torch.Tensor, approx: torch.Tensor) -> float:
-    signal, approx = signal.double(), approx.double()
+    signal, approx = signal.detach().double(), approx.detach().double()
     return float(10 * torch.log10(signal.pow(2).sum() / (signal - approx).pow(2).sum()))
 
 
