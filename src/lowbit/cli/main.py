@@ -1,9 +1,10 @@
-"""The ``lowbit`` command: info, smoke, bench (and the WeightQuantBatchMatmul tool chain)."""
+"""The ``lowbit`` command: info, smoke, bench, and the WeightQuantBatchMatmul tool chain (wqbmm, verify)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import torch
@@ -11,6 +12,7 @@ import torch
 from lowbit import backends
 from lowbit.cli import bench as bench_pkg
 from lowbit.cli import smoke as smoke_pkg
+from lowbit.cli import wqbmm as wqbmm_cli
 
 BACKEND_CHOICES = list(backends.BACKENDS)
 
@@ -119,12 +121,18 @@ def build_parser() -> argparse.ArgumentParser:
         _add_bench_arguments(p, module)
         selected = list(modules.items()) if module is None else [(name, module)]
         p.set_defaults(func=_cmd_bench, bench_modules=selected)
+
+    wqbmm_cli.add_subcommands(sub)  # wqbmm gen-data|run|profile|example, verify
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except BrokenPipeError:  # output piped into e.g. `head`: stop quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

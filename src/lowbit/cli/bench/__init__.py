@@ -6,19 +6,14 @@ and optionally ``add_arguments(parser)``; rows are printed as a table or JSON.
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from types import ModuleType
+
+from lowbit.cli._discover import operator_modules
 
 
 def benches() -> dict[str, ModuleType]:
     """Benchmark modules by operator name, discovered in this package (modules not starting with '_')."""
-    found = {}
-    for info in pkgutil.iter_modules(__path__):
-        if not info.name.startswith("_"):
-            module = importlib.import_module(f"{__name__}.{info.name}")
-            found[module.NAME] = module
-    return dict(sorted(found.items()))
+    return operator_modules(__name__, __path__)
 
 
 def format_table(rows: list[dict]) -> str:

@@ -7,13 +7,12 @@ Exit codes (upstream contract): 0 every contract holds; 1 a contract is broken; 
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from types import ModuleType
 
 import torch
 
 from lowbit.backends import BackendUnavailable
+from lowbit.cli._discover import operator_modules
 from lowbit.cli.smoke import _common
 
 EXIT_OK, EXIT_CONTRACT_BROKEN, EXIT_CANNOT_RUN = 0, 1, 2
@@ -24,12 +23,7 @@ CANNOT_RUN_ERRORS = (BackendUnavailable, ImportError, OSError, RuntimeError, Val
 
 def checks() -> dict[str, ModuleType]:
     """Smoke modules by operator name, discovered in this package (modules not starting with '_')."""
-    found = {}
-    for info in pkgutil.iter_modules(__path__):
-        if not info.name.startswith("_"):
-            module = importlib.import_module(f"{__name__}.{info.name}")
-            found[module.NAME] = module
-    return dict(sorted(found.items()))
+    return operator_modules(__name__, __path__)
 
 
 def resolve_device(name: str) -> torch.device:
