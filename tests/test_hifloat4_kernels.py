@@ -1,5 +1,6 @@
 """HiFloat4 kernels (numba, Triton under the interpreter) == the reference, bit for bit, zero tolerance."""
 
+import numba
 import numpy as np
 import pytest
 import torch
@@ -112,6 +113,27 @@ def test_kernel_tile_edges_when_the_quant_dim_is_not_last(kernel):
     for columns in (1, 31, 32, 33, 65):
         x = (torch.randn(2, 128, columns, generator=g) * 1000).to(torch.float32)
         assert_kernel_equals_reference(kernel, x, 1)
+
+
+def test_numba_element_code_is_exhaustively_the_reference_rounding():
+    """The numba element code (bf16 rounding by a magic add, clamp before rounding) against
+    min(floor(4 * bf16(w) + 0.5), 7) for every fp32 w within 2^16 ulps of each code threshold (n - 0.5) / 4
+    and of the clamp, plus a spread of values from 0 to 1e30."""
+    centers = [np.float32((n - 0.5) / 4) for n in range(1, 8)] + [np.float32(1.75), np.float32(2.0)]
+    patterns = [np.arange(-(1 << 16), 1 << 16, dtype=np.int64) + int(c.view(np.uint32)) for c in centers]
+    spread = np.float32(np.geomspace(1e-45, 1e30, 20000))
+    w = np.concatenate([np.concatenate(patterns).astype(np.uint32).view(np.float32), spread, [np.float32(0)]])
+    codes = np.empty_like(w)
+    _element_codes(w, codes)
+    v = torch.from_numpy(w).to(torch.bfloat16).float()
+    expected = torch.floor(4 * v + 0.5).clamp(max=7).numpy()
+    assert np.array_equal(codes, expected)
+
+
+@numba.njit
+def _element_codes(w, out):
+    for i in range(w.size):
+        out[i] = cpu_kernels._code(w[i])
 
 
 def test_reciprocal_table_is_bf16_of_the_reciprocal():

@@ -3,9 +3,19 @@
 Operators are also registered as ``torch.ops.lowbit.<name>``. Backends: see :mod:`lowbit.backends`.
 """
 
-from importlib.metadata import PackageNotFoundError, version
+import os
+import sys
 
-from lowbit.backends import (
+# numba's and torch's OpenMP pools both spin after each parallel region; on a small machine switching
+# from one to the other then stalls for milliseconds. Idle threads that sleep at once avoid that. The
+# variable is read when OpenMP loads, so this only takes effect when lowbit is imported before torch
+# (as in the lowbit command); a value set by the user is kept. See README, "Threads".
+if "torch" not in sys.modules:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from importlib.metadata import PackageNotFoundError, version  # noqa: E402
+
+from lowbit.backends import (  # noqa: E402
     BackendUnavailable,
     get_backend,
     last_backend,
@@ -13,8 +23,12 @@ from lowbit.backends import (
     use_backend,
 )
 from lowbit.errors import DeviceError, DtypeError, ShapeError
+from lowbit.nn.svdquant import SVDQuantLinear, svdquant_decompose
 from lowbit.ops.hifloat4 import hifloat4_fake_quant, hifloat4_pack, hifloat4_unpack
 from lowbit.ops.hifloat8 import decode_from_hifloat8, encode_to_hifloat8
+from lowbit.ops.mxfp4 import dynamic_mx_quant, mxfp4_dequantize, mxfp4_quantize
+from lowbit.ops.svd_quant import svd_quant
+from lowbit.ops.wqbmm import WqbmmPlan, plan_weight_quant_batch_matmul, weight_quant_batch_matmul
 
 try:
     __version__ = version("lowbit")
@@ -25,14 +39,23 @@ __all__ = [
     "BackendUnavailable",
     "DeviceError",
     "DtypeError",
+    "SVDQuantLinear",
     "ShapeError",
+    "WqbmmPlan",
     "decode_from_hifloat8",
+    "dynamic_mx_quant",
     "encode_to_hifloat8",
     "get_backend",
     "hifloat4_fake_quant",
     "hifloat4_pack",
     "hifloat4_unpack",
     "last_backend",
+    "mxfp4_dequantize",
+    "mxfp4_quantize",
+    "plan_weight_quant_batch_matmul",
     "set_backend",
+    "svd_quant",
+    "svdquant_decompose",
     "use_backend",
+    "weight_quant_batch_matmul",
 ]

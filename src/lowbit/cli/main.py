@@ -1,4 +1,4 @@
-"""The ``lowbit`` command: info, smoke, bench (and the WeightQuantBatchMatmul tool chain)."""
+"""The ``lowbit`` command: info, smoke, bench, eval, and the WeightQuantBatchMatmul tool chain (wqbmm, verify)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ import torch
 
 from lowbit import backends
 from lowbit.cli import bench as bench_pkg
+from lowbit.cli import evaluate as evaluate_cli
 from lowbit.cli import smoke as smoke_pkg
+from lowbit.cli import wqbmm as wqbmm_cli
 
 BACKEND_CHOICES = list(backends.BACKENDS)
 
@@ -120,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
         _add_bench_arguments(p, module)
         selected = list(modules.items()) if module is None else [(name, module)]
         p.set_defaults(func=_cmd_bench, bench_modules=selected)
+
+    wqbmm_cli.add_subcommands(sub)  # wqbmm gen-data|run|profile|example, verify
+    evaluate_cli.add_subcommand(sub)  # eval
     return parser
 
 

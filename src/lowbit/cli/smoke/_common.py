@@ -131,4 +131,5 @@ def environment(device: torch.device) -> dict:
         "numba": _dist_version("numba"),
         "triton": _dist_version("triton"),
         "cpu_threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
     }

@@ -12,8 +12,16 @@ PARALLEL_NJIT_OPTIONS = dict(NJIT_OPTIONS, parallel=True)
 
 
 def sync_threads() -> int:
-    """Set numba's thread count to torch.get_num_threads() (capped by numba's pool); return it."""
-    n = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    """Set numba's thread count to torch.get_num_threads() (capped by numba's pool); return it.
+
+    Starting numba's OpenMP threading layer (on the first call) resets the process's OpenMP thread
+    count, which is torch's too; torch's setting is read first and put back.
+    """
+    wanted = torch.get_num_threads()
+    numba.get_num_threads()  # launches numba's threading layer if it is not running yet
+    if torch.get_num_threads() != wanted:
+        torch.set_num_threads(wanted)
+    n = max(1, min(wanted, numba.config.NUMBA_NUM_THREADS))
     if numba.get_num_threads() != n:
         numba.set_num_threads(n)
     return n

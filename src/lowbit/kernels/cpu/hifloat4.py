@@ -5,11 +5,23 @@ A tensor is seen as (outer, L, inner) around the quant dim; block n covers 64 el
 apart. No transposed copy of the tensor is made: with ``inner > 1``, tiles of 64 x 32 blocks side by
 side go through a small scratch buffer. Tasks of about 256 blocks run in parallel, scheduled dynamically.
 
-Per block: load (bit patterns -> fp32 magnitudes and signs, non-finite -> 0), encode (every fp32
-operation of the reference in the same order; bf16 round-to-nearest-even as integer arithmetic on the
-bits; ``bf16(1 / sf)`` from a four-entry table instead of a division), store (``code << level`` times
-``sf / 4`` is exact in fp32 and is turned into the output dtype's bits; FP16 rounds to nearest even).
-The per-block helpers are inlined so that their 64-element loops vectorize.
+Per block (formats.md 2.4, every fp32 operation of the reference in the same order), in loops that
+LLVM vectorizes:
+
+1. one pass over the 16 4-groups: maxima compared as magnitude bits (non-finite elements count 0 and
+   poison the block);
+2. scalar: bf16(M * c7), clamps and E6M2 rounding as integer arithmetic on the bits, ``bf16(1 / sf)``
+   from a four-entry table instead of a division;
+3. one pass over the 16 4-groups: flags e2, e3 as arithmetic (no branches), giving 2^-level and
+   2^level * sf / 4 per group;
+4. one pass over the 64 elements: the in-group bf16 rounding by a magic-number addition (the FPU rounds
+   to nearest even), the half-up code as floor, ``code * 2^level * sf / 4`` (exact in fp32) turned into
+   the output dtype's bits (FP16 rounds to nearest even); a poisoned block is then overwritten with NaN.
+
+Performance notes (numba/LLVM specifics behind the shape of the code): helpers are inlined at numba IR
+level; blocks are rows of 2-D views and per-task scratch is one small array, because every array view
+created or passed per block costs atomic reference counting; integer lanes are kept at 32 bits with
+explicit ``np.uint32`` casts (numba widens integer arithmetic to 64 bits).
 """
 
 from __future__ import annotations
@@ -31,6 +43,8 @@ _F_HALF = np.float32(0.5)
 _F1 = np.float32(1.0)
 _F2 = np.float32(2.0)
 _F4 = np.float32(4.0)
+_F_CODE_MAX = np.float32(1.75)
+_F_BF16_MAGIC = np.float32(1.5 * 2.0**16)
 _C7 = np.float32(ref.C7)
 _SCALE_MIN = np.float32(ref.SCALE_MIN)
 _SCALE_MAX = np.float32(ref.SCALE_MAX)
@@ -126,105 +140,144 @@ def _f16_bits(y):
 
 
 @numba.njit(**_INLINE)
-def _load_block(src, a, negative, mag_mask, inf_mag, shift, widen):
-    """Read 64 bit patterns ``src`` (a contiguous or strided view) into fp32 magnitudes ``a`` and sign
-    flags ``negative`` (x < 0); non-finite elements become 0. Returns whether any was non-finite."""
-    poisoned = False
-    for i in range(BLOCK):
-        raw = src[i]
-        mag = np.uint32(raw) & mag_mask
-        finite = mag < inf_mag
-        poisoned |= not finite
-        mag = mag if finite else np.uint32(0)
-        a[i] = _float(mag << shift) * widen
-        negative[i] = (raw < 0) & (mag != 0)
-    return poisoned
+def _magnitude(raw, mag_mask, shift, widen):
+    """fp32 |x| of one input bit pattern (exact; Inf and NaN give Inf and NaN). ``shift & 31`` tells LLVM
+    that a 32-bit shift suffices (numba widens integer arithmetic to 64 bits, halving the vector lanes)."""
+    return _float(np.uint32(np.uint32(np.uint32(raw) & mag_mask) << (shift & np.uint32(31)))) * widen
 
 
 @numba.njit(**_INLINE)
-def _encode_block(a, m4, code, level):
-    """Quantize 64 finite fp32 magnitudes ``a`` (formats.md 2.4).
-
-    Fills ``code`` (0..7) and ``level`` (e2 + e3) per element; ``m4`` (float32[16]) is scratch. Returns
-    (E6M2 byte, e2 flags, e3 flags), flags packed most significant bit first (8 and 16 bits).
-    """
-    block_max = _F0
+def _group_maxima(src, n, work, mag_mask, inf_mag, shift, widen):
+    """The 16 4-group maxima (fp32) of block ``src[n]`` ((blocks, 64) bits) into ``work[_M4 + k]``,
+    non-finite elements counted as 0 (compared as magnitude bits, which order like the values). Returns
+    (block maximum bits, whether an element was non-finite)."""
+    block_max = np.uint32(0)
+    any_max = np.uint32(0)  # including non-finite elements
     for k in range(16):
-        m = max(max(a[4 * k], a[4 * k + 1]), max(a[4 * k + 2], a[4 * k + 3]))
-        m4[k] = m
-        block_max = max(block_max, m)
+        m = np.uint32(0)
+        for p in range(4):
+            mag = np.uint32(np.uint32(src[n, 4 * k + p]) & mag_mask)  # np.uint32(): keep 32-bit lanes
+            any_max = np.uint32(max(any_max, mag))
+            m = np.uint32(max(m, mag if mag < inf_mag else np.uint32(0)))
+        work[_M4 + k] = _magnitude(m, mag_mask, shift, widen)
+        block_max = np.uint32(max(block_max, m))
+    return block_max, any_max >= inf_mag
+
+
+@numba.njit(**_INLINE)
+def _block_scale(block_max):
+    """(E6M2 byte, r = bf16(1 / sf)) of a block whose largest finite magnitude is ``block_max`` (fp32)."""
     sf1 = min(max(_bf16(block_max * _C7), _SCALE_MIN), _SCALE_MAX)
     # E6M2 byte = RNE(sf1 / 2^(E - 2)) - 4 + 4 (E + 48) = RNE(y / 32) with y = bf16 bits - (127 - 48) * 128.
     y = np.int64(_bits(sf1) >> np.uint32(16)) - 79 * 128
     byte = (y + 15 + ((y >> 5) & 1)) >> 5
-    r = _reciprocal(byte)
-
-    e2_flags = 0
-    e3_flags = 0
-    for j in range(8):
-        e2 = max(m4[2 * j], m4[2 * j + 1]) * r >= _F4
-        e2_flags = (e2_flags << 1) | np.int64(e2)
-        for k in range(2 * j, 2 * j + 2):
-            t = m4[k] * r
-            if e2:
-                t = t * _F_HALF
-            e3 = t >= _F2
-            e3_flags = (e3_flags << 1) | np.int64(e3)
-            for i in range(4 * k, 4 * k + 4):
-                level[i] = np.int32(e2) + np.int32(e3)
-
-    for i in range(BLOCK):
-        v = _bf16((a[i] * r) * _pow2(level[i])[1])
-        code[i] = np.int32(min(np.floor(_F4 * v + _F_HALF), _F4 + _F2 + _F1))
-    return byte, e2_flags, e3_flags
+    return byte, _reciprocal(byte)
 
 
 @numba.njit(**_INLINE)
-def _store_block(dst, byte, code, level, negative, kind, nan_bits):
-    """Write the decoded block (sign, code / 4 * 2^level * sf) as output bits into the 64-element view
-    ``dst``; every element is ``nan_bits`` if ``byte`` is 0xFF."""
-    if byte == ref.POISON_BYTE:
+def _group_flags(m8, m4, r):
+    """(e2, e3) as fp32 0 / 1 of a 4-group whose maximum is ``m4`` inside an 8-group whose maximum is
+    ``m8`` (fp32); arithmetic instead of branches, so that the 16 groups vectorize."""
+    e2 = np.float32(m8 * r >= _F4)
+    e3 = np.float32(m4 * r >= _F2 + _F2 * e2)  # (m4 * r) * 2^-e2 >= 2; halving is exact or irrelevant there
+    return e2, e3
+
+
+@numba.njit(**_INLINE)
+def _group_shifts(work, r, quarter_sf):
+    """Per 4-group k of a block, from its maximum ``work[_M4 + k]``: ``work[_DOWN + k]`` = 2^-(e2 + e3) and
+    ``work[_UP + k]`` = 2^(e2 + e3) * sf / 4 (4-groups k and k ^ 1 form an 8-group)."""
+    for k in range(16):
+        m8 = max(work[_M4 + k], work[_M4 + (k ^ 1)])
+        work[_DOWN + k], work[_UP + k] = _level_factors(m8, work[_M4 + k], r, quarter_sf)
+
+
+@numba.njit(**_INLINE)
+def _level_factors(m8, m4, r, quarter_sf):
+    """(2^-level, 2^level * sf / 4) of a 4-group, level = e2 + e3 (see _group_flags), branch-free."""
+    e2, e3 = _group_flags(m8, m4, r)
+    return (_F1 - _F_HALF * e2) * (_F1 - _F_HALF * e3), quarter_sf * (_F1 + e2) * (_F1 + e3)
+
+
+@numba.njit(**_INLINE)
+def _code(w):
+    """Element code (0..7, as fp32) of the scaled magnitude ``w = fp32(a * r) * 2^-(e2 + e3)``:
+    ``min(floor(4 * bf16(w) + 0.5), 7)``. Clamping w to 1.75 first gives the same codes (bf16(w) >= 1.75
+    gives 7 either way) and keeps the sum below 8. bf16 rounding by the FPU: adding 1.5 * 2^(e + 16) to w
+    in [2^e, 2^(e + 1)) leaves the sum's ulp at 2^(e - 7), bf16's ulp of w, so the sum rounds w to bf16
+    (nearest even); for subnormal w the magic is 0 and the code 0 either way."""
+    w = min(w, _F_CODE_MAX)
+    magic = _float(_bits(w) & np.uint32(0x7F800000)) * _F_BF16_MAGIC
+    v = (w + magic) - magic
+    return np.floor(_F4 * v + _F_HALF)
+
+
+@numba.njit(**_INLINE)
+def _quantize_block(src, dst, n, work, mag_mask, inf_mag, shift, widen, to_bits, nan_bits):
+    """Fake-quant block ``src[n]`` (input bits, (blocks, 64)) into ``dst[n]`` (output bits, written by
+    ``to_bits(y, negative)``); ``work`` is per-task scratch (_scratch). Blocks are rows of 2-D views, not
+    slices: a slice costs atomic reference counting per block."""
+    block_max, poisoned = _group_maxima(src, n, work, mag_mask, inf_mag, shift, widen)
+    byte, r = _block_scale(_magnitude(block_max, mag_mask, shift, widen))
+    _group_shifts(work, r, _scale_value(byte) * _F_QUARTER)
+    for k in range(16):
+        for p in range(4):
+            raw = src[n, 4 * k + p]
+            a = _magnitude(raw, mag_mask, shift, widen)  # non-finite only in poisoned blocks, rewritten below
+            y = _code((a * r) * work[_DOWN + k]) * work[_UP + k]
+            dst[n, 4 * k + p] = to_bits(y, (raw < 0) & (a != _F0))
+    if poisoned:
         for i in range(BLOCK):
-            dst[i] = nan_bits
-        return
-    quarter_sf = _scale_value(byte) * _F_QUARTER
-    if kind == _KIND_F32:
-        for i in range(BLOCK):
-            y = (np.float32(code[i]) * _pow2(level[i])[0]) * quarter_sf  # exact
-            dst[i] = _bits(y) | (np.uint32(negative[i]) << np.uint32(31))
-    elif kind == _KIND_BF16:
-        for i in range(BLOCK):
-            y = (np.float32(code[i]) * _pow2(level[i])[0]) * quarter_sf  # exact, at most 6 significant bits
-            dst[i] = (_bits(y) >> np.uint32(16)) | (np.uint32(negative[i]) << np.uint32(15))
+            dst[n, i] = nan_bits
+
+
+@numba.njit(**_INLINE)
+def _bf16_out(y, negative):
+    """BF16 bits of an exact fp32 result ``y >= 0`` (at most 6 significant bits) with the sign."""
+    return (_bits(y) >> np.uint32(16)) | (np.uint32(negative) << np.uint32(15))
+
+
+@numba.njit(**_INLINE)
+def _f16_out(y, negative):
+    """FP16 bits (round to nearest even) of an fp32 result ``y >= 0`` with the sign."""
+    return _f16_bits(y) | (np.uint32(negative) << np.uint32(15))
+
+
+@numba.njit(**_INLINE)
+def _f32_out(y, negative):
+    """FP32 bits of ``y >= 0`` with the sign."""
+    return _bits(y) | (np.uint32(negative) << np.uint32(31))
+
+
+@numba.njit(**_INLINE)
+def _fake_quant_block(src, dst, n, work, mag_mask, inf_mag, shift, widen, kind, nan_bits):
+    """Fake-quant block ``src[n]`` into ``dst[n]`` ((blocks, 64) bit patterns) as the output kind's bits."""
+    if kind == _KIND_BF16:
+        _quantize_block(src, dst, n, work, mag_mask, inf_mag, shift, widen, _bf16_out, nan_bits)
+    elif kind == _KIND_F16:
+        _quantize_block(src, dst, n, work, mag_mask, inf_mag, shift, widen, _f16_out, nan_bits)
     else:
-        for i in range(BLOCK):
-            y = (np.float32(code[i]) * _pow2(level[i])[0]) * quarter_sf
-            dst[i] = _f16_bits(y) | (np.uint32(negative[i]) << np.uint32(15))
+        _quantize_block(src, dst, n, work, mag_mask, inf_mag, shift, widen, _f32_out, nan_bits)
 
 
-@numba.njit(**_INLINE)
-def _fake_quant_block(src, dst, scratch, mag_mask, inf_mag, shift, widen, kind, nan_bits):
-    """Fake-quant one block: 64-element views ``src`` (input bits) and ``dst`` (output bits)."""
-    a, negative, m4, code, level = scratch
-    poisoned = _load_block(src, a, negative, mag_mask, inf_mag, shift, widen)
-    byte, _, _ = _encode_block(a, m4, code, level)
-    _store_block(dst, ref.POISON_BYTE if poisoned else byte, code, level, negative, kind, nan_bits)
+# Per-task scratch, one float32 array (one base pointer lets LLVM see that the parts never overlap, so
+# the 16-group loops vectorize without runtime alias checks): per 4-group k the maximum, 2^-level and
+# 2^level * sf / 4 at _M4 + k, _DOWN + k, _UP + k.
+_M4, _DOWN, _UP = 0, 16, 32
 
 
 @numba.njit(**NJIT_OPTIONS)
 def _scratch():
-    """Per-task work arrays: magnitudes, signs, 4-group maxima, codes, levels."""
-    return (np.empty(BLOCK, np.float32), np.empty(BLOCK, np.bool_), np.empty(16, np.float32),
-            np.empty(BLOCK, np.int32), np.empty(BLOCK, np.int32))
+    """Per-task work array (see _M4)."""
+    return np.empty(48, np.float32)
 
 
 @numba.njit(**NJIT_OPTIONS)
 def _fake_quant_rows(src, dst, first, last, mag_mask, inf_mag, shift, widen, kind, nan_bits):
-    """Fake-quant contiguous blocks first..last-1 (quant dim last) of ``src`` into ``dst``."""
-    scratch = _scratch()
+    """Fake-quant blocks first..last-1 of ``src`` ((blocks, 64) bits, quant dim last) into ``dst``."""
+    work = _scratch()
     for n in range(first, last):
-        _fake_quant_block(src[n * BLOCK:(n + 1) * BLOCK], dst[n * BLOCK:(n + 1) * BLOCK], scratch, mag_mask,
-                          inf_mag, shift, widen, kind, nan_bits)
+        _fake_quant_block(src, dst, n, work, mag_mask, inf_mag, shift, widen, kind, nan_bits)
 
 
 @numba.njit(**NJIT_OPTIONS)
@@ -236,9 +289,9 @@ def _fake_quant_tiles(src, dst, first, last, inner, mag_mask, inf_mag, shift, wi
     block as in the quant-dim-last case, and copied back: reading a block's 64 elements in place would
     hit one cache set per element when ``inner`` is a power of two.
     """
-    scratch = _scratch()
-    tile_in = np.empty(BLOCK * _TILE_COLUMNS, src.dtype)
-    tile_out = np.empty(BLOCK * _TILE_COLUMNS, dst.dtype)
+    work = _scratch()
+    tile_in = np.empty((_TILE_COLUMNS, BLOCK), src.dtype)
+    tile_out = np.empty((_TILE_COLUMNS, BLOCK), dst.dtype)
     tiles_per_row = (inner + _TILE_COLUMNS - 1) // _TILE_COLUMNS
     for t in range(first, last):
         column = (t % tiles_per_row) * _TILE_COLUMNS
@@ -247,14 +300,14 @@ def _fake_quant_tiles(src, dst, first, last, inner, mag_mask, inf_mag, shift, wi
         for i in range(BLOCK):
             row = src[base + i * inner:base + i * inner + width]
             for c in range(width):
-                tile_in[c * BLOCK + i] = row[c]
+                tile_in[c, i] = row[c]
         for c in range(width):
-            _fake_quant_block(tile_in[c * BLOCK:(c + 1) * BLOCK], tile_out[c * BLOCK:(c + 1) * BLOCK], scratch,
-                              mag_mask, inf_mag, shift, widen, kind, nan_bits)
+            _fake_quant_block(tile_in, tile_out, c, work, mag_mask, inf_mag, shift, widen, kind,
+                              nan_bits)
         for i in range(BLOCK):
             row = dst[base + i * inner:base + i * inner + width]
             for c in range(width):
-                row[c] = tile_out[c * BLOCK + i]
+                row[c] = tile_out[c, i]
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
@@ -262,11 +315,13 @@ def _fake_quant_kernel(src, dst, n_blocks, inner, mag_mask, inf_mag, shift, wide
     """Fake-quant all blocks of flat (outer, L, inner) bit patterns ``src`` into ``dst`` in parallel tasks
     of about _TASK_BLOCKS blocks."""
     if inner == 1:
+        src_blocks = src.reshape(n_blocks, BLOCK)
+        dst_blocks = dst.reshape(n_blocks, BLOCK)
         n_tasks = (n_blocks + _TASK_BLOCKS - 1) // _TASK_BLOCKS
         for task in numba.prange(n_tasks):
             first = task * _TASK_BLOCKS
-            _fake_quant_rows(src, dst, first, min(n_blocks, first + _TASK_BLOCKS), mag_mask, inf_mag, shift,
-                             widen, kind, nan_bits)
+            _fake_quant_rows(src_blocks, dst_blocks, first, min(n_blocks, first + _TASK_BLOCKS), mag_mask, inf_mag,
+                             shift, widen, kind, nan_bits)
     else:
         n_tiles = (n_blocks // inner) * ((inner + _TILE_COLUMNS - 1) // _TILE_COLUMNS)
         tiles_per_task = max(1, _TASK_BLOCKS // _TILE_COLUMNS)
@@ -280,21 +335,46 @@ def _fake_quant_kernel(src, dst, n_blocks, inner, mag_mask, inf_mag, shift, wide
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
 def _pack_kernel(src, scale, value, n_blocks, mag_mask, inf_mag, shift, widen):
     """Pack contiguous blocks of ``src`` into ``scale`` (4 bytes per block) and ``value`` (32 per block)."""
+    src = src.reshape(n_blocks, BLOCK)
     n_tasks = (n_blocks + _TASK_BLOCKS - 1) // _TASK_BLOCKS
     for task in numba.prange(n_tasks):
-        a, negative, m4, code, level = _scratch()
+        work = _scratch()
         for n in range(task * _TASK_BLOCKS, min(n_blocks, (task + 1) * _TASK_BLOCKS)):
-            poisoned = _load_block(src[n * BLOCK:(n + 1) * BLOCK], a, negative, mag_mask, inf_mag, shift,
-                                   widen)
-            byte, e2_flags, e3_flags = _encode_block(a, m4, code, level)
+            block_max, poisoned = _group_maxima(src, n, work, mag_mask, inf_mag, shift, widen)
+            byte, r = _block_scale(_magnitude(block_max, mag_mask, shift, widen))
+            _group_shifts(work, r, _F1)
+            e2_flags = 0
+            e3_flags = 0
+            for j in range(8):
+                low = work[_M4 + 2 * j]
+                high = work[_M4 + 2 * j + 1]
+                e2, e3_low = _group_flags(max(low, high), low, r)
+                e3_high = _group_flags(max(low, high), high, r)[1]
+                e2_flags = (e2_flags << 1) | np.int64(e2)
+                e3_flags = (e3_flags << 2) | (np.int64(e3_low) << 1) | np.int64(e3_high)
             scale[4 * n] = ref.POISON_BYTE if poisoned else byte
             scale[4 * n + 1] = e2_flags
             scale[4 * n + 2] = e3_flags >> 8
             scale[4 * n + 3] = e3_flags & 0xFF
             for i in range(BLOCK // 2):
-                low = code[2 * i] | (np.int32(negative[2 * i]) << 3)
-                high = code[2 * i + 1] | (np.int32(negative[2 * i + 1]) << 3)
-                value[BLOCK // 2 * n + i] = low | (high << 4)
+                nibbles = 0
+                for h in range(2):
+                    raw = src[n, 2 * i + h]
+                    finite = (np.uint32(raw) & mag_mask) < inf_mag  # non-finite: code 0, sign 0
+                    a = _magnitude(raw, mag_mask, shift, widen) if finite else _F0
+                    code = np.int64(_code((a * r) * work[_DOWN + (2 * i + h) // 4]))
+                    nibbles |= (code | (np.int64((raw < 0) & (a != _F0)) << 3)) << (4 * h)
+                value[BLOCK // 2 * n + i] = nibbles
+
+
+@numba.njit(**_INLINE)
+def _out_bits(y, negative, kind):
+    """Output bits of the exact fp32 result ``y >= 0`` with its sign for the output kind."""
+    if kind == _KIND_BF16:
+        return _bf16_out(y, negative)
+    if kind == _KIND_F16:
+        return _f16_out(y, negative)
+    return _f32_out(y, negative)
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
@@ -302,19 +382,20 @@ def _unpack_kernel(scale, value, dst, n_blocks, kind, nan_bits):
     """Decode packed blocks into output bit patterns ``dst`` (64 per block)."""
     n_tasks = (n_blocks + _TASK_BLOCKS - 1) // _TASK_BLOCKS
     for task in numba.prange(n_tasks):
-        code = np.empty(BLOCK, np.int32)
-        level = np.empty(BLOCK, np.int32)
-        negative = np.empty(BLOCK, np.bool_)
         for n in range(task * _TASK_BLOCKS, min(n_blocks, (task + 1) * _TASK_BLOCKS)):
+            byte = np.int64(scale[4 * n])
+            if byte == ref.POISON_BYTE:
+                for i in range(BLOCK):
+                    dst[BLOCK * n + i] = nan_bits
+                continue
+            quarter_sf = _scale_value(byte) * _F_QUARTER
             e2_flags = np.int64(scale[4 * n + 1])
             e3_flags = (np.int64(scale[4 * n + 2]) << 8) | np.int64(scale[4 * n + 3])
             for i in range(BLOCK):
-                level[i] = ((e2_flags >> (7 - i // 8)) & 1) + ((e3_flags >> (15 - i // 4)) & 1)
+                level = ((e2_flags >> (7 - i // 8)) & 1) + ((e3_flags >> (15 - i // 4)) & 1)
                 nibble = (np.int64(value[BLOCK // 2 * n + i // 2]) >> (4 * (i % 2))) & 0xF
-                code[i] = nibble & 7
-                negative[i] = nibble >= 8
-            _store_block(dst[n * BLOCK:(n + 1) * BLOCK], np.int64(scale[4 * n]), code, level, negative, kind,
-                         nan_bits)
+                y = np.float32(nibble & 7) * _pow2(np.int32(level))[0] * quarter_sf  # exact
+                dst[BLOCK * n + i] = _out_bits(y, nibble >= 8, kind)
 
 
 def _int_view(t: torch.Tensor) -> np.ndarray:

@@ -1,0 +1,89 @@
+"""WeightQuantBatchMatmul on this CPU against torch baselines, measured in one run (interleaved rounds).
+
+For M in --ms: F.linear with the dequantized BF16 weight, aten._weight_int4pack_mm_for_cpu with BF16
+activations (same weight, group size), and lowbit's MSD ``basic`` and ``preload`` through a reused plan.
+Two measurements, both as medians (and minima) over --rounds interleaved rounds:
+
+* wall: all threads (torch.get_num_threads()), perf_counter per call;
+* cpu1: one thread for everyone (torch and numba), CPU time of the calling thread (time.thread_time), which
+  a shared, noisy machine does not inflate by descheduling.
+
+    PYTHONPATH=src flock /tmp/lowbit-bench.lock python benchmarks/wqbmm_cpu.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numba
+import torch
+import torch.nn.functional as F
+
+from lowbit.cli.bench.wqbmm import _int4pack_baseline
+from lowbit.formats import wqbmm as reference
+from lowbit.ops.wqbmm import TEMPLATES, plan_weight_quant_batch_matmul
+
+
+def _cases(m, k, n, g, weight, scale, dense_bf16, int4mm, gen):
+    x = torch.randn(m, k, generator=gen).to(torch.float16)
+    x_bf16 = x.to(torch.bfloat16)
+    cases = {"F.linear bf16": lambda: F.linear(x_bf16, dense_bf16), "int4pack_mm bf16": lambda: int4mm(x_bf16)}
+    for template in TEMPLATES:
+        plan = plan_weight_quant_batch_matmul(m, k, n, group_size=g, template=template, backend="native")
+        out, workspace = torch.empty(m, n, dtype=torch.float16), plan.new_workspace()
+        cases[f"lowbit {template}"] = lambda plan=plan, out=out, workspace=workspace: plan.run(
+            x, weight, scale, out=out, workspace=workspace
+        )
+    return cases
+
+
+def _measure(cases, rounds, clock):
+    samples = {name: [] for name in cases}
+    for fn in cases.values():
+        fn()
+        fn()
+    for _ in range(rounds):
+        for name, fn in cases.items():
+            start = clock()
+            fn()
+            samples[name].append(clock() - start)
+    return {name: (statistics.median(v) * 1e3, min(v) * 1e3) for name, v in samples.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ms", default="1,16")
+    parser.add_argument("--n", type=int, default=12288)
+    parser.add_argument("--k", type=int, default=8192)
+    parser.add_argument("--group-size", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=21)
+    args = parser.parse_args()
+    n, k, g = args.n, args.k, args.group_size
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randint(0, 256, (k, n // 2), generator=gen, dtype=torch.uint8)
+    scale = (torch.rand(k // g, n, generator=gen) * 0.02).to(torch.float16)
+    dense_bf16 = reference.dequantize_weight(weight, scale.to(torch.bfloat16), None, g).t().contiguous()
+    int4mm = _int4pack_baseline(weight, scale, g)
+    threads = torch.get_num_threads()
+    print(f"N={n} K={k} G={g}; wall: {threads} threads; cpu1: 1 thread, thread CPU time. ms: median (min)")
+    print("| M | what | wall ms | wall x F.linear | cpu1 ms | cpu1 x F.linear |")
+    print("|---|---|---|---|---|---|")
+    for m in (int(v) for v in args.ms.split(",")):
+        cases = _cases(m, k, n, g, weight, scale, dense_bf16, int4mm, gen)
+        torch.set_num_threads(threads)
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+        wall = _measure(cases, args.rounds, time.perf_counter)
+        torch.set_num_threads(1)  # lowbit's wrapper syncs numba to torch's thread count
+        cpu1 = _measure(cases, max(5, args.rounds // 3), time.thread_time)
+        torch.set_num_threads(threads)
+        base_wall, base_cpu = wall["F.linear bf16"][0], cpu1["F.linear bf16"][0]
+        for name in cases:
+            (w, wmin), (c, cmin) = wall[name], cpu1[name]
+            print(f"| {m} | {name} | {w:.2f} ({wmin:.2f}) | {base_wall / w:.2f} "
+                  f"| {c:.2f} ({cmin:.2f}) | {base_cpu / c:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""Benchmark of weight_quant_batch_matmul (MSD, both templates, through a reused plan) against torch's
+dense BF16 ``F.linear`` with the dequantized weight and, on CPU, ``aten._weight_int4pack_mm_for_cpu``
+with BF16 activations (same group size), all measured in the same run.
+
+GB/s: bytes of the weight operand each call reads (int4: K * N / 2 plus the scales; dense: 2 * K * N).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+from lowbit.cli.bench._timing import gbps, median_seconds
+from lowbit.formats import wqbmm as reference
+from lowbit.ops.wqbmm import TEMPLATES, plan_weight_quant_batch_matmul
+
+NAME = "wqbmm"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ms", default="1,16", help="comma-separated row counts M")
+    parser.add_argument("--n", type=int, default=12288)
+    parser.add_argument("--k", type=int, default=8192)
+    parser.add_argument("--group-size", type=int, default=128)
+
+
+def _int4pack_baseline(weight: torch.Tensor, scale: torch.Tensor, group_size: int):
+    """torch's CPU int4 kernel on the same weight: (q - 8) * scale + 0 == W * scale."""
+    from lowbit.formats.int4 import unpack_int4
+
+    q = (unpack_int4(weight).to(torch.int32) + 8).t().contiguous()  # (N, K) values 0..15
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
+    scales_and_zeros = torch.stack([scale.to(torch.bfloat16), torch.zeros_like(scale, dtype=torch.bfloat16)], dim=-1)
+    return lambda x_bf16: torch.ops.aten._weight_int4pack_mm_for_cpu(x_bf16, packed, group_size, scales_and_zeros)
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    device = torch.device(args.device)
+    n, k, g = args.n, args.k, args.group_size
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randint(0, 256, (k, n // 2), generator=gen, dtype=torch.uint8).to(device)
+    scale = (torch.rand(k // g, n, generator=gen) * 0.02).to(torch.float16).to(device)
+    dense_bf16 = reference.dequantize_weight(weight, scale.to(torch.bfloat16), None, g).t().contiguous()
+    int4_bytes, dense_bytes = k * n // 2 + 2 * scale.numel(), 2 * k * n
+    int4mm = _int4pack_baseline(weight.cpu(), scale.cpu(), g) if device.type == "cpu" else None
+    rows = []
+    for m in (int(v) for v in args.ms.split(",")):
+        x = torch.randn(m, k, generator=gen).to(torch.float16).to(device)
+        x_bf16 = x.to(torch.bfloat16)
+        case = []
+
+        def timed(what, fn, nbytes):
+            s = median_seconds(fn, repeats=args.repeats, device=device, min_time=0.05)
+            case.append({"M": m, "what": what, "ms": s * 1e3, "GB/s": gbps(nbytes, s)})
+
+        timed("F.linear bf16 (dequantized W)", lambda: F.linear(x_bf16, dense_bf16), dense_bytes)
+        if int4mm is not None:
+            timed("aten._weight_int4pack_mm_for_cpu bf16", lambda: int4mm(x_bf16), int4_bytes)
+        for template in TEMPLATES:
+            plan = plan_weight_quant_batch_matmul(m, k, n, group_size=g, template=template, device=device,
+                                                  backend=args.backend)
+            out, workspace = torch.empty(m, n, dtype=x.dtype, device=device), plan.new_workspace()
+            run_plan = lambda: plan.run(x, weight, scale, out=out, workspace=workspace)
+            run_plan()  # compile, self-check, cache the weight tiles
+            timed(f"wqbmm msd {template} ({plan.backend})", run_plan, int4_bytes)
+        for row in case:  # case[0] is the dense baseline
+            row["speedup vs F.linear"] = case[0]["ms"] / row["ms"]
+        rows += case
+    return rows

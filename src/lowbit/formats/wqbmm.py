@@ -1,0 +1,115 @@
+"""Reference A16W4 per-group weight-quant matmul (WeightQuantBatchMatmul): MSD and dequant numerics.
+
+Operands (wqbmm.md): x (M, K) FP16/BF16; weight (K, N/2) uint8 = packed int4 (formats/int4.py layout);
+antiquant_scale (K/G, N) in x's dtype; optional antiquant_offset (K/G, N) in x's dtype; row k of the
+weight uses scale row k // G. Mathematically ``y = x @ ((W + offset) * scale)``; y (M, N) in x's dtype.
+
+MSD ("multi-stage decomposition", the Ascend kernel's numerics), per K-group g and row m, all float32
+in exactly this order (no fused multiply-add):
+
+    f1 = 7.49, f2 = 14.98 (float32)
+    a_max = max |a|                                 over the row's G values of the group
+    t1 = (a / a_max) * f1;  A1 = rint(t1)           rint = round half to even, |Ai| <= 7
+    t2 = (t1 - A1) * f2;    A2 = rint(t2)
+    t3 = (t2 - A2) * f2;    A3 = rint(t3)
+    Yi = sum_k Ai[k] * W[k, n]                      exact integers
+    Yi = float32(Yi) + float32(sum_k Ai[k]) * offset[g, n]     (only with an offset: Ai @ (W + offset))
+    c  = (Y1 * R1 + Y2 * R2) + Y3 * R3              R1 = 1/f1, R2 = 1/(f1*f2), R3 = 1/(f1*f2*f2), float32
+    acc = acc + (c * scale[g, n]) * a_max           acc starts at +0
+    y  = acc rounded (RNE) to x's dtype after the last group
+
+Documented decisions (where the sample is undefined or wrong):
+
+* a_max is per row for every M (the sample's golden script broadcasts it along N, right only for M = 1);
+* a group whose row is all zeros (a_max = 0; the sample divides 0/0 into NaN) contributes exactly 0;
+* a NaN or infinity in a row's group makes that row's output NaN (what the float formula gives);
+* every NaN output is the canonical positive quiet NaN (FP16 0x7E00, BF16 0x7FC0), so all backends agree
+  bit for bit regardless of how the hardware propagates NaN payloads.
+
+``dequant``: ``w = ((W + offset) * scale)`` in float32 rounded to x's dtype, then ``x @ w`` with float32
+accumulation (torch's matmul, so its summation order is the BLAS's: not bit-reproducible across machines).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lowbit.formats.int4 import unpack_int4
+
+F1 = torch.tensor(7.49, dtype=torch.float32)
+F2 = torch.tensor(14.98, dtype=torch.float32)
+R1 = torch.tensor(1.0, dtype=torch.float32) / F1
+R2 = torch.tensor(1.0, dtype=torch.float32) / (F1 * F2)
+R3 = torch.tensor(1.0, dtype=torch.float32) / (F1 * F2 * F2)
+
+
+def msd_decompose(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split one group of float32 activations (M, G) into (A1, A2, A3, a_max).
+
+    A1..A3 are float32 integers in [-7, 7] (NaN where the input is not finite), a_max is (M, 1) float32.
+    Rows with a_max = 0 get A = 0 (instead of 0/0).
+    """
+    a_max = a.abs().amax(dim=1, keepdim=True)
+    t1 = torch.where(a_max == 0, 0.0, a / a_max * F1)
+    a1 = torch.round(t1)
+    t2 = (t1 - a1) * F2
+    a2 = torch.round(t2)
+    t3 = (t2 - a2) * F2
+    a3 = torch.round(t3)
+    return a1, a2, a3, a_max
+
+
+def canonicalize_nan(acc: torch.Tensor) -> torch.Tensor:
+    """Replace every NaN by the canonical positive quiet NaN."""
+    return torch.where(torch.isnan(acc), torch.tensor(float("nan"), dtype=acc.dtype), acc)
+
+
+def wqbmm_msd(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    antiquant_scale: torch.Tensor,
+    antiquant_offset: torch.Tensor | None,
+    group_size: int,
+) -> torch.Tensor:
+    """MSD matmul of x (M, K) with the packed (K, N/2) weight; returns (M, N) in x's dtype.
+
+    Inputs are assumed validated (lowbit.ops.wqbmm does it). Runs on x's device.
+    """
+    w = unpack_int4(weight).to(torch.float32)  # (K, N), exact small integers
+    x32 = x.to(torch.float32)
+    scale32 = antiquant_scale.to(torch.float32)
+    acc = torch.zeros(x.shape[0], w.shape[1], dtype=torch.float32, device=x.device)
+    for g in range(x.shape[1] // group_size):
+        rows = slice(g * group_size, (g + 1) * group_size)
+        a1, a2, a3, a_max = msd_decompose(x32[:, rows])
+        # |Ai @ W| <= G * 7 * 8 < 2**24: float32 matmuls of these integers are exact in any order.
+        y1, y2, y3 = (ai @ w[rows] for ai in (a1, a2, a3))
+        if antiquant_offset is not None:
+            offset32 = antiquant_offset[g].to(torch.float32)
+            y1, y2, y3 = (y + ai.sum(dim=1, keepdim=True) * offset32 for y, ai in ((y1, a1), (y2, a2), (y3, a3)))
+        c = y1 * R1 + y2 * R2 + y3 * R3
+        term = (c * scale32[g]) * a_max
+        acc = acc + torch.where(a_max == 0, 0.0, term)
+    return canonicalize_nan(acc).to(x.dtype)
+
+
+def dequantize_weight(
+    weight: torch.Tensor, antiquant_scale: torch.Tensor, antiquant_offset: torch.Tensor | None, group_size: int
+) -> torch.Tensor:
+    """(K, N) dense weight ``(W + offset) * scale`` computed in float32, rounded to the scale's dtype."""
+    w = unpack_int4(weight).to(torch.float32)
+    if antiquant_offset is not None:
+        w = w + antiquant_offset.to(torch.float32).repeat_interleave(group_size, dim=0)
+    return (w * antiquant_scale.to(torch.float32).repeat_interleave(group_size, dim=0)).to(antiquant_scale.dtype)
+
+
+def wqbmm_dequant(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    antiquant_scale: torch.Tensor,
+    antiquant_offset: torch.Tensor | None,
+    group_size: int,
+) -> torch.Tensor:
+    """``x @ dequantize_weight(...)`` accumulated in float32; (M, N) in x's dtype."""
+    w = dequantize_weight(weight, antiquant_scale, antiquant_offset, group_size)
+    return canonicalize_nan(x.to(torch.float32) @ w.to(torch.float32)).to(x.dtype)

@@ -1,0 +1,311 @@
+"""LANES-wide SIMD values for numba kernels: the register tiles of the int4 matmul kernels.
+
+numba has no vector types, and LLVM does not reliably keep array-held accumulators in registers or find
+VNNI dot products on its own. This module adds two value types, each lowered to one LLVM vector (so they
+live in registers; LANES = 32: two AVX-512 registers each on x86):
+
+    I32V   <LANES x i32>    integer accumulators / 4 * LANES bytes of packed weights
+    F32V   <LANES x float>  float32 post-processing
+
+and @intrinsic operations on them. Every operation is exact integer or IEEE float32 arithmetic (fmul/fadd
+without fast-math flags, so LLVM never contracts them into FMA): kernels built from them are bit-exact.
+
+``dpbusd(acc, w, a_words, index)``: with ``a = a_words[index]`` (int32), for each int32 lane i,
+``acc[i] + sum_j u8(w byte 4i+j) * s8(a byte j)``. On a CPU
+with AVX512-VNNI it is the vpdpbusd instruction; elsewhere it is the same sum in portable LLVM IR.
+"""
+
+from __future__ import annotations
+
+from llvmlite import binding as llvm_binding
+from llvmlite import ir
+from numba import types
+from numba.core import config as numba_config
+from numba.core import cgutils
+from numba.extending import intrinsic, models, register_model
+
+LANES = 32
+_I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
+_VI32 = ir.VectorType(_I32, LANES)
+_VF32 = ir.VectorType(ir.FloatType(), LANES)
+_ZMM_I32 = ir.VectorType(_I32, 16)
+
+
+def _host_has_vnni() -> bool:
+    """Whether numba compiles for this CPU (not a NUMBA_CPU_NAME / NUMBA_CPU_FEATURES override, e.g.
+    "generic" for portable caches) and it has AVX512-VNNI."""
+    if numba_config.CPU_NAME not in (None, "host") or numba_config.CPU_FEATURES:
+        return False
+    features = llvm_binding.get_host_cpu_features()
+    return bool(features.get("avx512vnni") and features.get("avx512bw") and features.get("avx512f"))
+
+
+HAS_VNNI = _host_has_vnni()
+
+
+class _VectorType(types.Type):
+    def __init__(self, name: str):
+        super().__init__(name=name)
+
+
+I32V = _VectorType("I32V")
+F32V = _VectorType("F32V")
+
+
+class _VectorModel(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, _VI32 if fe_type.name == "I32V" else _VF32)
+
+
+register_model(_VectorType)(_VectorModel)
+
+
+def _element_ptr(context, builder, arrty, arr, index, vector_type):
+    """Pointer to arr[index] (a C-contiguous 1-D array) cast to a pointer to ``vector_type``."""
+    data = context.make_array(arrty)(context, builder, arr).data
+    return builder.bitcast(builder.gep(data, [index]), vector_type.as_pointer())
+
+
+def _splat(builder, scalar, vector_type):
+    undef = ir.Constant(vector_type, None)
+    first = builder.insert_element(undef, scalar, ir.Constant(_I32, 0))
+    zeros = ir.Constant(ir.VectorType(_I32, vector_type.count), [0] * vector_type.count)
+    return builder.shuffle_vector(first, undef, zeros)
+
+
+# ---- integer tiles -------------------------------------------------------------------------------------
+
+
+@intrinsic
+def i32v_zero(typingctx):
+    """All-zero I32V."""
+
+    def codegen(context, builder, sig, args):
+        return ir.Constant(_VI32, [0] * LANES)
+
+    return I32V(), codegen
+
+
+@intrinsic
+def i32v_load(typingctx, arr, index):
+    """LANES int32 lanes from a 1-D C-contiguous array at element ``index`` (4 * LANES bytes, any alignment);
+    a uint8 array is read as 4 * LANES bytes, lane i = bytes 4i..4i+3 (little-endian)."""
+
+    def codegen(context, builder, sig, args):
+        return builder.load(_element_ptr(context, builder, sig.args[0], args[0], args[1], _VI32), align=1)
+
+    return I32V(arr, index), codegen
+
+
+@intrinsic
+def i32v_store(typingctx, arr, index, value):
+    """Store LANES int32 lanes into a 1-D C-contiguous int32 array at element ``index``."""
+
+    def codegen(context, builder, sig, args):
+        builder.store(args[2], _element_ptr(context, builder, sig.args[0], args[0], args[1], _VI32), align=1)
+        return context.get_dummy_value()
+
+    return types.void(arr, index, value), codegen
+
+
+@intrinsic
+def low_nibbles(typingctx, packed):
+    """Each byte's bits 0-3 (as bytes 0..15)."""
+
+    def codegen(context, builder, sig, args):
+        return builder.and_(args[0], ir.Constant(_VI32, [0x0F0F0F0F] * LANES))
+
+    return I32V(packed), codegen
+
+
+@intrinsic
+def high_nibbles(typingctx, packed):
+    """Each byte's bits 4-7 (as bytes 0..15)."""
+
+    def codegen(context, builder, sig, args):
+        shifted = builder.lshr(args[0], ir.Constant(_VI32, [4] * LANES))
+        return builder.and_(shifted, ir.Constant(_VI32, [0x0F0F0F0F] * LANES))
+
+    return I32V(packed), codegen
+
+
+def _dpbusd_portable(builder, acc, w, a_splat):
+    """acc + per-lane dot product of 4 unsigned bytes of w with 4 signed bytes of a, in plain LLVM IR."""
+    v_i8, v_i32 = ir.VectorType(_I8, 4 * LANES), ir.VectorType(_I32, 4 * LANES)
+    w_wide = builder.zext(builder.bitcast(w, v_i8), v_i32)
+    products = builder.mul(w_wide, builder.sext(builder.bitcast(a_splat, v_i8), v_i32))
+    for j in range(4):
+        lane_j = ir.Constant(_VI32, [4 * i + j for i in range(LANES)])
+        acc = builder.add(acc, builder.shuffle_vector(products, ir.Constant(v_i32, None), lane_j))
+    return acc
+
+
+def _dpbusd_vnni(builder, acc, w, a_splat):
+    """The same with vpdpbusd on four 16-lane pieces."""
+    fnty = ir.FunctionType(_ZMM_I32, [_ZMM_I32] * 3)
+    fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.avx512.vpdpbusd.512")
+    undef = ir.Constant(_VI32, None)
+    pieces = []
+    for p in range(LANES // 16):
+        lanes = ir.Constant(ir.VectorType(_I32, 16), list(range(16 * p, 16 * p + 16)))
+        acc_p, w_p = (builder.shuffle_vector(v, undef, lanes) for v in (acc, w))
+        pieces.append(builder.call(fn, [acc_p, w_p, builder.shuffle_vector(a_splat, undef, lanes)]))
+    while len(pieces) > 1:  # concatenate pairwise back to LANES lanes
+        merged = []
+        for lo, hi in zip(pieces[0::2], pieces[1::2]):
+            n = lo.type.count
+            merged.append(builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, 2 * n), list(range(2 * n)))))
+        pieces = merged
+    return pieces[0]
+
+
+def _make_dpbusd(lower):
+    @intrinsic
+    def dpbusd(typingctx, acc, w, a_words, index):
+        """acc[i] + sum_j u8(w byte 4i+j) * s8(a byte j) with ``a = a_words[index]``, an int32 holding 4
+        signed bytes (a 1-D C-contiguous int32 array; no negative-index wraparound, no bounds check)."""
+
+        def codegen(context, builder, sig, args):
+            acc, w, arr, idx = args
+            data = context.make_array(sig.args[2])(context, builder, arr).data
+            a = builder.load(builder.gep(data, [idx]))
+            return lower(builder, acc, w, _splat(builder, a, _VI32))
+
+        return I32V(acc, w, a_words, index), codegen
+
+    return dpbusd
+
+
+dpbusd_portable = _make_dpbusd(_dpbusd_portable)
+dpbusd_vnni = _make_dpbusd(_dpbusd_vnni)
+dpbusd = dpbusd_vnni if HAS_VNNI else dpbusd_portable
+
+
+@intrinsic
+def i32v_add_scalar(typingctx, value, scalar):
+    """value + scalar in every lane (int32, wrapping)."""
+
+    def codegen(context, builder, sig, args):
+        return builder.add(args[0], _splat(builder, args[1], _VI32))
+
+    return I32V(value, types.int32), codegen
+
+
+@intrinsic
+def i32v_to_f32v(typingctx, value):
+    """Convert int32 lanes to float32 (exact below 2**24)."""
+
+    def codegen(context, builder, sig, args):
+        return builder.sitofp(args[0], _VF32)
+
+    return F32V(value), codegen
+
+
+# ---- float32 tiles -------------------------------------------------------------------------------------
+
+
+@intrinsic
+def f32v_zero(typingctx):
+    """All +0.0 F32V."""
+
+    def codegen(context, builder, sig, args):
+        return ir.Constant(_VF32, [0.0] * LANES)
+
+    return F32V(), codegen
+
+
+@intrinsic
+def f32v_load(typingctx, arr, index):
+    """LANES float32 lanes from a 1-D C-contiguous float32 array at element ``index``."""
+
+    def codegen(context, builder, sig, args):
+        return builder.load(_element_ptr(context, builder, sig.args[0], args[0], args[1], _VF32), align=1)
+
+    return F32V(arr, index), codegen
+
+
+@intrinsic
+def f32v_store(typingctx, arr, index, value):
+    """Store LANES float32 lanes into a 1-D C-contiguous float32 array at element ``index``."""
+
+    def codegen(context, builder, sig, args):
+        builder.store(args[2], _element_ptr(context, builder, sig.args[0], args[0], args[1], _VF32), align=1)
+        return context.get_dummy_value()
+
+    return types.void(arr, index, value), codegen
+
+
+@intrinsic
+def f16v_load(typingctx, arr, index):
+    """LANES FP16 values (an int16 bit-pattern array) at element ``index``, widened exactly to float32.
+
+    Integer IR only (no half type, so no F16C or libcall needed): the 15 magnitude bits shifted into
+    float32 position and scaled by 2**112 give every finite value exactly (subnormals included); exponent
+    31 becomes 255 (inf; NaN keeps its payload and is quieted, as the hardware conversion does); the sign
+    is copied.
+    """
+
+    def codegen(context, builder, sig, args):
+        v_i16 = ir.VectorType(_I16, LANES)
+        splat = lambda value: ir.Constant(_VI32, [value] * LANES)
+        ptr = _element_ptr(context, builder, sig.args[0], args[0], args[1], v_i16)
+        bits = builder.zext(builder.load(ptr, align=1), _VI32)
+        sign = builder.shl(builder.and_(bits, splat(0x8000)), splat(16))
+        magnitude = builder.shl(builder.and_(bits, splat(0x7FFF)), splat(13))
+        finite = builder.fmul(builder.bitcast(magnitude, _VF32), ir.Constant(_VF32, [2.0**112] * LANES))
+        inf_or_nan = builder.icmp_unsigned(">=", builder.and_(bits, splat(0x7C00)), splat(0x7C00))
+        is_nan = builder.icmp_unsigned(">", builder.and_(bits, splat(0x7FFF)), splat(0x7C00))
+        special = builder.or_(magnitude, builder.select(is_nan, splat(0x7FC00000), splat(0x7F800000)))
+        widened = builder.select(inf_or_nan, special, builder.bitcast(finite, _VI32))
+        return builder.bitcast(builder.or_(widened, sign), _VF32)
+
+    return F32V(arr, index), codegen
+
+
+@intrinsic
+def bf16v_load(typingctx, arr, index):
+    """LANES BF16 values (an int16 bit-pattern array) at element ``index``, widened exactly to float32."""
+
+    def codegen(context, builder, sig, args):
+        v_i16 = ir.VectorType(_I16, LANES)
+        bits = builder.load(_element_ptr(context, builder, sig.args[0], args[0], args[1], v_i16), align=1)
+        widened = builder.shl(builder.zext(bits, _VI32), ir.Constant(_VI32, [16] * LANES))
+        return builder.bitcast(widened, _VF32)
+
+    return F32V(arr, index), codegen
+
+
+def _f32_binary(op_name):
+    @intrinsic
+    def op(typingctx, a, b):
+        scalar_b = isinstance(b, types.Float)
+        if scalar_b and b != types.float32:
+            return None  # refuse float64 scalars: an implicit cast would round
+
+        def codegen(context, builder, sig, args):
+            lhs, rhs = args
+            if scalar_b:
+                rhs = _splat(builder, rhs, _VF32)
+            return getattr(builder, op_name)(lhs, rhs)
+
+        return F32V(a, types.float32 if scalar_b else F32V), codegen
+
+    return op
+
+
+f32v_add = _f32_binary("fadd")
+f32v_mul = _f32_binary("fmul")
+f32v_add.__doc__ = "IEEE float32 a + b per lane (b: F32V or float32 scalar)."
+f32v_mul.__doc__ = "IEEE float32 a * b per lane (b: F32V or float32 scalar)."
+
+
+@intrinsic
+def f32v_canonical_nan(typingctx, value):
+    """Every NaN lane replaced by the canonical positive quiet NaN (0x7FC00000)."""
+
+    def codegen(context, builder, sig, args):
+        is_nan = builder.fcmp_unordered("uno", args[0], args[0])
+        nan = ir.Constant(_VF32, [float("nan")] * LANES)
+        return builder.select(is_nan, nan, args[0])
+
+    return F32V(value), codegen

@@ -1,0 +1,357 @@
+"""numba MXFP4 quantize / dequantize, bit-exact with :mod:`lowbit.formats.mxfp4`.
+
+Quantize works on the integer bit patterns of the input, never on rounded floats:
+
+* block amax = max of ``bits & abs_mask`` (magnitudes of one float type order like their bit patterns);
+  ``amax >= nonfinite_bits`` means the block holds a NaN or Inf -> scale 0xFF, codes 0;
+* the amax is widened to FP32 bits (a 32K-entry table for FP16/BF16) and the scale byte is
+  ``E - 2 + bump(M)`` from its exponent field E and fraction M (0 when E == 0), clamped (module rules);
+* each element's code is the number of E2M1 midpoints it passes: ``sum_j |bits| >= thr[byte, j]`` where
+  ``thr[byte, j]`` is the smallest magnitude (as bits of the input type) that rounds past midpoint j at
+  that scale (lowbit.kernels.mxfp4_tables, exact per input dtype and rounding mode), plus the sign.
+
+The input is read as words of two elements (element 2i in the low half), which is exactly one output
+code byte. Work is split into tasks of _BLOCKS_PER_TASK blocks, each running a few passes over
+L1/L2-resident scratch (see _quantize_task). Dequantize gathers both elements of a code byte at once from
+a (scale byte, code byte) table built by the reference; :func:`fake_quantize` does both in one pass.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numba
+import numpy as np
+import torch
+
+from lowbit.errors import DtypeError
+from lowbit.formats import mxfp4 as ref
+from lowbit.kernels import mxfp4_tables as tables
+from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, as_numpy, sync_threads
+
+_ABS_MASK = {torch.bfloat16: 0x7FFF, torch.float16: 0x7FFF, torch.float32: 0x7FFFFFFF}
+_NONFINITE_BITS = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00, torch.float32: 0x7F800000}
+_PAIRS = tables.PAIR_WORD  # input dtype -> (torch dtype of two elements, bits per element)
+_UNSIGNED = {torch.int32: np.uint32, torch.int64: np.uint64}
+_ELEMENT_UNSIGNED = {16: np.uint16, 32: np.uint32}
+_BLOCKS_PER_TASK = 256
+
+
+@functools.cache
+def _amax_to_fp32_bits(dtype: torch.dtype) -> np.ndarray:
+    """FP32 bit pattern of every non-negative 16-bit pattern of ``dtype``; empty for FP32 (identity)."""
+    if dtype == torch.float32:
+        return np.zeros(0, dtype=np.int32)
+    patterns = torch.arange(0x8000, dtype=torch.int32).to(torch.int16).view(dtype)
+    return patterns.float().view(torch.int32).numpy().copy()
+
+
+@functools.cache
+def _thresholds(dtype: torch.dtype, rounding: str) -> np.ndarray:
+    """tables.thresholds as unsigned words of the element width (uint16 for FP16/BF16, uint32 for FP32)."""
+    return tables.thresholds(dtype, rounding).numpy().astype(_ELEMENT_UNSIGNED[_PAIRS[dtype][1]])
+
+
+@functools.cache
+def _dequant_pair_table(dtype: torch.dtype) -> np.ndarray:
+    """tables.dequant_pairs as unsigned words."""
+    return tables.dequant_pairs(dtype).numpy().view(_UNSIGNED[_PAIRS[dtype][0]])
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _scale_byte(amax_fp32_bits, rule):
+    """E8M0 byte of a finite block from the FP32 bits of its amax (module docstring, scale rules)."""
+    exponent = amax_fp32_bits >> 23
+    fraction = amax_fp32_bits & 0x7FFFFF
+    if exponent == 0:  # zero or FP32-subnormal amax: shared exponent below -127
+        return 0
+    bump = 0
+    if rule == 1:  # nearest: significand >= sqrt(2)
+        bump = 1 if (0x800000 + fraction) ** 2 >= (1 << 47) else 0
+    elif rule == 2:  # even: significand > 1.75
+        bump = 1 if fraction > 0x600000 else 0
+    elif rule == 3:  # ceil: significand > 1
+        bump = 1 if fraction > 0 else 0
+    elif rule == 4:  # rceil: significand > 1.5
+        bump = 1 if fraction > 0x400000 else 0
+    return min(max(exponent - 2 + bump, 0), 254 if rule == 4 else 252)
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _quantize_task(
+    pairs, width, abs_mask, element_abs_mask, nonfinite_bits, to_fp32, rule, thr, ppb, codes, scales,
+    lo, hi, mag,
+):
+    """Quantize one run of whole blocks of ``2 * ppb`` elements (``ppb`` pairs per block).
+
+    pairs: (ppb * nb,) uint32 (two FP16/BF16 patterns) or uint64 (two FP32 patterns), element 2i in the
+    low half; abs_mask: magnitude mask in the pair type, element_abs_mask: (1,) the same in the element
+    type; codes: (ppb * nb,) uint8; scales: (nb,) uint8; lo, hi, mag: (ppb * nb,) scratch of the element
+    type (uint16 / uint32). Every pass is a loop over contiguous arrays that LLVM vectorizes:
+    1. split each pair into its elements lo[i], hi[i] and the larger magnitude mag[i];
+    2. reduce mag to one amax per block (halving the list when ppb is a power of two);
+    3. scale bytes from the amaxes;
+    4. per block, count the thresholds each element's magnitude reaches, add the sign, pack two codes
+       (thresholds from the block's row of the table: exact for every scale byte and input dtype).
+    """
+    nb = scales.size
+    n = pairs.size
+    for i in range(n):
+        w = pairs[i]
+        lo[i] = w
+        hi[i] = w >> width
+        mag[i] = max(w & abs_mask, (w >> width) & abs_mask)
+    if ppb & (ppb - 1) == 0:
+        while n > nb:
+            n //= 2
+            for i in range(n):
+                mag[i] = max(mag[2 * i], mag[2 * i + 1])
+    else:
+        for b in range(nb):
+            amax = mag[b * ppb]
+            for i in range(b * ppb + 1, (b + 1) * ppb):
+                amax = max(amax, mag[i])
+            mag[b] = amax
+    for b in range(nb):
+        amax = mag[b]
+        if amax >= nonfinite_bits:
+            scales[b] = 0xFF
+        else:
+            scales[b] = _scale_byte(np.int64(to_fp32[amax]) if to_fp32.size else np.int64(amax), rule)
+    mask = element_abs_mask[0]
+    for b in range(nb):
+        byte = scales[b]
+        if ppb != 16 or byte == 0xFF:
+            _encode_block(lo, hi, codes, b * ppb, (b + 1) * ppb, thr, byte, mask)
+            continue
+        # MX blocks of 32, written out here: a literal trip count and no call (which would add array
+        # reference counting per block) let LLVM turn this into straight 16-lane vector code.
+        t0, t1, t2, t3 = thr[byte, 0], thr[byte, 1], thr[byte, 2], thr[byte, 3]
+        t4, t5, t6 = thr[byte, 4], thr[byte, 5], thr[byte, 6]
+        start = np.uint64(b) * np.uint64(16)  # unsigned indices: no wrap-around checks
+        for i in range(start, start + np.uint64(16)):
+            e = lo[i]
+            a = e & mask
+            c_lo = (
+                (a >= t0) + np.uint8(a >= t1) + np.uint8(a >= t2) + np.uint8(a >= t3)
+                + np.uint8(a >= t4) + np.uint8(a >= t5) + np.uint8(a >= t6)
+            )
+            s_lo = np.uint8(e > mask) * np.uint8(8)  # above the magnitude mask: sign bit set
+            e = hi[i]
+            a = e & mask
+            c_hi = (
+                (a >= t0) + np.uint8(a >= t1) + np.uint8(a >= t2) + np.uint8(a >= t3)
+                + np.uint8(a >= t4) + np.uint8(a >= t5) + np.uint8(a >= t6)
+            )
+            s_hi = np.uint8(e > mask) * np.uint8(8)
+            codes[i] = np.uint8(c_lo) | s_lo | ((np.uint8(c_hi) | s_hi) << np.uint8(4))
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _encode_block(lo, hi, codes, start, stop, thr, byte, mask):
+    """codes[i] for i in [start, stop) from the threshold row of ``byte`` (0xFF: NaN/Inf block, codes 0).
+
+    The general path (any block size); blocks of 32 take the vector path in _quantize_task.
+    """
+    if byte == 0xFF:
+        for i in range(start, stop):
+            codes[i] = 0
+        return
+    for i in range(start, stop):
+        c_lo = 8 if lo[i] > mask else 0
+        c_hi = 8 if hi[i] > mask else 0
+        for j in range(7):
+            c_lo += (lo[i] & mask) >= thr[byte, j]
+            c_hi += (hi[i] & mask) >= thr[byte, j]
+        codes[i] = c_lo | (c_hi << 4)
+
+
+@numba.njit(**PARALLEL_NJIT_OPTIONS)
+def _quantize_blocks(
+    pairs, width, abs_mask, element_abs_mask, nonfinite_bits, to_fp32, rule, thr, ppb, codes, scales,
+    table, out_pairs,
+):
+    """Quantize all blocks (``ppb`` pairs each), in parallel tasks of _BLOCKS_PER_TASK blocks.
+
+    With a non-empty ``table`` (see _dequantize_task) each task also decodes its blocks into
+    ``out_pairs``: quantize-dequantize in one pass over memory.
+    """
+    n_blocks = scales.size
+    n_tasks = (n_blocks + _BLOCKS_PER_TASK - 1) // _BLOCKS_PER_TASK
+    for task in numba.prange(n_tasks):
+        first = task * _BLOCKS_PER_TASK
+        stop = min(n_blocks, first + _BLOCKS_PER_TASK)
+        size = ppb * (stop - first)
+        lo = np.empty(size, dtype=thr.dtype)
+        hi = np.empty(size, dtype=thr.dtype)
+        mag = np.empty(size, dtype=thr.dtype)
+        task_codes = codes[ppb * first : ppb * stop]
+        _quantize_task(
+            pairs[ppb * first : ppb * stop], width, abs_mask, element_abs_mask, nonfinite_bits, to_fp32,
+            rule, thr, ppb, task_codes, scales[first:stop], lo, hi, mag,
+        )
+        if table.size:
+            _dequantize_task(task_codes, scales[first:stop], table, ppb, out_pairs[ppb * first : ppb * stop])
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _dequantize_task(codes, scales, table, ppb, out_pairs):
+    """out_pairs[i] = table[256 * scale of i's block + codes[i]]: two decoded elements per code byte."""
+    for b in range(scales.size):
+        row = np.uint64(scales[b]) * np.uint64(256)
+        start = np.uint64(b) * np.uint64(ppb)
+        for i in range(start, start + np.uint64(ppb)):
+            out_pairs[i] = table[row + np.uint64(codes[i])]
+
+
+@numba.njit(**PARALLEL_NJIT_OPTIONS)
+def _dequantize_blocks(codes, scales, table, ppb, out_pairs):
+    """Decode all blocks, in parallel tasks of _BLOCKS_PER_TASK blocks (see _dequantize_task)."""
+    n_blocks = scales.size
+    n_tasks = (n_blocks + _BLOCKS_PER_TASK - 1) // _BLOCKS_PER_TASK
+    for task in numba.prange(n_tasks):
+        first = task * _BLOCKS_PER_TASK
+        stop = min(n_blocks, first + _BLOCKS_PER_TASK)
+        span = slice(ppb * first, ppb * stop)
+        _dequantize_task(codes[span], scales[first:stop], table, ppb, out_pairs[span])
+
+
+def quantize(
+    x: torch.Tensor,
+    block_size: int = 32,
+    scale_rule: str = "floor",
+    rounding: str = "ta",
+    axis: int = -1,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as :func:`lowbit.formats.mxfp4.quantize`, for CPU tensors.
+
+    ``out``: optional preallocated contiguous (codes, scales) uint8 CPU tensors of the result shapes
+    (only for ``axis`` = last); they are filled and returned.
+    """
+    codes_shape, scales_shape, axis = ref.quantized_shapes(x, block_size, scale_rule, rounding, axis)
+    if x.device.type != "cpu":
+        raise ValueError(f"numba mxfp4 quantize needs a CPU tensor, got device {x.device}")
+    last = axis == x.dim() - 1
+    xt = x.contiguous() if last else x.movedim(axis, -1).contiguous()
+    moved_codes = codes_shape if last else _moved(codes_shape, axis)
+    moved_scales = scales_shape if last else _moved(scales_shape, axis)
+    if out is not None:
+        codes, scales = out
+        _check_out(codes, moved_codes, "codes")
+        _check_out(scales, moved_scales, "scales")
+        if not last:
+            raise ValueError("out= is only supported for axis = -1")
+    else:
+        codes = torch.empty(moved_codes, dtype=torch.uint8)
+        scales = torch.empty(moved_scales, dtype=torch.uint8)
+    if xt.numel():
+        _launch_quantize(xt, block_size, scale_rule, rounding, codes, scales)
+    if last:
+        return codes, scales
+    return codes.movedim(-1, axis).contiguous(), scales.movedim(-1, axis).contiguous()
+
+
+def fake_quantize(
+    x: torch.Tensor,
+    block_size: int = 32,
+    scale_rule: str = "floor",
+    rounding: str = "ta",
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``dequantize(*quantize(x, block_size, scale_rule, rounding), dtype)`` along the last axis, in one pass.
+
+    x: FP16/BF16/FP32 CPU tensor; dtype: FP16/BF16/FP32 (default x.dtype). Bit-exact with the reference pair.
+    """
+    dtype = x.dtype if dtype is None else dtype
+    codes_shape, scales_shape, _ = ref.quantized_shapes(x, block_size, scale_rule, rounding, -1)
+    if dtype not in _PAIRS:
+        raise DtypeError(f"mxfp4 fake_quantize: output dtype must be FP16, BF16 or FP32, got {dtype}")
+    if x.device.type != "cpu":
+        raise ValueError(f"numba mxfp4 fake_quantize needs a CPU tensor, got device {x.device}")
+    out = torch.empty(x.shape, dtype=dtype)
+    if x.numel():
+        codes = torch.empty(codes_shape, dtype=torch.uint8)
+        scales = torch.empty(scales_shape, dtype=torch.uint8)
+        _launch_quantize(x.contiguous(), block_size, scale_rule, rounding, codes, scales, out)
+    return out
+
+
+def _launch_quantize(xt, block_size, scale_rule, rounding, codes, scales, dequantized=None):
+    """Run _quantize_blocks on contiguous ``xt`` (blocks along the last axis) into contiguous outputs."""
+    sync_threads()
+    pair_dtype, width = _PAIRS[xt.dtype]
+    if dequantized is None:
+        table, out_pairs = np.zeros(0, np.uint32), np.zeros(0, np.uint32)
+    else:
+        out_word = _PAIRS[dequantized.dtype][0]
+        table = _dequant_pair_table(dequantized.dtype)
+        out_pairs = dequantized.view(-1).view(out_word).numpy().view(_UNSIGNED[out_word])
+    _quantize_blocks(
+        xt.reshape(-1).view(pair_dtype).numpy().view(_UNSIGNED[pair_dtype]),
+        _UNSIGNED[pair_dtype](width),
+        _UNSIGNED[pair_dtype](_ABS_MASK[xt.dtype]),
+        np.array([_ABS_MASK[xt.dtype]], dtype=_ELEMENT_UNSIGNED[width]),
+        _UNSIGNED[pair_dtype](_NONFINITE_BITS[xt.dtype]),
+        _amax_to_fp32_bits(xt.dtype),
+        tables.RULE_ID[scale_rule],
+        _thresholds(xt.dtype, rounding),
+        block_size // 2,
+        codes.view(-1).numpy(),
+        scales.view(-1).numpy(),
+        table,
+        out_pairs,
+    )
+
+
+def dequantize(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    dtype: torch.dtype = torch.bfloat16,
+    axis: int = -1,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Same contract as :func:`lowbit.formats.mxfp4.dequantize`, for CPU tensors.
+
+    ``out``: optional preallocated contiguous CPU tensor of ``dtype`` and the result shape (FP16/BF16/FP32
+    and ``axis`` = last only); it is filled and returned.
+    """
+    codes, scales = ref.as_uint8(codes), ref.as_uint8(scales)
+    out_shape, block_size, axis = ref.dequantized_shape(codes, scales, dtype, axis)
+    if codes.device.type != "cpu" or scales.device.type != "cpu":
+        raise ValueError(f"numba mxfp4 dequantize needs CPU tensors, got {codes.device} and {scales.device}")
+    last = axis == codes.dim() - 1
+    if out is not None:
+        _check_out(out, out_shape, "values", dtype)
+        if not last or dtype not in _PAIRS:
+            raise ValueError("out= is only supported for axis = -1 and FP16/BF16/FP32 outputs")
+    if dtype not in _PAIRS:  # FP64 (beyond FP32 range at the top): the reference
+        return ref.dequantize(codes, scales, dtype, axis)
+    ct = codes.contiguous() if last else codes.movedim(axis, -1).contiguous()
+    st = scales.contiguous() if last else scales.movedim(axis, -1).contiguous()
+    if out is None:
+        out = torch.empty(out_shape if last else _moved(out_shape, axis), dtype=dtype)
+    if out.numel():
+        sync_threads()
+        pair_dtype, _ = _PAIRS[dtype]
+        _dequantize_blocks(
+            ct.view(-1).numpy(),
+            st.view(-1).numpy(),
+            _dequant_pair_table(dtype),
+            block_size // 2,
+            out.view(-1).view(pair_dtype).numpy().view(_UNSIGNED[pair_dtype]),
+        )
+    return out if last else out.movedim(-1, axis).contiguous()
+
+
+def _moved(shape: tuple[int, ...], axis: int) -> tuple[int, ...]:
+    """``shape`` with dimension ``axis`` moved last."""
+    return shape[:axis] + shape[axis + 1 :] + (shape[axis],)
+
+
+def _check_out(t: torch.Tensor, shape: tuple[int, ...], name: str, dtype: torch.dtype = torch.uint8) -> None:
+    if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError(
+            f"out {name} must be a contiguous {dtype} CPU tensor of shape {shape}, got {t.dtype} "
+            f"{tuple(t.shape)} on {t.device}"
+        )

@@ -1,0 +1,474 @@
+"""numba kernels for the MSD A16W4 matmul (lowbit.formats.wqbmm), bit-exact with the reference.
+
+Weight tiles (built by :func:`pack_weight_tiles` once per weight tensor, see :func:`cached_weight_tiles`):
+the (K, N) int4 weight as unsigned nibbles ``u = W + 8`` (0..15; padded columns hold 8, i.e. W = 0), in
+blocks of BLOCK_N = 32 columns (``NB = ceil(N / 32)``), per block and K-group g, ``G / 8`` chunks of 128 bytes::
+
+    tiles[nb, g, p, lane, j] = u[k0 + j, col] | u[k0 + 4 + j, col] << 4
+    k0 = g * G + 8 * p,  col = 32 * nb + lane,  lane < 32,  j < 4
+
+so one chunk is 32 int32 lanes (one per column) whose low nibbles hold 4 consecutive k of one "quad" and
+whose high nibbles the next quad: two vpdpbusd per chunk and activation component. Rows are processed
+four at a time (then one by one), so each chunk is unpacked once for four rows.
+
+Activations (pre-process, :func:`_msd_preprocess`): per row m and group g the MSD components A1..A3 as
+int8 (K values per component; 4 consecutive k read as one int32 "quad" operand), a_max (NaN when the
+group holds a NaN or an infinity) and the component sums ``S_i``. Integer matmul of a group:
+``Y_i = sum_k A_i[k] * (u[k] - 8) = dpbusd(A_i, u) - 8 * S_i``: exact in int32.
+
+Post-process (per group, per 32 columns, float32 in the reference's order, no FMA):
+``c = (Y1 * R1 + Y2 * R2) + Y3 * R3``; ``acc = acc + (c * scale) * a_max``; skipped when a_max = 0.
+
+Templates (same numbers):
+
+* ``basic``: pre-process every row -> integer matmul of every (group, row, block) into the workspace
+  (``Y_int``, 3 * M * (K/G) * N int32) -> post-process; each stage is a separate parallel loop.
+* ``preload``: pre-process, then one fused loop per 32-column block where each group's integer matmul
+  stays in registers and is post-processed at once (no ``Y_int``); the weight stream of the next group
+  overlaps the post-processing of this one (out-of-order execution and the hardware prefetcher).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+import torch
+
+from lowbit.kernels.cpu import _simd as simd
+from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, as_numpy, sync_threads
+
+BLOCK_N = simd.LANES  # columns per register tile (32)
+CHUNK_BYTES = 4 * BLOCK_N  # one weight chunk: BLOCK_N int32 lanes
+_ALIGN = 64
+# Helpers are inlined into the kernels at numba-IR level: no call boundary, no reference counting of the
+# arrays they are passed (which otherwise costs more than the arithmetic in the inner loops).
+_INLINE_OPTIONS = dict(NJIT_OPTIONS, inline="always")
+_F1 = np.float32(7.49)
+_F2 = np.float32(14.98)
+_R1 = np.float32(1.0) / _F1
+_R2 = np.float32(1.0) / (_F1 * _F2)
+_R3 = np.float32(1.0) / (_F1 * _F2 * _F2)
+
+
+def padded_n(n: int) -> int:
+    """N rounded up to a whole number of BLOCK_N-column blocks."""
+    return -(-n // BLOCK_N) * BLOCK_N
+
+
+def pack_weight_tiles(weight: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(K, N/2) uint8 sample-layout weight -> kernel tiles, a flat uint8 tensor of K * padded_n(N) / 2 bytes.
+
+    ``group_size`` must be a multiple of 8 dividing K (the op layer checks it).
+    """
+    k, n = weight.shape[0], 2 * weight.shape[1]
+    npad = padded_n(n)
+    u = torch.full((k, npad), 8, dtype=torch.uint8)
+    u[:, 0:n:2] = (weight & 0x0F) ^ 0x08  # two's-complement nibble + 8 == nibble xor 8
+    u[:, 1:n:2] = (weight >> 4) ^ 0x08
+    # k = g*G + 8p + 4h + j ; col = BLOCK_N*nb + lane
+    u = u.reshape(k // group_size, group_size // 8, 2, 4, npad // BLOCK_N, BLOCK_N)
+    u = u.permute(4, 0, 1, 5, 3, 2)  # (nb, g, p, lane, j, h)
+    return (u[..., 0] | (u[..., 1] << 4)).contiguous().reshape(-1)
+
+
+@dataclass(frozen=True)
+class WorkspaceLayout:
+    """Byte offsets of the scratch arrays inside one uint8 workspace."""
+
+    m: int
+    k: int
+    n: int
+    group_size: int
+    template: str
+    offsets: dict
+    nbytes: int
+
+    @staticmethod
+    def build(m: int, k: int, n: int, group_size: int, template: str) -> "WorkspaceLayout":
+        groups, npad = k // group_size, padded_n(n)
+        sizes = {
+            "x32": 4 * m * k,  # float32 activations
+            "a_i8": 3 * m * k,  # A1..A3
+            "a_max": 4 * m * groups,
+            "a_sum": 4 * 3 * m * groups,
+            "y32": 4 * m * npad,  # float32 accumulators
+        }
+        if npad != n:  # padded copies of scale and offset
+            sizes["scale"] = sizes["offset"] = 2 * groups * npad
+        if template == "basic":
+            sizes["y_int"] = 4 * 3 * m * groups * npad
+        offsets, total = {}, 0
+        for name, size in sizes.items():
+            offsets[name] = (total, size)
+            total += -(-size // _ALIGN) * _ALIGN
+        return WorkspaceLayout(m, k, n, group_size, template, offsets, total)
+
+    def view(self, workspace: torch.Tensor, name: str, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
+        start, size = self.offsets[name]
+        return workspace[start : start + size].view(dtype).view(shape)
+
+
+@numba.njit(**_INLINE_OPTIONS)
+def _msd_preprocess_group(x32, m, g, group_size, a_i8, a_max, a_sum):
+    """MSD components of row m, group g: a_i8[m, :, group], a_max[m, g], a_sum[m, :, g]."""
+    k0 = g * group_size
+    amax = np.float32(0.0)
+    finite = True
+    for kk in range(k0, k0 + group_size):
+        v = abs(x32[m, kk])
+        if not np.isfinite(v):
+            finite = False
+        elif v > amax:
+            amax = v
+    s1 = s2 = s3 = 0
+    if finite and amax != 0:
+        for kk in range(k0, k0 + group_size):
+            t1 = x32[m, kk] / amax * _F1
+            q1 = np.rint(t1)
+            t2 = (t1 - q1) * _F2
+            q2 = np.rint(t2)
+            t3 = (t2 - q2) * _F2
+            q3 = np.rint(t3)
+            a_i8[m, 0, kk], a_i8[m, 1, kk], a_i8[m, 2, kk] = np.int8(q1), np.int8(q2), np.int8(q3)
+            s1 += np.int32(q1)
+            s2 += np.int32(q2)
+            s3 += np.int32(q3)
+    else:
+        a_i8[m, :, k0 : k0 + group_size] = 0
+        if not finite:
+            amax = np.float32(np.nan)
+    a_max[m, g] = amax
+    a_sum[m, 0, g], a_sum[m, 1, g], a_sum[m, 2, g] = s1, s2, s3
+
+
+@numba.njit(**PARALLEL_NJIT_OPTIONS)
+def _msd_preprocess(x32, group_size, a_i8, a_max, a_sum):
+    """x32 (M, K) float32 -> a_i8 (M, 3, K) int8, a_max (M, K/G) float32, a_sum (M, 3, K/G) int32."""
+    groups = a_max.shape[1]
+    for task in numba.prange(x32.shape[0] * groups):
+        _msd_preprocess_group(x32, task // groups, task % groups, group_size, a_i8, a_max, a_sum)
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _msd_preprocess_serial(x32, group_size, a_i8, a_max, a_sum):
+    """:func:`_msd_preprocess` on one thread (small inputs: a parallel launch costs more than the work)."""
+    for m in range(x32.shape[0]):
+        for g in range(a_max.shape[1]):
+            _msd_preprocess_group(x32, m, g, group_size, a_i8, a_max, a_sum)
+
+
+_SERIAL_PREPROCESS_MAX = 1 << 16  # elements of x
+_PARALLEL_CHUNK = 4  # prange iterations (32-column blocks) a thread takes at a time
+
+
+@numba.njit(**_INLINE_OPTIONS)
+def _group_dot(tiles, chunk0, chunks, a_quads, q1, q2, q3):
+    """dpbusd sums of one (BLOCK_N-column block, group): three I32V (before the -8 * S correction).
+
+    ``chunk0``: byte offset of the group's first chunk; ``q1..q3``: index in ``a_quads`` (int32)
+    of the first quad of A1..A3 for this row and group.
+    """
+    acc1 = simd.i32v_zero()
+    acc2 = simd.i32v_zero()
+    acc3 = simd.i32v_zero()
+    for p in range(chunks):
+        packed = simd.i32v_load(tiles, chunk0 + CHUNK_BYTES * p)
+        low = simd.low_nibbles(packed)
+        high = simd.high_nibbles(packed)
+        acc1 = simd.dpbusd(simd.dpbusd(acc1, low, a_quads, q1 + 2 * p), high, a_quads, q1 + 2 * p + 1)
+        acc2 = simd.dpbusd(simd.dpbusd(acc2, low, a_quads, q2 + 2 * p), high, a_quads, q2 + 2 * p + 1)
+        acc3 = simd.dpbusd(simd.dpbusd(acc3, low, a_quads, q3 + 2 * p), high, a_quads, q3 + 2 * p + 1)
+    return acc1, acc2, acc3
+
+
+@numba.njit(**_INLINE_OPTIONS)
+def _group_dot_4rows(tiles, chunk0, chunks, a_quads, q0, row_stride, plane):
+    """:func:`_group_dot` of four rows at once: each weight chunk is unpacked once for all of them (12
+    accumulators, 24 AVX-512 registers). Row r's A1 quads start at ``q0 + r * row_stride``; A2/A3 follow
+    at ``+plane``, ``+2 * plane``. Returns the 12 tiles row by row."""
+    a1 = a2 = a3 = b1 = b2 = b3 = c1 = c2 = c3 = d1 = d2 = d3 = simd.i32v_zero()
+    qa, qb, qc, qd = q0, q0 + row_stride, q0 + 2 * row_stride, q0 + 3 * row_stride
+    p1, p2 = plane, 2 * plane
+    for p in range(chunks):
+        packed = simd.i32v_load(tiles, chunk0 + CHUNK_BYTES * p)
+        lo = simd.low_nibbles(packed)
+        hi = simd.high_nibbles(packed)
+        i = 2 * p
+        a1 = simd.dpbusd(simd.dpbusd(a1, lo, a_quads, qa + i), hi, a_quads, qa + i + 1)
+        a2 = simd.dpbusd(simd.dpbusd(a2, lo, a_quads, qa + p1 + i), hi, a_quads, qa + p1 + i + 1)
+        a3 = simd.dpbusd(simd.dpbusd(a3, lo, a_quads, qa + p2 + i), hi, a_quads, qa + p2 + i + 1)
+        b1 = simd.dpbusd(simd.dpbusd(b1, lo, a_quads, qb + i), hi, a_quads, qb + i + 1)
+        b2 = simd.dpbusd(simd.dpbusd(b2, lo, a_quads, qb + p1 + i), hi, a_quads, qb + p1 + i + 1)
+        b3 = simd.dpbusd(simd.dpbusd(b3, lo, a_quads, qb + p2 + i), hi, a_quads, qb + p2 + i + 1)
+        c1 = simd.dpbusd(simd.dpbusd(c1, lo, a_quads, qc + i), hi, a_quads, qc + i + 1)
+        c2 = simd.dpbusd(simd.dpbusd(c2, lo, a_quads, qc + p1 + i), hi, a_quads, qc + p1 + i + 1)
+        c3 = simd.dpbusd(simd.dpbusd(c3, lo, a_quads, qc + p2 + i), hi, a_quads, qc + p2 + i + 1)
+        d1 = simd.dpbusd(simd.dpbusd(d1, lo, a_quads, qd + i), hi, a_quads, qd + i + 1)
+        d2 = simd.dpbusd(simd.dpbusd(d2, lo, a_quads, qd + p1 + i), hi, a_quads, qd + p1 + i + 1)
+        d3 = simd.dpbusd(simd.dpbusd(d3, lo, a_quads, qd + p2 + i), hi, a_quads, qd + p2 + i + 1)
+    return a1, a2, a3, b1, b2, b3, c1, c2, c3, d1, d2, d3
+
+
+@numba.njit(**_INLINE_OPTIONS)
+def _load_half(bits, index, is_bf16):
+    if is_bf16:
+        return simd.bf16v_load(bits, index)
+    return simd.f16v_load(bits, index)
+
+
+@numba.njit(**_INLINE_OPTIONS)
+def _post_process(acc, y1, y2, y3, s1, s2, s3, amax, scale_bits, offset_bits, index, is_bf16, has_offset):
+    """acc + (c * scale) * a_max for one (row, group, BLOCK_N columns).
+
+    ``y1..y3``: dpbusd sums (before the -8 * S correction), ``s1..s3``: the component sums S_i.
+    """
+    f1 = simd.i32v_to_f32v(simd.i32v_add_scalar(y1, np.int32(-8 * s1)))
+    f2 = simd.i32v_to_f32v(simd.i32v_add_scalar(y2, np.int32(-8 * s2)))
+    f3 = simd.i32v_to_f32v(simd.i32v_add_scalar(y3, np.int32(-8 * s3)))
+    if has_offset:
+        offset = _load_half(offset_bits, index, is_bf16)
+        f1 = simd.f32v_add(f1, simd.f32v_mul(offset, np.float32(s1)))
+        f2 = simd.f32v_add(f2, simd.f32v_mul(offset, np.float32(s2)))
+        f3 = simd.f32v_add(f3, simd.f32v_mul(offset, np.float32(s3)))
+    c = simd.f32v_add(simd.f32v_add(simd.f32v_mul(f1, _R1), simd.f32v_mul(f2, _R2)), simd.f32v_mul(f3, _R3))
+    term = simd.f32v_mul(simd.f32v_mul(c, _load_half(scale_bits, index, is_bf16)), amax)
+    return simd.f32v_add(acc, term)
+
+
+@numba.njit(**_INLINE_OPTIONS)
+def _accumulate_row(y_flat, at, m, g, y1, y2, y3, a_max, a_sum, scale_bits, offset_bits, index, is_bf16, has_offset):
+    """y_flat[at : at + BLOCK_N] += this group's term for row m (nothing when a_max = 0)."""
+    amax = a_max[m, g]
+    if amax != 0:
+        acc = simd.f32v_load(y_flat, at)
+        acc = _post_process(
+            acc, y1, y2, y3, a_sum[m, 0, g], a_sum[m, 1, g], a_sum[m, 2, g], amax, scale_bits, offset_bits, index,
+            is_bf16, has_offset,
+        )
+        simd.f32v_store(y_flat, at, acc)
+
+
+@numba.njit(**PARALLEL_NJIT_OPTIONS)
+def _preload(tiles, a_quads, a_max, a_sum, scale_bits, offset_bits, group_size, is_bf16, has_offset, y32):
+    """Fused integer matmul + post-process; y32 (M, padded N) float32 is overwritten."""
+    m_rows, groups = a_max.shape
+    npad = y32.shape[1]
+    quads = groups * group_size // 4
+    chunks = group_size // 8
+    y_flat = y32.reshape(-1)
+    for nb in numba.prange(npad // BLOCK_N):
+        for m in range(m_rows):
+            simd.f32v_store(y_flat, m * npad + BLOCK_N * nb, simd.f32v_zero())
+        for g in range(groups):
+            chunk0 = (nb * groups + g) * chunks * CHUNK_BYTES
+            index = g * npad + BLOCK_N * nb
+            for m in range(0, m_rows - 3, 4):  # rows by fours, then one by one
+                q0 = m * 3 * quads + g * group_size // 4
+                y = _group_dot_4rows(tiles, chunk0, chunks, a_quads, q0, 3 * quads, quads)
+                at = m * npad + BLOCK_N * nb
+                _accumulate_row(
+                    y_flat, at, m, g, y[0], y[1], y[2],
+                    a_max, a_sum, scale_bits, offset_bits, index, is_bf16, has_offset,
+                )
+                _accumulate_row(
+                    y_flat, at + npad, m + 1, g, y[3], y[4], y[5],
+                    a_max, a_sum, scale_bits, offset_bits, index, is_bf16, has_offset,
+                )
+                _accumulate_row(
+                    y_flat, at + 2 * npad, m + 2, g, y[6], y[7], y[8],
+                    a_max, a_sum, scale_bits, offset_bits, index, is_bf16, has_offset,
+                )
+                _accumulate_row(
+                    y_flat, at + 3 * npad, m + 3, g, y[9], y[10], y[11],
+                    a_max, a_sum, scale_bits, offset_bits, index, is_bf16, has_offset,
+                )
+            for m in range(m_rows - m_rows % 4, m_rows):
+                q0 = m * 3 * quads + g * group_size // 4
+                y1, y2, y3 = _group_dot(tiles, chunk0, chunks, a_quads, q0, q0 + quads, q0 + 2 * quads)
+                _accumulate_row(
+                    y_flat, m * npad + BLOCK_N * nb, m, g, y1, y2, y3,
+                    a_max, a_sum, scale_bits, offset_bits, index, is_bf16, has_offset,
+                )
+        for m in range(m_rows):
+            row = m * npad + BLOCK_N * nb
+            simd.f32v_store(y_flat, row, simd.f32v_canonical_nan(simd.f32v_load(y_flat, row)))
+
+
+@numba.njit(**PARALLEL_NJIT_OPTIONS)
+def _basic_matmul(tiles, a_quads, group_size, y_int):
+    """Stage 2 of ``basic``: y_int (3, M, K/G, padded N) int32 = dpbusd sums of every group."""
+    _, m_rows, groups, npad = y_int.shape
+    quads = groups * group_size // 4
+    chunks = group_size // 8
+    y_flat = y_int.reshape(-1)
+    plane = m_rows * groups * npad
+    for nb in numba.prange(npad // BLOCK_N):
+        for g in range(groups):
+            chunk0 = (nb * groups + g) * chunks * CHUNK_BYTES
+            for m in range(0, m_rows - 3, 4):  # rows by fours, then one by one
+                q0 = m * 3 * quads + g * group_size // 4
+                y = _group_dot_4rows(tiles, chunk0, chunks, a_quads, q0, 3 * quads, quads)
+                at = (m * groups + g) * npad + BLOCK_N * nb
+                step = groups * npad  # next row
+                _store_y_int(y_flat, at, plane, y[0], y[1], y[2])
+                _store_y_int(y_flat, at + step, plane, y[3], y[4], y[5])
+                _store_y_int(y_flat, at + 2 * step, plane, y[6], y[7], y[8])
+                _store_y_int(y_flat, at + 3 * step, plane, y[9], y[10], y[11])
+            for m in range(m_rows - m_rows % 4, m_rows):
+                q0 = m * 3 * quads + g * group_size // 4
+                y1, y2, y3 = _group_dot(tiles, chunk0, chunks, a_quads, q0, q0 + quads, q0 + 2 * quads)
+                _store_y_int(y_flat, (m * groups + g) * npad + BLOCK_N * nb, plane, y1, y2, y3)
+
+
+@numba.njit(**_INLINE_OPTIONS)
+def _store_y_int(y_flat, at, plane, y1, y2, y3):
+    simd.i32v_store(y_flat, at, y1)
+    simd.i32v_store(y_flat, plane + at, y2)
+    simd.i32v_store(y_flat, 2 * plane + at, y3)
+
+
+@numba.njit(**PARALLEL_NJIT_OPTIONS)
+def _basic_post_process(y_int, a_max, a_sum, scale_bits, offset_bits, is_bf16, has_offset, y32):
+    """Stage 3 of ``basic``: y32 (M, padded N) float32 from y_int, group by group in order."""
+    _, m_rows, groups, npad = y_int.shape
+    y_flat = y_int.reshape(-1)
+    plane = m_rows * groups * npad
+    for task in numba.prange(m_rows * (npad // BLOCK_N)):
+        m, nb = task // (npad // BLOCK_N), task % (npad // BLOCK_N)
+        acc = simd.f32v_zero()
+        for g in range(groups):
+            amax = a_max[m, g]
+            if amax == 0:
+                continue
+            at = (m * groups + g) * npad + BLOCK_N * nb
+            y1 = simd.i32v_load(y_flat, at)
+            y2 = simd.i32v_load(y_flat, plane + at)
+            y3 = simd.i32v_load(y_flat, 2 * plane + at)
+            acc = _post_process(
+                acc, y1, y2, y3, a_sum[m, 0, g], a_sum[m, 1, g], a_sum[m, 2, g], amax,
+                scale_bits, offset_bits, g * npad + BLOCK_N * nb, is_bf16, has_offset,
+            )
+        simd.f32v_store(y32[m], BLOCK_N * nb, simd.f32v_canonical_nan(acc))
+
+
+def _padded_bits(t: torch.Tensor, layout: WorkspaceLayout, workspace: torch.Tensor, name: str) -> np.ndarray:
+    """Flat int16 bit patterns of a (K/G, N) half tensor, copied into the padded workspace slot if needed."""
+    groups, npad = layout.k // layout.group_size, padded_n(layout.n)
+    if npad == layout.n:
+        return as_numpy(t.contiguous()).reshape(-1)
+    padded = layout.view(workspace, name, t.dtype, (groups, npad))
+    padded[:, : layout.n].copy_(t)
+    padded[:, layout.n :].zero_()
+    return as_numpy(padded).reshape(-1)
+
+
+def _msd_into(
+    x: torch.Tensor,
+    tiles: torch.Tensor,
+    antiquant_scale: torch.Tensor,
+    antiquant_offset: torch.Tensor | None,
+    layout: WorkspaceLayout,
+    workspace: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """MSD matmul on CPU into ``out`` (M, N) of x's dtype.
+
+    ``x`` (M, K) FP16/BF16 CPU tensor, ``tiles`` from :func:`pack_weight_tiles`, scale/offset (K/G, N) in
+    x's dtype, ``workspace`` a uint8 CPU tensor of at least ``layout.nbytes``. Inputs are validated by
+    the op layer. Allocates nothing.
+    """
+    m, k, g = layout.m, layout.k, layout.group_size
+    groups = k // g
+    x32 = layout.view(workspace, "x32", torch.float32, (m, k))
+    x32.copy_(x)
+    a_i8 = layout.view(workspace, "a_i8", torch.int8, (m, 3, k))
+    a_max = layout.view(workspace, "a_max", torch.float32, (m, groups))
+    a_sum = layout.view(workspace, "a_sum", torch.int32, (m, 3, groups))
+    y32 = layout.view(workspace, "y32", torch.float32, (m, padded_n(layout.n)))
+    scale_bits = _padded_bits(antiquant_scale, layout, workspace, "scale")
+    has_offset = antiquant_offset is not None
+    offset_bits = _padded_bits(antiquant_offset, layout, workspace, "offset") if has_offset else scale_bits
+    is_bf16 = x.dtype == torch.bfloat16
+    sync_threads()
+    # Column blocks are handed out in small chunks on demand (not split evenly up front), so a thread
+    # that the OS deschedules on a shared machine does not make the other one wait at the end.
+    previous_chunksize = numba.set_parallel_chunksize(_PARALLEL_CHUNK)
+    try:
+        _run_stages(
+            x32, a_i8, a_max, a_sum, y32, tiles, scale_bits, offset_bits, is_bf16, has_offset, layout, workspace
+        )
+    finally:
+        numba.set_parallel_chunksize(previous_chunksize)
+    out.copy_(y32[:, : layout.n])
+
+
+def _run_stages(x32, a_i8, a_max, a_sum, y32, tiles, scale_bits, offset_bits, is_bf16, has_offset, layout, workspace):
+    """Pre-process, then the stages of the layout's template (numba kernels on workspace views)."""
+    m, k, g = layout.m, layout.k, layout.group_size
+    groups = k // g
+    a_np, amax_np, asum_np, y_np = as_numpy(a_i8), as_numpy(a_max), as_numpy(a_sum), as_numpy(y32)
+    preprocess = _msd_preprocess_serial if m * k <= _SERIAL_PREPROCESS_MAX else _msd_preprocess
+    preprocess(as_numpy(x32), g, a_np, amax_np, asum_np)
+    a_quads = a_np.reshape(-1).view(np.int32)
+    tiles_np = as_numpy(tiles)
+    if layout.template == "preload":
+        _preload(tiles_np, a_quads, amax_np, asum_np, scale_bits, offset_bits, g, is_bf16, has_offset, y_np)
+    else:
+        y_int = as_numpy(layout.view(workspace, "y_int", torch.int32, (3, m, groups, padded_n(layout.n))))
+        _basic_matmul(tiles_np, a_quads, g, y_int)
+        _basic_post_process(y_int, amax_np, asum_np, scale_bits, offset_bits, is_bf16, has_offset, y_np)
+
+
+_TILE_CACHE: dict[int, tuple] = {}
+
+
+def cached_weight_tiles(weight: torch.Tensor, group_size: int) -> torch.Tensor:
+    """:func:`pack_weight_tiles` of ``weight``, computed once per weight tensor and group size.
+
+    The entry lives as long as the weight tensor and is rebuilt when the weight is modified in place
+    (its version counter or data pointer changes). Inference tensors have no version counter: an
+    in-place change of one under torch.inference_mode() is not seen (call :func:`clear_weight_cache`).
+    """
+    key = id(weight)
+    version = None if weight.is_inference() else weight._version
+    stamp = (weight.data_ptr(), version, tuple(weight.shape), tuple(weight.stride()), group_size)
+    entry = _TILE_CACHE.get(key)
+    if entry is not None and entry[0]() is weight and entry[1] == stamp:
+        return entry[2]
+    tiles = pack_weight_tiles(weight, group_size)
+    _TILE_CACHE[key] = (weakref.ref(weight, lambda _, key=key: _TILE_CACHE.pop(key, None)), stamp, tiles)
+    return tiles
+
+
+def clear_weight_cache() -> None:
+    """Forget every cached weight layout."""
+    _TILE_CACHE.clear()
+
+
+def workspace_nbytes(m: int, k: int, n: int, group_size: int, template: str) -> int:
+    """Bytes of scratch :func:`wqbmm_into` needs for these sizes and template."""
+    return WorkspaceLayout.build(m, k, n, group_size, template).nbytes
+
+
+def wqbmm_into(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    antiquant_scale: torch.Tensor,
+    antiquant_offset: torch.Tensor | None,
+    group_size: int,
+    template: str,
+    workspace: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """MSD matmul on CPU: ``out`` (M, N) contiguous, x's dtype <- x (M, K) contiguous FP16/BF16.
+
+    ``weight`` (K, N/2) uint8 (tiles cached per weight), scale/offset (K/G, N) in x's dtype,
+    ``workspace`` uint8 with at least :func:`workspace_nbytes` bytes. Validated by lowbit.ops.wqbmm;
+    allocates nothing once the weight's tiles are cached.
+    """
+    m, k = x.shape
+    layout = WorkspaceLayout.build(m, k, out.shape[1], group_size, template)
+    _msd_into(x, cached_weight_tiles(weight, group_size), antiquant_scale, antiquant_offset, layout, workspace, out)

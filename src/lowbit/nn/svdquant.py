@@ -1,0 +1,100 @@
+"""SVDQuant for models: decompose a dense weight into a low-rank BF16 branch plus an MXFP4 residual.
+
+    W (N, K) = (d @ u)^T + Res,   d (K, R) and u (R, N) BF16,
+    w, s = dynamic_mx_quant(Res, 32, "round"):   w (N, K/2), s (N, ceil(K/64), 2) uint8
+
+so that ``F.linear(x, W) ~= svd_quant(x, w, s, d, u) = x @ d @ u + Q(x) @ Q(R)^T``. The low-rank factors
+are the rank-``rank`` truncated SVD of W (computed in float64): W^T = U S V^T, d = U_r sqrt(S_r),
+u = sqrt(S_r) V_r^T. No activation smoothing and no iterative refinement (the SVDQuant paper and
+deepcompressor add both); this is the decomposition the upstream operator consumes.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from lowbit.ops.mxfp4 import dynamic_mx_quant
+from lowbit.ops.svd_quant import svd_quant
+
+
+def svdquant_decompose(weight: torch.Tensor, rank: int = 32) -> tuple[torch.Tensor, ...]:
+    """Split ``weight`` (N, K) float into ``(w, s, d, u)`` for :func:`lowbit.ops.svd_quant.svd_quant`.
+
+    K must be a multiple of 32 and 1 <= rank <= min(N, K) (ValueError otherwise). d (K, rank) and
+    u (rank, N) are BF16; the residual W - (d @ u)^T (with the BF16-rounded factors) is quantized with
+    floor scales and ties-away elements. Returns tensors on weight's device.
+    """
+    if weight.dim() != 2 or not weight.is_floating_point():
+        raise ValueError(
+            f"svdquant_decompose expects a 2-D float weight (N, K), got {weight.dtype} {tuple(weight.shape)}"
+        )
+    n, k = weight.shape
+    if k % 32:
+        raise ValueError(f"svdquant_decompose: K = {k} is not a multiple of 32")
+    if not 1 <= rank <= min(n, k):
+        raise ValueError(f"svdquant_decompose: rank must be in [1, {min(n, k)}], got {rank}")
+    w64 = weight.detach().to(torch.float64)
+    left, singular, right_t = torch.linalg.svd(w64.T, full_matrices=False)  # W^T = left diag(S) right_t
+    root = singular[:rank].sqrt()
+    d = (left[:, :rank] * root).to(torch.bfloat16)
+    u = (root[:, None] * right_t[:rank]).to(torch.bfloat16)
+    residual = w64 - (d.to(torch.float64) @ u.to(torch.float64)).T
+    w, s = dynamic_mx_quant(residual.to(torch.float32), 32, "round")
+    return w, s, d, u
+
+
+class SVDQuantLinear(nn.Module):
+    """A Linear layer computed by ``svd_quant``: BF16 in/out, an MXFP4 residual plus a BF16 low-rank branch.
+
+    Buffers: ``w`` (N, K/2) uint8, ``s`` (N, ceil(K/64), 2) uint8, ``down`` (K, R) and ``up`` (R, N) BF16,
+    optional ``bias`` (N,) BF16. Input (..., K) is cast to BF16; output (..., N) BF16. Weights are stored
+    packed (4.25 bits per weight plus the low-rank factors); the CPU backend dequantizes them in every
+    forward (a temporary of N * K * 2 bytes), nothing is cached.
+    """
+
+    def __init__(self, in_features: int, out_features: int, rank: int = 32, bias: bool = True,
+                 device: Optional[torch.device] = None, backend: Optional[str] = None):
+        super().__init__()
+        if in_features % 32:
+            raise ValueError(f"SVDQuantLinear: in_features = {in_features} is not a multiple of 32")
+        self.in_features, self.out_features = in_features, out_features
+        self.rank, self.backend = rank, backend
+        codes = dict(dtype=torch.uint8, device=device)
+        bf16 = dict(dtype=torch.bfloat16, device=device)
+        self.register_buffer("w", torch.zeros(out_features, in_features // 2, **codes))
+        self.register_buffer("s", torch.zeros(out_features, -(-in_features // 64), 2, **codes))
+        self.register_buffer("down", torch.zeros(in_features, rank, **bf16))
+        self.register_buffer("up", torch.zeros(rank, out_features, **bf16))
+        self.register_buffer("bias", torch.zeros(out_features, **bf16) if bias else None)
+
+    @classmethod
+    def from_linear(
+        cls, linear: nn.Linear, rank: int = 32, backend: Optional[str] = None
+    ) -> "SVDQuantLinear":
+        """Build from an ``nn.Linear`` (its weight decomposed by :func:`svdquant_decompose`)."""
+        weight = linear.weight
+        has_bias = linear.bias is not None
+        module = cls(linear.in_features, linear.out_features, rank, has_bias, weight.device, backend)
+        w, s, d, u = svdquant_decompose(weight, rank)
+        module.w.copy_(w)
+        module.s.copy_(s)
+        module.down.copy_(d)
+        module.up.copy_(u)
+        if linear.bias is not None:
+            module.bias.copy_(linear.bias.detach())
+        return module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        squeeze = x.dim() == 1
+        x = x.to(torch.bfloat16)
+        x2 = x.unsqueeze(0) if squeeze else x
+        out = svd_quant(x2, self.w, self.s, self.down, self.up, backend=self.backend)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.squeeze(0) if squeeze else out
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}"

@@ -1,0 +1,166 @@
+"""numba (and Triton-interpreter) WeightQuantBatchMatmul kernels equal the reference bit for bit."""
+
+import numba
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lowbit.formats import wqbmm as ref
+from lowbit.kernels.cpu import _simd as simd
+from lowbit.kernels.cpu import wqbmm as cpu
+
+TEMPLATES = ("basic", "preload")
+
+
+def _bits(t):
+    return t.contiguous().view(torch.int16)
+
+
+def run_cpu(x, weight, scale, offset, g, template):
+    m, k = x.shape
+    out = torch.empty(m, scale.shape[1], dtype=x.dtype)
+    workspace = torch.empty(cpu.workspace_nbytes(m, k, scale.shape[1], g, template), dtype=torch.uint8)
+    cpu.wqbmm_into(x, weight, scale, offset, g, template, workspace, out)
+    return out
+
+
+def _draw_inputs(data, m, k, n, g, dtype, with_offset, edges):
+    seed = data.draw(st.integers(0, 2**31 - 1), label="seed")
+    gen = torch.Generator().manual_seed(seed)
+    x = ((torch.rand(m, k, generator=gen) * 2 - 1) * 10 ** (torch.rand(m, 1, generator=gen) * 6 - 3)).to(dtype)
+    weight = torch.randint(0, 256, (k, n // 2), generator=gen, dtype=torch.uint8)
+    scale = ((torch.rand(k // g, n, generator=gen) * 2 - 1) * 4).to(dtype)
+    offset = torch.randint(-8, 8, (k // g, n), generator=gen).to(dtype) if with_offset else None
+    if edges:
+        fmax = torch.finfo(dtype).max
+        specials = [0.0, -0.0, float("nan"), float("inf"), -float("inf"), fmax, -fmax, torch.finfo(dtype).tiny / 4]
+        for _ in range(data.draw(st.integers(1, 6), label="n_edges")):
+            r, c = data.draw(st.integers(0, m - 1)), data.draw(st.integers(0, k - 1))
+            x[r, c] = data.draw(st.sampled_from(specials))
+        if data.draw(st.booleans(), label="zero group"):
+            r, gi = data.draw(st.integers(0, m - 1)), data.draw(st.integers(0, k // g - 1))
+            x[r, gi * g : (gi + 1) * g] = 0
+        if data.draw(st.booleans(), label="special scale"):
+            gi, col = data.draw(st.integers(0, k // g - 1)), data.draw(st.integers(0, n - 1))
+            scale[gi, col] = data.draw(st.sampled_from(specials))
+    return x, weight, scale, offset
+
+
+@given(data=st.data(), m=st.integers(1, 64), groups=st.integers(1, 3), g=st.sampled_from([32, 64, 128, 256]),
+       n=st.sampled_from([2, 30, 64, 130, 256]), bf16=st.booleans(), with_offset=st.booleans(), edges=st.booleans())
+def test_cpu_kernels_equal_reference(data, m, groups, g, n, bf16, with_offset, edges):
+    dtype = torch.bfloat16 if bf16 else torch.float16
+    x, weight, scale, offset = _draw_inputs(data, m, groups * g, n, g, dtype, with_offset, edges)
+    expected = _bits(ref.wqbmm_msd(x, weight, scale, offset, g))
+    for template in TEMPLATES:
+        assert torch.equal(_bits(run_cpu(x, weight, scale, offset, g, template)), expected), template
+
+
+def test_parallel_preprocess_path_equals_reference():
+    """Inputs above the serial pre-process threshold take the parallel pre-process."""
+    gen = torch.Generator().manual_seed(7)
+    m, k, n, g = 40, 2048, 64, 128
+    assert m * k > cpu._SERIAL_PREPROCESS_MAX
+    x = torch.randn(m, k, generator=gen).half()
+    weight = torch.randint(0, 256, (k, n // 2), generator=gen, dtype=torch.uint8)
+    scale = torch.rand(k // g, n, generator=gen).half()
+    expected = _bits(ref.wqbmm_msd(x, weight, scale, None, g))
+    for template in TEMPLATES:
+        assert torch.equal(_bits(run_cpu(x, weight, scale, None, g, template)), expected)
+
+
+def test_weight_tiles_cache_follows_in_place_updates():
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(2, 64, generator=gen).half()
+    weight = torch.randint(0, 256, (64, 32), generator=gen, dtype=torch.uint8)
+    scale = torch.rand(2, 64, generator=gen).half()
+    first = run_cpu(x, weight, scale, None, 32, "preload")
+    assert torch.equal(first, ref.wqbmm_msd(x, weight, scale, None, 32))
+    weight.bitwise_xor_(0x11)  # bumps the version counter: tiles must be rebuilt
+    expected = _bits(ref.wqbmm_msd(x, weight, scale, None, 32))
+    assert torch.equal(_bits(run_cpu(x, weight, scale, None, 32, "preload")), expected)
+
+
+def _dot_with(dpbusd):
+    """A kernel applying ``dpbusd`` to one 4 * LANES-byte tile and each int32 of a_words."""
+
+    @numba.njit
+    def dot(w_bytes, a_words):
+        out = np.empty((a_words.size, simd.LANES), np.int32)
+        for i in range(a_words.size):
+            simd.i32v_store(out[i], 0, dpbusd(simd.i32v_zero(), simd.i32v_load(w_bytes, 0), a_words, i))
+        return out
+
+    return dot
+
+
+@pytest.mark.parametrize("lowering", ["portable", "vnni"])
+def test_dpbusd_lowerings_agree_with_numpy(lowering):
+    """Both dpbusd lowerings (the portable one is what CPUs without AVX512-VNNI run) on extreme bytes."""
+    if lowering == "vnni" and not simd.HAS_VNNI:
+        pytest.skip("this CPU has no AVX512-VNNI")
+    rng = np.random.default_rng(0)
+    w = rng.integers(0, 256, 4 * simd.LANES, dtype=np.uint8)
+    w[:8] = 255
+    a = rng.integers(-128, 128, (33, 4), dtype=np.int8)
+    a[0] = -128
+    dot = _dot_with(simd.dpbusd_portable if lowering == "portable" else simd.dpbusd_vnni)
+    expected = np.einsum("lj,ij->il", w.reshape(simd.LANES, 4).astype(np.int64), a.astype(np.int64))
+    assert np.array_equal(dot(w, a.reshape(-1).view(np.int32)), expected)
+
+
+def test_pack_weight_tiles_layout():
+    """tiles[nb, g, p, lane, j] = u[k0 + j, col] | u[k0 + 4 + j, col] << 4 with u = W + 8."""
+    k, n, g, lanes = 64, 70, 32, cpu.BLOCK_N
+    w = torch.randint(-8, 8, (k, n), dtype=torch.int8)
+    from lowbit.formats.int4 import pack_int4
+
+    npad = cpu.padded_n(n)
+    tiles = cpu.pack_weight_tiles(pack_int4(w), g).reshape(npad // lanes, k // g, g // 8, lanes, 4)
+    u = torch.full((k, npad), 8, dtype=torch.int32)
+    u[:, :n] = w.to(torch.int32) + 8
+    for nb, gi, p, lane, j in [(0, 0, 0, 0, 0), (1, 1, 3, 5, 3), (2, 0, 2, lanes - 1, 1), (0, 1, 1, 17, 2)]:
+        k0, col = gi * g + 8 * p, lanes * nb + lane
+        assert int(tiles[nb, gi, p, lane, j]) == int(u[k0 + j, col]) | int(u[k0 + 4 + j, col]) << 4
+
+
+triton_wqbmm = pytest.importorskip("lowbit.kernels.triton.wqbmm", reason="triton is not installed")
+
+
+def run_triton(x, weight, scale, offset, g, template):
+    m, k = x.shape
+    n = scale.shape[1]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    workspace = torch.empty(triton_wqbmm.workspace_nbytes(m, k, n, g, template), dtype=torch.uint8, device=x.device)
+    triton_wqbmm.wqbmm_into(x, weight, scale, offset, g, template, workspace, out)
+    return out.cpu()
+
+
+@settings(max_examples=6)
+@given(data=st.data(), m=st.integers(1, 20), g=st.sampled_from([32, 64]), n=st.sampled_from([2, 64, 130]),
+       bf16=st.booleans(), with_offset=st.booleans(), edges=st.booleans())
+def test_triton_kernels_equal_reference(data, m, g, n, bf16, with_offset, edges):
+    dtype = torch.bfloat16 if bf16 else torch.float16
+    x, weight, scale, offset = _draw_inputs(data, m, 2 * g, n, g, dtype, with_offset, edges)
+    expected = _bits(ref.wqbmm_msd(x, weight, scale, offset, g))
+    for template in TEMPLATES:
+        assert torch.equal(_bits(run_triton(x, weight, scale, offset, g, template)), expected), template
+
+
+@numba.njit
+def _widen_all(bits, is_bf16):
+    out = np.empty(bits.size, np.float32)
+    for i in range(0, bits.size, simd.LANES):
+        value = simd.bf16v_load(bits, i) if is_bf16 else simd.f16v_load(bits, i)
+        simd.f32v_store(out, i, value)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_half_loads_widen_every_pattern_exactly(dtype):
+    """The scale/offset loads: all 65536 FP16 and BF16 bit patterns against torch's conversion."""
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    widened = _widen_all(bits.numpy(), dtype == torch.bfloat16)
+    assert np.array_equal(widened.view(np.int32), bits.view(dtype).float().numpy().view(np.int32))
