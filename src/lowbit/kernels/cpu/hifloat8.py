@@ -200,10 +200,12 @@ def _decode_fp16(src, dst):
         code = _i16(src[i])
         magnitude = _i16(code & _i16(0x7F))
         bits = _normal_bits(magnitude, _i16(0x3C00), _i16(10))
-        subnormal = _i16(_i16(magnitude - _i16(0x7C)) << _i16(8))  # E = -15: (2 + m) * 2^-16 ...
+        # FP16 subnormals have bits = value * 2^24. E = -15 (0x7E, 0x7F): value (2 + m) * 2^-16.
+        subnormal = _i16(_i16(magnitude - _i16(0x7C)) << _i16(8))
         bits = subnormal if magnitude >= _i16(0x7E) else bits
-        denormal = _i16(_i16(2) << _i16(magnitude & _i16(7))) if magnitude != _i16(0) else _i16(0)  # (2 << m) * 2^-24
-        bits = denormal if magnitude < _i16(0x08) else bits  # denormal codes: 2^(m - 23); 0 stays 0
+        # Denormal codes 1..7: value 2^(m - 23) = (2 << m) * 2^-24; 0 stays 0.
+        denormal = _i16(_i16(2) << _i16(magnitude & _i16(7))) if magnitude != _i16(0) else _i16(0)
+        bits = denormal if magnitude < _i16(0x08) else bits
         bits = _FP16_INF if magnitude == _i16(0x6F) else bits
         dst[i] = _with_sign_and_nan(code, bits)
 
