@@ -1,5 +1,6 @@
 """The lowbit command: smoke verdicts and exit codes, info, bench plumbing."""
 
+import importlib.util
 import json
 
 import pytest
@@ -55,6 +56,14 @@ def test_smoke_missing_device_exits_2_with_error_on_stderr(capsys):
     error = json.loads(err)
     assert error["hardware_path_verified"] is False and "CUDA" in error["error"]
     assert list(error) == sorted(error)
+
+
+@pytest.mark.parametrize("device,words", [("npu:0", "torch_npu"), ("bogus", "bogus")])
+def test_smoke_unknown_or_absent_device_exits_2(capsys, device, words):
+    if device == "npu:0" and importlib.util.find_spec("torch_npu") is not None:
+        pytest.skip("torch_npu is installed")
+    code, out, err = run_cli(capsys, "smoke", "all", "--device", device)
+    assert code == 2 and out == "" and words in json.loads(err)["error"]
 
 
 def test_smoke_broken_contract_exits_1(capsys, monkeypatch):

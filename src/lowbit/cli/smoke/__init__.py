@@ -34,18 +34,21 @@ def resolve_device(name: str) -> torch.device:
         if hasattr(torch, "npu") and torch.npu.is_available():  # type: ignore[attr-defined]
             return torch.device("npu:0")
         return torch.device("cpu")
-    device = torch.device(name)
+    if name.split(":")[0] == "npu":  # torch only knows the device type once torch_npu is imported
+        try:
+            import torch_npu  # noqa: F401
+        except ImportError as exc:
+            raise BackendUnavailable(f"device {name}: torch_npu is not importable ({exc})") from exc
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise BackendUnavailable(f"device {name!r} is not a device torch knows: {exc}") from exc
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise BackendUnavailable(f"device {name}: CUDA is not available")
         if (device.index or 0) >= torch.cuda.device_count():
             raise BackendUnavailable(f"device {name}: only {torch.cuda.device_count()} CUDA device(s)")
-    elif device.type == "npu":
-        try:
-            import torch_npu  # noqa: F401
-        except ImportError as exc:
-            raise BackendUnavailable(f"device {name}: torch_npu is not importable ({exc})") from exc
-    elif device.type != "cpu":
+    elif device.type not in ("cpu", "npu"):
         raise BackendUnavailable(f"device {name}: unsupported device type {device.type!r}")
     return device
 
