@@ -75,6 +75,47 @@ def test_smoke_broken_contract_exits_1(capsys, monkeypatch):
     assert not any(r["matches_reference"] for r in report["results"])
 
 
+def test_smoke_kernel_that_raises_is_a_broken_contract(capsys, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("kernel exploded")
+
+    monkeypatch.setattr(hifloat8_smoke, "encode_to_hifloat8", broken)
+    code, out, err = run_cli(capsys, "smoke", "hifloat8", "--device", "cpu")
+    assert code == 1 and out == "" and "kernel exploded" in json.loads(err)["error"]
+
+
+def test_smoke_warnings_and_failed_extra_contracts(capsys, monkeypatch):
+    import warnings
+
+    real_run = hifloat8_smoke.run
+
+    def noisy(backend, device):
+        warnings.warn("something odd")
+        return real_run(backend, device)
+
+    monkeypatch.setattr(hifloat8_smoke, "run", noisy)
+    code, out, _ = run_cli(capsys, "smoke", "hifloat8", "--backend", "native", "--device", "cpu")
+    report = json.loads(out)
+    assert code == 0 and report["hardware_path_verified"] is False
+    assert {r["warning_count"] for r in report["results"]} == {1}
+
+    def wrong_codes(backend, device):
+        results = real_run(backend, device)
+        results[0]["codes_match_reference"] = False
+        return results
+
+    monkeypatch.setattr(hifloat8_smoke, "run", wrong_codes)
+    code, out, _ = run_cli(capsys, "smoke", "hifloat8", "--backend", "native", "--device", "cpu")
+    assert code == 1 and json.loads(out)["hardware_path_verified"] is False
+
+
+def test_smoke_device_spellings_are_canonical(capsys):
+    code, out, _ = run_cli(capsys, "smoke", "hifloat8", "--device", "cpu:0")
+    report = json.loads(out)
+    assert code == 0 and report["environment"]["device"] == "cpu"
+    assert all(r["device_preserved"] for r in report["results"])
+
+
 def test_smoke_input_matches_upstream():
     x = hifloat8_smoke.smoke_input(torch.float16)
     assert x.shape == (36,) and x[1].item() == 0 and torch.signbit(x[1])
@@ -84,7 +125,8 @@ def test_smoke_input_matches_upstream():
 
 
 def test_hardware_path_is_never_verified_by_the_triton_interpreter(monkeypatch):
-    results = [{"backend": "native", **{k: True for k in _common.CONTRACT_KEYS}}]
+    results = [{"backend": "native", "warning_count": 0, "extra_contracts": [],
+                **{k: True for k in _common.CONTRACT_KEYS}}]
     assert _common.hardware_path_verified(results, torch.device("cpu"))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not _common.hardware_path_verified(results, torch.device("cuda:0"))

@@ -77,6 +77,17 @@ def device_type(device: torch.device | str) -> str:
     return torch.device(device).type
 
 
+def canonical_device(device: torch.device | str) -> torch.device:
+    """The device as tensors on it report it: 'cpu:0' -> cpu, 'cuda' -> cuda:<current index>."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return torch.device("cpu")
+    module = getattr(torch, device.type, None)
+    if device.index is None and module is not None and hasattr(module, "current_device") and module.is_available():
+        return torch.device(device.type, module.current_device())
+    return device
+
+
 def _load(target: str) -> Callable:
     """Import 'package.module:function'; turn import failures into BackendUnavailable."""
     module_name, _, attr = target.partition(":")

@@ -7,18 +7,19 @@ Exit codes (upstream contract): 0 every contract holds; 1 a contract is broken; 
 
 from __future__ import annotations
 
+import warnings
 from types import ModuleType
 
 import torch
 
-from lowbit.backends import BackendUnavailable
+from lowbit.backends import BackendUnavailable, canonical_device
 from lowbit.cli._discover import operator_modules
 from lowbit.cli.smoke import _common
 
 EXIT_OK, EXIT_CONTRACT_BROKEN, EXIT_CANNOT_RUN = 0, 1, 2
 
-# Errors that mean "cannot run here" rather than "ran and broke a contract".
-CANNOT_RUN_ERRORS = (BackendUnavailable, ImportError, OSError, RuntimeError, ValueError)
+# Errors that mean "cannot run here"; any other exception from a check means the path ran and broke.
+CANNOT_RUN_ERRORS = (BackendUnavailable, ImportError, OSError)
 
 
 def checks() -> dict[str, ModuleType]:
@@ -40,7 +41,7 @@ def resolve_device(name: str) -> torch.device:
         except ImportError as exc:
             raise BackendUnavailable(f"device {name}: torch_npu is not importable ({exc})") from exc
     try:
-        device = torch.device(name)
+        device = canonical_device(name)
     except RuntimeError as exc:
         raise BackendUnavailable(f"device {name!r} is not a device torch knows: {exc}") from exc
     if device.type == "cuda":
@@ -54,19 +55,30 @@ def resolve_device(name: str) -> torch.device:
 
 
 def run_one(module: ModuleType, backend: str, device: torch.device) -> tuple[dict, int]:
-    """Run one operator's check; returns (report without environment, exit code)."""
+    """Run one operator's check; returns (report without environment, exit code).
+
+    Warnings raised during the check are counted into every result's ``warning_count`` (any warning
+    means the path is not verified, as upstream). An exception other than CANNOT_RUN_ERRORS is a broken
+    contract (exit 1), reported with its message.
+    """
     try:
-        with torch.inference_mode():
+        with torch.inference_mode(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             results = module.run(backend, device)
     except CANNOT_RUN_ERRORS as exc:
-        return {"op": module.NAME, "hardware_path_verified": False, "error": f"{type(exc).__name__}: {exc}"}, EXIT_CANNOT_RUN
-    ok = _common.contracts_hold(results)
+        error = f"{type(exc).__name__}: {exc}"
+        return {"op": module.NAME, "hardware_path_verified": False, "error": error}, EXIT_CANNOT_RUN
+    except Exception as exc:  # the check ran and failed: report it, never a traceback
+        error = f"{type(exc).__name__}: {exc}"
+        return {"op": module.NAME, "hardware_path_verified": False, "error": error}, EXIT_CONTRACT_BROKEN
+    for result in results:
+        result["warning_count"] = len(caught)
     report = {
         "op": module.NAME,
         "hardware_path_verified": _common.hardware_path_verified(results, device),
         "results": results,
     }
-    return report, EXIT_OK if ok else EXIT_CONTRACT_BROKEN
+    return report, EXIT_OK if _common.contracts_hold(results) else EXIT_CONTRACT_BROKEN
 
 
 def run(op: str, backend: str, device_name: str) -> tuple[dict, int]:

@@ -54,11 +54,15 @@ def case_result(
     expected_dtype: torch.dtype,
     expected_device: torch.device,
     error_target: torch.Tensor | None = None,
+    checks: dict[str, bool] | None = None,
     **extra,
 ) -> dict:
     """One smoke result. ``backend``: the backend that ran. ``reference``: the reference backend's output
     for the same input. ``error_target``: what the output approximates (usually the input) for the error
-    figures; None skips them. ``extra`` keys are added as they are (JSON-serialisable values)."""
+    figures; None skips them. ``checks``: further operator-specific contracts (name -> holds), listed in
+    the result's ``extra_contracts`` and required by :func:`contracts_hold`. ``extra`` keys are added as
+    they are (JSON-serialisable, informational)."""
+    checks = {name: bool(holds) for name, holds in (checks or {}).items()}
     max_err, mean_err = abs_errors(output, error_target) if error_target is not None else (0.0, 0.0)
     return {
         "backend": backend,
@@ -69,24 +73,26 @@ def case_result(
         "matches_reference": bits_equal(output, reference),
         "max_abs_error": max_err,
         "mean_abs_error": mean_err,
-        "warning_count": 0,
+        "warning_count": 0,  # set by the smoke runner from the warnings the check raised
+        **checks,
+        "extra_contracts": sorted(checks),
         **extra,
     }
 
 
 def contracts_hold(results: list[dict]) -> bool:
-    """Every contract of every case holds."""
-    return bool(results) and all(r[k] for r in results for k in CONTRACT_KEYS)
+    """Every contract of every case holds (the common ones and the case's ``extra_contracts``)."""
+    return bool(results) and all(r[k] for r in results for k in (*CONTRACT_KEYS, *r["extra_contracts"]))
 
 
 def hardware_path_verified(results: list[dict], device: torch.device) -> bool:
-    """The native kernel ran on the real device named and met every contract (design.md).
+    """The native kernel ran on the real device named, met every contract and raised no warning.
 
-    Triton under the interpreter does not verify a GPU path.
+    Triton under the interpreter does not verify a GPU path (design.md).
     """
     if device.type == "cuda" and os.environ.get("TRITON_INTERPRET") == "1":
         return False
-    return contracts_hold(results) and all(r["backend"] == "native" for r in results)
+    return contracts_hold(results) and all(r["backend"] == "native" and not r["warning_count"] for r in results)
 
 
 def _dist_version(*names: str) -> str | None:

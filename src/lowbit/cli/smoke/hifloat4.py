@@ -47,7 +47,7 @@ def run(backend: str, device: torch.device) -> list[dict]:
                     expected_device=device,
                     error_target=xq,
                     qdim=qdim,
-                    poisoned_blocks_all_nan_others_not=_poisoned_blocks_nan(x_cpu, row_major),
+                    checks={"poisoned_blocks_all_nan_others_not": _poisoned_blocks_nan(x_cpu, row_major)},
                 )
             )
     return results

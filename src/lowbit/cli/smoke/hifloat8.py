@@ -50,7 +50,7 @@ def run(backend: str, device: torch.device) -> list[dict]:
                 expected_dtype=dtype,
                 expected_device=device,
                 error_target=x,
-                codes_match_reference=bool(torch.equal(codes.cpu(), hifloat8.encode(x_cpu))),
+                checks={"codes_match_reference": torch.equal(codes.cpu(), hifloat8.encode(x_cpu))},
             )
         )
     return results

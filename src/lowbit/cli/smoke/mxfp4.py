@@ -51,11 +51,12 @@ def run(backend: str, device: torch.device) -> list[dict]:
                 expected_dtype=dtype,
                 expected_device=device,
                 error_target=x_cpu.to(device),
-                codes_match_reference=bool(
-                    torch.equal(codes.cpu(), ref_codes) and torch.equal(scales.cpu(), ref_scales)
-                ),
-                worked_vector_bytes_ok=codes[0, :16].cpu().tolist() == WORKED_BYTES
-                and int(scales[0, 0]) == 0x7F,
+                checks={
+                    "codes_match_reference": torch.equal(codes.cpu(), ref_codes)
+                    and torch.equal(scales.cpu(), ref_scales),
+                    "worked_vector_bytes_ok": codes[0, :16].cpu().tolist() == WORKED_BYTES
+                    and int(scales[0, 0]) == 0x7F,
+                },
             )
         )
     return results
