@@ -34,7 +34,7 @@ def test_replaced_weights_are_the_operators_fake_quant():
 def test_svdquant_layers_run_inside_a_float32_model():
     model, x = tiny_model()
     q, replaced, skipped = evaluate.quantize_linear_layers(model, evaluate.FORMATS["svdquant-r32"])
-    assert (replaced, skipped) == (2, 1)  # K = 48 does not fit (K % 64); the others do (rank < min(N, K))
+    assert (replaced, skipped) == (2, 1)  # K = 48 is not a multiple of 32; the others fit (rank <= min(N, K))
     assert q(x).dtype == torch.float32
 
 
@@ -67,6 +67,13 @@ def test_eval_command(capsys):
     assert rows[1]["bits_per_weight"] == 4.25
     with pytest.raises(ValueError, match="module:function"):
         cli.main(["eval", "--model", "no_colon"])
+
+
+def test_json_output_is_strict_json(capsys):
+    from lowbit.cli.bench import to_json
+
+    assert json.loads(to_json([{"sqnr_db": float("inf"), "x": float("nan"), "y": 1.5}])) == [
+        {"sqnr_db": None, "x": None, "y": 1.5}]
 
 
 def test_demo_model_is_deterministic():

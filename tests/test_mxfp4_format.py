@@ -218,6 +218,8 @@ def test_errors():
         mxfp4.quantize(torch.zeros(32), axis=2)
     with pytest.raises(ShapeError, match="do not fit"):
         mxfp4.dequantize(torch.zeros(2, 16, dtype=torch.uint8), torch.zeros(2, 3, dtype=torch.uint8))
+    with pytest.raises(ShapeError, match="do not fit"):  # no elements but 5 blocks of scales
+        mxfp4.dequantize(torch.zeros(4, 0, dtype=torch.uint8), torch.zeros(4, 5, dtype=torch.uint8))
     with pytest.raises(DtypeError, match="int32"):
         mxfp4.dequantize(torch.zeros(2, 16, dtype=torch.int32), torch.zeros(2, 1, dtype=torch.uint8))
     with pytest.raises(DtypeError, match="int8"):

@@ -139,8 +139,10 @@ def test_upstream_errors():
     with pytest.raises(RuntimeError, match="invalid input shapes"):
         op.svd_quant(x, w, s.reshape(64, 4), d, u)
     x48 = torch.zeros(4, 48, dtype=torch.bfloat16)
-    with pytest.raises(ShapeError, match="K dimension should be a multiple of 32, got K=48"):
+    with pytest.raises(ShapeError, match="K dimension should be a multiple of 32.*got K=48"):
         op.svd_quant(x48, w[:, :24], s[:, :1], d[:48], u)
+    with pytest.raises(ShapeError, match="K dimension should be a multiple of 32.*got K=0"):  # fake == real
+        op.svd_quant(torch.zeros(4, 0, dtype=torch.bfloat16), w[:, :0], s[:, :0], d[:0], u)
     with pytest.raises(ShapeError, match="Input shapes are incompatible"):
         op.svd_quant(x, w[:32], s, d, u)
     with pytest.raises(ValueError, match="Input shapes are incompatible"):

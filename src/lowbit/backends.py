@@ -6,8 +6,8 @@
 * ``auto`` runs native when it is available *and* passed a one-time self-check against the reference on
   this device (cached per operator and device for the life of the process), else reference.
 
-The process default is ``auto``; change it with :func:`set_backend`, the context manager
-:func:`use_backend`, or the environment variable ``LOWBIT_BACKEND``. The backend that actually ran last
+The process default is ``auto``; change it with :func:`set_backend` or the environment variable
+``LOWBIT_BACKEND``, or for one thread / asyncio context with the context manager :func:`use_backend`. The backend that actually ran last
 for an operator is returned by :func:`last_backend`.
 
 Each operator builds one :class:`Dispatcher` with its reference function, a table of native loaders
@@ -17,6 +17,7 @@ per device type and a self-check; ops call :meth:`Dispatcher.select` and then th
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import importlib
 import os
 import threading
@@ -39,32 +40,31 @@ def _check_name(name: str) -> str:
     return name
 
 
-_default_backend = _check_name(os.environ.get(_ENV_VAR, "auto") or "auto")
+_process_default = _check_name(os.environ.get(_ENV_VAR, "auto") or "auto")
+_override: contextvars.ContextVar[str | None] = contextvars.ContextVar("lowbit_backend", default=None)
 _last_ran: dict[str, str] = {}
 _lock = threading.Lock()
 
 
 def set_backend(name: str) -> None:
     """Set the process-wide default backend ("native", "reference" or "auto")."""
-    global _default_backend
-    _default_backend = _check_name(name)
+    global _process_default
+    _process_default = _check_name(name)
 
 
 def get_backend() -> str:
-    """The process-wide default backend."""
-    return _default_backend
+    """The default backend here: a :func:`use_backend` override of this thread/context, else the process's."""
+    return _override.get() or _process_default
 
 
 @contextlib.contextmanager
 def use_backend(name: str) -> Iterator[None]:
-    """Temporarily change the process-wide default backend."""
-    global _default_backend
-    previous = _default_backend
-    _default_backend = _check_name(name)
+    """Change the default backend inside a ``with`` block, for this thread (or asyncio context) only."""
+    token = _override.set(_check_name(name))
     try:
         yield
     finally:
-        _default_backend = previous
+        _override.reset(token)
 
 
 def last_backend(op: str) -> str | None:
@@ -144,7 +144,7 @@ class Dispatcher:
     def resolve(self, device: torch.device | str, backend: str | None = None) -> str:
         """The backend ('native' or 'reference') that ``backend`` (default: process default) means here."""
         device = torch.device(device)
-        name = _check_name(backend or _default_backend)
+        name = _check_name(backend or get_backend())
         if name == "auto":
             return "native" if self.auto_uses_native(device) else "reference"
         if name == "native":

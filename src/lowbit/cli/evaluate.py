@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 
 import torch
 
-from lowbit.cli.bench import format_table
+from lowbit.cli.bench import format_table, to_json
 from lowbit.nn import evaluate
 
 
@@ -30,7 +29,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         model, inputs = evaluate.DemoMLP(seed=args.seed), evaluate.demo_inputs(seed=args.seed + 1)
     formats = args.formats.split(",") if args.formats else None
     rows = evaluate.evaluate_formats(model, inputs, formats)
-    print(json.dumps(rows, indent=2) if args.json else format_table(rows))
+    print(to_json(rows) if args.json else format_table(rows))
     return 0
 
 

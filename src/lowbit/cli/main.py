@@ -93,7 +93,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         for row in module.run(module_args):
             rows.append({"op": name, **row})
     if args.json:
-        print(json.dumps(rows, indent=2))
+        print(bench_pkg.to_json(rows))
     else:
         print(bench_pkg.format_table(rows))
     return 0

@@ -176,7 +176,7 @@ def dequantized_shape(
     block_size = k // n_blocks if n_blocks else 0
     other_codes = codes.shape[:axis] + codes.shape[axis + 1 :]
     other_scales = scales.shape[:axis] + scales.shape[axis + 1 :]
-    if other_codes != other_scales or block_size * n_blocks != k or block_size % 2 or (k and not n_blocks):
+    if other_codes != other_scales or block_size * n_blocks != k or block_size % 2 or bool(k) != bool(n_blocks):
         raise ShapeError(
             f"mxfp4 dequantize: codes {tuple(codes.shape)} and scales {tuple(scales.shape)} do not fit "
             f"along axis {axis} (need 2 * codes.shape[axis] = an even multiple of scales.shape[axis])"

@@ -75,7 +75,7 @@ def _weight_only(name: str, bits: float, quantize: Callable[[torch.Tensor], torc
 
 def _svdquant(rank: int) -> WeightFormat:
     def fits(linear: nn.Linear) -> bool:
-        return linear.in_features % 64 == 0 and min(linear.in_features, linear.out_features) > rank
+        return linear.in_features % 32 == 0 and rank <= min(linear.in_features, linear.out_features)
 
     def convert(linear: nn.Linear) -> nn.Module:
         with torch.no_grad():

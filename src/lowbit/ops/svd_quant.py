@@ -95,8 +95,8 @@ def _validate(x, w, s, d, u) -> tuple[int, ...]:
             f"(n, ceil(k/64), 2), down (k, r), up (r, n); got {_shapes(x, w, s, d, u)}"
         )
     k = x.shape[-1]
-    if k % 32:
-        raise ShapeError(f"svd_quant: K dimension should be a multiple of 32, got K={k}")
+    if k == 0 or k % 32:
+        raise ShapeError(f"svd_quant: K dimension should be a multiple of 32 and positive, got K={k}")
     r, n = d.shape[1], u.shape[1]
     fits = (tuple(d.shape), tuple(u.shape), tuple(w.shape), tuple(s.shape)) == (
         (k, r), (r, n), (n, k // 2), (n, -(-k // 64), 2)

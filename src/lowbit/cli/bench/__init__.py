@@ -6,6 +6,8 @@ and optionally ``add_arguments(parser)``; rows are printed as a table or JSON.
 
 from __future__ import annotations
 
+import json
+import math
 from types import ModuleType
 
 from lowbit.cli._discover import operator_modules
@@ -14,6 +16,15 @@ from lowbit.cli._discover import operator_modules
 def benches() -> dict[str, ModuleType]:
     """Benchmark modules by operator name, discovered in this package (modules not starting with '_')."""
     return operator_modules(__name__, __path__)
+
+
+def to_json(rows: list[dict]) -> str:
+    """Rows as strict JSON: non-finite floats (an infinite SQNR, say) become null."""
+
+    def clean(v):
+        return None if isinstance(v, float) and not math.isfinite(v) else v
+
+    return json.dumps([{k: clean(v) for k, v in row.items()} for row in rows], indent=2, allow_nan=False)
 
 
 def format_table(rows: list[dict]) -> str:
