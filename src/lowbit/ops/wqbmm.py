@@ -375,7 +375,9 @@ class WqbmmPlan:
         if weight.device != self.device:
             raise DeviceError(f"{_OP}: weight is on {weight.device} but the plan is for {self.device}")
         if tuple(weight.shape) != expected:
-            raise ShapeError(f"{_OP}: the plan needs a weight of shape (K, N/2) = {expected}, got {tuple(weight.shape)}")
+            raise ShapeError(
+                f"{_OP}: the plan needs a weight of shape (K, N/2) = {expected}, got {tuple(weight.shape)}"
+            )
         data = _pack_fn(self._fn)(weight, self.group_size)
         return PackedWeight(data, expected, self.group_size, self.device, self.backend)
 
@@ -402,16 +404,15 @@ class WqbmmPlan:
         if self.workspace_nbytes and workspace.data_ptr() % WORKSPACE_ALIGNMENT:
             raise ShapeError(
                 f"{_OP}: workspace must start at a {WORKSPACE_ALIGNMENT}-byte aligned address, got one "
-                f"{workspace.data_ptr() % WORKSPACE_ALIGNMENT} bytes past it (storage offset {workspace.storage_offset()})"
+                f"{workspace.data_ptr() % WORKSPACE_ALIGNMENT} bytes past it "
+                f"(storage offset {workspace.storage_offset()})"
             )
 
-    def _check_plan_operands(self, x: torch.Tensor, m: int, k: int, n: int) -> None:
+    def _check_x(self, x: torch.Tensor) -> None:
         if x.dtype != self.dtype:
             raise DtypeError(f"{_OP}: the plan is for x of dtype {self.dtype}, got {x.dtype}")
         if x.device != self.device:
             raise DeviceError(f"{_OP}: the plan is for {self.device}, got x on {x.device}")
-        if (m, k, n) != (self.m, self.k, self.n):
-            raise ShapeError(f"{_OP}: the plan is for (M, K, N) = {(self.m, self.k, self.n)}, got {(m, k, n)}")
 
     def run(
         self,
@@ -430,16 +431,13 @@ class WqbmmPlan:
         packed = isinstance(weight, PackedWeight)
         if packed:
             self._check_packed(weight)
-            shape = weight.shape
         elif self.prepacked:
             raise ValueError(f"{_OP}: this plan was made with prepacked=True: pass plan.pack_weight(weight)")
-        else:
-            shape = None
-        if x.dtype != self.dtype or x.device != self.device:  # before the operand checks that compare with x
-            self._check_plan_operands(x, self.m, self.k, self.n)
+        self._check_x(x)
         args = (antiquant_scale, antiquant_offset, self.group_size, self.algorithm, self.template)
-        m, k, n = _check_operands(x, shape, *args) if packed else _check_args(x, weight, *args)
-        self._check_plan_operands(x, m, k, n)
+        m, k, n = _check_operands(x, weight.shape, *args) if packed else _check_args(x, weight, *args)
+        if (m, k, n) != (self.m, self.k, self.n):
+            raise ShapeError(f"{_OP}: the plan is for (M, K, N) = {(self.m, self.k, self.n)}, got {(m, k, n)}")
         if out is None:
             out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
         _check_out(out, x, n)
