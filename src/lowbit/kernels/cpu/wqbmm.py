@@ -69,20 +69,35 @@ def _unsigned_nibble(weight, kk, col, n):
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
 def _pack_tiles(weight, group_size, tiles):
-    """tiles (flat uint8, K * padded N / 2 bytes) <- the (K, N/2) uint8 weight (any strides)."""
-    k, n = weight.shape[0], 2 * weight.shape[1]
+    """tiles (flat uint8, K * padded N / 2 bytes) <- the (K, N/2) uint8 weight (any strides).
+
+    Per (group, chunk p, block nb) one 128-byte chunk; the weight rows k0 .. k0 + 7 are read in order.
+    In a block without padding, weight byte b of rows k0 + j and k0 + 4 + j gives lanes 2b (low nibbles)
+    and 2b + 1 (high nibbles); u = W + 8 is nibble xor 8, so a byte of two u is the byte xor 0x88.
+    """
+    k, half = weight.shape
+    n = 2 * half
     groups, chunks = k // group_size, group_size // 8
-    for task in numba.prange((tiles.size // (k * BLOCK_N // 2)) * groups):
-        nb, g = task // groups, task % groups
+    blocks, full_blocks = tiles.size // (k * BLOCK_N // 2), half // (BLOCK_N // 2)
+    for g in numba.prange(groups):
         for p in range(chunks):
-            base = ((nb * groups + g) * chunks + p) * CHUNK_BYTES
             k0 = g * group_size + 8 * p
-            for lane in range(BLOCK_N):
-                col = BLOCK_N * nb + lane
-                for j in range(4):
-                    low = _unsigned_nibble(weight, k0 + j, col, n)
-                    high = _unsigned_nibble(weight, k0 + 4 + j, col, n)
-                    tiles[base + 4 * lane + j] = np.uint8(low | (high << 4))
+            for nb in range(blocks):
+                base = ((nb * groups + g) * chunks + p) * CHUNK_BYTES
+                if nb < full_blocks:
+                    c0 = nb * (BLOCK_N // 2)
+                    for j in range(4):
+                        for b in range(BLOCK_N // 2):
+                            low, high = np.int32(weight[k0 + j, c0 + b]), np.int32(weight[k0 + 4 + j, c0 + b])
+                            tiles[base + 8 * b + j] = np.uint8(((low & 0x0F) | ((high & 0x0F) << 4)) ^ 0x88)
+                            tiles[base + 8 * b + 4 + j] = np.uint8(((low >> 4) | (high & 0xF0)) ^ 0x88)
+                else:
+                    for lane in range(BLOCK_N):
+                        col = BLOCK_N * nb + lane
+                        for j in range(4):
+                            low = _unsigned_nibble(weight, k0 + j, col, n)
+                            high = _unsigned_nibble(weight, k0 + 4 + j, col, n)
+                            tiles[base + 4 * lane + j] = np.uint8(low | (high << 4))
 
 
 def tiles_nbytes(k: int, n: int) -> int:
