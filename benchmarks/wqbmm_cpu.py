@@ -1,7 +1,8 @@
 """WeightQuantBatchMatmul on this CPU against torch baselines, measured in one run (interleaved rounds).
 
 For M in --ms: F.linear with the dequantized BF16 weight, aten._weight_int4pack_mm_for_cpu with BF16
-activations (same weight, group size), and lowbit's MSD ``basic`` and ``preload`` through a reused plan.
+activations (same weight, group size), and lowbit's MSD ``basic`` and ``preload`` through a reused plan
+with the weight packed once (``plan.pack_weight``).
 Two measurements, both as medians (and minima) over --rounds interleaved rounds:
 
 * wall: all threads (torch.get_num_threads()), perf_counter per call;
@@ -31,10 +32,11 @@ def _cases(m, k, n, g, weight, scale, dense_bf16, int4mm, gen):
     x_bf16 = x.to(torch.bfloat16)
     cases = {"F.linear bf16": lambda: F.linear(x_bf16, dense_bf16), "int4pack_mm bf16": lambda: int4mm(x_bf16)}
     for template in TEMPLATES:
-        plan = plan_weight_quant_batch_matmul(m, k, n, group_size=g, template=template, backend="native")
-        out, workspace = torch.empty(m, n, dtype=torch.float16), plan.new_workspace()
-        cases[f"lowbit {template}"] = lambda plan=plan, out=out, workspace=workspace: plan.run(
-            x, weight, scale, out=out, workspace=workspace
+        plan = plan_weight_quant_batch_matmul(m, k, n, group_size=g, template=template, backend="native",
+                                              prepacked=True)
+        out, workspace, packed = torch.empty(m, n, dtype=torch.float16), plan.new_workspace(), plan.pack_weight(weight)
+        cases[f"lowbit {template}"] = lambda plan=plan, out=out, workspace=workspace, packed=packed: plan.run(
+            x, packed, scale, out=out, workspace=workspace
         )
     return cases
 

@@ -18,11 +18,13 @@ def _bits(t):
     return t.contiguous().view(torch.int16)
 
 
-def run_cpu(x, weight, scale, offset, g, template):
+def run_cpu(x, weight, scale, offset, g, template, prepacked=False):
+    """The raw weight (repacked into the workspace), or with ``prepacked`` the tiles of cpu.pack_weight."""
     m, k = x.shape
     out = torch.empty(m, scale.shape[1], dtype=x.dtype)
-    workspace = torch.empty(cpu.workspace_nbytes(m, k, scale.shape[1], g, template), dtype=torch.uint8)
-    cpu.wqbmm_into(x, weight, scale, offset, g, template, workspace, out)
+    workspace = torch.empty(cpu.workspace_nbytes(m, k, scale.shape[1], g, template, prepacked), dtype=torch.uint8)
+    w = cpu.pack_weight(weight, g) if prepacked else weight
+    cpu.wqbmm_into(x, w, scale, offset, g, template, workspace, out, prepacked)
     return out
 
 
@@ -56,6 +58,8 @@ def test_cpu_kernels_equal_reference(data, m, groups, g, n, bf16, with_offset, e
     expected = _bits(ref.wqbmm_msd(x, weight, scale, offset, g))
     for template in TEMPLATES:
         assert torch.equal(_bits(run_cpu(x, weight, scale, offset, g, template)), expected), template
+    prepacked = run_cpu(x, weight, scale, offset, g, data.draw(st.sampled_from(TEMPLATES)), prepacked=True)
+    assert torch.equal(_bits(prepacked), expected)
 
 
 def test_parallel_preprocess_path_equals_reference():
@@ -71,14 +75,14 @@ def test_parallel_preprocess_path_equals_reference():
         assert torch.equal(_bits(run_cpu(x, weight, scale, None, g, template)), expected)
 
 
-def test_weight_tiles_cache_follows_in_place_updates():
+def test_kernel_reads_the_current_weight_every_call():
     gen = torch.Generator().manual_seed(8)
     x = torch.randn(2, 64, generator=gen).half()
     weight = torch.randint(0, 256, (64, 32), generator=gen, dtype=torch.uint8)
     scale = torch.rand(2, 64, generator=gen).half()
     first = run_cpu(x, weight, scale, None, 32, "preload")
     assert torch.equal(first, ref.wqbmm_msd(x, weight, scale, None, 32))
-    weight.bitwise_xor_(0x11)  # bumps the version counter: tiles must be rebuilt
+    weight.data.bitwise_xor_(0x11)  # an in-place change torch's version counter does not see
     expected = _bits(ref.wqbmm_msd(x, weight, scale, None, 32))
     assert torch.equal(_bits(run_cpu(x, weight, scale, None, 32, "preload")), expected)
 
@@ -111,19 +115,28 @@ def test_dpbusd_lowerings_agree_with_numpy(lowering):
     assert np.array_equal(dot(w, a.reshape(-1).view(np.int32)), expected)
 
 
-def test_pack_weight_tiles_layout():
-    """tiles[nb, g, p, lane, j] = u[k0 + j, col] | u[k0 + 4 + j, col] << 4 with u = W + 8."""
+@pytest.mark.parametrize("strided", [False, True])
+def test_pack_weight_layout(strided):
+    """tiles[nb, g, p, lane, j] = u[k0 + j, col] | u[k0 + 4 + j, col] << 4 with u = W + 8 (padding: 8)."""
     k, n, g, lanes = 64, 70, 32, cpu.BLOCK_N
     w = torch.randint(-8, 8, (k, n), dtype=torch.int8)
     from lowbit.formats.int4 import pack_int4
 
+    packed = pack_int4(w)
+    if strided:  # a non-contiguous view holding the same bytes
+        packed = torch.stack([packed, torch.zeros_like(packed)], dim=-1)[..., 0]
     npad = cpu.padded_n(n)
-    tiles = cpu.pack_weight_tiles(pack_int4(w), g).reshape(npad // lanes, k // g, g // 8, lanes, 4)
+    tiles = cpu.pack_weight(packed, g)
+    assert tiles.numel() == cpu.tiles_nbytes(k, n) == k * npad // 2
     u = torch.full((k, npad), 8, dtype=torch.int32)
     u[:, :n] = w.to(torch.int32) + 8
-    for nb, gi, p, lane, j in [(0, 0, 0, 0, 0), (1, 1, 3, 5, 3), (2, 0, 2, lanes - 1, 1), (0, 1, 1, 17, 2)]:
-        k0, col = gi * g + 8 * p, lanes * nb + lane
-        assert int(tiles[nb, gi, p, lane, j]) == int(u[k0 + j, col]) | int(u[k0 + 4 + j, col]) << 4
+    # k = gi*G + 8p + 4h + j, col = lanes*nb + lane -> (nb, gi, p, lane, j, h)
+    u = u.reshape(k // g, g // 8, 2, 4, npad // lanes, lanes).permute(4, 0, 1, 5, 3, 2)
+    expected = (u[..., 0] | (u[..., 1] << 4)).reshape(-1)
+    assert torch.equal(tiles.to(torch.int32), expected)
+    spot = tiles.reshape(npad // lanes, k // g, g // 8, lanes, 4)[1, 1, 3, 5, 3]  # one entry by hand
+    k0, col = 1 * g + 8 * 3, lanes * 1 + 5
+    assert int(spot) == (int(w[k0 + 3, col]) + 8) | (int(w[k0 + 4 + 3, col]) + 8) << 4
 
 
 triton_wqbmm = pytest.importorskip("lowbit.kernels.triton.wqbmm", reason="triton is not installed")

@@ -89,7 +89,10 @@ def _tensor_bytes(t: torch.Tensor) -> bytes:
 
 
 def _read_tensor(path: Path, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """The raw little-endian file as a (CPU) tensor of ``shape``; ValueError for an empty or wrong-sized file."""
     raw = np.fromfile(path, dtype=np.uint8)
+    if raw.size == 0:
+        raise ValueError(f"{path} is empty")
     expected = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
     if raw.size != expected:
         raise ValueError(f"{path}: {raw.size} bytes, expected {expected} for {dtype} {shape}")
@@ -180,8 +183,11 @@ def verify_arrays(
 
 
 def verify_files(output: Path, golden: Path, dtype: torch.dtype = torch.float16, **tolerances) -> VerifyResult:
-    """:func:`verify_arrays` on two raw files of ``dtype`` (sizes must match)."""
+    """:func:`verify_arrays` on two raw files of ``dtype`` (non-empty, sizes must match)."""
     sizes = output.stat().st_size, golden.stat().st_size
+    for path, size in zip((output, golden), sizes):
+        if size == 0:
+            raise ValueError(f"{path} is empty")
     if sizes[0] != sizes[1]:
         raise ValueError(f"{output} has {sizes[0]} bytes but {golden} has {sizes[1]}")
     itemsize = torch.empty(0, dtype=dtype).element_size()
@@ -204,8 +210,9 @@ def print_verify(result: VerifyResult, file=None) -> None:
 def profile_sample(
     root: Path, templates=TEMPLATES, backend_names=("native", "reference"), repeats: int = 5
 ) -> list[dict]:
-    """Median time per (template, backend) of plan.run on input/, and a torch.profiler trace of each
-    under output/profile/<template>_<backend>.json. Backends that cannot run here are skipped."""
+    """Median time per (template, backend) of plan.run on input/ with the weight packed once
+    (plan.pack_weight), and a torch.profiler trace of each under output/profile/<template>_<backend>.json.
+    Backends that cannot run here are skipped."""
     from torch.profiler import ProfilerActivity, profile
 
     from lowbit.cli.bench._timing import median_seconds
@@ -219,13 +226,14 @@ def profile_sample(
             try:
                 plan = plan_weight_quant_batch_matmul(
                     meta.m, meta.k, meta.n, group_size=meta.group_size, template=template, dtype=x.dtype,
-                    backend=backend,
+                    backend=backend, prepacked=True,
                 )
             except backends.BackendUnavailable as exc:
                 print(f"skipping {template}/{backend}: {exc}", file=sys.stderr)
                 continue
             out, workspace = torch.empty(meta.m, meta.n, dtype=x.dtype), plan.new_workspace()
-            run = lambda: plan.run(x, weight, scale, out=out, workspace=workspace)
+            packed = plan.pack_weight(weight)
+            run = lambda: plan.run(x, packed, scale, out=out, workspace=workspace)
             seconds = median_seconds(run, repeats=repeats if backend == "native" else 1, warmup=1)
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 run()
@@ -298,7 +306,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     try:
         result = verify_files(Path(args.output), Path(args.golden), _DTYPES[args.dtype],
                               rtol=args.rtol, atol=args.atol, error_tol=args.error_tol)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RuntimeError) as exc:
         print(f"[ERROR] {exc}", file=sys.stderr)
         return 1
     print_verify(result)

@@ -13,7 +13,13 @@ algorithm or template, BackendUnavailable for a backend that cannot run here.
 
 Two-stage call (aclnn style): :func:`plan_weight_quant_batch_matmul` fixes the sizes and returns a
 :class:`WqbmmPlan` with ``workspace_nbytes``; ``plan.run(..., out=, workspace=)`` with a reused output
-and workspace allocates nothing (after the first call has cached the weight's kernel layout).
+and workspace allocates nothing. Nothing is cached behind the caller's back: a raw weight is repacked
+on every call (into the workspace); ``plan.pack_weight(weight)`` returns an explicit :class:`PackedWeight`
+snapshot that later runs use without repacking.
+
+``lowbit.last_backend("weight_quant_batch_matmul")`` names the backend of the last execution by any path
+(one-shot "msd" or "dequant", ``plan.run``). "dequant" also records under
+"weight_quant_batch_matmul_dequant", its own dispatcher (shown by ``lowbit info``: reference only).
 """
 
 from __future__ import annotations
@@ -33,17 +39,23 @@ ACTIVATION_DTYPES = (torch.float16, torch.bfloat16)
 ALGORITHMS = ("msd", "dequant")
 TEMPLATES = ("basic", "preload")
 _OP = "weight_quant_batch_matmul"
+WORKSPACE_ALIGNMENT = 64  # bytes; torch's allocators (and new_workspace) align at least this much
 
 
 # ---- backends ------------------------------------------------------------------------------------------
 
 
-def _reference_into(x, weight, scale, offset, group_size, template, workspace, out) -> None:
+def _reference_into(x, weight, scale, offset, group_size, template, workspace, out, prepacked=False) -> None:
     out.copy_(reference.wqbmm_msd(x, weight, scale, offset, group_size))
 
 
-def _reference_dequant_into(x, weight, scale, offset, group_size, template, workspace, out) -> None:
+def _reference_dequant_into(x, weight, scale, offset, group_size, template, workspace, out, prepacked=False) -> None:
     out.copy_(reference.wqbmm_dequant(x, weight, scale, offset, group_size))
+
+
+def _reference_pack(weight: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The reference reads the (K, N/2) weight as it is: its packed form is a contiguous copy."""
+    return weight.clone(memory_format=torch.contiguous_format)
 
 
 def _self_check(native_into: Callable, device: torch.device) -> None:
@@ -85,11 +97,22 @@ DEQUANT_DISPATCHER = backends.register(
 )
 
 
-def _workspace_nbytes(fn: Callable, m: int, k: int, n: int, group_size: int, template: str) -> int:
+def _is_reference(fn: Callable) -> bool:
+    return fn in (_reference_into, _reference_dequant_into)
+
+
+def _workspace_nbytes(
+    fn: Callable, m: int, k: int, n: int, group_size: int, template: str, prepacked: bool = False
+) -> int:
     """Workspace bytes of a backend's ``*_into``: its module's ``workspace_nbytes`` (reference: 0)."""
-    if fn in (_reference_into, _reference_dequant_into):
+    if _is_reference(fn):
         return 0
-    return importlib.import_module(fn.__module__).workspace_nbytes(m, k, n, group_size, template)
+    return importlib.import_module(fn.__module__).workspace_nbytes(m, k, n, group_size, template, prepacked)
+
+
+def _pack_fn(fn: Callable) -> Callable:
+    """``pack(weight, group_size) -> tensor`` in the layout the backend's ``*_into`` reads with prepacked."""
+    return _reference_pack if _is_reference(fn) else importlib.import_module(fn.__module__).pack_weight
 
 
 def _new_workspace(nbytes: int, device: torch.device) -> torch.Tensor:
@@ -109,29 +132,44 @@ def _check_args(
     template: str,
 ) -> tuple[int, int, int]:
     """Validate the operands; return (M, K, N) with M the product of x's leading dimensions."""
+    if weight.dtype != torch.uint8:
+        raise DtypeError(f"{_OP}: weight must be uint8 (two int4 per byte), got {weight.dtype}")
+    if weight.device != x.device:
+        raise DeviceError(f"{_OP}: weight is on {weight.device} but x is on {x.device}")
+    if weight.dim() != 2:
+        raise ShapeError(f"{_OP}: weight must be (K, N/2), got shape {tuple(weight.shape)}")
+    return _check_operands(x, tuple(weight.shape), scale, offset, group_size, algorithm, template)
+
+
+def _check_operands(
+    x: torch.Tensor,
+    weight_shape: tuple[int, int],
+    scale: torch.Tensor,
+    offset: Optional[torch.Tensor],
+    group_size: int,
+    algorithm: str,
+    template: str,
+) -> tuple[int, int, int]:
+    """:func:`_check_args` given the (K, N/2) shape of a weight already checked for dtype and device."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"{_OP}: algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
     if template not in TEMPLATES:
         raise ValueError(f"{_OP}: template must be one of {TEMPLATES}, got {template!r}")
     if x.dtype not in ACTIVATION_DTYPES:
         raise DtypeError(f"{_OP}: x must be float16 or bfloat16, got {x.dtype}")
-    if weight.dtype != torch.uint8:
-        raise DtypeError(f"{_OP}: weight must be uint8 (two int4 per byte), got {weight.dtype}")
     for name, t in (("antiquant_scale", scale), ("antiquant_offset", offset)):
         if t is not None and t.dtype != x.dtype:
             raise DtypeError(f"{_OP}: {name} must have x's dtype {x.dtype}, got {t.dtype}")
-    for name, t in (("weight", weight), ("antiquant_scale", scale), ("antiquant_offset", offset)):
+    for name, t in (("antiquant_scale", scale), ("antiquant_offset", offset)):
         if t is not None and t.device != x.device:
             raise DeviceError(f"{_OP}: {name} is on {t.device} but x is on {x.device}")
     if x.dim() < 1:
         raise ShapeError(f"{_OP}: x must be (..., K), got a 0-d tensor")
-    if weight.dim() != 2:
-        raise ShapeError(f"{_OP}: weight must be (K, N/2), got shape {tuple(weight.shape)}")
-    k, n = weight.shape[0], 2 * weight.shape[1]
+    k, n = weight_shape[0], 2 * weight_shape[1]
     if x.shape[-1] != k:
         raise ShapeError(f"{_OP}: x has K = {x.shape[-1]} (shape {tuple(x.shape)}) but weight has K = {k}")
     if k == 0 or n == 0:
-        raise ShapeError(f"{_OP}: K and N must be positive, got weight shape {tuple(weight.shape)}")
+        raise ShapeError(f"{_OP}: K and N must be positive, got weight shape {weight_shape}")
     if group_size <= 0 or group_size % 32 or k % group_size:
         raise ShapeError(f"{_OP}: group_size must be a positive multiple of 32 dividing K = {k}, got {group_size}")
     expected = (k // group_size, n)
@@ -154,15 +192,16 @@ def _check_out(out: torch.Tensor, x: torch.Tensor, n: int) -> None:
 # ---- execution -----------------------------------------------------------------------------------------
 
 
-def _execute(fn, x, weight, scale, offset, group_size, template, workspace, out) -> None:
-    """Run ``fn`` (a backend's ``*_into``) on the flattened operands, writing into ``out`` (..., N)."""
+def _execute(fn, x, weight, scale, offset, group_size, template, workspace, out, prepacked=False) -> None:
+    """Run ``fn`` (a backend's ``*_into``) on the flattened operands, writing into ``out`` (..., N).
+    ``prepacked``: ``weight`` is the backend's packed layout (``_pack_fn``), not the raw weight."""
     m, k, n = x.numel() // x.shape[-1], x.shape[-1], out.shape[-1]
     if m == 0:
         return
     x2d = x.reshape(m, k).contiguous()
     out2d = out.view(m, n) if out.is_contiguous() else torch.empty(m, n, dtype=out.dtype, device=out.device)
     offset = None if offset is None else offset.contiguous()
-    fn(x2d, weight, scale.contiguous(), offset, group_size, template, workspace, out2d)
+    fn(x2d, weight, scale.contiguous(), offset, group_size, template, workspace, out2d, prepacked)
     if out2d.data_ptr() != out.data_ptr():
         out.copy_(out2d.view(out.shape))
 
@@ -174,9 +213,17 @@ def _select(device: torch.device, algorithm: str, backend: Optional[str]) -> tup
     return name, dispatcher.select(device, name)
 
 
+def _record_ran(device: torch.device, name: str) -> None:
+    """Make ``last_backend(_OP)`` say ``name`` ran. lowbit.backends records in ``Dispatcher.select``
+    (its only public recorder); selecting an already resolved name re-runs no self-check."""
+    DISPATCHER.select(device, name)
+
+
 def _run_op(x, weight, scale, offset, group_size, algorithm, template, backend, out) -> None:
     m, k, n = _check_args(x, weight, scale, offset, group_size, algorithm, template)
-    _, fn = _select(x.device, algorithm, backend)
+    name, fn = _select(x.device, algorithm, backend)
+    if algorithm != "msd":
+        _record_ran(x.device, name)
     workspace = _new_workspace(_workspace_nbytes(fn, m, k, n, group_size, template), x.device)
     _execute(fn, x, weight, scale, offset, group_size, template, workspace, out)
 
@@ -265,11 +312,41 @@ def weight_quant_batch_matmul(
 # ---- two-stage API -------------------------------------------------------------------------------------
 
 
+def _normalize_device(device: torch.device | str) -> torch.device:
+    """The device tensors report: "cpu:N" -> "cpu"; a type without index -> that type's current device."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return torch.device("cpu")
+    module = getattr(torch, device.type, None)
+    if device.index is None and module is not None and hasattr(module, "current_device") and module.is_available():
+        return torch.device(device.type, module.current_device())
+    return device
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A weight in a plan backend's kernel layout, from :meth:`WqbmmPlan.pack_weight` (like torch's
+    ``_convert_weight_to_int4pack``).
+
+    A snapshot: later changes to the source weight are not seen (pack again after changing it). Costs
+    one more copy of the packed weight (CPU native: K * ceil(N / 32) * 16 bytes; reference, CUDA: K * N / 2).
+    ``data``: the kernel layout; ``shape``: the source (K, N/2); ``group_size``, ``device``, ``backend``:
+    of the plan that packed it (a plan only runs its own backend's, group size's and device's packing).
+    """
+
+    data: torch.Tensor
+    shape: tuple[int, int]
+    group_size: int
+    device: torch.device
+    backend: str
+
+
 @dataclass(frozen=True)
 class WqbmmPlan:
     """Sizes, algorithm, template and backend fixed once (the aclnn "GetWorkspaceSize" stage).
 
     ``workspace_nbytes``: bytes of the uint8 workspace :meth:`run` needs on ``device`` (0: none).
+    ``prepacked``: runs take a :class:`PackedWeight` (the workspace then has no room to repack a raw weight).
     """
 
     m: int
@@ -282,11 +359,38 @@ class WqbmmPlan:
     dtype: torch.dtype
     backend: str
     workspace_nbytes: int
+    prepacked: bool
     _fn: Callable
 
     def new_workspace(self) -> torch.Tensor:
         """A workspace for :meth:`run` (uint8, ``workspace_nbytes`` bytes on the plan's device)."""
         return _new_workspace(self.workspace_nbytes, self.device)
+
+    def pack_weight(self, weight: torch.Tensor) -> PackedWeight:
+        """The (K, N/2) uint8 weight on the plan's device in this plan's kernel layout: a snapshot copy
+        (see :class:`PackedWeight`). DtypeError / DeviceError / ShapeError for another weight."""
+        expected = (self.k, self.n // 2)
+        if weight.dtype != torch.uint8:
+            raise DtypeError(f"{_OP}: weight must be uint8 (two int4 per byte), got {weight.dtype}")
+        if weight.device != self.device:
+            raise DeviceError(f"{_OP}: weight is on {weight.device} but the plan is for {self.device}")
+        if tuple(weight.shape) != expected:
+            raise ShapeError(
+                f"{_OP}: the plan needs a weight of shape (K, N/2) = {expected}, got {tuple(weight.shape)}"
+            )
+        data = _pack_fn(self._fn)(weight, self.group_size)
+        return PackedWeight(data, expected, self.group_size, self.device, self.backend)
+
+    def _check_packed(self, packed: PackedWeight) -> None:
+        if packed.device != self.device:
+            raise DeviceError(f"{_OP}: the weight was packed on {packed.device} but the plan is for {self.device}")
+        if packed.shape != (self.k, self.n // 2):
+            raise ShapeError(f"{_OP}: the plan needs a weight of shape {(self.k, self.n // 2)}, packed {packed.shape}")
+        if (packed.backend, packed.group_size) != (self.backend, self.group_size):
+            raise ValueError(
+                f"{_OP}: the weight was packed for backend {packed.backend!r}, group_size {packed.group_size}; "
+                f"the plan runs backend {self.backend!r}, group_size {self.group_size}: use this plan's pack_weight"
+            )
 
     def _check_workspace(self, workspace: torch.Tensor) -> None:
         if workspace.dtype != torch.uint8:
@@ -297,11 +401,23 @@ class WqbmmPlan:
             raise ShapeError(f"{_OP}: workspace must be a contiguous 1-D tensor, got shape {tuple(workspace.shape)}")
         if workspace.numel() < self.workspace_nbytes:
             raise ShapeError(f"{_OP}: workspace has {workspace.numel()} bytes, the plan needs {self.workspace_nbytes}")
+        if self.workspace_nbytes and workspace.data_ptr() % WORKSPACE_ALIGNMENT:
+            raise ShapeError(
+                f"{_OP}: workspace must start at a {WORKSPACE_ALIGNMENT}-byte aligned address, got one "
+                f"{workspace.data_ptr() % WORKSPACE_ALIGNMENT} bytes past it "
+                f"(storage offset {workspace.storage_offset()})"
+            )
+
+    def _check_x(self, x: torch.Tensor) -> None:
+        if x.dtype != self.dtype:
+            raise DtypeError(f"{_OP}: the plan is for x of dtype {self.dtype}, got {x.dtype}")
+        if x.device != self.device:
+            raise DeviceError(f"{_OP}: the plan is for {self.device}, got x on {x.device}")
 
     def run(
         self,
         x: torch.Tensor,
-        weight: torch.Tensor,
+        weight: torch.Tensor | PackedWeight,
         antiquant_scale: torch.Tensor,
         antiquant_offset: Optional[torch.Tensor] = None,
         *,
@@ -309,22 +425,31 @@ class WqbmmPlan:
         workspace: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Execute the plan (the aclnn "Execute" stage); x must be (..., K) with M rows, of the plan's
-        dtype and device. ``out`` / ``workspace``: reused tensors (allocated when None)."""
-        m, k, n = _check_args(
-            x, weight, antiquant_scale, antiquant_offset, self.group_size, self.algorithm, self.template
-        )
-        if (m, k, n) != (self.m, self.k, self.n) or x.dtype != self.dtype or x.device != self.device:
-            raise ShapeError(
-                f"{_OP}: plan is for (M, K, N) = {(self.m, self.k, self.n)} {self.dtype} on {self.device}, "
-                f"got {(m, k, n)} {x.dtype} on {x.device}"
-            )
+        dtype and device. ``weight``: the raw (K, N/2) uint8 weight (its current values, repacked into the
+        workspace on every call; not with a ``prepacked`` plan) or this plan's :class:`PackedWeight` (no
+        repack). ``out`` / ``workspace``: reused tensors (allocated when None)."""
+        packed = isinstance(weight, PackedWeight)
+        if packed:
+            self._check_packed(weight)
+        elif self.prepacked:
+            raise ValueError(f"{_OP}: this plan was made with prepacked=True: pass plan.pack_weight(weight)")
+        self._check_x(x)
+        args = (antiquant_scale, antiquant_offset, self.group_size, self.algorithm, self.template)
+        m, k, n = _check_operands(x, weight.shape, *args) if packed else _check_args(x, weight, *args)
+        if (m, k, n) != (self.m, self.k, self.n):
+            raise ShapeError(f"{_OP}: the plan is for (M, K, N) = {(self.m, self.k, self.n)}, got {(m, k, n)}")
         if out is None:
             out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
         _check_out(out, x, n)
         if workspace is None:
             workspace = self.new_workspace()
         self._check_workspace(workspace)
-        _execute(self._fn, x, weight, antiquant_scale, antiquant_offset, self.group_size, self.template, workspace, out)
+        data = weight.data if packed else weight
+        _execute(
+            self._fn, x, data, antiquant_scale, antiquant_offset, self.group_size, self.template, workspace, out,
+            prepacked=packed,
+        )
+        _record_ran(self.device, self.backend)
         return out
 
 
@@ -339,9 +464,14 @@ def plan_weight_quant_batch_matmul(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float16,
     backend: Optional[str] = None,
+    prepacked: bool = False,
 ) -> WqbmmPlan:
-    """Plan an (M, K) x (K, N) weight-quant matmul; see :class:`WqbmmPlan`. Validates like the op."""
-    device = torch.device(device)
+    """Plan an (M, K) x (K, N) weight-quant matmul; see :class:`WqbmmPlan`. Validates like the op.
+
+    ``device`` is normalized ("cpu:0" -> "cpu", "cuda" -> "cuda:<current>"). ``prepacked=True``: runs
+    take ``plan.pack_weight(weight)`` only, and the workspace leaves out the room to repack a raw weight.
+    """
+    device = _normalize_device(device)
     if min(m, k, n) < 0:
         raise ShapeError(f"{_OP}: sizes must be non-negative, got (M, K, N) = {(m, k, n)}")
     if n % 2:
@@ -357,5 +487,5 @@ def plan_weight_quant_batch_matmul(
         template,
     )
     name, fn = _select(device, algorithm, backend)
-    nbytes = _workspace_nbytes(fn, m, k, n, group_size, template)
-    return WqbmmPlan(m, k, n, group_size, algorithm, template, device, dtype, name, nbytes, fn)
+    nbytes = _workspace_nbytes(fn, m, k, n, group_size, template, prepacked)
+    return WqbmmPlan(m, k, n, group_size, algorithm, template, device, dtype, name, nbytes, prepacked, fn)

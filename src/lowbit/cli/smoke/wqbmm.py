@@ -1,5 +1,6 @@
 """Smoke check of weight_quant_batch_matmul (MSD): both templates, FP16 and BF16, with and without an
-antiquant offset, on a small problem (M=3, K=512, N=192, G=128; CPU generator seeded 2026).
+antiquant offset, through the one-shot op and through a plan with the weight packed once
+(``plan.pack_weight``), on a small problem (M=3, K=512, N=192, G=128; CPU generator seeded 2026).
 
 ``matches_reference``: bit equality with the reference backend; the error figures compare with the exact
 float64 product ``x @ ((W + offset) * scale)`` (MSD truncation error, about 3e-4 relative).
@@ -13,7 +14,7 @@ from lowbit import backends
 from lowbit.cli.smoke._common import case_result
 from lowbit.formats import wqbmm as reference
 from lowbit.formats.int4 import unpack_int4
-from lowbit.ops.wqbmm import DISPATCHER, TEMPLATES, weight_quant_batch_matmul
+from lowbit.ops.wqbmm import DISPATCHER, TEMPLATES, plan_weight_quant_batch_matmul, weight_quant_batch_matmul
 
 NAME = "wqbmm"
 SEED = 2026
@@ -37,19 +38,27 @@ def _exact(x, weight, scale, offset) -> torch.Tensor:
     return x.to(torch.float64) @ (w * scale.to(torch.float64).repeat_interleave(G, 0))
 
 
+def _run_api(api, backend, device, x, weight, scale, offset, template):
+    if api == "one-shot":
+        return weight_quant_batch_matmul(
+            x, weight, scale, antiquant_offset=offset, group_size=G, template=template, backend=backend
+        )
+    plan = plan_weight_quant_batch_matmul(
+        M, K, N, group_size=G, template=template, device=device, dtype=x.dtype, backend=backend, prepacked=True
+    )
+    return plan.run(x, plan.pack_weight(weight), scale, offset, workspace=plan.new_workspace())
+
+
 def run(backend: str, device: torch.device) -> list[dict]:
-    """One result per (dtype, offset, template)."""
+    """One result per (dtype, offset, template, api: one-shot or packed plan)."""
     results = []
     for dtype in (torch.float16, torch.bfloat16):
         for with_offset in (False, True):
             x, weight, scale, offset = smoke_inputs(dtype, with_offset)
             expected = reference.wqbmm_msd(x, weight, scale, offset, G)
-            for template in TEMPLATES:
-                moved = [t.to(device) if t is not None else None for t in (x, weight, scale, offset)]
-                y = weight_quant_batch_matmul(
-                    moved[0], moved[1], moved[2], antiquant_offset=moved[3], group_size=G, template=template,
-                    backend=backend,
-                )
+            moved = [t.to(device) if t is not None else None for t in (x, weight, scale, offset)]
+            for template, api in ((t, a) for t in TEMPLATES for a in ("one-shot", "packed plan")):
+                y = _run_api(api, backend, device, *moved, template)
                 results.append(
                     case_result(
                         backend=backends.last_backend(DISPATCHER.op),
@@ -62,6 +71,7 @@ def run(backend: str, device: torch.device) -> list[dict]:
                         error_target=_exact(x, weight, scale, offset),
                         template=template,
                         antiquant_offset=with_offset,
+                        api=api,
                     )
                 )
     return results

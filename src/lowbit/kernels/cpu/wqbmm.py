@@ -1,7 +1,7 @@
 """numba kernels for the MSD A16W4 matmul (lowbit.formats.wqbmm), bit-exact with the reference.
 
-Weight tiles (built by :func:`pack_weight_tiles` once per weight tensor, see :func:`cached_weight_tiles`):
-the (K, N) int4 weight as unsigned nibbles ``u = W + 8`` (0..15; padded columns hold 8, i.e. W = 0), in
+Weight tiles (built by :func:`pack_weight`, or per call into the workspace by :func:`wqbmm_into`; nothing
+is cached): the (K, N) int4 weight as unsigned nibbles ``u = W + 8`` (0..15; padded columns hold 8, i.e. W = 0), in
 blocks of BLOCK_N = 32 columns (``NB = ceil(N / 32)``), per block and K-group g, ``G / 8`` chunks of 128 bytes::
 
     tiles[nb, g, p, lane, j] = u[k0 + j, col] | u[k0 + 4 + j, col] << 4
@@ -30,7 +30,6 @@ Templates (same numbers):
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import numba
@@ -58,20 +57,66 @@ def padded_n(n: int) -> int:
     return -(-n // BLOCK_N) * BLOCK_N
 
 
-def pack_weight_tiles(weight: torch.Tensor, group_size: int) -> torch.Tensor:
-    """(K, N/2) uint8 sample-layout weight -> kernel tiles, a flat uint8 tensor of K * padded_n(N) / 2 bytes.
+@numba.njit(**_INLINE_OPTIONS)
+def _unsigned_nibble(weight, kk, col, n):
+    """u = W + 8 of column ``col`` at row ``kk`` of the packed (K, N/2) weight; 8 (W = 0) for padding."""
+    if col >= n:
+        return 8
+    byte = np.int32(weight[kk, col >> 1])
+    nibble = (byte >> 4) if col & 1 else (byte & 0x0F)
+    return nibble ^ 0x08  # two's-complement nibble + 8 == nibble xor 8
 
-    ``group_size`` must be a multiple of 8 dividing K (the op layer checks it).
+
+@numba.njit(**PARALLEL_NJIT_OPTIONS)
+def _pack_tiles(weight, group_size, tiles):
+    """tiles (flat uint8, K * padded N / 2 bytes) <- the (K, N/2) uint8 weight (any strides).
+
+    Per (group, chunk p, block nb) one 128-byte chunk; the weight rows k0 .. k0 + 7 are read in order.
+    In a block without padding, weight byte b of rows k0 + j and k0 + 4 + j gives lanes 2b (low nibbles)
+    and 2b + 1 (high nibbles); u = W + 8 is nibble xor 8, so a byte of two u is the byte xor 0x88.
+    """
+    k, half = weight.shape
+    n = 2 * half
+    groups, chunks = k // group_size, group_size // 8
+    blocks, full_blocks = tiles.size // (k * BLOCK_N // 2), half // (BLOCK_N // 2)
+    for g in numba.prange(groups):
+        for p in range(chunks):
+            k0 = g * group_size + 8 * p
+            for nb in range(blocks):
+                base = ((nb * groups + g) * chunks + p) * CHUNK_BYTES
+                if nb < full_blocks:
+                    c0 = nb * (BLOCK_N // 2)
+                    for j in range(4):
+                        for b in range(BLOCK_N // 2):
+                            low, high = np.int32(weight[k0 + j, c0 + b]), np.int32(weight[k0 + 4 + j, c0 + b])
+                            tiles[base + 8 * b + j] = np.uint8(((low & 0x0F) | ((high & 0x0F) << 4)) ^ 0x88)
+                            tiles[base + 8 * b + 4 + j] = np.uint8(((low >> 4) | (high & 0xF0)) ^ 0x88)
+                else:
+                    for lane in range(BLOCK_N):
+                        col = BLOCK_N * nb + lane
+                        for j in range(4):
+                            low = _unsigned_nibble(weight, k0 + j, col, n)
+                            high = _unsigned_nibble(weight, k0 + 4 + j, col, n)
+                            tiles[base + 4 * lane + j] = np.uint8(low | (high << 4))
+
+
+def tiles_nbytes(k: int, n: int) -> int:
+    """Bytes of the kernel tiles of a (K, N/2) weight."""
+    return k * padded_n(n) // 2
+
+
+def pack_weight(weight: torch.Tensor, group_size: int, tiles: torch.Tensor | None = None) -> torch.Tensor:
+    """(K, N/2) uint8 CPU weight -> kernel tiles, a flat uint8 tensor of :func:`tiles_nbytes` bytes.
+
+    Written into ``tiles`` when given (allocates nothing), else into a new tensor. ``group_size`` must be
+    a multiple of 8 dividing K (the op layer checks it).
     """
     k, n = weight.shape[0], 2 * weight.shape[1]
-    npad = padded_n(n)
-    u = torch.full((k, npad), 8, dtype=torch.uint8)
-    u[:, 0:n:2] = (weight & 0x0F) ^ 0x08  # two's-complement nibble + 8 == nibble xor 8
-    u[:, 1:n:2] = (weight >> 4) ^ 0x08
-    # k = g*G + 8p + 4h + j ; col = BLOCK_N*nb + lane
-    u = u.reshape(k // group_size, group_size // 8, 2, 4, npad // BLOCK_N, BLOCK_N)
-    u = u.permute(4, 0, 1, 5, 3, 2)  # (nb, g, p, lane, j, h)
-    return (u[..., 0] | (u[..., 1] << 4)).contiguous().reshape(-1)
+    if tiles is None:
+        tiles = torch.empty(tiles_nbytes(k, n), dtype=torch.uint8)
+    sync_threads()
+    _pack_tiles(as_numpy(weight), group_size, as_numpy(tiles))
+    return tiles
 
 
 @dataclass(frozen=True)
@@ -87,15 +132,18 @@ class WorkspaceLayout:
     nbytes: int
 
     @staticmethod
-    def build(m: int, k: int, n: int, group_size: int, template: str) -> "WorkspaceLayout":
+    def build(m: int, k: int, n: int, group_size: int, template: str, prepacked: bool = False) -> "WorkspaceLayout":
+        """``prepacked``: the caller passes tiles from :func:`pack_weight`; otherwise the workspace also
+        holds the tiles, repacked there from the raw weight on every call."""
         groups, npad = k // group_size, padded_n(n)
-        sizes = {
+        sizes = {} if prepacked else {"tiles": tiles_nbytes(k, n)}
+        sizes.update({
             "x32": 4 * m * k,  # float32 activations
             "a_i8": 3 * m * k,  # A1..A3
             "a_max": 4 * m * groups,
             "a_sum": 4 * 3 * m * groups,
             "y32": 4 * m * npad,  # float32 accumulators
-        }
+        })
         if npad != n:  # padded copies of scale and offset
             sizes["scale"] = sizes["offset"] = 2 * groups * npad
         if template == "basic":
@@ -376,7 +424,7 @@ def _msd_into(
 ) -> None:
     """MSD matmul on CPU into ``out`` (M, N) of x's dtype.
 
-    ``x`` (M, K) FP16/BF16 CPU tensor, ``tiles`` from :func:`pack_weight_tiles`, scale/offset (K/G, N) in
+    ``x`` (M, K) FP16/BF16 CPU tensor, ``tiles`` from :func:`pack_weight`, scale/offset (K/G, N) in
     x's dtype, ``workspace`` a uint8 CPU tensor of at least ``layout.nbytes``. Inputs are validated by
     the op layer. Allocates nothing.
     """
@@ -422,35 +470,10 @@ def _run_stages(x32, a_i8, a_max, a_sum, y32, tiles, scale_bits, offset_bits, is
         _basic_post_process(y_int, amax_np, asum_np, scale_bits, offset_bits, is_bf16, has_offset, y_np)
 
 
-_TILE_CACHE: dict[int, tuple] = {}
-
-
-def cached_weight_tiles(weight: torch.Tensor, group_size: int) -> torch.Tensor:
-    """:func:`pack_weight_tiles` of ``weight``, computed once per weight tensor and group size.
-
-    The entry lives as long as the weight tensor and is rebuilt when the weight is modified in place
-    (its version counter or data pointer changes). Inference tensors have no version counter: an
-    in-place change of one under torch.inference_mode() is not seen (call :func:`clear_weight_cache`).
-    """
-    key = id(weight)
-    version = None if weight.is_inference() else weight._version
-    stamp = (weight.data_ptr(), version, tuple(weight.shape), tuple(weight.stride()), group_size)
-    entry = _TILE_CACHE.get(key)
-    if entry is not None and entry[0]() is weight and entry[1] == stamp:
-        return entry[2]
-    tiles = pack_weight_tiles(weight, group_size)
-    _TILE_CACHE[key] = (weakref.ref(weight, lambda _, key=key: _TILE_CACHE.pop(key, None)), stamp, tiles)
-    return tiles
-
-
-def clear_weight_cache() -> None:
-    """Forget every cached weight layout."""
-    _TILE_CACHE.clear()
-
-
-def workspace_nbytes(m: int, k: int, n: int, group_size: int, template: str) -> int:
-    """Bytes of scratch :func:`wqbmm_into` needs for these sizes and template."""
-    return WorkspaceLayout.build(m, k, n, group_size, template).nbytes
+def workspace_nbytes(m: int, k: int, n: int, group_size: int, template: str, prepacked: bool = False) -> int:
+    """Bytes of scratch :func:`wqbmm_into` needs for these sizes and template (with ``prepacked``: for
+    tiles from :func:`pack_weight`; without: room to repack the raw weight too)."""
+    return WorkspaceLayout.build(m, k, n, group_size, template, prepacked).nbytes
 
 
 def wqbmm_into(
@@ -462,13 +485,18 @@ def wqbmm_into(
     template: str,
     workspace: torch.Tensor,
     out: torch.Tensor,
+    prepacked: bool = False,
 ) -> None:
     """MSD matmul on CPU: ``out`` (M, N) contiguous, x's dtype <- x (M, K) contiguous FP16/BF16.
 
-    ``weight`` (K, N/2) uint8 (tiles cached per weight), scale/offset (K/G, N) in x's dtype,
-    ``workspace`` uint8 with at least :func:`workspace_nbytes` bytes. Validated by lowbit.ops.wqbmm;
-    allocates nothing once the weight's tiles are cached.
+    ``weight``: the (K, N/2) uint8 weight, repacked into the workspace on every call; with ``prepacked``,
+    tiles from :func:`pack_weight` instead. scale/offset (K/G, N) in x's dtype, ``workspace`` uint8 with
+    at least :func:`workspace_nbytes` bytes (same ``prepacked``), 64-byte aligned. Validated by
+    lowbit.ops.wqbmm; allocates nothing.
     """
     m, k = x.shape
-    layout = WorkspaceLayout.build(m, k, out.shape[1], group_size, template)
-    _msd_into(x, cached_weight_tiles(weight, group_size), antiquant_scale, antiquant_offset, layout, workspace, out)
+    n = out.shape[1]
+    layout = WorkspaceLayout.build(m, k, n, group_size, template, prepacked)
+    if not prepacked:
+        weight = pack_weight(weight, group_size, layout.view(workspace, "tiles", torch.uint8, (tiles_nbytes(k, n),)))
+    _msd_into(x, weight, antiquant_scale, antiquant_offset, layout, workspace, out)

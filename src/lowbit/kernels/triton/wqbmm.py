@@ -34,8 +34,8 @@ _R = tuple(float(np.float32(1) / v) for v in (np.float32(_F1), np.float32(_F1) *
                                                 np.float32(_F1) * np.float32(_F2) * np.float32(_F2)))
 
 
-def workspace_nbytes(m: int, k: int, n: int, group_size: int, template: str) -> int:
-    """Bytes of scratch :func:`wqbmm_into` needs."""
+def workspace_nbytes(m: int, k: int, n: int, group_size: int, template: str, prepacked: bool = False) -> int:
+    """Bytes of scratch :func:`wqbmm_into` needs (``prepacked`` changes nothing: see :func:`pack_weight`)."""
     groups = k // group_size
     nbytes = 3 * m * k + 4 * m * groups + 4 * m * n + 64 * 3
     if template == "basic":
@@ -196,6 +196,11 @@ def _post_kernel(
     tl.store(y32_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], acc, mask=mask)
 
 
+def pack_weight(weight: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The kernels read the (K, N/2) uint8 weight as it is: its packed form is a contiguous copy (a snapshot)."""
+    return weight.clone(memory_format=torch.contiguous_format)
+
+
 def wqbmm_into(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -205,8 +210,10 @@ def wqbmm_into(
     template: str,
     workspace: torch.Tensor,
     out: torch.Tensor,
+    prepacked: bool = False,
 ) -> None:
-    """MSD matmul into ``out`` (M, N) x's dtype; x (M, K) contiguous, weight (K, N/2) uint8, scale/offset
+    """MSD matmul into ``out`` (M, N) x's dtype; x (M, K) contiguous, weight (K, N/2) uint8 (read on every
+    call, never cached; ``prepacked`` only says it comes from :func:`pack_weight`), scale/offset
     (K/G, N) contiguous in x's dtype, ``workspace`` uint8 with :func:`workspace_nbytes` bytes. Group size
     must be a power of two (32..256 in practice). Validated by lowbit.ops.wqbmm."""
     if group_size & (group_size - 1):
