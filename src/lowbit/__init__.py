@@ -28,7 +28,7 @@ from lowbit.ops.hifloat4 import hifloat4_fake_quant, hifloat4_pack, hifloat4_unp
 from lowbit.ops.hifloat8 import decode_from_hifloat8, encode_to_hifloat8
 from lowbit.ops.mxfp4 import dynamic_mx_quant, mxfp4_dequantize, mxfp4_quantize
 from lowbit.ops.svd_quant import svd_quant
-from lowbit.ops.wqbmm import WqbmmPlan, plan_weight_quant_batch_matmul, weight_quant_batch_matmul
+from lowbit.ops.wqbmm import PackedWeight, WqbmmPlan, plan_weight_quant_batch_matmul, weight_quant_batch_matmul
 
 try:
     __version__ = version("lowbit")
@@ -39,6 +39,7 @@ __all__ = [
     "BackendUnavailable",
     "DeviceError",
     "DtypeError",
+    "PackedWeight",
     "SVDQuantLinear",
     "ShapeError",
     "WqbmmPlan",
