@@ -72,11 +72,6 @@ def last_backend(op: str) -> str | None:
     return _last_ran.get(op)
 
 
-def device_type(device: torch.device | str) -> str:
-    """'cpu', 'cuda', 'npu', ... for a device or device string."""
-    return torch.device(device).type
-
-
 def canonical_device(device: torch.device | str) -> torch.device:
     """The device as tensors on it report it: 'cpu:0' -> cpu, 'cuda' -> cuda:<current index>."""
     device = torch.device(device)
@@ -151,11 +146,15 @@ class Dispatcher:
             self.native_fn(device)
         return name
 
+    def record(self, name: str) -> None:
+        """Note that backend ``name`` ran this operator (for callers that resolve once and run many times)."""
+        _last_ran[self.op] = name
+
     def select(self, device: torch.device | str, backend: str | None = None) -> Callable:
         """The function to run for ``device`` and ``backend``; records it for :func:`last_backend`."""
         device = torch.device(device)
         name = self.resolve(device, backend)
-        _last_ran[self.op] = name
+        self.record(name)
         return self.native_fn(device) if name == "native" else self.reference
 
 

@@ -213,17 +213,11 @@ def _select(device: torch.device, algorithm: str, backend: Optional[str]) -> tup
     return name, dispatcher.select(device, name)
 
 
-def _record_ran(device: torch.device, name: str) -> None:
-    """Make ``last_backend(_OP)`` say ``name`` ran. lowbit.backends records in ``Dispatcher.select``
-    (its only public recorder); selecting an already resolved name re-runs no self-check."""
-    DISPATCHER.select(device, name)
-
-
 def _run_op(x, weight, scale, offset, group_size, algorithm, template, backend, out) -> None:
     m, k, n = _check_args(x, weight, scale, offset, group_size, algorithm, template)
     name, fn = _select(x.device, algorithm, backend)
     if algorithm != "msd":
-        _record_ran(x.device, name)
+        DISPATCHER.record(name)
     workspace = _new_workspace(_workspace_nbytes(fn, m, k, n, group_size, template), x.device)
     _execute(fn, x, weight, scale, offset, group_size, template, workspace, out)
 
@@ -310,17 +304,6 @@ def weight_quant_batch_matmul(
 
 
 # ---- two-stage API -------------------------------------------------------------------------------------
-
-
-def _normalize_device(device: torch.device | str) -> torch.device:
-    """The device tensors report: "cpu:N" -> "cpu"; a type without index -> that type's current device."""
-    device = torch.device(device)
-    if device.type == "cpu":
-        return torch.device("cpu")
-    module = getattr(torch, device.type, None)
-    if device.index is None and module is not None and hasattr(module, "current_device") and module.is_available():
-        return torch.device(device.type, module.current_device())
-    return device
 
 
 @dataclass(frozen=True)
@@ -449,7 +432,7 @@ class WqbmmPlan:
             self._fn, x, data, antiquant_scale, antiquant_offset, self.group_size, self.template, workspace, out,
             prepacked=packed,
         )
-        _record_ran(self.device, self.backend)
+        DISPATCHER.record(self.backend)
         return out
 
 
@@ -471,7 +454,7 @@ def plan_weight_quant_batch_matmul(
     ``device`` is normalized ("cpu:0" -> "cpu", "cuda" -> "cuda:<current>"). ``prepacked=True``: runs
     take ``plan.pack_weight(weight)`` only, and the workspace leaves out the room to repack a raw weight.
     """
-    device = _normalize_device(device)
+    device = backends.canonical_device(device)
     if min(m, k, n) < 0:
         raise ShapeError(f"{_OP}: sizes must be non-negative, got (M, K, N) = {(m, k, n)}")
     if n % 2:
