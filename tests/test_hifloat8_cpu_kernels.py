@@ -12,7 +12,7 @@ def all_fp16_patterns():
 
 def encode(bits):
     out = torch.empty(bits.numel(), dtype=torch.uint8)
-    cpu_kernels.encode_into(bits.view(torch.float16), out)
+    cpu_kernels.ENCODE.run(bits.view(torch.float16), out=out)
     return out
 
 

@@ -33,9 +33,11 @@ import math
 
 import torch
 
+from lowbit.dtypes import SAME_WIDTH_INT
+from lowbit.errors import DtypeError
+
 NAN_CODE = 0x80
 POS_INF_CODE = 0x6F
-NEG_INF_CODE = 0xEF
 MAX_CODE = 0x6E  # 2^15 = 32768, the largest finite value
 MAX_VALUE = 32768.0
 
@@ -44,15 +46,8 @@ ENCODE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 # Bit patterns of the NaN each decode dtype produces (positive, every mantissa bit set).
 _NAN_BITS = {torch.float16: 0x7FFF, torch.bfloat16: 0x7FFF, torch.float32: 0x7FFFFFFF}
-_INT_VIEW = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}
 
 _DOT_PREFIX = {1: 0x10, 2: 0x20, 3: 0x40, 4: 0x60}  # D -> prefix bits, already shifted into place
-
-
-def mantissa_bits(exponent: int) -> int:
-    """Mantissa width M of the binade 2^exponent (|E| <= 3: 3, <= 7: 2, <= 15: 1)."""
-    e = abs(exponent)
-    return 3 if e <= 3 else 2 if e <= 7 else 1
 
 
 def code_value(code: int) -> float:
@@ -135,10 +130,10 @@ def encode(x: torch.Tensor, *, saturate: bool = True, amct_compat: bool = False)
 
     ``x``: FP16, BF16 or FP32, any shape. ``saturate``: finite |x| >= 2^15 -> +-32768 (default, AMCT);
     False rounds past 2^15 into +-Inf. ``amct_compat``: round FP32 inputs to BF16 first (AMCT's fake-quant
-    path; double rounding). Raises TypeError for other dtypes.
+    path; double rounding). Raises DtypeError (a TypeError) for other dtypes.
     """
     if x.dtype not in ENCODE_DTYPES:
-        raise TypeError(f"HiFloat8 encode expects float16, bfloat16 or float32, got {x.dtype}")
+        raise DtypeError(f"HiFloat8 encode expects float16, bfloat16 or float32, got {x.dtype}")
     if amct_compat and x.dtype == torch.float32:
         x = x.to(torch.bfloat16)
     bits = x.to(torch.float32).contiguous().view(torch.int32)  # exact widening
@@ -157,9 +152,9 @@ def encode(x: torch.Tensor, *, saturate: bool = True, amct_compat: bool = False)
 def decode_table(dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """The 256 decoded values as a CPU tensor of ``dtype`` (FP16, BF16 or FP32); index = code."""
     if dtype not in DECODE_DTYPES:
-        raise TypeError(f"HiFloat8 decode produces float16, bfloat16 or float32, got {dtype}")
+        raise DtypeError(f"HiFloat8 decode produces float16, bfloat16 or float32, got {dtype}")
     values = torch.tensor([code_value(c) for c in range(256)], dtype=torch.float64).to(dtype)
-    bits = values.view(_INT_VIEW[dtype])
+    bits = values.view(SAME_WIDTH_INT[dtype])
     bits[NAN_CODE] = _NAN_BITS[dtype]
     return bits.view(dtype)
 
@@ -167,6 +162,6 @@ def decode_table(dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
 def decode(codes: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Decode uint8 HiFloat8 codes to ``dtype`` (FP16, BF16 or FP32), exactly; same shape and device."""
     if codes.dtype != torch.uint8:
-        raise TypeError(f"HiFloat8 decode expects uint8 codes, got {codes.dtype}")
+        raise DtypeError(f"HiFloat8 decode expects uint8 codes, got {codes.dtype}")
     table = decode_table(dtype).to(codes.device)
     return table[codes.to(torch.int64)]

@@ -36,9 +36,9 @@ def run(backend: str, device: torch.device) -> list[dict]:
         x_cpu = smoke_input(dtype)
         x = x_cpu.to(device)
         codes = encode_to_hifloat8(x, backend=backend)
-        ran = {backends.last_backend(ENCODE.op)}
+        ran = {backends.last_backend(ENCODE.name)}
         y = decode_from_hifloat8(codes, dtype, backend=backend)
-        ran.add(backends.last_backend(DECODE.op))
+        ran.add(backends.last_backend(DECODE.name))
         reference = hifloat8.decode(hifloat8.encode(x_cpu), dtype)
         results.append(
             case_result(

@@ -40,6 +40,7 @@ import numba
 import numpy as np
 import torch
 
+from lowbit.backends import Kernel
 from lowbit.kernels.cpu._runtime import PARALLEL_NJIT_OPTIONS, as_numpy, sync_threads
 
 _i16 = np.int16
@@ -214,13 +215,21 @@ _ENCODERS = {torch.bfloat16: _encode_bf16, torch.float16: _encode_fp16}
 _DECODERS = {torch.bfloat16: _decode_bf16, torch.float16: _decode_fp16}
 
 
-def encode_into(x: torch.Tensor, out: torch.Tensor) -> None:
-    """Encode contiguous CPU FP16/BF16 ``x`` into contiguous uint8 ``out`` of the same numel."""
-    sync_threads()
-    _ENCODERS[x.dtype](as_numpy(x).reshape(-1), as_numpy(out).reshape(-1))
+class Encode(Kernel):
+    """encode_to_hifloat8 on the CPU: contiguous FP16/BF16 ``x`` into contiguous uint8 ``out``."""
+
+    def run(self, x: torch.Tensor, *, out: torch.Tensor) -> None:
+        sync_threads()
+        _ENCODERS[x.dtype](as_numpy(x).reshape(-1), as_numpy(out).reshape(-1))
 
 
-def decode_into(codes: torch.Tensor, out: torch.Tensor) -> None:
-    """Decode contiguous CPU uint8 ``codes`` into contiguous FP16/BF16 ``out`` of the same numel."""
-    sync_threads()
-    _DECODERS[out.dtype](as_numpy(codes).reshape(-1), as_numpy(out).reshape(-1))
+class Decode(Kernel):
+    """decode_from_hifloat8 on the CPU: contiguous uint8 ``codes`` into contiguous FP16/BF16 ``out``."""
+
+    def run(self, codes: torch.Tensor, dtype: torch.dtype | None, *, out: torch.Tensor) -> None:
+        sync_threads()
+        _DECODERS[out.dtype](as_numpy(codes).reshape(-1), as_numpy(out).reshape(-1))
+
+
+ENCODE = Encode()
+DECODE = Decode()

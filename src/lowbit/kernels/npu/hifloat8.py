@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from lowbit.backends import BackendUnavailable
+from lowbit.backends import Kernel
+from lowbit.errors import BackendUnavailable
 
 
 def _amct_ops_loaded() -> bool:
@@ -31,19 +32,27 @@ def _torch_npu():
     return torch_npu
 
 
-def encode_into(x: torch.Tensor, out: torch.Tensor) -> None:
-    """Encode NPU FP16/BF16 ``x`` into uint8 ``out`` with the vendor's cast."""
-    if _amct_ops_loaded():
-        out.copy_(torch.ops.amct.encode_to_hifloat8(x))
-        return
-    torch_npu = _torch_npu()
-    out.copy_(torch_npu.npu_dtype_cast(x, torch_npu.hifloat8).view(torch.uint8))
+class Encode(Kernel):
+    """encode_to_hifloat8 on an NPU with the vendor's cast."""
+
+    def run(self, x: torch.Tensor, *, out: torch.Tensor) -> None:
+        if _amct_ops_loaded():
+            out.copy_(torch.ops.amct.encode_to_hifloat8(x))
+            return
+        torch_npu = _torch_npu()
+        out.copy_(torch_npu.npu_dtype_cast(x, torch_npu.hifloat8).view(torch.uint8))
 
 
-def decode_into(codes: torch.Tensor, out: torch.Tensor) -> None:
-    """Decode NPU uint8 ``codes`` into FP16/BF16 ``out`` with the vendor's cast."""
-    if _amct_ops_loaded():
-        out.copy_(torch.ops.amct.decode_from_hifloat8(codes, out.dtype))
-        return
-    torch_npu = _torch_npu()
-    out.copy_(torch_npu.npu_dtype_cast(codes.view(torch_npu.hifloat8), out.dtype))
+class Decode(Kernel):
+    """decode_from_hifloat8 on an NPU with the vendor's cast."""
+
+    def run(self, codes: torch.Tensor, dtype: torch.dtype | None, *, out: torch.Tensor) -> None:
+        if _amct_ops_loaded():
+            out.copy_(torch.ops.amct.decode_from_hifloat8(codes, out.dtype))
+            return
+        torch_npu = _torch_npu()
+        out.copy_(torch_npu.npu_dtype_cast(codes.view(torch_npu.hifloat8), out.dtype))
+
+
+ENCODE = Encode()
+DECODE = Decode()

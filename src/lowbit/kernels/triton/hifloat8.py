@@ -1,6 +1,7 @@
-"""HiFloat8 encode/decode in Triton: the same table look-ups as the CPU kernels, one element per lane.
+"""HiFloat8 encode/decode in Triton: table look-ups, one element per lane.
 
-Tables come from the reference encoder (lowbit.formats.hifloat8), so the kernels are exact by
+Encode reads a 32768-entry table indexed by the input's magnitude bits, decode a 256-entry table indexed
+by the code; both tables come from the reference (lowbit.formats.hifloat8), so the kernels are exact by
 construction. CUDA tensors; CPU tensors work under TRITON_INTERPRET=1 (how the tests run them).
 """
 
@@ -12,9 +13,10 @@ import torch
 import triton
 import triton.language as tl
 
+from lowbit.backends import Kernel
 from lowbit.formats import hifloat8
 
-BLOCK_SIZE = 4096
+ELEMENTS_PER_PROGRAM = 4096
 
 
 @functools.cache
@@ -34,9 +36,9 @@ def _encode_kernel(
     lut_ptr,  # *uint8[32768]: unsigned code of each magnitude
     out_ptr,  # *uint8: n codes
     n,  # number of elements
-    BLOCK: tl.constexpr,  # elements per program
+    ELEMENTS: tl.constexpr,  # elements per program
 ):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    offs = tl.program_id(0).to(tl.int64) * ELEMENTS + tl.arange(0, ELEMENTS)
     mask = offs < n
     bits = tl.load(x_ptr + offs, mask=mask, other=0).to(tl.int32)
     code = tl.load(lut_ptr + (bits & 0x7FFF), mask=mask, other=0).to(tl.int32)
@@ -51,29 +53,35 @@ def _decode_kernel(
     lut_ptr,  # *int16[256]: output bit pattern of each code
     out_ptr,  # *int16: n FP16/BF16 bit patterns
     n,  # number of elements
-    BLOCK: tl.constexpr,  # elements per program
+    ELEMENTS: tl.constexpr,  # elements per program
 ):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    offs = tl.program_id(0).to(tl.int64) * ELEMENTS + tl.arange(0, ELEMENTS)
     mask = offs < n
     code = tl.load(codes_ptr + offs, mask=mask, other=0).to(tl.int32)
     tl.store(out_ptr + offs, tl.load(lut_ptr + code, mask=mask, other=0), mask=mask)
 
 
 def _grid(n: int) -> tuple[int]:
-    return (triton.cdiv(n, BLOCK_SIZE),)
+    return (triton.cdiv(n, ELEMENTS_PER_PROGRAM),)
 
 
-def encode_into(x: torch.Tensor, out: torch.Tensor) -> None:
-    """Encode contiguous FP16/BF16 ``x`` into contiguous uint8 ``out`` (same device, same numel)."""
-    n = x.numel()
-    if n:
+class Encode(Kernel):
+    """encode_to_hifloat8 in Triton: contiguous FP16/BF16 ``x`` into contiguous uint8 ``out``."""
+
+    def run(self, x: torch.Tensor, *, out: torch.Tensor) -> None:
+        n = x.numel()
         lut = _encode_lut(x.dtype, x.device)
-        _encode_kernel[_grid(n)](x.view(torch.int16), lut, out, n, BLOCK=BLOCK_SIZE)
+        _encode_kernel[_grid(n)](x.view(torch.int16), lut, out, n, ELEMENTS=ELEMENTS_PER_PROGRAM)
 
 
-def decode_into(codes: torch.Tensor, out: torch.Tensor) -> None:
-    """Decode contiguous uint8 ``codes`` into contiguous FP16/BF16 ``out`` (same device, same numel)."""
-    n = codes.numel()
-    if n:
+class Decode(Kernel):
+    """decode_from_hifloat8 in Triton: contiguous uint8 ``codes`` into contiguous FP16/BF16 ``out``."""
+
+    def run(self, codes: torch.Tensor, dtype: torch.dtype | None, *, out: torch.Tensor) -> None:
+        n = codes.numel()
         lut = _decode_lut(out.dtype, codes.device)
-        _decode_kernel[_grid(n)](codes, lut, out.view(torch.int16), n, BLOCK=BLOCK_SIZE)
+        _decode_kernel[_grid(n)](codes, lut, out.view(torch.int16), n, ELEMENTS=ELEMENTS_PER_PROGRAM)
+
+
+ENCODE = Encode()
+DECODE = Decode()

@@ -1,0 +1,87 @@
+"""Registration of :class:`lowbit.backends.Operator` objects as ``torch.ops.lowbit`` custom ops.
+
+Every operator gets the same two custom ops (the one ``out=`` convention):
+
+* ``torch.ops.lowbit.<name>(<params>, str? backend=None) -> <outputs>`` allocates and returns its outputs;
+* ``torch.ops.lowbit.<name>_out(<params, none defaulted>, <outputs>!, str? backend=None) -> ()`` writes into
+  given tensors
+  (any strides; one that is not contiguous or shares memory with an input goes through a temporary).
+
+Both have fake implementations (the operator's ``outputs``), so they trace under torch.compile. The
+Python API of each operator calls :func:`call`, which picks one of the two.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Optional, Sequence
+
+import torch
+
+from lowbit.backends import Operator
+
+_LIB = torch.library.Library("lowbit", "FRAGMENT")
+
+
+def _complete(name: str, args: tuple, kwargs: dict) -> list:
+    """All arguments of ``lowbit::<name>`` in schema order (the dispatcher leaves out trailing defaults)."""
+    schema = getattr(torch.ops.lowbit, name).default._schema
+    full = list(args)
+    for argument in schema.arguments[len(args):]:
+        full.append(kwargs[argument.name] if argument.name in kwargs else argument.default_value)
+    return full
+
+
+def define(op: Operator, params: str, outputs: Sequence[str] = ("out",), *, differentiable: bool = True) -> None:
+    """Register ``op`` as ``lowbit::<name>`` and ``lowbit::<name>_out``.
+
+    ``params``: the schema of its arguments (e.g. ``"Tensor input, int qdim=-1"``); ``outputs``: the names
+    of its output tensors. ``differentiable=False`` gives the functional op a backward that returns no
+    gradient (quantizers with no straight-through estimator); otherwise backward is an error.
+    """
+    n_outs = len(outputs)
+    returns = "Tensor" if n_outs == 1 else "(" + ", ".join(["Tensor"] * n_outs) + ")"
+    mutated = ", ".join(f"Tensor({chr(ord('a') + i)}!) {name}" for i, name in enumerate(outputs))
+    _LIB.define(f"{op.name}({params}, str? backend=None) -> {returns}")
+    required = re.sub(r"=[^,]*", "", params)  # the _out op takes every parameter, then the outputs
+    _LIB.define(f"{op.name}_out({required}, {mutated}, str? backend=None) -> ()")
+
+    def functional(*args, **kwargs):
+        *args, backend = _complete(op.name, args, kwargs)
+        return op(*args, backend=backend)
+
+    def fake(*args, **kwargs):
+        return op.new_outputs(*_complete(op.name, args, kwargs)[:-1])
+
+    def into(*args, **kwargs):
+        *args, backend = _complete(op.name + "_out", args, kwargs)
+        params_, outs = args[:-n_outs], tuple(args[-n_outs:])
+        op(*params_, out=outs if n_outs > 1 else outs[0], backend=backend)
+
+    def fake_into(*args, **kwargs):
+        args = _complete(op.name + "_out", args, kwargs)[:-1]
+        op.check_out(args[:-n_outs], tuple(args[-n_outs:]) if n_outs > 1 else args[-1])
+
+    _LIB.impl(op.name, functional, "CompositeExplicitAutograd")
+    _LIB.impl(op.name + "_out", into, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"lowbit::{op.name}", fake, lib=_LIB)
+    torch.library.register_fake(f"lowbit::{op.name}_out", fake_into, lib=_LIB)
+    if not differentiable:
+        n_inputs = len(params.split(",")) + 1  # the parameters and backend
+
+        def no_gradient(ctx, *grads):
+            return (None,) * n_inputs
+
+        torch.library.register_autograd(f"lowbit::{op.name}", no_gradient, lib=_LIB)
+
+
+def call(op: Operator, args: Sequence[Any], out: Any = None, backend: Optional[str] = None) -> Any:
+    """Run ``op`` through its custom op: the functional one, or ``_out`` when ``out`` is given (a tensor,
+    or a tuple of tensors for several outputs; validated, then returned)."""
+    if out is None:
+        return getattr(torch.ops.lowbit, op.name)(*args, backend)
+    if isinstance(out, list):
+        out = tuple(out)
+    op.check_out(args, out)
+    getattr(torch.ops.lowbit, op.name + "_out")(*args, *(out if isinstance(out, tuple) else (out,)), backend)
+    return out
