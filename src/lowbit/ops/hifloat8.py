@@ -64,9 +64,9 @@ def _encode_probes():
 
 
 def _decode_probes():
-    """All 256 codes, to FP16 and to BF16."""
+    """All 256 codes, to FP16 and to BF16; and every code but NaN (an example with a NaN-free result)."""
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-    return [(codes, dtype) for dtype in DECODE_OUTPUT_DTYPES]
+    return [(codes, dtype) for dtype in DECODE_OUTPUT_DTYPES] + [(codes[codes != hifloat8.NAN_CODE], None)]
 
 
 ENCODE = backends.register(backends.Operator(

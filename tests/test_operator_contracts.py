@@ -1,0 +1,142 @@
+"""One contract test over every registered operator (lowbit.backends.operators()).
+
+Each operator is driven through its own probe inputs (the self-check's), so a new operator is covered by
+registering it: custom-op registration (opcheck) for the functional and the ``_out`` op, fake-tensor
+shapes, every kernel available here equal to the reference (numba on the CPU, Triton under its
+interpreter), non-contiguous inputs, and ``out=`` that is non-contiguous or overlaps an input.
+"""
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import lowbit  # noqa: F401  (registers the operators)
+from lowbit import backends
+from lowbit.backends import Operator, bits_equal, tensors_of
+
+OPERATORS = {name: op for name, op in sorted(backends.operators().items()) if isinstance(op, Operator)}
+KERNEL_PACKAGES = ("cpu", "cuda")  # numba, and Triton (interpreted on CPU tensors in the tests)
+
+
+def _nan_free(out) -> bool:
+    return not any(t.is_floating_point() and t.isnan().any() for t in _as_tuple(out))
+
+
+def _smallest_probe(op: Operator) -> tuple:
+    """The operator's smallest probe whose reference result holds no NaN (opcheck compares with
+    torch.testing.assert_close, where NaN != NaN)."""
+    usable = [args for args in op.probes() if _nan_free(_reference(op, args))]
+    assert usable, f"{op.name}: add a probe whose outputs hold no NaN"
+    return min(usable, key=lambda args: sum(t.numel() for t in tensors_of(args)))
+
+
+def _as_tuple(out):
+    return out if isinstance(out, tuple) else (out,)
+
+
+def _reference(op: Operator, args: tuple):
+    return op(*args, backend="reference")
+
+
+def _agree(op: Operator, got, want) -> bool:
+    return all(op.agrees(g, w) for g, w in zip(_as_tuple(got), _as_tuple(want)))
+
+
+def _strided(t: torch.Tensor) -> torch.Tensor:
+    """The same values in a non-contiguous tensor (every other element of a wider buffer)."""
+    wide = torch.empty(*t.shape, 2, dtype=t.dtype)
+    wide[..., 0] = t
+    return wide[..., 0]
+
+
+@pytest.mark.parametrize("name", OPERATORS)
+def test_opcheck_functional_and_out(name):
+    op = OPERATORS[name]
+    args = _smallest_probe(op)
+    torch.library.opcheck(getattr(torch.ops.lowbit, name).default, (*args, None))
+    outs = _as_tuple(op.new_outputs(*args))
+    torch.library.opcheck(getattr(torch.ops.lowbit, name + "_out").default, (*args, *outs, None))
+
+
+@pytest.mark.parametrize("name", OPERATORS)
+def test_fake_tensors_give_the_real_shapes_and_dtypes(name):
+    op = OPERATORS[name]
+    args = _smallest_probe(op)
+    real = _as_tuple(_reference(op, args))
+    with FakeTensorMode() as mode:
+        fake_args = tuple(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args)
+        fake = _as_tuple(getattr(torch.ops.lowbit, name)(*fake_args, None))
+    assert [(f.shape, f.dtype) for f in fake] == [(r.shape, r.dtype) for r in real]
+
+
+@pytest.mark.parametrize("device_type", KERNEL_PACKAGES)
+@pytest.mark.parametrize("name", OPERATORS)
+def test_every_kernel_here_equals_the_reference_on_every_probe(name, device_type):
+    op = OPERATORS[name]
+    if device_type not in op.native:
+        pytest.skip(f"{name} has no {device_type} kernel")
+    kernel = op.native[device_type]()
+    ran = 0
+    for args in op.probes():
+        if kernel.supports(*args) is not None:
+            continue
+        got = op.new_outputs(*args)
+        kernel.run(*args, out=got)
+        assert _agree(op, got, _reference(op, args)), f"{name} {device_type} kernel differs on a probe"
+        ran += 1
+    assert ran, f"the {device_type} kernel of {name} supports none of its probes"
+
+
+@pytest.mark.parametrize("backend", ["native", "auto"])
+@pytest.mark.parametrize("name", OPERATORS)
+def test_non_contiguous_inputs(name, backend):
+    op = OPERATORS[name]
+    if "cpu" not in op.native:
+        pytest.skip(f"{name} has no CPU kernel")
+    args = _smallest_probe(op)
+    strided = tuple(_strided(a) if isinstance(a, torch.Tensor) and a.numel() > 1 else a for a in args)
+    assert not all(t.is_contiguous() for t in tensors_of(strided))
+    assert _agree(op, op(*strided, backend=backend), _reference(op, args))
+
+
+@pytest.mark.parametrize("name", OPERATORS)
+def test_out_that_is_non_contiguous_is_filled(name):
+    op = OPERATORS[name]
+    args = _smallest_probe(op)
+    outs = tuple(_strided(torch.zeros_like(t)) for t in _as_tuple(op.new_outputs(*args)))
+    result = op(*args, out=outs if len(outs) > 1 else outs[0])
+    assert all(r is o for r, o in zip(_as_tuple(result), outs))
+    assert _agree(op, result, _reference(op, args))
+
+
+@pytest.mark.parametrize("name", OPERATORS)
+def test_out_overlapping_an_input_gives_the_reference_result(name):
+    """Each output placed over the start of the largest input's memory (the input is cloned first)."""
+    op = OPERATORS[name]
+    args = _smallest_probe(op)
+    want = _reference(op, args)
+    biggest = max(tensors_of(args), key=lambda t: t.numel() * t.element_size())
+    index = next(i for i, a in enumerate(args) if a is biggest)
+    for k, spec in enumerate(op.outputs(*args)):
+        nbytes = max(biggest.numel() * biggest.element_size(), torch.Size(spec.shape).numel() * spec.dtype.itemsize)
+        storage = torch.zeros(nbytes + 64, dtype=torch.uint8)
+        shared = storage[: biggest.numel() * biggest.element_size()].view(biggest.dtype).view(biggest.shape)
+        shared.copy_(biggest)
+        call_args = args[:index] + (shared,) + args[index + 1:]
+        outs = list(_as_tuple(op.new_outputs(*args)))
+        outs[k] = storage[: torch.Size(spec.shape).numel() * spec.dtype.itemsize].view(spec.dtype).view(spec.shape)
+        result = op(*call_args, out=tuple(outs) if len(outs) > 1 else outs[0], backend="auto")
+        assert _agree(op, result, want), f"{name}: output {k} over input {index}"
+
+
+def test_every_operator_is_registered_once_with_both_custom_ops():
+    for name in OPERATORS:
+        assert hasattr(torch.ops.lowbit, name) and hasattr(torch.ops.lowbit, name + "_out")
+
+
+def test_bits_equal_compares_bytes():
+    nan_a = torch.tensor([float("nan")]).view(torch.int32)
+    nan_b = nan_a | 1
+    assert not bits_equal(nan_a.view(torch.float32), nan_b.view(torch.float32))
+    assert not bits_equal(torch.tensor([0.0]), torch.tensor([-0.0]))
+    assert bits_equal(torch.tensor([1.5]), torch.tensor([1.5]))
