@@ -1,7 +1,7 @@
-"""An independent HiFloat8 oracle for the tests, written from formats.md in the value domain.
+"""An independent HiFloat8 oracle for the tests, written from docs/hifloat8.md in the value domain.
 
 It does not share code with lowbit.formats.hifloat8: codes are enumerated from the class table of
-formats.md section 1.2, and encoding picks the nearest grid value with ties to the larger magnitude
+docs/hifloat8.md ("Layout"), and encoding picks the nearest grid value with ties to the larger magnitude
 (the TA rule, with the linear midpoints of the denormal band), in float64 where every FP16/BF16 value
 and every midpoint is exact.
 """
@@ -14,7 +14,7 @@ import numpy as np
 
 
 def class_table_value(code: int) -> float:
-    """Value of a code from the row ranges of formats.md section 1.2 (NaN for 0x80, inf for 0x6F/0xEF)."""
+    """Value of a code from the row ranges of docs/hifloat8.md ("Layout") (NaN for 0x80, inf for 0x6F/0xEF)."""
     if code == 0x80:
         return math.nan
     sign = -1.0 if code >= 0x80 else 1.0

@@ -10,7 +10,7 @@ import torch
 import hifloat8_oracle as oracle
 from lowbit.formats import hifloat8
 
-# formats.md section 1.7: (FP16 bits, BF16 bits, code, FP16 out bits, BF16 out bits)
+# docs/hifloat8.md, "Worked vectors": (FP16 bits, BF16 bits, code, FP16 out bits, BF16 out bits)
 WORKED_VECTORS = [
     (0x0000, 0x0000, 0x00, 0x0000, 0x0000), (0x8000, 0x8000, 0x00, 0x0000, 0x0000),
     (0x3C00, 0x3F80, 0x08, 0x3C00, 0x3F80), (0xBC00, 0xBF80, 0x88, 0xBC00, 0xBF80),
@@ -84,7 +84,7 @@ def test_every_bit_pattern_matches_the_golden(dtype, saturate):
 def test_non_saturating_differs_only_at_40960_and_above(dtype, count):
     x = all_patterns(dtype)
     differs = hifloat8.encode(x) != hifloat8.encode(x, saturate=False)
-    assert int(differs.sum()) == count  # formats.md section 1.9
+    assert int(differs.sum()) == count  # docs/hifloat8.md, "Options of the reference encoder"
     assert bool((x[differs].float().abs() >= 40960).all())
     assert set(hifloat8.encode(x[differs], saturate=False).tolist()) == {0x6F, 0xEF}
 

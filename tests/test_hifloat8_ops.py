@@ -35,7 +35,7 @@ def edge_values(dtype):
     return torch.cat([x, -x])
 
 
-# --- upstream behaviours (formats.md section 1.8) -------------------------------------------------
+# --- upstream behaviours (docs/hifloat8.md, "Operator contract") -------------------------------------------------
 
 def test_encode_dtype_and_rejected_inputs():
     for dtype in DTYPES:

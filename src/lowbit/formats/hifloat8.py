@@ -1,4 +1,4 @@
-"""HiFloat8 (HiF8): the reference encoder and decoder (formats.md section 1).
+"""HiFloat8 (HiF8): the reference encoder and decoder (specification: docs/hifloat8.md).
 
 Layout of a code, 8 bits: ``[S | Dot (2-4 bits, prefix code) | exponent (D bits) | mantissa (M bits)]``.
 
