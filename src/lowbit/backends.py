@@ -154,7 +154,7 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Same shape, dtype and bytes (NaN payloads and signed zeros included)."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
-    a, b = a.detach().cpu().contiguous(), b.detach().cpu().contiguous()
+    a, b = a.detach().cpu().contiguous().reshape(-1), b.detach().cpu().contiguous().reshape(-1)
     return torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.numel() else True
 
 
