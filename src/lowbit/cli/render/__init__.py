@@ -34,7 +34,7 @@ def to_text(view: RenderableType, width: int = WIDTH_WHEN_NOT_A_TERMINAL) -> str
     """``view`` as plain text ``width`` columns wide: no ANSI codes, no trailing spaces, ending in a newline."""
     out = console(io.StringIO(), width=width, terminal=False)
     with out.capture() as captured:
-        out.print(view)
+        out.print(view, crop=False)
     return "".join(line.rstrip() + "\n" for line in captured.get().splitlines())
 
 
@@ -42,15 +42,16 @@ def emit(view: RenderableType, file: IO[str] | None = None) -> None:
     """Print ``view`` to ``file`` (default stdout): styled on a terminal, else as :func:`to_text`."""
     file = sys.stdout if file is None else file
     if file.isatty():
-        console(file).print(view)
+        console(file).print(view, crop=False)
     else:
         file.write(to_text(view))
         file.flush()
 
 
 def verdict(text: str, tone: str) -> Text:
-    """The one-line verdict that ends every view; ``tone`` is 'ok', 'warn' or 'bad' (its colour)."""
-    return Text(text, style=STYLE[tone], no_wrap=False)
+    """The verdict that ends every view: one line however long (never wrapped: ``tail -n 1`` gets all of
+    it; a terminal folds it on screen); ``tone`` is 'ok', 'warn' or 'bad' (its colour)."""
+    return Text(" ".join(text.split()), style=STYLE[tone], no_wrap=True, overflow="ignore")
 
 
 def shorten(text: str, limit: int) -> str:

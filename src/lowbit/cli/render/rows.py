@@ -16,7 +16,7 @@ from rich.text import Text
 from lowbit.cli.render import human_bytes, verdict
 
 EVAL_DIGITS = {"mean_cosine": 6, "nn_agreement": 3, "sqnr_db": 2, "perplexity": 4, "bits_per_weight": 2}
-EVAL_HEADERS = {"bits_per_weight": "bits/weight", "layers_quantized": "layers", "layers_skipped": "skipped",
+EVAL_HEADERS = {"bits_per_weight": "bits/w", "layers_quantized": "layers", "layers_skipped": "skipped",
                 "mean_cosine": "cosine", "nn_agreement": "NN agree", "sqnr_db": "SQNR dB",
                 "checkpoint_bytes": "checkpoint"}
 
