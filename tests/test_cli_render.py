@@ -203,3 +203,23 @@ def test_views_do_not_change_the_report():
     before = copy.deepcopy(report)
     render.to_text(smoke_view(report, 0))
     assert report == before
+
+
+def test_progress_goes_to_stderr_and_only_on_a_terminal(monkeypatch, capsys):
+    from lowbit.cli.render.progress import steps
+
+    with steps(2, "smoke") as step:
+        step("hifloat8")
+        step("mxfp4")
+    assert capsys.readouterr() == ("", "")
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    with steps(2, "smoke") as step:
+        step("hifloat8")
+        step("mxfp4")
+    assert "smoke: mxfp4" in terminal.getvalue() and capsys.readouterr().out == ""
