@@ -117,27 +117,16 @@ def _unpack_probes():
     return [probe for dtype in DTYPES for probe in ((scale, value, dtype), (any_scale, any_value, dtype))]
 
 
-FAKE_QUANT = backends.register(backends.Operator(
-    name="hifloat4_fake_quant",
-    outputs=_fake_quant_outputs,
-    reference=_ReferenceFakeQuant(),
-    native=kernels.native("hifloat4", "FAKE_QUANT", ("cpu", "cuda", "npu")),
-    probes=_fake_quant_probes,
-))
-PACK = backends.register(backends.Operator(
-    name="hifloat4_pack",
-    outputs=_pack_outputs,
-    reference=_ReferencePack(),
-    native=kernels.native("hifloat4", "PACK", ("cpu",)),
-    probes=_pack_probes,
-))
-UNPACK = backends.register(backends.Operator(
-    name="hifloat4_unpack",
-    outputs=_unpack_outputs,
-    reference=_ReferenceUnpack(),
-    native=kernels.native("hifloat4", "UNPACK", ("cpu",)),
-    probes=_unpack_probes,
-))
+def _operator(name: str, kernel: str, device_types: tuple[str, ...], outputs, reference: Kernel, probes):
+    """Register the operator ``name`` whose native kernels are ``lowbit.kernels.<package>.hifloat4.<kernel>``."""
+    return backends.register(backends.Operator(name=name, outputs=outputs, reference=reference, probes=probes,
+                                               native=kernels.native("hifloat4", kernel, device_types)))
+
+
+FAKE_QUANT = _operator("hifloat4_fake_quant", "FAKE_QUANT", ("cpu", "cuda", "npu"), _fake_quant_outputs,
+                       _ReferenceFakeQuant(), _fake_quant_probes)
+PACK = _operator("hifloat4_pack", "PACK", ("cpu",), _pack_outputs, _ReferencePack(), _pack_probes)
+UNPACK = _operator("hifloat4_unpack", "UNPACK", ("cpu",), _unpack_outputs, _ReferenceUnpack(), _unpack_probes)
 define(FAKE_QUANT, "Tensor input, int qdim=-1", differentiable=False)
 define(PACK, "Tensor input", outputs=("scale", "value"))
 define(UNPACK, "Tensor scale, Tensor value, ScalarType? dtype=None")
