@@ -254,8 +254,23 @@ def test_pack_and_unpack_into_memory_overlapping_their_inputs(shift, seed):
 
 
 def test_auto_self_check_passes_on_cpu():
-    assert FAKE_QUANT.resolve("cpu", "auto") == "native"
-    assert FAKE_QUANT.auto_check_error(torch.device("cpu")) is None
+    for op in (FAKE_QUANT, PACK, UNPACK):
+        assert op.resolve("cpu", "auto") == "native"
+        assert op.auto_check_error(torch.device("cpu")) is None
+
+
+@pytest.mark.parametrize("op", [FAKE_QUANT, PACK, UNPACK], ids=lambda op: op.name)
+def test_self_check_catches_a_kernel_wrong_in_one_element(op):
+    """The probes reach every output: a kernel that is the reference except for the last byte of its
+    last output fails the self-check."""
+
+    class OffByOne(lowbit.backends.Kernel):
+        def run(self, *args, out):
+            op.reference.run(*args, out=out)
+            last = (out if isinstance(out, torch.Tensor) else out[-1]).view(-1).view(torch.uint8)
+            last[-1] ^= 1
+
+    assert op._self_check(OffByOne(), torch.device("cpu")) is not None
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
