@@ -1,6 +1,6 @@
-"""Time the HiFloat4 numba fake-quant kernel against memcpy in one process, optionally against an older
-version of the kernel module (``--before FILE``: ``git show REV:src/lowbit/kernels/cpu/hifloat4.py``
-saved under a module-like name such as /tmp/hifloat4_REV.py).
+"""Time the HiFloat4 numba fake-quant kernel (``FAKE_QUANT.run``) against memcpy in one process, optionally
+against an older version of the kernel module (``--before FILE``: ``git show REV:src/lowbit/kernels/cpu/hifloat4.py``
+saved under a module-like name such as /tmp/hifloat4_REV.py; a version with the ``FAKE_QUANT`` kernel object).
 
 Usage: ``PYTHONPATH=src python benchmarks/hifloat4_kernel_timing.py --threads 1 --size 64M --dtype bfloat16``
 
@@ -19,6 +19,7 @@ from pathlib import Path
 import numba
 import torch
 
+from lowbit.formats.hifloat4 import check_qdim
 from lowbit.kernels.cpu import hifloat4
 
 SIZES = {"1M": 1 << 20, "4M": 1 << 22, "64M": 1 << 26}
@@ -46,13 +47,14 @@ def main():
     n = SIZES.get(args.size) or int(args.size)
     x = torch.randn(n // 4096, 4096).to(getattr(torch, args.dtype))
     out = torch.empty_like(x)
+    check_qdim(x, args.qdim)  # the kernels are called directly: they do not validate their arguments
     kernels = {"after": hifloat4}
     if args.before:
         kernels = {"before": _load(args.before), **kernels}
     fns = {"memcpy": lambda: out.copy_(x)}
     for name, module in kernels.items():
-        module.fake_quant_into(x, args.qdim, out)  # compile (or load from numba's cache)
-        fns[name] = lambda module=module: module.fake_quant_into(x, args.qdim, out)
+        module.FAKE_QUANT.run(x, args.qdim, out=out)  # compile (or load from numba's cache)
+        fns[name] = lambda module=module: module.FAKE_QUANT.run(x, args.qdim, out=out)
     if numba.get_num_threads() != args.threads:
         raise RuntimeError(f"numba runs {numba.get_num_threads()} threads, not {args.threads}")
 
