@@ -89,16 +89,21 @@ def probe_input(dtype: torch.dtype) -> torch.Tensor:
     return torch.cat([left, right], dim=1).to(dtype)
 
 
+def _finite_input() -> torch.Tensor:
+    """(3, 128) BF16 normal random values: a probe whose results hold no NaN (a small opcheck example)."""
+    return torch.randn(3, 2 * hifloat4.BLOCK, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+
+
 def _fake_quant_probes():
     """Per dtype the probe input along its last dim (quant dim last) and, transposed, along dim 0 (16
     blocks side by side); in FP32 also a (2, 64, 33) input along dim 1 (66 blocks: more than one numba
-    tile and Triton program, a partial one at the edge)."""
+    tile and Triton program, a partial one at the edge); and the finite input."""
     probes = []
     for dtype in DTYPES:
         x = probe_input(dtype)
         probes += [(x, -1), (x.t().contiguous(), 0)]
     wide = probe_input(torch.float32).repeat(3, 1).reshape(-1)[:2 * 64 * 33].reshape(2, 64, 33)
-    return probes + [(wide, 1)]
+    return probes + [(wide, 1), (_finite_input(), -1)]
 
 
 def _pack_probes():
@@ -108,13 +113,14 @@ def _pack_probes():
 
 def _unpack_probes():
     """Per output dtype: the packed probe input, and arbitrary bytes (every scale byte, 0xFF included;
-    random flag bytes and nibbles)."""
+    random flag bytes and nibbles); and the packed finite input."""
     scale, value = hifloat4.pack(probe_input(torch.float32))
     g = torch.Generator().manual_seed(2026)
     any_scale = torch.randint(0, 256, (256, 1, 4), generator=g, dtype=torch.int32).to(torch.uint8)
     any_scale[:, 0, 0] = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     any_value = torch.randint(0, 256, (256, 32), generator=g, dtype=torch.int32).to(torch.uint8)
-    return [probe for dtype in DTYPES for probe in ((scale, value, dtype), (any_scale, any_value, dtype))]
+    probes = [probe for dtype in DTYPES for probe in ((scale, value, dtype), (any_scale, any_value, dtype))]
+    return probes + [(*hifloat4.pack(_finite_input()), torch.bfloat16)]
 
 
 def _operator(name: str, kernel: str, device_types: tuple[str, ...], outputs, reference: Kernel, probes):
