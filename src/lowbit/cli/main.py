@@ -188,8 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import lowbit  # noqa: F401  (a broken environment, e.g. a bad LOWBIT_BACKEND, fails here or below)
 
-        args = build_parser().parse_args(argv)
+        args, unknown = build_parser().parse_known_args(argv)
         prog, backend = args.command_prog, getattr(args, "backend", None)
+        if unknown:  # reported by the command's parser, not the top-level one
+            raise UsageError(prog, f"unrecognized arguments: {' '.join(unknown)}")
         return args.func(args)
     except UsageError as exc:
         _report_error(exc.prog, str(exc))
