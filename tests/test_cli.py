@@ -161,3 +161,50 @@ def test_bench_table_formatting():
 def test_unknown_smoke_operator_is_a_usage_error(capsys):
     code, out, err = run_cli(capsys, "smoke", "nope")
     assert code == 2 and out == "" and "invalid choice: 'nope'" in json.loads(err)["error"]
+
+
+def _case(output, reference, **kwargs):
+    return _common.case_result(backend="native", input_dtype=torch.bfloat16, output=output, reference=reference,
+                               expected_shape=(2,), expected_dtype=torch.bfloat16, expected_device="cpu", **kwargs)
+
+
+def test_matches_reference_is_bit_equality_and_a_tolerance_case_is_judged_by_within_tolerance():
+    reference = torch.tensor([1.0, 2.0], dtype=torch.bfloat16)
+    close = torch.tensor([1.0078125, 2.0], dtype=torch.bfloat16)  # one BF16 ulp above 1: rel. error 0.8 %
+    far = torch.tensor([1.0625, 2.0], dtype=torch.bfloat16)  # 6 %
+    exact = _case(close, reference)
+    assert not exact["matches_reference"] and "within_tolerance" not in exact and not _common.contracts_hold([exact])
+    loose = _case(close, reference, tolerance=(1e-2, 1e-2))
+    assert not loose["matches_reference"] and loose["within_tolerance"] and _common.contracts_hold([loose])
+    assert loose["tolerance"] == {"rtol": 1e-2, "atol": 1e-2} and loose["extra_contracts"] == ["within_tolerance"]
+    assert not _common.contracts_hold([_case(far, reference, tolerance=(1e-2, 1e-2))])
+
+
+def test_bench_all_runs_each_module_with_its_defaults_and_the_common_options(capsys, monkeypatch):
+    import types
+
+    from lowbit.cli import bench
+
+    def run(args):
+        return [{"what": "fake", "size": args.size, "repeats": args.repeats, "device": args.device}]
+
+    fake = types.SimpleNamespace(NAME="fake", run=run,
+                                 add_arguments=lambda p: p.add_argument("--size", type=int, default=5))
+    monkeypatch.setattr(bench, "benches", lambda: {"fake": fake})
+    code, out, err = run_cli(capsys, "bench", "all", "--repeats", "3", "--device", "cpu:0", "--json")
+    assert code == 0, err
+    assert json.loads(out) == [{"op": "fake", "what": "fake", "size": 5, "repeats": 3, "device": "cpu"}]
+
+
+def test_case_timer_rows_and_ratios(monkeypatch):
+    from lowbit.cli import bench
+
+    seconds = iter([0.002, 0.001, 0.004])
+    monkeypatch.setattr(bench, "median_seconds", lambda fn, **kwargs: next(seconds))  # nothing is timed
+    case = bench.CaseTimer("cpu", 1, size="1M")
+    for what in ("memcpy", "fast", "slow"):
+        case.time(what, lambda: None, nbytes=4_000_000)
+    rows = case.ratio_to_baseline("x memcpy")
+    assert [(r["size"], r["what"], r["ms"], r["GB/s"], r["x memcpy"]) for r in rows] == [
+        ("1M", "memcpy", 2.0, 2.0, 1.0), ("1M", "fast", 1.0, 4.0, 2.0), ("1M", "slow", 4.0, 1.0, 0.5)]
+    assert [r["speedup"] for r in case.ratio_to_baseline("speedup", "ms", higher_is_better=False)] == [1.0, 2.0, 0.5]
