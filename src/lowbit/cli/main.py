@@ -29,7 +29,13 @@ class UsageError(Exception):
 
 class _Parser(argparse.ArgumentParser):
     """An ArgumentParser whose usage errors raise UsageError (main prints one line) instead of printing
-    the usage and exiting."""
+    the usage and exiting, and which remembers its subcommands (the subparsers are _Parsers too)."""
+
+    subcommands: argparse.Action | None = None
+
+    def add_subparsers(self, **kwargs):
+        self.subcommands = super().add_subparsers(**kwargs)
+        return self.subcommands
 
     def error(self, message: str):  # type: ignore[override]
         raise UsageError(self.prog, message)
@@ -117,14 +123,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _leaf_parsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:
+def _leaf_parsers(parser: _Parser) -> Iterator[_Parser]:
     """The parsers of the runnable (sub)commands under ``parser``."""
-    children = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    if not children:
+    if parser.subcommands is None:
         yield parser
-    for action in children:
-        for child in dict.fromkeys(action.choices.values()):
-            yield from _leaf_parsers(child)
+        return
+    for child in dict.fromkeys(parser.subcommands.choices.values()):  # aliases once
+        yield from _leaf_parsers(child)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -197,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         _report_error(exc.prog, str(exc))
         return EXIT_ERROR
     except SystemExit as exc:  # --help
-        return exc.code if isinstance(exc.code, int) else EXIT_ERROR
+        return 0 if exc.code is None else exc.code if isinstance(exc.code, int) else EXIT_ERROR
     except BrokenPipeError:  # output piped into e.g. `head`: stop quietly, as Unix tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1

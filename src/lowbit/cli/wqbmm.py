@@ -11,6 +11,7 @@ from pathlib import Path
 
 from lowbit import backends
 from lowbit.cli.argtypes import comma_list, nonnegative_float, one_of, positive_int, seed
+from lowbit.cli.bench import format_table
 from lowbit.ops.wqbmm import ALGORITHMS, TEMPLATES
 from lowbit.toolchain import wqbmm as sample
 from lowbit.toolchain.verify import VerifyResult, verify_files
@@ -24,15 +25,6 @@ def _meta_from_args(args: argparse.Namespace) -> sample.SampleMeta:
 
 def _print_verify(result: VerifyResult) -> None:
     print("\n".join(result.report_lines()))
-
-
-def _print_rows(rows: list[dict]) -> None:
-    if not rows:
-        return
-    keys = list(rows[0])
-    print(" | ".join(keys))
-    for row in rows:
-        print(" | ".join(f"{row[k]:.1f}" if isinstance(row[k], float) else str(row[k]) for k in keys))
 
 
 def _profile(root: Path, backend_names, repeats: int) -> list[dict]:
@@ -60,7 +52,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
-    _print_rows(_profile(Path(args.dir), args.backends, args.repeats))
+    print(format_table(_profile(Path(args.dir), args.backends, args.repeats)))
     return 0
 
 
@@ -78,7 +70,8 @@ def _cmd_example(args: argparse.Namespace) -> int:
         verdicts[template] = "pass" if result.passed else "FAIL"
     rows = _profile(root, (args.backend or "auto",), repeats=5)
     print("[profile] basic vs preload (median us; traces under output/profile/)")
-    _print_rows([{**{k: r[k] for k in ("template", "backend", "us")}, "verify": verdicts[r["template"]]} for r in rows])
+    print(format_table([{**{k: r[k] for k in ("template", "backend", "us")}, "verify": verdicts[r["template"]]}
+                        for r in rows]))
     return 0 if all(v == "pass" for v in verdicts.values()) else EXIT_FAILED
 
 
