@@ -26,7 +26,8 @@ def main():
     parser.add_argument("--size", type=element_count(SIZES, multiple_of=64 * 4096), default="64M",
                         help="1M, 4M, 64M or an element count (multiple of 64 * 4096)")
     parser.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default="bfloat16")
-    parser.add_argument("--qdim", type=int, choices=[-2, -1, 0, 1], default=-1, help="quant dim of the (rows, 4096) input")
+    parser.add_argument("--qdim", type=int, choices=[-2, -1, 0, 1], default=-1,
+                        help="quant dim of the (rows, 4096) input")
     parser.add_argument("--rounds", type=positive_int, default=9)
     args = parser.parse_args()
 

@@ -180,7 +180,8 @@ def test_smoke_errors_are_one_json_line_exit_2(capsys, tmp_path, template, words
     code, out, err = _one_error_line(capsys, _argv(template, tmp_path))
     error = json.loads(err)
     assert code == 2 and out == ""
-    assert error["hardware_path_verified"] is False and set(error) == {"error", "hardware_path_verified", "requested_backend"}
+    assert set(error) == {"error", "hardware_path_verified", "requested_backend"}
+    assert error["hardware_path_verified"] is False
     assert all(w in error["error"] for w in words), err
 
 
@@ -246,7 +247,8 @@ def test_end_to_end_bad_sizes_and_meta_device(tmp_path):
 
 def test_end_to_end_bogus_lowbit_backend():
     env = {"LOWBIT_BACKEND": "bogus"}
-    if subprocess.run([sys.executable, "-c", "import lowbit"], env={**os.environ, **env}, capture_output=True).returncode:
+    imported = subprocess.run([sys.executable, "-c", "import lowbit"], env={**os.environ, **env}, capture_output=True)
+    if imported.returncode:
         pytest.skip("lowbit.backends still rejects a bad LOWBIT_BACKEND at import, before the command runs")
     done = _lowbit("smoke", "hifloat8", "--device", "cpu", env=env)
     assert done.returncode == 2 and done.stdout == "" and done.stderr.count("\n") == 1

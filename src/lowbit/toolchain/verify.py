@@ -86,5 +86,5 @@ def verify_files(
         sizes.append(size)
     if sizes[0] != sizes[1]:
         raise DatasetError(f"{output} has {sizes[0]} bytes but {golden} has {sizes[1]}")
-    as_f32 = [read_tensor(p, dtype, (s // itemsize,)).to(torch.float32).numpy() for p, s in zip((output, golden), sizes)]
-    return verify_arrays(*as_f32, **tolerances)
+    out, gold = (read_tensor(p, dtype, (size // itemsize,)).float().numpy() for p, size in zip((output, golden), sizes))
+    return verify_arrays(out, gold, **tolerances)

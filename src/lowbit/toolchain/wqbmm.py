@@ -34,7 +34,14 @@ from lowbit import backends
 from lowbit.errors import ShapeError
 from lowbit.formats import wqbmm as reference
 from lowbit.ops.wqbmm import TEMPLATES, plan_weight_quant_batch_matmul
-from lowbit.toolchain.files import DatasetError, atomic_path, read_tensor, staged_entries, tensor_bytes, write_bytes_atomic
+from lowbit.toolchain.files import (
+    DatasetError,
+    atomic_path,
+    read_tensor,
+    staged_entries,
+    tensor_bytes,
+    write_bytes_atomic,
+)
 from lowbit.toolchain.timing import median_seconds
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}

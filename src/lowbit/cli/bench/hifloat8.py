@@ -43,7 +43,8 @@ def run(args: argparse.Namespace) -> list[dict]:
             case.time("memcpy (prealloc)", lambda: copy_dst.copy_(x), 4 * n)
             case.time("encode out=", lambda: encode_to_hifloat8(x, out=codes, backend=args.backend), 3 * n)
             case.time("encode alloc", lambda: encode_to_hifloat8(x, backend=args.backend), 3 * n)
-            case.time("decode out=", lambda: decode_from_hifloat8(codes, dtype, out=decoded, backend=args.backend), 3 * n)
+            case.time("decode out=",
+                      lambda: decode_from_hifloat8(codes, dtype, out=decoded, backend=args.backend), 3 * n)
             case.time("decode alloc", lambda: decode_from_hifloat8(codes, dtype, backend=args.backend), 3 * n)
             case.time("torch -> float8_e4m3fn", lambda: x.to(torch.float8_e4m3fn), 3 * n)
             case.time("torch float8_e4m3fn ->", lambda: fp8.to(dtype), 3 * n)

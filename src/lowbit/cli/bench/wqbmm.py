@@ -30,7 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--group-size", type=positive_int, default=128, help="G (a multiple of 32 dividing K)")
 
 
-def int4pack_baseline(weight: torch.Tensor, scale: torch.Tensor, group_size: int) -> Callable[[torch.Tensor], torch.Tensor]:
+def int4pack_baseline(
+    weight: torch.Tensor, scale: torch.Tensor, group_size: int
+) -> Callable[[torch.Tensor], torch.Tensor]:
     """torch's CPU int4 kernel on the same weight, as ``fn(x_bf16) -> (M, N) bf16``: (q - 8) * scale + 0 ==
     W * scale. ``weight``: packed int4 (K, N/2) uint8, ``scale``: (K/G, N), both on the CPU."""
     q = (unpack_int4(weight).to(torch.int32) + 8).t().contiguous()  # (N, K) values 0..15
