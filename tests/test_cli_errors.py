@@ -204,6 +204,14 @@ def test_bad_default_backend_smoke_exit_2_json(capsys, monkeypatch):
     assert code == 2 and out == "" and err.startswith("lowbit info: error: ") and "bogus" in err
 
 
+def test_bad_lowbit_backend_variable_smoke_exit_2_json(capsys, monkeypatch):
+    monkeypatch.setenv("LOWBIT_BACKEND", "bogus")
+    code, out, err = _one_error_line(capsys, ["smoke", "hifloat8", "--device", "cpu"])
+    assert code == 2 and out == "" and "LOWBIT_BACKEND='bogus'" in json.loads(err)["error"]
+    code, out, err = _one_error_line(capsys, ["info"])
+    assert code == 2 and out == "" and err.startswith("lowbit info: error: LOWBIT_BACKEND='bogus'")
+
+
 def test_debug_reraises_before_or_after_the_command(tmp_path):
     for argv in (["--debug", "wqbmm", "run"], ["wqbmm", "run", "--debug"]):
         with pytest.raises(DatasetError, match="input_a.bin"):

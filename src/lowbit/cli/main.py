@@ -41,6 +41,17 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(self.prog, message)
 
 
+def _check_default_backend() -> str:
+    """The process default backend; ValueError naming a bad LOWBIT_BACKEND (whether or not lowbit.backends
+    already rejected it), so that the commands reading the default fail with exit 2."""
+    from lowbit import backends
+
+    name = os.environ.get("LOWBIT_BACKEND")
+    if name and name not in backends.BACKENDS:
+        raise ValueError(f"LOWBIT_BACKEND={name!r} is not a backend; expected one of {', '.join(backends.BACKENDS)}")
+    return backends.get_backend()
+
+
 def _cmd_info(args: argparse.Namespace) -> int:
     """Versions, devices, and which backend serves each operator on each present device."""
     import torch
@@ -48,7 +59,8 @@ def _cmd_info(args: argparse.Namespace) -> int:
     from lowbit import backends
     from lowbit.cli import smoke
 
-    requested = args.backend or backends.get_backend()
+    default = _check_default_backend()
+    requested = args.backend or default
     devices = [torch.device("cpu")]
     devices += [torch.device(f"cuda:{i}") for i in range(torch.cuda.device_count())]
     smoke.checks()  # imports every operator module (registers its dispatcher)
@@ -67,7 +79,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
         ops[name] = per_device
     report = {
         "environment": smoke.environment(devices[-1]),
-        "default_backend": backends.get_backend(),
+        "default_backend": default,
         "requested_backend": requested,
         "devices": [str(d) for d in devices],
         "operators": ops,
@@ -77,10 +89,9 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 
 def _cmd_smoke(args: argparse.Namespace) -> int:
-    from lowbit import backends
     from lowbit.cli import smoke
 
-    backends.get_backend()  # a bad LOWBIT_BACKEND raises here: the check cannot run (exit 2)
+    _check_default_backend()  # a bad LOWBIT_BACKEND: the check cannot run (exit 2)
     report, code = smoke.run(args.op, args.backend, args.device)
     if "error" in report and "results" not in report and "ops" not in report:
         print(json.dumps(report, sort_keys=True, allow_nan=False), file=sys.stderr)
