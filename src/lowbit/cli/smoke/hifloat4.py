@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from lowbit import backends
-from lowbit.cli.smoke._common import case_result
+from lowbit.cli.smoke._common import backend_that_ran, case_result
 from lowbit.formats import hifloat4
 from lowbit.ops.hifloat4 import FAKE_QUANT, hifloat4_fake_quant, probe_input
 
@@ -38,7 +37,7 @@ def run(backend: str, device: torch.device) -> list[dict]:
             row_major = y if qdim == -1 else y.t()
             results.append(
                 case_result(
-                    backend=backends.last_backend(FAKE_QUANT.name),
+                    backend=backend_that_ran(FAKE_QUANT.name),
                     input_dtype=dtype,
                     output=y,
                     reference=hifloat4.fake_quant(xq_cpu, qdim),
