@@ -22,7 +22,7 @@ import numba
 import torch
 import torch.nn.functional as F
 
-from lowbit.cli.bench.wqbmm import _int4pack_baseline
+from lowbit.cli.bench.wqbmm import int4pack_baseline
 from lowbit.formats import wqbmm as reference
 from lowbit.ops.wqbmm import TEMPLATES, plan_weight_quant_batch_matmul
 
@@ -67,7 +67,7 @@ def main() -> None:
     weight = torch.randint(0, 256, (k, n // 2), generator=gen, dtype=torch.uint8)
     scale = (torch.rand(k // g, n, generator=gen) * 0.02).to(torch.float16)
     dense_bf16 = reference.dequantize_weight(weight, scale.to(torch.bfloat16), None, g).t().contiguous()
-    int4mm = _int4pack_baseline(weight, scale, g)
+    int4mm = int4pack_baseline(weight, scale, g)
     threads = torch.get_num_threads()
     print(f"N={n} K={k} G={g}; wall: {threads} threads; cpu1: 1 thread, thread CPU time. ms: median (min)")
     print("| M | what | wall ms | wall x F.linear | cpu1 ms | cpu1 x F.linear |")

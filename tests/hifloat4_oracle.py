@@ -1,6 +1,7 @@
-"""An independent, scalar HiFloat4 oracle written straight from formats.md section 2.4 (no torch).
+"""An independent, scalar HiFloat4 oracle written straight from docs/hifloat4.md, section
+'Quantization' (no torch).
 
-Each fp32 operation of the spec is one numpy float32 scalar operation; bf16 rounding and the E6M2
+Each fp32 operation of that section is one numpy float32 scalar operation; bf16 rounding and the E6M2
 rounding are done on integers and fractions, the element code with exact rational arithmetic. Slow (pure
 Python): for single blocks in tests.
 """

@@ -1,5 +1,5 @@
-"""HiFloat4 reference (lowbit.formats.hifloat4): worked blocks of formats.md 2.9, an independent oracle,
-byte layout, round trips, block isolation, clamps, signed zeros and error contracts."""
+"""HiFloat4 reference (lowbit.formats.hifloat4): the worked blocks of docs/hifloat4.md, an independent
+oracle, byte layout, round trips, block isolation, clamps, signed zeros and error contracts."""
 
 import math
 
@@ -9,6 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from lowbit.dtypes import bit_view as bits
 from lowbit.errors import DeviceError, DtypeError, ShapeError
 from lowbit.formats import hifloat4
 
@@ -17,11 +18,7 @@ import hifloat4_oracle as oracle
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
 
-def bits(t):
-    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
-
-
-# --- worked blocks (formats.md 2.9), ground truth -----------------------------------------------------
+# --- worked blocks (docs/hifloat4.md, section 'Worked blocks'), ground truth -----------------------------------------------------
 
 WORKED_SCALE_BYTES = [
     [0xB9, 0xFF, 0xFF, 0xFF],  # all 2.0
@@ -59,7 +56,7 @@ def test_worked_blocks_outputs_and_value_bytes():
 
 
 def test_worked_block_intermediates():
-    """bf16(M c7), sf and r of the worked blocks, through the oracle's arithmetic (2.9's columns)."""
+    """bf16(M c7), sf and r of the worked blocks, through the oracle's arithmetic (the table's columns)."""
     for block, sf0, r in [(hifloat4.worked_blocks()[0], 0.28515625, 3.203125),
                           (hifloat4.worked_blocks()[1], 9.0, 0.125),
                           (hifloat4.worked_blocks()[3], 1.421875, 0.66796875)]:
@@ -110,7 +107,7 @@ def test_reference_equals_oracle_on_drawn_blocks(drawn):
 
 
 def test_scale_carry_q8():
-    """Block max 13.3: bf16(13.3 c7) = 1.8984375 rounds to q = 8, i.e. the next binade (gotcha 7.7)."""
+    """Block max 13.3: bf16(13.3 c7) = 1.8984375 rounds to q = 8, i.e. the next binade."""
     x = torch.zeros(64)
     x[0] = 13.3
     scale, _ = hifloat4.pack(x[None])
@@ -213,8 +210,9 @@ def test_errors():
         hifloat4.fake_quant(torch.ones(2, 64), 2)
     with pytest.raises(RuntimeError, match="out of range"):
         hifloat4.fake_quant(torch.ones(2, 64), -3)
-    with pytest.raises(ShapeError, match="integer"):
-        hifloat4.fake_quant(torch.ones(2, 64), 1.0)
+    for qdim in (1.0, True, np.bool_(True), "1", None):  # bools are ints to Python, not to us
+        with pytest.raises(TypeError, match="qdim"):
+            hifloat4.fake_quant(torch.ones(2, 64), qdim)
     assert hifloat4.fake_quant(torch.ones(2, 64), np.int64(1)).shape == (2, 64)
     with pytest.raises(RuntimeError, match="0-d"):
         hifloat4.fake_quant(torch.tensor(1.0))

@@ -7,13 +7,14 @@ import types
 import pytest
 import torch
 
-from lowbit.backends import BackendUnavailable
+from lowbit.errors import BackendUnavailable
 from lowbit.formats import hifloat4
 from lowbit.kernels.npu import hifloat4 as npu
 
 
 def _kernel_like_amct(input: torch.Tensor, qdim: int = -1) -> torch.Tensor:
-    """AMCT's kernel per formats.md 2.7: the reference, except that an input -0.0 keeps its sign."""
+    """AMCT's kernel (docs/hifloat4.md, section 'Upstream paths'): the reference, except that an input
+    -0.0 keeps its sign."""
     out = hifloat4.fake_quant(input, qdim)
     return torch.where((input == 0) & input.signbit() & (out == 0), -0.0, out).to(input.dtype)
 
@@ -33,11 +34,11 @@ def test_adapter_matches_the_reference_including_negative_zero(fake_amct):
     kernel = _kernel_like_amct(x)
     assert not torch.equal(kernel.view(torch.int16), hifloat4.fake_quant(x).view(torch.int16))
     out = torch.empty_like(x)
-    npu.fake_quant_into(x, -1, out)
+    npu.FAKE_QUANT.run(x, -1, out=out)
     assert torch.equal(out.view(torch.int16), hifloat4.fake_quant(x).view(torch.int16))
 
 
 def test_adapter_without_amct_ops_is_unavailable(monkeypatch):
     monkeypatch.setitem(sys.modules, "amct_ops", None)  # import amct_ops raises ImportError
     with pytest.raises(BackendUnavailable, match="amct_ops"):
-        npu.fake_quant_into(torch.ones(64), -1, torch.empty(64))
+        npu.FAKE_QUANT.run(torch.ones(64), -1, out=torch.empty(64))

@@ -152,9 +152,9 @@ def test_verify_empty_files_is_a_clean_error(tmp_path, capsys):
     empty.write_bytes(b"")
     (tmp_path / "empty2.bin").write_bytes(b"")
     np.asarray([1.0, 2.0], dtype=np.float16).tofile(golden)
-    assert main(["verify", str(empty), str(tmp_path / "empty2.bin")]) == 1
+    assert main(["verify", str(empty), str(tmp_path / "empty2.bin")]) == 2  # cannot compare: exit 2 (docs/cli.md)
     assert "empty.bin" in capsys.readouterr().err
-    assert main(["verify", str(empty), str(golden)]) == 1
+    assert main(["verify", str(empty), str(golden)]) == 2
     assert "empty.bin" in capsys.readouterr().err
 
 

@@ -1,6 +1,7 @@
-"""HiFloat4 (HiF4): the reference block quantizer, packer and unpacker (formats.md section 2).
+"""HiFloat4 (HiF4): the reference block quantizer, packer and unpacker (docs/hifloat4.md).
 
-One HiF4 unit is 64 consecutive elements along the quant dim plus 32 bits of scale metadata:
+One HiF4 unit is 64 consecutive elements along the quant dim plus 32 bits of scale metadata
+(docs/hifloat4.md, section 'Format'):
 
 * level 1: an E6M2 scale ``sf = 2^((b >> 2) - 48) * (1 + (b & 3) / 4)`` in one byte ``b`` (0x00 = 2^-48 ...
   0xFE = 49152); 0xFF marks a block that held a NaN or an infinity;
@@ -10,38 +11,39 @@ One HiF4 unit is 64 consecutive elements along the quant dim plus 32 bits of sca
 
 Decoded value: ``(-1)^s * (c / 4) * 2^(e2 + e3) * sf``; the largest is 1.75 * 4 * 49152 = 344064.
 
-Quantization follows AMCT's reference bit for bit (section 2.4): fp32 arithmetic on the widened input,
-bf16 round-to-nearest-even at exactly three points (``M * c7``, ``1 / sf`` and the in-group quotient),
-element codes rounded half up and clamped to 1.75. The output is cast to the input dtype (exact for BF16
-and FP32; FP16 may flush tiny values with round-to-nearest-even).
+Quantization follows AMCT's reference bit for bit (docs/hifloat4.md, section 'Quantization'): fp32
+arithmetic on the widened input, bf16 round-to-nearest-even at exactly three points (``M * c7``, ``1 / sf``
+and the in-group quotient), element codes rounded half up and clamped to 1.75. The output is cast to the
+input dtype (exact for BF16 and FP32; FP16 may flush tiny values with round-to-nearest-even).
 
-Signed zeros (section 2.7 (b)): the output is negative zero exactly when the input is negative and its
-code is 0; an input -0.0 gives +0.0 (AMCT's reference, ``torch.sign(-0.0) = 0``; its NPU kernel returns
--0.0 there). This is also what the packed sign bit (``x < 0``) decodes to, so unpack(pack(x)) equals
-fake_quant(x) bit for bit. Blocks with a NaN or an infinity decode to the default quiet NaN (FP32
-0x7FC00000, BF16 0x7FC0, FP16 0x7E00, the Ascend kernel's NaN) in every element; no other block changes.
+Signed zeros, NaN bits and clamps: docs/hifloat4.md, section 'Special values'. The output is negative zero
+exactly when the input is negative and its code is 0; an input -0.0 gives +0.0. This is also what the
+packed sign bit (``x < 0``) decodes to, so unpack(pack(x)) equals fake_quant(x) bit for bit. Blocks with a
+NaN or an infinity decode to the default quiet NaN (``NAN_BITS``) in every element; no other block changes.
 
-Packed layout (section 2.5, AMCT ``hif4_pack``; blocks along the last dim of a 2-D input):
+Packed layout (docs/hifloat4.md, section 'Packed layout'; blocks along the last dim of a 2-D input):
 ``scale`` uint8 (rows, cols / 64, 4) = [E6M2 byte, e2 flags, e3 flags of 4-groups 0-7, e3 flags of
 4-groups 8-15], flag bytes MSB first (group 0 is bit 7); ``value`` uint8 (rows, cols / 2) with element 2i in
-the low nibble and 2i + 1 in the high nibble, nibble = sign << 3 | c. CANN's own golden packs the flags
-LSB first and rounds elements to nearest even (section 2.8); this library emits the AMCT layout.
+the low nibble and 2i + 1 in the high nibble, nibble = sign << 3 | c.
 """
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from lowbit.errors import DeviceError, DtypeError, ShapeError
+from lowbit.dtypes import SAME_WIDTH_INT
+from lowbit.errors import DeviceError, DtypeError, ShapeError, check_int
 
-BLOCK = 64
+BLOCK = 64  # elements per quantization block
 GROUP8 = 8
 GROUP4 = 4
 C7 = 0.142578125  # bf16(1 / 7) = 0x3E12
+# bf16(1 / (1 + m / 4)) for the E6M2 mantissa m = 0..3: with it the kernels get r = bf16(1 / sf) as
+# 2^-E * RECIPROCAL_MANTISSA[m], no division (docs/hifloat4.md, section 'Format').
+RECIPROCAL_MANTISSA = (1.0, 0.80078125, 0.66796875, 0.5703125)
 SCALE_MIN = 2.0**-48  # E6M2 byte 0x00
 SCALE_MAX = 49152.0  # 1.5 * 2^15, E6M2 byte 0xFE
 POISON_BYTE = 0xFF  # the block held a NaN or an infinity
@@ -51,7 +53,6 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Poisoned blocks decode to the default quiet NaN, given as bits (torch's own fp32 -> bf16 cast of a NaN
 # differs between its scalar and vector paths, so the reference writes the bits itself).
 NAN_BITS = {torch.float32: 0x7FC00000, torch.bfloat16: 0x7FC0, torch.float16: 0x7E00}
-_INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
 
 @dataclass
@@ -93,7 +94,7 @@ def _pow2(level: torch.Tensor) -> torch.Tensor:
 
 
 def encode_blocks(blocks: torch.Tensor) -> Blocks:
-    """Quantize fp32 ``blocks`` of shape (..., 64) to HiF4 fields (the algorithm of section 2.4)."""
+    """Quantize fp32 ``blocks`` of shape (..., 64) to HiF4 fields (docs/hifloat4.md, 'Quantization')."""
     finite = torch.isfinite(blocks)
     poisoned = ~finite.all(-1)
     x = torch.where(finite, blocks, 0.0)
@@ -126,7 +127,7 @@ def encode_blocks(blocks: torch.Tensor) -> Blocks:
 
 def nan_value(dtype: torch.dtype) -> torch.Tensor:
     """The NaN written for poisoned blocks: the default quiet NaN of ``dtype`` (0-d CPU tensor)."""
-    return torch.tensor(NAN_BITS[dtype], dtype=_INT_VIEW[dtype]).view(dtype)
+    return torch.tensor(NAN_BITS[dtype], dtype=SAME_WIDTH_INT[dtype]).view(dtype)
 
 
 def decode_blocks(fields: Blocks, dtype: torch.dtype) -> torch.Tensor:
@@ -141,23 +142,28 @@ def decode_blocks(fields: Blocks, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(poisoned, nan_value(dtype).to(value.device), value)
 
 
+def as_qdim(qdim) -> int:
+    """``qdim`` as an int (numpy integers accepted); TypeError naming qdim for bools, floats and others."""
+    if isinstance(qdim, np.integer) and not isinstance(qdim, np.bool_):
+        qdim = int(qdim)
+    return check_int("qdim", qdim)
+
+
 def check_qdim(x: torch.Tensor, qdim: int) -> int:
     """Validate a fake-quant input and return ``qdim`` as a non-negative dim index.
 
-    Raises DtypeError (a TypeError and a RuntimeError) for a dtype other than FP16/BF16/FP32, ShapeError
-    (a ValueError and a RuntimeError, as upstream raises RuntimeError) for a 0-d tensor, a qdim out of
-    range, or a quant-dim length that is 0 or not a multiple of 64.
+    Raises DtypeError (a TypeError and a RuntimeError) for a dtype other than FP16/BF16/FP32, TypeError
+    for a qdim that is not an int (bools included), ShapeError (a ValueError and a RuntimeError, as
+    upstream raises RuntimeError) for a 0-d tensor, a qdim out of range, or a quant-dim length that is 0 or
+    not a multiple of 64.
     """
     if not isinstance(x, torch.Tensor):
         raise DtypeError(f"HiFloat4 expects a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in DTYPES:
         raise DtypeError(f"HiFloat4 expects float16, bfloat16 or float32, got {x.dtype}")
+    qdim = as_qdim(qdim)
     if x.dim() == 0:
         raise ShapeError("HiFloat4 fake-quant needs a tensor with at least 1 dim, got a 0-d tensor")
-    try:
-        qdim = operator.index(qdim)
-    except TypeError:
-        raise ShapeError(f"HiFloat4 qdim must be an integer, got {qdim!r}") from None
     if not -x.dim() <= qdim < x.dim():
         raise ShapeError(f"HiFloat4 qdim {qdim} is out of range for shape {tuple(x.shape)}")
     qdim %= x.dim()
@@ -228,26 +234,28 @@ def pack(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return scale, value
 
 
-def _as_uint8_tensor(name: str, t: torch.Tensor | np.ndarray) -> torch.Tensor:
-    if isinstance(t, np.ndarray):
-        t = torch.from_numpy(np.ascontiguousarray(t))
-    if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8:
-        raise DtypeError(f"HiFloat4 unpack expects {name} as uint8, got {getattr(t, 'dtype', type(t))}")
-    return t
-
-
-def check_packed(
-    scale: torch.Tensor | np.ndarray, value: torch.Tensor | np.ndarray, dtype: torch.dtype
+def as_packed_tensors(
+    scale: torch.Tensor | np.ndarray, value: torch.Tensor | np.ndarray
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validate unpack inputs; numpy arrays become tensors. Returns (scale, value) on scale's device.
+    """(scale, value) as torch tensors: numpy arrays are converted (copied if not contiguous), anything
+    else is returned as it is (:func:`check_packed` refuses what is not a uint8 tensor)."""
+    return tuple(torch.from_numpy(np.ascontiguousarray(t)) if isinstance(t, np.ndarray) else t
+                 for t in (scale, value))
 
-    Raises DtypeError unless both are uint8 and dtype is FP16/BF16/FP32, ShapeError unless the shapes are
-    scale (rows, cols / 64, 4) and value (rows, cols / 2), DeviceError if they are on different devices.
+
+def check_packed(scale: torch.Tensor, value: torch.Tensor, dtype: torch.dtype) -> None:
+    """Validate unpack inputs (torch tensors; works on meta and fake tensors).
+
+    Raises DtypeError unless both are uint8 tensors and dtype is FP16/BF16/FP32, ShapeError unless the
+    shapes are scale (rows, n_blocks, 4) and value (rows, n_blocks * 32), DeviceError if they are on
+    different devices.
     """
-    scale = _as_uint8_tensor("scale", scale)
-    value = _as_uint8_tensor("value", value)
+    for name, t in (("scale", scale), ("value", value)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8:
+            raise DtypeError(f"HiFloat4 unpack expects {name} as a uint8 tensor, got "
+                             f"{getattr(t, 'dtype', type(t).__name__)}")
     if dtype not in DTYPES:
-        raise DtypeError(f"HiFloat4 unpack produces float16, bfloat16 or float32, got {dtype}")
+        raise DtypeError(f"HiFloat4 unpack produces float16, bfloat16 or float32, got dtype={dtype}")
     if scale.dim() != 3 or scale.shape[-1] != 4 or value.dim() != 2 or \
             tuple(value.shape) != (scale.shape[0], scale.shape[1] * BLOCK // 2):
         raise ShapeError(
@@ -256,7 +264,6 @@ def check_packed(
         )
     if scale.device != value.device:
         raise DeviceError(f"HiFloat4 unpack: scale on {scale.device} but value on {value.device}")
-    return scale, value
 
 
 def unpack(
@@ -270,7 +277,8 @@ def unpack(
     the same) or numpy arrays. ``dtype``: FP16, BF16 or FP32. Blocks with scale byte 0xFF are all NaN.
     Errors: see :func:`check_packed`.
     """
-    scale, value = check_packed(scale, value, dtype)
+    scale, value = as_packed_tensors(scale, value)
+    check_packed(scale, value, dtype)
     rows, n_blocks = scale.shape[:2]
     raw = value.to(torch.int32)
     nibble = torch.stack([raw & 0xF, raw >> 4], dim=-1).reshape(rows, n_blocks, BLOCK)
@@ -285,7 +293,8 @@ def unpack(
 
 
 def worked_blocks() -> torch.Tensor:
-    """The eight single-block inputs of formats.md section 2.9 as an fp32 (8, 64) CPU tensor, in order:
+    """The eight single-block inputs of docs/hifloat4.md, section 'Worked blocks', as an fp32 (8, 64) CPU
+    tensor, in order:
     all 2.0; x_i = i; [1, 0...]; [10, -3, 0.5, 0.1, 1 x4, 0.3 x8, -6.5, 0...]; [1e5, -2e4, 3, 0...];
     [1e-20, 0...]; zeros; ones with x_3 = NaN."""
     blocks = torch.zeros(8, BLOCK)

@@ -11,69 +11,55 @@ import argparse
 
 import torch
 
-from lowbit.cli.bench._timing import gbps, median_seconds
+from lowbit.cli.argtypes import comma_list, element_count, one_of
+from lowbit.cli.bench import CaseTimer, size_label
 from lowbit.formats import hifloat4
 from lowbit.ops.hifloat4 import hifloat4_fake_quant
 
 NAME = "hifloat4"
 SIZES = {"1M": 1 << 20, "4M": 1 << 22, "64M": 1 << 26}
 ROW = 4096  # elements per row of the benchmark input (64 blocks)
+DTYPES = ("float16", "bfloat16", "float32")
+QDIMS = ("-2", "-1", "0", "1")  # of the 2-D (rows, 4096) input
+# 64 rows at least, so that any qdim of the (rows, 4096) input is quantizable
+_size = element_count(SIZES, multiple_of=64 * ROW)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--sizes", default="64M", help="comma-separated element counts: 1M,4M,64M or integers")
-    parser.add_argument("--dtypes", default="bfloat16", help="comma-separated input dtypes")
-    parser.add_argument("--qdims", default="-1,0", help="comma-separated quant dims of the (rows, 4096) input; write --qdims=-1,0")
-    parser.add_argument("--reference-size", default="4M", help="elements for the reference comparison")
-
-
-def _size(text: str) -> int:
-    n = SIZES.get(text) or int(text)
-    if n % (64 * ROW):  # 64 rows at least, so that any qdim of the (rows, 4096) input is quantizable
-        raise ValueError(f"size {n} is not a multiple of {64 * ROW}")
-    return n
+    parser.add_argument("--sizes", type=comma_list(_size), default="64M",
+                        help=f"comma-separated element counts (multiples of {64 * ROW}): 1M,4M,64M or integers")
+    parser.add_argument("--dtypes", type=comma_list(one_of(DTYPES)), default="bfloat16",
+                        help="comma-separated input dtypes: float16,bfloat16,float32")
+    parser.add_argument("--qdims", type=comma_list(one_of(QDIMS)), default="-1,0",
+                        help="comma-separated quant dims of the (rows, 4096) input; write --qdims=-1,0")
+    parser.add_argument("--reference-size", type=_size, default="4M", help="elements for the reference comparison")
 
 
 def run(args: argparse.Namespace) -> list[dict]:
     device = torch.device(args.device)
-    qdims = [int(q) for q in args.qdims.split(",")]
+    qdims = [int(q) for q in args.qdims]
     rows = []
-    for dtype_name in args.dtypes.split(","):
+    for dtype_name in args.dtypes:
         dtype = getattr(torch, dtype_name)
         nbytes = 2 * torch.empty(0, dtype=dtype).element_size()  # read + write per element
-
-        def timed(case_rows, size_name, what, fn, n):
-            s = median_seconds(fn, repeats=args.repeats, device=device, min_time=0.05)
-            case_rows.append({"size": size_name, "dtype": dtype_name, "what": what, "ms": s * 1e3,
-                              "GB/s": gbps(nbytes * n, s)})
-            return s
-
-        for size_name in args.sizes.split(","):
-            n = _size(size_name)
+        for n in args.sizes:
             x = torch.randn(n // ROW, ROW, device=device).to(dtype)
             out = torch.empty_like(x)
-            case_rows = []
-            timed(case_rows, size_name, "memcpy (prealloc)", lambda: out.copy_(x), n)
+            case = CaseTimer(device, args.repeats, size=size_label(n, SIZES), dtype=dtype_name)
+            case.time("memcpy (prealloc)", lambda: out.copy_(x), nbytes * n)
             for qdim in qdims:
                 hifloat4_fake_quant(x, qdim, out=out, backend=args.backend)  # compile, self-check
-                timed(case_rows, size_name, f"fake-quant qdim={qdim} out=",
-                      lambda: hifloat4_fake_quant(x, qdim, out=out, backend=args.backend), n)
-            timed(case_rows, size_name, "fake-quant qdim=-1 alloc",
-                  lambda: hifloat4_fake_quant(x, backend=args.backend), n)
-            for row in case_rows:  # case_rows[0] is the memcpy baseline
-                row["x memcpy"] = row["GB/s"] / case_rows[0]["GB/s"]
-            rows += case_rows
+                case.time(f"fake-quant qdim={qdim} out=",
+                          lambda: hifloat4_fake_quant(x, qdim, out=out, backend=args.backend), nbytes * n)
+            case.time("fake-quant qdim=-1 alloc", lambda: hifloat4_fake_quant(x, backend=args.backend), nbytes * n)
+            rows += case.ratio_to_baseline("x memcpy")
             del x, out
 
-        size_name = args.reference_size
-        n = _size(size_name)
+        n = args.reference_size
         x = torch.randn(n // ROW, ROW, device=device).to(dtype)
         out = torch.empty_like(x)
-        case_rows = []
-        native = timed(case_rows, size_name, "fake-quant qdim=-1 out=",
-                       lambda: hifloat4_fake_quant(x, out=out, backend=args.backend), n)
-        reference = timed(case_rows, size_name, "reference (lowbit.formats)", lambda: hifloat4.fake_quant(x), n)
-        case_rows[0]["x reference"] = reference / native
-        case_rows[1]["x reference"] = 1.0
-        rows += case_rows
+        case = CaseTimer(device, args.repeats, size=size_label(n, SIZES), dtype=dtype_name)
+        case.time("reference (lowbit.formats)", lambda: hifloat4.fake_quant(x), nbytes * n)
+        case.time("fake-quant qdim=-1 out=", lambda: hifloat4_fake_quant(x, out=out, backend=args.backend), nbytes * n)
+        rows += case.ratio_to_baseline("x reference", "ms", higher_is_better=False)
     return rows

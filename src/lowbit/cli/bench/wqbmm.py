@@ -9,28 +9,32 @@ GB/s: bytes of the weight operand each call reads (int4: K * N / 2 plus the scal
 from __future__ import annotations
 
 import argparse
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from lowbit.cli.bench._timing import gbps, median_seconds
+from lowbit.cli.argtypes import comma_list, positive_int
+from lowbit.cli.bench import CaseTimer
 from lowbit.formats import wqbmm as reference
+from lowbit.formats.int4 import unpack_int4
 from lowbit.ops.wqbmm import TEMPLATES, plan_weight_quant_batch_matmul
 
 NAME = "wqbmm"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ms", default="1,16", help="comma-separated row counts M")
-    parser.add_argument("--n", type=int, default=12288)
-    parser.add_argument("--k", type=int, default=8192)
-    parser.add_argument("--group-size", type=int, default=128)
+    parser.add_argument("--ms", type=comma_list(positive_int), default="1,16", help="comma-separated row counts M")
+    parser.add_argument("--n", type=positive_int, default=12288, help="N (even)")
+    parser.add_argument("--k", type=positive_int, default=8192, help="K (a multiple of the group size)")
+    parser.add_argument("--group-size", type=positive_int, default=128, help="G (a multiple of 32 dividing K)")
 
 
-def _int4pack_baseline(weight: torch.Tensor, scale: torch.Tensor, group_size: int):
-    """torch's CPU int4 kernel on the same weight: (q - 8) * scale + 0 == W * scale."""
-    from lowbit.formats.int4 import unpack_int4
-
+def int4pack_baseline(
+    weight: torch.Tensor, scale: torch.Tensor, group_size: int
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """torch's CPU int4 kernel on the same weight, as ``fn(x_bf16) -> (M, N) bf16``: (q - 8) * scale + 0 ==
+    W * scale. ``weight``: packed int4 (K, N/2) uint8, ``scale``: (K/G, N), both on the CPU."""
     q = (unpack_int4(weight).to(torch.int32) + 8).t().contiguous()  # (N, K) values 0..15
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
     scales_and_zeros = torch.stack([scale.to(torch.bfloat16), torch.zeros_like(scale, dtype=torch.bfloat16)], dim=-1)
@@ -40,25 +44,22 @@ def _int4pack_baseline(weight: torch.Tensor, scale: torch.Tensor, group_size: in
 def run(args: argparse.Namespace) -> list[dict]:
     device = torch.device(args.device)
     n, k, g = args.n, args.k, args.group_size
+    for m in args.ms:  # validate every case before timing any (ShapeError naming the sizes)
+        plan_weight_quant_batch_matmul(m, k, n, group_size=g, device=device, backend="reference")
     gen = torch.Generator().manual_seed(0)
     weight = torch.randint(0, 256, (k, n // 2), generator=gen, dtype=torch.uint8).to(device)
     scale = (torch.rand(k // g, n, generator=gen) * 0.02).to(torch.float16).to(device)
     dense_bf16 = reference.dequantize_weight(weight, scale.to(torch.bfloat16), None, g).t().contiguous()
     int4_bytes, dense_bytes = k * n // 2 + 2 * scale.numel(), 2 * k * n
-    int4mm = _int4pack_baseline(weight.cpu(), scale.cpu(), g) if device.type == "cpu" else None
+    int4mm = int4pack_baseline(weight.cpu(), scale.cpu(), g) if device.type == "cpu" else None
     rows = []
-    for m in (int(v) for v in args.ms.split(",")):
+    for m in args.ms:
         x = torch.randn(m, k, generator=gen).to(torch.float16).to(device)
         x_bf16 = x.to(torch.bfloat16)
-        case = []
-
-        def timed(what, fn, nbytes):
-            s = median_seconds(fn, repeats=args.repeats, device=device, min_time=0.05)
-            case.append({"M": m, "what": what, "ms": s * 1e3, "GB/s": gbps(nbytes, s)})
-
-        timed("F.linear bf16 (dequantized W)", lambda: F.linear(x_bf16, dense_bf16), dense_bytes)
+        case = CaseTimer(device, args.repeats, M=m)
+        case.time("F.linear bf16 (dequantized W)", lambda: F.linear(x_bf16, dense_bf16), dense_bytes)
         if int4mm is not None:
-            timed("aten._weight_int4pack_mm_for_cpu bf16", lambda: int4mm(x_bf16), int4_bytes)
+            case.time("aten._weight_int4pack_mm_for_cpu bf16", lambda: int4mm(x_bf16), int4_bytes)
         for template in TEMPLATES:
             plan = plan_weight_quant_batch_matmul(m, k, n, group_size=g, template=template, device=device,
                                                   backend=args.backend, prepacked=True)
@@ -66,8 +67,6 @@ def run(args: argparse.Namespace) -> list[dict]:
             packed = plan.pack_weight(weight)
             run_plan = lambda: plan.run(x, packed, scale, out=out, workspace=workspace)
             run_plan()  # compile, self-check
-            timed(f"wqbmm msd {template} ({plan.backend})", run_plan, int4_bytes)
-        for row in case:  # case[0] is the dense baseline
-            row["speedup vs F.linear"] = case[0]["ms"] / row["ms"]
-        rows += case
+            case.time(f"wqbmm msd {template} ({plan.backend})", run_plan, int4_bytes)
+        rows += case.ratio_to_baseline("speedup vs F.linear", "ms", higher_is_better=False)
     return rows

@@ -1,8 +1,9 @@
 """``lowbit smoke``: does each operator's hardware path really work here? JSON verdict + exit code.
 
-Exit codes (upstream contract): 0 every contract holds; 1 a contract is broken; 2 the check cannot run
-(device missing, backend unavailable, import failure). Reports go to stdout; on exit 2 an error object
-``{"requested_backend", "hardware_path_verified": false, "error"}`` goes to stderr.
+Exit codes (upstream contract, docs/cli.md): 0 every contract holds; 1 a contract is broken; 2 the check
+cannot run (device missing, backend unavailable, import failure, bad arguments). Reports go to stdout; on
+exit 2 an error object ``{"error", "hardware_path_verified": false, "requested_backend"}`` goes to stderr
+as one line of JSON.
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ from types import ModuleType
 
 import torch
 
-from lowbit.backends import BackendUnavailable, canonical_device
+from lowbit.backends import BackendUnavailable
 from lowbit.cli._discover import operator_modules
+from lowbit.cli.devices import resolve_device
 from lowbit.cli.smoke import _common
+from lowbit.cli.smoke._common import environment  # noqa: F401  (public: also `lowbit info`'s record)
 
 EXIT_OK, EXIT_CONTRACT_BROKEN, EXIT_CANNOT_RUN = 0, 1, 2
 
@@ -27,31 +30,9 @@ def checks() -> dict[str, ModuleType]:
     return operator_modules(__name__, __path__)
 
 
-def resolve_device(name: str) -> torch.device:
-    """'auto' -> cuda:0, else npu:0, else cpu; otherwise the named device, which must exist."""
-    if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda:0")
-        if hasattr(torch, "npu") and torch.npu.is_available():  # type: ignore[attr-defined]
-            return torch.device("npu:0")
-        return torch.device("cpu")
-    if name.split(":")[0] == "npu":  # torch only knows the device type once torch_npu is imported
-        try:
-            import torch_npu  # noqa: F401
-        except ImportError as exc:
-            raise BackendUnavailable(f"device {name}: torch_npu is not importable ({exc})") from exc
-    try:
-        device = canonical_device(name)
-    except RuntimeError as exc:
-        raise BackendUnavailable(f"device {name!r} is not a device torch knows: {exc}") from exc
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise BackendUnavailable(f"device {name}: CUDA is not available")
-        if (device.index or 0) >= torch.cuda.device_count():
-            raise BackendUnavailable(f"device {name}: only {torch.cuda.device_count()} CUDA device(s)")
-    elif device.type not in ("cpu", "npu"):
-        raise BackendUnavailable(f"device {name}: unsupported device type {device.type!r}")
-    return device
+def error_report(backend: str | None, error: str) -> dict:
+    """The error object of a check that cannot run (exit 2)."""
+    return {"requested_backend": backend, "hardware_path_verified": False, "error": error}
 
 
 def run_one(module: ModuleType, backend: str, device: torch.device) -> tuple[dict, int]:
@@ -93,7 +74,7 @@ def run(op: str, backend: str, device_name: str) -> tuple[dict, int]:
     try:
         device = resolve_device(device_name)
     except (BackendUnavailable, RuntimeError, ValueError) as exc:
-        return {"requested_backend": backend, "hardware_path_verified": False, "error": str(exc)}, EXIT_CANNOT_RUN
+        return error_report(backend, str(exc)), EXIT_CANNOT_RUN
     selected = list(available.values()) if op == "all" else [available[op]]
     reports, codes = zip(*(run_one(m, backend, device) for m in selected))
     report = {

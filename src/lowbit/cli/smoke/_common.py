@@ -3,8 +3,11 @@
 Each operator's smoke module (``lowbit/cli/smoke/<op>.py``) defines ``NAME`` and
 ``run(backend, device) -> list[dict]`` whose dicts come from :func:`case_result`. A case's contracts are
 ``shape_preserved``, ``dtype_preserved``, ``device_preserved`` and ``matches_reference`` (bit equality
-with the reference backend on the same input); ``max_abs_error`` / ``mean_abs_error`` compare the output
-with the input over the elements where both are finite.
+with the reference backend on the same input), plus the names in its ``extra_contracts``. A case built
+with a ``tolerance`` (svd_quant: backends accumulate its matmuls in different orders) is judged by
+``within_tolerance`` (``allclose`` with the reference at ``tolerance = {"rtol", "atol"}``) instead of
+``matches_reference``, which still reports bit equality. ``max_abs_error`` / ``mean_abs_error`` compare
+the output with the input over the elements where both are finite (docs/cli.md, "lowbit smoke").
 """
 
 from __future__ import annotations
@@ -15,7 +18,10 @@ from importlib.metadata import PackageNotFoundError, version
 
 import torch
 
+from lowbit import backends
+
 CONTRACT_KEYS = ("shape_preserved", "dtype_preserved", "device_preserved", "matches_reference")
+TOLERANCE_CONTRACT = "within_tolerance"
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -55,14 +61,19 @@ def case_result(
     expected_device: torch.device,
     error_target: torch.Tensor | None = None,
     checks: dict[str, bool] | None = None,
+    tolerance: tuple[float, float] | None = None,
     **extra,
 ) -> dict:
     """One smoke result. ``backend``: the backend that ran. ``reference``: the reference backend's output
     for the same input. ``error_target``: what the output approximates (usually the input) for the error
     figures; None skips them. ``checks``: further operator-specific contracts (name -> holds), listed in
-    the result's ``extra_contracts`` and required by :func:`contracts_hold`. ``extra`` keys are added as
-    they are (JSON-serialisable, informational)."""
+    the result's ``extra_contracts`` and required by :func:`contracts_hold`. ``tolerance``: (rtol, atol)
+    for an operator judged within a tolerance of the reference (module docstring). ``extra`` keys are added
+    as they are (JSON-serialisable, informational)."""
     checks = {name: bool(holds) for name, holds in (checks or {}).items()}
+    if tolerance is not None:
+        checks[TOLERANCE_CONTRACT] = within_tolerance(output, reference, *tolerance)
+        extra["tolerance"] = {"rtol": tolerance[0], "atol": tolerance[1]}
     max_err, mean_err = abs_errors(output, error_target) if error_target is not None else (0.0, 0.0)
     return {
         "backend": backend,
@@ -80,9 +91,29 @@ def case_result(
     }
 
 
+def within_tolerance(output: torch.Tensor, reference: torch.Tensor, rtol: float, atol: float) -> bool:
+    """Same shape and ``allclose(output, reference, rtol, atol)`` in float32 (NaN equals nothing)."""
+    if output.shape != reference.shape:
+        return False
+    return bool(torch.allclose(output.detach().cpu().float(), reference.detach().cpu().float(), rtol=rtol, atol=atol))
+
+
+def required_contracts(result: dict) -> tuple[str, ...]:
+    """The contract keys a case must meet: the common ones (``matches_reference`` only for a case without a
+    tolerance) and its ``extra_contracts``."""
+    common = tuple(k for k in CONTRACT_KEYS if not (k == "matches_reference" and "tolerance" in result))
+    return (*common, *result["extra_contracts"])
+
+
 def contracts_hold(results: list[dict]) -> bool:
-    """Every contract of every case holds (the common ones and the case's ``extra_contracts``)."""
-    return bool(results) and all(r[k] for r in results for k in (*CONTRACT_KEYS, *r["extra_contracts"]))
+    """Every required contract (:func:`required_contracts`) of every case holds."""
+    return bool(results) and all(r[k] for r in results for k in required_contracts(r))
+
+
+def backend_that_ran(*ops: str) -> str:
+    """The backend that last ran all of ``ops`` (backends.last_backend), or "mixed" if they differ."""
+    ran = {backends.last_backend(op) for op in ops}
+    return ran.pop() if len(ran) == 1 else "mixed"
 
 
 def hardware_path_verified(results: list[dict], device: torch.device) -> bool:

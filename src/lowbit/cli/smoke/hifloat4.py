@@ -2,7 +2,7 @@
 reference bit for bit.
 
 Per dtype (FP16, BF16, FP32), the (16, 128) probe input of :func:`lowbit.ops.hifloat4.probe_input`: the
-worked blocks of formats.md 2.9 (all 2.0, 0..63, a lone 1, a mixed block, huge, tiny, zeros, a NaN
+worked blocks of docs/hifloat4.md (all 2.0, 0..63, a lone 1, a mixed block, huge, tiny, zeros, a NaN
 block), an Inf block, a -0.0 block, and heavy-tailed random blocks; quantized along the last dim and,
 transposed, along dim 0.
 """
@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from lowbit import backends
-from lowbit.cli.smoke._common import case_result
+from lowbit.cli.smoke._common import backend_that_ran, case_result
 from lowbit.formats import hifloat4
 from lowbit.ops.hifloat4 import FAKE_QUANT, hifloat4_fake_quant, probe_input
 
@@ -38,7 +37,7 @@ def run(backend: str, device: torch.device) -> list[dict]:
             row_major = y if qdim == -1 else y.t()
             results.append(
                 case_result(
-                    backend=backends.last_backend(FAKE_QUANT.op),
+                    backend=backend_that_ran(FAKE_QUANT.name),
                     input_dtype=dtype,
                     output=y,
                     reference=hifloat4.fake_quant(xq_cpu, qdim),

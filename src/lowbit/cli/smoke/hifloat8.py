@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from lowbit import backends
-from lowbit.cli.smoke._common import case_result
+from lowbit.cli.smoke._common import backend_that_ran, case_result
 from lowbit.formats import hifloat8
 from lowbit.ops.hifloat8 import DECODE, ENCODE, decode_from_hifloat8, encode_to_hifloat8
 
@@ -36,13 +35,11 @@ def run(backend: str, device: torch.device) -> list[dict]:
         x_cpu = smoke_input(dtype)
         x = x_cpu.to(device)
         codes = encode_to_hifloat8(x, backend=backend)
-        ran = {backends.last_backend(ENCODE.name)}
         y = decode_from_hifloat8(codes, dtype, backend=backend)
-        ran.add(backends.last_backend(DECODE.name))
         reference = hifloat8.decode(hifloat8.encode(x_cpu), dtype)
         results.append(
             case_result(
-                backend=ran.pop() if len(ran) == 1 else "mixed",
+                backend=backend_that_ran(ENCODE.name, DECODE.name),
                 input_dtype=dtype,
                 output=y,
                 reference=reference,

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from lowbit import backends
-from lowbit.cli.smoke._common import case_result
+from lowbit.cli.smoke._common import backend_that_ran, case_result
 from lowbit.formats import mxfp4
 from lowbit.ops.mxfp4 import DEQUANTIZE, QUANTIZE, mxfp4_dequantize, mxfp4_quantize
 
@@ -37,13 +36,11 @@ def run(backend: str, device: torch.device) -> list[dict]:
     for dtype in mxfp4.INPUT_DTYPES:
         x_cpu = smoke_input(dtype)
         codes, scales = mxfp4_quantize(x_cpu.to(device), backend=backend)
-        ran = {backends.last_backend(QUANTIZE)}
         y = mxfp4_dequantize(codes, scales, dtype, backend=backend)
-        ran.add(backends.last_backend(DEQUANTIZE))
         ref_codes, ref_scales = mxfp4.quantize(x_cpu)
         results.append(
             case_result(
-                backend=ran.pop() if len(ran) == 1 else "mixed",
+                backend=backend_that_ran(QUANTIZE, DEQUANTIZE),
                 input_dtype=dtype,
                 output=y,
                 reference=mxfp4.dequantize(ref_codes, ref_scales, dtype),

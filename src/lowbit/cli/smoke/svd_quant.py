@@ -2,18 +2,18 @@
 
 Cases (B, S, N, K, R): decode (1, 1, 64, 128, 32), prefill (2, 33, 96, 128, 64) and a K % 64 == 32 case
 (1, 8, 40, 96, 32); data as the upstream test (U(-10, 10) in BF16, weights from dynamic_mx_quant).
-``matches_reference`` here means: within the upstream tolerance (rtol = atol = 1e-2) of the reference
-backend, because backends accumulate the matmuls in different orders (exact bit equality is reported
-separately as ``bitwise_equal_reference``). ``max_abs_error`` compares with x @ (d @ u + deq(w)^T) in
-FP32, i.e. the same layer with an unquantized activation.
+Backends accumulate the matmuls in different orders, so the contract is ``within_tolerance``: allclose
+with the reference backend at the upstream ``tolerance`` (rtol = atol = 1e-2). ``matches_reference``
+reports bit equality, as for every operator, but is not required here; ``bitwise_equal_reference`` is the
+same value under its older name. ``max_abs_error`` compares with x @ (d @ u + deq(w)^T) in FP32, i.e. the
+same layer with an unquantized activation.
 """
 
 from __future__ import annotations
 
 import torch
 
-from lowbit import backends
-from lowbit.cli.smoke._common import bits_equal, case_result
+from lowbit.cli.smoke._common import backend_that_ran, case_result
 from lowbit.formats import mxfp4
 from lowbit.formats import svd_quant as ref
 from lowbit.ops.svd_quant import ATOL, OP, RTOL, probe_inputs, svd_quant
@@ -33,7 +33,7 @@ def run(backend: str, device: torch.device) -> list[dict]:
         w_deq = mxfp4.dequantize(w, ref.weight_scales(s, k), torch.float32)
         dense = x.float() @ (d.float() @ u.float() + w_deq.T)
         result = case_result(
-            backend=backends.last_backend(OP),
+            backend=backend_that_ran(OP),
             input_dtype=torch.bfloat16,
             output=out,
             reference=want,
@@ -41,10 +41,9 @@ def run(backend: str, device: torch.device) -> list[dict]:
             expected_dtype=torch.bfloat16,
             expected_device=device,
             error_target=dense.reshape(b, s_len, n),
+            tolerance=(RTOL, ATOL),
             shape_bsnkr=[b, s_len, n, k, r],
-            bitwise_equal_reference=bits_equal(out, want),
         )
-        close = torch.allclose(out.cpu().float(), want.float(), rtol=RTOL, atol=ATOL)
-        result["matches_reference"] = bool(close)
+        result["bitwise_equal_reference"] = result["matches_reference"]
         results.append(result)
     return results

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from lowbit import backends
-from lowbit.cli.smoke._common import case_result
+from lowbit.cli.smoke._common import backend_that_ran, case_result
 from lowbit.formats import wqbmm as reference
 from lowbit.formats.int4 import unpack_int4
 from lowbit.ops.wqbmm import DISPATCHER, TEMPLATES, plan_weight_quant_batch_matmul, weight_quant_batch_matmul
@@ -61,7 +60,7 @@ def run(backend: str, device: torch.device) -> list[dict]:
                 y = _run_api(api, backend, device, *moved, template)
                 results.append(
                     case_result(
-                        backend=backends.last_backend(DISPATCHER.op),
+                        backend=backend_that_ran(DISPATCHER.op),
                         input_dtype=dtype,
                         output=y,
                         reference=expected,

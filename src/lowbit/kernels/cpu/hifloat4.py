@@ -2,11 +2,12 @@
 :mod:`lowbit.formats.hifloat4`.
 
 A tensor is seen as (outer, L, inner) around the quant dim; block n covers 64 elements spaced ``inner``
-apart. No transposed copy of the tensor is made: with ``inner > 1``, tiles of 64 x 32 blocks side by
-side go through a small scratch buffer. Tasks of about 256 blocks run in parallel, scheduled dynamically.
+apart. No transposed copy of the tensor is made: with ``inner > 1``, tiles of _BLOCKS_PER_TILE blocks
+side by side (64 x 32 elements) go through a small scratch buffer. Tasks of about _BLOCKS_PER_TASK blocks
+run in parallel, scheduled dynamically.
 
-Per block (formats.md 2.4, every fp32 operation of the reference in the same order), in loops that
-LLVM vectorizes:
+Per block (docs/hifloat4.md, section 'Quantization': every fp32 operation of the reference in the same
+order), in loops that LLVM vectorizes:
 
 1. one pass over the 16 4-groups: maxima compared as magnitude bits (non-finite elements count 0 and
    poison the block);
@@ -30,12 +31,14 @@ import numba
 import numpy as np
 import torch
 
+from lowbit.backends import Kernel
+from lowbit.dtypes import SAME_WIDTH_INT
 from lowbit.formats import hifloat4 as ref
+from lowbit.formats.hifloat4 import BLOCK
 from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, as_numpy, sync_threads
 
-BLOCK = ref.BLOCK
-_TASK_BLOCKS = 256  # blocks per parallel task
-_TILE_COLUMNS = 32  # blocks side by side in a tile when the quant dim is not the last
+_BLOCKS_PER_TASK = 256  # blocks per parallel task
+_BLOCKS_PER_TILE = 32  # blocks side by side in a tile when the quant dim is not the last
 
 _F0 = np.float32(0.0)
 _F_QUARTER = np.float32(0.25)
@@ -62,8 +65,7 @@ _KIND_F32, _KIND_BF16, _KIND_F16 = 0, 1, 2
 class _Format:
     """How a dtype's bit pattern (viewed as int16/int32) maps to fp32 and back."""
 
-    def __init__(self, int_view, mag_mask, inf_mag, shift, widen, kind):
-        self.int_view = int_view  # torch integer dtype of the same width
+    def __init__(self, mag_mask, inf_mag, shift, widen, kind):
         self.mag_mask = mag_mask  # magnitude bits (all but the sign)
         self.inf_mag = inf_mag  # magnitudes >= this are Inf or NaN
         self.shift = shift  # magnitude << shift is the fp32 bit pattern ...
@@ -72,9 +74,9 @@ class _Format:
 
 
 _FORMATS = {
-    torch.float32: _Format(torch.int32, 0x7FFFFFFF, 0x7F800000, 0, 1.0, _KIND_F32),
-    torch.bfloat16: _Format(torch.int16, 0x7FFF, 0x7F80, 16, 1.0, _KIND_BF16),
-    torch.float16: _Format(torch.int16, 0x7FFF, 0x7C00, 13, 2.0**112, _KIND_F16),
+    torch.float32: _Format(0x7FFFFFFF, 0x7F800000, 0, 1.0, _KIND_F32),
+    torch.bfloat16: _Format(0x7FFF, 0x7F80, 16, 1.0, _KIND_BF16),
+    torch.float16: _Format(0x7FFF, 0x7C00, 13, 2.0**112, _KIND_F16),
 }
 
 
@@ -101,8 +103,7 @@ def _scale_value(byte):
     return _float((((byte >> 2) + 79) << 23) | ((byte & 3) << 21))
 
 
-# bf16(1 / (1 + m / 4)) for the E6M2 mantissa m = 0..3 (formats.md 2.2).
-_RECIPROCAL_MANTISSA = np.array([1.0, 0.80078125, 0.66796875, 0.5703125], dtype=np.float32)
+_RECIPROCAL_MANTISSA = np.array(ref.RECIPROCAL_MANTISSA, dtype=np.float32)
 
 
 @numba.njit(**NJIT_OPTIONS)
@@ -284,18 +285,18 @@ def _fake_quant_rows(src, dst, first, last, mag_mask, inf_mag, shift, widen, kin
 def _fake_quant_tiles(src, dst, first, last, inner, mag_mask, inf_mag, shift, widen, kind, nan_bits):
     """Fake-quant tiles first..last-1 of an (outer, L, inner) tensor, inner > 1.
 
-    Tile t covers 64 rows along the quant dim and up to _TILE_COLUMNS neighbouring columns (one block per
-    column). It is copied, transposed, into a scratch tile with each block contiguous, quantized block by
+    Tile t covers 64 rows along the quant dim and up to _BLOCKS_PER_TILE neighbouring columns (one block
+    per column). It is copied, transposed, into a scratch tile with each block contiguous, quantized block by
     block as in the quant-dim-last case, and copied back: reading a block's 64 elements in place would
     hit one cache set per element when ``inner`` is a power of two.
     """
     work = _scratch()
-    tile_in = np.empty((_TILE_COLUMNS, BLOCK), src.dtype)
-    tile_out = np.empty((_TILE_COLUMNS, BLOCK), dst.dtype)
-    tiles_per_row = (inner + _TILE_COLUMNS - 1) // _TILE_COLUMNS
+    tile_in = np.empty((_BLOCKS_PER_TILE, BLOCK), src.dtype)
+    tile_out = np.empty((_BLOCKS_PER_TILE, BLOCK), dst.dtype)
+    tiles_per_row = (inner + _BLOCKS_PER_TILE - 1) // _BLOCKS_PER_TILE
     for t in range(first, last):
-        column = (t % tiles_per_row) * _TILE_COLUMNS
-        width = min(_TILE_COLUMNS, inner - column)
+        column = (t % tiles_per_row) * _BLOCKS_PER_TILE
+        width = min(_BLOCKS_PER_TILE, inner - column)
         base = (t // tiles_per_row) * BLOCK * inner + column
         for i in range(BLOCK):
             row = src[base + i * inner:base + i * inner + width]
@@ -313,18 +314,18 @@ def _fake_quant_tiles(src, dst, first, last, inner, mag_mask, inf_mag, shift, wi
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
 def _fake_quant_kernel(src, dst, n_blocks, inner, mag_mask, inf_mag, shift, widen, kind, nan_bits):
     """Fake-quant all blocks of flat (outer, L, inner) bit patterns ``src`` into ``dst`` in parallel tasks
-    of about _TASK_BLOCKS blocks."""
+    of about _BLOCKS_PER_TASK blocks."""
     if inner == 1:
         src_blocks = src.reshape(n_blocks, BLOCK)
         dst_blocks = dst.reshape(n_blocks, BLOCK)
-        n_tasks = (n_blocks + _TASK_BLOCKS - 1) // _TASK_BLOCKS
+        n_tasks = (n_blocks + _BLOCKS_PER_TASK - 1) // _BLOCKS_PER_TASK
         for task in numba.prange(n_tasks):
-            first = task * _TASK_BLOCKS
-            _fake_quant_rows(src_blocks, dst_blocks, first, min(n_blocks, first + _TASK_BLOCKS), mag_mask, inf_mag,
-                             shift, widen, kind, nan_bits)
+            first = task * _BLOCKS_PER_TASK
+            _fake_quant_rows(src_blocks, dst_blocks, first, min(n_blocks, first + _BLOCKS_PER_TASK), mag_mask,
+                             inf_mag, shift, widen, kind, nan_bits)
     else:
-        n_tiles = (n_blocks // inner) * ((inner + _TILE_COLUMNS - 1) // _TILE_COLUMNS)
-        tiles_per_task = max(1, _TASK_BLOCKS // _TILE_COLUMNS)
+        n_tiles = (n_blocks // inner) * ((inner + _BLOCKS_PER_TILE - 1) // _BLOCKS_PER_TILE)
+        tiles_per_task = max(1, _BLOCKS_PER_TASK // _BLOCKS_PER_TILE)
         n_tasks = (n_tiles + tiles_per_task - 1) // tiles_per_task
         for task in numba.prange(n_tasks):
             first = task * tiles_per_task
@@ -336,10 +337,10 @@ def _fake_quant_kernel(src, dst, n_blocks, inner, mag_mask, inf_mag, shift, wide
 def _pack_kernel(src, scale, value, n_blocks, mag_mask, inf_mag, shift, widen):
     """Pack contiguous blocks of ``src`` into ``scale`` (4 bytes per block) and ``value`` (32 per block)."""
     src = src.reshape(n_blocks, BLOCK)
-    n_tasks = (n_blocks + _TASK_BLOCKS - 1) // _TASK_BLOCKS
+    n_tasks = (n_blocks + _BLOCKS_PER_TASK - 1) // _BLOCKS_PER_TASK
     for task in numba.prange(n_tasks):
         work = _scratch()
-        for n in range(task * _TASK_BLOCKS, min(n_blocks, (task + 1) * _TASK_BLOCKS)):
+        for n in range(task * _BLOCKS_PER_TASK, min(n_blocks, (task + 1) * _BLOCKS_PER_TASK)):
             block_max, poisoned = _group_maxima(src, n, work, mag_mask, inf_mag, shift, widen)
             byte, r = _block_scale(_magnitude(block_max, mag_mask, shift, widen))
             _group_shifts(work, r, _F1)
@@ -380,9 +381,9 @@ def _out_bits(y, negative, kind):
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
 def _unpack_kernel(scale, value, dst, n_blocks, kind, nan_bits):
     """Decode packed blocks into output bit patterns ``dst`` (64 per block)."""
-    n_tasks = (n_blocks + _TASK_BLOCKS - 1) // _TASK_BLOCKS
+    n_tasks = (n_blocks + _BLOCKS_PER_TASK - 1) // _BLOCKS_PER_TASK
     for task in numba.prange(n_tasks):
-        for n in range(task * _TASK_BLOCKS, min(n_blocks, (task + 1) * _TASK_BLOCKS)):
+        for n in range(task * _BLOCKS_PER_TASK, min(n_blocks, (task + 1) * _BLOCKS_PER_TASK)):
             byte = np.int64(scale[4 * n])
             if byte == ref.POISON_BYTE:
                 for i in range(BLOCK):
@@ -398,53 +399,53 @@ def _unpack_kernel(scale, value, dst, n_blocks, kind, nan_bits):
                 dst[BLOCK * n + i] = _out_bits(y, nibble >= 8, kind)
 
 
-def _int_view(t: torch.Tensor) -> np.ndarray:
+def _bit_view(t: torch.Tensor) -> np.ndarray:
     """Flat numpy view of a contiguous CPU float tensor's bit patterns (int16 / int32)."""
-    if not t.is_contiguous():
-        raise ValueError(f"HiFloat4 CPU kernels need contiguous tensors, got strides {t.stride()}")
-    return as_numpy(t.view(_FORMATS[t.dtype].int_view)).reshape(-1)
+    return as_numpy(t.view(SAME_WIDTH_INT[t.dtype])).reshape(-1)
 
 
-def fake_quant_into(x: torch.Tensor, qdim: int, out: torch.Tensor) -> None:
-    """HiF4 fake-quant of contiguous CPU ``x`` along ``qdim`` into contiguous ``out`` (same shape and
-    dtype); equals :func:`lowbit.formats.hifloat4.fake_quant`. Errors as the reference's check_qdim."""
-    qdim = ref.check_qdim(x, qdim)
-    if x.numel() == 0:
-        return
-    fmt = _FORMATS[x.dtype]
-    inner = int(np.prod(x.shape[qdim + 1:], dtype=np.int64))
-    sync_threads()
-    with numba.parallel_chunksize(1):  # tasks go to whichever thread is free (robust to a busy core)
-        _fake_quant_kernel(_int_view(x), _int_view(out), x.numel() // BLOCK, inner, np.uint32(fmt.mag_mask),
-                           np.uint32(fmt.inf_mag), np.uint32(fmt.shift), np.float32(fmt.widen), fmt.kind,
-                           ref.NAN_BITS[x.dtype])
+class FakeQuant(Kernel):
+    """hifloat4_fake_quant on the CPU: contiguous FP16/BF16/FP32 ``x`` along ``qdim`` into contiguous
+    ``out`` of the same shape and dtype (the operator validated them); equals the reference bit for bit."""
+
+    def run(self, x: torch.Tensor, qdim: int, *, out: torch.Tensor) -> None:
+        qdim %= x.dim()
+        fmt = _FORMATS[x.dtype]
+        inner = int(np.prod(x.shape[qdim + 1:], dtype=np.int64))
+        sync_threads()
+        with numba.parallel_chunksize(1):  # tasks go to whichever thread is free (robust to a busy core)
+            _fake_quant_kernel(_bit_view(x), _bit_view(out), x.numel() // BLOCK, inner, np.uint32(fmt.mag_mask),
+                               np.uint32(fmt.inf_mag), np.uint32(fmt.shift), np.float32(fmt.widen), fmt.kind,
+                               ref.NAN_BITS[x.dtype])
 
 
-def pack(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """AMCT-packed HiF4 bytes of a 2-D CPU tensor; equals :func:`lowbit.formats.hifloat4.pack`."""
-    ref.check_pack_input(x)
-    rows, cols = x.shape
-    scale = torch.empty((rows, cols // BLOCK, 4), dtype=torch.uint8)
-    value = torch.empty((rows, cols // 2), dtype=torch.uint8)
-    if x.numel():
+class Pack(Kernel):
+    """hifloat4_pack on the CPU: contiguous 2-D ``x`` into contiguous uint8 ``out = (scale, value)`` of
+    shapes (rows, cols / 64, 4) and (rows, cols / 2) (the operator validated them)."""
+
+    def run(self, x: torch.Tensor, *, out: tuple[torch.Tensor, torch.Tensor]) -> None:
+        scale, value = out
         fmt = _FORMATS[x.dtype]
         sync_threads()
         with numba.parallel_chunksize(1):
-            _pack_kernel(_int_view(x.contiguous()), as_numpy(scale).reshape(-1), as_numpy(value).reshape(-1),
+            _pack_kernel(_bit_view(x), as_numpy(scale).reshape(-1), as_numpy(value).reshape(-1),
                          x.numel() // BLOCK, np.uint32(fmt.mag_mask), np.uint32(fmt.inf_mag),
                          np.uint32(fmt.shift), np.float32(fmt.widen))
-    return scale, value
 
 
-def unpack(scale: torch.Tensor, value: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Decode AMCT-packed HiF4 bytes on the CPU; equals :func:`lowbit.formats.hifloat4.unpack`."""
-    scale, value = ref.check_packed(scale, value, dtype)
-    rows, n_blocks = scale.shape[:2]
-    out = torch.empty((rows, n_blocks * BLOCK), dtype=dtype)
-    if out.numel():
-        fmt = _FORMATS[dtype]
+class Unpack(Kernel):
+    """hifloat4_unpack on the CPU: contiguous uint8 ``scale`` (rows, n_blocks, 4) and ``value``
+    (rows, n_blocks * 32) into contiguous ``out`` (rows, n_blocks * 64) of its dtype (the operator
+    validated the shapes: the numba kernel indexes without bounds checks)."""
+
+    def run(self, scale: torch.Tensor, value: torch.Tensor, dtype: torch.dtype | None, *,
+            out: torch.Tensor) -> None:
         sync_threads()
         with numba.parallel_chunksize(1):
-            _unpack_kernel(as_numpy(scale.contiguous()).reshape(-1), as_numpy(value.contiguous()).reshape(-1),
-                           _int_view(out), rows * n_blocks, fmt.kind, ref.NAN_BITS[dtype])
-    return out
+            _unpack_kernel(as_numpy(scale).reshape(-1), as_numpy(value).reshape(-1), _bit_view(out),
+                           out.numel() // BLOCK, _FORMATS[out.dtype].kind, ref.NAN_BITS[out.dtype])
+
+
+FAKE_QUANT = FakeQuant()
+PACK = Pack()
+UNPACK = Unpack()

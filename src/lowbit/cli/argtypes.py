@@ -1,0 +1,88 @@
+"""argparse ``type=`` functions that validate numbers and lists where they are parsed, so a bad value is a
+one-line usage error naming the argument (exit 2) instead of a failure deep inside a command."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Callable, Iterable, TypeVar
+
+T = TypeVar("T")
+
+
+def _number(text: str, kind: Callable[[str], T], what: str, ok: Callable[[T], bool]) -> T:
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1."""
+    return _number(text, int, "a positive integer", lambda v: v >= 1)
+
+
+def nonnegative_int(text: str) -> int:
+    """An integer >= 0."""
+    return _number(text, int, "a non-negative integer", lambda v: v >= 0)
+
+
+def nonnegative_float(text: str) -> float:
+    """A float >= 0 (infinity allowed, NaN not)."""
+    return _number(text, float, "a non-negative number", lambda v: v >= 0)
+
+
+def seed(text: str) -> int:
+    """A numpy seed: an integer in [0, 2**32)."""
+    return _number(text, int, "an integer seed in [0, 2**32)", lambda v: 0 <= v < 2**32)
+
+
+def comma_list(item: Callable[[str], T]) -> Callable[[str], list[T]]:
+    """'a,b,c' -> [item('a'), item('b'), item('c')]; at least one item, none empty."""
+
+    def parse(text: str) -> list[T]:
+        parts = text.split(",")
+        if not all(p.strip() for p in parts):
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list without empty items, got {text!r}")
+        return [item(p.strip()) for p in parts]
+
+    return parse
+
+
+def one_of(choices: Iterable[str]) -> Callable[[str], str]:
+    """One of ``choices`` (for items of a :func:`comma_list`)."""
+    choices = list(choices)
+
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise argparse.ArgumentTypeError(f"expected one of {', '.join(choices)}, got {text!r}")
+        return text
+
+    return parse
+
+
+def element_count(named: dict[str, int], multiple_of: int = 1) -> Callable[[str], int]:
+    """A named size ('1M') or a positive integer, which must be a multiple of ``multiple_of``."""
+
+    def parse(text: str) -> int:
+        n = named[text] if text in named else positive_int(text)
+        if n % multiple_of:
+            raise argparse.ArgumentTypeError(f"expected a multiple of {multiple_of}, got {text!r}")
+        return n
+
+    return parse
+
+
+def dims(count: int, sep: str = "x") -> Callable[[str], tuple[int, ...]]:
+    """'1x2x3' -> (1, 2, 3): exactly ``count`` positive integers."""
+
+    def parse(text: str) -> tuple[int, ...]:
+        parts = text.split(sep)
+        if len(parts) != count:
+            raise argparse.ArgumentTypeError(f"expected {count} positive integers joined by {sep!r}, got {text!r}")
+        return tuple(positive_int(p) for p in parts)
+
+    return parse
+

@@ -1,0 +1,125 @@
+"""Files the lowbit command writes are atomic (docs/cli.md, "Files"): an interrupted gen-data leaves the
+previous dataset intact and no staging folder; a new dataset replaces the old one as a whole; the helpers of
+lowbit.toolchain.files keep the old file or entries when writing fails."""
+
+import json
+import os
+
+import pytest
+
+from lowbit.cli import main as cli
+from lowbit.toolchain import files
+from lowbit.toolchain import wqbmm as sample
+
+SMALL = ["--m", "2", "--n", "64", "--k", "64", "--group-size", "32"]
+
+
+def snapshot(root):
+    """Every file under ``root`` (hidden ones included) -> its bytes."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def dataset(tmp_path):
+    root = tmp_path / "data"
+    assert cli.main(["wqbmm", "gen-data", "--dir", str(root), *SMALL, "--seed", "5"]) == 0
+    assert cli.main(["wqbmm", "run", "--dir", str(root), "--backend", "reference"]) == 0
+    return root
+
+
+def _fail_on_call(number, exc):
+    """A write_bytes_atomic that writes the first number - 1 files, then raises ``exc``."""
+    calls = []
+
+    def writer(path, data):
+        calls.append(path)
+        if len(calls) == number:
+            raise exc
+        files.write_bytes_atomic(path, data)
+
+    return writer
+
+
+@pytest.mark.parametrize("exc,code", [(OSError(28, "No space left on device"), 2), (KeyboardInterrupt(), 130)])
+def test_interrupted_gen_data_keeps_the_previous_dataset(dataset, monkeypatch, capsys, exc, code):
+    before = snapshot(dataset)
+    assert {"input/meta.json", "output/golden.bin", "output/output_z.bin"} <= set(before)
+    monkeypatch.setattr(sample, "write_bytes_atomic", _fail_on_call(3, exc))  # after x and the weight
+    assert cli.main(["wqbmm", "gen-data", "--dir", str(dataset), *SMALL, "--seed", "6"]) == code
+    assert capsys.readouterr().err.count("\n") == 1
+    assert snapshot(dataset) == before  # no new input beside the old golden, no staging folder left
+    assert not [p for p in dataset.iterdir() if p.name.startswith(".")]
+
+
+def test_new_dataset_replaces_the_old_one_as_a_whole(dataset):
+    old_golden = (dataset / "output/golden.bin").read_bytes()
+    assert cli.main(["wqbmm", "gen-data", "--dir", str(dataset), *SMALL, "--seed", "6"]) == 0
+    assert json.loads((dataset / "input/meta.json").read_text())["seed"] == 6
+    assert (dataset / "output/golden.bin").read_bytes() != old_golden
+    assert not (dataset / "output/output_z.bin").exists()  # the old data's output does not survive
+    assert not list(dataset.rglob(".*"))
+
+
+def test_gen_data_keeps_unrelated_files_of_the_folder(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    assert cli.main(["wqbmm", "gen-data", "--dir", str(tmp_path), *SMALL]) == 0
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["input", "input_input_weight_real.bin", "notes.txt", "output"]
+
+
+def test_failed_run_keeps_the_previous_output(dataset, monkeypatch, capsys):
+    before = snapshot(dataset)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("kernel exploded")
+
+    monkeypatch.setattr(sample, "tensor_bytes", broken)
+    assert cli.main(["wqbmm", "run", "--dir", str(dataset)]) == 2
+    assert "kernel exploded" in capsys.readouterr().err
+    assert snapshot(dataset) == before
+
+
+def test_profile_traces_leave_no_temporary_files(dataset, capsys):
+    assert cli.main(["wqbmm", "profile", "--dir", str(dataset), "--backends", "reference", "--repeats", "1"]) == 0
+    traces = sorted(p.name for p in (dataset / "output/profile").iterdir())
+    assert traces == ["basic_reference.json", "preload_reference.json"]
+    assert json.loads((dataset / "output/profile/basic_reference.json").read_text())
+
+
+def test_atomic_path_keeps_the_old_file_on_error(tmp_path):
+    target = tmp_path / "out.bin"
+    files.write_bytes_atomic(target, b"old")
+    with pytest.raises(ZeroDivisionError):
+        with files.atomic_path(target) as tmp:
+            tmp.write_bytes(b"half")
+            1 / 0
+    assert target.read_bytes() == b"old" and os.listdir(tmp_path) == ["out.bin"]
+    files.write_bytes_atomic(target, b"new")
+    assert target.read_bytes() == b"new" and os.listdir(tmp_path) == ["out.bin"]
+
+
+def test_staged_entries_put_the_old_entries_back_when_a_rename_fails(tmp_path, monkeypatch):
+    for name in ("a", "b"):
+        (tmp_path / name).write_text(f"old {name}")
+    real_rename = os.rename
+    calls = []
+
+    def rename(src, dst):
+        calls.append(src)
+        if len(calls) == 4:  # a and b renamed aside, new a renamed in, then new b fails
+            raise OSError(5, "I/O error")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(files.os, "rename", rename)
+    with pytest.raises(OSError, match="I/O error"):
+        with files.staged_entries(tmp_path, ["a", "b"]) as staging:
+            for name in ("a", "b"):
+                (staging / name).write_text(f"new {name}")
+    assert {p.name: p.read_text() for p in tmp_path.iterdir()} == {"a": "old a", "b": "old b"}
+
+
+def test_read_tensor_names_the_file(tmp_path):
+    path = tmp_path / "x.bin"
+    path.write_bytes(b"\0" * 6)
+    with pytest.raises(files.DatasetError, match="x.bin: 6 bytes, expected 8"):
+        files.read_tensor(path, sample.DTYPES["float16"], (2, 2))
