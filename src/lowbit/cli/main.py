@@ -1,4 +1,4 @@
-"""The ``lowbit`` command: info, smoke, bench, eval, and the WeightQuantBatchMatmul tool chain (wqbmm, verify)."""
+"""The ``lowbit`` command: info, smoke, bench, quantize, eval, and the WeightQuantBatchMatmul tool chain (wqbmm, verify)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 from lowbit import backends
 from lowbit.cli import bench as bench_pkg
 from lowbit.cli import evaluate as evaluate_cli
+from lowbit.cli import quantize as quantize_cli
 from lowbit.cli import smoke as smoke_pkg
 from lowbit.cli import wqbmm as wqbmm_cli
 
@@ -125,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     wqbmm_cli.add_subcommands(sub)  # wqbmm gen-data|run|profile|example, verify
     evaluate_cli.add_subcommand(sub)  # eval
+    quantize_cli.add_subcommand(sub)  # quantize
     return parser
 
 
