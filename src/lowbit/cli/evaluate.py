@@ -50,8 +50,16 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         write_atomically(_path(args.json), (to_json(rows) + "\n").encode())
     if args.plot:
         write_atomically(_path(args.plot), plot_rows(rows, f"lowbit eval --model {args.model}"))
-    print(to_json(rows) if args.json == "-" else format_table(rows))
+    print(to_json(rows) if args.json == "-" else format_table([_readable(r) for r in rows]))
     return 0
+
+
+_DIGITS = {"mean_cosine": 6, "nn_agreement": 3, "sqnr_db": 2, "perplexity": 4}
+
+
+def _readable(row: dict) -> dict:
+    """The row with each metric to a fixed number of decimals (a cosine of 0.99998 is not printed as 1)."""
+    return {k: f"{v:.{_DIGITS[k]}f}" if k in _DIGITS and isinstance(v, float) else v for k, v in row.items()}
 
 
 def _path(name: str) -> Path:

@@ -5,7 +5,7 @@ See docs/evaluation.md.
 
 from lowbit.evaluation.embeddings import compare_embeddings, sentence_embeddings
 from lowbit.evaluation.models import LoadedModel, load_model, minilm_dir
-from lowbit.evaluation.perplexity import perplexity, tokenize_text_file
+from lowbit.evaluation.ppl import perplexity, tokenize_text_file
 from lowbit.evaluation.run import NothingQuantized, evaluate_schemes
 from lowbit.evaluation.text import evaluation_and_calibration_sentences
 

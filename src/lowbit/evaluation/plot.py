@@ -28,10 +28,12 @@ def plot_rows(rows: list[dict], title: str) -> bytes:
     if not points:
         raise ValueError(f"no scheme has a finite {metric} to plot")
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
-    for r in points:
+    same_bits: dict[float, int] = {}
+    for r in sorted(points, key=lambda r: -r[metric]):
+        k = same_bits[r["bits_per_weight"]] = same_bits.get(r["bits_per_weight"], -1) + 1
         left.scatter(r["bits_per_weight"], r[metric], color="tab:blue")
         left.annotate(r["scheme"], (r["bits_per_weight"], r[metric]), textcoords="offset points",
-                      xytext=(4, 4), fontsize=8)
+                      xytext=(6, -11 * k), fontsize=8)  # labels of schemes with equal bits stacked downwards
     left.set_xlabel("bits per weight")
     left.set_ylabel({"sqnr_db": "embedding SQNR vs float (dB)", "perplexity": "perplexity"}[metric])
     left.grid(alpha=0.3)

@@ -22,7 +22,7 @@ from torch import nn
 from lowbit.evaluation import schemes as scheme_api
 from lowbit.evaluation.embeddings import compare_embeddings, run_text, sentence_embeddings
 from lowbit.evaluation.models import LoadedModel
-from lowbit.evaluation.perplexity import AMCT_SEQLEN, perplexity
+from lowbit.evaluation.ppl import AMCT_SEQLEN, perplexity
 from lowbit.evaluation.text import evaluation_and_calibration_sentences
 
 

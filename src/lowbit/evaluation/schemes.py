@@ -1,4 +1,4 @@
-"""The one place evaluation and the CLI call the model-level quantization API (:mod:`lowbit.quantize`)."""
+"""The one place evaluation and the CLI call the model-level quantization API (``lowbit.quantize`` & co)."""
 
 from __future__ import annotations
 
@@ -7,35 +7,35 @@ from typing import Any, Callable, Mapping
 
 from torch import nn
 
-import lowbit.quantize as q
+import lowbit
 
 
 def names() -> list[str]:
     """Every named scheme, in the library's order."""
-    return list(q.SCHEMES)
+    return list(lowbit.SCHEMES)
 
 
 def check_names(schemes: list[str]) -> None:
     """ValueError naming the unknown ones (and listing the known) if any name is not a scheme; also if empty."""
     if not schemes:
-        raise ValueError(f"no scheme given; known: {','.join(q.SCHEMES)}")
-    unknown = [s for s in schemes if s not in q.SCHEMES]
+        raise ValueError(f"no scheme given; known: {','.join(lowbit.SCHEMES)}")
+    unknown = [s for s in schemes if s not in lowbit.SCHEMES]
     if unknown:
-        raise ValueError(f"unknown scheme(s) {','.join(unknown)}; known: {','.join(q.SCHEMES)}")
+        raise ValueError(f"unknown scheme(s) {','.join(unknown)}; known: {','.join(lowbit.SCHEMES)}")
 
 
 def bits_per_weight(scheme: str) -> float:
     """The scheme's nominal bits per weight (element bits plus block scales)."""
-    return float(q.SCHEMES[scheme].bits_per_weight)
+    return float(lowbit.SCHEMES[scheme].bits_per_weight)
 
 
 def needs_calibration(scheme: str) -> bool:
-    return bool(q.SCHEMES[scheme].needs_calibration)
+    return bool(lowbit.SCHEMES[scheme].needs_calibration)
 
 
 def quantize_model(model: nn.Module, *, scheme: str | None = None, config: Mapping[str, Any] | None = None,
                    calibrate: Callable[[nn.Module], None] | None = None,
-                   amct_compat: bool = False) -> q.QuantizeReport:
+                   amct_compat: bool = False) -> lowbit.QuantizeReport:
     """Quantize ``model`` in place with a named ``scheme`` or an AMCT-schema ``config`` (exactly one).
 
     A data-free scheme goes through :func:`lowbit.quantize_`; otherwise :func:`lowbit.quantize`, then
@@ -46,24 +46,24 @@ def quantize_model(model: nn.Module, *, scheme: str | None = None, config: Mappi
     if (scheme is None) == (config is None):
         raise ValueError("give exactly one of scheme and config")
     if scheme is not None and not needs_calibration(scheme) and not amct_compat:
-        return q.quantize_(model, scheme)
+        return lowbit.quantize_(model, scheme)
     if scheme is not None and calibrate is None:
         raise ValueError(f"scheme {scheme} needs calibration data")
-    first = q.quantize(model, scheme if scheme is not None else config, amct_compat=amct_compat)
+    first = lowbit.quantize(model, scheme if scheme is not None else config, amct_compat=amct_compat)
     if calibrate is not None:
         calibrate(model)
-    converted = q.convert(model)
-    return q.QuantizeReport("convert", scheme or "", amct_compat, {**first.layers, **converted.layers})
+    converted = lowbit.convert(model)
+    return lowbit.QuantizeReport("convert", scheme or "", amct_compat, {**first.layers, **converted.layers})
 
 
 def save(model: nn.Module, directory: str | os.PathLike) -> None:
     """:func:`lowbit.save_quantized`."""
-    q.save_quantized(model, directory)
+    lowbit.save_quantized(model, directory)
 
 
 def load(directory: str | os.PathLike, skeleton: nn.Module) -> nn.Module:
     """:func:`lowbit.load_quantized` into ``skeleton`` (which may be on the meta device)."""
-    return q.load_quantized(directory, skeleton)
+    return lowbit.load_quantized(directory, skeleton)
 
 
 def float_bytes(model: nn.Module) -> int:
