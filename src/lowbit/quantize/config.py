@@ -322,3 +322,22 @@ def _parse(config: Mapping, amct_compat: bool) -> QuantConfig:
             raise ValueError("config has no algorithm: nothing would be quantized (AMCT quantizes nothing silently)")
         warnings.warn("config has no algorithm: AMCT quantizes nothing", stacklevel=3)
     return QuantConfig(weights, inputs, algorithms, skip_layers, tuple(overrides), batch_num, amct_compat)
+
+
+@dataclass(frozen=True)
+class LayerConfig:
+    """The resolved config of one selected layer (what its calibration module receives)."""
+
+    name: str
+    weights: WeightSpec
+    inputs: InputSpec
+    algorithm: AlgorithmSpec
+    batch_num: int = 1
+    amct_compat: bool = False
+
+    def describe(self) -> str:
+        """e.g. ``hifloat8 w channel / hifloat8 a tensor (ofmr)``."""
+        w = self.weights
+        wdesc = f"{w.type} w {w.strategy}" + (f" {w.group_size}" if w.group_size else "")
+        adesc = f"{self.inputs.type} a {self.inputs.strategy}" if self.inputs.enabled else "weight-only"
+        return f"{wdesc} / {adesc} ({self.algorithm.name})"

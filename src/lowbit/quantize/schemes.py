@@ -96,3 +96,8 @@ def get_scheme(name: str) -> Scheme:
         return SCHEMES[name]
     except (KeyError, TypeError):
         raise ValueError(f"unknown quantization scheme {name!r}; known: {sorted(SCHEMES)}") from None
+
+
+# AMCT's default when quantize() gets no config: INT8_MINMAX_WEIGHT_QUANT_CFG.
+AMCT_DEFAULT_CONFIG: Mapping[str, Any] = _freeze(
+    _cfg({"type": "int8", "symmetric": True, "strategy": "channel"}, None, "minmax"))
