@@ -16,7 +16,8 @@ MODEL_HELP = ("'minilm' (the packaged all-MiniLM-L6-v2), a local Hugging Face mo
 
 
 def one_line_errors(command: str):
-    """Decorate a command: expected failures (bad values, files, types, missing packages) print
+    """Decorate a command: expected failures (bad values, files, types, missing packages, a model that
+    cannot run: ValueError, TypeError, RuntimeError, OSError, ImportError) print
     ``lowbit <command>: error: <message>`` as one line on stderr and return :data:`EXIT_BAD_INPUT`."""
 
     def wrap(func):
@@ -24,7 +25,7 @@ def one_line_errors(command: str):
         def run(args) -> int:
             try:
                 return func(args)
-            except (ValueError, TypeError, OSError, ImportError) as exc:
+            except (ValueError, TypeError, RuntimeError, OSError, ImportError) as exc:
                 message = " ".join(str(exc).split()) or type(exc).__name__
                 print(f"lowbit {command}: error: {message}", file=sys.stderr)
                 return EXIT_BAD_INPUT
