@@ -51,13 +51,17 @@ class Calibrator:
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], cfg: LayerConfig):
         self.weight, self.bias, self.cfg = weight.detach(), None if bias is None else bias.detach(), cfg
         self.kind = layer_act_kind(cfg)
+        self.weight_params = self.initial_weight_params()  # at quantize() time, as AMCT (errors surface there)
+
+    def initial_weight_params(self) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """Weight (scale, offset) computable without data: MinMax's."""
+        return minmax_weight_scale(self.weight, self.cfg)
 
     def observe(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """Record one calibration call (input x, float output y)."""
 
     def finalize(self) -> QuantParams:
-        scale, offset = minmax_weight_scale(self.weight, self.cfg)
-        return QuantParams(scale, offset)
+        return QuantParams(*self.weight_params)
 
 
 class MinMaxCalibrator(Calibrator):
@@ -74,19 +78,18 @@ class MinMaxCalibrator(Calibrator):
         self.vmin = bmin if self.vmin is None else torch.minimum(self.vmin, bmin)
 
     def finalize(self):
-        params = super().finalize()
         if not self.needs_data:
-            return params
+            return super().finalize()
         act_scale, _ = alg.calculate_scale_offset(self.vmax, self.vmin, True, self.cfg.inputs.type)
-        return QuantParams(params.weight_scale, params.weight_offset, act_scale=act_scale)
+        return QuantParams(*self.weight_params, act_scale=act_scale)
 
 
 class CastCalibrator(Calibrator):
     """Cast: HiF8 weight scale max/16 (signed max in compat), process_scale; scaleless activations."""
 
-    def finalize(self):
+    def initial_weight_params(self):
         compat = self.cfg.amct_compat
-        return QuantParams(alg.hif8_max_scale(self.weight, self.cfg.weights.strategy, signed_max=compat, guard=True))
+        return alg.hif8_max_scale(self.weight, self.cfg.weights.strategy, signed_max=compat, guard=True), None
 
 
 class QuantileCalibrator(Calibrator):
@@ -100,9 +103,13 @@ class QuantileCalibrator(Calibrator):
     def observe(self, x, y):
         self.ema = alg.ema_update(self.ema, x.detach().abs().max().reshape(1))
 
+    def initial_weight_params(self):
+        compat = self.cfg.amct_compat
+        return alg.hif8_max_scale(self.weight, self.cfg.weights.strategy, signed_max=compat, guard=not compat), None
+
     def finalize(self):
         compat = self.cfg.amct_compat
-        scale = alg.hif8_max_scale(self.weight, self.cfg.weights.strategy, signed_max=compat, guard=not compat)
+        scale = self.weight_params[0]
         if not self.needs_data:
             return QuantParams(scale)
         act_scale = self.ema / alg.FLOAT_SCOPE["hifloat8"]
@@ -121,6 +128,9 @@ class OfmrCalibrator(Calibrator):
     def __init__(self, weight, bias, cfg):
         super().__init__(weight, bias, cfg)
         self.w_losses = self.d_losses = None
+
+    def initial_weight_params(self):
+        return None, None
 
     def observe(self, x, y):
         per_channel = self.cfg.weights.strategy == "channel"
@@ -151,6 +161,9 @@ class SmoothQuantCalibrator(Calibrator):
     def __init__(self, weight, bias, cfg):
         super().__init__(weight, bias, cfg)
         self.vmax = self.vmin = None
+
+    def initial_weight_params(self):
+        return None, None
 
     def observe(self, x, y):
         flat = x.detach().reshape(-1, x.shape[-1])
