@@ -162,3 +162,34 @@ def test_process_scale_rejects_nan_and_calculate_scale_offset_never_returns_inf(
     assert (scale.tolist(), offset.tolist()) == ([1.0], [-128])
     assert math.isfinite(alg.calculate_scale_offset(torch.tensor([3e38]), torch.tensor([-3e38]), True,
                                                     "float8_e4m3fn")[0].item())
+
+
+def _calibrated_pair(scheme, compat, dtype=torch.bfloat16):
+    torch.manual_seed(11)
+    model = nn.Sequential(nn.Linear(64, 32).to(dtype))
+    x = (torch.randn(8, 64) * 3).to(dtype)
+    lowbit.quantize(model, scheme, amct_compat=compat)
+    model(x)
+    fake = model(x)
+    lowbit.convert(model)
+    return model[0], x, fake, model(x)
+
+
+def test_compat_deploy_multiplies_by_the_rounded_reciprocal_of_the_activation_scale():
+    layer, x, fake, deployed = _calibrated_pair("hif8-w8a8-quantile", compat=True)
+    s = layer.act_scale
+    assert (1 / s).to(torch.bfloat16).float() != 1 / s  # the case where deploy and fake quant differ
+    from lowbit.formats import hifloat8
+    x_q = hifloat8.decode(hifloat8.encode(x.float() * (1 / s).to(torch.bfloat16).float()), torch.float32)
+    expected = torch.nn.functional.linear((x_q * s).to(torch.bfloat16), layer.dequantized_weight(), layer.bias)
+    assert torch.equal(deployed, expected)
+    x_fq = hifloat8.decode(hifloat8.encode(x.float() / s), torch.bfloat16) * s.to(torch.bfloat16)
+    assert torch.equal(fake, torch.nn.functional.linear(x_fq, layer.dequantized_weight(), layer.bias))
+    # Default mode: deploy divides like fake quant, so the two agree bit for bit.
+    _, _, fake, deployed = _calibrated_pair("hif8-w8a8-quantile", compat=False)
+    assert torch.equal(fake, deployed)
+
+
+def test_compat_ofmr_power_of_two_scales_make_deploy_equal_fake_quant():
+    _, _, fake, deployed = _calibrated_pair("hif8-w8a8-ofmr", compat=True)
+    assert torch.equal(fake, deployed)
