@@ -180,3 +180,13 @@ def test_wrong_dtype_or_shape_of_a_stored_tensor_is_named(tmp_path):
     with pytest.raises(CheckpointError, match=r"tensor 'norm.weight' is torch.float32 \(64,\)"):
         lowbit.load_quantized(path, model)
     assert not any(isinstance(m, QuantizedLinearBase) for m in model.modules())
+
+
+def test_import_lowbit_does_not_import_optional_packages():
+    import subprocess
+    import sys
+
+    code = ("import sys, lowbit; lowbit.quantize, lowbit.save_quantized, lowbit.QuantizeReport; "
+            "print(sorted(m for m in ('safetensors', 'transformers', 'numba') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=os.environ)
+    assert out.stdout.strip() == "[]"

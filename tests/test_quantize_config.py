@@ -110,6 +110,9 @@ def test_amct_type_errors():
         lowbit.quantize(model(), ["ofmr"])
     with pytest.raises(TypeError, match="Inputs quant_dtype is unset"):  # AMCT fails building the comb
         lowbit.quantize(model(), cfg(inputs={"symmetric": True}), amct_compat=True)
+    with pytest.raises(TypeError, match="Inputs quant_dtype is unset"):  # 'inputs': {} as well
+        lowbit.quantize(model(), cfg(inputs={}), amct_compat=True)
+    assert not QuantConfig.from_dict(cfg(inputs={})).inputs.enabled  # default: {} means weight-only
 
 
 def test_quirk_decisions_in_config():
