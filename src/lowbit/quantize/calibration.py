@@ -119,24 +119,28 @@ class QuantileCalibrator(Calibrator):
         return QuantParams(scale, act_scale=act_scale if compat else alg.process_scale(act_scale)[0])
 
 
-class OfmrCalibrator(Calibrator):
-    """OFMR: for each candidate 2^e, output MSE with fake-quantized weights (per channel for ``channel``) and,
-    separately, with fake-quantized activations; argmin at the last calibration call."""
+class WeightsFromDataCalibrator(Calibrator):
+    """Base of the algorithms whose weight scales also come from the calibration data."""
 
     needs_data = True
+
+    def initial_weight_params(self):
+        return None, None
+
+
+class OfmrCalibrator(WeightsFromDataCalibrator):
+    """OFMR: for each candidate 2^e, output MSE with fake-quantized weights (per channel for ``channel``) and,
+    separately, with fake-quantized activations; argmin at the last calibration call."""
 
     def __init__(self, weight, bias, cfg):
         super().__init__(weight, bias, cfg)
         self.w_losses = self.d_losses = None
 
-    def initial_weight_params(self):
-        return None, None
-
     def observe(self, x, y):
         per_channel = self.cfg.weights.strategy == "channel"
         w_losses, d_losses = [], []
         for e in alg.OFMR_EXPONENTS:
-            s = torch.tensor([2.0**e])
+            s = torch.tensor([2.0**e], device=self.weight.device)
             w_fq = fake_quant_weight(self.cfg.weights.type, self.weight, s)
             w_losses.append(alg.ofmr_mse(y, F.linear(x, w_fq, self.bias), per_channel))
             if self.kind != "none":
@@ -153,17 +157,12 @@ class OfmrCalibrator(Calibrator):
         return QuantParams(alg.ofmr_pick(self.w_losses), act_scale=act_scale)
 
 
-class SmoothQuantCalibrator(Calibrator):
+class SmoothQuantCalibrator(WeightsFromDataCalibrator):
     """SmoothQuant: running per-input-channel max/min of x; sigma, then scales of W * sigma and x / sigma."""
-
-    needs_data = True
 
     def __init__(self, weight, bias, cfg):
         super().__init__(weight, bias, cfg)
         self.vmax = self.vmin = None
-
-    def initial_weight_params(self):
-        return None, None
 
     def observe(self, x, y):
         flat = x.detach().reshape(-1, x.shape[-1])
