@@ -45,6 +45,15 @@ def _scaled_hif8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return hif8_round_trip(x.to(torch.float32) / scale).to(x.dtype) * scale.to(x.dtype)
 
 
+def deploy_static_input(x: torch.Tensor, kind: str, scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """AMCT's deploy path for a static scale: ``Q(x * rd(1 / s))`` with ``rd`` the rounding to ``out_dtype``
+    (``npu_quantize`` multiply form), dequantized by the float32 ``s``; result in ``out_dtype``."""
+    reciprocal = (1 / scale).to(out_dtype).to(torch.float32)
+    v = x.to(torch.float32) * reciprocal
+    q = hif8_round_trip(v) if kind == "hif8_static" else e4m3_values(e4m3_codes(v))
+    return (q * scale).to(out_dtype)
+
+
 def fake_quant_input(x: torch.Tensor, kind: str, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Quantize-dequantize ``x`` (..., K) by ``kind``; ``scale`` (float32 [1]) for the static kinds."""
     if kind == "none":

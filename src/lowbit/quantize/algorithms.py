@@ -51,7 +51,7 @@ def calculate_scale_offset(vmax: torch.Tensor, vmin: torch.Tensor, symmetric: bo
     if symmetric:
         bound = torch.maximum(vmax.abs(), vmin.abs())
         if bits is None:
-            scope = torch.tensor(FLOAT_SCOPE[dtype_name])
+            scope = FLOAT_SCOPE[dtype_name]
         else:
             scope = 2 ** (bits - 1) - 1 + (vmax.abs() < vmin.abs()).to(torch.float32)
         scale, _ = process_scale(bound / scope)
@@ -110,7 +110,7 @@ def ofmr_pick(losses: torch.Tensor) -> torch.Tensor:
     best, index = losses.min(dim=0)
     if not bool(torch.isfinite(best).all()):
         raise RuntimeError("ofmr: every candidate scale gave a non-finite output error")
-    exponents = torch.tensor(OFMR_EXPONENTS, dtype=torch.float32)[index]
+    exponents = torch.tensor(OFMR_EXPONENTS, dtype=torch.float32, device=losses.device)[index]
     return torch.exp2(exponents)
 
 

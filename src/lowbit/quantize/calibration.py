@@ -51,13 +51,17 @@ class Calibrator:
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], cfg: LayerConfig):
         self.weight, self.bias, self.cfg = weight.detach(), None if bias is None else bias.detach(), cfg
         self.kind = layer_act_kind(cfg)
+        self.weight_params = self.initial_weight_params()  # at quantize() time, as AMCT (errors surface there)
+
+    def initial_weight_params(self) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """Weight (scale, offset) computable without data: MinMax's."""
+        return minmax_weight_scale(self.weight, self.cfg)
 
     def observe(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """Record one calibration call (input x, float output y)."""
 
     def finalize(self) -> QuantParams:
-        scale, offset = minmax_weight_scale(self.weight, self.cfg)
-        return QuantParams(scale, offset)
+        return QuantParams(*self.weight_params)
 
 
 class MinMaxCalibrator(Calibrator):
@@ -74,19 +78,18 @@ class MinMaxCalibrator(Calibrator):
         self.vmin = bmin if self.vmin is None else torch.minimum(self.vmin, bmin)
 
     def finalize(self):
-        params = super().finalize()
         if not self.needs_data:
-            return params
+            return super().finalize()
         act_scale, _ = alg.calculate_scale_offset(self.vmax, self.vmin, True, self.cfg.inputs.type)
-        return QuantParams(params.weight_scale, params.weight_offset, act_scale=act_scale)
+        return QuantParams(*self.weight_params, act_scale=act_scale)
 
 
 class CastCalibrator(Calibrator):
     """Cast: HiF8 weight scale max/16 (signed max in compat), process_scale; scaleless activations."""
 
-    def finalize(self):
+    def initial_weight_params(self):
         compat = self.cfg.amct_compat
-        return QuantParams(alg.hif8_max_scale(self.weight, self.cfg.weights.strategy, signed_max=compat, guard=True))
+        return alg.hif8_max_scale(self.weight, self.cfg.weights.strategy, signed_max=compat, guard=True), None
 
 
 class QuantileCalibrator(Calibrator):
@@ -100,9 +103,13 @@ class QuantileCalibrator(Calibrator):
     def observe(self, x, y):
         self.ema = alg.ema_update(self.ema, x.detach().abs().max().reshape(1))
 
+    def initial_weight_params(self):
+        compat = self.cfg.amct_compat
+        return alg.hif8_max_scale(self.weight, self.cfg.weights.strategy, signed_max=compat, guard=not compat), None
+
     def finalize(self):
         compat = self.cfg.amct_compat
-        scale = alg.hif8_max_scale(self.weight, self.cfg.weights.strategy, signed_max=compat, guard=not compat)
+        scale = self.weight_params[0]
         if not self.needs_data:
             return QuantParams(scale)
         act_scale = self.ema / alg.FLOAT_SCOPE["hifloat8"]
@@ -112,11 +119,18 @@ class QuantileCalibrator(Calibrator):
         return QuantParams(scale, act_scale=act_scale if compat else alg.process_scale(act_scale)[0])
 
 
-class OfmrCalibrator(Calibrator):
-    """OFMR: for each candidate 2^e, output MSE with fake-quantized weights (per channel for ``channel``) and,
-    separately, with fake-quantized activations; argmin at the last calibration call."""
+class WeightsFromDataCalibrator(Calibrator):
+    """Base of the algorithms whose weight scales also come from the calibration data."""
 
     needs_data = True
+
+    def initial_weight_params(self):
+        return None, None
+
+
+class OfmrCalibrator(WeightsFromDataCalibrator):
+    """OFMR: for each candidate 2^e, output MSE with fake-quantized weights (per channel for ``channel``) and,
+    separately, with fake-quantized activations; argmin at the last calibration call."""
 
     def __init__(self, weight, bias, cfg):
         super().__init__(weight, bias, cfg)
@@ -126,7 +140,7 @@ class OfmrCalibrator(Calibrator):
         per_channel = self.cfg.weights.strategy == "channel"
         w_losses, d_losses = [], []
         for e in alg.OFMR_EXPONENTS:
-            s = torch.tensor([2.0**e])
+            s = torch.tensor([2.0**e], device=self.weight.device)
             w_fq = fake_quant_weight(self.cfg.weights.type, self.weight, s)
             w_losses.append(alg.ofmr_mse(y, F.linear(x, w_fq, self.bias), per_channel))
             if self.kind != "none":
@@ -143,10 +157,8 @@ class OfmrCalibrator(Calibrator):
         return QuantParams(alg.ofmr_pick(self.w_losses), act_scale=act_scale)
 
 
-class SmoothQuantCalibrator(Calibrator):
+class SmoothQuantCalibrator(WeightsFromDataCalibrator):
     """SmoothQuant: running per-input-channel max/min of x; sigma, then scales of W * sigma and x / sigma."""
-
-    needs_data = True
 
     def __init__(self, weight, bias, cfg):
         super().__init__(weight, bias, cfg)

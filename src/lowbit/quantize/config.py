@@ -173,7 +173,7 @@ def parse_inputs(d: Mapping, amct_compat: bool, where: str = "inputs") -> InputS
     enable = d.get("enable_quant", True)
     if not isinstance(enable, bool):
         raise ValueError(f"Inputs enable_quant only support bool [True, False], but got {enable!r} ({where})")
-    if not d or not enable:
+    if not enable or (not d and not amct_compat):
         return NO_INPUTS
     types = AMCT_INPUT_TYPES + (() if amct_compat else LOWBIT_INPUT_TYPES)
     itype = d.get("type")
@@ -299,7 +299,7 @@ def _parse(config: Mapping, amct_compat: bool) -> QuantConfig:
                 f"in .weights / .inputs / .kvcache)"
             )
     weights = parse_weights(quant_cfg.get("weights", {}), amct_compat)
-    inputs = parse_inputs(quant_cfg.get("inputs", {}), amct_compat)
+    inputs = parse_inputs(quant_cfg["inputs"], amct_compat) if "inputs" in quant_cfg else NO_INPUTS
     _check_kvcache(quant_cfg.get("kvcache", {}))
     for key, value in quant_cfg.items():
         if key in ("weights", "inputs", "kvcache"):

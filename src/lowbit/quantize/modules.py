@@ -25,7 +25,7 @@ from lowbit.errors import DtypeError, ShapeError
 from lowbit.nn.svdquant import svdquant_decompose
 from lowbit.ops.svd_quant import svd_quant
 from lowbit.ops.wqbmm import PackedWeight, plan_weight_quant_batch_matmul
-from lowbit.quantize.activations import fake_quant_input
+from lowbit.quantize.activations import STATIC_KINDS, deploy_static_input, fake_quant_input
 from lowbit.quantize.calibration import QuantParams, layer_act_kind, make_calibrator, smoothed_weight
 from lowbit.quantize.config import LayerConfig
 from lowbit.quantize.weight_formats import WEIGHT_FORMATS
@@ -87,10 +87,18 @@ class QuantizedLinearBase(nn.Module):
                     if k not in ("kind", "in_features", "out_features", "weight_dtype", "bias", "tensors")}
         return cls(name, meta["in_features"], meta["out_features"], dtype, cfg_meta, tensors, bias)
 
-    def quantize_input(self, x: torch.Tensor) -> torch.Tensor:
-        """Smoothing (x / sigma) then activation fake quant; result in x's dtype."""
-        xs = x / self.smooth if "smooth" in self._buffers else x
-        return fake_quant_input(xs, self.cfg_meta["act_kind"], self._buffers.get("act_scale")).to(x.dtype)
+    def quantize_input(self, x: torch.Tensor, deploy: bool = True) -> torch.Tensor:
+        """Smoothing then activation fake quant; result in x's dtype. Fake quant divides by sigma and s_d;
+        the deploy path of an ``amct_compat`` layer multiplies by their reciprocals rounded to the weight /
+        output dtype, as AMCT's deploy ops (docs/quantize.md, "Fake quant vs deploy")."""
+        npu_rounding = deploy and self.cfg_meta.get("amct_compat", False)
+        xs = x
+        if "smooth" in self._buffers:
+            xs = x * (1 / self.smooth) if npu_rounding else x / self.smooth
+        kind, scale = self.cfg_meta["act_kind"], self._buffers.get("act_scale")
+        if npu_rounding and kind in STATIC_KINDS:
+            return deploy_static_input(xs, kind, scale, x.dtype)
+        return fake_quant_input(xs, kind, scale).to(x.dtype)
 
     def compute(self, x_q: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -155,7 +163,7 @@ class SVDQuantLinearDeploy(QuantizedLinearBase):
 
     kind = "svdquant"
 
-    def quantize_input(self, x):
+    def quantize_input(self, x, deploy=True):
         return x  # the operator quantizes the activations itself
 
     def compute(self, x_q):
@@ -177,7 +185,7 @@ def build_deploy(name: str, weight: torch.Tensor, bias: Optional[torch.Tensor], 
         n, k = w.shape
         spec = cfg.weights
         meta = {"format": cfg.describe(), "weight_type": spec.type, "group_size": spec.group_size,
-                "act_kind": layer_act_kind(cfg), "algorithm": cfg.algorithm.name}
+                "act_kind": layer_act_kind(cfg), "algorithm": cfg.algorithm.name, "amct_compat": cfg.amct_compat}
         if cfg.algorithm.name == "svdquant":
             ws, s, d, u = svdquant_decompose(w, cfg.algorithm.options.get("rank", 32))
             tensors = {"w": ws, "s": s, "down": d, "up": u}
@@ -249,8 +257,8 @@ class CalibrationLinear(nn.Module):
                 return y
             fake = self._deploy_equivalent()
             if self._fake_weight is None:  # svdquant: the operator is the fake quant
-                return fake.compute(fake.quantize_input(x))
-            return F.linear(fake.quantize_input(x), self._fake_weight, self.bias)
+                return fake.compute(fake.quantize_input(x, deploy=False))
+            return F.linear(fake.quantize_input(x, deploy=False), self._fake_weight, self.bias)
 
     def extra_repr(self) -> str:
         state = "calibrated" if self.calibrated else f"calibrating {self.calls}/{self.layer_config.batch_num}"

@@ -19,8 +19,6 @@ from lowbit.quantize.weight_formats import WEIGHT_FORMATS
 
 IMPLEMENTED_ALGORITHMS = ("minmax", "smoothquant", "mxquant", "ofmr", "cast", "quantile", "svdquant")
 IMPLEMENTED_INPUT_TYPES = ("hifloat8", "float8_e4m3fn", "mxfp8_e4m3fn", "mxfp4_e2m1")
-# Element count along K that a format's blocks need.
-K_MULTIPLE = {"mxfp8_e4m3fn": 32, "mxfp4_e2m1": 32, "hifloat4": 64}
 
 
 @dataclass(frozen=True)
@@ -55,11 +53,7 @@ def check_shape(name: str, linear: nn.Linear, cfg: LayerConfig) -> None:
     spec = cfg.weights
     if spec.group_size is not None and k % spec.group_size:
         raise ShapeError(f"layer {name!r}: group size {spec.group_size} does not divide K = {k}")
-    need = K_MULTIPLE.get(spec.type)
-    if need and k % need:
-        raise ShapeError(f"layer {name!r}: {spec.type} weights need K divisible by {need}, got K = {k}")
-    if cfg.inputs.type in K_MULTIPLE and k % K_MULTIPLE[cfg.inputs.type]:
-        raise ShapeError(f"layer {name!r}: {cfg.inputs.type} activations need K divisible by 32, got K = {k}")
+    # Block formats (MX, HiF4) are configured with their block as group size, so this covers them too.
     if spec.type == "int4" and n % 2:
         raise ShapeError(f"layer {name!r}: int4 weights pack two columns per byte, N = {n} is odd")
     if cfg.algorithm.name == "svdquant":
