@@ -1,38 +1,14 @@
-"""What ``lowbit quantize`` and ``lowbit eval`` share: the --model argument, progress bars, one-line errors."""
+"""What ``lowbit quantize`` and ``lowbit eval`` share: the --model argument, progress bars, reading a JSON file.
+(One-line errors and exit 2: lowbit.cli.main, docs/cli.md.)"""
 
 from __future__ import annotations
 
-import functools
 import json
 import sys
 from pathlib import Path
 
-from lowbit.toolchain.files import write_bytes_atomic as write_atomically  # the one atomic file writer
-
-EXIT_BAD_INPUT = 2  # bad argument, unreadable or malformed file, missing optional package, unusable model
-
 MODEL_HELP = ("'minilm' (the packaged all-MiniLM-L6-v2), a local Hugging Face model directory, or "
               "'module:function' returning (torch.nn.Module, input batch tensor)")
-
-
-def one_line_errors(command: str):
-    """Decorate a command: expected failures (bad values, files, types, missing packages, a model that
-    cannot run: ValueError, TypeError, RuntimeError, OSError, ImportError) print
-    ``lowbit <command>: error: <message>`` as one line on stderr and return :data:`EXIT_BAD_INPUT`."""
-
-    def wrap(func):
-        @functools.wraps(func)
-        def run(args) -> int:
-            try:
-                return func(args)
-            except (ValueError, TypeError, RuntimeError, OSError, ImportError) as exc:
-                message = " ".join(str(exc).split()) or type(exc).__name__
-                print(f"lowbit {command}: error: {message}", file=sys.stderr)
-                return EXIT_BAD_INPUT
-
-        return run
-
-    return wrap
 
 
 def progress(total: int, desc: str, unit: str):

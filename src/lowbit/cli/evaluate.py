@@ -1,8 +1,9 @@
 """``lowbit eval``: accuracy of quantization schemes on a real model (a thin layer over lowbit.evaluation).
 
 Encoders: sentence-embedding agreement with the float model; causal LMs: AMCT's perplexity on --text.
-Prints a table (or JSON with ``--json -``); ``--json FILE`` and ``--plot FILE.png`` also write files.
-Exit status 0, or 2 with one line on stderr for bad arguments, files or models (docs/evaluation.md).
+Prints the human view (lowbit.cli.render.rows.eval_view) or, with ``--json`` (``--json -``), the rows as
+JSON; ``--json FILE`` and ``--plot FILE.png`` also write files. Exit status 0, or 2 with one line on stderr
+for bad arguments, files or models (docs/evaluation.md, docs/cli.md).
 """
 
 from __future__ import annotations
@@ -10,17 +11,19 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from lowbit.cli._models import MODEL_HELP, one_line_errors, progress, write_atomically
-from lowbit.cli.bench import format_table, to_json
+from lowbit.cli._models import MODEL_HELP, progress
+from lowbit.cli.output import json_text, writable_path
 
 DEFAULT_SCHEMES = "hif8-cast,hif8-wo,fp8-wo,hif8-w8a8-minmax,mxfp8-w8a8,mxfp4-wo,hif4-wo,int4-a16w4"
 
 
-@one_line_errors("eval")
 def _cmd_eval(args: argparse.Namespace) -> int:
     from lowbit import evaluation
+    from lowbit.cli.render import emit
+    from lowbit.cli.render.rows import eval_view
     from lowbit.evaluation import schemes as scheme_api
     from lowbit.evaluation.plot import plot_rows
+    from lowbit.toolchain.files import write_bytes_atomic
 
     if args.sentences < 2:
         raise ValueError(f"--sentences must be >= 2 (nearest neighbours need another sentence), got {args.sentences}")
@@ -30,6 +33,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         from lowbit.evaluation.extras import require
 
         require("matplotlib", "plot", "--plot")  # fail before the long run, not after it
+    json_path = writable_path(args.json, "--json") if args.json not in ("", "-") else None
+    plot_path = writable_path(args.plot, "--plot") if args.plot else None
     schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
     scheme_api.check_names(schemes)
     loaded = evaluation.load_model(args.model)
@@ -46,28 +51,15 @@ def _cmd_eval(args: argparse.Namespace) -> int:
                                            progress=lambda name: bar.update(1))
     finally:
         bar.close()
-    if args.json and args.json != "-":
-        write_atomically(_path(args.json), (to_json(rows) + "\n").encode())
-    if args.plot:
-        write_atomically(_path(args.plot), plot_rows(rows, f"lowbit eval --model {args.model}"))
-    print(to_json(rows) if args.json == "-" else format_table([_readable(r) for r in rows]))
+    if json_path is not None:
+        write_bytes_atomic(json_path, (json_text(rows) + "\n").encode())
+    if plot_path is not None:
+        write_bytes_atomic(plot_path, plot_rows(rows, f"lowbit eval --model {args.model}"))
+    if args.json == "-":
+        print(json_text(rows))
+    else:
+        emit(eval_view(rows))
     return 0
-
-
-_DIGITS = {"mean_cosine": 6, "nn_agreement": 3, "sqnr_db": 2, "perplexity": 4}
-
-
-def _readable(row: dict) -> dict:
-    """The row with each metric to a fixed number of decimals (a cosine of 0.99998 is not printed as 1)."""
-    return {k: f"{v:.{_DIGITS[k]}f}" if k in _DIGITS and isinstance(v, float) else v for k, v in row.items()}
-
-
-def _path(name: str) -> Path:
-    """``name`` as a Path; FileNotFoundError if its directory does not exist."""
-    path = Path(name)
-    if not path.parent.is_dir():
-        raise FileNotFoundError(f"no directory {path.parent} to write {path.name} into")
-    return path
 
 
 def add_subcommand(subparsers) -> None:
@@ -81,6 +73,7 @@ def add_subcommand(subparsers) -> None:
     p.add_argument("--text", default="", help="causal LMs: UTF-8 text file to measure perplexity on")
     p.add_argument("--seqlen", type=int, default=2048, help="perplexity window in tokens (default 2048, as AMCT)")
     p.add_argument("--batch-size", type=int, default=32, help="sentences per forward pass (default 32)")
-    p.add_argument("--json", default="", metavar="FILE", help="also write the rows as JSON to FILE ('-': print JSON instead of the table)")
+    p.add_argument("--json", nargs="?", const="-", default="", metavar="FILE",
+                   help="print the rows as JSON instead of the human summary; --json FILE: also write them to FILE")
     p.add_argument("--plot", default="", metavar="FILE.png", help="write a chart of accuracy vs bits per weight (needs matplotlib)")
     p.set_defaults(func=_cmd_eval)

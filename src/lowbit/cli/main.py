@@ -1,7 +1,8 @@
 """The ``lowbit`` command: info, smoke, bench, quantize, eval, and the WeightQuantBatchMatmul tool chain (wqbmm, verify).
 
-Exit codes and --debug: docs/cli.md. Every error is one line on stderr (``lowbit <command>: error: ...``;
-for ``lowbit smoke`` the one-line JSON error object of its contract) and exit 2, without a traceback
+Exit codes, --debug and the two renderings of every report (the human view by default, ``--json`` for
+scripts): docs/cli.md. Every error is one line on stderr (``lowbit <command>: error: ...``; for
+``lowbit smoke --json`` the one-line JSON error object of its contract) and exit 2, without a traceback
 unless --debug is given.
 """
 
@@ -11,7 +12,6 @@ import argparse
 import json
 import os
 import sys
-from typing import Iterator
 
 EXIT_ERROR = 2  # usage, bad input, bad files, a device or backend that cannot run here
 EXIT_INTERRUPTED = 130  # Ctrl-C, as shells report SIGINT
@@ -58,6 +58,9 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
     from lowbit import backends
     from lowbit.cli import smoke
+    from lowbit.cli.render import emit
+    from lowbit.cli.render.progress import steps
+    from lowbit.cli.render.smoke import info_view
 
     default = _check_default_backend()
     requested = args.backend or default
@@ -65,18 +68,11 @@ def _cmd_info(args: argparse.Namespace) -> int:
     devices += [torch.device(f"cuda:{i}") for i in range(torch.cuda.device_count())]
     smoke.checks()  # imports every operator module (registers its dispatcher)
     ops = {}
-    for name, dispatcher in sorted(backends.dispatchers().items()):
-        per_device = {}
-        for device in devices:
-            try:
-                chosen = dispatcher.resolve(device, requested)
-                entry = {"backend": chosen}
-                if requested == "auto" and chosen == "reference":
-                    entry["why"] = dispatcher.auto_check_error(device) or "no native kernel"
-            except backends.BackendUnavailable as exc:
-                entry = {"backend": None, "why": str(exc)}
-            per_device[str(device)] = entry
-        ops[name] = per_device
+    dispatchers = sorted(backends.dispatchers().items())
+    with steps(len(dispatchers), "self-checks") as step:
+        for name, dispatcher in dispatchers:
+            step(name)
+            ops[name] = _backends_serving(dispatcher, devices, requested)
     report = {
         "environment": smoke.environment(devices[-1]),
         "default_backend": default,
@@ -84,84 +80,135 @@ def _cmd_info(args: argparse.Namespace) -> int:
         "devices": [str(d) for d in devices],
         "operators": ops,
     }
-    print(json.dumps(report, indent=2, sort_keys=True))
+    if args.json:
+        print(json.dumps(report, indent=2, sort_keys=True))
+    else:
+        emit(info_view(report))
     return 0
+
+
+def _backends_serving(dispatcher, devices: list, requested: str) -> dict:
+    """``lowbit info``'s entry of one operator: device -> {"backend", "why" (when not native)}."""
+    from lowbit import backends
+
+    per_device = {}
+    for device in devices:
+        try:
+            chosen = dispatcher.resolve(device, requested)
+            entry = {"backend": chosen}
+            if requested == "auto" and chosen == "reference":
+                entry["why"] = dispatcher.auto_check_error(device) or "no native kernel"
+        except backends.BackendUnavailable as exc:
+            entry = {"backend": None, "why": str(exc)}
+        per_device[str(device)] = entry
+    return per_device
 
 
 def _cmd_smoke(args: argparse.Namespace) -> int:
     from lowbit.cli import smoke
+    from lowbit.cli.render import emit
+    from lowbit.cli.render.progress import steps
+    from lowbit.cli.render.smoke import smoke_view
 
     _check_default_backend()  # a bad LOWBIT_BACKEND: the check cannot run (exit 2)
-    report, code = smoke.run(args.op, args.backend, args.device)
-    if "error" in report and "results" not in report and "ops" not in report:
-        print(json.dumps(report, sort_keys=True, allow_nan=False), file=sys.stderr)
+    with steps(len(smoke.checks()) if args.op == "all" else 1, "smoke") as step:
+        report, code = smoke.run(args.op, args.backend, args.device, on_check=step)
+    if "error" in report and "results" not in report and "ops" not in report:  # it could not start
+        _smoke_error(report, args.json)
         return code
-    print(json.dumps(report, indent=2, sort_keys=True, allow_nan=False))
+    if args.json:
+        print(json.dumps(report, indent=2, sort_keys=True, allow_nan=False))
+    else:
+        emit(smoke_view(report, code))
     if code == smoke.EXIT_CANNOT_RUN:
         errors = [f"{r['op']}: {r['error']}" for r in report.get("ops", [report]) if "error" in r]
-        print(json.dumps(smoke.error_report(args.backend, "; ".join(errors)), sort_keys=True), file=sys.stderr)
+        _smoke_error(smoke.error_report(args.backend, "; ".join(errors)), args.json)
     return code
+
+
+def _smoke_error(error: dict, as_json: bool) -> None:
+    """Smoke's error object (exit 2) on stderr: one line of JSON with --json, else ``lowbit smoke: error: ...``."""
+    if as_json:
+        print(json.dumps(error, sort_keys=True, allow_nan=False), file=sys.stderr)
+    else:
+        print(f"lowbit smoke: error: {error['error']}", file=sys.stderr)
 
 
 def _add_bench_arguments(parser: argparse.ArgumentParser, module, backend_choices: list[str]) -> None:
     from lowbit.cli.argtypes import positive_int
+    from lowbit.cli.output import add_json_flag
 
     parser.add_argument("--backend", choices=backend_choices, default="auto")
     parser.add_argument("--device", default="cpu", help="cpu, cuda:N, npu:N or auto (a device present here)")
     parser.add_argument("--repeats", type=positive_int, default=7, help="timed samples per case (median reported)")
-    parser.add_argument("--json", action="store_true", help="print rows as JSON")
+    add_json_flag(parser, "the rows")
+    parser.add_argument("--plot", default="", metavar="FILE.png",
+                        help="also write a chart of the rows (throughput against the baselines; needs matplotlib)")
     if module is not None and hasattr(module, "add_arguments"):
         module.add_arguments(parser)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     from lowbit.backends import BACKENDS
-    from lowbit.cli import bench
     from lowbit.cli.devices import resolve_device
+    from lowbit.cli.output import json_text, writable_path
+    from lowbit.cli.render import emit
+    from lowbit.cli.render.plot import bench_plot
+    from lowbit.cli.render.progress import steps
+    from lowbit.cli.render.rows import bench_view
+    from lowbit.evaluation.extras import require
+    from lowbit.toolchain.files import write_bytes_atomic
 
     args.device = str(resolve_device(args.device))  # never time a device that cannot run (meta, absent)
+    plot = None
+    if args.plot:  # fail before the long run, not after it
+        require("matplotlib", "plot", "--plot")
+        plot = writable_path(args.plot, "--plot")
     rows = []
-    for name, module in args.bench_modules:
-        module_args = args
-        if args.op == "all":  # the module's own defaults plus the common options given
-            parser = _Parser(prog=f"lowbit bench {name}")
-            _add_bench_arguments(parser, module, list(BACKENDS))
-            module_args = parser.parse_args([])
-            for key in ("backend", "device", "repeats", "json"):
-                setattr(module_args, key, getattr(args, key))
-        rows += [{"op": name, **row} for row in module.run(module_args)]
-    print(bench.to_json(rows) if args.json else bench.format_table(rows))
+    with steps(len(args.bench_modules), "bench") as step:
+        for name, module in args.bench_modules:
+            step(name)
+            module_args = args
+            if args.op == "all":  # the module's own defaults plus the common options given
+                parser = _Parser(prog=f"lowbit bench {name}")
+                _add_bench_arguments(parser, module, list(BACKENDS))
+                module_args = parser.parse_args([])
+                for key in ("backend", "device", "repeats", "json"):
+                    setattr(module_args, key, getattr(args, key))
+            rows += [{"op": name, **row} for row in module.run(module_args)]
+    if plot is not None:
+        write_bytes_atomic(plot, bench_plot(rows, f"lowbit bench {args.op} on {args.device}"))
+    if args.json:
+        print(json_text(rows))
+    else:
+        emit(bench_view(rows, args.device))
     return 0
-
-
-def _leaf_parsers(parser: _Parser) -> Iterator[_Parser]:
-    """The parsers of the runnable (sub)commands under ``parser``."""
-    if parser.subcommands is None:
-        yield parser
-        return
-    for child in dict.fromkeys(parser.subcommands.choices.values()):  # aliases once
-        yield from _leaf_parsers(child)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``lowbit`` parser (imports lowbit's operators)."""
     from lowbit import backends
     from lowbit.cli import bench, evaluate, quantize, smoke, wqbmm
+    from lowbit.cli.help import add_examples, subcommand_parsers
+    from lowbit.cli.output import add_json_flag
 
     backend_choices = list(backends.BACKENDS)
-    parser = _Parser(prog="lowbit", description=__doc__.split("\n\n")[0])
+    parser = _Parser(prog="lowbit", description="bit-exact low-bit formats and quantized operators for PyTorch: "
+                                                "check this machine, benchmark, quantize, evaluate")
     parser.add_argument("--debug", action="store_true", help="on an error, show the traceback")
     sub = parser.add_subparsers(dest="command", required=True)
 
     info = sub.add_parser("info", help="versions, devices and the backend serving each operator")
     info.add_argument("--backend", choices=backend_choices, default=None, help="default: the process default")
+    add_json_flag(info)
     info.set_defaults(func=_cmd_info)
 
     checks = smoke.checks()
-    smoke_parser = sub.add_parser("smoke", help="JSON verdict on whether each operator's hardware path works")
+    smoke_parser = sub.add_parser("smoke", help="verdict on whether each operator's hardware path works here")
     smoke_parser.add_argument("op", nargs="?", default="all", choices=["all", *checks], help="operator (default: all)")
     smoke_parser.add_argument("--backend", choices=backend_choices, default="auto")
     smoke_parser.add_argument("--device", default="auto", help="cpu, cuda:N, npu:N or auto (default)")
+    add_json_flag(smoke_parser, "the report (docs/smoke_report.schema.json)")
     smoke_parser.set_defaults(func=_cmd_smoke)
 
     bench_parser = sub.add_parser("bench", help="throughput against baselines measured in the same run")
@@ -176,7 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
     wqbmm.add_subcommands(sub)  # wqbmm gen-data|run|profile|example, verify
     evaluate.add_subcommand(sub)  # eval
     quantize.add_subcommand(sub)  # quantize
-    for leaf in _leaf_parsers(parser):  # `--debug` also after the command; error lines name the command
+    add_examples(parser)
+    leaves = [p for p in subcommand_parsers(parser) if p.subcommands is None]
+    for leaf in leaves:  # `--debug` also after the command; error lines name the command
         leaf.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
         leaf.set_defaults(command_prog=leaf.prog)
     return parser
@@ -187,11 +236,11 @@ def _one_line(exc: BaseException) -> str:
     return text or type(exc).__name__
 
 
-def _report_error(prog: str, message: str, backend: str | None = None) -> None:
-    """One line on stderr: smoke's JSON error object for ``lowbit smoke``, else ``PROG: error: MESSAGE``."""
-    if prog.split()[:2] == ["lowbit", "smoke"]:
-        error = {"requested_backend": backend, "hardware_path_verified": False, "error": f"{prog}: {message}"}
-        print(json.dumps(error, sort_keys=True), file=sys.stderr)
+def _report_error(prog: str, message: str, backend: str | None = None, as_json: bool = False) -> None:
+    """One line on stderr: ``PROG: error: MESSAGE``, or for ``lowbit smoke --json`` its JSON error object."""
+    if as_json and prog.split()[:2] == ["lowbit", "smoke"]:
+        print(json.dumps({"requested_backend": backend, "hardware_path_verified": False,
+                          "error": f"{prog}: {message}"}, sort_keys=True), file=sys.stderr)
     else:
         print(f"{prog}: error: {message}", file=sys.stderr)
 
@@ -199,19 +248,24 @@ def _report_error(prog: str, message: str, backend: str | None = None) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run the ``lowbit`` command line ``argv`` (default: sys.argv[1:]); returns the exit code."""
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
-    debug = "--debug" in argv
+    debug, as_json = "--debug" in argv, "--json" in argv
     words = [a for a in argv if not a.startswith("-")]
     prog, backend = " ".join(["lowbit", *words[:1]]), None  # until the command line is parsed
     try:
         import lowbit  # noqa: F401  (a broken environment, e.g. a bad LOWBIT_BACKEND, fails here or below)
+        from lowbit.cli.help import overview
 
-        args, unknown = build_parser().parse_known_args(argv)
+        parser = build_parser()
+        if not argv:  # `lowbit` alone: what it can do (docs/cli.md, "Help")
+            print(overview(parser))
+            return 0
+        args, unknown = parser.parse_known_args(argv)
         prog, backend = args.command_prog, getattr(args, "backend", None)
         if unknown:  # reported by the command's parser, not the top-level one
             raise UsageError(prog, f"unrecognized arguments: {' '.join(unknown)}")
         return args.func(args)
     except UsageError as exc:
-        _report_error(exc.prog, str(exc))
+        _report_error(exc.prog, str(exc), as_json=as_json)
         return EXIT_ERROR
     except SystemExit as exc:  # --help
         return 0 if exc.code is None else exc.code if isinstance(exc.code, int) else EXIT_ERROR
@@ -221,17 +275,18 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         if debug:
             raise
-        _report_error(prog, "interrupted", backend)
+        _report_error(prog, "interrupted", backend, as_json)
         return EXIT_INTERRUPTED
     except EXPECTED_ERRORS as exc:  # bad input, bad files, a device or backend that cannot run here
         if debug:
             raise
-        _report_error(prog, _one_line(exc), backend)
+        _report_error(prog, _one_line(exc), backend, as_json)
         return EXIT_ERROR
     except Exception as exc:  # a bug: still one line, and the way to see more
         if debug:
             raise
-        _report_error(prog, f"internal error: {type(exc).__name__}: {_one_line(exc)} (rerun with --debug)", backend)
+        _report_error(prog, f"internal error: {type(exc).__name__}: {_one_line(exc)} (rerun with --debug)", backend,
+                      as_json)
         return EXIT_ERROR
 
 

@@ -2,8 +2,9 @@
 
 Calibration (for schemes and configs that need it) runs the model on the lines of --calib-text, or on
 built-in real sentences (docs/evaluation.md, "Sentences"), or on a module:function model's input batch.
-Prints a summary (layers quantized / skipped, bytes before / after, time per stage); progress bars go to
-stderr. Exit status 0, or 2 with one line on stderr for bad arguments, files or models.
+Prints a summary (layers quantized / skipped, bytes before / after, time per stage; lowbit.cli.render.summary,
+or JSON with ``--json``); progress bars go to stderr. Exit status 0, or 2 with one line on stderr for bad
+arguments, files or models (docs/cli.md).
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import argparse
 import time
 from pathlib import Path
 
-from lowbit.cli._models import MODEL_HELP, one_line_errors, progress, read_json_file
+from lowbit.cli._models import MODEL_HELP, progress, read_json_file
+from lowbit.cli.output import add_json_flag, json_text, writable_path
 
 
 def _calibration_sentences(args: argparse.Namespace) -> list[str]:
@@ -28,7 +30,6 @@ def _calibration_sentences(args: argparse.Namespace) -> list[str]:
     return evaluation_and_calibration_sentences(0, args.calib_sentences)[1]
 
 
-@one_line_errors("quantize")
 def _cmd_quantize(args: argparse.Namespace) -> int:
     from lowbit.evaluation import schemes as scheme_api
     from lowbit.evaluation.models import load_model
@@ -37,9 +38,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     if args.scheme:
         scheme_api.check_names([args.scheme])
     config = read_json_file(args.config, "--config") if args.config else None
-    out = Path(args.out)
-    if not out.parent.is_dir():
-        raise FileNotFoundError(f"no directory {out.parent} to write {out.name} into")
+    out = writable_path(args.out, "--out")
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"--out {out} exists and is not a directory")
     times = {}
@@ -67,26 +66,20 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     scheme_api.save(loaded.model, out)
     times["save"] = time.perf_counter() - start
     written = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
-    print(_summary(args, loaded, report, float_bytes, written, times))
+    summary = {
+        "model": args.model, "model_kind": loaded.kind, "scheme": args.scheme or None, "config": args.config or None,
+        "amct_compat": args.amct_compat, "layers_quantized": report.quantized, "layers_skipped": report.skipped,
+        "weight_bytes_before": report.bytes_before, "weight_bytes_after": report.bytes_after,
+        "model_bytes": float_bytes, "checkpoint_bytes": written, "seconds": times, "checkpoint": str(out),
+    }
+    if args.json:
+        print(json_text(summary))
+    else:
+        from lowbit.cli.render import emit
+        from lowbit.cli.render.summary import quantize_view
+
+        emit(quantize_view(summary))
     return 0
-
-
-def _summary(args, loaded, report, float_bytes: int, written: int, times: dict) -> str:
-    """The summary printed after quantizing: layers, bytes, time per stage."""
-    after = report.bytes_after
-    rows = [
-        ("model", f"{args.model} ({loaded.kind})"),
-        ("scheme", args.scheme or f"config {args.config}" + (" (amct_compat)" if args.amct_compat else "")),
-        ("layers quantized", str(len(report.quantized))),
-        ("layers skipped", str(len(report.skipped))),
-        ("quantized weights, bytes", f"{report.bytes_before} -> {after if after is not None else '?'}"),
-        ("whole model, bytes", f"{float_bytes} (float32 in memory) -> {written} (checkpoint)"),
-        ("time, s", ", ".join(f"{k} {v:.2f}" for k, v in times.items())),
-        ("checkpoint", str(args.out)),
-    ]
-    rows += [(f"skipped {name}", reason) for name, reason in report.skipped.items()]
-    width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
 
 
 def add_subcommand(subparsers) -> None:
@@ -102,4 +95,5 @@ def add_subcommand(subparsers) -> None:
     p.add_argument("--batch-size", type=int, default=16, help="calibration samples per forward pass (default 16)")
     p.add_argument("--amct-compat", action="store_true", help="reproduce AMCT's quirks (docs/quantize.md)")
     p.add_argument("--out", required=True, help="checkpoint directory to write (save_quantized)")
+    add_json_flag(p, "the summary (layers quantized and skipped, bytes, seconds per stage)")
     p.set_defaults(func=_cmd_quantize)

@@ -7,11 +7,16 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 from lowbit import backends
 from lowbit.cli.argtypes import comma_list, nonnegative_float, one_of, positive_int, seed
-from lowbit.cli.bench import format_table
+from lowbit.cli.output import add_json_flag, json_text
+from lowbit.cli.render import emit
+from lowbit.cli.render.progress import steps
+from lowbit.cli.render.rows import profile_view
+from lowbit.cli.render.summary import example_view, verify_view
 from lowbit.ops.wqbmm import ALGORITHMS, TEMPLATES
 from lowbit.toolchain import wqbmm as sample
 from lowbit.toolchain.verify import VerifyResult, verify_files
@@ -23,8 +28,12 @@ def _meta_from_args(args: argparse.Namespace) -> sample.SampleMeta:
     return sample.SampleMeta(args.m, args.n, args.k, args.group_size, args.seed, args.dtype)
 
 
-def _print_verify(result: VerifyResult) -> None:
-    print("\n".join(result.report_lines()))
+def _verify_report(result: VerifyResult, args: argparse.Namespace | None = None) -> dict:
+    """The verifier's verdict as a JSON-able dict, with the tolerances it used when ``args`` gives them."""
+    report = asdict(result)
+    if args is not None:
+        report.update(rtol=args.rtol, atol=args.atol, error_tol=args.error_tol)
+    return report
 
 
 def _profile(root: Path, backend_names, repeats: int) -> list[dict]:
@@ -47,32 +56,61 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_verify(args: argparse.Namespace) -> int:
     result = verify_files(args.output, args.golden, sample.DTYPES[args.dtype],
                           rtol=args.rtol, atol=args.atol, error_tol=args.error_tol)
-    _print_verify(result)
+    if args.sample:
+        print("\n".join(result.report_lines()))
+    elif args.json:
+        print(json_text(_verify_report(result, args)))
+    else:
+        emit(verify_view(_verify_report(result, args)))
     return 0 if result.passed else EXIT_FAILED
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
-    print(format_table(_profile(Path(args.dir), args.backends, args.repeats)))
+    rows = _profile(Path(args.dir), args.backends, args.repeats)
+    if args.json:
+        print(json_text(rows))
+    else:
+        emit(profile_view(rows))
     return 0
 
 
 def _cmd_example(args: argparse.Namespace) -> int:
-    """run.sh end to end: gen-data, run + verify per template, profile; prints basic vs preload."""
+    """run.sh end to end: gen-data, run + verify per template, profile; reports basic vs preload."""
     root, meta = Path(args.dir), _meta_from_args(args)
-    print(f"[gen-data] M={meta.m} N={meta.n} K={meta.k} G={meta.group_size} seed={meta.seed}")
-    sample.gen_data(root, meta)
-    verdicts = {}
-    for template in TEMPLATES:
-        path = sample.run_sample(root, template, backend=args.backend)
-        result = verify_files(path, meta.path(root, "golden"), meta.torch_dtype)
-        print(f"[run+verify] template={template}")
-        _print_verify(result)
-        verdicts[template] = "pass" if result.passed else "FAIL"
-    rows = _profile(root, (args.backend or "auto",), repeats=5)
-    print("[profile] basic vs preload (median us; traces under output/profile/)")
-    print(format_table([{**{k: r[k] for k in ("template", "backend", "us")}, "verify": verdicts[r["template"]]}
-                        for r in rows]))
-    return 0 if all(v == "pass" for v in verdicts.values()) else EXIT_FAILED
+    if args.sample:
+        print(f"[gen-data] M={meta.m} N={meta.n} K={meta.k} G={meta.group_size} seed={meta.seed}")
+    verified = {}
+    with steps(len(TEMPLATES) + 2, "example") as step:
+        step("gen-data")
+        sample.gen_data(root, meta)
+        for template in TEMPLATES:
+            step(f"run + verify {template}")
+            path = sample.run_sample(root, template, backend=args.backend)
+            verified[template] = verify_files(path, meta.path(root, "golden"), meta.torch_dtype)
+            if args.sample:
+                print(f"[run+verify] template={template}")
+                print("\n".join(verified[template].report_lines()))
+        step("profile")
+        rows = _profile(root, (args.backend or "auto",), repeats=5)
+    report = {"meta": asdict(meta), "verify": {t: _verify_report(r) for t, r in verified.items()},
+              "profile": rows, "passed": all(r.passed for r in verified.values())}
+    if args.sample:
+        print("[profile] basic vs preload (median us; traces under output/profile/)")
+        emit(profile_view(rows))
+    elif args.json:
+        print(json_text(report))
+    else:
+        emit(example_view(report))
+    return 0 if report["passed"] else EXIT_FAILED
+
+
+def _add_output_flags(parser: argparse.ArgumentParser, what: str) -> None:
+    """--json, or --sample: what the sample's scripts print (verify_result.py's lines, run.sh's steps)."""
+    group = parser.add_mutually_exclusive_group()
+    add_json_flag(group, what)
+    group.add_argument("--sample", action="store_true",
+                       help="print what the sample's scripts print (verify_result.py: the first 101 mismatches, "
+                            "'test pass' or '[ERROR] result error')")
 
 
 def _add_size_flags(parser: argparse.ArgumentParser) -> None:
@@ -109,11 +147,13 @@ def add_subcommands(subparsers) -> None:
     prof.add_argument("--backends", type=comma_list(one_of(backend_choices)), default="native,reference",
                       help="comma-separated backends")
     prof.add_argument("--repeats", type=positive_int, default=7)
+    add_json_flag(prof, "the rows")
     prof.set_defaults(func=_cmd_profile)
 
     ex = sub.add_parser("example", help="run.sh: gen-data, run, verify, profile for both templates")
     ex.add_argument("--dir", default=".")
     ex.add_argument("--backend", choices=backend_choices, default=None)
+    _add_output_flags(ex, "the report (sizes, each template's verdict, the timings)")
     _add_size_flags(ex)
     ex.set_defaults(func=_cmd_example)
 
@@ -124,4 +164,5 @@ def add_subcommands(subparsers) -> None:
     verify.add_argument("--rtol", type=nonnegative_float, default=1e-6)
     verify.add_argument("--atol", type=nonnegative_float, default=1e-9)
     verify.add_argument("--error-tol", type=nonnegative_float, default=1e-3)
+    _add_output_flags(verify, "the verdict")
     verify.set_defaults(func=_cmd_verify)

@@ -11,16 +11,16 @@ from __future__ import annotations
 import io
 
 from lowbit.cli.render.rows import ratio_columns
+from lowbit.evaluation.extras import require
 
 THROUGHPUT_KEYS = ("GB/s", "GFLOP/s")  # higher is better; without one of them a panel plots ``ms``
 
 
 def _pyplot():
     """matplotlib.pyplot on the Agg backend; ImportError (one line) naming the extra if it is missing."""
-    try:
-        import matplotlib
-    except ImportError as exc:
-        raise ImportError(f"--plot needs the 'matplotlib' package: pip install 'lowbit[plot]' ({exc})") from None
+    require("matplotlib", "plot", "--plot")
+    import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

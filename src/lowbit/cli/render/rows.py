@@ -115,3 +115,13 @@ def eval_view(rows: list[dict]) -> Group:
         return Group(verdict("no schemes evaluated", "warn"))
     return Group(rows_table(rows, digits=EVAL_DIGITS, headers=EVAL_HEADERS), eval_verdict(rows))
 
+
+
+def profile_view(rows: list[dict]) -> Group:
+    """The human view of ``lowbit wqbmm profile`` rows (template, backend, us, trace): the table, then the
+    fastest template and backend."""
+    if not rows:
+        return Group(verdict("nothing was profiled (every template / backend was skipped)", "warn"))
+    fastest = min(rows, key=lambda r: r["us"])
+    line = f"fastest: {fastest['template']} on {fastest['backend']}, {fastest['us']:.1f} us (median)"
+    return Group(rows_table(rows, digits={"us": 1}), verdict(line, "ok"))

@@ -1,8 +1,7 @@
 """Human views of ``lowbit smoke`` and ``lowbit info``: one row per operator, the verdict last.
 
 The smoke report is the dict ``lowbit smoke --json`` prints (docs/smoke_report.schema.json): one operator
-(``op`` with ``results`` or ``error``), all of them (``ops``), or the error object of a check that cannot
-run. The table has one line per operator; each operator not verified gets one explanation below it (at
+(``op`` with ``results`` or ``error``) or all of them (``ops``). The table has one line per operator; each operator not verified gets one explanation below it (at
 most 2 lines at 80 columns), so a view of ``smoke all`` stays under 25 lines whatever the messages.
 """
 
@@ -14,17 +13,10 @@ from rich.table import Table
 from rich.text import Text
 
 from lowbit.cli.render import STYLE, shorten, verdict
-from lowbit.cli.smoke._common import CONTRACT_KEYS
+from lowbit.cli.smoke._common import required_contracts
 
 WHY_LIMIT = 140  # characters of an explanation below the table: at most 2 lines at 80 columns
 CASE_LABEL_KEYS = ("input_dtype", "api", "template", "qdim", "shape_bsnkr")  # what tells a case apart
-
-
-def required_contracts(result: dict) -> list[str]:
-    """The contracts a smoke case must meet (docs/cli.md, "lowbit smoke"): the common ones, except
-    ``matches_reference`` for a case judged within a ``tolerance``, and its ``extra_contracts``."""
-    common = [k for k in CONTRACT_KEYS if not (k == "matches_reference" and "tolerance" in result)]
-    return common + list(result.get("extra_contracts", []))
 
 
 def _case_label(result: dict) -> str:
@@ -78,9 +70,8 @@ def environment_line(report: dict) -> Text:
 
 
 def smoke_view(report: dict, exit_code: int) -> Group:
-    """The human view of a smoke report and its exit code (0 / 1 broken / 2 cannot run)."""
-    if "op" not in report and "ops" not in report:  # the error object: the check could not start
-        return Group(verdict(f"CANNOT RUN: {report['error']}", "bad"))
+    """The human view of a smoke report (one operator or all) and its exit code (0 / 1 broken / 2 cannot run).
+    The error object of a check that could not start is not a report: the command prints it as an error."""
     ops = report["ops"] if "ops" in report else [report]
     device = report.get("environment", {}).get("device", "?")
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
@@ -132,15 +123,23 @@ def info_view(report: dict) -> Group:
             backend = entry["backend"] or "unavailable"
             cell = Text(backend, style=STYLE["ok"] if backend == "native" else STYLE["warn"])
             if entry.get("why"):
-                cell.append(f": {shorten(entry['why'], WHY_LIMIT)}", style="")
+                why = entry["why"].replace(f"{name}: ", "")  # the row names the operator already
+                cell.append(f": {shorten(why, WHY_LIMIT)}", style="")
             cells.append(cell)
         table.add_row(name, *cells)
-    header = environment_line(report)
-    header.append(f" · process default {report['default_backend']}")
     summary, all_native = [], True
     for device in devices:
-        chosen = [per_device[device]["backend"] for per_device in report["operators"].values()]
-        summary.append(f"{device}: native for {chosen.count('native')} of {len(chosen)} operators")
-        all_native = all_native and chosen.count("native") == len(chosen)
-    line = f"{report['requested_backend']} picks " + "; ".join(summary)
+        chosen = {name: per_device[device]["backend"] or "unavailable"
+                  for name, per_device in sorted(report["operators"].items())}
+        others = {}
+        for name, backend in chosen.items():
+            if backend != "native":
+                others.setdefault(backend, []).append(name)
+        native = len(chosen) - sum(map(len, others.values()))
+        summary.append(f"native kernels for {native} of {len(chosen)} operators on {device}"
+                       + "".join(f"; {backend}: {', '.join(names)}" for backend, names in others.items()))
+        all_native = all_native and not others
+    header = environment_line(report)
+    header.append(f" · process default {report['default_backend']}")
+    line = f"backend {report['requested_backend']}: " + " | ".join(summary)
     return Group(header, table, verdict(line, "ok" if all_native else "warn"))

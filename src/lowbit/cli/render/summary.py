@@ -68,3 +68,25 @@ def quantize_view(summary: dict) -> Group:
     line = (f"quantized {len(summary['layers_quantized'])} layers of {summary['model']} with {how}: "
             f"checkpoint {summary['checkpoint']} ({human_bytes(summary['checkpoint_bytes'])})")
     return Group(_key_values(pairs), verdict(line, "ok"))
+
+
+def example_view(report: dict) -> Group:
+    """The human view of ``lowbit wqbmm example``'s report (``meta``, ``verify``: template -> verify result,
+    ``profile``: rows, ``passed``): one row per template, then PASS / FAIL."""
+    meta = report["meta"]
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
+                  title=f"M={meta['m']} N={meta['n']} K={meta['k']} G={meta['group_size']} {meta['dtype']} "
+                        f"seed={meta['seed']}", title_justify="left")
+    for name, justify in (("template", "left"), ("verify", "left"), ("errors", "right"), ("mismatches", "right"),
+                          ("backend", "left"), ("us", "right")):
+        table.add_column(name, justify=justify)
+    timing = {r["template"]: r for r in report["profile"]}
+    for template, result in report["verify"].items():
+        row = timing.get(template, {})
+        table.add_row(template, "pass" if result["passed"] else "FAIL", str(result["errors"]),
+                      str(result["mismatches"]), row.get("backend", "-"),
+                      f"{row['us']:.1f}" if "us" in row else "-")
+    failed = [t for t, r in report["verify"].items() if not r["passed"]]
+    if failed:
+        return Group(table, verdict(f"FAIL: {', '.join(failed)} does not match the golden (exit 1)", "bad"))
+    return Group(table, verdict(f"PASS: {', '.join(report['verify'])} match the golden", "ok"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import warnings
 from types import ModuleType
+from typing import Callable
 
 import torch
 
@@ -62,11 +63,13 @@ def run_one(module: ModuleType, backend: str, device: torch.device) -> tuple[dic
     return report, EXIT_OK if _common.contracts_hold(results) else EXIT_CONTRACT_BROKEN
 
 
-def run(op: str, backend: str, device_name: str) -> tuple[dict, int]:
+def run(op: str, backend: str, device_name: str,
+        on_check: Callable[[str], object] | None = None) -> tuple[dict, int]:
     """Run ``op`` (or 'all') and build the report; returns (report, exit code).
 
     The report always has ``requested_backend`` and ``hardware_path_verified``; on success also
     ``environment`` and ``results`` (one op) or ``ops`` (all); when the check cannot run, ``error``.
+    ``on_check(name)``, if given, is called as each operator's check starts (progress).
     """
     available = checks()
     if op != "all" and op not in available:
@@ -76,7 +79,12 @@ def run(op: str, backend: str, device_name: str) -> tuple[dict, int]:
     except (BackendUnavailable, RuntimeError, ValueError) as exc:
         return error_report(backend, str(exc)), EXIT_CANNOT_RUN
     selected = list(available.values()) if op == "all" else [available[op]]
-    reports, codes = zip(*(run_one(m, backend, device) for m in selected))
+    outcomes = []
+    for module in selected:
+        if on_check is not None:
+            on_check(module.NAME)
+        outcomes.append(run_one(module, backend, device))
+    reports, codes = zip(*outcomes)
     report = {
         "requested_backend": backend,
         "hardware_path_verified": all(r["hardware_path_verified"] for r in reports),
