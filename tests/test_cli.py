@@ -18,7 +18,7 @@ def run_cli(capsys, *argv):
 
 
 def test_smoke_hifloat8_native_cpu_verifies_the_cpu_path(capsys):
-    code, out, err = run_cli(capsys, "smoke", "hifloat8", "--backend", "native", "--device", "cpu")
+    code, out, err = run_cli(capsys, "smoke", "hifloat8", "--backend", "native", "--device", "cpu", "--json")
     assert code == 0, err
     report = json.loads(out)
     assert report["requested_backend"] == "native"
@@ -31,7 +31,7 @@ def test_smoke_hifloat8_native_cpu_verifies_the_cpu_path(capsys):
 
 
 def test_smoke_reference_backend_is_not_a_hardware_path(capsys):
-    code, out, _ = run_cli(capsys, "smoke", "hifloat8", "--backend", "reference", "--device", "cpu")
+    code, out, _ = run_cli(capsys, "smoke", "hifloat8", "--backend", "reference", "--device", "cpu", "--json")
     assert code == 0
     report = json.loads(out)
     assert report["hardware_path_verified"] is False
@@ -41,7 +41,7 @@ def test_smoke_reference_backend_is_not_a_hardware_path(capsys):
 def test_smoke_all_covers_every_operator(capsys):
     from lowbit.cli.smoke import checks
 
-    code, out, _ = run_cli(capsys, "smoke", "all", "--device", "cpu")
+    code, out, _ = run_cli(capsys, "smoke", "all", "--device", "cpu", "--json")
     report = json.loads(out)
     assert [r["op"] for r in report["ops"]] == list(checks())
     assert code == 0 and report["hardware_path_verified"] is True
@@ -51,7 +51,7 @@ def test_smoke_all_covers_every_operator(capsys):
 def test_smoke_missing_device_exits_2_with_error_on_stderr(capsys):
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present")
-    code, out, err = run_cli(capsys, "smoke", "hifloat8", "--device", "cuda:0")
+    code, out, err = run_cli(capsys, "smoke", "hifloat8", "--device", "cuda:0", "--json")
     assert code == 2 and out == "" and err.count("\n") == 1
     error = json.loads(err)
     assert error["hardware_path_verified"] is False and "CUDA" in error["error"]
@@ -62,14 +62,14 @@ def test_smoke_missing_device_exits_2_with_error_on_stderr(capsys):
 def test_smoke_unknown_or_absent_device_exits_2(capsys, device, words):
     if device == "npu:0" and importlib.util.find_spec("torch_npu") is not None:
         pytest.skip("torch_npu is installed")
-    code, out, err = run_cli(capsys, "smoke", "all", "--device", device)
+    code, out, err = run_cli(capsys, "smoke", "all", "--device", device, "--json")
     assert code == 2 and out == "" and words in json.loads(err)["error"]
 
 
 def test_smoke_broken_contract_exits_1(capsys, monkeypatch):
     real = hifloat8_smoke.decode_from_hifloat8
     monkeypatch.setattr(hifloat8_smoke, "decode_from_hifloat8", lambda *a, **k: real(*a, **k) + 1)
-    code, out, _ = run_cli(capsys, "smoke", "hifloat8", "--device", "cpu")
+    code, out, _ = run_cli(capsys, "smoke", "hifloat8", "--device", "cpu", "--json")
     report = json.loads(out)
     assert code == 1 and report["hardware_path_verified"] is False
     assert not any(r["matches_reference"] for r in report["results"])
@@ -80,7 +80,7 @@ def test_smoke_kernel_that_raises_is_a_broken_contract(capsys, monkeypatch):
         raise RuntimeError("kernel exploded")
 
     monkeypatch.setattr(hifloat8_smoke, "encode_to_hifloat8", broken)
-    code, out, err = run_cli(capsys, "smoke", "hifloat8", "--device", "cpu")
+    code, out, err = run_cli(capsys, "smoke", "hifloat8", "--device", "cpu", "--json")
     assert code == 1 and out == "" and "kernel exploded" in json.loads(err)["error"]
 
 
@@ -94,7 +94,7 @@ def test_smoke_warnings_and_failed_extra_contracts(capsys, monkeypatch):
         return real_run(backend, device)
 
     monkeypatch.setattr(hifloat8_smoke, "run", noisy)
-    code, out, _ = run_cli(capsys, "smoke", "hifloat8", "--backend", "native", "--device", "cpu")
+    code, out, _ = run_cli(capsys, "smoke", "hifloat8", "--backend", "native", "--device", "cpu", "--json")
     report = json.loads(out)
     assert code == 0 and report["hardware_path_verified"] is False
     assert {r["warning_count"] for r in report["results"]} == {1}
@@ -105,12 +105,12 @@ def test_smoke_warnings_and_failed_extra_contracts(capsys, monkeypatch):
         return results
 
     monkeypatch.setattr(hifloat8_smoke, "run", wrong_codes)
-    code, out, _ = run_cli(capsys, "smoke", "hifloat8", "--backend", "native", "--device", "cpu")
+    code, out, _ = run_cli(capsys, "smoke", "hifloat8", "--backend", "native", "--device", "cpu", "--json")
     assert code == 1 and json.loads(out)["hardware_path_verified"] is False
 
 
 def test_smoke_device_spellings_are_canonical(capsys):
-    code, out, _ = run_cli(capsys, "smoke", "hifloat8", "--device", "cpu:0")
+    code, out, _ = run_cli(capsys, "smoke", "hifloat8", "--device", "cpu:0", "--json")
     report = json.loads(out)
     assert code == 0 and report["environment"]["device"] == "cpu"
     assert all(r["device_preserved"] for r in report["results"])
@@ -143,23 +143,15 @@ def test_hardware_path_is_never_verified_by_the_triton_interpreter(monkeypatch):
 
 
 def test_info_lists_every_operator(capsys):
-    code, out, _ = run_cli(capsys, "info")
+    code, out, _ = run_cli(capsys, "info", "--json")
     report = json.loads(out)
     assert code == 0
     assert report["operators"]["encode_to_hifloat8"]["cpu"]["backend"] == "native"
     assert "torch" in report["environment"]
 
 
-def test_bench_table_formatting():
-    from lowbit.cli.bench import format_table
-
-    text = format_table([{"what": "memcpy", "GB/s": 31.234567}, {"what": "encode", "GB/s": 16.0, "x": 0.5}])
-    assert text.splitlines()[0].split() == ["what", "GB/s", "x"]
-    assert "31.23" in text and "0.5" in text
-
-
 def test_unknown_smoke_operator_is_a_usage_error(capsys):
-    code, out, err = run_cli(capsys, "smoke", "nope")
+    code, out, err = run_cli(capsys, "smoke", "nope", "--json")
     assert code == 2 and out == "" and "invalid choice: 'nope'" in json.loads(err)["error"]
 
 

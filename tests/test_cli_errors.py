@@ -81,7 +81,6 @@ BAD_DATASETS = [
 ]
 
 BAD_ARGUMENTS = [
-    ("", ["required", "command"]),
     ("nope", ["invalid choice", "nope"]),
     ("wqbmm", ["required"]),
     ("info --backend bogus", ["--backend", "bogus"]),
@@ -177,12 +176,15 @@ def test_bad_sizes_write_nothing(capsys, tmp_path):
 
 @pytest.mark.parametrize("template,words", SMOKE_ERRORS)
 def test_smoke_errors_are_one_json_line_exit_2(capsys, tmp_path, template, words):
-    code, out, err = _one_error_line(capsys, _argv(template, tmp_path))
+    code, out, err = _one_error_line(capsys, _argv(template + " --json", tmp_path))
     error = json.loads(err)
     assert code == 2 and out == ""
     assert set(error) == {"error", "hardware_path_verified", "requested_backend"}
     assert error["hardware_path_verified"] is False
     assert all(w in error["error"] for w in words), err
+    code, out, err = _one_error_line(capsys, _argv(template, tmp_path))  # the human rendering
+    assert code == 2 and out == "" and err.startswith("lowbit smoke: error: ")
+    assert all(w in err for w in words), err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
@@ -198,7 +200,7 @@ def _bad_default_backend():
 def test_bad_default_backend_smoke_exit_2_json(capsys, monkeypatch):
     """A bad LOWBIT_BACKEND surfacing when the default backend is read (lowbit.backends.get_backend)."""
     monkeypatch.setattr(backends, "get_backend", _bad_default_backend)
-    code, out, err = _one_error_line(capsys, ["smoke", "hifloat8", "--device", "cpu"])
+    code, out, err = _one_error_line(capsys, ["smoke", "hifloat8", "--device", "cpu", "--json"])
     assert code == 2 and out == "" and "bogus" in json.loads(err)["error"]
     code, out, err = _one_error_line(capsys, ["info"])
     assert code == 2 and out == "" and err.startswith("lowbit info: error: ") and "bogus" in err
@@ -206,7 +208,7 @@ def test_bad_default_backend_smoke_exit_2_json(capsys, monkeypatch):
 
 def test_bad_lowbit_backend_variable_smoke_exit_2_json(capsys, monkeypatch):
     monkeypatch.setenv("LOWBIT_BACKEND", "bogus")
-    code, out, err = _one_error_line(capsys, ["smoke", "hifloat8", "--device", "cpu"])
+    code, out, err = _one_error_line(capsys, ["smoke", "hifloat8", "--device", "cpu", "--json"])
     assert code == 2 and out == "" and "LOWBIT_BACKEND='bogus'" in json.loads(err)["error"]
     code, out, err = _one_error_line(capsys, ["info"])
     assert code == 2 and out == "" and err.startswith("lowbit info: error: LOWBIT_BACKEND='bogus'")
@@ -258,6 +260,6 @@ def test_end_to_end_bogus_lowbit_backend():
     imported = subprocess.run([sys.executable, "-c", "import lowbit"], env={**os.environ, **env}, capture_output=True)
     if imported.returncode:
         pytest.skip("lowbit.backends still rejects a bad LOWBIT_BACKEND at import, before the command runs")
-    done = _lowbit("smoke", "hifloat8", "--device", "cpu", env=env)
+    done = _lowbit("smoke", "hifloat8", "--device", "cpu", "--json", env=env)
     assert done.returncode == 2 and done.stdout == "" and done.stderr.count("\n") == 1
     assert "bogus" in json.loads(done.stderr)["error"]

@@ -321,7 +321,7 @@ def test_torch_compile():
 # --- CLI -------------------------------------------------------------------------------------------------
 
 def test_smoke_hifloat4_native_cpu(capsys):
-    code = cli_main(["smoke", "hifloat4", "--backend", "native", "--device", "cpu"])
+    code = cli_main(["smoke", "hifloat4", "--backend", "native", "--device", "cpu", "--json"])
     report = json.loads(capsys.readouterr().out)
     assert code == 0 and report["hardware_path_verified"] is True
     assert len(report["results"]) == 6

@@ -16,7 +16,7 @@ def run_cli(capsys, *argv):
 
 
 def test_smoke_mxfp4_native_cpu(capsys):
-    code, out, err = run_cli(capsys, "smoke", "mxfp4", "--backend", "native", "--device", "cpu")
+    code, out, err = run_cli(capsys, "smoke", "mxfp4", "--backend", "native", "--device", "cpu", "--json")
     assert code == 0, err
     report = json.loads(out)
     assert report["hardware_path_verified"] is True
@@ -26,7 +26,7 @@ def test_smoke_mxfp4_native_cpu(capsys):
 
 
 def test_smoke_svd_quant_native_cpu(capsys):
-    code, out, err = run_cli(capsys, "smoke", "svd_quant", "--backend", "native", "--device", "cpu")
+    code, out, err = run_cli(capsys, "smoke", "svd_quant", "--backend", "native", "--device", "cpu", "--json")
     assert code == 0, err
     report = json.loads(out)
     assert report["hardware_path_verified"] is True
@@ -39,18 +39,18 @@ def test_smoke_svd_quant_native_cpu(capsys):
 
 def test_smoke_reference_backends_do_not_verify_hardware(capsys):
     for op in ("mxfp4", "svd_quant"):
-        code, out, _ = run_cli(capsys, "smoke", op, "--backend", "reference", "--device", "cpu")
+        code, out, _ = run_cli(capsys, "smoke", op, "--backend", "reference", "--device", "cpu", "--json")
         assert code == 0 and json.loads(out)["hardware_path_verified"] is False
 
 
 def test_smoke_broken_contracts_exit_1(capsys, monkeypatch):
     real = mxfp4_smoke.mxfp4_dequantize
     monkeypatch.setattr(mxfp4_smoke, "mxfp4_dequantize", lambda *a, **k: real(*a, **k) * 2)
-    code, out, _ = run_cli(capsys, "smoke", "mxfp4", "--device", "cpu")
+    code, out, _ = run_cli(capsys, "smoke", "mxfp4", "--device", "cpu", "--json")
     assert code == 1 and not any(r["matches_reference"] for r in json.loads(out)["results"])
     real_op = svd_quant_smoke.svd_quant
     monkeypatch.setattr(svd_quant_smoke, "svd_quant", lambda *a, **k: real_op(*a, **k) * 1.05)
-    code, out, _ = run_cli(capsys, "smoke", "svd_quant", "--device", "cpu")
+    code, out, _ = run_cli(capsys, "smoke", "svd_quant", "--device", "cpu", "--json")
     results = json.loads(out)["results"]
     assert code == 1 and not any(r["matches_reference"] or r["within_tolerance"] for r in results)
 

@@ -41,8 +41,9 @@ def test_quantize_writes_a_loadable_checkpoint(tiny_causal_lm_path, tmp_path, ca
     out = tmp_path / "ckpt"
     assert cli.main(["quantize", "--model", str(tiny_causal_lm_path), "--scheme", "hif8-wo", "--out", str(out)]) == 0
     summary = capsys.readouterr().out
-    assert re.search(r"^layers quantized +14$", summary, re.M)  # 2 x (4 attention + 3 MLP); lm_head skipped
-    assert re.search(r"^layers skipped +1$", summary, re.M)
+    # 2 x (4 attention + 3 MLP) quantized; lm_head skipped
+    assert re.search(r"^layers +14 quantized, 1 skipped$", summary, re.M)
+    assert summary.splitlines()[-1].startswith("quantized 14 layers of ") and f"checkpoint {out} (" in summary
     loaded = lowbit.load_quantized(out, load_hf_dir(tiny_causal_lm_path, meta=True).model)
     reference = load_hf_dir(tiny_causal_lm_path).model
     lowbit.quantize_(reference, "hif8-wo")
@@ -58,8 +59,9 @@ def test_quantize_with_a_config_file(tmp_path, capsys):
                                   "algorithm": "minmax"}))
     out = tmp_path / "ckpt"
     assert cli.main(["quantize", "--model", "test_quantize_eval_cli:small_mlp", "--config", str(config),
-                     "--out", str(out)]) == 0
-    assert re.search(r"^layers quantized +2$", capsys.readouterr().out, re.M) and any(out.iterdir())
+                     "--out", str(out), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert len(summary["layers_quantized"]) == 2 and summary["checkpoint"] == str(out) and any(out.iterdir())
 
 
 def test_eval_on_minilm_json_keys_and_honest_floors(minilm_path, tmp_path, capsys):
@@ -76,7 +78,7 @@ def test_eval_on_minilm_json_keys_and_honest_floors(minilm_path, tmp_path, capsy
     float_bytes = (minilm_path / "model.safetensors").stat().st_size
     assert mxfp4["checkpoint_bytes"] < hif8["checkpoint_bytes"] < float_bytes
     table = capsys.readouterr().out
-    assert "hif8-wo" in table and "sqnr_db" in table
+    assert "hif8-wo" in table and "SQNR dB" in table and table.splitlines()[-1].startswith("closest to float: ")
 
 
 def test_eval_plot_writes_a_png(tmp_path):

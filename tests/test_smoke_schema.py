@@ -25,7 +25,7 @@ def problems(report: dict) -> list[str]:
 
 
 def smoke(capsys, *argv):
-    code = cli.main(["smoke", *argv])
+    code = cli.main(["smoke", *argv, "--json"])
     captured = capsys.readouterr()
     return code, captured.out, captured.err
 

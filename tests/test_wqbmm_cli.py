@@ -51,7 +51,7 @@ def test_every_cpu_backend_reproduces_the_golden(sample_dir, template, backend, 
     assert lowbit("wqbmm", "run", "--dir", sample_dir, "--template", template, "--backend", backend) == 0
     output, golden = sample_dir / "output/output_z.bin", sample_dir / "output/golden.bin"
     assert output.read_bytes() == golden.read_bytes()
-    assert lowbit("verify", output, golden) == 0
+    assert lowbit("verify", output, golden, "--sample") == 0
     assert "test pass" in capsys.readouterr().out
 
 
@@ -84,7 +84,7 @@ def test_verify_pass_fail_nan_negative_and_size(tmp_path, capsys):
     assert lowbit("verify", _write(tmp_path / "same.bin", [1.0, -2.0, 3.0, 0.5] * 500), golden) == 0
     # negative golden: the sample divides by the signed golden and never counts these
     wrong_negative = _write(tmp_path / "neg.bin", [1.0, -3.0, 3.0, 0.5] * 500)
-    assert lowbit("verify", wrong_negative, golden) == 1
+    assert lowbit("verify", wrong_negative, golden, "--sample") == 1
     out = capsys.readouterr().out
     assert "[ERROR] result error" in out and "errors: 500 of 2000" in out
     assert out.count("data index") == 101  # printout capped like the sample, count is not
@@ -109,7 +109,8 @@ def test_verify_nan_matches_nan():
 
 
 def test_profile_and_example_small(tmp_path, capsys):
-    assert lowbit("wqbmm", "example", "--dir", tmp_path, "--m", 2, "--n", 128, "--k", 256, "--group-size", 128) == 0
+    assert lowbit("wqbmm", "example", "--dir", tmp_path, "--m", 2, "--n", 128, "--k", 256, "--group-size", 128,
+                  "--sample") == 0
     out = capsys.readouterr().out
     assert out.count("test pass") == 2 and "basic" in out and "preload" in out
     assert list((tmp_path / "output/profile").glob("preload_*.json"))
