@@ -136,7 +136,7 @@ def test_bench_view_one_table_per_operator_and_the_verdict_last():
     out = lines(bench_view(rows, "cpu"), width=100)
     assert out[0] == "hifloat8" and "wqbmm" in out
     assert next(line for line in out if "encode out=" in line).split()[-3:] == ["0.5", "6", "0.375"]
-    assert out[-1].startswith("timed 2 operators (4 rows) on cpu; 'x memcpy', 'speedup vs F.linear' compare")
+    assert out[-1].startswith("timed 2 operators (4 rows) on cpu; 'x memcpy', 'speedup vs F.linear': each row against")
     assert lines(bench_view([]))[-1].startswith("no benchmark rows")
 
 

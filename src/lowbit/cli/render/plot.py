@@ -61,7 +61,7 @@ def bench_plot(rows: list[dict], title: str) -> bytes:
             for r in (r for r in mine if case_of(r) == case):
                 labels.append(f"{r['what']}  [{case}]" if case else r["what"])
                 values.append(r[metric])
-                notes.append(", ".join(f"{r[k]:.2f} {k}" for k in ratios if isinstance(r.get(k), float)))
+                notes.append(", ".join(f"{r[k]:.3g} {k}" for k in ratios if isinstance(r.get(k), float)))
                 bar_colours.append(colours[i % len(colours)])
         positions = range(len(values))
         ax.barh(positions, values, color=bar_colours)

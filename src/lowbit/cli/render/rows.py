@@ -15,7 +15,7 @@ from rich.text import Text
 
 from lowbit.cli.render import human_bytes, verdict
 
-EVAL_DIGITS = {"mean_cosine": 6, "nn_agreement": 3, "sqnr_db": 2, "perplexity": 4, "bits_per_weight": 2}
+EVAL_DIGITS = {"mean_cosine": 6, "nn_agreement": 3, "sqnr_db": 2, "perplexity": 4}  # bits_per_weight: 4.125
 EVAL_HEADERS = {"bits_per_weight": "bits/w", "layers_quantized": "layers", "layers_skipped": "skipped",
                 "mean_cosine": "cosine", "nn_agreement": "NN agree", "sqnr_db": "SQNR dB",
                 "checkpoint_bytes": "checkpoint"}
@@ -75,7 +75,7 @@ def bench_view(rows: list[dict], device: str | None = None) -> Group:
     ratios = ", ".join(f"'{k}'" for k in ratio_columns(rows)) or "ratio columns"
     where = f" on {device}" if device else ""
     line = (f"timed {len(ops)} operator{'s' if len(ops) != 1 else ''} ({len(rows)} rows){where}; "
-            f"{ratios} compare each row with the first row of its case, timed in the same run")
+            f"{ratios}: each row against the first row of its case, timed in the same run")
     return Group(*parts, verdict(line, "ok"))
 
 
