@@ -12,17 +12,37 @@ def _finite(v) -> bool:
     return isinstance(v, (int, float)) and math.isfinite(v)
 
 
-def plot_rows(rows: list[dict], title: str) -> bytes:
-    """A PNG image of the rows: left, the accuracy metric of each scheme against its bits per
-    weight (``sqnr_db`` for embedding rows, ``perplexity`` for language-model rows); right, a bar per scheme
-    of ``nn_agreement`` or ``perplexity``. ImportError (one line) without matplotlib; ValueError if no row
-    has a finite metric."""
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend; ImportError (one line) naming the ``plot`` extra."""
     require("matplotlib", "plot", "--plot")
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def titled_png(fig, title: str, dpi: int) -> bytes:
+    """``fig`` with ``title`` above it as PNG bytes; the figure is closed."""
+    import matplotlib.pyplot as plt
+
+    fig.suptitle(title)
+    fig.tight_layout()
+    image = io.BytesIO()
+    try:
+        fig.savefig(image, format="png", dpi=dpi)
+    finally:
+        plt.close(fig)
+    return image.getvalue()
+
+
+def plot_rows(rows: list[dict], title: str) -> bytes:
+    """A PNG image of the rows: left, the accuracy metric of each scheme against its bits per
+    weight (``sqnr_db`` for embedding rows, ``perplexity`` for language-model rows); right, a bar per scheme
+    of ``nn_agreement`` or ``perplexity``. ImportError (one line) without matplotlib; ValueError if no row
+    has a finite metric."""
+    plt = pyplot()
     metric, bar_metric = ("perplexity", "perplexity") if "perplexity" in rows[0] else ("sqnr_db", "nn_agreement")
     points = [r for r in rows if _finite(r.get(metric)) and _finite(r.get("bits_per_weight"))]
     if not points:
@@ -45,11 +65,4 @@ def plot_rows(rows: list[dict], title: str) -> bytes:
     if bar_metric == "nn_agreement":
         right.set_xlim(0, 1)
     right.grid(alpha=0.3, axis="x")
-    fig.suptitle(title)
-    fig.tight_layout()
-    image = io.BytesIO()
-    try:
-        fig.savefig(image, format="png", dpi=110)
-    finally:
-        plt.close(fig)
-    return image.getvalue()
+    return titled_png(fig, title, dpi=110)

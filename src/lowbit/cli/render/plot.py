@@ -8,23 +8,10 @@ each labelled with its ratio to the case's baseline (``x memcpy``, ``speedup vs 
 
 from __future__ import annotations
 
-import io
-
 from lowbit.cli.render.rows import ratio_columns
-from lowbit.evaluation.extras import require
+from lowbit.evaluation.plot import pyplot, titled_png
 
 THROUGHPUT_KEYS = ("GB/s", "GFLOP/s")  # higher is better; without one of them a panel plots ``ms``
-
-
-def _pyplot():
-    """matplotlib.pyplot on the Agg backend; ImportError (one line) naming the extra if it is missing."""
-    require("matplotlib", "plot", "--plot")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def case_of(row: dict) -> str:
@@ -45,7 +32,7 @@ def bench_plot(rows: list[dict], title: str) -> bytes:
     """
     if not rows:
         raise ValueError("no benchmark rows to plot")
-    plt = _pyplot()
+    plt = pyplot()
     ops = list(dict.fromkeys(r.get("op", "bench") for r in rows))
     per_op = {op: [r for r in rows if r.get("op", "bench") == op] for op in ops}
     heights = [0.32 * len(per_op[op]) + 1.2 for op in ops]
@@ -73,11 +60,4 @@ def bench_plot(rows: list[dict], title: str) -> bytes:
         ax.set_xlabel(f"{metric} ({'higher' if metric != 'ms' else 'lower'} is better)")
         ax.set_title(op, loc="left", fontsize=10, fontweight="bold")
         ax.grid(alpha=0.3, axis="x")
-    fig.suptitle(title)
-    fig.tight_layout()
-    image = io.BytesIO()
-    try:
-        fig.savefig(image, format="png", dpi=100)
-    finally:
-        plt.close(fig)
-    return image.getvalue()
+    return titled_png(fig, title, dpi=100)
