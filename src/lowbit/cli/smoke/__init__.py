@@ -1,9 +1,10 @@
-"""``lowbit smoke``: does each operator's hardware path really work here? JSON verdict + exit code.
+"""``lowbit smoke``: does each operator's hardware path really work here? A report + exit code.
 
 Exit codes (upstream contract, docs/cli.md): 0 every contract holds; 1 a contract is broken; 2 the check
-cannot run (device missing, backend unavailable, import failure, bad arguments). Reports go to stdout; on
-exit 2 an error object ``{"error", "hardware_path_verified": false, "requested_backend"}`` goes to stderr
-as one line of JSON.
+cannot run (device missing, backend unavailable, import failure, bad arguments). The report (this module's
+:func:`run`; docs/smoke_report.schema.json) goes to stdout, as JSON with ``--json`` or as the human view
+(lowbit.cli.render.smoke); on exit 2 with ``--json`` an error object ``{"error", "hardware_path_verified":
+false, "requested_backend"}`` goes to stderr as one line of JSON.
 """
 
 from __future__ import annotations
