@@ -92,7 +92,8 @@ def test_smoke_tolerance_case_is_judged_by_within_tolerance():
     report["ops"][3]["results"] = [case(matches_reference=False, within_tolerance=True,
                                         tolerance={"rtol": 0.01, "atol": 0.01}, extra_contracts=["within_tolerance"])]
     out = lines(smoke_view(report, 0))
-    assert next(line for line in out if line.startswith("svd_quant ")).split()[-2:] == ["4/4", "verified"]  # 3 common + within_tolerance
+    row = next(line for line in out if line.startswith("svd_quant "))
+    assert row.split()[-2:] == ["4/4", "verified"]  # 3 common contracts + within_tolerance
 
 
 def test_no_ansi_codes_unless_a_terminal(monkeypatch):

@@ -1,4 +1,5 @@
-"""The ``lowbit`` command: info, smoke, bench, quantize, eval, and the WeightQuantBatchMatmul tool chain (wqbmm, verify).
+"""The ``lowbit`` command: info, smoke, bench, quantize, eval, and the WeightQuantBatchMatmul tool chain
+(wqbmm, verify).
 
 Exit codes, --debug and the two renderings of every report (the human view by default, ``--json`` for
 scripts): docs/cli.md. Every error is one line on stderr (``lowbit <command>: error: ...``; for

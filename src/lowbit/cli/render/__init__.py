@@ -60,7 +60,6 @@ def shorten(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-
 def human_bytes(n: int | None) -> str:
     """'12.50 MiB' for 13107200; '?' for None."""
     if n is None:

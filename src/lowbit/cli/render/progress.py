@@ -22,7 +22,8 @@ def steps(total: int, what: str) -> Iterator[Callable[[str], None]]:
     from rich.progress import MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     console = Console(stderr=True, highlight=False, markup=False)
-    columns = (SpinnerColumn(), TextColumn("{task.description}", markup=False), MofNCompleteColumn(), TimeElapsedColumn())
+    columns = (SpinnerColumn(), TextColumn("{task.description}", markup=False), MofNCompleteColumn(),
+               TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task(what, total=total, completed=0)
         started = [0]

@@ -1,8 +1,9 @@
 """Human views of ``lowbit smoke`` and ``lowbit info``: one row per operator, the verdict last.
 
 The smoke report is the dict ``lowbit smoke --json`` prints (docs/smoke_report.schema.json): one operator
-(``op`` with ``results`` or ``error``) or all of them (``ops``). The table has one line per operator; each operator not verified gets one explanation below it (at
-most 2 lines at 80 columns), so a view of ``smoke all`` stays under 25 lines whatever the messages.
+(``op`` with ``results`` or ``error``) or all of them (``ops``). The table has one line per operator; each
+operator not verified gets one explanation below it (at most 2 lines at 80 columns), so a view of
+``smoke all`` stays under 25 lines whatever the messages.
 """
 
 from __future__ import annotations
@@ -90,7 +91,9 @@ def smoke_view(report: dict, exit_code: int) -> Group:
 
 
 def _smoke_verdict(statuses: dict, exit_code: int, report: dict) -> Text:
-    names = lambda wanted: [op for op, (status, _, _) in statuses.items() if status in wanted]  # noqa: E731
+    def names(wanted: set[str]) -> list[str]:
+        return [op for op, (status, _, _) in statuses.items() if status in wanted]
+
     env = report.get("environment", {})
     where = f"{env.get('device', '?')} ({env.get('device_name')})"
     subject = f"all {len(statuses)} operators" if len(statuses) > 1 else next(iter(statuses))

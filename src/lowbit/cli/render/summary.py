@@ -59,9 +59,10 @@ def quantize_view(summary: dict) -> Group:
         ("model", f"{summary['model']} ({summary['model_kind']})"),
         ("scheme", how),
         ("layers", f"{len(summary['layers_quantized'])} quantized, {len(skipped)} skipped"),
-        ("quantized weights", f"{human_bytes(summary['weight_bytes_before'])} -> {human_bytes(summary['weight_bytes_after'])}"),
-        ("whole model", f"{human_bytes(summary['model_bytes'])} in memory -> {human_bytes(summary['checkpoint_bytes'])} "
-                        "checkpoint"),
+        ("quantized weights",
+         f"{human_bytes(summary['weight_bytes_before'])} -> {human_bytes(summary['weight_bytes_after'])}"),
+        ("whole model",
+         f"{human_bytes(summary['model_bytes'])} in memory -> {human_bytes(summary['checkpoint_bytes'])} checkpoint"),
         ("time", ", ".join(f"{stage} {seconds:.2f} s" for stage, seconds in summary["seconds"].items())),
     ]
     pairs += [(f"skipped {name}", shorten(reason, 120)) for name, reason in skipped.items()]
