@@ -1,4 +1,5 @@
-"""Human views of row reports: ``lowbit bench`` (timings) and ``lowbit eval`` (accuracy per scheme).
+"""Human views of row reports: ``lowbit bench`` (timings), ``lowbit eval`` (accuracy per scheme) and
+``lowbit wqbmm profile`` (time per template and backend).
 
 Rows are the dicts the commands print as JSON (a list of flat dicts; bench rows start with ``op``).
 Non-finite floats may appear as None (JSON null) or as float('inf'/'nan').
@@ -114,7 +115,6 @@ def eval_view(rows: list[dict]) -> Group:
     if not rows:
         return Group(verdict("no schemes evaluated", "warn"))
     return Group(rows_table(rows, digits=EVAL_DIGITS, headers=EVAL_HEADERS), eval_verdict(rows))
-
 
 
 def profile_view(rows: list[dict]) -> Group:

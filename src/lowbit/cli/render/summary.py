@@ -1,4 +1,5 @@
-"""Human views of one-object reports: ``lowbit verify`` (the verifier's verdict) and ``lowbit quantize``.
+"""Human views of one-object reports: ``lowbit verify`` (the verifier's verdict), ``lowbit wqbmm example``
+and ``lowbit quantize``.
 
 ``verify_view`` takes ``dataclasses.asdict`` of lowbit.toolchain.verify.VerifyResult (``size``,
 ``mismatches``, ``errors``, ``error_ratio``, ``passed``, ``first``: [index, expected, actual, rdiff] rows)
@@ -17,7 +18,7 @@ from rich.table import Table
 
 from lowbit.cli.render import human_bytes, shorten, verdict
 
-SHOWN_MISMATCHES = 10  # the human view lists this many; --json and the sample's printout have them all
+SHOWN_MISMATCHES = 10  # the human view lists this many (--json and --sample: the first 101, as the sample)
 
 
 def _key_values(pairs: list[tuple[str, str]]) -> Table:
