@@ -14,7 +14,7 @@ from lowbit import backends
 from lowbit.cli.smoke._common import case_result
 from lowbit.formats import wqbmm as reference
 from lowbit.formats.int4 import unpack_int4
-from lowbit.ops.wqbmm import DISPATCHER, TEMPLATES, plan_weight_quant_batch_matmul, weight_quant_batch_matmul
+from lowbit.ops.wqbmm import MATMUL, TEMPLATES, plan_weight_quant_batch_matmul, weight_quant_batch_matmul
 
 NAME = "wqbmm"
 SEED = 2026
@@ -61,7 +61,7 @@ def run(backend: str, device: torch.device) -> list[dict]:
                 y = _run_api(api, backend, device, *moved, template)
                 results.append(
                     case_result(
-                        backend=backends.last_backend(DISPATCHER.op),
+                        backend=backends.last_backend(MATMUL.name),
                         input_dtype=dtype,
                         output=y,
                         reference=expected,

@@ -1,0 +1,127 @@
+"""What every WeightQuantBatchMatmul kernel (reference, numba, Triton) declares, and the checks its ``run``
+makes before any kernel code runs (docs/wqbmm.md, section 'Kernels, packed weights and workspaces').
+
+A :class:`WqbmmKernel` takes the operator's arguments
+``(x, weight, antiquant_scale, antiquant_offset, group_size, algorithm, template, workspace=None,
+prepacked=False)``, already validated by the operator (dtypes, devices, the shapes of x, scale, offset and
+of a raw weight; inputs contiguous, ``out`` contiguous and overlapping no input). Two of them depend on the
+kernel, so ``run`` checks them itself, for every caller:
+
+* ``weight`` with ``prepacked=True`` is this kernel's :meth:`pack_weight` layout: a contiguous uint8 tensor of
+  :meth:`packed_shape` on x's device (a wrong size would make a numba kernel read past its end); without,
+  the contiguous (K, N/2) uint8 weight;
+* ``workspace`` (None: ``run`` allocates one) is a contiguous 1-D uint8 tensor on x's device with at least
+  :meth:`workspace_nbytes` bytes, starting at a :data:`WORKSPACE_ALIGNMENT`-byte aligned address, and sharing
+  no memory with x, the weight, the scale, the offset or ``out``.
+
+Violations raise DtypeError / DeviceError / ShapeError naming the tensor, what the kernel needs and what it got.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from lowbit.backends import Kernel, overlaps
+from lowbit.errors import DeviceError, DtypeError, ShapeError
+
+WORKSPACE_ALIGNMENT = 64  # bytes; torch's allocators align every allocation at least this much
+MSD = "msd"
+
+
+def aligned_offsets(sizes: dict[str, int]) -> tuple[dict[str, tuple[int, int]], int]:
+    """Lay out named byte sizes one after another, each starting at a WORKSPACE_ALIGNMENT multiple:
+    ``({name: (start, size)}, total bytes)``."""
+    offsets, total = {}, 0
+    for name, size in sizes.items():
+        offsets[name] = (total, size)
+        total += -(-size // WORKSPACE_ALIGNMENT) * WORKSPACE_ALIGNMENT
+    return offsets, total
+
+
+class WqbmmKernel(Kernel):
+    """One WeightQuantBatchMatmul kernel. Subclasses implement :meth:`workspace_nbytes`,
+    :meth:`packed_shape`, :meth:`pack_weight` and ``_compute``; ``run`` checks, then calls ``_compute``."""
+
+    name = "wqbmm"  # for messages
+
+    def supports(self, x, weight, antiquant_scale, antiquant_offset, group_size, algorithm, template,
+                 workspace=None, prepacked=False) -> Optional[str]:
+        """The native kernels compute the MSD algorithm only; "dequant" is the reference's."""
+        if algorithm != MSD:
+            return f"algorithm {algorithm!r} has only the reference implementation"
+        return None
+
+    def workspace_nbytes(self, m: int, k: int, n: int, group_size: int, template: str, prepacked: bool) -> int:
+        """Bytes of the uint8 workspace ``run`` needs for an (M, K) x (K, N) product (``prepacked``: the
+        weight comes from :meth:`pack_weight`, else it is the raw (K, N/2) weight)."""
+        raise NotImplementedError
+
+    def packed_shape(self, k: int, n: int, group_size: int) -> tuple[int, ...]:
+        """Shape of :meth:`pack_weight`'s uint8 result for a (K, N/2) weight."""
+        raise NotImplementedError
+
+    def pack_weight(self, weight: torch.Tensor, group_size: int) -> torch.Tensor:
+        """A new contiguous uint8 tensor of :meth:`packed_shape`: the validated (K, N/2) uint8 ``weight`` in
+        the layout ``run`` reads with ``prepacked=True`` (a snapshot: later changes of ``weight`` are not seen)."""
+        raise NotImplementedError
+
+    def _compute(self, x, weight, antiquant_scale, antiquant_offset, group_size, algorithm, template, workspace,
+                 out, prepacked) -> None:
+        """x (M, K), out (M, N), everything checked by ``run``."""
+        raise NotImplementedError
+
+    def run(self, x, weight, antiquant_scale, antiquant_offset, group_size, algorithm, template, workspace=None,
+            prepacked=False, *, out) -> None:
+        k, n = x.shape[-1], out.shape[-1]
+        m = out.numel() // n
+        self._check_weight(weight, x.device, self.packed_shape(k, n, group_size) if prepacked else (k, n // 2),
+                           "packed weight" if prepacked else "weight")
+        nbytes = self.workspace_nbytes(m, k, n, group_size, template, prepacked)
+        if workspace is None:
+            workspace = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
+        else:
+            operands = {"x": x, "weight": weight, "antiquant_scale": antiquant_scale,
+                        "antiquant_offset": antiquant_offset, "out": out}
+            self._check_workspace(workspace, nbytes, x.device, operands)
+        self._compute(x.reshape(m, k), weight, antiquant_scale, antiquant_offset, group_size, algorithm, template,
+                      workspace, out.view(m, n), prepacked)
+
+    def _check_weight(self, data: torch.Tensor, device: torch.device, shape: tuple[int, ...], label: str) -> None:
+        what = f"{self.name}: the {label}"
+        if not isinstance(data, torch.Tensor):
+            raise TypeError(f"{what} must be a tensor, got {type(data).__name__}")
+        if data.dtype != torch.uint8:
+            raise DtypeError(f"{what} must be uint8, got {data.dtype}")
+        if data.device != device:
+            raise DeviceError(f"{what} is on {data.device} but x is on {device}")
+        if tuple(data.shape) != shape:
+            raise ShapeError(f"{what} must have shape {shape}, got {tuple(data.shape)}")
+        if not data.is_contiguous():
+            raise ShapeError(f"{what} must be contiguous, got strides {data.stride()}")
+
+    def _check_workspace(self, workspace: torch.Tensor, nbytes: int, device: torch.device,
+                         operands: dict[str, Optional[torch.Tensor]]) -> None:
+        what = f"{self.name}: workspace"
+        if not isinstance(workspace, torch.Tensor):
+            raise TypeError(f"{what} must be a tensor, got {type(workspace).__name__}")
+        if workspace.dtype != torch.uint8:
+            raise DtypeError(f"{what} must be uint8, got {workspace.dtype}")
+        if workspace.device != device:
+            raise DeviceError(f"{what} is on {workspace.device} but x is on {device}")
+        if workspace.dim() != 1 or not workspace.is_contiguous():
+            raise ShapeError(f"{what} must be a contiguous 1-D tensor, got shape {tuple(workspace.shape)}, "
+                             f"strides {workspace.stride()}")
+        if workspace.numel() < nbytes:
+            raise ShapeError(f"{what} has {workspace.numel()} bytes, this call needs {nbytes}")
+        if nbytes and workspace.data_ptr() % WORKSPACE_ALIGNMENT:
+            raise ShapeError(
+                f"{what} must start at a {WORKSPACE_ALIGNMENT}-byte aligned address, got one "
+                f"{workspace.data_ptr() % WORKSPACE_ALIGNMENT} bytes past it (storage offset "
+                f"{workspace.storage_offset()})"
+            )
+        used = workspace[:nbytes]
+        for label, t in operands.items():
+            if t is not None and overlaps(used, t):
+                raise ShapeError(f"{what} shares memory with {label}: pass a separate buffer")
