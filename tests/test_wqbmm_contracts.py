@@ -20,21 +20,15 @@ from lowbit.errors import BackendUnavailable, DeviceError, DtypeError, ShapeErro
 from lowbit.formats import wqbmm as ref
 from lowbit.formats.int4 import quantize_int4_per_group
 from lowbit.kernels.cpu import wqbmm as cpu
+from test_wqbmm_op import _bits
+from test_wqbmm_op import _operands as operands
 
 M, K, N, G = 3, 256, 100, 64  # N % 32 != 0: the CPU tiles are padded
 CLEAR_ERRORS = (ShapeError, DtypeError, DeviceError, ValueError, TypeError)
 
 
 def _operands(m=M, k=K, n=N, g=G, dtype=torch.float16, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k, generator=gen).to(dtype)
-    weight = torch.randint(0, 256, (k, n // 2), generator=gen, dtype=torch.uint8)
-    scale = torch.rand(k // g, n, generator=gen).to(dtype)
-    return x, weight, scale
-
-
-def _bits(t):
-    return t.contiguous().view(torch.int16)
+    return operands(m, k, n, g, dtype, seed)
 
 
 # ---- 1. packed weights are checked against the kernel that reads them ---------------------------------

@@ -41,8 +41,9 @@ def aligned_offsets(sizes: dict[str, int]) -> tuple[dict[str, tuple[int, int]], 
 
 
 class WqbmmKernel(Kernel):
-    """One WeightQuantBatchMatmul kernel. Subclasses implement :meth:`workspace_nbytes`,
-    :meth:`packed_shape`, :meth:`pack_weight` and ``_compute``; ``run`` checks, then calls ``_compute``."""
+    """One WeightQuantBatchMatmul kernel. Subclasses implement :meth:`workspace_nbytes` and ``_compute``, and
+    override :meth:`packed_shape` and :meth:`pack_weight` when they read another layout than the raw
+    (K, N/2) weight; ``run`` checks, then calls ``_compute``."""
 
     name = "wqbmm"  # for messages
 
@@ -59,13 +60,14 @@ class WqbmmKernel(Kernel):
         raise NotImplementedError
 
     def packed_shape(self, k: int, n: int, group_size: int) -> tuple[int, ...]:
-        """Shape of :meth:`pack_weight`'s uint8 result for a (K, N/2) weight."""
-        raise NotImplementedError
+        """Shape of :meth:`pack_weight`'s uint8 result for a (K, N/2) weight (here: the same)."""
+        return (k, n // 2)
 
     def pack_weight(self, weight: torch.Tensor, group_size: int) -> torch.Tensor:
         """A new contiguous uint8 tensor of :meth:`packed_shape`: the validated (K, N/2) uint8 ``weight`` in
-        the layout ``run`` reads with ``prepacked=True`` (a snapshot: later changes of ``weight`` are not seen)."""
-        raise NotImplementedError
+        the layout ``run`` reads with ``prepacked=True`` (a snapshot: later changes of ``weight`` are not
+        seen). Here: a contiguous copy of the weight itself."""
+        return weight.clone(memory_format=torch.contiguous_format)
 
     def _compute(self, x, weight, antiquant_scale, antiquant_offset, group_size, algorithm, template, workspace,
                  out, prepacked) -> None:
@@ -74,8 +76,14 @@ class WqbmmKernel(Kernel):
 
     def run(self, x, weight, antiquant_scale, antiquant_offset, group_size, algorithm, template, workspace=None,
             prepacked=False, *, out) -> None:
+        """``out`` (..., N) <- the product, for operands validated by the operator (see the module
+        docstring); the weight and the workspace are checked here. Allocates a workspace when None."""
         k, n = x.shape[-1], out.shape[-1]
-        m = out.numel() // n
+        m = out.numel() // n if n else 0
+        if m == 0:
+            return
+        if not out.is_contiguous():
+            raise ShapeError(f"{self.name}: out must be contiguous, got strides {out.stride()}")
         self._check_weight(weight, x.device, self.packed_shape(k, n, group_size) if prepacked else (k, n // 2),
                            "packed weight" if prepacked else "weight")
         nbytes = self.workspace_nbytes(m, k, n, group_size, template, prepacked)
@@ -85,17 +93,24 @@ class WqbmmKernel(Kernel):
             operands = {"x": x, "weight": weight, "antiquant_scale": antiquant_scale,
                         "antiquant_offset": antiquant_offset, "out": out}
             self._check_workspace(workspace, nbytes, x.device, operands)
-        self._compute(x.reshape(m, k), weight, antiquant_scale, antiquant_offset, group_size, algorithm, template,
+        scale = antiquant_scale.contiguous()
+        offset = None if antiquant_offset is None else antiquant_offset.contiguous()
+        self._compute(x.reshape(m, k).contiguous(), weight, scale, offset, group_size, algorithm, template,
                       workspace, out.view(m, n), prepacked)
+
+    @staticmethod
+    def _check_bytes(what: str, t: torch.Tensor, device: torch.device) -> None:
+        """TypeError / DtypeError / DeviceError unless ``t`` is a uint8 tensor on ``device``."""
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{what} must be a tensor, got {type(t).__name__}")
+        if t.dtype != torch.uint8:
+            raise DtypeError(f"{what} must be uint8, got {t.dtype}")
+        if t.device != device:
+            raise DeviceError(f"{what} is on {t.device} but x is on {device}")
 
     def _check_weight(self, data: torch.Tensor, device: torch.device, shape: tuple[int, ...], label: str) -> None:
         what = f"{self.name}: the {label}"
-        if not isinstance(data, torch.Tensor):
-            raise TypeError(f"{what} must be a tensor, got {type(data).__name__}")
-        if data.dtype != torch.uint8:
-            raise DtypeError(f"{what} must be uint8, got {data.dtype}")
-        if data.device != device:
-            raise DeviceError(f"{what} is on {data.device} but x is on {device}")
+        self._check_bytes(what, data, device)
         if tuple(data.shape) != shape:
             raise ShapeError(f"{what} must have shape {shape}, got {tuple(data.shape)}")
         if not data.is_contiguous():
@@ -104,12 +119,7 @@ class WqbmmKernel(Kernel):
     def _check_workspace(self, workspace: torch.Tensor, nbytes: int, device: torch.device,
                          operands: dict[str, Optional[torch.Tensor]]) -> None:
         what = f"{self.name}: workspace"
-        if not isinstance(workspace, torch.Tensor):
-            raise TypeError(f"{what} must be a tensor, got {type(workspace).__name__}")
-        if workspace.dtype != torch.uint8:
-            raise DtypeError(f"{what} must be uint8, got {workspace.dtype}")
-        if workspace.device != device:
-            raise DeviceError(f"{what} is on {workspace.device} but x is on {device}")
+        self._check_bytes(what, workspace, device)
         if workspace.dim() != 1 or not workspace.is_contiguous():
             raise ShapeError(f"{what} must be a contiguous 1-D tensor, got shape {tuple(workspace.shape)}, "
                              f"strides {workspace.stride()}")

@@ -98,7 +98,8 @@ def _outputs(
 
 
 class _Reference(WqbmmKernel):
-    """lowbit.formats.wqbmm on any device: both algorithms; no workspace; the packed weight is a copy."""
+    """lowbit.formats.wqbmm on any device: both algorithms; no workspace; the packed weight is a copy of
+    the raw one (the base class's layout)."""
 
     name = f"{_OP} (reference)"
 
@@ -107,12 +108,6 @@ class _Reference(WqbmmKernel):
 
     def workspace_nbytes(self, m: int, k: int, n: int, group_size: int, template: str, prepacked: bool) -> int:
         return 0
-
-    def packed_shape(self, k: int, n: int, group_size: int) -> tuple[int, ...]:
-        return (k, n // 2)
-
-    def pack_weight(self, weight: torch.Tensor, group_size: int) -> torch.Tensor:
-        return weight.clone(memory_format=torch.contiguous_format)
 
     def _compute(self, x, weight, antiquant_scale, antiquant_offset, group_size, algorithm, template, workspace,
                  out, prepacked) -> None:
@@ -233,18 +228,22 @@ class WqbmmPlan:
         """The (K, N/2) uint8 weight on the plan's device in this plan's kernel layout: a snapshot copy
         (see :class:`PackedWeight`). TypeError / DtypeError / DeviceError / ShapeError for another weight."""
         expected = (self.k, self.n // 2)
-        if not isinstance(weight, torch.Tensor):
-            raise TypeError(f"{_OP}: weight must be a tensor, got {type(weight).__name__}")
-        if weight.dtype != torch.uint8:
-            raise DtypeError(f"{_OP}: weight must be uint8 (two int4 per byte), got {weight.dtype}")
-        if weight.device != self.device:
-            raise DeviceError(f"{_OP}: weight is on {weight.device} but the plan is for {self.device}")
+        self._check_on_plan("weight", weight, torch.uint8)
         if tuple(weight.shape) != expected:
             raise ShapeError(
                 f"{_OP}: the plan needs a weight of shape (K, N/2) = {expected}, got {tuple(weight.shape)}"
             )
         data = self.kernel.pack_weight(weight.contiguous(), self.group_size)
         return PackedWeight(data, expected, self.group_size, self.device, self.backend)
+
+    def _check_on_plan(self, name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
+        """TypeError / DtypeError / DeviceError unless ``t`` is a tensor of ``dtype`` on the plan's device."""
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{_OP}: {name} must be a tensor, got {type(t).__name__}")
+        if t.dtype != dtype:
+            raise DtypeError(f"{_OP}: the plan is for {name} of dtype {dtype}, got {t.dtype}")
+        if t.device != self.device:
+            raise DeviceError(f"{_OP}: the plan is for {self.device}, got {name} on {t.device}")
 
     def _weight_data(self, weight: torch.Tensor | PackedWeight) -> torch.Tensor:
         """The tensor run passes to the kernel: a PackedWeight's data (labels checked here, the data by
@@ -281,12 +280,7 @@ class WqbmmPlan:
         memory with the operands (ShapeError); an ``out`` that overlaps it goes through a temporary."""
         prepacked = isinstance(weight, PackedWeight)
         data = self._weight_data(weight)
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{_OP}: x must be a tensor, got {type(x).__name__}")
-        if x.dtype != self.dtype:
-            raise DtypeError(f"{_OP}: the plan is for x of dtype {self.dtype}, got {x.dtype}")
-        if x.device != self.device:
-            raise DeviceError(f"{_OP}: the plan is for {self.device}, got x on {x.device}")
+        self._check_on_plan("x", x, self.dtype)
         if workspace is None:
             workspace = self.new_workspace()
         args = (x, data, antiquant_scale, antiquant_offset, self.group_size, self.algorithm, self.template,

@@ -203,7 +203,8 @@ def _post_kernel(
 
 class WeightQuantBatchMatmul(WqbmmKernel):
     """weight_quant_batch_matmul (MSD) in Triton: CUDA tensors (CPU tensors under TRITON_INTERPRET=1).
-    Power-of-two group sizes only (see :meth:`supports`)."""
+    Power-of-two group sizes only (see :meth:`supports`). Reads the raw (K, N/2) weight (the base class's
+    packed layout)."""
 
     name = "weight_quant_batch_matmul (Triton)"
 
@@ -216,12 +217,6 @@ class WeightQuantBatchMatmul(WqbmmKernel):
 
     def workspace_nbytes(self, m: int, k: int, n: int, group_size: int, template: str, prepacked: bool) -> int:
         return _workspace_layout(m, k, n, group_size, template)[1]
-
-    def packed_shape(self, k: int, n: int, group_size: int) -> tuple[int, ...]:
-        return (k, n // 2)
-
-    def pack_weight(self, weight: torch.Tensor, group_size: int) -> torch.Tensor:
-        return weight.clone(memory_format=torch.contiguous_format)
 
     def _compute(self, x, weight, antiquant_scale, antiquant_offset, group_size, algorithm, template, workspace,
                  out, prepacked) -> None:
