@@ -40,6 +40,17 @@ def aligned_offsets(sizes: dict[str, int]) -> tuple[dict[str, tuple[int, int]], 
     return offsets, total
 
 
+def _shares_memory(t: torch.Tensor, workspace: torch.Tensor, nbytes: int) -> bool:
+    """Whether ``t`` may touch the first ``nbytes`` bytes of the contiguous 1-D ``workspace`` (a cheap
+    address comparison for a contiguous ``t``; lowbit.backends.overlaps otherwise)."""
+    if nbytes == 0 or t.numel() == 0 or t.device != workspace.device:
+        return False
+    if not t.is_contiguous():
+        return overlaps(t, workspace[:nbytes])
+    first, start = t.data_ptr(), workspace.data_ptr()
+    return first < start + nbytes and start < first + t.numel() * t.element_size()
+
+
 class WqbmmKernel(Kernel):
     """One WeightQuantBatchMatmul kernel. Subclasses implement :meth:`workspace_nbytes` and ``_compute``, and
     override :meth:`packed_shape` and :meth:`pack_weight` when they read another layout than the raw
@@ -131,7 +142,6 @@ class WqbmmKernel(Kernel):
                 f"{workspace.data_ptr() % WORKSPACE_ALIGNMENT} bytes past it (storage offset "
                 f"{workspace.storage_offset()})"
             )
-        used = workspace[:nbytes]
         for label, t in operands.items():
-            if t is not None and overlaps(used, t):
+            if t is not None and _shares_memory(t, workspace, nbytes):
                 raise ShapeError(f"{what} shares memory with {label}: pass a separate buffer")

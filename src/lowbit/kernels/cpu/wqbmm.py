@@ -32,6 +32,7 @@ Templates (same numbers):
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numba
@@ -124,6 +125,7 @@ class WorkspaceLayout:
     nbytes: int
 
     @staticmethod
+    @functools.lru_cache(maxsize=64)
     def build(m: int, k: int, n: int, group_size: int, template: str, prepacked: bool = False) -> "WorkspaceLayout":
         """``prepacked``: the caller passes tiles from ``MATMUL.pack_weight``; otherwise the workspace also
         holds the tiles, repacked there from the raw weight on every call."""
