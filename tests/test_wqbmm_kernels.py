@@ -18,14 +18,21 @@ def _bits(t):
     return t.contiguous().view(torch.int16)
 
 
-def run_cpu(x, weight, scale, offset, g, template, prepacked=False):
-    """The raw weight (repacked into the workspace), or with ``prepacked`` the tiles of cpu.pack_weight."""
+def run_kernel(kernel, x, weight, scale, offset, g, template, prepacked=False):
+    """The kernel object's run with its own workspace: the raw weight (the CPU kernel repacks it into the
+    workspace), or with ``prepacked`` the result of the kernel's pack_weight."""
     m, k = x.shape
-    out = torch.empty(m, scale.shape[1], dtype=x.dtype)
-    workspace = torch.empty(cpu.workspace_nbytes(m, k, scale.shape[1], g, template, prepacked), dtype=torch.uint8)
-    w = cpu.pack_weight(weight, g) if prepacked else weight
-    cpu.wqbmm_into(x, w, scale, offset, g, template, workspace, out, prepacked)
-    return out
+    n = scale.shape[1]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    nbytes = kernel.workspace_nbytes(m, k, n, g, template, prepacked)
+    workspace = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
+    w = kernel.pack_weight(weight, g) if prepacked else weight
+    kernel.run(x, w, scale, offset, g, "msd", template, workspace, prepacked, out=out)
+    return out.cpu()
+
+
+def run_cpu(x, weight, scale, offset, g, template, prepacked=False):
+    return run_kernel(cpu.MATMUL, x, weight, scale, offset, g, template, prepacked)
 
 
 def _draw_inputs(data, m, k, n, g, dtype, with_offset, edges):
@@ -118,7 +125,7 @@ def test_dpbusd_lowerings_agree_with_numpy(lowering):
 @pytest.mark.parametrize("strided", [False, True])
 def test_pack_weight_layout(strided):
     """tiles[nb, g, p, lane, j] = u[k0 + j, col] | u[k0 + 4 + j, col] << 4 with u = W + 8 (padding: 8)."""
-    k, n, g, lanes = 64, 70, 32, cpu.BLOCK_N
+    k, n, g, lanes = 64, 70, 32, cpu.TILE_N
     w = torch.randint(-8, 8, (k, n), dtype=torch.int8)
     from lowbit.formats.int4 import pack_int4
 
@@ -126,7 +133,7 @@ def test_pack_weight_layout(strided):
     if strided:  # a non-contiguous view holding the same bytes
         packed = torch.stack([packed, torch.zeros_like(packed)], dim=-1)[..., 0]
     npad = cpu.padded_n(n)
-    tiles = cpu.pack_weight(packed, g)
+    tiles = cpu.MATMUL.pack_weight(packed, g)
     assert tiles.numel() == cpu.tiles_nbytes(k, n) == k * npad // 2
     u = torch.full((k, npad), 8, dtype=torch.int32)
     u[:, :n] = w.to(torch.int32) + 8
@@ -142,24 +149,16 @@ def test_pack_weight_layout(strided):
 triton_wqbmm = pytest.importorskip("lowbit.kernels.triton.wqbmm", reason="triton is not installed")
 
 
-def run_triton(x, weight, scale, offset, g, template):
-    m, k = x.shape
-    n = scale.shape[1]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    workspace = torch.empty(triton_wqbmm.workspace_nbytes(m, k, n, g, template), dtype=torch.uint8, device=x.device)
-    triton_wqbmm.wqbmm_into(x, weight, scale, offset, g, template, workspace, out)
-    return out.cpu()
-
-
 @settings(max_examples=6)
-@given(data=st.data(), m=st.integers(1, 20), g=st.sampled_from([32, 64]), n=st.sampled_from([2, 64, 130]),
+@given(data=st.data(), m=st.integers(1, 20), g=st.sampled_from([32, 64, 128]), n=st.sampled_from([2, 34, 64, 130]),
        bf16=st.booleans(), with_offset=st.booleans(), edges=st.booleans())
 def test_triton_kernels_equal_reference(data, m, g, n, bf16, with_offset, edges):
     dtype = torch.bfloat16 if bf16 else torch.float16
     x, weight, scale, offset = _draw_inputs(data, m, 2 * g, n, g, dtype, with_offset, edges)
     expected = _bits(ref.wqbmm_msd(x, weight, scale, offset, g))
     for template in TEMPLATES:
-        assert torch.equal(_bits(run_triton(x, weight, scale, offset, g, template)), expected), template
+        assert torch.equal(_bits(run_kernel(triton_wqbmm.MATMUL, x, weight, scale, offset, g, template)), expected)
+    assert torch.equal(_bits(run_kernel(triton_wqbmm.MATMUL, x, weight, scale, offset, g, "preload", True)), expected)
 
 
 @numba.njit

@@ -101,7 +101,8 @@ def test_opcheck_and_meta():
     ]:
         torch.library.opcheck(torch.ops.lowbit.weight_quant_batch_matmul.default, args)
     out = torch.empty(2, 64, dtype=torch.float16)
-    torch.library.opcheck(torch.ops.lowbit.weight_quant_batch_matmul_out.default, (x, weight, scale, out, None, 32))
+    out_op = torch.ops.lowbit.weight_quant_batch_matmul_out.default
+    torch.library.opcheck(out_op, (x, weight, scale, None, 32, "msd", "preload", out))
     meta = [t.to("meta") for t in (x, weight, scale)]
     y = torch.ops.lowbit.weight_quant_batch_matmul(*meta, None, 32)
     assert y.device.type == "meta" and y.shape == (2, 64) and y.dtype == torch.float16
