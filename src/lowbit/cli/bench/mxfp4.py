@@ -3,8 +3,8 @@
 GB/s counts bytes read + written: quantize reads 2 (BF16/FP16) or 4 (FP32) bytes per element and writes
 0.5 + 1/32; dequantize the reverse; memcpy copies the input into a preallocated buffer. Rows go through
 torch.ops.lowbit with the requested backend; "out=" rows write into preallocated outputs, the others
-allocate theirs (and pay first-touch page faults). The goal (issue 4) is CPU quantize of 64M BF16
-elements at >= 25 % of memcpy bandwidth.
+allocate theirs (and pay first-touch page faults). The goal is CPU quantize of 64M BF16 elements at
+>= 25 % of memcpy bandwidth.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Benchmark of svd_quant against a plain BF16 F.linear of the same (N, K), measured in the same run.
 
 Default shapes (B, S, N, K, R): upstream's prefill (1, 2048, 2816, 2048, 32) scaled to S = 2048 and the
-decode case (1, 1, 2816, 2048, 32). Goal (issue 4): prefill on CPU no slower than 1.3x F.linear.
+decode case (1, 1, 2816, 2048, 32). Goal: prefill on CPU no slower than 1.3x F.linear.
 The two are timed alternately (one call of each per sample), so load from other processes hits both
 alike; the table reports the median of each and the median of the per-sample ratios.
 """

@@ -1,10 +1,10 @@
-"""Smoke check of MXFP4 quantize + dequantize (formats.md section 3).
+"""Smoke check of MXFP4 quantize + dequantize (docs/mxfp4.md).
 
-Per input dtype (FP16, BF16, FP32): a (3, 64) input = the worked vector of formats.md 3.5 padded to 64,
-one row of 64 torch.randn values from a CPU generator seeded 2026 (times 100), and a row with a zero
-block and a block of ties; quantized (floor scale, TA) and dequantized back to the same dtype with the
+Per input dtype (FP16, BF16, FP32): a (3, 64) input = the worked vector of docs/mxfp4.md (section
+'Worked vectors') padded to 64, one row of 64 torch.randn values from a CPU generator seeded 2026
+(times 100), and a row with a zero block and a block of ties; quantized (floor scale, TA) and dequantized back to the same dtype with the
 requested backend, compared bit for bit with the reference. Extra keys: ``codes_match_reference`` and
-``worked_vector_bytes_ok`` (the packed bytes of formats.md 3.5).
+``worked_vector_bytes_ok`` (the packed bytes of that worked vector).
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ def run(backend: str, device: torch.device) -> list[dict]:
     for dtype in mxfp4.INPUT_DTYPES:
         x_cpu = smoke_input(dtype)
         codes, scales = mxfp4_quantize(x_cpu.to(device), backend=backend)
-        ran = {backends.last_backend(QUANTIZE)}
+        ran = {backends.last_backend(QUANTIZE.name)}
         y = mxfp4_dequantize(codes, scales, dtype, backend=backend)
-        ran.add(backends.last_backend(DEQUANTIZE))
+        ran.add(backends.last_backend(DEQUANTIZE.name))
         ref_codes, ref_scales = mxfp4.quantize(x_cpu)
         results.append(
             case_result(
