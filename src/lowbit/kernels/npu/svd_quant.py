@@ -3,9 +3,9 @@
 Calls ``torch.ops.amct.svd_quant(activation, weights, scales, down, up)`` from an installed ``amct_ops``
 built for Ascend 950 (the op is registered only by ``import amct_ops.svd_quant``). Shapes whose K is an
 odd multiple of 32 are zero-padded to the next multiple of 64 before the call: the kernel's
-activation-scale row stride looks wrong for them (docs/svd_quant.md, section 'K an odd multiple of 32'),
-and the padding (zero activations, zero down-projection rows, zero codes with scale 1.0) adds exact
-zeros, so the result is the documented one for every K. A missing ``amct_ops`` or op raises
+activation-scale row stride looks wrong for them (docs/svd_quant.md, section 'Decisions'), and the padding
+(zero activations, zero down-projection rows, zero codes with scale 1.0) adds exact zeros, so the result
+is the documented one for every K. A missing ``amct_ops`` or op raises
 BackendUnavailable.
 """
 
