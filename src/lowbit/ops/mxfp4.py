@@ -85,7 +85,7 @@ def _quantize_probes():
     spread = torch.linspace(-7.0, 7.0, 96) * torch.exp2(torch.arange(96.0) % 40 - 20)
     yield spread.reshape(8, 12), 6, "nearest", "ta", -1
     yield spread.reshape(2, 48).to(torch.float16), 2, "rceil", "rne", -1
-    yield spread.reshape(3, 32).T.to(torch.bfloat16), 16, "even", "ta", 0
+    yield spread.reshape(3, 32).T.contiguous().to(torch.bfloat16), 16, "even", "ta", 0
     yield _probe_rows(torch.bfloat16).repeat(1, 2), 64, "ceil", "rne", -1
     yield spread.repeat(90).reshape(1, -1).to(torch.bfloat16), 32, "floor", "ta", -1  # 270 blocks
 
