@@ -63,16 +63,16 @@ def _cmd_info(args: argparse.Namespace) -> int:
     requested = args.backend or default
     devices = [torch.device("cpu")]
     devices += [torch.device(f"cuda:{i}") for i in range(torch.cuda.device_count())]
-    smoke.checks()  # imports every operator module (registers its dispatcher)
+    smoke.checks()  # imports every operator module (registers its operators)
     ops = {}
-    for name, dispatcher in sorted(backends.dispatchers().items()):
+    for name, operator in sorted(backends.operators().items()):
         per_device = {}
         for device in devices:
             try:
-                chosen = dispatcher.resolve(device, requested)
+                chosen = operator.resolve(device, requested)
                 entry = {"backend": chosen}
                 if requested == "auto" and chosen == "reference":
-                    entry["why"] = dispatcher.auto_check_error(device) or "no native kernel"
+                    entry["why"] = operator.auto_check_error(device) or "no native kernel"
             except backends.BackendUnavailable as exc:
                 entry = {"backend": None, "why": str(exc)}
             per_device[str(device)] = entry

@@ -4,7 +4,7 @@ For every format, a copy of the model has each compatible ``nn.Linear`` replaced
 given inputs are compared with the float32 model's: SQNR in dB (10 log10 of signal over error energy),
 relative L2 error, and top-1 agreement of the argmax over the last dimension (for classifier-like
 outputs). Weight-only formats quantize the weight (N, K) in blocks along K, as the operators do; the
-SVDQuant format replaces the layer with :class:`lowbit.nn.svdquant.SVDQuantLinear`, which also quantizes
+SVDQuant format replaces the layer with :class:`lowbit.nn.svd_quant.SVDQuantLinear`, which also quantizes
 the activations (MXFP4) and keeps a rank-32 BF16 branch. A layer whose shape the format cannot take
 (e.g. K not a multiple of its block) stays in float32 and is counted as skipped.
 """
@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from lowbit.formats.int4 import quantize_int4_per_group, unpack_int4
-from lowbit.nn.svdquant import SVDQuantLinear
+from lowbit.nn.svd_quant import SVDQuantLinear
 from lowbit.ops.hifloat4 import hifloat4_fake_quant
 from lowbit.ops.hifloat8 import decode_from_hifloat8, encode_to_hifloat8
 from lowbit.ops.mxfp4 import mxfp4_dequantize, mxfp4_quantize
