@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from lowbit import backends, kernels
+from lowbit import kernels
 from lowbit.backends import Kernel, TensorSpec
 from lowbit.errors import DtypeError, check_int
 from lowbit.formats import mxfp4
@@ -100,23 +100,12 @@ def _dequantize_probes():
     yield codes[100:105, :24].T.contiguous(), varied, torch.float32, 0  # blocks of 12 along axis 0
 
 
-QUANTIZE = backends.register(backends.Operator(
-    name="mxfp4_quantize",
-    outputs=_quantize_outputs,
-    reference=_ReferenceQuantize(),
-    native=kernels.native("mxfp4", "QUANTIZE", ("cpu", "cuda")),
-    probes=_quantize_probes,
-))
-DEQUANTIZE = backends.register(backends.Operator(
-    name="mxfp4_dequantize",
-    outputs=_dequantize_outputs,
-    reference=_ReferenceDequantize(),
-    native=kernels.native("mxfp4", "DEQUANTIZE", ("cpu", "cuda")),
-    probes=_dequantize_probes,
-))
-define(QUANTIZE, "Tensor x, int block_size=32, str scale_rule='floor', str rounding='ta', int axis=-1",
-       outputs=("codes", "scales"))
-define(DEQUANTIZE, "Tensor codes, Tensor scales, ScalarType? dtype=None, int axis=-1")
+QUANTIZE = define("mxfp4_quantize", "Tensor x, int block_size=32, str scale_rule='floor', str rounding='ta', "
+                  "int axis=-1", _quantize_outputs, _ReferenceQuantize(), _quantize_probes,
+                  kernels.native("mxfp4", "QUANTIZE", ("cpu", "cuda")), output_names=("codes", "scales"))
+DEQUANTIZE = define("mxfp4_dequantize", "Tensor codes, Tensor scales, ScalarType? dtype=None, int axis=-1",
+                    _dequantize_outputs, _ReferenceDequantize(), _dequantize_probes,
+                    kernels.native("mxfp4", "DEQUANTIZE", ("cpu", "cuda")))
 
 
 def mxfp4_quantize(

@@ -32,7 +32,7 @@ from typing import Optional
 
 import torch
 
-from lowbit import backends, kernels
+from lowbit import kernels
 from lowbit.backends import Kernel, TensorSpec
 from lowbit.errors import DtypeError, ShapeError
 from lowbit.formats import mxfp4
@@ -114,15 +114,8 @@ class _Reference(Kernel):
         out.copy_(ref.svd_quant(x.reshape(-1, x.shape[-1]), w, s, d, u).reshape(out.shape))
 
 
-SVD_QUANT = backends.register(backends.Operator(
-    name="svd_quant",
-    outputs=_outputs,
-    reference=_Reference(),
-    native=kernels.native("svd_quant", "SVD_QUANT", ("cpu", "cuda", "npu")),
-    probes=_probes,
-    agrees=agrees,
-))
-define(SVD_QUANT, "Tensor x, Tensor w, Tensor s, Tensor d, Tensor u")
+SVD_QUANT = define("svd_quant", "Tensor x, Tensor w, Tensor s, Tensor d, Tensor u", _outputs, _Reference(), _probes,
+                   kernels.native("svd_quant", "SVD_QUANT", ("cpu", "cuda", "npu")), agrees=agrees)
 
 
 def svd_quant(

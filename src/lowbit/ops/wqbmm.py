@@ -139,15 +139,9 @@ def _probes():
     return probes
 
 
-MATMUL = backends.register(backends.Operator(
-    name=_OP,
-    outputs=_outputs,
-    reference=_Reference(),
-    native=kernels.native("wqbmm", "MATMUL", ("cpu", "cuda")),
-    probes=_probes,
-))
-define(MATMUL, "Tensor x, Tensor weight, Tensor antiquant_scale, Tensor? antiquant_offset=None, "
-               "int group_size=128, str algorithm='msd', str template='preload'")
+MATMUL = define(_OP, "Tensor x, Tensor weight, Tensor antiquant_scale, Tensor? antiquant_offset=None, "
+                     "int group_size=128, str algorithm='msd', str template='preload'",
+                _outputs, _Reference(), _probes, kernels.native("wqbmm", "MATMUL", ("cpu", "cuda")))
 
 
 def weight_quant_batch_matmul(

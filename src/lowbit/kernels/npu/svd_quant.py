@@ -11,32 +11,20 @@ BackendUnavailable.
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 import torch.nn.functional as F
 
 from lowbit.backends import Kernel
-from lowbit.errors import BackendUnavailable
+from lowbit.kernels.npu import amct_operator
 from lowbit.formats.mxfp4 import E8M0_BIAS
 from lowbit.formats.svd_quant import BLOCK
-
-
-def _amct_svd_quant():
-    try:
-        importlib.import_module("amct_ops.svd_quant")  # loads the .so that registers torch.ops.amct.svd_quant
-    except (ImportError, OSError) as exc:
-        raise BackendUnavailable(f"amct_ops.svd_quant is not importable: {exc}") from exc
-    if not hasattr(torch.ops.amct, "svd_quant"):
-        raise BackendUnavailable("amct_ops has no svd_quant operator (it is built only for Ascend 950)")
-    return torch.ops.amct.svd_quant
 
 
 class SvdQuant(Kernel):
     """svd_quant with AMCT's NPU operator, K padded to a multiple of 2 * BLOCK."""
 
     def run(self, x, w, s, d, u, *, out) -> None:
-        op = _amct_svd_quant()
+        op = amct_operator("amct_ops.svd_quant", "svd_quant", "it is built only for Ascend 950")
         if x.shape[-1] % (2 * BLOCK):
             x = F.pad(x, (0, BLOCK))
             d = F.pad(d, (0, 0, 0, BLOCK))
