@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from lowbit.errors import DtypeError, ShapeError
 from lowbit.formats import mxfp4
-from mxfp4_oracle import oracle_quantize, oracle_quantize_block
+from mxfp4_oracle import oracle_quantize
 
 WORKED = [4.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, 0.2, 5.9, -0.0] + [0.0] * 20
 RULE_ROUNDING = [(r, m) for r in mxfp4.SCALE_RULES for m in mxfp4.ROUNDINGS]

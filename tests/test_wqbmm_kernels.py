@@ -4,6 +4,8 @@ import numba
 import numpy as np
 import pytest
 import torch
+
+from helpers import bits
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -12,10 +14,6 @@ from lowbit.kernels.cpu import _simd as simd
 from lowbit.kernels.cpu import wqbmm as cpu
 
 TEMPLATES = ("basic", "preload")
-
-
-def _bits(t):
-    return t.contiguous().view(torch.int16)
 
 
 def run_kernel(kernel, x, weight, scale, offset, g, template, prepacked=False):
@@ -62,11 +60,11 @@ def _draw_inputs(data, m, k, n, g, dtype, with_offset, edges):
 def test_cpu_kernels_equal_reference(data, m, groups, g, n, bf16, with_offset, edges):
     dtype = torch.bfloat16 if bf16 else torch.float16
     x, weight, scale, offset = _draw_inputs(data, m, groups * g, n, g, dtype, with_offset, edges)
-    expected = _bits(ref.wqbmm_msd(x, weight, scale, offset, g))
+    expected = bits(ref.wqbmm_msd(x, weight, scale, offset, g))
     for template in TEMPLATES:
-        assert torch.equal(_bits(run_cpu(x, weight, scale, offset, g, template)), expected), template
+        assert torch.equal(bits(run_cpu(x, weight, scale, offset, g, template)), expected), template
     prepacked = run_cpu(x, weight, scale, offset, g, data.draw(st.sampled_from(TEMPLATES)), prepacked=True)
-    assert torch.equal(_bits(prepacked), expected)
+    assert torch.equal(bits(prepacked), expected)
 
 
 def test_parallel_preprocess_path_equals_reference():
@@ -77,9 +75,9 @@ def test_parallel_preprocess_path_equals_reference():
     x = torch.randn(m, k, generator=gen).half()
     weight = torch.randint(0, 256, (k, n // 2), generator=gen, dtype=torch.uint8)
     scale = torch.rand(k // g, n, generator=gen).half()
-    expected = _bits(ref.wqbmm_msd(x, weight, scale, None, g))
+    expected = bits(ref.wqbmm_msd(x, weight, scale, None, g))
     for template in TEMPLATES:
-        assert torch.equal(_bits(run_cpu(x, weight, scale, None, g, template)), expected)
+        assert torch.equal(bits(run_cpu(x, weight, scale, None, g, template)), expected)
 
 
 def test_kernel_reads_the_current_weight_every_call():
@@ -90,8 +88,8 @@ def test_kernel_reads_the_current_weight_every_call():
     first = run_cpu(x, weight, scale, None, 32, "preload")
     assert torch.equal(first, ref.wqbmm_msd(x, weight, scale, None, 32))
     weight.data.bitwise_xor_(0x11)  # an in-place change torch's version counter does not see
-    expected = _bits(ref.wqbmm_msd(x, weight, scale, None, 32))
-    assert torch.equal(_bits(run_cpu(x, weight, scale, None, 32, "preload")), expected)
+    expected = bits(ref.wqbmm_msd(x, weight, scale, None, 32))
+    assert torch.equal(bits(run_cpu(x, weight, scale, None, 32, "preload")), expected)
 
 
 def _dot_with(dpbusd):
@@ -155,10 +153,10 @@ triton_wqbmm = pytest.importorskip("lowbit.kernels.triton.wqbmm", reason="triton
 def test_triton_kernels_equal_reference(data, m, g, n, bf16, with_offset, edges):
     dtype = torch.bfloat16 if bf16 else torch.float16
     x, weight, scale, offset = _draw_inputs(data, m, 2 * g, n, g, dtype, with_offset, edges)
-    expected = _bits(ref.wqbmm_msd(x, weight, scale, offset, g))
+    expected = bits(ref.wqbmm_msd(x, weight, scale, offset, g))
     for template in TEMPLATES:
-        assert torch.equal(_bits(run_kernel(triton_wqbmm.MATMUL, x, weight, scale, offset, g, template)), expected)
-    assert torch.equal(_bits(run_kernel(triton_wqbmm.MATMUL, x, weight, scale, offset, g, "preload", True)), expected)
+        assert torch.equal(bits(run_kernel(triton_wqbmm.MATMUL, x, weight, scale, offset, g, template)), expected)
+    assert torch.equal(bits(run_kernel(triton_wqbmm.MATMUL, x, weight, scale, offset, g, "preload", True)), expected)
 
 
 @numba.njit
