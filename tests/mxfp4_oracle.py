@@ -3,8 +3,9 @@
 * :func:`oracle_quantize_block` works on Python Fractions, one block at a time: the shared exponent by
   exact search over powers of two (and FBGEMM's fp32 bit trick for "even"), each element to the nearest
   E2M1 grid value by exact distance, ties broken as the rounding mode says.
-* :func:`fbgemm_fake_quant` follows FBGEMM's ``py_quantize_mx4`` steps (formats.md 3.4) in fp32 torch
-  ops: log2 of the amax, add-half-then-shift element rounding; used for the svd_quant golden.
+* :func:`fbgemm_fake_quant` follows FBGEMM's ``py_quantize_mx4`` steps (docs/mxfp4.md, sections 'Scale
+  rules' and 'Element rounding') in fp32 torch ops: log2 of the amax, add-half-then-shift element
+  rounding; used for the svd_quant golden.
 """
 
 from __future__ import annotations

@@ -4,17 +4,12 @@ import importlib.util
 import json
 
 import pytest
+
 import torch
 
-from lowbit.cli import main as cli
+from helpers import run_cli
 from lowbit.cli.smoke import _common
 from lowbit.cli.smoke import hifloat8 as hifloat8_smoke
-
-
-def run_cli(capsys, *argv):
-    code = cli.main(list(argv))
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 def test_smoke_hifloat8_native_cpu_verifies_the_cpu_path(capsys):

@@ -6,6 +6,8 @@ import math
 import numpy as np
 import pytest
 import torch
+
+from helpers import FLOAT_DTYPES
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -15,7 +17,7 @@ from lowbit.formats import hifloat4
 
 import hifloat4_oracle as oracle
 
-DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+DTYPES = FLOAT_DTYPES
 
 
 # --- worked blocks (docs/hifloat4.md, section 'Worked blocks'), ground truth -----------------------------------------------------

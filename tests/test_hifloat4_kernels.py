@@ -4,6 +4,8 @@ import numba
 import numpy as np
 import pytest
 import torch
+
+from helpers import FLOAT_DTYPES
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -14,7 +16,7 @@ from lowbit.ops.hifloat4 import probe_input
 
 triton_kernels = pytest.importorskip("lowbit.kernels.triton.hifloat4", reason="triton is not installed")
 
-DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+DTYPES = FLOAT_DTYPES
 FAKE_QUANT = {"numba": cpu_kernels.FAKE_QUANT, "triton-interpreter": triton_kernels.FAKE_QUANT}
 # log2 of the block scales drawn per dtype: 1e-30 ... 1e30 where the dtype allows it.
 SCALE_EXPONENTS = {torch.float32: (-100, 100), torch.bfloat16: (-100, 100), torch.float16: (-24, 15)}

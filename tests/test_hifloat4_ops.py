@@ -6,6 +6,8 @@ import json
 import numpy as np
 import pytest
 import torch
+
+from helpers import FLOAT_DTYPES
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -24,7 +26,7 @@ from lowbit.ops.hifloat4 import (
     probe_input,
 )
 
-DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+DTYPES = FLOAT_DTYPES
 
 
 @pytest.mark.parametrize("backend", ["native", "reference", "auto"])

@@ -6,18 +6,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import lowbit
+from helpers import HALF_DTYPES, bits
 from lowbit.formats import hifloat8
 from lowbit.kernels.cpu import hifloat8 as cpu_kernels
 from lowbit.ops.hifloat8 import DECODE, ENCODE
 
 triton_kernels = pytest.importorskip("lowbit.kernels.triton.hifloat8", reason="triton is not installed")
 
-DTYPES = [torch.float16, torch.bfloat16]
+DTYPES = HALF_DTYPES
 KERNELS = {"numba": cpu_kernels, "triton-interpreter": triton_kernels}
-
-
-def bits(t):
-    return t.view(torch.int16) if t.element_size() == 2 else t
 
 
 def edge_values(dtype):
@@ -263,15 +260,3 @@ def test_torch_compile_inductor():
     compiled = torch.compile(lambda x: lowbit.encode_to_hifloat8(x.abs()), fullgraph=True)
     x = torch.randn(33).to(torch.bfloat16)
     assert torch.equal(compiled(x), hifloat8.encode(x.abs()))
-
-
-def test_use_backend_is_local_to_the_thread():
-    import threading
-
-    seen = {}
-    with lowbit.use_backend("reference"):
-        worker = threading.Thread(target=lambda: seen.setdefault("other", lowbit.get_backend()))
-        worker.start()
-        worker.join()
-        assert lowbit.get_backend() == "reference"
-    assert seen["other"] == lowbit.get_backend() != "reference"

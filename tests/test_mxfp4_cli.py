@@ -4,15 +4,9 @@ import json
 
 import torch
 
-from lowbit.cli import main as cli
+from helpers import run_cli
 from lowbit.cli.smoke import mxfp4 as mxfp4_smoke
 from lowbit.cli.smoke import svd_quant as svd_quant_smoke
-
-
-def run_cli(capsys, *argv):
-    code = cli.main(list(argv))
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 def test_smoke_mxfp4_native_cpu(capsys):

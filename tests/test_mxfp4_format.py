@@ -9,13 +9,13 @@ from hypothesis import strategies as st
 
 from lowbit.errors import DtypeError, ShapeError
 from lowbit.formats import mxfp4
-from mxfp4_oracle import oracle_quantize, oracle_quantize_block
+from mxfp4_oracle import oracle_quantize
 
 WORKED = [4.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, 0.2, 5.9, -0.0] + [0.0] * 20
 RULE_ROUNDING = [(r, m) for r in mxfp4.SCALE_RULES for m in mxfp4.ROUNDINGS]
 
 
-# --- worked vectors (formats.md 3.5) ------------------------------------------------------------
+# --- worked vectors (docs/mxfp4.md, section 'Worked vectors') ------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", mxfp4.INPUT_DTYPES)
 def test_worked_vector_bytes_and_dequant(dtype):
@@ -212,8 +212,12 @@ def test_errors():
         mxfp4.quantize(torch.zeros(32), scale_rule="stochastic")
     with pytest.raises(ValueError, match="rounding"):
         mxfp4.quantize(torch.zeros(32), rounding="floor")
-    with pytest.raises(ValueError, match="block_size"):
+    with pytest.raises(ShapeError, match="block_size"):
         mxfp4.quantize(torch.zeros(33), block_size=33)
+    with pytest.raises(TypeError, match="block_size"):
+        mxfp4.quantize(torch.zeros(32), block_size=32.0)
+    with pytest.raises(ShapeError, match="block_size"):
+        mxfp4.from_fbgemm_layout(torch.zeros(17, dtype=torch.uint8), block_size=31)
     with pytest.raises(ShapeError, match="axis 2"):
         mxfp4.quantize(torch.zeros(32), axis=2)
     with pytest.raises(ShapeError, match="do not fit"):
@@ -226,5 +230,7 @@ def test_errors():
         mxfp4.dequantize(torch.zeros(2, 16, dtype=torch.uint8), torch.zeros(2, 1, dtype=torch.uint8), torch.int8)
     with pytest.raises(ValueError, match="round_mode"):
         mxfp4.dynamic_mx_quant(torch.zeros(32), round_mode="floor")
-    with pytest.raises(ValueError, match="block_size"):
+    with pytest.raises(ShapeError, match="block_size"):
         mxfp4.dynamic_mx_quant(torch.zeros(64), block_size=64)
+    with pytest.raises(DtypeError, match="scales must be uint8"):
+        mxfp4.dequantize(torch.zeros(2, 16, dtype=torch.uint8), torch.zeros(2, 1))

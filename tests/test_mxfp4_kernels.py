@@ -5,16 +5,34 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import lowbit
 import lowbit.ops.mxfp4 as ops
 from lowbit import backends
 from lowbit.errors import DeviceError, DtypeError, ShapeError
 from lowbit.formats import mxfp4
 from lowbit.kernels.cpu import mxfp4 as cpu_kernels
+from lowbit.ops.mxfp4 import DEQUANTIZE, QUANTIZE
 
 triton_kernels = pytest.importorskip("lowbit.kernels.triton.mxfp4", reason="triton is not installed")
 
 KERNELS = {"numba": cpu_kernels, "triton-interpreter": triton_kernels}
 RULE_ROUNDING = [(r, m) for r in mxfp4.SCALE_RULES for m in mxfp4.ROUNDINGS]
+
+
+def quantize_with(kernels, x, block_size=32, scale_rule="floor", rounding="ta", axis=-1):
+    """Run a kernel module's QUANTIZE directly (contiguous input, fresh contiguous outputs)."""
+    x = x.contiguous()
+    out = QUANTIZE.new_outputs(x, block_size, scale_rule, rounding, axis)
+    kernels.QUANTIZE.run(x, block_size, scale_rule, rounding, axis, out=out)
+    return out
+
+
+def dequantize_with(kernels, codes, scales, dtype=torch.bfloat16, axis=-1):
+    """Run a kernel module's DEQUANTIZE directly (contiguous inputs, a fresh contiguous output)."""
+    codes, scales = codes.contiguous(), scales.contiguous()
+    out = DEQUANTIZE.new_outputs(codes, scales, dtype, axis)
+    kernels.DEQUANTIZE.run(codes, scales, dtype, axis, out=out)
+    return out
 
 
 def edge_rows(dtype: torch.dtype) -> torch.Tensor:
@@ -47,15 +65,25 @@ def assert_same(got, want):
 @pytest.mark.parametrize("rule, rounding", RULE_ROUNDING)
 def test_quantize_edges_bit_exact(kernel, dtype, rule, rounding):
     x = edge_rows(dtype)
-    assert_same(KERNELS[kernel].quantize(x, 32, rule, rounding), mxfp4.quantize(x, 32, rule, rounding))
+    assert_same(quantize_with(KERNELS[kernel], x, 32, rule, rounding), mxfp4.quantize(x, 32, rule, rounding))
 
 
 @pytest.mark.parametrize("kernel", KERNELS, ids=list(KERNELS))
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", ops.KERNEL_OUTPUT_DTYPES)
 def test_dequantize_every_scale_and_code_byte(kernel, dtype):
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(256).reshape(256, 256)
     scales = torch.arange(256, dtype=torch.int32).to(torch.uint8).unsqueeze(1).repeat(1, 16)
-    assert_same([KERNELS[kernel].dequantize(codes, scales, dtype)], [mxfp4.dequantize(codes, scales, dtype)])
+    assert_same([dequantize_with(KERNELS[kernel], codes, scales, dtype)], [mxfp4.dequantize(codes, scales, dtype)])
+
+
+@pytest.mark.parametrize("kernel", KERNELS, ids=list(KERNELS))
+def test_float64_output_is_the_references_job(kernel):
+    codes, scales = torch.zeros(2, 16, dtype=torch.uint8), torch.full((2, 1), 254, dtype=torch.uint8)
+    assert "float64" in KERNELS[kernel].DEQUANTIZE.supports(codes, scales, torch.float64, -1)
+    with pytest.raises(lowbit.BackendUnavailable, match="float64"):
+        ops.mxfp4_dequantize(codes, scales, torch.float64, backend="native")
+    y = ops.mxfp4_dequantize(codes | 0x77, scales, torch.float64, backend="auto")
+    assert backends.last_backend(DEQUANTIZE.name) == "reference" and y[0, 0].item() == 6.0 * 2.0**127
 
 
 @pytest.mark.parametrize("dtype", mxfp4.INPUT_DTYPES)
@@ -71,33 +99,24 @@ def test_numba_random_inputs_bit_exact(dtype, data):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, k, generator=gen) * torch.exp2(torch.randint(-spread, spread + 1, (rows, k), generator=gen).float())
     x = x.to(dtype)
-    assert_same(cpu_kernels.quantize(x, block_size, rule, rounding), mxfp4.quantize(x, block_size, rule, rounding))
+    assert_same(quantize_with(cpu_kernels, x, block_size, rule, rounding), mxfp4.quantize(x, block_size, rule, rounding))
     codes, scales = mxfp4.quantize(x, block_size, rule, rounding)
-    assert_same([cpu_kernels.dequantize(codes, scales, dtype)], [mxfp4.dequantize(codes, scales, dtype)])
+    assert_same([dequantize_with(cpu_kernels, codes, scales, dtype)], [mxfp4.dequantize(codes, scales, dtype)])
 
 
 @pytest.mark.parametrize("kernel", KERNELS, ids=list(KERNELS))
 def test_odd_shapes_axes_and_views(kernel):
     k = KERNELS[kernel]
     x = torch.randn(96, 3, 7, dtype=torch.bfloat16)
-    assert_same(k.quantize(x, 32, "even", "rne", axis=0), mxfp4.quantize(x, 32, "even", "rne", axis=0))
+    assert_same(quantize_with(k, x, 32, "even", "rne", axis=0), mxfp4.quantize(x, 32, "even", "rne", axis=0))
     view = torch.randn(5, 128, dtype=torch.float32)[:, ::2]  # non-contiguous (5, 64)
-    assert_same(k.quantize(view, 16), mxfp4.quantize(view, 16))
-    assert_same(k.quantize(x[:, :, 1], 48, axis=0), mxfp4.quantize(x[:, :, 1], 48, axis=0))
+    assert_same(quantize_with(k, view, 16), mxfp4.quantize(view, 16))
+    assert_same(quantize_with(k, x[:, :, 1], 48, axis=0), mxfp4.quantize(x[:, :, 1], 48, axis=0))
     codes, scales = mxfp4.quantize(x, 32, axis=0)
-    assert_same([k.dequantize(codes, scales, torch.float16, axis=0)], [mxfp4.dequantize(codes, scales, torch.float16, axis=0)])
+    assert_same([dequantize_with(k, codes, scales, torch.float16, axis=0)],
+                [mxfp4.dequantize(codes, scales, torch.float16, axis=0)])
     empty = torch.zeros(0, 64)
-    assert_same(k.quantize(empty), mxfp4.quantize(empty))
-
-
-def test_numba_out_arguments():
-    x = torch.randn(4, 64, dtype=torch.bfloat16)
-    codes, scales = torch.empty(4, 32, dtype=torch.uint8), torch.empty(4, 2, dtype=torch.uint8)
-    got = cpu_kernels.quantize(x, out=(codes, scales))
-    assert got[0] is codes and got[1] is scales
-    assert_same(got, mxfp4.quantize(x))
-    with pytest.raises(ValueError, match="out codes"):
-        cpu_kernels.quantize(x, out=(torch.empty(4, 31, dtype=torch.uint8), scales))
+    assert_same(quantize_with(k, empty), mxfp4.quantize(empty))
 
 
 def test_numba_thread_counts_agree():
@@ -107,7 +126,7 @@ def test_numba_thread_counts_agree():
         results = []
         for n in (1, 2):
             torch.set_num_threads(n)
-            results.append(cpu_kernels.quantize(x, 32, "ceil", "rne"))
+            results.append(quantize_with(cpu_kernels, x, 32, "ceil", "rne"))
     finally:
         torch.set_num_threads(threads)
     assert_same(results[0], results[1])
@@ -119,7 +138,7 @@ def test_numba_thread_counts_agree():
 def test_ops_route_and_agree(backend):
     x = torch.randn(3, 64, dtype=torch.float16) * 50
     codes, scales = ops.mxfp4_quantize(x, 32, "rceil", "rne", backend=backend)
-    assert backends.last_backend(ops.QUANTIZE) == ("reference" if backend == "reference" else "native")
+    assert backends.last_backend(QUANTIZE.name) == ("reference" if backend == "reference" else "native")
     assert_same((codes, scales), mxfp4.quantize(x, 32, "rceil", "rne"))
     y = ops.mxfp4_dequantize(mxfp4.as_torch_fp4(codes), mxfp4.as_torch_e8m0(scales), torch.float32, backend=backend)
     assert_same([y], [mxfp4.dequantize(codes, scales, torch.float32)])
@@ -127,15 +146,16 @@ def test_ops_route_and_agree(backend):
 
 def test_auto_self_checks_pass_on_cpu():
     cpu = torch.device("cpu")
-    for dispatcher in (ops.QUANTIZE_DISPATCH, ops.DEQUANTIZE_DISPATCH):
-        assert dispatcher.resolve(cpu, "auto") == "native", dispatcher.auto_check_error(cpu)
+    for op in (QUANTIZE, DEQUANTIZE):
+        assert op.auto_check_error(cpu) is None
+        assert op.resolve(cpu, "auto") == "native"
 
 
 def test_opcheck_and_meta():
     x = torch.randn(2, 4, 64, dtype=torch.bfloat16)
-    torch.library.opcheck(torch.ops.lowbit.mxfp4_quantize, (x.transpose(1, 2), 32, "floor", "ta", 1, "native"))
+    torch.library.opcheck(torch.ops.lowbit.mxfp4_quantize.default, (x.transpose(1, 2), 32, "floor", "ta", 1, "native"))
     codes, scales = ops.mxfp4_quantize(x)
-    torch.library.opcheck(torch.ops.lowbit.mxfp4_dequantize, (codes, scales, torch.float16, -1, "native"))
+    torch.library.opcheck(torch.ops.lowbit.mxfp4_dequantize.default, (codes, scales, torch.float16, -1, "native"))
     meta_codes, meta_scales = ops.mxfp4_quantize(x.transpose(1, 2).to("meta"), 16, axis=1)
     assert meta_codes.shape == (2, 32, 4) and meta_scales.shape == (2, 4, 4)
     assert ops.mxfp4_dequantize(codes.to("meta"), scales.to("meta"), torch.float32).shape == (2, 4, 64)
@@ -167,7 +187,8 @@ def test_op_errors():
 def test_numba_fake_quantize_is_quantize_then_dequantize(dtype, out_dtype):
     x = edge_rows(dtype)
     for block_size in (32, 16):
-        got = cpu_kernels.fake_quantize(x, block_size, "even", "rne", out_dtype)
+        got = torch.empty(x.shape, dtype=out_dtype or dtype)
+        cpu_kernels.fake_quantize(x, block_size, "even", "rne", out=got)
         want = mxfp4.dequantize(*mxfp4.quantize(x, block_size, "even", "rne"), out_dtype or dtype)
         assert_same([got], [want])
 
@@ -182,7 +203,7 @@ def test_quantize_op_out_argument(backend):
     strided = torch.empty(3, 64, dtype=torch.uint8)[:, ::2]  # non-contiguous out
     ops.mxfp4_quantize(x, out=(strided, scales), backend=backend)
     assert torch.equal(strided, mxfp4.quantize(x)[0])
-    torch.library.opcheck(torch.ops.lowbit.mxfp4_quantize_out, (x, codes, scales, 32, "floor", "ta", -1, backend))
+    torch.library.opcheck(torch.ops.lowbit.mxfp4_quantize_out.default, (x, 32, "floor", "ta", -1, codes, scales, backend))
     with pytest.raises(ShapeError, match=r"\(3, 32\)"):
         ops.mxfp4_quantize(x, out=(torch.empty(3, 31, dtype=torch.uint8), scales))
     with pytest.raises(DtypeError, match="int8"):
@@ -196,9 +217,9 @@ def test_every_16bit_pattern_bit_exact(dtype):
     shuffled = patterns[torch.randperm(65536, generator=torch.Generator().manual_seed(0))]
     x = torch.stack([patterns, shuffled]).reshape(-1, 1024)
     for rule, rounding in RULE_ROUNDING:
-        assert_same(cpu_kernels.quantize(x, 32, rule, rounding), mxfp4.quantize(x, 32, rule, rounding))
+        assert_same(quantize_with(cpu_kernels, x, 32, rule, rounding), mxfp4.quantize(x, 32, rule, rounding))
     for rule, rounding in (("floor", "ta"), ("rceil", "rne")):
-        assert_same(triton_kernels.quantize(x, 32, rule, rounding), mxfp4.quantize(x, 32, rule, rounding))
+        assert_same(quantize_with(triton_kernels, x, 32, rule, rounding), mxfp4.quantize(x, 32, rule, rounding))
 
 
 @settings(max_examples=10)
@@ -212,9 +233,10 @@ def test_triton_random_inputs_bit_exact(data):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(3, 2 * block_size, generator=gen) * torch.exp2(torch.randint(-40, 41, (3, 1), generator=gen).float())
     x = x.to(dtype)
-    assert_same(triton_kernels.quantize(x, block_size, rule, rounding), mxfp4.quantize(x, block_size, rule, rounding))
+    assert_same(quantize_with(triton_kernels, x, block_size, rule, rounding),
+                mxfp4.quantize(x, block_size, rule, rounding))
     codes, scales = mxfp4.quantize(x, block_size, rule, rounding)
-    assert_same([triton_kernels.dequantize(codes, scales, dtype)], [mxfp4.dequantize(codes, scales, dtype)])
+    assert_same([dequantize_with(triton_kernels, codes, scales, dtype)], [mxfp4.dequantize(codes, scales, dtype)])
 
 
 @pytest.mark.parametrize("backend", ["reference", "native"])
@@ -224,7 +246,7 @@ def test_dynamic_mx_quant_op_matches_reference_layout(backend):
         assert_same(ops.dynamic_mx_quant(x, 32, mode, backend=backend), mxfp4.dynamic_mx_quant(x, 32, mode))
     with pytest.raises(ValueError, match="round_mode"):
         ops.dynamic_mx_quant(x, round_mode="floor")
-    with pytest.raises(ValueError, match="block_size"):
+    with pytest.raises(ShapeError, match="block_size"):
         ops.dynamic_mx_quant(x, block_size=16)
 
 
@@ -237,8 +259,151 @@ def test_dequantize_op_out_argument(backend):
     strided = torch.empty(3, 128, dtype=torch.bfloat16)[:, ::2]
     ops.mxfp4_dequantize(codes, scales, out=strided, backend=backend)
     assert_same([strided.contiguous()], [mxfp4.dequantize(codes, scales)])
-    torch.library.opcheck(torch.ops.lowbit.mxfp4_dequantize_out, (codes, scales, out, -1, backend))
+    torch.library.opcheck(torch.ops.lowbit.mxfp4_dequantize_out.default, (codes, scales, torch.float16, -1, out, backend))
     with pytest.raises(DtypeError, match="float32"):
         ops.mxfp4_dequantize(codes, scales, torch.float16, out=torch.empty(3, 64))
+    assert ops.mxfp4_dequantize(codes, scales, out=torch.empty(3, 64), backend=backend).dtype == torch.float32
     with pytest.raises(ShapeError, match=r"\(3, 64\)"):
         ops.mxfp4_dequantize(codes, scales, torch.float32, out=torch.empty(3, 63))
+
+
+# --- out= sharing memory with the inputs -------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", ["native", "reference"])
+@given(data=st.data())
+def test_quantize_into_the_inputs_memory_equals_the_reference(backend, data):
+    """codes or scales written over the bytes of x (from any offset) give the reference's bits."""
+    dtype = data.draw(st.sampled_from(mxfp4.INPUT_DTYPES))
+    rows, n_blocks = data.draw(st.integers(1, 4)), data.draw(st.integers(1, 3))
+    rule, rounding = data.draw(st.sampled_from(RULE_ROUNDING))
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31)))
+    storage = (torch.randn(rows, 32 * n_blocks, generator=gen) * 300).to(dtype)
+    x = storage.clone()
+    want = mxfp4.quantize(x, 32, rule, rounding)
+    raw = storage.view(-1).view(torch.uint8)
+    offset = data.draw(st.integers(0, raw.numel() - want[0].numel() - want[1].numel()))
+    which = data.draw(st.sampled_from(["codes", "scales", "both"]))
+    codes = raw[offset : offset + want[0].numel()].view(want[0].shape) if which != "scales" else torch.empty_like(want[0])
+    start = offset + want[0].numel() if which == "both" else offset
+    scales = raw[start : start + want[1].numel()].view(want[1].shape) if which != "codes" else torch.empty_like(want[1])
+    got = ops.mxfp4_quantize(storage, 32, rule, rounding, out=(codes, scales), backend=backend)
+    assert got[0] is codes and got[1] is scales
+    assert_same(got, want)
+
+
+@pytest.mark.parametrize("backend", ["native", "reference"])
+@given(data=st.data())
+def test_dequantize_over_its_codes_or_scales_equals_the_reference(backend, data):
+    """The decoded values written over the memory holding the codes and/or scales give the reference's bits."""
+    dtype = data.draw(st.sampled_from(ops.KERNEL_OUTPUT_DTYPES))
+    rows, n_blocks = data.draw(st.integers(1, 4)), data.draw(st.integers(1, 3))
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31)))
+    want_codes = torch.randint(0, 256, (rows, 16 * n_blocks), generator=gen, dtype=torch.int32).to(torch.uint8)
+    want_scales = torch.randint(100, 160, (rows, n_blocks), generator=gen, dtype=torch.int32).to(torch.uint8)
+    want = mxfp4.dequantize(want_codes, want_scales, dtype)
+    buffer = torch.zeros(want.numel() * want.element_size() + want_codes.numel() + want_scales.numel(), dtype=torch.uint8)
+    out_start = data.draw(st.integers(0, want_codes.numel() + want_scales.numel())) // want.element_size()
+    out = buffer[out_start * want.element_size() :][: want.numel() * want.element_size()].view(dtype).view(want.shape)
+    codes_start = data.draw(st.integers(0, buffer.numel() - want_codes.numel()))
+    codes = buffer[codes_start : codes_start + want_codes.numel()].view(want_codes.shape)
+    codes.copy_(want_codes)
+    scales = want_scales.clone()
+    if data.draw(st.booleans()):  # scales inside the buffer too, unless they would overlap the codes
+        scales_start = data.draw(st.integers(0, buffer.numel() - want_scales.numel()))
+        if scales_start + want_scales.numel() <= codes_start or scales_start >= codes_start + want_codes.numel():
+            scales = buffer[scales_start : scales_start + want_scales.numel()].view(want_scales.shape)
+            scales.copy_(want_scales)
+    assert ops.mxfp4_dequantize(codes, scales, dtype, out=out, backend=backend) is out
+    assert_same([out], [want])
+
+
+# --- malformed codes and scales never reach a kernel ------------------------------------------------
+
+@given(data=st.data())
+def test_malformed_codes_and_scales_are_refused_before_any_kernel(data):
+    """Random shapes and dtypes: either a DtypeError / ShapeError, or the reference's bits (no crash)."""
+    dims = data.draw(st.integers(1, 3))
+    codes_shape = tuple(data.draw(st.lists(st.integers(0, 9), min_size=dims, max_size=dims)))
+    scales_shape = tuple(data.draw(st.lists(st.integers(0, 9), min_size=1, max_size=3)))
+    codes_dtype = data.draw(st.sampled_from([torch.uint8, torch.uint8, torch.int8, torch.int32]))
+    scales_dtype = data.draw(st.sampled_from([torch.uint8, torch.uint8, torch.int16, torch.float32]))
+    axis = data.draw(st.integers(-3, 2))
+    codes = torch.randint(0, 100, codes_shape, dtype=torch.int32).to(codes_dtype)
+    scales = torch.randint(100, 150, scales_shape, dtype=torch.int32).to(scales_dtype)
+    try:
+        got = ops.mxfp4_dequantize(codes, scales, torch.float32, axis, backend="native")
+    except (DtypeError, ShapeError) as exc:
+        assert any(name in str(exc) for name in ("codes", "scales", "axis")), exc
+        return
+    assert_same([got], [mxfp4.dequantize(codes, scales, torch.float32, axis)])
+
+
+def test_empty_codes_with_scales_are_refused():
+    with pytest.raises(ShapeError, match="do not fit"):
+        ops.mxfp4_dequantize(torch.zeros(4, 0, dtype=torch.uint8), torch.zeros(4, 5, dtype=torch.uint8))
+    assert ops.mxfp4_dequantize(torch.zeros(4, 0, dtype=torch.uint8), torch.zeros(4, 0, dtype=torch.uint8)).shape == (4, 0)
+
+
+# --- argument errors ----------------------------------------------------------------------------------
+
+def test_size_arguments_raise_shape_or_type_errors_naming_them():
+    x = torch.zeros(2, 64)
+    for bad in (33, 0, -2):
+        with pytest.raises(ShapeError, match="block_size"):
+            ops.mxfp4_quantize(x, bad)
+    for bad in (32.0, True, "32"):
+        with pytest.raises(TypeError, match="block_size"):
+            ops.mxfp4_quantize(x, bad)
+    with pytest.raises(TypeError, match="axis"):
+        ops.mxfp4_quantize(x, 32, axis=1.0)
+    with pytest.raises(TypeError, match="axis"):
+        ops.mxfp4_dequantize(torch.zeros(2, 16, dtype=torch.uint8), torch.zeros(2, 1, dtype=torch.uint8), axis=False)
+    with pytest.raises(ShapeError, match="block_size"):
+        ops.dynamic_mx_quant(x, 64)
+    with pytest.raises(TypeError, match="block_size"):
+        ops.dynamic_mx_quant(x, 32.0)
+
+
+def test_unknown_option_names_list_the_allowed_ones():
+    x = torch.zeros(2, 64)
+    with pytest.raises(ValueError, match="floor, nearest, even, ceil, rceil"):
+        ops.mxfp4_quantize(x, scale_rule="stochastic")
+    with pytest.raises(ValueError, match="ta, rne"):
+        ops.mxfp4_quantize(x, rounding="up")
+    with pytest.raises(ValueError, match="round, rint"):
+        ops.dynamic_mx_quant(x, round_mode="floor")
+
+
+def test_out_of_the_wrong_kind_names_out():
+    x = torch.zeros(2, 64)
+    codes, scales = torch.empty(2, 32, dtype=torch.uint8), torch.empty(2, 2, dtype=torch.uint8)
+    with pytest.raises(TypeError, match="out must be a tuple of 2 tensors, got tuple of length 3"):
+        ops.mxfp4_quantize(x, out=(codes, scales, scales))
+    with pytest.raises(TypeError, match="out"):
+        ops.mxfp4_quantize(x, out=codes)
+    with pytest.raises(DtypeError, match="dtype"):
+        ops.mxfp4_dequantize(codes, scales, "float32")
+    with pytest.raises(DtypeError, match=r"codes must be uint8.*int8"):
+        ops.mxfp4_dequantize(codes.view(torch.int8), scales)
+    with pytest.raises(DeviceError, match="meta"):
+        ops.mxfp4_quantize(x, out=(codes, scales.to("meta")))
+
+
+def test_triton_kernel_refuses_blocks_larger_than_its_tile():
+    big = triton_kernels.MAX_BLOCK_SIZE * 2
+    x = torch.zeros(1, big)
+    assert "block_size" in triton_kernels.QUANTIZE.supports(x, big, "floor", "ta", -1)
+    assert triton_kernels.QUANTIZE.supports(x, triton_kernels.MAX_BLOCK_SIZE, "floor", "ta", -1) is None
+    codes, scales = torch.zeros(1, big // 2, dtype=torch.uint8), torch.zeros(1, 1, dtype=torch.uint8)
+    assert "block_size" in triton_kernels.DEQUANTIZE.supports(codes, scales, torch.float32, -1)
+
+
+def test_one_name_per_concept():
+    """The MX block is ``block_size`` / ``BLOCK``; a kernel's work unit is named per program or tile."""
+    from lowbit.formats import svd_quant as svd_ref
+    from lowbit.kernels.triton import svd_quant as triton_svd
+
+    assert svd_ref.BLOCK == 32 and not hasattr(svd_ref, "BLOCK_SIZE")
+    assert triton_kernels.BLOCKS_PER_PROGRAM == 64 and not hasattr(triton_kernels, "BLOCKS")
+    assert (triton_svd.TILE_M, triton_svd.TILE_N, triton_svd.TILE_BYTES) == (32, 32, 32)
+    assert not hasattr(mxfp4, "E2M1_MAX")

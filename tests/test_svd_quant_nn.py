@@ -1,11 +1,12 @@
-"""svdquant_decompose and SVDQuantLinear."""
+"""svd_quant_decompose and SVDQuantLinear."""
 
 import pytest
 import torch
 
 from lowbit.formats import mxfp4
 from lowbit.formats import svd_quant as ref
-from lowbit.nn.svdquant import SVDQuantLinear, svdquant_decompose
+from lowbit.errors import DtypeError, ShapeError
+from lowbit.nn.svd_quant import SVDQuantLinear, svd_quant_decompose
 
 
 def sqnr_db(signal: torch.Tensor, approx: torch.Tensor) -> float:
@@ -15,12 +16,13 @@ def sqnr_db(signal: torch.Tensor, approx: torch.Tensor) -> float:
 
 def lowrank_weight(n=192, k=256, true_rank=8, noise=0.01, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(n, true_rank, generator=gen) @ torch.randn(true_rank, k, generator=gen)) * 0.2 + noise * torch.randn(n, k, generator=gen)
+    low = torch.randn(n, true_rank, generator=gen) @ torch.randn(true_rank, k, generator=gen)
+    return low * 0.2 + noise * torch.randn(n, k, generator=gen)
 
 
 def test_decompose_shapes_and_reconstruction():
     weight = lowrank_weight()
-    w, s, d, u = svdquant_decompose(weight, rank=32)
+    w, s, d, u = svd_quant_decompose(weight, rank=32)
     assert w.shape == (192, 128) and w.dtype == torch.uint8
     assert s.shape == (192, 4, 2) and s.dtype == torch.uint8
     assert d.shape == (256, 32) and u.shape == (32, 192) and d.dtype == u.dtype == torch.bfloat16
@@ -57,11 +59,33 @@ def test_state_dict_round_trip_and_no_bias():
 
 
 def test_decompose_errors():
-    with pytest.raises(ValueError, match="multiple of 32"):
-        svdquant_decompose(torch.randn(8, 40), rank=4)
-    with pytest.raises(ValueError, match="rank"):
-        svdquant_decompose(torch.randn(8, 64), rank=9)
-    with pytest.raises(ValueError, match="2-D"):
-        svdquant_decompose(torch.randn(64), rank=1)
-    with pytest.raises(ValueError, match="multiple of 32"):
+    with pytest.raises(ShapeError, match="multiple of 32"):
+        svd_quant_decompose(torch.randn(8, 40), rank=4)
+    with pytest.raises(ShapeError, match="K = 0"):
+        svd_quant_decompose(torch.randn(8, 0), rank=1)
+    with pytest.raises(ShapeError, match="rank"):
+        svd_quant_decompose(torch.randn(8, 64), rank=9)
+    with pytest.raises(TypeError, match="rank"):
+        svd_quant_decompose(torch.randn(8, 64), rank=8.5)
+    with pytest.raises(TypeError, match="rank"):
+        svd_quant_decompose(torch.randn(8, 64), rank=True)
+    with pytest.raises(ShapeError, match="2-D"):
+        svd_quant_decompose(torch.randn(64), rank=1)
+    with pytest.raises(DtypeError, match="int32"):
+        svd_quant_decompose(torch.ones(8, 64, dtype=torch.int32), rank=1)
+    with pytest.raises(ShapeError, match="multiple of 32"):
         SVDQuantLinear(40, 8)
+    with pytest.raises(TypeError, match="rank"):
+        SVDQuantLinear(64, 8, rank=2.0)
+    with pytest.raises(ShapeError, match="out_features"):
+        SVDQuantLinear(64, 0)
+
+
+@pytest.mark.parametrize("bad, count", [(float("inf"), 1), (float("nan"), 1), (float("-inf"), 3)])
+def test_decompose_refuses_non_finite_weights(capfd, bad, count):
+    """Inf used to give NaN factors and NaN a LinAlgError with oneMKL noise on stderr: now one clear error."""
+    weight = lowrank_weight(16, 64)
+    weight.view(-1)[torch.arange(count) * 7] = bad
+    with pytest.raises(ValueError, match=f"holds {count} non-finite"):
+        svd_quant_decompose(weight, rank=4)
+    assert capfd.readouterr().err == ""

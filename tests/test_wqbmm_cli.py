@@ -126,7 +126,5 @@ def test_triton_reproduces_the_golden(sample_dir, template):
     meta = sample.read_meta(sample_dir)
     x, weight, scale = (t.to(device) for t in sample.read_inputs(sample_dir, meta))
     out = torch.empty(1, meta.n, dtype=x.dtype, device=device)
-    nbytes = triton_wqbmm.workspace_nbytes(1, meta.k, meta.n, 128, template)
-    workspace = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    triton_wqbmm.wqbmm_into(x, weight, scale, None, 128, template, workspace, out)
+    triton_wqbmm.MATMUL.run(x, weight, scale, None, 128, "msd", template, out=out)
     assert out.cpu().numpy().tobytes() == (sample_dir / "output/golden.bin").read_bytes()

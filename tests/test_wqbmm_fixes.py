@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import bits, wqbmm_operands
+
 import lowbit.ops.wqbmm as wq
 from lowbit import backends
 from lowbit.cli.main import main
@@ -16,15 +18,7 @@ M, K, N, G = 3, 256, 96, 64
 
 
 def _operands(dtype=torch.float16, seed=0, n=N):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(M, K, generator=gen).to(dtype)
-    weight = torch.randint(0, 256, (K, n // 2), generator=gen, dtype=torch.uint8)
-    scale = torch.rand(K // G, n, generator=gen).to(dtype)
-    return x, weight, scale
-
-
-def _bits(t):
-    return t.contiguous().view(torch.int16)
+    return wqbmm_operands(M, K, n, G, dtype, seed)
 
 
 def _new_values(weight, seed=1):
@@ -36,7 +30,7 @@ def _new_values(weight, seed=1):
 def test_one_shot_sees_weight_changed_in_place(template, write):
     x, weight, scale = _operands()
     call = lambda: wq.weight_quant_batch_matmul(x, weight, scale, group_size=G, template=template, backend="native")
-    assert torch.equal(_bits(call()), _bits(ref.wqbmm_msd(x, weight, scale, None, G)))
+    assert torch.equal(bits(call()), bits(ref.wqbmm_msd(x, weight, scale, None, G)))
     new = _new_values(weight)
     if write == "data_copy":
         weight.data.copy_(new)
@@ -49,7 +43,7 @@ def test_one_shot_sees_weight_changed_in_place(template, write):
             weight.copy_(new)
     assert torch.equal(weight, new)
     with torch.inference_mode(write == "inference_mode"):
-        assert torch.equal(_bits(call()), _bits(ref.wqbmm_msd(x, new, scale, None, G)))
+        assert torch.equal(bits(call()), bits(ref.wqbmm_msd(x, new, scale, None, G)))
 
 
 @pytest.mark.parametrize("backend", ["native", "reference"])
@@ -61,7 +55,7 @@ def test_plan_raw_weight_is_repacked_per_run(backend, template):
     plan.run(x, weight, scale, out=out, workspace=workspace)
     weight.data.copy_(_new_values(weight))
     plan.run(x, weight, scale, out=out, workspace=workspace)
-    assert torch.equal(_bits(out), _bits(ref.wqbmm_msd(x, weight, scale, None, G)))
+    assert torch.equal(bits(out), bits(ref.wqbmm_msd(x, weight, scale, None, G)))
 
 
 @pytest.mark.parametrize("backend", ["native", "reference"])
@@ -73,7 +67,7 @@ def test_packed_weight_is_a_snapshot(backend):
     before = ref.wqbmm_msd(x, weight, scale, None, G)
     weight.data.copy_(_new_values(weight))
     y = plan.run(x, packed, scale)
-    assert torch.equal(_bits(y), _bits(before))  # the snapshot, not the modified weight
+    assert torch.equal(bits(y), bits(before))  # the snapshot, not the modified weight
     with pytest.raises(ValueError, match="pack_weight"):
         plan.run(x, weight, scale)  # a prepacked plan has no room to repack a raw weight
 
@@ -90,7 +84,7 @@ def test_reused_plan_allocates_nothing_with_either_weight(template, prepacked):
     workspace, out = plan.new_workspace(), torch.empty(M, 100, dtype=torch.float16)
     plan.run(x, w, scale, out=out, workspace=workspace)
     assert _allocated_bytes(lambda: plan.run(x, w, scale, out=out, workspace=workspace)) == 0
-    assert torch.equal(_bits(out), _bits(ref.wqbmm_msd(x, weight, scale, None, G)))
+    assert torch.equal(bits(out), bits(ref.wqbmm_msd(x, weight, scale, None, G)))
 
 
 def test_raw_weight_workspace_holds_the_tiles():
@@ -122,7 +116,7 @@ def test_plan_device_is_normalized(device):
     plan = wq.plan_weight_quant_batch_matmul(M, K, N, group_size=G, backend="native", device=device)
     assert plan.device == torch.device("cpu")
     y = plan.run(x, weight, scale, workspace=plan.new_workspace())
-    assert torch.equal(_bits(y), _bits(ref.wqbmm_msd(x, weight, scale, None, G)))
+    assert torch.equal(bits(y), bits(ref.wqbmm_msd(x, weight, scale, None, G)))
 
 
 def test_plan_run_error_types():
@@ -144,7 +138,7 @@ def test_misaligned_workspace_is_a_shape_error():
     with pytest.raises(ShapeError, match="align"):
         plan.run(x, weight, scale, workspace=buf[1:])
     y = plan.run(x, weight, scale, workspace=buf[64:])  # an aligned slice is fine
-    assert torch.equal(_bits(y), _bits(ref.wqbmm_msd(x, weight, scale, None, G)))
+    assert torch.equal(bits(y), bits(ref.wqbmm_msd(x, weight, scale, None, G)))
 
 
 def test_verify_empty_files_is_a_clean_error(tmp_path, capsys):

@@ -4,6 +4,8 @@ import numba
 import numpy as np
 import pytest
 import torch
+
+from helpers import bits
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -14,18 +16,21 @@ from lowbit.kernels.cpu import wqbmm as cpu
 TEMPLATES = ("basic", "preload")
 
 
-def _bits(t):
-    return t.contiguous().view(torch.int16)
+def run_kernel(kernel, x, weight, scale, offset, g, template, prepacked=False):
+    """The kernel object's run with its own workspace: the raw weight (the CPU kernel repacks it into the
+    workspace), or with ``prepacked`` the result of the kernel's pack_weight."""
+    m, k = x.shape
+    n = scale.shape[1]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    nbytes = kernel.workspace_nbytes(m, k, n, g, template, prepacked)
+    workspace = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
+    w = kernel.pack_weight(weight, g) if prepacked else weight
+    kernel.run(x, w, scale, offset, g, "msd", template, workspace, prepacked, out=out)
+    return out.cpu()
 
 
 def run_cpu(x, weight, scale, offset, g, template, prepacked=False):
-    """The raw weight (repacked into the workspace), or with ``prepacked`` the tiles of cpu.pack_weight."""
-    m, k = x.shape
-    out = torch.empty(m, scale.shape[1], dtype=x.dtype)
-    workspace = torch.empty(cpu.workspace_nbytes(m, k, scale.shape[1], g, template, prepacked), dtype=torch.uint8)
-    w = cpu.pack_weight(weight, g) if prepacked else weight
-    cpu.wqbmm_into(x, w, scale, offset, g, template, workspace, out, prepacked)
-    return out
+    return run_kernel(cpu.MATMUL, x, weight, scale, offset, g, template, prepacked)
 
 
 def _draw_inputs(data, m, k, n, g, dtype, with_offset, edges):
@@ -55,11 +60,11 @@ def _draw_inputs(data, m, k, n, g, dtype, with_offset, edges):
 def test_cpu_kernels_equal_reference(data, m, groups, g, n, bf16, with_offset, edges):
     dtype = torch.bfloat16 if bf16 else torch.float16
     x, weight, scale, offset = _draw_inputs(data, m, groups * g, n, g, dtype, with_offset, edges)
-    expected = _bits(ref.wqbmm_msd(x, weight, scale, offset, g))
+    expected = bits(ref.wqbmm_msd(x, weight, scale, offset, g))
     for template in TEMPLATES:
-        assert torch.equal(_bits(run_cpu(x, weight, scale, offset, g, template)), expected), template
+        assert torch.equal(bits(run_cpu(x, weight, scale, offset, g, template)), expected), template
     prepacked = run_cpu(x, weight, scale, offset, g, data.draw(st.sampled_from(TEMPLATES)), prepacked=True)
-    assert torch.equal(_bits(prepacked), expected)
+    assert torch.equal(bits(prepacked), expected)
 
 
 def test_parallel_preprocess_path_equals_reference():
@@ -70,9 +75,9 @@ def test_parallel_preprocess_path_equals_reference():
     x = torch.randn(m, k, generator=gen).half()
     weight = torch.randint(0, 256, (k, n // 2), generator=gen, dtype=torch.uint8)
     scale = torch.rand(k // g, n, generator=gen).half()
-    expected = _bits(ref.wqbmm_msd(x, weight, scale, None, g))
+    expected = bits(ref.wqbmm_msd(x, weight, scale, None, g))
     for template in TEMPLATES:
-        assert torch.equal(_bits(run_cpu(x, weight, scale, None, g, template)), expected)
+        assert torch.equal(bits(run_cpu(x, weight, scale, None, g, template)), expected)
 
 
 def test_kernel_reads_the_current_weight_every_call():
@@ -83,8 +88,8 @@ def test_kernel_reads_the_current_weight_every_call():
     first = run_cpu(x, weight, scale, None, 32, "preload")
     assert torch.equal(first, ref.wqbmm_msd(x, weight, scale, None, 32))
     weight.data.bitwise_xor_(0x11)  # an in-place change torch's version counter does not see
-    expected = _bits(ref.wqbmm_msd(x, weight, scale, None, 32))
-    assert torch.equal(_bits(run_cpu(x, weight, scale, None, 32, "preload")), expected)
+    expected = bits(ref.wqbmm_msd(x, weight, scale, None, 32))
+    assert torch.equal(bits(run_cpu(x, weight, scale, None, 32, "preload")), expected)
 
 
 def _dot_with(dpbusd):
@@ -118,7 +123,7 @@ def test_dpbusd_lowerings_agree_with_numpy(lowering):
 @pytest.mark.parametrize("strided", [False, True])
 def test_pack_weight_layout(strided):
     """tiles[nb, g, p, lane, j] = u[k0 + j, col] | u[k0 + 4 + j, col] << 4 with u = W + 8 (padding: 8)."""
-    k, n, g, lanes = 64, 70, 32, cpu.BLOCK_N
+    k, n, g, lanes = 64, 70, 32, cpu.TILE_N
     w = torch.randint(-8, 8, (k, n), dtype=torch.int8)
     from lowbit.formats.int4 import pack_int4
 
@@ -126,7 +131,7 @@ def test_pack_weight_layout(strided):
     if strided:  # a non-contiguous view holding the same bytes
         packed = torch.stack([packed, torch.zeros_like(packed)], dim=-1)[..., 0]
     npad = cpu.padded_n(n)
-    tiles = cpu.pack_weight(packed, g)
+    tiles = cpu.MATMUL.pack_weight(packed, g)
     assert tiles.numel() == cpu.tiles_nbytes(k, n) == k * npad // 2
     u = torch.full((k, npad), 8, dtype=torch.int32)
     u[:, :n] = w.to(torch.int32) + 8
@@ -142,24 +147,16 @@ def test_pack_weight_layout(strided):
 triton_wqbmm = pytest.importorskip("lowbit.kernels.triton.wqbmm", reason="triton is not installed")
 
 
-def run_triton(x, weight, scale, offset, g, template):
-    m, k = x.shape
-    n = scale.shape[1]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    workspace = torch.empty(triton_wqbmm.workspace_nbytes(m, k, n, g, template), dtype=torch.uint8, device=x.device)
-    triton_wqbmm.wqbmm_into(x, weight, scale, offset, g, template, workspace, out)
-    return out.cpu()
-
-
 @settings(max_examples=6)
-@given(data=st.data(), m=st.integers(1, 20), g=st.sampled_from([32, 64]), n=st.sampled_from([2, 64, 130]),
+@given(data=st.data(), m=st.integers(1, 20), g=st.sampled_from([32, 64, 128]), n=st.sampled_from([2, 34, 64, 130]),
        bf16=st.booleans(), with_offset=st.booleans(), edges=st.booleans())
 def test_triton_kernels_equal_reference(data, m, g, n, bf16, with_offset, edges):
     dtype = torch.bfloat16 if bf16 else torch.float16
     x, weight, scale, offset = _draw_inputs(data, m, 2 * g, n, g, dtype, with_offset, edges)
-    expected = _bits(ref.wqbmm_msd(x, weight, scale, offset, g))
+    expected = bits(ref.wqbmm_msd(x, weight, scale, offset, g))
     for template in TEMPLATES:
-        assert torch.equal(_bits(run_triton(x, weight, scale, offset, g, template)), expected), template
+        assert torch.equal(bits(run_kernel(triton_wqbmm.MATMUL, x, weight, scale, offset, g, template)), expected)
+    assert torch.equal(bits(run_kernel(triton_wqbmm.MATMUL, x, weight, scale, offset, g, "preload", True)), expected)
 
 
 @numba.njit

@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from helpers import bits, wqbmm_operands
+
 import lowbit.ops.wqbmm as wq
 from lowbit import backends
 from lowbit.errors import DeviceError, DtypeError, ShapeError
@@ -10,15 +12,7 @@ from lowbit.formats import wqbmm as ref
 
 
 def _operands(m=3, k=256, n=96, g=64, dtype=torch.float16, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k, generator=gen).to(dtype)
-    weight = torch.randint(0, 256, (k, n // 2), generator=gen, dtype=torch.uint8)
-    scale = torch.rand(k // g, n, generator=gen).to(dtype)
-    return x, weight, scale
-
-
-def _bits(t):
-    return t.contiguous().view(torch.int16)
+    return wqbmm_operands(m, k, n, g, dtype, seed)
 
 
 @pytest.mark.parametrize("backend", ["reference", "native", "auto"])
@@ -28,7 +22,7 @@ def test_backends_agree_with_leading_dims(backend, template):
     x3 = x.reshape(2, 3, -1)
     y = wq.weight_quant_batch_matmul(x3, weight, scale, group_size=64, template=template, backend=backend)
     assert y.shape == (2, 3, 96) and y.dtype == torch.float16
-    assert torch.equal(_bits(y.reshape(6, 96)), _bits(ref.wqbmm_msd(x, weight, scale, None, 64)))
+    assert torch.equal(bits(y.reshape(6, 96)), bits(ref.wqbmm_msd(x, weight, scale, None, 64)))
     assert backends.last_backend("weight_quant_batch_matmul") == ("reference" if backend == "reference" else "native")
 
 
@@ -38,14 +32,14 @@ def test_out_non_contiguous_and_offset():
     out = torch.empty(96, 3, dtype=torch.bfloat16).t()
     result = wq.weight_quant_batch_matmul(x, weight, scale, antiquant_offset=offset, group_size=64, out=out)
     assert result is out
-    assert torch.equal(_bits(out), _bits(ref.wqbmm_msd(x, weight, scale, offset, 64)))
+    assert torch.equal(bits(out), bits(ref.wqbmm_msd(x, weight, scale, offset, 64)))
 
 
 def test_non_contiguous_x_and_empty_rows():
     x, weight, scale = _operands()
     wide = torch.cat([x, x], dim=1)[:, ::2]  # a strided view equal to x's values
     y = wq.weight_quant_batch_matmul(wide, weight, scale, group_size=64)
-    assert torch.equal(_bits(y), _bits(ref.wqbmm_msd(wide.contiguous(), weight, scale, None, 64)))
+    assert torch.equal(bits(y), bits(ref.wqbmm_msd(wide.contiguous(), weight, scale, None, 64)))
     empty = wq.weight_quant_batch_matmul(x[:0], weight, scale, group_size=64)
     assert empty.shape == (0, 96)
 
@@ -53,7 +47,7 @@ def test_non_contiguous_x_and_empty_rows():
 def test_dequant_is_reference_only():
     x, weight, scale = _operands()
     y = wq.weight_quant_batch_matmul(x, weight, scale, group_size=64, algorithm="dequant")
-    assert torch.equal(_bits(y), _bits(ref.wqbmm_dequant(x, weight, scale, None, 64)))
+    assert torch.equal(bits(y), bits(ref.wqbmm_dequant(x, weight, scale, None, 64)))
     with pytest.raises(backends.BackendUnavailable, match="dequant"):
         wq.weight_quant_batch_matmul(x, weight, scale, group_size=64, algorithm="dequant", backend="native")
 
@@ -101,7 +95,8 @@ def test_opcheck_and_meta():
     ]:
         torch.library.opcheck(torch.ops.lowbit.weight_quant_batch_matmul.default, args)
     out = torch.empty(2, 64, dtype=torch.float16)
-    torch.library.opcheck(torch.ops.lowbit.weight_quant_batch_matmul_out.default, (x, weight, scale, out, None, 32))
+    out_op = torch.ops.lowbit.weight_quant_batch_matmul_out.default
+    torch.library.opcheck(out_op, (x, weight, scale, None, 32, "msd", "preload", out))
     meta = [t.to("meta") for t in (x, weight, scale)]
     y = torch.ops.lowbit.weight_quant_batch_matmul(*meta, None, 32)
     assert y.device.type == "meta" and y.shape == (2, 64) and y.dtype == torch.float16
@@ -115,7 +110,7 @@ def test_torch_compile_matches_eager():
         return wq.weight_quant_batch_matmul(x * 2, weight, scale, group_size=64) + 1
 
     expected = wq.weight_quant_batch_matmul(x * 2, weight, scale, group_size=64) + 1
-    assert torch.equal(_bits(f(x, weight, scale)), _bits(expected))
+    assert torch.equal(bits(f(x, weight, scale)), bits(expected))
 
 
 @pytest.mark.parametrize("template", ["basic", "preload"])
@@ -124,10 +119,10 @@ def test_plan_run_and_reuse(template):
     plan = wq.plan_weight_quant_batch_matmul(3, 256, 96, group_size=64, template=template, backend="native")
     assert plan.backend == "native" and plan.workspace_nbytes > 0
     workspace, out = plan.new_workspace(), torch.empty(3, 96, dtype=torch.float16)
-    expected = _bits(ref.wqbmm_msd(x, weight, scale, None, 64))
+    expected = bits(ref.wqbmm_msd(x, weight, scale, None, 64))
     for _ in range(2):
         assert plan.run(x, weight, scale, out=out, workspace=workspace) is out
-        assert torch.equal(_bits(out), expected)
+        assert torch.equal(bits(out), expected)
     assert wq.plan_weight_quant_batch_matmul(3, 256, 96, group_size=64, backend="reference").workspace_nbytes == 0
 
 
@@ -181,7 +176,7 @@ def test_inference_mode_and_smoke_contracts():
     x, weight, scale = _operands()
     with torch.inference_mode():
         y = wq.weight_quant_batch_matmul(x, weight, scale, group_size=64, backend="native")
-    assert torch.equal(_bits(y), _bits(ref.wqbmm_msd(x, weight, scale, None, 64)))
+    assert torch.equal(bits(y), bits(ref.wqbmm_msd(x, weight, scale, None, 64)))
     results = smoke.run("native", torch.device("cpu"))
     assert len(results) == 16 and contracts_hold(results)
     assert {r["api"] for r in results} == {"one-shot", "packed plan"}

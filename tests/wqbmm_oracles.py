@@ -6,7 +6,7 @@ import numpy as np
 
 
 def sample_golden_m1(x_f16: np.ndarray, w_int8: np.ndarray, scale_f16: np.ndarray, group_size: int) -> np.ndarray:
-    """The sample gen_data.py's golden loop (wqbmm.md), numpy float32 throughout; right for M = 1 only
+    """The sample gen_data.py's golden loop (docs/wqbmm.md, section 'The sample'), numpy float32 throughout; right for M = 1 only
     (a_max has shape (M,) and broadcasts along the last axis, as in the sample)."""
     f1, f2 = np.float32(7.49), np.float32(14.98)
     m, k = x_f16.shape

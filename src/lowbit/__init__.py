@@ -23,7 +23,7 @@ from lowbit.backends import (  # noqa: E402
     use_backend,
 )
 from lowbit.errors import DeviceError, DtypeError, ShapeError
-from lowbit.nn.svdquant import SVDQuantLinear, svdquant_decompose
+from lowbit.nn.svd_quant import SVDQuantLinear, svd_quant_decompose
 from lowbit.ops.hifloat4 import hifloat4_fake_quant, hifloat4_pack, hifloat4_unpack
 from lowbit.ops.hifloat8 import decode_from_hifloat8, encode_to_hifloat8
 from lowbit.ops.mxfp4 import dynamic_mx_quant, mxfp4_dequantize, mxfp4_quantize
@@ -82,7 +82,7 @@ __all__ = [
     "plan_weight_quant_batch_matmul",
     "set_backend",
     "svd_quant",
-    "svdquant_decompose",
+    "svd_quant_decompose",
     "use_backend",
     "weight_quant_batch_matmul",
 ]

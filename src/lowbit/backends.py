@@ -142,6 +142,10 @@ def _memory_span(t: torch.Tensor) -> tuple[int, int]:
     return (start, start + extent * t.element_size())
 
 
+def _touches(span: tuple[int, int], spans: list[tuple[int, int]]) -> bool:
+    return span[0] < span[1] and any(span[0] < end and start < span[1] for start, end in spans)
+
+
 def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether the memory ``a`` and ``b`` may touch intersects (conservative: compares address ranges)."""
     if a.device != b.device or a.numel() == 0 or b.numel() == 0:
@@ -246,24 +250,21 @@ class Operator:
     def resolve(self, device: torch.device | str, backend: Optional[str] = None, args: Sequence = ()) -> str:
         """The backend ('native' or 'reference') that ``backend`` (default: the default backend) means
         for ``args`` on ``device``. BackendUnavailable when ``native`` cannot run them."""
+        return self.kernel(device, backend, args)[0]
+
+    def kernel(self, device: torch.device | str, backend: Optional[str] = None, args: Sequence = ()) -> tuple[str, Kernel]:
+        """(backend name, Kernel) that runs ``args`` on ``device``: see the module docstring."""
         name = check_backend_name(backend if backend is not None else get_backend())
-        if name == "reference":
-            return name
-        if name == "auto" and self.auto_check_error(device) is not None:
-            return "reference"
+        if name == "reference" or (name == "auto" and self.auto_check_error(device) is not None):
+            return "reference", self.reference
         kernel = self.native_kernel(device)
         reason = kernel.supports(*args) if args else None
         if reason is None:
-            return "native"
+            return "native", kernel
         if name == "auto":
-            return "reference"
+            return "reference", self.reference
         raise BackendUnavailable(f"{self.name}: the native {torch.device(device).type} kernel cannot run "
                                  f"these arguments: {reason}")
-
-    def kernel(self, device: torch.device | str, backend: Optional[str] = None, args: Sequence = ()) -> tuple[str, Kernel]:
-        """(backend name, Kernel) that runs ``args`` on ``device`` (see :meth:`resolve`)."""
-        name = self.resolve(device, backend, args)
-        return name, (self.native_kernel(device) if name == "native" else self.reference)
 
     def record(self, backend: str) -> None:
         """Note that ``backend`` ran this operator (for :func:`last_backend`)."""
@@ -315,9 +316,9 @@ class Operator:
             return
         dense = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)
         name, kernel = self.kernel(self.device_of(args), backend, dense)
-        inputs = tensors_of(args)
+        spans = [_memory_span(t) for t in tensors_of(args) if t.numel()]
         targets = tuple(
-            t if t.is_contiguous() and not any(overlaps(t, i) for i in inputs) else torch.empty_like(
+            t if t.is_contiguous() and not _touches(_memory_span(t), spans) else torch.empty_like(
                 t, memory_format=torch.contiguous_format)
             for t in _as_tuple(out)
         )
@@ -338,97 +339,15 @@ class Operator:
         return out
 
 
-# ---- TRANSITIONAL: the old Dispatcher, until every operator is an Operator (removed before merge) ----
-import importlib  # noqa: E402
-
-def _load(target: str) -> Callable:
-    """Import 'package.module:function'; turn import failures into BackendUnavailable."""
-    module_name, _, attr = target.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-        return getattr(module, attr)
-    except (ImportError, OSError, AttributeError) as exc:
-        raise BackendUnavailable(f"cannot load {target}: {exc}") from exc
-
-
-@dataclass
-class Dispatcher:
-    """Routes one operator to a backend.
-
-    ``reference``: the formats/ function. ``native``: device type -> 'module:function' of the kernel
-    (loaded lazily, so importing lowbit never imports numba, triton or torch_npu). ``self_check``:
-    ``check(fn, device) -> None`` that runs ``fn`` on a probe input on ``device`` and raises if it
-    differs from the reference; used once per device by ``auto``.
-    """
-
-    op: str
-    reference: Callable
-    native: dict[str, str]
-    self_check: Callable[[Callable, torch.device], None]
-    _checked: dict[str, bool] = field(default_factory=dict, repr=False)
-    _check_errors: dict[str, str] = field(default_factory=dict, repr=False)
-    _legacy_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def native_fn(self, device: torch.device) -> Callable:
-        """The native kernel for ``device``; BackendUnavailable if there is none."""
-        target = self.native.get(device.type)
-        if target is None:
-            raise BackendUnavailable(f"{self.op}: no native kernel for device type {device.type!r}")
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise BackendUnavailable(f"{self.op}: CUDA is not available")
-        return _load(target)
-
-    def auto_uses_native(self, device: torch.device) -> bool:
-        """Whether ``auto`` picks native on ``device`` (runs the self-check the first time)."""
-        key = str(device)
-        with self._legacy_lock:
-            if key not in self._checked:
-                try:
-                    self.self_check(self.native_fn(device), device)
-                    self._checked[key] = True
-                except Exception as exc:  # any failure of the probe means: do not trust native here
-                    self._checked[key] = False
-                    self._check_errors[key] = f"{type(exc).__name__}: {exc}"
-            return self._checked[key]
-
-    def auto_check_error(self, device: torch.device) -> str | None:
-        """Why ``auto`` fell back to reference on ``device`` (None if it did not, or never checked)."""
-        return self._check_errors.get(str(device))
-
-    def resolve(self, device: torch.device | str, backend: str | None = None) -> str:
-        """The backend ('native' or 'reference') that ``backend`` (default: process default) means here."""
-        device = torch.device(device)
-        name = check_backend_name(backend or get_backend())
-        if name == "auto":
-            return "native" if self.auto_uses_native(device) else "reference"
-        if name == "native":
-            self.native_fn(device)
-        return name
-
-    def record(self, name: str) -> None:
-        """Note that backend ``name`` ran this operator (for callers that resolve once and run many times)."""
-        _last_ran[self.op] = name
-
-    def select(self, device: torch.device | str, backend: str | None = None) -> Callable:
-        """The function to run for ``device`` and ``backend``; records it for :func:`last_backend`."""
-        device = torch.device(device)
-        name = self.resolve(device, backend)
-        self.record(name)
-        return self.native_fn(device) if name == "native" else self.reference
-
-
-
 _OPERATORS: dict[str, Operator] = {}
 
 
-def register(op):
+def register(op: Operator) -> Operator:
     """Make an operator visible to :func:`operators` (``lowbit info``, the contract tests)."""
-    _OPERATORS[getattr(op, "name", None) or op.op] = op
+    _OPERATORS[op.name] = op
     return op
 
 
 def operators() -> dict[str, Operator]:
     """All registered operators, by name."""
     return dict(_OPERATORS)
-def dispatchers():
-    return operators()

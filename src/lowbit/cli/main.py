@@ -67,13 +67,13 @@ def _cmd_info(args: argparse.Namespace) -> int:
     requested = args.backend or default
     devices = [torch.device("cpu")]
     devices += [torch.device(f"cuda:{i}") for i in range(torch.cuda.device_count())]
-    smoke.checks()  # imports every operator module (registers its dispatcher)
+    smoke.checks()  # imports every operator module (registers its operators)
     ops = {}
-    dispatchers = sorted(backends.dispatchers().items())
-    with steps(len(dispatchers), "self-checks") as step:
-        for name, dispatcher in dispatchers:
+    operators = sorted(backends.operators().items())
+    with steps(len(operators), "self-checks") as step:
+        for name, operator in operators:
             step(name)
-            ops[name] = _backends_serving(dispatcher, devices, requested)
+            ops[name] = _backends_serving(operator, devices, requested)
     report = {
         "environment": smoke.environment(devices[-1]),
         "default_backend": default,
@@ -88,17 +88,17 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _backends_serving(dispatcher, devices: list, requested: str) -> dict:
+def _backends_serving(operator, devices: list, requested: str) -> dict:
     """``lowbit info``'s entry of one operator: device -> {"backend", "why" (when not native)}."""
     from lowbit import backends
 
     per_device = {}
     for device in devices:
         try:
-            chosen = dispatcher.resolve(device, requested)
+            chosen = operator.resolve(device, requested)
             entry = {"backend": chosen}
             if requested == "auto" and chosen == "reference":
-                entry["why"] = dispatcher.auto_check_error(device) or "no native kernel"
+                entry["why"] = operator.auto_check_error(device) or "no native kernel"
         except backends.BackendUnavailable as exc:
             entry = {"backend": None, "why": str(exc)}
         per_device[str(device)] = entry

@@ -1,51 +1,19 @@
-"""MXFP4 (OCP MX): the reference quantizer and dequantizer (formats.md section 3).
+"""MXFP4 (OCP MX): the reference quantizer and dequantizer, readable torch code in float64.
 
-A block of ``block_size`` (default 32) consecutive elements along ``axis`` shares one E8M0 scale; each
-element is an E2M1 code.
+A block of ``block_size`` (default 32) consecutive elements along ``axis`` shares one E8M0 scale byte;
+each element is an E2M1 code (docs/mxfp4.md, section 'Format': the E2M1 grid 0, 0.5, 1, 1.5, 2, 3, 4, 6
+with bit 3 the sign; E8M0 byte ``b`` = 2^(b - 127), 0xFF NaN). One block, ``amax`` its largest magnitude,
+``m`` in [1, 2) the significand of ``amax = m * 2^floor(log2 amax)``:
 
-* **E2M1** (``float4_e2m1fn``): 4 bits ``0bS_EE_M``, bias 1, no Inf/NaN. Magnitudes of codes 0..7:
-  0, 0.5 (subnormal), 1, 1.5, 2, 3, 4, 6. Bit 3 is the sign (0x8 = -0, 0xF = -6).
-* **E8M0** (``float8_e8m0fnu``): an unsigned byte ``b`` meaning ``2^(b - 127)``; 0xFF is NaN; no zero,
-  no sign, no Inf. Bytes are always built from integer exponents (``shared_exp + 127``), never through
-  torch's float -> e8m0 cast (which rounds up).
-
-Quantization of one block, with ``amax`` its largest magnitude and ``m`` in [1, 2) the significand of
-``amax = m * 2^floor(log2 amax)``:
-
-    shared_exp = floor(log2 amax) - 2 + bump(m)        (emax of E2M1 is 2)
+    shared_exp = floor(log2 amax) - 2 + bump(m)        (clamped; docs/mxfp4.md, section 'Scale rules')
     codes      = round(x / 2^shared_exp) on the E2M1 grid, saturating to +-6
-    scale byte = shared_exp + 127
+                                                       (docs/mxfp4.md, section 'Element rounding')
+    scale byte = shared_exp + 127                      (integer arithmetic, never torch's e8m0 cast)
 
-``scale_rule`` chooses ``bump`` and the clamp of ``shared_exp`` (all exact, from the exponent and
-significand bits; no floating-point log2):
-
-=========  =====================  ==================  =================================================
-rule       bump(m)                clamp               who uses it
-=========  =====================  ==================  =================================================
-floor      0                      [-127, 125]         OCP MX v1.0, torch_npu dynamic_mx_quant, svd_quant,
-                                                      FBGEMM rounding_mode 1
-nearest    m >= sqrt(2)           [-127, 125]         FBGEMM mode 0, floor(log2 amax + 0.5)
-even       m > 1.75               [-127, 125]         FBGEMM mode 2 (AMCT QuantDequantMx, quant_tensor)
-ceil       m > 1                  [-127, 125]         FBGEMM mode 4 (quantize_ref default), ceil(log2 amax)
-rceil      m > 1.5                [-127, 127]         torchao RCEIL, ceil(log2(amax / 6))
-=========  =====================  ==================  =================================================
-
-(FBGEMM evaluates modes 0, 1 and 4 with an fp32 ``log2``, which can round for FP32 inputs whose amax lies
-within a few fp32 ulps of a binade edge or of sqrt(2); FP16/BF16 inputs never come that close, so there
-the two agree. The clamp's upper bound never binds for ``floor``.)
-
-``rounding`` chooses the element rounding at the midpoints 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5:
-``"ta"`` rounds ties away from zero (AMCT, FBGEMM, svd_quant); ``"rne"`` rounds ties to the even code
-(OCP, torchao): 0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4. Anything above 5
-becomes 6 (saturation). -0.0 keeps its sign (code 0x8).
-
-Policies: an all-zero block (and any block whose shared exponent would be below -127) gets byte 0x00,
-i.e. 2^-127, and zero codes. A block holding any NaN or +-Inf gets the NaN scale 0xFF and codes 0; it
-dequantizes to NaN in every element (OCP).
-
-Layout (every path of formats.md agrees): ``codes`` is uint8 with two elements per byte, element ``2i`` in
-the low nibble and ``2i + 1`` in the high nibble, shape ``x.shape`` with ``K -> K / 2`` along ``axis``;
-``scales`` is uint8 with shape ``x.shape`` with ``K -> K / block_size`` along ``axis``.
+Everything is exact: the bump comes from the significand (no floating-point log2) and dividing by a power
+of two is exact in float64. Zero, NaN and Inf blocks: docs/mxfp4.md, section 'Policies'. Layouts
+(packed nibbles, torch's fp4/e8m0 views, FBGEMM's interleaved bytes, torch_npu's scale pairs):
+docs/mxfp4.md, section 'Layouts'.
 """
 
 from __future__ import annotations
@@ -54,10 +22,9 @@ import math
 
 import torch
 
-from lowbit.errors import DtypeError, ShapeError
+from lowbit.errors import DtypeError, ShapeError, check_int
 
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # codes 0..7; code | 0x8 is the negative
-E2M1_MAX = 6.0  # 0b0_11_1: 1.5 * 2^2
 E2M1_EMAX = 2
 E8M0_BIAS = 127
 E8M0_NAN = 0xFF
@@ -81,9 +48,21 @@ def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
         raise ValueError(f"unknown {name} {value!r}; expected one of {', '.join(choices)}")
 
 
+def check_options(block_size: int, scale_rule: str, rounding: str, axis: int) -> None:
+    """Check :func:`quantize`'s non-tensor arguments: TypeError unless ``block_size`` and ``axis`` are ints
+    (bools and floats refused), ShapeError unless ``block_size`` is even and >= 2, ValueError naming the
+    allowed names for an unknown ``scale_rule`` or ``rounding``."""
+    _check_block_size(block_size)
+    _check_choice("scale_rule", scale_rule, SCALE_RULES)
+    _check_choice("rounding", rounding, ROUNDINGS)
+    check_int("axis", axis)
+
+
 def _check_block_size(block_size: int) -> None:
-    if not isinstance(block_size, int) or block_size < 2 or block_size % 2:
-        raise ValueError(f"block_size must be a positive even integer, got {block_size!r}")
+    """TypeError unless an int (bools and floats refused); ShapeError unless even and >= 2."""
+    check_int("block_size", block_size, minimum=2)
+    if block_size % 2:
+        raise ShapeError(f"block_size must be a positive even integer, got {block_size}")
 
 
 def e2m1_values(dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -143,9 +122,7 @@ def quantized_shapes(
     """Validate :func:`quantize`'s arguments; return (codes shape, scales shape, axis in [0, x.dim()))."""
     if x.dtype not in INPUT_DTYPES:
         raise DtypeError(f"mxfp4 quantize expects float16, bfloat16 or float32 input, got {x.dtype}")
-    _check_block_size(block_size)
-    _check_choice("scale_rule", scale_rule, SCALE_RULES)
-    _check_choice("rounding", rounding, ROUNDINGS)
+    check_options(block_size, scale_rule, rounding, axis)
     if x.dim() == 0:
         raise ShapeError("mxfp4 quantize needs at least one dimension, got a 0-d tensor")
     axis = _normalize_axis(axis, x.dim())
@@ -162,7 +139,15 @@ def quantized_shapes(
 def dequantized_shape(
     codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, axis: int
 ) -> tuple[tuple[int, ...], int, int]:
-    """Validate :func:`dequantize`'s arguments (uint8 views); return (output shape, block size, axis)."""
+    """Validate :func:`dequantize`'s arguments; return (output shape, block size, axis).
+
+    codes and scales must be uint8 (DtypeError naming them; convert torch's float4/e8m0 views with
+    :func:`byte_view` first); their shapes must fit (ShapeError). Nothing is read from the tensors, so
+    this is safe on meta and fake tensors.
+    """
+    for name, t in (("codes", codes), ("scales", scales)):
+        if t.dtype != torch.uint8:
+            raise DtypeError(f"mxfp4 dequantize: {name} must be uint8, got {t.dtype}")
     if dtype not in OUTPUT_DTYPES:
         raise DtypeError(f"mxfp4 dequantize: unsupported output dtype {dtype}")
     if codes.dim() == 0 or codes.dim() != scales.dim():
@@ -197,7 +182,8 @@ def quantize(
     x: FP16/BF16/FP32, any device, ``x.shape[axis] % block_size == 0``. Returns ``(codes, scales)``, both
     uint8 on x's device: codes with ``shape[axis] // 2`` (two E2M1 codes per byte, even element in the low
     nibble), scales with ``shape[axis] // block_size`` (E8M0 bytes). Raises DtypeError for other dtypes,
-    ShapeError for a bad axis or length, ValueError for a bad block size, rule or rounding name.
+    ShapeError for a bad axis, length or block size (TypeError if one is not an int), ValueError for an
+    unknown rule or rounding name.
     """
     _, _, axis = quantized_shapes(x, block_size, scale_rule, rounding, axis)
     k = x.shape[axis]
@@ -223,7 +209,7 @@ def dequantize(
     is their ratio). A NaN scale (0xFF) gives NaN for its whole block. Result shape: codes' shape with
     ``shape[axis] * 2``; dtype FP16/BF16/FP32/FP64 (values outside the FP16 range become +-Inf there).
     """
-    codes, scales = as_uint8(codes), as_uint8(scales)
+    codes, scales = byte_view(codes), byte_view(scales)
     _, block_size, axis = dequantized_shape(codes, scales, dtype, axis)
     n_blocks = scales.shape[axis]
     ct = codes.movedim(axis, -1)
@@ -234,6 +220,12 @@ def dequantize(
     scale = torch.where(st == E8M0_NAN, math.nan, scale)
     out = (values * scale.unsqueeze(-1)).flatten(-2)
     return out.to(dtype).movedim(-1, axis).contiguous()
+
+
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """uint8 view of a float4_e2m1fn_x2 / float8_e8m0fnu tensor; any other tensor unchanged (an operator's
+    validation then names it if its dtype is wrong)."""
+    return t.view(torch.uint8) if t.dtype in BYTE_VIEW_DTYPES else t
 
 
 def as_uint8(t: torch.Tensor) -> torch.Tensor:
@@ -299,14 +291,21 @@ def dynamic_mx_quant(
     Floor scale; ``round_mode`` "round" = ties away (TA, what svd_quant uses), "rint" = RNE. Returns
     codes (..., L/2) uint8 and scales (..., ceil(L/64), 2) uint8: the per-32 scales of a row laid out in
     pairs, the last pair padded with byte 0 when L/32 is odd (the layout the svd_quant op takes). Only
-    block_size 32 and L % 32 == 0 are supported (ValueError otherwise).
+    block_size 32 and L % 32 == 0 are supported (ShapeError otherwise); an unknown ``round_mode`` raises
+    ValueError. Layout: docs/mxfp4.md, section 'Layouts'.
     """
-    if round_mode not in DYNAMIC_MX_ROUND_MODES:
-        raise ValueError(f"dynamic_mx_quant: round_mode must be 'round' or 'rint', got {round_mode!r}")
-    if block_size != 32:
-        raise ValueError(f"dynamic_mx_quant: only block_size 32 is supported, got {block_size}")
-    codes, scales = quantize(x, 32, "floor", DYNAMIC_MX_ROUND_MODES[round_mode], axis=-1)
+    codes, scales = quantize(x, 32, "floor", dynamic_mx_rounding(block_size, round_mode), axis=-1)
     return codes, scales_to_pairs(scales)
+
+
+def dynamic_mx_rounding(block_size: int, round_mode: str) -> str:
+    """The element rounding ("ta" / "rne") of torch_npu's ``round_mode``, after checking the arguments of
+    :func:`dynamic_mx_quant`: ValueError naming the allowed round modes, TypeError / ShapeError unless
+    ``block_size`` is the int 32."""
+    _check_choice("round_mode", round_mode, tuple(DYNAMIC_MX_ROUND_MODES))
+    if check_int("block_size", block_size) != 32:
+        raise ShapeError(f"dynamic_mx_quant: only block_size 32 is supported, got {block_size}")
+    return DYNAMIC_MX_ROUND_MODES[round_mode]
 
 
 def scales_to_pairs(scales: torch.Tensor) -> torch.Tensor:
@@ -324,6 +323,7 @@ def scales_from_pairs(pairs: torch.Tensor, n_blocks: int) -> torch.Tensor:
 
 
 def _normalize_axis(axis: int, ndim: int) -> int:
+    check_int("axis", axis)
     if not -ndim <= axis < ndim:
         raise ShapeError(f"axis {axis} is out of range for a {ndim}-d tensor")
     return axis % ndim

@@ -1,33 +1,32 @@
 """Reference A16W4 per-group weight-quant matmul (WeightQuantBatchMatmul): MSD and dequant numerics.
 
-Operands (wqbmm.md): x (M, K) FP16/BF16; weight (K, N/2) uint8 = packed int4 (formats/int4.py layout);
-antiquant_scale (K/G, N) in x's dtype; optional antiquant_offset (K/G, N) in x's dtype; row k of the
-weight uses scale row k // G. Mathematically ``y = x @ ((W + offset) * scale)``; y (M, N) in x's dtype.
+Operands (docs/wqbmm.md, section 'Contract'): x (M, K) FP16/BF16; weight (K, N/2) uint8 = packed int4
+(docs/wqbmm.md, section 'Int4 layout'); antiquant_scale (K/G, N) in x's dtype; optional antiquant_offset
+(K/G, N) in x's dtype; row k of the weight uses scale row k // G. Mathematically
+``y = x @ ((W + offset) * scale)``; y (M, N) in x's dtype.
 
-MSD ("multi-stage decomposition", the Ascend kernel's numerics), per K-group g and row m, all float32
-in exactly this order (no fused multiply-add):
+MSD ("multi-stage decomposition", the Ascend kernel's numerics; docs/wqbmm.md, section 'MSD numerics'),
+per K-group g and row m, all float32 in exactly this order (no fused multiply-add):
 
-    f1 = 7.49, f2 = 14.98 (float32)
     a_max = max |a|                                 over the row's G values of the group
-    t1 = (a / a_max) * f1;  A1 = rint(t1)           rint = round half to even, |Ai| <= 7
-    t2 = (t1 - A1) * f2;    A2 = rint(t2)
-    t3 = (t2 - A2) * f2;    A3 = rint(t3)
+    t1 = (a / a_max) * F1;  A1 = rint(t1)           rint = round half to even, |Ai| <= 7
+    t2 = (t1 - A1) * F2;    A2 = rint(t2)
+    t3 = (t2 - A2) * F2;    A3 = rint(t3)
     Yi = sum_k Ai[k] * W[k, n]                      exact integers
     Yi = float32(Yi) + float32(sum_k Ai[k]) * offset[g, n]     (only with an offset: Ai @ (W + offset))
-    c  = (Y1 * R1 + Y2 * R2) + Y3 * R3              R1 = 1/f1, R2 = 1/(f1*f2), R3 = 1/(f1*f2*f2), float32
+    c  = (Y1 * R1 + Y2 * R2) + Y3 * R3
     acc = acc + (c * scale[g, n]) * a_max           acc starts at +0
     y  = acc rounded (RNE) to x's dtype after the last group
 
-Documented decisions (where the sample is undefined or wrong):
+Decisions (docs/wqbmm.md, section 'Decisions'): a_max is per row for every M; a group whose row is all
+zeros contributes exactly 0; a NaN or infinity in a row's group makes that row's output NaN; every NaN
+output is the canonical positive quiet NaN (FP16 0x7E00, BF16 0x7FC0).
 
-* a_max is per row for every M (the sample's golden script broadcasts it along N, right only for M = 1);
-* a group whose row is all zeros (a_max = 0; the sample divides 0/0 into NaN) contributes exactly 0;
-* a NaN or infinity in a row's group makes that row's output NaN (what the float formula gives);
-* every NaN output is the canonical positive quiet NaN (FP16 0x7E00, BF16 0x7FC0), so all backends agree
-  bit for bit regardless of how the hardware propagates NaN payloads.
+``dequant`` (docs/wqbmm.md, section 'Dequant numerics'): ``w = ((W + offset) * scale)`` in float32 rounded
+to x's dtype, then ``y[m, n] = sum_k x[m, k] * w[k, n]`` accumulated in float32 in ascending k (a fixed
+order: the same bits for any thread count and on any machine).
 
-``dequant``: ``w = ((W + offset) * scale)`` in float32 rounded to x's dtype, then ``x @ w`` with float32
-accumulation (torch's matmul, so its summation order is the BLAS's: not bit-reproducible across machines).
+F1, F2, R1, R2, R3 are the one definition of the MSD constants; the kernels import them.
 """
 
 from __future__ import annotations
@@ -36,11 +35,22 @@ import torch
 
 from lowbit.formats.int4 import unpack_int4
 
-F1 = torch.tensor(7.49, dtype=torch.float32)
-F2 = torch.tensor(14.98, dtype=torch.float32)
-R1 = torch.tensor(1.0, dtype=torch.float32) / F1
-R2 = torch.tensor(1.0, dtype=torch.float32) / (F1 * F2)
-R3 = torch.tensor(1.0, dtype=torch.float32) / (F1 * F2 * F2)
+
+def _float32(value: torch.Tensor | float) -> float:
+    """A float32 value as the Python float that holds it exactly."""
+    return float(torch.as_tensor(value, dtype=torch.float32))
+
+
+_F1 = torch.tensor(7.49, dtype=torch.float32)
+_F2 = torch.tensor(14.98, dtype=torch.float32)
+F1 = _float32(_F1)  # float32(7.49): A1's scale
+F2 = _float32(_F2)  # float32(14.98): A2's and A3's scale
+# Reciprocals as float32 computes them (float32 products, then float32(1) / product).
+_ONE = torch.tensor(1.0, dtype=torch.float32)
+R1 = _float32(_ONE / _F1)
+R2 = _float32(_ONE / (_F1 * _F2))
+R3 = _float32(_ONE / (_F1 * _F2 * _F2))
+_R1, _R2, _R3 = (torch.tensor(r, dtype=torch.float32) for r in (R1, R2, R3))
 
 
 def msd_decompose(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -50,11 +60,11 @@ def msd_decompose(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     Rows with a_max = 0 get A = 0 (instead of 0/0).
     """
     a_max = a.abs().amax(dim=1, keepdim=True)
-    t1 = torch.where(a_max == 0, 0.0, a / a_max * F1)
+    t1 = torch.where(a_max == 0, 0.0, a / a_max * _F1)
     a1 = torch.round(t1)
-    t2 = (t1 - a1) * F2
+    t2 = (t1 - a1) * _F2
     a2 = torch.round(t2)
-    t3 = (t2 - a2) * F2
+    t3 = (t2 - a2) * _F2
     a3 = torch.round(t3)
     return a1, a2, a3, a_max
 
@@ -87,7 +97,7 @@ def wqbmm_msd(
         if antiquant_offset is not None:
             offset32 = antiquant_offset[g].to(torch.float32)
             y1, y2, y3 = (y + ai.sum(dim=1, keepdim=True) * offset32 for y, ai in ((y1, a1), (y2, a2), (y3, a3)))
-        c = y1 * R1 + y2 * R2 + y3 * R3
+        c = y1 * _R1 + y2 * _R2 + y3 * _R3
         term = (c * scale32[g]) * a_max
         acc = acc + torch.where(a_max == 0, 0.0, term)
     return canonicalize_nan(acc).to(x.dtype)
@@ -110,6 +120,11 @@ def wqbmm_dequant(
     antiquant_offset: torch.Tensor | None,
     group_size: int,
 ) -> torch.Tensor:
-    """``x @ dequantize_weight(...)`` accumulated in float32; (M, N) in x's dtype."""
-    w = dequantize_weight(weight, antiquant_scale, antiquant_offset, group_size)
-    return canonicalize_nan(x.to(torch.float32) @ w.to(torch.float32)).to(x.dtype)
+    """``x @ dequantize_weight(...)``: float32 products summed in ascending k (one fixed order, so the
+    bits do not depend on the thread count or the machine); (M, N) in x's dtype."""
+    w = dequantize_weight(weight, antiquant_scale, antiquant_offset, group_size).to(torch.float32)
+    x32 = x.to(torch.float32)
+    acc = torch.zeros(x.shape[0], w.shape[1], dtype=torch.float32, device=x.device)
+    for k in range(x.shape[1]):  # elementwise mul, then add: never fused, never reordered
+        acc.add_(x32[:, k : k + 1] * w[k])
+    return canonicalize_nan(acc).to(x.dtype)

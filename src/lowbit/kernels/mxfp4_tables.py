@@ -13,10 +13,10 @@ import functools
 
 import torch
 
+from lowbit.dtypes import SAME_WIDTH_INT
 from lowbit.formats import mxfp4 as ref
 
 RULE_ID = {name: i for i, name in enumerate(ref.SCALE_RULES)}  # floor, nearest, even, ceil, rceil
-BITS_DTYPE = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 # input/output dtype -> (integer dtype holding two consecutive elements, bits per element)
 PAIR_WORD = {
     torch.bfloat16: (torch.int32, 16),
@@ -31,7 +31,7 @@ def thresholds(dtype: torch.dtype, rounding: str) -> torch.Tensor:
 
     A threshold beyond the dtype's range is its +Inf pattern (no finite magnitude reaches it).
     """
-    bits_dtype = BITS_DTYPE[dtype]
+    bits_dtype = SAME_WIDTH_INT[dtype]
     scale = torch.exp2(torch.arange(256, dtype=torch.float64) - ref.E8M0_BIAS).unsqueeze(1)
     midpoints = torch.tensor(ref.E2M1_MIDPOINTS, dtype=torch.float64)
     strict = torch.tensor([rounding == "rne" and not up for up in ref.RNE_TIE_ROUNDS_UP])

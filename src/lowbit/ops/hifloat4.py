@@ -32,7 +32,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from lowbit import backends, kernels
+from lowbit import kernels
 from lowbit.backends import Kernel, TensorSpec
 from lowbit.formats import hifloat4
 from lowbit.ops.library import call, define
@@ -123,19 +123,13 @@ def _unpack_probes():
     return probes + [(*hifloat4.pack(_finite_input()), torch.bfloat16)]
 
 
-def _operator(name: str, kernel: str, device_types: tuple[str, ...], outputs, reference: Kernel, probes):
-    """Register the operator ``name`` whose native kernels are ``lowbit.kernels.<package>.hifloat4.<kernel>``."""
-    return backends.register(backends.Operator(name=name, outputs=outputs, reference=reference, probes=probes,
-                                               native=kernels.native("hifloat4", kernel, device_types)))
-
-
-FAKE_QUANT = _operator("hifloat4_fake_quant", "FAKE_QUANT", ("cpu", "cuda", "npu"), _fake_quant_outputs,
-                       _ReferenceFakeQuant(), _fake_quant_probes)
-PACK = _operator("hifloat4_pack", "PACK", ("cpu",), _pack_outputs, _ReferencePack(), _pack_probes)
-UNPACK = _operator("hifloat4_unpack", "UNPACK", ("cpu",), _unpack_outputs, _ReferenceUnpack(), _unpack_probes)
-define(FAKE_QUANT, "Tensor input, int qdim=-1", differentiable=False)
-define(PACK, "Tensor input", outputs=("scale", "value"))
-define(UNPACK, "Tensor scale, Tensor value, ScalarType? dtype=None")
+FAKE_QUANT = define("hifloat4_fake_quant", "Tensor input, int qdim=-1", _fake_quant_outputs, _ReferenceFakeQuant(),
+                    _fake_quant_probes, kernels.native("hifloat4", "FAKE_QUANT", ("cpu", "cuda", "npu")),
+                    differentiable=False)
+PACK = define("hifloat4_pack", "Tensor input", _pack_outputs, _ReferencePack(), _pack_probes,
+              kernels.native("hifloat4", "PACK", ("cpu",)), output_names=("scale", "value"))
+UNPACK = define("hifloat4_unpack", "Tensor scale, Tensor value, ScalarType? dtype=None", _unpack_outputs,
+                _ReferenceUnpack(), _unpack_probes, kernels.native("hifloat4", "UNPACK", ("cpu",)))
 
 
 def hifloat4_fake_quant(

@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from lowbit import backends, kernels
+from lowbit import kernels
 from lowbit.backends import Kernel, TensorSpec
 from lowbit.errors import DtypeError
 from lowbit.formats import hifloat8
@@ -69,22 +69,11 @@ def _decode_probes():
     return [(codes, dtype) for dtype in DECODE_OUTPUT_DTYPES] + [(codes[codes != hifloat8.NAN_CODE], None)]
 
 
-ENCODE = backends.register(backends.Operator(
-    name="encode_to_hifloat8",
-    outputs=_encode_outputs,
-    reference=_ReferenceEncode(),
-    native=kernels.native("hifloat8", "ENCODE", ("cpu", "cuda", "npu")),
-    probes=_encode_probes,
-))
-DECODE = backends.register(backends.Operator(
-    name="decode_from_hifloat8",
-    outputs=_decode_outputs,
-    reference=_ReferenceDecode(),
-    native=kernels.native("hifloat8", "DECODE", ("cpu", "cuda", "npu")),
-    probes=_decode_probes,
-))
-define(ENCODE, "Tensor input")
-define(DECODE, "Tensor input, ScalarType? dtype=None")
+_DEVICES = ("cpu", "cuda", "npu")
+ENCODE = define("encode_to_hifloat8", "Tensor input", _encode_outputs, _ReferenceEncode(), _encode_probes,
+                kernels.native("hifloat8", "ENCODE", _DEVICES))
+DECODE = define("decode_from_hifloat8", "Tensor input, ScalarType? dtype=None", _decode_outputs, _ReferenceDecode(),
+                _decode_probes, kernels.native("hifloat8", "DECODE", _DEVICES))
 
 
 def encode_to_hifloat8(

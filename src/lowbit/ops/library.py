@@ -14,11 +14,12 @@ Python API of each operator calls :func:`call`, which picks one of the two.
 from __future__ import annotations
 
 import re
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
-from lowbit.backends import Operator
+from lowbit import backends
+from lowbit.backends import Kernel, Operator, bits_equal
 
 _LIB = torch.library.Library("lowbit", "FRAGMENT")
 
@@ -32,13 +33,28 @@ def _complete(name: str, args: tuple, kwargs: dict) -> list:
     return full
 
 
-def define(op: Operator, params: str, outputs: Sequence[str] = ("out",), *, differentiable: bool = True) -> None:
-    """Register ``op`` as ``lowbit::<name>`` and ``lowbit::<name>_out``.
+def define(
+    name: str,
+    params: str,
+    outputs: Callable,
+    reference: Kernel,
+    probes: Callable,
+    native: Mapping[str, Callable[[], Kernel]],
+    *,
+    output_names: Sequence[str] = ("out",),
+    differentiable: bool = True,
+    agrees: Callable[[torch.Tensor, torch.Tensor], bool] = bits_equal,
+) -> Operator:
+    """Create and register the :class:`Operator` ``name`` (the other arguments are its fields), and register
+    it as the custom ops ``lowbit::<name>`` and ``lowbit::<name>_out``.
 
-    ``params``: the schema of its arguments (e.g. ``"Tensor input, int qdim=-1"``); ``outputs``: the names
-    of its output tensors. ``differentiable=False`` gives the functional op a backward that returns no
+    ``params``: the schema of its arguments (e.g. ``"Tensor input, int qdim=-1"``); ``output_names``: the
+    names of its output tensors. ``differentiable=False`` gives the functional op a backward that returns no
     gradient (quantizers with no straight-through estimator); otherwise backward is an error.
     """
+    op = backends.register(Operator(name=name, outputs=outputs, reference=reference, native=native,
+                                    probes=probes, agrees=agrees))
+    outputs = output_names
     n_outs = len(outputs)
     returns = "Tensor" if n_outs == 1 else "(" + ", ".join(["Tensor"] * n_outs) + ")"
     mutated = ", ".join(f"Tensor({chr(ord('a') + i)}!) {name}" for i, name in enumerate(outputs))
@@ -73,6 +89,7 @@ def define(op: Operator, params: str, outputs: Sequence[str] = ("out",), *, diff
             return (None,) * n_inputs
 
         torch.library.register_autograd(f"lowbit::{op.name}", no_gradient, lib=_LIB)
+    return op
 
 
 def call(op: Operator, args: Sequence[Any], out: Any = None, backend: Optional[str] = None) -> Any:

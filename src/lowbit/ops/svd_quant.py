@@ -1,30 +1,29 @@
-"""SVDQuant operator ``svd_quant(x, w, s, d, u)`` (formats.md section 4), as ``torch.ops.lowbit.svd_quant``.
+"""SVDQuant operator ``svd_quant(x, w, s, d, u)`` (docs/svd_quant.md), as ``torch.ops.lowbit.svd_quant``.
 
     out = x @ d @ u + MXFP4(x) @ MXFP4(W)^T
 
 with the activation quantized per row (blocks of 32 along K, floor scale, ties-away elements) inside
-the operator, and the weight given already quantized by ``dynamic_mx_quant(W, 32, "round")``.
+the operator, and the weight given already quantized by ``dynamic_mx_quant(W, 32, "round")``. Also
+``torch.ops.lowbit.svd_quant_out(x, w, s, d, u, out)`` (see lowbit.ops.library).
 
-Contract (upstream ``amct.svd_quant`` checks, in order; every error is also a RuntimeError as upstream):
+Contract (upstream checks, in order; every error is also a RuntimeError as upstream; docs/svd_quant.md,
+section 'Contract and errors'):
 
 * x BF16 with >= 2 dims (B..., S, K); w (N, K/2) and s (N, ceil(K/64), 2) uint8 (or float4_e2m1fn_x2 /
   float8_e8m0fnu views); d (K, R) and u (R, N) BF16. Wrong dtype -> DtypeError "Data Type is wrong";
-  wrong rank -> ShapeError "invalid input shapes"; K % 32 != 0 -> ShapeError "K dimension should be a
-  multiple of 32"; mismatched sizes -> ShapeError "Input shapes are incompatible"; inputs on different
-  devices -> DeviceError.
+  wrong rank -> ShapeError "invalid input shapes"; K == 0 or K % 32 != 0 -> ShapeError "K dimension
+  should be a multiple of 32"; mismatched sizes -> ShapeError "Input shapes are incompatible"; inputs on
+  different devices -> DeviceError.
 * Output: x.shape[:-1] + (N,), BF16, on x's device. Decode (S = 1) and prefill use the same math.
-* Decisions where upstream is silent or wrong (formats.md section 7, items 11-12): K % 64 == 32 is
-  accepted and computed as documented (scale of K-block g at s[n, g // 2, g % 2], the pad slot ignored);
-  the Ascend kernel may misalign activation scales there, so those shapes are unverified against it.
-  Empty batch dimensions give an empty output (upstream counts them as 1). NaN/Inf in a block of x gives
-  a NaN scale for that block (OCP), so the result is NaN there; upstream uses scale byte 252 instead, and
-  its output is non-finite there too through x @ d @ u.
-* Rounding: out = bf16(L + bf16(P)) with L = bf16(bf16(x @ d) @ u), as the upstream golden computes it.
-* ``backend``: "reference" (lowbit.formats.svd_quant: torch matmuls, P in FP32), "native" (CPU: numba
-  quantizer + oneDNN BF16 matmuls; CUDA: Triton; NPU: AMCT's ``torch.ops.amct.svd_quant``, unverified),
-  "auto". Backends agree up to the matmuls'
-  accumulation order (P may round to the neighbouring BF16 value), not bit for bit.
-* ``out``: optional BF16 tensor of the output shape on x's device; the result is copied into it.
+  Empty batch dimensions give an empty output. K % 64 == 32 is computed as documented; NaN/Inf in a
+  block of x gives NaN in that row (docs/svd_quant.md, section 'Decisions').
+* Rounding: out = bf16(L + bf16(P)) with L = bf16(bf16(x @ d) @ u) (docs/svd_quant.md, section 'The
+  final add').
+* Backends agree up to the matmuls' accumulation order (P may round to the neighbouring BF16 value), not
+  bit for bit: the self-check of ``auto`` compares with the upstream test's tolerance, rtol = atol = 1e-2
+  (:func:`agrees`; docs/svd_quant.md, section 'Backends').
+* ``out``: optional BF16 tensor of the output shape on x's device; any strides, it may share memory with
+  an input (computed through a temporary then).
 """
 
 from __future__ import annotations
@@ -33,13 +32,21 @@ from typing import Optional
 
 import torch
 
-from lowbit import backends
-from lowbit.errors import DeviceError, DtypeError, ShapeError
+from lowbit import kernels
+from lowbit.backends import Kernel, TensorSpec
+from lowbit.errors import DtypeError, ShapeError
 from lowbit.formats import mxfp4
 from lowbit.formats import svd_quant as ref
+from lowbit.ops.library import call, define
 
-OP = "svd_quant"
-RTOL = ATOL = 1e-2  # the upstream test's criterion (tests/amct_ops/test_svd_quant.py)
+RTOL = ATOL = 1e-2  # the upstream test's criterion (docs/svd_quant.md, section 'Backends')
+
+
+def agrees(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """The self-check's comparison: same shape and dtype, NaN exactly where the reference has NaN, and
+    ``allclose(rtol=RTOL, atol=ATOL)`` elsewhere (backends sum the matmuls in different orders)."""
+    return (got.shape == want.shape and got.dtype == want.dtype
+            and torch.allclose(got.float(), want.float(), rtol=RTOL, atol=ATOL, equal_nan=True))
 
 
 def probe_inputs(m: int, n: int, k: int, r: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -54,31 +61,22 @@ def probe_inputs(m: int, n: int, k: int, r: int, seed: int = 0) -> tuple[torch.T
     return x, w, s, d, u
 
 
-def _self_check(fn, device: torch.device) -> None:
-    """Native agrees with the reference within the upstream tolerance on a probe (M=5, N=40, K=128, R=32)."""
-    inputs = probe_inputs(5, 40, 128, 32)
-    got = fn(*(t.to(device) for t in inputs)).cpu().float()
-    want = ref.svd_quant(*inputs).float()
-    if not torch.allclose(got, want, rtol=RTOL, atol=ATOL):
-        raise RuntimeError(f"native svd_quant differs from the reference on {device}")
+def _probes():
+    """Prefill with K % 64 == 0, decode (M = 1) with K % 64 == 32, a single block of K, sizes that are not
+    multiples of the Triton tiles, a 3-D activation, and rows with a zero block, a NaN and an Inf."""
+    yield probe_inputs(5, 40, 128, 32)
+    yield probe_inputs(1, 64, 96, 32, seed=1)
+    yield probe_inputs(33, 72, 32, 8, seed=2)
+    x, w, s, d, u = probe_inputs(6, 24, 64, 16, seed=3)
+    x[0, :32] = 0
+    x[2, 40] = float("nan")
+    x[4, 3] = float("-inf")
+    yield x.reshape(2, 3, 64), w, s, d, u
 
 
-DISPATCH = backends.register(
-    backends.Dispatcher(
-        op=OP,
-        reference=ref.svd_quant,
-        native={
-            "cpu": "lowbit.kernels.cpu.svd_quant:svd_quant",
-            "cuda": "lowbit.kernels.triton.svd_quant:svd_quant",
-            "npu": "lowbit.kernels.npu.svd_quant:svd_quant",
-        },
-        self_check=_self_check,
-    )
-)
-
-
-def _validate(x, w, s, d, u) -> tuple[int, ...]:
-    """Upstream checks; returns the output shape."""
+def _outputs(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, d: torch.Tensor,
+             u: torch.Tensor) -> tuple[TensorSpec]:
+    """The upstream checks, in order; the output's shape and dtype."""
     expected = (
         ("activation", x, torch.bfloat16),
         ("weights", w, torch.uint8),
@@ -95,18 +93,15 @@ def _validate(x, w, s, d, u) -> tuple[int, ...]:
             f"(n, ceil(k/64), 2), down (k, r), up (r, n); got {_shapes(x, w, s, d, u)}"
         )
     k = x.shape[-1]
-    if k == 0 or k % 32:
+    if k == 0 or k % ref.BLOCK:
         raise ShapeError(f"svd_quant: K dimension should be a multiple of 32 and positive, got K={k}")
     r, n = d.shape[1], u.shape[1]
     fits = (tuple(d.shape), tuple(u.shape), tuple(w.shape), tuple(s.shape)) == (
-        (k, r), (r, n), (n, k // 2), (n, -(-k // 64), 2)
+        (k, r), (r, n), (n, k // 2), (n, -(-k // (2 * ref.BLOCK)), 2)
     )
     if not fits:
         raise ShapeError(f"svd_quant: Input shapes are incompatible: {_shapes(x, w, s, d, u)}")
-    devices = {t.device for t in (x, w, s, d, u)}
-    if len(devices) > 1:
-        raise DeviceError(f"svd_quant: inputs are on different devices: {sorted(str(v) for v in devices)}")
-    return tuple(x.shape[:-1]) + (n,)
+    return (TensorSpec(tuple(x.shape[:-1]) + (n,), torch.bfloat16),)
 
 
 def _shapes(*tensors: torch.Tensor) -> str:
@@ -114,27 +109,13 @@ def _shapes(*tensors: torch.Tensor) -> str:
     return ", ".join(f"{name} {tuple(t.shape)}" for name, t in zip(names, tensors))
 
 
-@torch.library.custom_op("lowbit::svd_quant", mutates_args=())
-def _svd_quant_op(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    s: torch.Tensor,
-    d: torch.Tensor,
-    u: torch.Tensor,
-    backend: Optional[str] = None,
-) -> torch.Tensor:
-    out_shape = _validate(x, w, s, d, u)
-    fn = DISPATCH.select(x.device, backend)
-    k = x.shape[-1]
-    x2d = x.reshape(-1, k).contiguous()
-    if x2d.shape[0] == 0:
-        return torch.empty(out_shape, dtype=torch.bfloat16, device=x.device)
-    return fn(x2d, w.contiguous(), s.contiguous(), d.contiguous(), u.contiguous()).reshape(out_shape)
+class _Reference(Kernel):
+    def run(self, x, w, s, d, u, *, out) -> None:
+        out.copy_(ref.svd_quant(x.reshape(-1, x.shape[-1]), w, s, d, u).reshape(out.shape))
 
 
-@_svd_quant_op.register_fake
-def _(x, w, s, d, u, backend=None):
-    return x.new_empty(_validate(x, w, s, d, u), dtype=torch.bfloat16)
+SVD_QUANT = define("svd_quant", "Tensor x, Tensor w, Tensor s, Tensor d, Tensor u", _outputs, _Reference(), _probes,
+                   kernels.native("svd_quant", "SVD_QUANT", ("cpu", "cuda", "npu")), agrees=agrees)
 
 
 def svd_quant(
@@ -149,21 +130,7 @@ def svd_quant(
 ) -> torch.Tensor:
     """``x @ d @ u + MXFP4(x) @ MXFP4(W)^T`` in BF16; see the module docstring for the full contract.
 
-    x (B..., S, K) BF16; w (N, K/2), s (N, ceil(K/64), 2) from :func:`lowbit.formats.mxfp4.dynamic_mx_quant`;
-    d (K, R), u (R, N) BF16. Returns (B..., S, N) BF16.
+    x (B..., S, K) BF16; w (N, K/2), s (N, ceil(K/64), 2) from :func:`lowbit.ops.mxfp4.dynamic_mx_quant`;
+    d (K, R), u (R, N) BF16. Returns (B..., S, N) BF16 (``out``, when given).
     """
-    result = torch.ops.lowbit.svd_quant(x, _as_bytes(w), _as_bytes(s), d, u, backend)
-    if out is None:
-        return result
-    if out.dtype != torch.bfloat16:
-        raise DtypeError(f"svd_quant: out must be bfloat16, got {out.dtype}")
-    if out.shape != result.shape:
-        raise ShapeError(f"svd_quant: out must have shape {tuple(result.shape)}, got {tuple(out.shape)}")
-    if out.device != result.device:
-        raise DeviceError(f"svd_quant: out is on {out.device} but the result is on {result.device}")
-    return out.copy_(result)
-
-
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """uint8 view of float4_e2m1fn_x2 / float8_e8m0fnu tensors; anything else unchanged (checked later)."""
-    return t.view(torch.uint8) if t.dtype in mxfp4.BYTE_VIEW_DTYPES else t
+    return call(SVD_QUANT, (x, mxfp4.byte_view(w), mxfp4.byte_view(s), d, u), out, backend)

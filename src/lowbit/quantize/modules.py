@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowbit.errors import DtypeError, ShapeError
-from lowbit.nn.svdquant import svdquant_decompose
+from lowbit.nn.svd_quant import svd_quant_decompose
 from lowbit.ops.svd_quant import svd_quant
 from lowbit.ops.wqbmm import PackedWeight, plan_weight_quant_batch_matmul
 from lowbit.quantize.activations import STATIC_KINDS, deploy_static_input, fake_quant_input
@@ -187,7 +187,7 @@ def build_deploy(name: str, weight: torch.Tensor, bias: Optional[torch.Tensor], 
         meta = {"format": cfg.describe(), "weight_type": spec.type, "group_size": spec.group_size,
                 "act_kind": layer_act_kind(cfg), "algorithm": cfg.algorithm.name, "amct_compat": cfg.amct_compat}
         if cfg.algorithm.name == "svdquant":
-            ws, s, d, u = svdquant_decompose(w, cfg.algorithm.options.get("rank", 32))
+            ws, s, d, u = svd_quant_decompose(w, cfg.algorithm.options.get("rank", 32))
             tensors = {"w": ws, "s": s, "down": d, "up": u}
             return SVDQuantLinearDeploy(name, k, n, w.dtype, meta, tensors, bias)
         if params.smooth is not None:

@@ -51,6 +51,11 @@ class CaseTimer:
         return self.rows
 
 
+def sizes_and_dtypes(args) -> list[tuple[int, str, torch.dtype]]:
+    """(element count, dtype name, dtype) for every combination of ``--sizes`` and ``--dtypes``."""
+    return [(n, name, getattr(torch, name)) for n in args.sizes for name in args.dtypes]
+
+
 def size_label(n: int, named: dict[str, int]) -> str:
     """'1M' for 1 << 20 when ``named`` has it, else the number."""
     return next((name for name, value in named.items() if value == n), str(n))

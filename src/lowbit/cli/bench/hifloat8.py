@@ -11,7 +11,7 @@ import argparse
 import torch
 
 from lowbit.cli.argtypes import comma_list, element_count, one_of
-from lowbit.cli.bench import CaseTimer, size_label
+from lowbit.cli.bench import CaseTimer, size_label, sizes_and_dtypes
 from lowbit.formats import hifloat8
 from lowbit.ops.hifloat8 import decode_from_hifloat8, encode_to_hifloat8
 
@@ -30,25 +30,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> list[dict]:
     device = torch.device(args.device)
     rows = []
-    for n in args.sizes:
-        for dtype_name in args.dtypes:
-            dtype = getattr(torch, dtype_name)
-            x = torch.randn(n, device=device).to(dtype)
-            copy_dst = torch.empty_like(x)
-            codes = torch.empty(n, dtype=torch.uint8, device=device)
-            decoded = torch.empty_like(x)
-            fp8 = x.to(torch.float8_e4m3fn)
-            encode_to_hifloat8(x, out=codes, backend=args.backend)  # compile, self-check, warm tables
-            case = CaseTimer(device, args.repeats, size=size_label(n, SIZES), dtype=dtype_name)
-            case.time("memcpy (prealloc)", lambda: copy_dst.copy_(x), 4 * n)
-            case.time("encode out=", lambda: encode_to_hifloat8(x, out=codes, backend=args.backend), 3 * n)
-            case.time("encode alloc", lambda: encode_to_hifloat8(x, backend=args.backend), 3 * n)
-            case.time("decode out=",
-                      lambda: decode_from_hifloat8(codes, dtype, out=decoded, backend=args.backend), 3 * n)
-            case.time("decode alloc", lambda: decode_from_hifloat8(codes, dtype, backend=args.backend), 3 * n)
-            case.time("torch -> float8_e4m3fn", lambda: x.to(torch.float8_e4m3fn), 3 * n)
-            case.time("torch float8_e4m3fn ->", lambda: fp8.to(dtype), 3 * n)
-            if n <= SIZES["1M"]:
-                case.time("reference encode", lambda: hifloat8.encode(x), 3 * n)
-            rows += case.ratio_to_baseline("x memcpy")
+    for n, dtype_name, dtype in sizes_and_dtypes(args):
+        x = torch.randn(n, device=device).to(dtype)
+        copy_dst = torch.empty_like(x)
+        codes = torch.empty(n, dtype=torch.uint8, device=device)
+        decoded = torch.empty_like(x)
+        fp8 = x.to(torch.float8_e4m3fn)
+        encode_to_hifloat8(x, out=codes, backend=args.backend)  # compile, self-check, warm tables
+        case = CaseTimer(device, args.repeats, size=size_label(n, SIZES), dtype=dtype_name)
+        case.time("memcpy (prealloc)", lambda: copy_dst.copy_(x), 4 * n)
+        case.time("encode out=", lambda: encode_to_hifloat8(x, out=codes, backend=args.backend), 3 * n)
+        case.time("encode alloc", lambda: encode_to_hifloat8(x, backend=args.backend), 3 * n)
+        case.time("decode out=",
+                  lambda: decode_from_hifloat8(codes, dtype, out=decoded, backend=args.backend), 3 * n)
+        case.time("decode alloc", lambda: decode_from_hifloat8(codes, dtype, backend=args.backend), 3 * n)
+        case.time("torch -> float8_e4m3fn", lambda: x.to(torch.float8_e4m3fn), 3 * n)
+        case.time("torch float8_e4m3fn ->", lambda: fp8.to(dtype), 3 * n)
+        if n <= SIZES["1M"]:
+            case.time("reference encode", lambda: hifloat8.encode(x), 3 * n)
+        rows += case.ratio_to_baseline("x memcpy")
     return rows

@@ -14,7 +14,7 @@ import argparse
 import torch
 
 from lowbit.cli.argtypes import comma_list, element_count, one_of
-from lowbit.cli.bench import CaseTimer, size_label
+from lowbit.cli.bench import CaseTimer, size_label, sizes_and_dtypes
 from lowbit.formats import mxfp4
 from lowbit.ops.mxfp4 import mxfp4_dequantize, mxfp4_quantize
 
@@ -35,26 +35,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> list[dict]:
     device = torch.device(args.device)
     rows = []
-    for n in args.sizes:
-        for dtype_name in args.dtypes:
-            dtype = getattr(torch, dtype_name)
-            x = torch.randn(n // 32, 32, device=device).to(dtype)
-            copy_dst = torch.empty_like(x)
+    for n, dtype_name, dtype in sizes_and_dtypes(args):
+        x = torch.randn(n // 32, 32, device=device).to(dtype)
+        copy_dst = torch.empty_like(x)
 
-            def quant(out=None):
-                return mxfp4_quantize(x, 32, args.scale_rule, args.rounding, out=out, backend=args.backend)
+        def quant(out=None):
+            return mxfp4_quantize(x, 32, args.scale_rule, args.rounding, out=out, backend=args.backend)
 
-            codes, scales = quant()  # compile, self-check
-            in_bytes, packed_bytes = n * x.element_size(), n // 2 + n // 32
-            out, values = (torch.empty_like(codes), torch.empty_like(scales)), torch.empty_like(x)
-            case = CaseTimer(device, args.repeats, size=size_label(n, SIZES), dtype=dtype_name)
-            case.time("memcpy (prealloc)", lambda: copy_dst.copy_(x), 2 * in_bytes)
-            case.time("quantize op out=", lambda: quant(out), in_bytes + packed_bytes)
-            case.time("quantize op alloc", quant, in_bytes + packed_bytes)
-            case.time("dequantize op out=",
-                      lambda: mxfp4_dequantize(codes, scales, dtype, out=values, backend=args.backend),
-                      in_bytes + packed_bytes)
-            case.time("dequantize op alloc", lambda: mxfp4_dequantize(codes, scales, dtype, backend=args.backend),
-                      in_bytes + packed_bytes)
-            rows += case.ratio_to_baseline("x memcpy")
+        codes, scales = quant()  # compile, self-check
+        in_bytes, packed_bytes = n * x.element_size(), n // 2 + n // 32
+        out, values = (torch.empty_like(codes), torch.empty_like(scales)), torch.empty_like(x)
+        case = CaseTimer(device, args.repeats, size=size_label(n, SIZES), dtype=dtype_name)
+        case.time("memcpy (prealloc)", lambda: copy_dst.copy_(x), 2 * in_bytes)
+        case.time("quantize op out=", lambda: quant(out), in_bytes + packed_bytes)
+        case.time("quantize op alloc", quant, in_bytes + packed_bytes)
+        case.time("dequantize op out=",
+                  lambda: mxfp4_dequantize(codes, scales, dtype, out=values, backend=args.backend),
+                  in_bytes + packed_bytes)
+        case.time("dequantize op alloc", lambda: mxfp4_dequantize(codes, scales, dtype, backend=args.backend),
+                  in_bytes + packed_bytes)
+        rows += case.ratio_to_baseline("x memcpy")
     return rows

@@ -1,10 +1,10 @@
-"""Smoke check of MXFP4 quantize + dequantize (formats.md section 3).
+"""Smoke check of MXFP4 quantize + dequantize (docs/mxfp4.md).
 
-Per input dtype (FP16, BF16, FP32): a (3, 64) input = the worked vector of formats.md 3.5 padded to 64,
-one row of 64 torch.randn values from a CPU generator seeded 2026 (times 100), and a row with a zero
-block and a block of ties; quantized (floor scale, TA) and dequantized back to the same dtype with the
+Per input dtype (FP16, BF16, FP32): a (3, 64) input = the worked vector of docs/mxfp4.md (section
+'Worked vectors') padded to 64, one row of 64 torch.randn values from a CPU generator seeded 2026
+(times 100), and a row with a zero block and a block of ties; quantized (floor scale, TA) and dequantized back to the same dtype with the
 requested backend, compared bit for bit with the reference. Extra keys: ``codes_match_reference`` and
-``worked_vector_bytes_ok`` (the packed bytes of formats.md 3.5).
+``worked_vector_bytes_ok`` (the packed bytes of that worked vector).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def run(backend: str, device: torch.device) -> list[dict]:
         ref_codes, ref_scales = mxfp4.quantize(x_cpu)
         results.append(
             case_result(
-                backend=backend_that_ran(QUANTIZE, DEQUANTIZE),
+                backend=backend_that_ran(QUANTIZE.name, DEQUANTIZE.name),
                 input_dtype=dtype,
                 output=y,
                 reference=mxfp4.dequantize(ref_codes, ref_scales, dtype),

@@ -1,4 +1,4 @@
-"""Smoke check of svd_quant (formats.md section 4) on upstream-style data, scaled down.
+"""Smoke check of svd_quant (docs/svd_quant.md) on upstream-style data, scaled down.
 
 Cases (B, S, N, K, R): decode (1, 1, 64, 128, 32), prefill (2, 33, 96, 128, 64) and a K % 64 == 32 case
 (1, 8, 40, 96, 32); data as the upstream test (U(-10, 10) in BF16, weights from dynamic_mx_quant).
@@ -16,7 +16,7 @@ import torch
 from lowbit.cli.smoke._common import backend_that_ran, case_result
 from lowbit.formats import mxfp4
 from lowbit.formats import svd_quant as ref
-from lowbit.ops.svd_quant import ATOL, OP, RTOL, probe_inputs, svd_quant
+from lowbit.ops.svd_quant import ATOL, RTOL, SVD_QUANT, probe_inputs, svd_quant
 
 NAME = "svd_quant"
 CASES = ((1, 1, 64, 128, 32), (2, 33, 96, 128, 64), (1, 8, 40, 96, 32))
@@ -33,7 +33,7 @@ def run(backend: str, device: torch.device) -> list[dict]:
         w_deq = mxfp4.dequantize(w, ref.weight_scales(s, k), torch.float32)
         dense = x.float() @ (d.float() @ u.float() + w_deq.T)
         result = case_result(
-            backend=backend_that_ran(OP),
+            backend=backend_that_ran(SVD_QUANT.name),
             input_dtype=torch.bfloat16,
             output=out,
             reference=want,

@@ -13,7 +13,7 @@ import torch
 from lowbit.cli.smoke._common import backend_that_ran, case_result
 from lowbit.formats import wqbmm as reference
 from lowbit.formats.int4 import unpack_int4
-from lowbit.ops.wqbmm import DISPATCHER, TEMPLATES, plan_weight_quant_batch_matmul, weight_quant_batch_matmul
+from lowbit.ops.wqbmm import MATMUL, TEMPLATES, plan_weight_quant_batch_matmul, weight_quant_batch_matmul
 
 NAME = "wqbmm"
 SEED = 2026
@@ -60,7 +60,7 @@ def run(backend: str, device: torch.device) -> list[dict]:
                 y = _run_api(api, backend, device, *moved, template)
                 results.append(
                     case_result(
-                        backend=backend_that_ran(DISPATCHER.op),
+                        backend=backend_that_ran(MATMUL.name),
                         input_dtype=dtype,
                         output=y,
                         reference=expected,

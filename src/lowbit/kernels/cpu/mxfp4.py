@@ -14,6 +14,7 @@ The input is read as words of two elements (element 2i in the low half), which i
 code byte. Work is split into tasks of _BLOCKS_PER_TASK blocks, each running a few passes over
 L1/L2-resident scratch (see _quantize_task). Dequantize gathers both elements of a code byte at once from
 a (scale byte, code byte) table built by the reference; :func:`fake_quantize` does both in one pass.
+Scale rules and element rounding: docs/mxfp4.md, sections 'Scale rules' and 'Element rounding'.
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ import numba
 import numpy as np
 import torch
 
-from lowbit.errors import DtypeError
+from lowbit.errors import DeviceError, DtypeError, ShapeError
 from lowbit.formats import mxfp4 as ref
 from lowbit.kernels import mxfp4_tables as tables
 from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, as_numpy, sync_threads
+from lowbit.kernels.mxfp4_last_axis import LastAxisDequantize, LastAxisQuantize
 
 _ABS_MASK = {torch.bfloat16: 0x7FFF, torch.float16: 0x7FFF, torch.float32: 0x7FFFFFFF}
 _NONFINITE_BITS = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00, torch.float32: 0x7F800000}
@@ -60,7 +62,7 @@ def _dequant_pair_table(dtype: torch.dtype) -> np.ndarray:
 
 @numba.njit(**NJIT_OPTIONS)
 def _scale_byte(amax_fp32_bits, rule):
-    """E8M0 byte of a finite block from the FP32 bits of its amax (module docstring, scale rules)."""
+    """E8M0 byte of a finite block from the FP32 bits of its amax (docs/mxfp4.md, section 'Scale rules')."""
     exponent = amax_fp32_bits >> 23
     fraction = amax_fp32_bits & 0x7FFFFF
     if exponent == 0:  # zero or FP32-subnormal amax: shared exponent below -127
@@ -216,65 +218,54 @@ def _dequantize_blocks(codes, scales, table, ppb, out_pairs):
         _dequantize_task(codes[span], scales[first:stop], table, ppb, out_pairs[span])
 
 
-def quantize(
-    x: torch.Tensor,
-    block_size: int = 32,
-    scale_rule: str = "floor",
-    rounding: str = "ta",
-    axis: int = -1,
-    out: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as :func:`lowbit.formats.mxfp4.quantize`, for CPU tensors.
+class Quantize(LastAxisQuantize):
+    """mxfp4_quantize on the CPU: contiguous FP16/BF16/FP32 ``x`` into contiguous uint8 codes and scales."""
 
-    ``out``: optional preallocated contiguous (codes, scales) uint8 CPU tensors of the result shapes
-    (only for ``axis`` = last); they are filled and returned.
+    def quantize_last_axis(self, x, block_size, scale_rule, rounding, codes, scales) -> None:
+        if x.numel():
+            _launch_quantize(x, block_size, scale_rule, rounding, codes, scales)
+
+
+class Dequantize(LastAxisDequantize):
+    """mxfp4_dequantize on the CPU: contiguous uint8 codes and scales into contiguous FP16/BF16/FP32."""
+
+    def supports(self, codes, scales, dtype, axis) -> str | None:
+        dtype = torch.bfloat16 if dtype is None else dtype
+        return None if dtype in _PAIRS else f"output dtype {dtype}: this kernel writes float16, bfloat16 or float32"
+
+    def dequantize_last_axis(self, codes, scales, out) -> None:
+        if not out.numel():
+            return
+        sync_threads()
+        pair_dtype, _ = _PAIRS[out.dtype]
+        _dequantize_blocks(
+            as_numpy(codes).reshape(-1),
+            as_numpy(scales).reshape(-1),
+            _dequant_pair_table(out.dtype),
+            codes.numel() // scales.numel(),  # pairs per block
+            out.view(-1).view(pair_dtype).numpy().view(_UNSIGNED[pair_dtype]),
+        )
+
+
+def fake_quantize(x: torch.Tensor, block_size: int, scale_rule: str, rounding: str, *, out: torch.Tensor) -> None:
+    """Write ``dequantize(*quantize(x, block_size, scale_rule, rounding), out.dtype)`` (blocks along the
+    last axis) into ``out`` in one pass; bit-exact with the reference pair.
+
+    x: contiguous FP16/BF16/FP32 CPU tensor; out: contiguous FP16/BF16/FP32 CPU tensor of x's shape.
+    Raises DtypeError / ShapeError / DeviceError (naming the argument) for anything else.
     """
-    codes_shape, scales_shape, axis = ref.quantized_shapes(x, block_size, scale_rule, rounding, axis)
-    if x.device.type != "cpu":
-        raise ValueError(f"numba mxfp4 quantize needs a CPU tensor, got device {x.device}")
-    last = axis == x.dim() - 1
-    xt = x.contiguous() if last else x.movedim(axis, -1).contiguous()
-    moved_codes = codes_shape if last else _moved(codes_shape, axis)
-    moved_scales = scales_shape if last else _moved(scales_shape, axis)
-    if out is not None:
-        codes, scales = out
-        _check_out(codes, moved_codes, "codes")
-        _check_out(scales, moved_scales, "scales")
-        if not last:
-            raise ValueError("out= is only supported for axis = -1")
-    else:
-        codes = torch.empty(moved_codes, dtype=torch.uint8)
-        scales = torch.empty(moved_scales, dtype=torch.uint8)
-    if xt.numel():
-        _launch_quantize(xt, block_size, scale_rule, rounding, codes, scales)
-    if last:
-        return codes, scales
-    return codes.movedim(-1, axis).contiguous(), scales.movedim(-1, axis).contiguous()
-
-
-def fake_quantize(
-    x: torch.Tensor,
-    block_size: int = 32,
-    scale_rule: str = "floor",
-    rounding: str = "ta",
-    dtype: torch.dtype | None = None,
-) -> torch.Tensor:
-    """``dequantize(*quantize(x, block_size, scale_rule, rounding), dtype)`` along the last axis, in one pass.
-
-    x: FP16/BF16/FP32 CPU tensor; dtype: FP16/BF16/FP32 (default x.dtype). Bit-exact with the reference pair.
-    """
-    dtype = x.dtype if dtype is None else dtype
     codes_shape, scales_shape, _ = ref.quantized_shapes(x, block_size, scale_rule, rounding, -1)
-    if dtype not in _PAIRS:
-        raise DtypeError(f"mxfp4 fake_quantize: output dtype must be FP16, BF16 or FP32, got {dtype}")
-    if x.device.type != "cpu":
-        raise ValueError(f"numba mxfp4 fake_quantize needs a CPU tensor, got device {x.device}")
-    out = torch.empty(x.shape, dtype=dtype)
+    if out.dtype not in _PAIRS:
+        raise DtypeError(f"mxfp4 fake_quantize: out must be float16, bfloat16 or float32, got {out.dtype}")
+    if out.shape != x.shape or not (out.is_contiguous() and x.is_contiguous()):
+        raise ShapeError(f"mxfp4 fake_quantize: x {tuple(x.shape)} and out {tuple(out.shape)} must be contiguous "
+                         "and of one shape")
+    if x.device.type != "cpu" or out.device.type != "cpu":
+        raise DeviceError(f"mxfp4 fake_quantize needs CPU tensors, got x on {x.device} and out on {out.device}")
     if x.numel():
         codes = torch.empty(codes_shape, dtype=torch.uint8)
         scales = torch.empty(scales_shape, dtype=torch.uint8)
-        _launch_quantize(x.contiguous(), block_size, scale_rule, rounding, codes, scales, out)
-    return out
+        _launch_quantize(x, block_size, scale_rule, rounding, codes, scales, out)
 
 
 def _launch_quantize(xt, block_size, scale_rule, rounding, codes, scales, dequantized=None):
@@ -304,54 +295,5 @@ def _launch_quantize(xt, block_size, scale_rule, rounding, codes, scales, dequan
     )
 
 
-def dequantize(
-    codes: torch.Tensor,
-    scales: torch.Tensor,
-    dtype: torch.dtype = torch.bfloat16,
-    axis: int = -1,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Same contract as :func:`lowbit.formats.mxfp4.dequantize`, for CPU tensors.
-
-    ``out``: optional preallocated contiguous CPU tensor of ``dtype`` and the result shape (FP16/BF16/FP32
-    and ``axis`` = last only); it is filled and returned.
-    """
-    codes, scales = ref.as_uint8(codes), ref.as_uint8(scales)
-    out_shape, block_size, axis = ref.dequantized_shape(codes, scales, dtype, axis)
-    if codes.device.type != "cpu" or scales.device.type != "cpu":
-        raise ValueError(f"numba mxfp4 dequantize needs CPU tensors, got {codes.device} and {scales.device}")
-    last = axis == codes.dim() - 1
-    if out is not None:
-        _check_out(out, out_shape, "values", dtype)
-        if not last or dtype not in _PAIRS:
-            raise ValueError("out= is only supported for axis = -1 and FP16/BF16/FP32 outputs")
-    if dtype not in _PAIRS:  # FP64 (beyond FP32 range at the top): the reference
-        return ref.dequantize(codes, scales, dtype, axis)
-    ct = codes.contiguous() if last else codes.movedim(axis, -1).contiguous()
-    st = scales.contiguous() if last else scales.movedim(axis, -1).contiguous()
-    if out is None:
-        out = torch.empty(out_shape if last else _moved(out_shape, axis), dtype=dtype)
-    if out.numel():
-        sync_threads()
-        pair_dtype, _ = _PAIRS[dtype]
-        _dequantize_blocks(
-            ct.view(-1).numpy(),
-            st.view(-1).numpy(),
-            _dequant_pair_table(dtype),
-            block_size // 2,
-            out.view(-1).view(pair_dtype).numpy().view(_UNSIGNED[pair_dtype]),
-        )
-    return out if last else out.movedim(-1, axis).contiguous()
-
-
-def _moved(shape: tuple[int, ...], axis: int) -> tuple[int, ...]:
-    """``shape`` with dimension ``axis`` moved last."""
-    return shape[:axis] + shape[axis + 1 :] + (shape[axis],)
-
-
-def _check_out(t: torch.Tensor, shape: tuple[int, ...], name: str, dtype: torch.dtype = torch.uint8) -> None:
-    if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous() or t.device.type != "cpu":
-        raise ValueError(
-            f"out {name} must be a contiguous {dtype} CPU tensor of shape {shape}, got {t.dtype} "
-            f"{tuple(t.shape)} on {t.device}"
-        )
+QUANTIZE = Quantize()
+DEQUANTIZE = Dequantize()

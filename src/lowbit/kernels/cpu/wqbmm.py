@@ -1,8 +1,10 @@
-"""numba kernels for the MSD A16W4 matmul (lowbit.formats.wqbmm), bit-exact with the reference.
+"""numba kernel for the MSD A16W4 matmul (lowbit.formats.wqbmm), bit-exact with the reference; the kernel
+object is :data:`MATMUL` (docs/wqbmm.md, section 'CPU kernel').
 
-Weight tiles (built by :func:`pack_weight`, or per call into the workspace by :func:`wqbmm_into`; nothing
-is cached): the (K, N) int4 weight as unsigned nibbles ``u = W + 8`` (0..15; padded columns hold 8, i.e. W = 0), in
-blocks of BLOCK_N = 32 columns (``NB = ceil(N / 32)``), per block and K-group g, ``G / 8`` chunks of 128 bytes::
+Weight tiles (built by ``MATMUL.pack_weight``, or per call into the workspace by ``MATMUL.run``; nothing
+is cached): the (K, N) int4 weight as unsigned nibbles ``u = W + 8`` (0..15; padded columns hold 8, i.e. W = 0),
+in column tiles of TILE_N = 32 columns (``NB = ceil(N / 32)``), per tile and K-group g, ``G / 8`` chunks of
+128 bytes::
 
     tiles[nb, g, p, lane, j] = u[k0 + j, col] | u[k0 + 4 + j, col] << 4
     k0 = g * G + 8 * p,  col = 32 * nb + lane,  lane < 32,  j < 4
@@ -21,40 +23,39 @@ Post-process (per group, per 32 columns, float32 in the reference's order, no FM
 
 Templates (same numbers):
 
-* ``basic``: pre-process every row -> integer matmul of every (group, row, block) into the workspace
+* ``basic``: pre-process every row -> integer matmul of every (group, row, column tile) into the workspace
   (``Y_int``, 3 * M * (K/G) * N int32) -> post-process; each stage is a separate parallel loop.
-* ``preload``: pre-process, then one fused loop per 32-column block where each group's integer matmul
+* ``preload``: pre-process, then one fused loop per 32-column tile where each group's integer matmul
   stays in registers and is post-processed at once (no ``Y_int``); the weight stream of the next group
   overlaps the post-processing of this one (out-of-order execution and the hardware prefetcher).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numba
 import numpy as np
 import torch
 
+from lowbit.formats import wqbmm as reference
 from lowbit.kernels.cpu import _simd as simd
 from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, as_numpy, sync_threads
+from lowbit.kernels.wqbmm_kernel import WqbmmKernel, aligned_offsets
 
-BLOCK_N = simd.LANES  # columns per register tile (32)
-CHUNK_BYTES = 4 * BLOCK_N  # one weight chunk: BLOCK_N int32 lanes
-_ALIGN = 64
+TILE_N = simd.LANES  # columns per register tile (32)
+CHUNK_BYTES = 4 * TILE_N  # one weight chunk: TILE_N int32 lanes
 # Helpers are inlined into the kernels at numba-IR level: no call boundary, no reference counting of the
 # arrays they are passed (which otherwise costs more than the arithmetic in the inner loops).
 _INLINE_OPTIONS = dict(NJIT_OPTIONS, inline="always")
-_F1 = np.float32(7.49)
-_F2 = np.float32(14.98)
-_R1 = np.float32(1.0) / _F1
-_R2 = np.float32(1.0) / (_F1 * _F2)
-_R3 = np.float32(1.0) / (_F1 * _F2 * _F2)
+_F1, _F2 = np.float32(reference.F1), np.float32(reference.F2)
+_R1, _R2, _R3 = np.float32(reference.R1), np.float32(reference.R2), np.float32(reference.R3)
 
 
 def padded_n(n: int) -> int:
-    """N rounded up to a whole number of BLOCK_N-column blocks."""
-    return -(-n // BLOCK_N) * BLOCK_N
+    """N rounded up to a whole number of TILE_N-column tiles."""
+    return -(-n // TILE_N) * TILE_N
 
 
 @numba.njit(**_INLINE_OPTIONS)
@@ -71,29 +72,29 @@ def _unsigned_nibble(weight, kk, col, n):
 def _pack_tiles(weight, group_size, tiles):
     """tiles (flat uint8, K * padded N / 2 bytes) <- the (K, N/2) uint8 weight (any strides).
 
-    Per (group, chunk p, block nb) one 128-byte chunk; the weight rows k0 .. k0 + 7 are read in order.
-    In a block without padding, weight byte b of rows k0 + j and k0 + 4 + j gives lanes 2b (low nibbles)
+    Per (group, chunk p, column tile nb) one 128-byte chunk; the weight rows k0 .. k0 + 7 are read in order.
+    In a tile without padding, weight byte b of rows k0 + j and k0 + 4 + j gives lanes 2b (low nibbles)
     and 2b + 1 (high nibbles); u = W + 8 is nibble xor 8, so a byte of two u is the byte xor 0x88.
     """
     k, half = weight.shape
     n = 2 * half
     groups, chunks = k // group_size, group_size // 8
-    blocks, full_blocks = tiles.size // (k * BLOCK_N // 2), half // (BLOCK_N // 2)
+    n_tiles, full_tiles = tiles.size // (k * TILE_N // 2), half // (TILE_N // 2)
     for g in numba.prange(groups):
         for p in range(chunks):
             k0 = g * group_size + 8 * p
-            for nb in range(blocks):
+            for nb in range(n_tiles):
                 base = ((nb * groups + g) * chunks + p) * CHUNK_BYTES
-                if nb < full_blocks:
-                    c0 = nb * (BLOCK_N // 2)
+                if nb < full_tiles:
+                    c0 = nb * (TILE_N // 2)
                     for j in range(4):
-                        for b in range(BLOCK_N // 2):
+                        for b in range(TILE_N // 2):
                             low, high = np.int32(weight[k0 + j, c0 + b]), np.int32(weight[k0 + 4 + j, c0 + b])
                             tiles[base + 8 * b + j] = np.uint8(((low & 0x0F) | ((high & 0x0F) << 4)) ^ 0x88)
                             tiles[base + 8 * b + 4 + j] = np.uint8(((low >> 4) | (high & 0xF0)) ^ 0x88)
                 else:
-                    for lane in range(BLOCK_N):
-                        col = BLOCK_N * nb + lane
+                    for lane in range(TILE_N):
+                        col = TILE_N * nb + lane
                         for j in range(4):
                             low = _unsigned_nibble(weight, k0 + j, col, n)
                             high = _unsigned_nibble(weight, k0 + 4 + j, col, n)
@@ -105,18 +106,10 @@ def tiles_nbytes(k: int, n: int) -> int:
     return k * padded_n(n) // 2
 
 
-def pack_weight(weight: torch.Tensor, group_size: int, tiles: torch.Tensor | None = None) -> torch.Tensor:
-    """(K, N/2) uint8 CPU weight -> kernel tiles, a flat uint8 tensor of :func:`tiles_nbytes` bytes.
-
-    Written into ``tiles`` when given (allocates nothing), else into a new tensor. ``group_size`` must be
-    a multiple of 8 dividing K (the op layer checks it).
-    """
-    k, n = weight.shape[0], 2 * weight.shape[1]
-    if tiles is None:
-        tiles = torch.empty(tiles_nbytes(k, n), dtype=torch.uint8)
+def _pack_into(weight: torch.Tensor, group_size: int, tiles: torch.Tensor) -> None:
+    """tiles (flat uint8, :func:`tiles_nbytes` bytes) <- the (K, N/2) uint8 CPU weight; allocates nothing."""
     sync_threads()
     _pack_tiles(as_numpy(weight), group_size, as_numpy(tiles))
-    return tiles
 
 
 @dataclass(frozen=True)
@@ -132,8 +125,9 @@ class WorkspaceLayout:
     nbytes: int
 
     @staticmethod
+    @functools.lru_cache(maxsize=64)
     def build(m: int, k: int, n: int, group_size: int, template: str, prepacked: bool = False) -> "WorkspaceLayout":
-        """``prepacked``: the caller passes tiles from :func:`pack_weight`; otherwise the workspace also
+        """``prepacked``: the caller passes tiles from ``MATMUL.pack_weight``; otherwise the workspace also
         holds the tiles, repacked there from the raw weight on every call."""
         groups, npad = k // group_size, padded_n(n)
         sizes = {} if prepacked else {"tiles": tiles_nbytes(k, n)}
@@ -148,10 +142,7 @@ class WorkspaceLayout:
             sizes["scale"] = sizes["offset"] = 2 * groups * npad
         if template == "basic":
             sizes["y_int"] = 4 * 3 * m * groups * npad
-        offsets, total = {}, 0
-        for name, size in sizes.items():
-            offsets[name] = (total, size)
-            total += -(-size // _ALIGN) * _ALIGN
+        offsets, total = aligned_offsets(sizes)
         return WorkspaceLayout(m, k, n, group_size, template, offsets, total)
 
     def view(self, workspace: torch.Tensor, name: str, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
@@ -209,12 +200,12 @@ def _msd_preprocess_serial(x32, group_size, a_i8, a_max, a_sum):
 
 
 _SERIAL_PREPROCESS_MAX = 1 << 16  # elements of x
-_PARALLEL_CHUNK = 4  # prange iterations (32-column blocks) a thread takes at a time
+_PARALLEL_CHUNK = 4  # prange iterations (32-column tiles) a thread takes at a time
 
 
 @numba.njit(**_INLINE_OPTIONS)
 def _group_dot(tiles, chunk0, chunks, a_quads, q1, q2, q3):
-    """dpbusd sums of one (BLOCK_N-column block, group): three I32V (before the -8 * S correction).
+    """dpbusd sums of one (TILE_N-column tile, group): three I32V (before the -8 * S correction).
 
     ``chunk0``: byte offset of the group's first chunk; ``q1..q3``: index in ``a_quads`` (int32)
     of the first quad of A1..A3 for this row and group.
@@ -269,7 +260,7 @@ def _load_half(bits, index, is_bf16):
 
 @numba.njit(**_INLINE_OPTIONS)
 def _post_process(acc, y1, y2, y3, s1, s2, s3, amax, scale_bits, offset_bits, index, is_bf16, has_offset):
-    """acc + (c * scale) * a_max for one (row, group, BLOCK_N columns).
+    """acc + (c * scale) * a_max for one (row, group, TILE_N columns).
 
     ``y1..y3``: dpbusd sums (before the -8 * S correction), ``s1..s3``: the component sums S_i.
     """
@@ -288,7 +279,7 @@ def _post_process(acc, y1, y2, y3, s1, s2, s3, amax, scale_bits, offset_bits, in
 
 @numba.njit(**_INLINE_OPTIONS)
 def _accumulate_row(y_flat, at, m, g, y1, y2, y3, a_max, a_sum, scale_bits, offset_bits, index, is_bf16, has_offset):
-    """y_flat[at : at + BLOCK_N] += this group's term for row m (nothing when a_max = 0)."""
+    """y_flat[at : at + TILE_N] += this group's term for row m (nothing when a_max = 0)."""
     amax = a_max[m, g]
     if amax != 0:
         acc = simd.f32v_load(y_flat, at)
@@ -307,16 +298,16 @@ def _preload(tiles, a_quads, a_max, a_sum, scale_bits, offset_bits, group_size, 
     quads = groups * group_size // 4
     chunks = group_size // 8
     y_flat = y32.reshape(-1)
-    for nb in numba.prange(npad // BLOCK_N):
+    for nb in numba.prange(npad // TILE_N):
         for m in range(m_rows):
-            simd.f32v_store(y_flat, m * npad + BLOCK_N * nb, simd.f32v_zero())
+            simd.f32v_store(y_flat, m * npad + TILE_N * nb, simd.f32v_zero())
         for g in range(groups):
             chunk0 = (nb * groups + g) * chunks * CHUNK_BYTES
-            index = g * npad + BLOCK_N * nb
+            index = g * npad + TILE_N * nb
             for m in range(0, m_rows - 3, 4):  # rows by fours, then one by one
                 q0 = m * 3 * quads + g * group_size // 4
                 y = _group_dot_4rows(tiles, chunk0, chunks, a_quads, q0, 3 * quads, quads)
-                at = m * npad + BLOCK_N * nb
+                at = m * npad + TILE_N * nb
                 _accumulate_row(
                     y_flat, at, m, g, y[0], y[1], y[2],
                     a_max, a_sum, scale_bits, offset_bits, index, is_bf16, has_offset,
@@ -337,11 +328,11 @@ def _preload(tiles, a_quads, a_max, a_sum, scale_bits, offset_bits, group_size, 
                 q0 = m * 3 * quads + g * group_size // 4
                 y1, y2, y3 = _group_dot(tiles, chunk0, chunks, a_quads, q0, q0 + quads, q0 + 2 * quads)
                 _accumulate_row(
-                    y_flat, m * npad + BLOCK_N * nb, m, g, y1, y2, y3,
+                    y_flat, m * npad + TILE_N * nb, m, g, y1, y2, y3,
                     a_max, a_sum, scale_bits, offset_bits, index, is_bf16, has_offset,
                 )
         for m in range(m_rows):
-            row = m * npad + BLOCK_N * nb
+            row = m * npad + TILE_N * nb
             simd.f32v_store(y_flat, row, simd.f32v_canonical_nan(simd.f32v_load(y_flat, row)))
 
 
@@ -353,13 +344,13 @@ def _basic_matmul(tiles, a_quads, group_size, y_int):
     chunks = group_size // 8
     y_flat = y_int.reshape(-1)
     plane = m_rows * groups * npad
-    for nb in numba.prange(npad // BLOCK_N):
+    for nb in numba.prange(npad // TILE_N):
         for g in range(groups):
             chunk0 = (nb * groups + g) * chunks * CHUNK_BYTES
             for m in range(0, m_rows - 3, 4):  # rows by fours, then one by one
                 q0 = m * 3 * quads + g * group_size // 4
                 y = _group_dot_4rows(tiles, chunk0, chunks, a_quads, q0, 3 * quads, quads)
-                at = (m * groups + g) * npad + BLOCK_N * nb
+                at = (m * groups + g) * npad + TILE_N * nb
                 step = groups * npad  # next row
                 _store_y_int(y_flat, at, plane, y[0], y[1], y[2])
                 _store_y_int(y_flat, at + step, plane, y[3], y[4], y[5])
@@ -368,7 +359,7 @@ def _basic_matmul(tiles, a_quads, group_size, y_int):
             for m in range(m_rows - m_rows % 4, m_rows):
                 q0 = m * 3 * quads + g * group_size // 4
                 y1, y2, y3 = _group_dot(tiles, chunk0, chunks, a_quads, q0, q0 + quads, q0 + 2 * quads)
-                _store_y_int(y_flat, (m * groups + g) * npad + BLOCK_N * nb, plane, y1, y2, y3)
+                _store_y_int(y_flat, (m * groups + g) * npad + TILE_N * nb, plane, y1, y2, y3)
 
 
 @numba.njit(**_INLINE_OPTIONS)
@@ -384,22 +375,22 @@ def _basic_post_process(y_int, a_max, a_sum, scale_bits, offset_bits, is_bf16, h
     _, m_rows, groups, npad = y_int.shape
     y_flat = y_int.reshape(-1)
     plane = m_rows * groups * npad
-    for task in numba.prange(m_rows * (npad // BLOCK_N)):
-        m, nb = task // (npad // BLOCK_N), task % (npad // BLOCK_N)
+    for task in numba.prange(m_rows * (npad // TILE_N)):
+        m, nb = task // (npad // TILE_N), task % (npad // TILE_N)
         acc = simd.f32v_zero()
         for g in range(groups):
             amax = a_max[m, g]
             if amax == 0:
                 continue
-            at = (m * groups + g) * npad + BLOCK_N * nb
+            at = (m * groups + g) * npad + TILE_N * nb
             y1 = simd.i32v_load(y_flat, at)
             y2 = simd.i32v_load(y_flat, plane + at)
             y3 = simd.i32v_load(y_flat, 2 * plane + at)
             acc = _post_process(
                 acc, y1, y2, y3, a_sum[m, 0, g], a_sum[m, 1, g], a_sum[m, 2, g], amax,
-                scale_bits, offset_bits, g * npad + BLOCK_N * nb, is_bf16, has_offset,
+                scale_bits, offset_bits, g * npad + TILE_N * nb, is_bf16, has_offset,
             )
-        simd.f32v_store(y32[m], BLOCK_N * nb, simd.f32v_canonical_nan(acc))
+        simd.f32v_store(y32[m], TILE_N * nb, simd.f32v_canonical_nan(acc))
 
 
 def _padded_bits(t: torch.Tensor, layout: WorkspaceLayout, workspace: torch.Tensor, name: str) -> np.ndarray:
@@ -424,9 +415,9 @@ def _msd_into(
 ) -> None:
     """MSD matmul on CPU into ``out`` (M, N) of x's dtype.
 
-    ``x`` (M, K) FP16/BF16 CPU tensor, ``tiles`` from :func:`pack_weight`, scale/offset (K/G, N) in
-    x's dtype, ``workspace`` a uint8 CPU tensor of at least ``layout.nbytes``. Inputs are validated by
-    the op layer. Allocates nothing.
+    ``x`` (M, K) FP16/BF16 CPU tensor, ``tiles`` in the packed layout, scale/offset (K/G, N) in
+    x's dtype, ``workspace`` a uint8 CPU tensor of at least ``layout.nbytes``, all checked by
+    ``MATMUL.run``. Allocates nothing.
     """
     m, k, g = layout.m, layout.k, layout.group_size
     groups = k // g
@@ -441,7 +432,7 @@ def _msd_into(
     offset_bits = _padded_bits(antiquant_offset, layout, workspace, "offset") if has_offset else scale_bits
     is_bf16 = x.dtype == torch.bfloat16
     sync_threads()
-    # Column blocks are handed out in small chunks on demand (not split evenly up front), so a thread
+    # Column tiles are handed out in small chunks on demand (not split evenly up front), so a thread
     # that the OS deschedules on a shared machine does not make the other one wait at the end.
     previous_chunksize = numba.set_parallel_chunksize(_PARALLEL_CHUNK)
     try:
@@ -470,33 +461,35 @@ def _run_stages(x32, a_i8, a_max, a_sum, y32, tiles, scale_bits, offset_bits, is
         _basic_post_process(y_int, amax_np, asum_np, scale_bits, offset_bits, is_bf16, has_offset, y_np)
 
 
-def workspace_nbytes(m: int, k: int, n: int, group_size: int, template: str, prepacked: bool = False) -> int:
-    """Bytes of scratch :func:`wqbmm_into` needs for these sizes and template (with ``prepacked``: for
-    tiles from :func:`pack_weight`; without: room to repack the raw weight too)."""
-    return WorkspaceLayout.build(m, k, n, group_size, template, prepacked).nbytes
+class WeightQuantBatchMatmul(WqbmmKernel):
+    """weight_quant_batch_matmul (MSD) on the CPU. Packed weight: the tiles above, a flat uint8 tensor of
+    :func:`tiles_nbytes` bytes. Workspace: :class:`WorkspaceLayout` (with room for the tiles unless
+    ``prepacked``). Allocates nothing when given a workspace."""
+
+    name = "weight_quant_batch_matmul (CPU)"
+
+    def workspace_nbytes(self, m: int, k: int, n: int, group_size: int, template: str, prepacked: bool) -> int:
+        return WorkspaceLayout.build(m, k, n, group_size, template, prepacked).nbytes
+
+    def packed_shape(self, k: int, n: int, group_size: int) -> tuple[int, ...]:
+        return (tiles_nbytes(k, n),)
+
+    def pack_weight(self, weight: torch.Tensor, group_size: int) -> torch.Tensor:
+        k, n = weight.shape[0], 2 * weight.shape[1]
+        tiles = torch.empty(tiles_nbytes(k, n), dtype=torch.uint8)
+        _pack_into(weight, group_size, tiles)
+        return tiles
+
+    def _compute(self, x, weight, antiquant_scale, antiquant_offset, group_size, algorithm, template, workspace,
+                 out, prepacked) -> None:
+        m, k = x.shape
+        n = out.shape[1]
+        layout = WorkspaceLayout.build(m, k, n, group_size, template, prepacked)
+        if not prepacked:
+            tiles = layout.view(workspace, "tiles", torch.uint8, (tiles_nbytes(k, n),))
+            _pack_into(weight, group_size, tiles)
+            weight = tiles
+        _msd_into(x, weight, antiquant_scale, antiquant_offset, layout, workspace, out)
 
 
-def wqbmm_into(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    antiquant_scale: torch.Tensor,
-    antiquant_offset: torch.Tensor | None,
-    group_size: int,
-    template: str,
-    workspace: torch.Tensor,
-    out: torch.Tensor,
-    prepacked: bool = False,
-) -> None:
-    """MSD matmul on CPU: ``out`` (M, N) contiguous, x's dtype <- x (M, K) contiguous FP16/BF16.
-
-    ``weight``: the (K, N/2) uint8 weight, repacked into the workspace on every call; with ``prepacked``,
-    tiles from :func:`pack_weight` instead. scale/offset (K/G, N) in x's dtype, ``workspace`` uint8 with
-    at least :func:`workspace_nbytes` bytes (same ``prepacked``), 64-byte aligned. Validated by
-    lowbit.ops.wqbmm; allocates nothing.
-    """
-    m, k = x.shape
-    n = out.shape[1]
-    layout = WorkspaceLayout.build(m, k, n, group_size, template, prepacked)
-    if not prepacked:
-        weight = pack_weight(weight, group_size, layout.view(workspace, "tiles", torch.uint8, (tiles_nbytes(k, n),)))
-    _msd_into(x, weight, antiquant_scale, antiquant_offset, layout, workspace, out)
+MATMUL = WeightQuantBatchMatmul()

@@ -18,24 +18,14 @@ from __future__ import annotations
 import torch
 
 from lowbit.backends import Kernel
-from lowbit.errors import BackendUnavailable
-
-
-def _amct_fake_quant():
-    try:
-        import amct_ops  # noqa: F401  (loads the .so files that register torch.ops.amct)
-    except (ImportError, OSError) as exc:
-        raise BackendUnavailable(f"amct_ops is not importable: {exc}") from exc
-    if not hasattr(torch.ops.amct, "hifloat4_fake_quant"):
-        raise BackendUnavailable("amct_ops has no hifloat4_fake_quant operator")
-    return torch.ops.amct.hifloat4_fake_quant
+from lowbit.kernels.npu import amct_operator
 
 
 class FakeQuant(Kernel):
     """hifloat4_fake_quant on an NPU: ``x`` along ``qdim`` into ``out`` (same shape, dtype and device)."""
 
     def run(self, x: torch.Tensor, qdim: int, *, out: torch.Tensor) -> None:
-        result = _amct_fake_quant()(x, qdim)
+        result = amct_operator("amct_ops", "hifloat4_fake_quant")(x, qdim)
         out.copy_(result.masked_fill((x == 0) & (result == 0), 0.0))
 
 

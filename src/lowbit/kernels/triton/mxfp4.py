@@ -6,9 +6,9 @@ scale 0xFF, codes 0); the scale byte comes from the amax's exponent and fraction
 code counts the midpoint thresholds (FP32 bits, one table row per scale byte) its magnitude reaches.
 No floating-point arithmetic touches a value, so flush-to-zero modes cannot change a result.
 
-One program quantizes BLOCKS blocks; even and odd elements are loaded as two (BLOCKS, block_size/2)
-tiles, so the packed byte ``lo | hi << 4`` needs no interleaving. CUDA tensors; CPU tensors under
-TRITON_INTERPRET=1.
+One program quantizes BLOCKS_PER_PROGRAM MX blocks; even and odd elements are loaded as two
+(BLOCKS_PER_PROGRAM, block_size/2) tiles, so the packed byte ``lo | hi << 4`` needs no interleaving.
+CUDA tensors; CPU tensors under TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
@@ -19,10 +19,12 @@ import torch
 import triton
 import triton.language as tl
 
-from lowbit.formats import mxfp4 as ref
 from lowbit.kernels import mxfp4_tables as tables
+from lowbit.kernels.mxfp4_last_axis import LastAxisDequantize, LastAxisQuantize
 
-BLOCKS = 64  # MX blocks per program
+BLOCKS_PER_PROGRAM = 64  # MX blocks per program (the tile is BLOCKS_PER_PROGRAM x block_size / 2 pairs)
+MAX_TILE_ELEMENTS = 1 << 20  # Triton's limit on the elements of one tensor in a program
+MAX_BLOCK_SIZE = 2 * MAX_TILE_ELEMENTS // BLOCKS_PER_PROGRAM
 
 
 @functools.cache
@@ -39,7 +41,7 @@ def _pair_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 @triton.jit
 def _scale_byte(amax_bits, RULE: tl.constexpr):
-    """E8M0 byte from the FP32 bits of a finite amax (rules as in lowbit.formats.mxfp4)."""
+    """E8M0 byte from the FP32 bits of a finite amax (docs/mxfp4.md, section 'Scale rules')."""
     exponent = amax_bits >> 23
     fraction = amax_bits & 0x7FFFFF
     if RULE == 0:  # floor
@@ -89,11 +91,11 @@ def _quantize_kernel(
     n_blocks,  # number of blocks
     HALF: tl.constexpr,  # block_size // 2
     HALF_POW2: tl.constexpr,  # HALF rounded up to a power of two (tile width)
-    BLOCKS: tl.constexpr,  # blocks per program
+    BLOCKS_PER_PROGRAM: tl.constexpr,  # MX blocks per program
     RULE: tl.constexpr,  # scale rule id (floor, nearest, even, ceil, rceil)
     BF16_BITS: tl.constexpr,  # x_ptr holds BF16 bit patterns
 ):
-    blk = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
+    blk = tl.program_id(0).to(tl.int64) * BLOCKS_PER_PROGRAM + tl.arange(0, BLOCKS_PER_PROGRAM)
     pair = tl.arange(0, HALF_POW2)
     inside = (blk < n_blocks)[:, None] & (pair < HALF)[None, :]
     offs = blk[:, None] * (2 * HALF) + 2 * pair[None, :]
@@ -120,9 +122,9 @@ def _dequantize_kernel(
     n_blocks,  # number of blocks
     HALF: tl.constexpr,  # block_size // 2
     HALF_POW2: tl.constexpr,  # HALF rounded up to a power of two (tile width)
-    BLOCKS: tl.constexpr,  # blocks per program
+    BLOCKS_PER_PROGRAM: tl.constexpr,  # MX blocks per program
 ):
-    blk = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
+    blk = tl.program_id(0).to(tl.int64) * BLOCKS_PER_PROGRAM + tl.arange(0, BLOCKS_PER_PROGRAM)
     pair = tl.arange(0, HALF_POW2)
     inside = (blk < n_blocks)[:, None] & (pair < HALF)[None, :]
     offs = blk[:, None] * HALF + pair[None, :]
@@ -131,53 +133,63 @@ def _dequantize_kernel(
     tl.store(out_ptr + offs, tl.load(table_ptr + scale[:, None] * 256 + code, mask=inside), mask=inside)
 
 
-def quantize(
-    x: torch.Tensor, block_size: int = 32, scale_rule: str = "floor", rounding: str = "ta", axis: int = -1
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as :func:`lowbit.formats.mxfp4.quantize`."""
-    _, _, axis = ref.quantized_shapes(x, block_size, scale_rule, rounding, axis)
-    xt = x.movedim(axis, -1).contiguous()
-    codes = torch.empty(xt.shape[:-1] + (xt.shape[-1] // 2,), dtype=torch.uint8, device=x.device)
-    scales = torch.empty(xt.shape[:-1] + (xt.shape[-1] // block_size,), dtype=torch.uint8, device=x.device)
-    n_blocks = scales.numel()
-    if n_blocks:
-        _quantize_kernel[(triton.cdiv(n_blocks, BLOCKS),)](
-            xt.view(torch.int16) if x.dtype == torch.bfloat16 else xt,
+def _tile_reason(block_size: int) -> str | None:
+    """Why a program's tile of BLOCKS_PER_PROGRAM blocks cannot hold blocks of ``block_size`` (None: it can)."""
+    if BLOCKS_PER_PROGRAM * triton.next_power_of_2(block_size // 2) > MAX_TILE_ELEMENTS:
+        return f"block_size {block_size}: this kernel takes blocks of at most {MAX_BLOCK_SIZE} elements"
+    return None
+
+
+class Quantize(LastAxisQuantize):
+    """mxfp4_quantize in Triton: contiguous FP16/BF16/FP32 ``x`` into contiguous uint8 codes and scales."""
+
+    def supports(self, x, block_size, scale_rule, rounding, axis) -> str | None:
+        return _tile_reason(block_size)
+
+    def quantize_last_axis(self, x, block_size, scale_rule, rounding, codes, scales) -> None:
+        n_blocks = scales.numel()
+        if not n_blocks:
+            return
+        _quantize_kernel[(triton.cdiv(n_blocks, BLOCKS_PER_PROGRAM),)](
+            x.view(torch.int16) if x.dtype == torch.bfloat16 else x,
             _fp32_thresholds(rounding, x.device),
             codes,
             scales,
             n_blocks,
             HALF=block_size // 2,
             HALF_POW2=triton.next_power_of_2(block_size // 2),
-            BLOCKS=BLOCKS,
+            BLOCKS_PER_PROGRAM=BLOCKS_PER_PROGRAM,
             RULE=tables.RULE_ID[scale_rule],
             BF16_BITS=x.dtype == torch.bfloat16,
         )
-    return codes.movedim(-1, axis).contiguous(), scales.movedim(-1, axis).contiguous()
 
 
-def dequantize(
-    codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16, axis: int = -1
-) -> torch.Tensor:
-    """Same contract as :func:`lowbit.formats.mxfp4.dequantize`."""
-    codes, scales = ref.as_uint8(codes), ref.as_uint8(scales)
-    _, block_size, axis = ref.dequantized_shape(codes, scales, dtype, axis)
-    if dtype == torch.float64:  # beyond FP32 range at the top: the reference
-        return ref.dequantize(codes, scales, dtype, axis)
-    ct = codes.movedim(axis, -1).contiguous()
-    st = scales.movedim(axis, -1).contiguous()
-    out = torch.empty(ct.shape[:-1] + (2 * ct.shape[-1],), dtype=dtype, device=codes.device)
-    n_blocks = st.numel()
-    if n_blocks and out.numel():
-        word = torch.int32 if dtype != torch.float32 else torch.int64
-        _dequantize_kernel[(triton.cdiv(n_blocks, BLOCKS),)](
-            ct,
-            st,
-            _pair_table(dtype, codes.device),
-            out.view(word),
+class Dequantize(LastAxisDequantize):
+    """mxfp4_dequantize in Triton: contiguous uint8 codes and scales into contiguous FP16/BF16/FP32."""
+
+    def supports(self, codes, scales, dtype, axis) -> str | None:
+        dtype = torch.bfloat16 if dtype is None else dtype
+        if dtype not in tables.PAIR_WORD:
+            return f"output dtype {dtype}: this kernel writes float16, bfloat16 or float32"
+        n_blocks = scales.shape[axis]
+        return _tile_reason(2 * codes.shape[axis] // n_blocks) if n_blocks else None
+
+    def dequantize_last_axis(self, codes, scales, out) -> None:
+        n_blocks = scales.numel()
+        if not out.numel():
+            return
+        half = codes.numel() // n_blocks
+        _dequantize_kernel[(triton.cdiv(n_blocks, BLOCKS_PER_PROGRAM),)](
+            codes,
+            scales,
+            _pair_table(out.dtype, codes.device),
+            out.view(tables.PAIR_WORD[out.dtype][0]),
             n_blocks,
-            HALF=block_size // 2,
-            HALF_POW2=triton.next_power_of_2(block_size // 2),
-            BLOCKS=BLOCKS,
+            HALF=half,
+            HALF_POW2=triton.next_power_of_2(half),
+            BLOCKS_PER_PROGRAM=BLOCKS_PER_PROGRAM,
         )
-    return out.movedim(-1, axis).contiguous()
+
+
+QUANTIZE = Quantize()
+DEQUANTIZE = Dequantize()

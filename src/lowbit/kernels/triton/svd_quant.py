@@ -4,15 +4,15 @@
     L      = (x @ d) @ u                                        torch BF16 matmuls (cuBLAS on CUDA)
     out    = bf16(L + bf16(sum_k deq(xq)[m, k] * deq(w)[n, k]))  _mx_matmul_kernel, FP32 accumulation
 
-The MX matmul tile loop reads BYTES code bytes (2 * BYTES elements) of a row block of xq and of w per
-step, decodes each nibble to its exact value times its block's scale, and accumulates
+The MX matmul tile loop reads TILE_BYTES code bytes (2 * TILE_BYTES elements) of a row block of xq and
+of w per step, decodes each nibble to its exact value times its block's scale, and accumulates
 two FP32 dots (TF32 on tensor cores: exact, the decoded values have two significant bits), one over
 even elements and one over odd elements, so the nibbles never need interleaving:
 
-    acc += dot(a_even, w_even^T) + dot(a_odd, w_odd^T)        a_*: (BM, BYTES), w_*: (BN, BYTES)
+    acc += dot(a_even, w_even^T) + dot(a_odd, w_odd^T)    a_*: (TILE_M, TILE_BYTES), w_*: (TILE_N, TILE_BYTES)
 
-Shapes as lowbit.formats.svd_quant: x (M, K) BF16, w (N, K/2) uint8, s (N, ceil(K/64), 2) uint8,
-d (K, R), u (R, N) BF16 -> (M, N) BF16. CUDA tensors; CPU tensors under TRITON_INTERPRET=1.
+Shapes as lowbit.ops.svd_quant: x (B..., S, K) BF16, w (N, K/2) uint8, s (N, ceil(K/64), 2) uint8,
+d (K, R), u (R, N) BF16 -> (B..., S, N) BF16. CUDA tensors; CPU tensors under TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
@@ -21,10 +21,11 @@ import torch
 import triton
 import triton.language as tl
 
-from lowbit.formats.svd_quant import BLOCK_SIZE
+from lowbit.backends import Kernel
+from lowbit.formats.svd_quant import BLOCK
 from lowbit.kernels.triton import mxfp4
 
-BM, BN, BYTES = 32, 32, 32
+TILE_M, TILE_N, TILE_BYTES = 32, 32, 32  # output tile (rows, columns), code bytes along K per step
 
 
 @triton.jit
@@ -64,23 +65,24 @@ def _mx_matmul_kernel(
     out_ptr,  # *int16 (M, N): BF16 bits of bf16(L + bf16(P))
     M, N, K_BYTES,  # sizes; K_BYTES = K / 2
     sw_stride,  # 2 * ceil(K / 64)
-    BM: tl.constexpr, BN: tl.constexpr, BYTES: tl.constexpr,  # tile sizes (BYTES code bytes per step)
+    TILE_M: tl.constexpr, TILE_N: tl.constexpr, TILE_BYTES: tl.constexpr,  # tile (TILE_BYTES code bytes a step)
+    BLOCK_BYTES: tl.constexpr,  # code bytes of one MX block (16: blocks of 32 elements)
 ):
-    rows = tl.program_id(0) * BM + tl.arange(0, BM)
-    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    rows = tl.program_id(0) * TILE_M + tl.arange(0, TILE_M)
+    cols = tl.program_id(1) * TILE_N + tl.arange(0, TILE_N)
     row_in = rows < M
     col_in = cols < N
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, K_BYTES, BYTES):
-        kb = k0 + tl.arange(0, BYTES)
+    acc = tl.zeros((TILE_M, TILE_N), dtype=tl.float32)
+    for k0 in range(0, K_BYTES, TILE_BYTES):
+        kb = k0 + tl.arange(0, TILE_BYTES)
         k_in = kb < K_BYTES
         a_mask = row_in[:, None] & k_in[None, :]
         w_mask = col_in[:, None] & k_in[None, :]
         row_offs = rows[:, None].to(tl.int64)
         col_offs = cols[:, None].to(tl.int64)
-        block = kb[None, :] // 16  # 16 code bytes = one block of 32 elements
+        block = kb[None, :] // BLOCK_BYTES
         a = tl.load(xq_ptr + row_offs * K_BYTES + kb[None, :], mask=a_mask, other=0).to(tl.int32)
-        sa = tl.load(sx_ptr + row_offs * (K_BYTES // 16) + block, mask=a_mask, other=127).to(tl.int32)
+        sa = tl.load(sx_ptr + row_offs * (K_BYTES // BLOCK_BYTES) + block, mask=a_mask, other=127).to(tl.int32)
         b = tl.load(w_ptr + col_offs * K_BYTES + kb[None, :], mask=w_mask, other=0).to(tl.int32)
         sb = tl.load(sw_ptr + col_offs * sw_stride + block, mask=w_mask, other=127).to(tl.int32)
         a_even = _decode(a, sa, False)
@@ -96,20 +98,24 @@ def _mx_matmul_kernel(
     tl.store(out_ptr + offs, _bf16_bits(low + product).to(tl.int16), mask=mask)
 
 
-def svd_quant(
-    x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, d: torch.Tensor, u: torch.Tensor
-) -> torch.Tensor:
-    """Same contract as :func:`lowbit.formats.svd_quant.svd_quant`: x (M, K) BF16 -> (M, N) BF16."""
-    m, k = x.shape
-    n = u.shape[1]
-    x_codes, x_scales = mxfp4.quantize(x, BLOCK_SIZE, "floor", "ta")
-    low = ((x @ d) @ u).contiguous()
-    out = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
-    if m and n:
-        grid = (triton.cdiv(m, BM), triton.cdiv(n, BN))
-        _mx_matmul_kernel[grid](
-            x_codes, x_scales, w.contiguous(), s.contiguous(), low, out.view(torch.int16),
-            m, n, k // 2, s.shape[1] * 2,
-            BM=BM, BN=BN, BYTES=BYTES,
-        )
-    return out
+class SvdQuant(Kernel):
+    """svd_quant in Triton: contiguous x (B..., S, K) BF16 and the other inputs into contiguous BF16 ``out``."""
+
+    def run(self, x, w, s, d, u, *, out) -> None:
+        k, n = x.shape[-1], u.shape[1]
+        x2d = x.view(-1, k)
+        m = x2d.shape[0]
+        x_codes = torch.empty((m, k // 2), dtype=torch.uint8, device=x.device)
+        x_scales = torch.empty((m, k // BLOCK), dtype=torch.uint8, device=x.device)
+        mxfp4.QUANTIZE.run(x2d, BLOCK, "floor", "ta", -1, out=(x_codes, x_scales))
+        low = ((x2d @ d) @ u).contiguous()
+        if m and n:
+            grid = (triton.cdiv(m, TILE_M), triton.cdiv(n, TILE_N))
+            _mx_matmul_kernel[grid](
+                x_codes, x_scales, w, s, low, out.view(torch.int16),
+                m, n, k // 2, s.shape[1] * 2,
+                TILE_M=TILE_M, TILE_N=TILE_N, TILE_BYTES=TILE_BYTES, BLOCK_BYTES=BLOCK // 2,
+            )
+
+
+SVD_QUANT = SvdQuant()

@@ -1,46 +1,51 @@
-"""MSD A16W4 matmul (lowbit.formats.wqbmm) in Triton: int8 ``tl.dot`` per K-group, float32 post-process.
+"""MSD A16W4 matmul (lowbit.formats.wqbmm) in Triton: int8 ``tl.dot`` per K-group, float32 post-process; the
+kernel object is :data:`MATMUL` (docs/wqbmm.md, section 'CUDA kernel').
 
 Kernels (CUDA tensors; CPU tensors under TRITON_INTERPRET=1, how the tests run them):
 
 * ``_preprocess_kernel``, one program per (row, group): a_max and the MSD components A1..A3 (int8 planes
   (3, M, K) in the workspace); a_max is NaN for a group holding a NaN or an infinity, 0 for a zero group.
-* ``_matmul_kernel``, one program per (BLOCK_M rows, BLOCK_N columns), loops over the groups: unpacks
-  the (G, BLOCK_N/2) nibbles to int8 W, ``Yi = tl.dot(Ai, W)`` (int32, exact), then either post-processes
+* ``_matmul_kernel``, one program per tile of (TILE_M rows, TILE_N columns), loops over the groups: unpacks
+  the (G, TILE_N/2) nibbles to int8 W, ``Yi = tl.dot(Ai, W)`` (int32, exact), then either post-processes
   at once (``preload``) or stores Y_int (3, M, K/G, N) to the workspace (``basic``, followed by
   ``_post_kernel``).
 
 Bit-exactness: divisions use ``div_rn``, rounding is an explicit half-to-even, and kernels are launched with
 ``enable_fp_fusion=False`` so that ``a * b + c`` is never contracted into an FMA; the post-process keeps the
 reference's order. NaN outputs are canonicalized like the reference.
+
+Limits (``MATMUL.supports``): the group size must be a power of two (``tl.arange(0, G)``); other sizes run
+on the reference under ``auto`` and raise BackendUnavailable under ``native``. The packed weight is the raw
+(K, N/2) weight itself (a contiguous copy).
 """
 
 from __future__ import annotations
 
 import os
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
 
+from lowbit.formats import wqbmm as reference
+from lowbit.kernels.wqbmm_kernel import WqbmmKernel, aligned_offsets
+
 # Tile per program: (16, 64) on a GPU (tl.dot needs 16 rows there). The interpreter (TRITON_INTERPRET=1)
 # runs each program in Python with numpy's (BLAS-less) integer matmul, so it gets row tiles no taller than
 # the problem and wide column tiles. The numbers do not depend on the tiling.
-BLOCK_M, BLOCK_N = 16, 64
-INTERPRETER_BLOCK_N = 1024
-_F1, _F2 = 7.49, 14.98
-# float32 reciprocals as the reference computes them (Python would fold 7.49 * 14.98 in float64)
-_R = tuple(float(np.float32(1) / v) for v in (np.float32(_F1), np.float32(_F1) * np.float32(_F2),
-                                                np.float32(_F1) * np.float32(_F2) * np.float32(_F2)))
+TILE_M, TILE_N = 16, 64
+INTERPRETER_TILE_N = 1024
+_R = (reference.R1, reference.R2, reference.R3)  # float32 values, exact as Python floats
 
 
-def workspace_nbytes(m: int, k: int, n: int, group_size: int, template: str, prepacked: bool = False) -> int:
-    """Bytes of scratch :func:`wqbmm_into` needs (``prepacked`` changes nothing: see :func:`pack_weight`)."""
+def _workspace_layout(m: int, k: int, n: int, group_size: int, template: str) -> tuple[dict, int]:
+    """Offsets of the A planes (int8 (3, M, K)), a_max (float32 (M, K/G)), y32 (float32 (M, N)) and, for
+    ``basic``, Y_int (int32 (3, M, K/G, N)) in the workspace, and its total bytes."""
     groups = k // group_size
-    nbytes = 3 * m * k + 4 * m * groups + 4 * m * n + 64 * 3
+    sizes = {"a_planes": 3 * m * k, "a_max": 4 * m * groups, "y32": 4 * m * n}
     if template == "basic":
-        nbytes += 4 * 3 * m * groups * n
-    return nbytes
+        sizes["y_int"] = 4 * 3 * m * groups * n
+    return aligned_offsets(sizes)
 
 
 @triton.jit
@@ -58,7 +63,7 @@ def _preprocess_kernel(
     amax_ptr,  # *fp32 (M, K/G)
     M, K,  # sizes
     G: tl.constexpr,  # group size (power of two for tl.arange)
-    F1: tl.constexpr, F2: tl.constexpr,  # 7.49, 14.98
+    F1: tl.constexpr, F2: tl.constexpr,  # the MSD constants float32(7.49), float32(14.98)
 ):
     m = tl.program_id(0)
     g = tl.program_id(1)
@@ -196,50 +201,47 @@ def _post_kernel(
     tl.store(y32_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], acc, mask=mask)
 
 
-def pack_weight(weight: torch.Tensor, group_size: int) -> torch.Tensor:
-    """The kernels read the (K, N/2) uint8 weight as it is: its packed form is a contiguous copy (a snapshot)."""
-    return weight.clone(memory_format=torch.contiguous_format)
+class WeightQuantBatchMatmul(WqbmmKernel):
+    """weight_quant_batch_matmul (MSD) in Triton: CUDA tensors (CPU tensors under TRITON_INTERPRET=1).
+    Power-of-two group sizes only (see :meth:`supports`). Reads the raw (K, N/2) weight (the base class's
+    packed layout)."""
+
+    name = "weight_quant_batch_matmul (Triton)"
+
+    def supports(self, x, weight, antiquant_scale, antiquant_offset, group_size, algorithm, template,
+                 workspace=None, prepacked=False):
+        reason = super().supports(x, weight, antiquant_scale, antiquant_offset, group_size, algorithm, template)
+        if reason is None and group_size & (group_size - 1):
+            reason = f"group_size {group_size}: the Triton kernels take power-of-two group sizes only"
+        return reason
+
+    def workspace_nbytes(self, m: int, k: int, n: int, group_size: int, template: str, prepacked: bool) -> int:
+        return _workspace_layout(m, k, n, group_size, template)[1]
+
+    def _compute(self, x, weight, antiquant_scale, antiquant_offset, group_size, algorithm, template, workspace,
+                 out, prepacked) -> None:
+        m, k = x.shape
+        n = out.shape[1]
+        groups = k // group_size
+        offsets, _ = _workspace_layout(m, k, n, group_size, template)
+        views = {name: workspace[start : start + size] for name, (start, size) in offsets.items()}
+        a_planes = views["a_planes"].view(torch.int8)
+        amax, y32 = views["a_max"].view(torch.float32), views["y32"].view(torch.float32)
+        yint = views["y_int"].view(torch.int32) if template == "basic" else y32
+        offset = antiquant_offset if antiquant_offset is not None else antiquant_scale
+        fusion = dict(enable_fp_fusion=False)
+        _preprocess_kernel[(m, groups)](x, a_planes, amax, m, k, G=group_size, F1=reference.F1, F2=reference.F2,
+                                        **fusion)
+        tile_m, tile_n = TILE_M, TILE_N
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            tile_m, tile_n = min(TILE_M, triton.next_power_of_2(m)), INTERPRETER_TILE_N
+        grid = (triton.cdiv(m, tile_m), triton.cdiv(n, tile_n))
+        args = (a_planes, amax, weight, antiquant_scale, offset, y32, yint, m, n, k, *_R)
+        meta = dict(G=group_size, BM=tile_m, BN=tile_n, HAS_OFFSET=antiquant_offset is not None)
+        _matmul_kernel[grid](*args, STORE_YINT=template == "basic", **meta, **fusion)
+        if template == "basic":
+            _post_kernel[grid](a_planes, amax, antiquant_scale, offset, y32, yint, m, n, k, *_R, **meta, **fusion)
+        out.copy_(y32.view(m, n))
 
 
-def wqbmm_into(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    antiquant_scale: torch.Tensor,
-    antiquant_offset: torch.Tensor | None,
-    group_size: int,
-    template: str,
-    workspace: torch.Tensor,
-    out: torch.Tensor,
-    prepacked: bool = False,
-) -> None:
-    """MSD matmul into ``out`` (M, N) x's dtype; x (M, K) contiguous, weight (K, N/2) uint8 (read on every
-    call, never cached; ``prepacked`` only says it comes from :func:`pack_weight`), scale/offset
-    (K/G, N) contiguous in x's dtype, ``workspace`` uint8 with :func:`workspace_nbytes` bytes. Group size
-    must be a power of two (32..256 in practice). Validated by lowbit.ops.wqbmm."""
-    if group_size & (group_size - 1):
-        raise ValueError(f"the Triton kernels need a power-of-two group_size, got {group_size}")
-    m, k = x.shape
-    n = out.shape[1]
-    groups = k // group_size
-    sizes = [3 * m * k, 4 * m * groups, 4 * m * n, 4 * 3 * m * groups * n if template == "basic" else 0]
-    views, start = [], 0
-    for size in sizes:
-        views.append(workspace[start : start + size])
-        start += -(-size // 64) * 64
-    a_planes = views[0].view(torch.int8)
-    amax, y32 = views[1].view(torch.float32), views[2].view(torch.float32)
-    yint = views[3].view(torch.int32) if template == "basic" else y32
-    weight = weight.contiguous()
-    offset = antiquant_offset if antiquant_offset is not None else antiquant_scale
-    fusion = dict(enable_fp_fusion=False)
-    _preprocess_kernel[(m, groups)](x, a_planes, amax, m, k, G=group_size, F1=_F1, F2=_F2, **fusion)
-    block_m, block_n = BLOCK_M, BLOCK_N
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        block_m, block_n = min(BLOCK_M, triton.next_power_of_2(m)), INTERPRETER_BLOCK_N
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    args = (a_planes, amax, weight, antiquant_scale, offset, y32, yint, m, n, k, *_R)
-    meta = dict(G=group_size, BM=block_m, BN=block_n, HAS_OFFSET=antiquant_offset is not None)
-    _matmul_kernel[grid](*args, STORE_YINT=template == "basic", **meta, **fusion)
-    if template == "basic":
-        _post_kernel[grid](a_planes, amax, antiquant_scale, offset, y32, yint, m, n, k, *_R, **meta, **fusion)
-    out.copy_(y32.view(m, n))
+MATMUL = WeightQuantBatchMatmul()

@@ -16,33 +16,43 @@ from typing import Optional
 import torch
 from torch import nn
 
+from lowbit.errors import DtypeError, ShapeError, check_int
+from lowbit.formats.svd_quant import BLOCK
 from lowbit.ops.mxfp4 import dynamic_mx_quant
 from lowbit.ops.svd_quant import svd_quant
 
 
-def svdquant_decompose(weight: torch.Tensor, rank: int = 32) -> tuple[torch.Tensor, ...]:
+def svd_quant_decompose(weight: torch.Tensor, rank: int = 32) -> tuple[torch.Tensor, ...]:
     """Split ``weight`` (N, K) float into ``(w, s, d, u)`` for :func:`lowbit.ops.svd_quant.svd_quant`.
 
-    K must be a multiple of 32 and 1 <= rank <= min(N, K) (ValueError otherwise). d (K, rank) and
-    u (rank, N) are BF16; the residual W - (d @ u)^T (with the BF16-rounded factors) is quantized with
-    floor scales and ties-away elements. Returns tensors on weight's device.
+    d (K, rank) and u (rank, N) are BF16; the residual W - (d @ u)^T (with the BF16-rounded factors) is
+    quantized with floor scales and ties-away elements. Returns tensors on weight's device.
+    Errors: DtypeError unless weight is a floating tensor; ShapeError unless it is 2-D with K a positive
+    multiple of 32 and 1 <= rank <= min(N, K); TypeError naming ``rank`` unless it is an int; ValueError
+    (stating how many) if weight holds NaN or Inf, whose SVD would be NaN or fail (docs/svd_quant.md,
+    section 'svd_quant_decompose').
     """
-    if weight.dim() != 2 or not weight.is_floating_point():
-        raise ValueError(
-            f"svdquant_decompose expects a 2-D float weight (N, K), got {weight.dtype} {tuple(weight.shape)}"
-        )
+    if not weight.is_floating_point():
+        raise DtypeError(f"svd_quant_decompose expects a floating-point weight, got {weight.dtype}")
+    if weight.dim() != 2:
+        raise ShapeError(f"svd_quant_decompose expects a 2-D weight (N, K), got shape {tuple(weight.shape)}")
     n, k = weight.shape
-    if k % 32:
-        raise ValueError(f"svdquant_decompose: K = {k} is not a multiple of 32")
+    if k == 0 or k % BLOCK:
+        raise ShapeError(f"svd_quant_decompose: K = {k} is not a positive multiple of {BLOCK}")
+    check_int("rank", rank)
     if not 1 <= rank <= min(n, k):
-        raise ValueError(f"svdquant_decompose: rank must be in [1, {min(n, k)}], got {rank}")
+        raise ShapeError(f"svd_quant_decompose: rank must be in [1, {min(n, k)}], got {rank}")
     w64 = weight.detach().to(torch.float64)
+    non_finite = int((~torch.isfinite(w64)).sum())
+    if non_finite:
+        raise ValueError(f"svd_quant_decompose: the weight holds {non_finite} non-finite (NaN or Inf) "
+                         f"element(s) of {w64.numel()}; it has no SVD")
     left, singular, right_t = torch.linalg.svd(w64.T, full_matrices=False)  # W^T = left diag(S) right_t
     root = singular[:rank].sqrt()
     d = (left[:, :rank] * root).to(torch.bfloat16)
     u = (root[:, None] * right_t[:rank]).to(torch.bfloat16)
     residual = w64 - (d.to(torch.float64) @ u.to(torch.float64)).T
-    w, s = dynamic_mx_quant(residual.to(torch.float32), 32, "round")
+    w, s = dynamic_mx_quant(residual.to(torch.float32), BLOCK, "round")
     return w, s, d, u
 
 
@@ -58,8 +68,10 @@ class SVDQuantLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, rank: int = 32, bias: bool = True,
                  device: Optional[torch.device] = None, backend: Optional[str] = None):
         super().__init__()
-        if in_features % 32:
-            raise ValueError(f"SVDQuantLinear: in_features = {in_features} is not a multiple of 32")
+        for name, value in (("in_features", in_features), ("out_features", out_features), ("rank", rank)):
+            check_int(name, value, minimum=1)
+        if in_features % BLOCK:
+            raise ShapeError(f"SVDQuantLinear: in_features = {in_features} is not a multiple of {BLOCK}")
         self.in_features, self.out_features = in_features, out_features
         self.rank, self.backend = rank, backend
         codes = dict(dtype=torch.uint8, device=device)
@@ -74,11 +86,11 @@ class SVDQuantLinear(nn.Module):
     def from_linear(
         cls, linear: nn.Linear, rank: int = 32, backend: Optional[str] = None
     ) -> "SVDQuantLinear":
-        """Build from an ``nn.Linear`` (its weight decomposed by :func:`svdquant_decompose`)."""
+        """Build from an ``nn.Linear`` (its weight decomposed by :func:`svd_quant_decompose`)."""
         weight = linear.weight
         has_bias = linear.bias is not None
         module = cls(linear.in_features, linear.out_features, rank, has_bias, weight.device, backend)
-        w, s, d, u = svdquant_decompose(weight, rank)
+        w, s, d, u = svd_quant_decompose(weight, rank)
         module.w.copy_(w)
         module.s.copy_(s)
         module.down.copy_(d)

@@ -1,0 +1,31 @@
+"""Helpers shared by the tests: bit views, dtype lists, WeightQuantBatchMatmul operands, running the CLI."""
+
+import torch
+
+from lowbit.dtypes import bit_view
+
+HALF_DTYPES = [torch.float16, torch.bfloat16]
+FLOAT_DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The bit patterns of ``t`` (same-width integers for floats), contiguous: compare with torch.equal."""
+    return bit_view(t.contiguous())
+
+
+def wqbmm_operands(m: int, k: int, n: int, g: int, dtype=torch.float16, seed: int = 0):
+    """Random (x (m, k), packed int4 weight (k, n/2), scale (k/g, n)) for the weight-quant matmul."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    weight = torch.randint(0, 256, (k, n // 2), generator=gen, dtype=torch.uint8)
+    scale = torch.rand(k // g, n, generator=gen).to(dtype)
+    return x, weight, scale
+
+
+def run_cli(capsys, *argv):
+    """Run ``lowbit *argv`` in this process; returns (exit code, stdout, stderr)."""
+    from lowbit.cli import main as cli
+
+    code = cli.main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
