@@ -20,7 +20,7 @@ from lowbit.errors import BackendUnavailable, DeviceError, DtypeError, ShapeErro
 from lowbit.formats import wqbmm as ref
 from lowbit.formats.int4 import quantize_int4_per_group
 from lowbit.kernels.cpu import wqbmm as cpu
-from test_wqbmm_op import _bits
+from helpers import bits
 from test_wqbmm_op import _operands as operands
 
 M, K, N, G = 3, 256, 100, 64  # N % 32 != 0: the CPU tiles are padded
@@ -64,8 +64,8 @@ def test_resized_or_replaced_packed_data_is_refused(backend):
     x, weight, scale = _operands()
     plan = wq.plan_weight_quant_batch_matmul(M, K, N, group_size=G, backend=backend, prepacked=True)
     packed = plan.pack_weight(weight)
-    expected = _bits(ref.wqbmm_msd(x, weight, scale, None, G))
-    assert torch.equal(_bits(plan.run(x, packed, scale)), expected)
+    expected = bits(ref.wqbmm_msd(x, weight, scale, None, G))
+    assert torch.equal(bits(plan.run(x, packed, scale)), expected)
     good_shape = tuple(packed.data.shape)
     with pytest.raises(ShapeError, match=r"packed weight must have shape"):
         plan.run(x, dataclasses.replace(packed, data=packed.data.reshape(-1)[:-1].clone()), scale)
@@ -136,13 +136,13 @@ def test_malformed_packed_weights_and_workspaces_are_clear_errors(case):
     else:
         workspace = packed.data.reshape(-1)
     bad = dataclasses.replace(packed, data=data)
-    expected = _bits(ref.wqbmm_msd(x, weight, scale, None, G))
+    expected = bits(ref.wqbmm_msd(x, weight, scale, None, G))
     try:
         y = plan.run(x, bad, scale, workspace=workspace)
     except CLEAR_ERRORS as exc:
         assert str(exc)
     else:  # accepted only if the change left a valid layout (the reference's strided copy, no workspace use)
-        assert torch.equal(_bits(y), expected), kind
+        assert torch.equal(bits(y), expected), kind
 
 
 # ---- 2. the workspace may not overlap the operands ----------------------------------------------------
@@ -168,7 +168,7 @@ def test_out_overlapping_the_workspace_goes_through_a_temporary():
     workspace = plan.new_workspace()
     out = workspace[: 2 * M * N].view(torch.float16).view(M, N)
     plan.run(x, weight, scale, out=out, workspace=workspace)
-    assert torch.equal(_bits(out), _bits(ref.wqbmm_msd(x, weight, scale, None, G)))
+    assert torch.equal(bits(out), bits(ref.wqbmm_msd(x, weight, scale, None, G)))
     with pytest.raises(ShapeError, match="shares memory with out"):  # the kernel itself refuses it
         cpu.MATMUL.run(x, weight, scale, None, G, "msd", "preload", workspace, out=out)
 
@@ -209,11 +209,11 @@ def test_probes_cover_the_edge_shapes():
 def test_triton_kernel_object_odd_m_and_padded_n(g):
     x, weight, scale = _operands(m=5, k=2 * g, n=34, g=g, dtype=torch.bfloat16)
     offset = torch.randint(-8, 8, scale.shape).to(torch.bfloat16)
-    expected = _bits(ref.wqbmm_msd(x, weight, scale, offset, g))
+    expected = bits(ref.wqbmm_msd(x, weight, scale, offset, g))
     for template in wq.TEMPLATES:
         out = torch.empty(5, 34, dtype=torch.bfloat16)
         triton_wqbmm.MATMUL.run(x, weight, scale, offset, g, "msd", template, out=out)
-        assert torch.equal(_bits(out), expected), template
+        assert torch.equal(bits(out), expected), template
 
 
 def test_auto_falls_back_per_call_where_the_triton_kernel_declines():
@@ -225,8 +225,8 @@ def test_auto_falls_back_per_call_where_the_triton_kernel_declines():
     assert op.auto_check_error("cpu") is None
     for g in (64, 96, 160):
         args = _args(g)
-        expected = _bits(ref.wqbmm_msd(*args[:5]))
-        assert torch.equal(_bits(op(*args, backend="auto")), expected)
+        expected = bits(ref.wqbmm_msd(*args[:5]))
+        assert torch.equal(bits(op(*args, backend="auto")), expected)
         assert backends.last_backend(op.name) == ("native" if g == 64 else "reference")
         if g != 64:
             with pytest.raises(BackendUnavailable, match=f"group_size {g}.*power-of-two"):
@@ -265,13 +265,13 @@ def test_dequant_bits_do_not_depend_on_threads(dtype):
         two = wq.weight_quant_batch_matmul(x, weight, scale, group_size=64, algorithm="dequant")
     finally:
         torch.set_num_threads(before)
-    assert torch.equal(_bits(one), _bits(two))
+    assert torch.equal(bits(one), bits(two))
     # the documented order: float32 products summed in ascending k
     w = ref.dequantize_weight(weight, scale, None, 64).float()
     acc = torch.zeros(33, 1024)
     for k in range(256):
         acc = acc + x[:, k : k + 1].float() * w[k]
-    assert torch.equal(_bits(one), _bits(acc.to(dtype)))
+    assert torch.equal(bits(one), bits(acc.to(dtype)))
 
 
 # ---- 6. int4 quantization never returns Inf scales --------------------------------------------------------
