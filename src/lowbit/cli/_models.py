@@ -26,7 +26,10 @@ def one_line_errors(command: str):
             try:
                 return func(args)
             except (ValueError, TypeError, RuntimeError, OSError, ImportError) as exc:
-                message = " ".join(str(exc).split()) or type(exc).__name__
+                if isinstance(exc, OSError) and exc.filename and exc.strerror:
+                    message = f"{exc.filename}: {exc.strerror}"
+                else:
+                    message = " ".join(str(exc).split()) or type(exc).__name__
                 print(f"lowbit {command}: error: {message}", file=sys.stderr)
                 return EXIT_BAD_INPUT
 
