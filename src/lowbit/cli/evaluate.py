@@ -31,6 +31,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
         require("matplotlib", "plot", "--plot")  # fail before the long run, not after it
     schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
+    schemes = scheme_api.names() if schemes == ["all"] else schemes
     scheme_api.check_names(schemes)
     loaded = evaluation.load_model(args.model)
     tokens = None
@@ -74,13 +75,16 @@ def add_subcommand(subparsers) -> None:
     """Add ``eval`` to the ``lowbit`` parser."""
     p = subparsers.add_parser("eval", help="accuracy of quantization schemes on a real model vs float")
     p.add_argument("--model", default="minilm", help=MODEL_HELP + " (default: minilm)")
-    p.add_argument("--schemes", default=DEFAULT_SCHEMES, help=f"comma-separated scheme names (default: {DEFAULT_SCHEMES})")
+    p.add_argument("--schemes", default=DEFAULT_SCHEMES,
+                   help=f"comma-separated scheme names, or 'all' (default: {DEFAULT_SCHEMES})")
     p.add_argument("--sentences", type=int, default=256, help="sentences to embed and compare (default 256)")
     p.add_argument("--calib-sentences", type=int, default=64,
                    help="other sentences fed to schemes that calibrate (default 64)")
     p.add_argument("--text", default="", help="causal LMs: UTF-8 text file to measure perplexity on")
     p.add_argument("--seqlen", type=int, default=2048, help="perplexity window in tokens (default 2048, as AMCT)")
     p.add_argument("--batch-size", type=int, default=32, help="sentences per forward pass (default 32)")
-    p.add_argument("--json", default="", metavar="FILE", help="also write the rows as JSON to FILE ('-': print JSON instead of the table)")
-    p.add_argument("--plot", default="", metavar="FILE.png", help="write a chart of accuracy vs bits per weight (needs matplotlib)")
+    p.add_argument("--json", default="", metavar="FILE",
+                   help="also write the rows as JSON to FILE ('-': print JSON instead of the table)")
+    p.add_argument("--plot", default="", metavar="FILE.png",
+                   help="write a chart of accuracy vs bits per weight (needs matplotlib)")
     p.set_defaults(func=_cmd_eval)

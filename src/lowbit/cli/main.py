@@ -1,4 +1,4 @@
-"""The ``lowbit`` command: info, smoke, bench, quantize, eval, and the WeightQuantBatchMatmul tool chain (wqbmm, verify)."""
+"""The ``lowbit`` command: info, smoke, bench, eval, and the WeightQuantBatchMatmul tool chain (wqbmm, verify)."""
 
 from __future__ import annotations
 
