@@ -10,7 +10,7 @@ from torch import nn
 from lowbit.cli import main as cli
 
 EVAL_KEYS = {"scheme", "bits_per_weight", "layers_quantized", "layers_skipped", "mean_cosine", "nn_agreement",
-             "sqnr_db", "checkpoint_bytes"}
+             "sqnr_db", "weight_bytes", "checkpoint_bytes"}
 
 
 def wrong_type():
@@ -75,6 +75,7 @@ def test_eval_on_minilm_json_keys_and_honest_floors(minilm_path, tmp_path, capsy
     assert 6 < mxfp4["sqnr_db"] < hif8["sqnr_db"] and mxfp4["mean_cosine"] > 0.9
     float_bytes = (minilm_path / "model.safetensors").stat().st_size
     assert mxfp4["checkpoint_bytes"] < hif8["checkpoint_bytes"] < float_bytes
+    assert mxfp4["weight_bytes"] < hif8["weight_bytes"] < hif8["checkpoint_bytes"]
     table = capsys.readouterr().out
     assert "hif8-wo" in table and "sqnr_db" in table
 
