@@ -10,7 +10,7 @@ from lowbit.errors import ShapeError
 from lowbit.evaluation import embeddings, ppl, text
 from lowbit.evaluation.run import NothingQuantized, evaluate_schemes
 
-N_SENTENCES, N_CALIB = 48, 16
+N_SENTENCES = 32
 
 
 def test_sentences_are_deterministic_disjoint_and_real():

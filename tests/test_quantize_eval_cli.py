@@ -10,7 +10,7 @@ from torch import nn
 from lowbit.cli import main as cli
 
 EVAL_KEYS = {"scheme", "bits_per_weight", "layers_quantized", "layers_skipped", "mean_cosine", "nn_agreement",
-             "sqnr_db", "checkpoint_bytes"}
+             "sqnr_db", "weight_bytes", "checkpoint_bytes"}
 
 
 def wrong_type():
@@ -77,6 +77,7 @@ def test_eval_on_minilm_json_keys_and_honest_floors(minilm_path, tmp_path, capsy
     assert 6 < mxfp4["sqnr_db"] < hif8["sqnr_db"] and mxfp4["mean_cosine"] > 0.9
     float_bytes = (minilm_path / "model.safetensors").stat().st_size
     assert mxfp4["checkpoint_bytes"] < hif8["checkpoint_bytes"] < float_bytes
+    assert mxfp4["weight_bytes"] < hif8["weight_bytes"] < hif8["checkpoint_bytes"]
     table = capsys.readouterr().out
     assert "hif8-wo" in table and "SQNR dB" in table and table.splitlines()[-1].startswith("closest to float: ")
 
@@ -96,14 +97,15 @@ def test_eval_perplexity_of_a_causal_lm(tiny_causal_lm_path, tmp_path, capsys):
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n\n".join(all_sentences()[:60]))
-    assert cli.main(["eval", "--model", str(tiny_causal_lm_path), "--schemes", "hif8-w8a8-minmax", "--text", str(corpus),
-                     "--seqlen", "64", "--calib-sentences", "4", "--json", "-"]) == 0
+    assert cli.main(["eval", "--model", str(tiny_causal_lm_path), "--schemes", "hif8-w8a8-minmax",
+                     "--text", str(corpus), "--seqlen", "64", "--calib-sentences", "4", "--json", "-"]) == 0
     rows = json.loads(capsys.readouterr().out)
     lm = load_hf_dir(tiny_causal_lm_path)
     assert rows[0]["scheme"] == "float32"
     assert rows[0]["perplexity"] == perplexity(lm.model, tokenize_text_file(lm.tokenizer, corpus), 64)
     assert rows[1]["scheme"] == "hif8-w8a8-minmax" and rows[1]["layers_quantized"] == 14  # calibrated on sentences
-    assert rows[1]["perplexity"] != rows[0]["perplexity"] and abs(rows[1]["perplexity"] / rows[0]["perplexity"] - 1) < 0.1
+    ratio = rows[1]["perplexity"] / rows[0]["perplexity"]
+    assert ratio != 1 and abs(ratio - 1) < 0.1
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -132,7 +134,8 @@ def test_cli_errors_are_one_line_exit_2(argv, message, tmp_path, capsys):
 def test_bad_config_json_is_one_line(tmp_path, capsys):
     config = tmp_path / "cfg.json"
     config.write_text("{not json")
-    argv = ["quantize", "--model", "test_quantize_eval_cli:small_mlp", "--config", str(config), "--out", str(tmp_path / "o")]
+    argv = ["quantize", "--model", "test_quantize_eval_cli:small_mlp", "--config", str(config),
+            "--out", str(tmp_path / "o")]
     assert cli.main(argv) == 2
     assert f"--config {config} is not valid JSON" in one_error_line(capsys)
 

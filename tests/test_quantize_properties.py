@@ -111,3 +111,34 @@ def test_cuda_packs_the_same_bits_as_the_cpu(scheme):
     for name, t in cpu.state_dict().items():
         if not lowbit.SCHEMES[scheme].needs_calibration or t.dtype == torch.uint8:
             assert torch.equal(gpu.state_dict()[name].cpu(), t), name
+
+
+def _hif8_midpoints() -> torch.Tensor:
+    """Every midpoint between adjacent positive HiF8 values, and its FP32 neighbours."""
+    from lowbit.formats import hifloat8
+
+    values = sorted({v for _, v in hifloat8.code_table() if math.isfinite(v) and v > 0})
+    mids = torch.tensor([(a + b) / 2 for a, b in zip(values, values[1:])] + values, dtype=torch.float32)
+    return torch.cat([mids, torch.nextafter(mids, torch.tensor(0.0)), torch.nextafter(mids, torch.tensor(1e38))])
+
+
+def test_fp32_hif8_codes_round_once_exhaustively_near_every_midpoint():
+    from lowbit.formats import hifloat8
+    from lowbit.quantize.elements import hif8_codes
+
+    v = _hif8_midpoints()
+    v = torch.cat([v, -v, torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 3e38, 1e-40,
+                                        32768.0, 40960.0, -1e9])])
+    nan_payload = torch.tensor([0x7F800001, 0x7FC00000, -0x7FFF]).view(torch.float32)  # NaNs (low payload bits)
+    v = torch.cat([v, nan_payload])
+    assert torch.equal(hif8_codes(v), hifloat8.encode(v))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(-(2**31), 2**31 - 1), min_size=1, max_size=64))
+def test_fp32_hif8_codes_match_the_reference_on_any_bit_pattern(bits):
+    from lowbit.formats import hifloat8
+    from lowbit.quantize.elements import hif8_codes
+
+    v = torch.tensor(bits, dtype=torch.int32).view(torch.float32)
+    assert torch.equal(hif8_codes(v), hifloat8.encode(v))

@@ -36,6 +36,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     json_path = writable_path(args.json, "--json") if args.json not in ("", "-") else None
     plot_path = writable_path(args.plot, "--plot") if args.plot else None
     schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
+    schemes = scheme_api.names() if schemes == ["all"] else schemes
     scheme_api.check_names(schemes)
     loaded = evaluation.load_model(args.model)
     tokens = None
@@ -66,7 +67,8 @@ def add_subcommand(subparsers) -> None:
     """Add ``eval`` to the ``lowbit`` parser."""
     p = subparsers.add_parser("eval", help="accuracy of quantization schemes on a real model vs float")
     p.add_argument("--model", default="minilm", help=MODEL_HELP + " (default: minilm)")
-    p.add_argument("--schemes", default=DEFAULT_SCHEMES, help=f"comma-separated scheme names (default: {DEFAULT_SCHEMES})")
+    p.add_argument("--schemes", default=DEFAULT_SCHEMES,
+                   help=f"comma-separated scheme names, or 'all' (default: {DEFAULT_SCHEMES})")
     p.add_argument("--sentences", type=int, default=256, help="sentences to embed and compare (default 256)")
     p.add_argument("--calib-sentences", type=int, default=64,
                    help="other sentences fed to schemes that calibrate (default 64)")
@@ -75,5 +77,6 @@ def add_subcommand(subparsers) -> None:
     p.add_argument("--batch-size", type=int, default=32, help="sentences per forward pass (default 32)")
     p.add_argument("--json", nargs="?", const="-", default="", metavar="FILE",
                    help="print the rows as JSON instead of the human summary; --json FILE: also write them to FILE")
-    p.add_argument("--plot", default="", metavar="FILE.png", help="write a chart of accuracy vs bits per weight (needs matplotlib)")
+    p.add_argument("--plot", default="", metavar="FILE.png",
+                   help="write a chart of accuracy vs bits per weight (needs matplotlib)")
     p.set_defaults(func=_cmd_eval)

@@ -233,6 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _one_line(exc: BaseException) -> str:
+    """The error's message on one line; for a file error ``FILE: reason`` (no errno noise)."""
+    if isinstance(exc, OSError) and exc.filename and exc.strerror:
+        return f"{exc.filename}: {exc.strerror}"
     text = " ".join(str(exc).split("\n")).strip()
     return text or type(exc).__name__
 

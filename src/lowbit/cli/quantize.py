@@ -58,7 +58,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     finally:
         if bar is not None:
             bar.close()
-    times["quantize"] = time.perf_counter() - start
+    times["quantize" if calibrate is None else "quantize+calibrate"] = time.perf_counter() - start
     if not report.quantized:
         raise ValueError(f"nothing to quantize: no layer of {args.model} was selected "
                          f"({len(report.skipped)} skipped); nothing written")

@@ -45,7 +45,8 @@ class LoadedModel:
 
 
 def cache_dir() -> Path:
-    """Where lowbit keeps unpacked models: ``LOWBIT_CACHE``, else ``$XDG_CACHE_HOME/lowbit``, else ``~/.cache/lowbit``."""
+    """Where lowbit keeps unpacked models: ``LOWBIT_CACHE``, else ``$XDG_CACHE_HOME/lowbit``, else
+    ``~/.cache/lowbit``."""
     if os.environ.get("LOWBIT_CACHE"):
         return Path(os.environ["LOWBIT_CACHE"])
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lowbit"

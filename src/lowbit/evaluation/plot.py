@@ -38,31 +38,33 @@ def titled_png(fig, title: str, dpi: int) -> bytes:
 
 
 def plot_rows(rows: list[dict], title: str) -> bytes:
-    """A PNG image of the rows: left, the accuracy metric of each scheme against its bits per
-    weight (``sqnr_db`` for embedding rows, ``perplexity`` for language-model rows); right, a bar per scheme
-    of ``nn_agreement`` or ``perplexity``. ImportError (one line) without matplotlib; ValueError if no row
-    has a finite metric."""
+    """A PNG image of the rows: one horizontal bar per scheme, ordered by bits per weight (labelled and
+    coloured by it), for the accuracy metric (``sqnr_db`` for embedding rows, ``perplexity`` for language
+    model rows) and, beside it, ``nn_agreement`` (embedding rows only). ImportError (one line) without
+    matplotlib; ValueError if no row has a finite metric."""
     plt = pyplot()
-    metric, bar_metric = ("perplexity", "perplexity") if "perplexity" in rows[0] else ("sqnr_db", "nn_agreement")
-    points = [r for r in rows if _finite(r.get(metric)) and _finite(r.get("bits_per_weight"))]
-    if not points:
-        raise ValueError(f"no scheme has a finite {metric} to plot")
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
-    same_bits: dict[float, int] = {}
-    for r in sorted(points, key=lambda r: -r[metric]):
-        k = same_bits[r["bits_per_weight"]] = same_bits.get(r["bits_per_weight"], -1) + 1
-        left.scatter(r["bits_per_weight"], r[metric], color="tab:blue")
-        left.annotate(r["scheme"], (r["bits_per_weight"], r[metric]), textcoords="offset points",
-                      xytext=(6, -11 * k), fontsize=8)  # labels of schemes with equal bits stacked downwards
-    left.set_xlabel("bits per weight")
-    left.set_ylabel({"sqnr_db": "embedding SQNR vs float (dB)", "perplexity": "perplexity"}[metric])
-    left.grid(alpha=0.3)
-    bars = [r for r in rows if _finite(r.get(bar_metric))]
-    right.barh([r["scheme"] for r in bars], [r[bar_metric] for r in bars], color="tab:orange")
-    right.invert_yaxis()
-    right.set_xlabel({"nn_agreement": "nearest-neighbour agreement with float",
-                      "perplexity": "perplexity"}[bar_metric])
-    if bar_metric == "nn_agreement":
-        right.set_xlim(0, 1)
-    right.grid(alpha=0.3, axis="x")
+    metrics = ["perplexity"] if "perplexity" in rows[0] else ["sqnr_db", "nn_agreement"]
+    shown = sorted((r for r in rows if _finite(r.get(metrics[0]))),
+                   key=lambda r: (-r["bits_per_weight"], r["scheme"]))
+    if not shown:
+        raise ValueError(f"no scheme has a finite {metrics[0]} to plot")
+    labels = [f"{r['scheme']} ({r['bits_per_weight']:g} b/w)" for r in shown]
+    bits = [r["bits_per_weight"] for r in shown]
+    colours = plt.get_cmap("viridis")([(b - min(bits)) / ((max(bits) - min(bits)) or 1) * 0.8 for b in bits])
+    fig, axes = plt.subplots(1, len(metrics), figsize=(6 * len(metrics) + 1, 0.35 * len(shown) + 1.6),
+                             sharey=True, squeeze=False)
+    for ax, metric in zip(axes[0], metrics):
+        values = [r[metric] for r in shown]
+        ax.barh(labels, values, color=colours)
+        for y, v in enumerate(values):
+            ax.annotate(f"{v:.3g}", (v, y), xytext=(3, 0), textcoords="offset points", va="center", fontsize=8)
+        ax.set_xlabel(_AXIS_LABELS[metric])
+        ax.grid(alpha=0.3, axis="x")
+        ax.set_xlim(0, max(values) * 1.12 if metric != "nn_agreement" else 1.1)
+    axes[0][0].invert_yaxis()
     return titled_png(fig, title, dpi=110)
+
+
+_AXIS_LABELS = {"sqnr_db": "embedding SQNR vs float (dB, higher is better)",
+                "nn_agreement": "nearest-neighbour agreement with float",
+                "perplexity": "perplexity (lower is better)"}

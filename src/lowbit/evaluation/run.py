@@ -87,7 +87,7 @@ def evaluate_schemes(loaded: LoadedModel, schemes: list[str], *, sentences: int 
         reference = None
         rows.append({"scheme": "float32", "bits_per_weight": 32.0, "layers_quantized": 0, "layers_skipped": 0,
                      "perplexity": perplexity(loaded.model, tokens, seqlen),
-                     "checkpoint_bytes": scheme_api.float_bytes(loaded.model)})
+                     "weight_bytes": None, "checkpoint_bytes": scheme_api.float_bytes(loaded.model)})
     else:
         reference = _outputs(loaded, loaded.model, evaluation, batch_size)
     for name in schemes:
@@ -104,6 +104,7 @@ def evaluate_schemes(loaded: LoadedModel, schemes: list[str], *, sentences: int 
             row["perplexity"] = perplexity(model, tokens, seqlen)
         else:
             row.update(compare_embeddings(reference, _outputs(loaded, model, evaluation, batch_size)))
+        row["weight_bytes"] = report.bytes_after
         row["checkpoint_bytes"] = checkpoint_bytes(model)
         rows.append(row)
         del model

@@ -19,7 +19,7 @@ from lowbit.cli.render import human_bytes, verdict
 EVAL_DIGITS = {"mean_cosine": 6, "nn_agreement": 3, "sqnr_db": 2, "perplexity": 4}  # bits_per_weight: 4.125
 EVAL_HEADERS = {"bits_per_weight": "bits/w", "layers_quantized": "layers", "layers_skipped": "skipped",
                 "mean_cosine": "cosine", "nn_agreement": "NN agree", "sqnr_db": "SQNR dB",
-                "checkpoint_bytes": "checkpoint"}
+                "weight_bytes": "weights", "checkpoint_bytes": "checkpoint"}
 
 
 def _columns(rows: list[dict], skip: tuple[str, ...] = ()) -> list[str]:
