@@ -156,9 +156,9 @@ class Other(nn.Module):
 
 
 @pytest.mark.parametrize("foreign, message", [
-    (lambda: Other(hidden=512), r"layer 'mlp.0' is \(in, out, bias\) = \(128, 256, True\)"),
+    (lambda: Other(hidden=512), r"layer 'mlp.0', which in the model is .*'weight_shape': \[512, 128\]"),
     (lambda: Other(extra=True), r"missing tensors \['extra.bias', 'extra.weight'\]"),
-    (lambda: nn.Sequential(nn.Linear(128, 256)), "lists layer 'mlp.0', which is missing"),
+    (lambda: nn.Sequential(nn.Linear(128, 256)), "lists layer 'mlp.0', which in the model is missing"),
 ])
 def test_checkpoint_of_another_model_is_rejected_before_loading(tmp_path, foreign, message):
     path = _saved(tmp_path)

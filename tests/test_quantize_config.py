@@ -9,7 +9,7 @@ from torch import nn
 import lowbit
 from lowbit.errors import DtypeError, ShapeError
 from lowbit.quantize.config import QuantConfig
-from lowbit.quantize.modules import CalibrationLinear
+from lowbit.quantize.modules import CalibrationModule
 
 HIF8 = {"type": "hifloat8", "symmetric": True, "strategy": "tensor"}
 
@@ -232,7 +232,7 @@ def test_convert_names_uncalibrated_layers_and_leaves_the_model_unchanged():
     m(torch.randn(4, 64))
     with pytest.raises(RuntimeError, match=r"0 \(1/2 calls\), 2 \(1/2 calls\)"):
         lowbit.convert(m)
-    assert isinstance(m[0], CalibrationLinear) and isinstance(m[2], CalibrationLinear)
+    assert isinstance(m[0], CalibrationModule) and isinstance(m[2], CalibrationModule)
 
 
 def test_quantize_underscore_refuses_schemes_that_need_calibration():
