@@ -264,3 +264,17 @@ def test_report_is_printable_and_json_able():
     d = json.loads(json.dumps(report.to_dict()))
     assert d["layers"]["0"]["status"] == "converted" and d["totals"]["skipped"] == 1
     assert d["totals"]["bytes_before"] == (64 * 64 + 64 * 32) * 4
+
+
+def test_non_finite_calibration_data_is_an_error_naming_the_layer_not_an_inf_scale():
+    m = model()
+    lowbit.quantize(m, "hif8-w8a8-minmax")
+    x = torch.randn(4, 64)
+    x[0, 0] = float("inf")
+    with pytest.raises(RuntimeError, match="layer '0': quantization scale is not finite"):
+        m(x)
+    m = model()
+    lowbit.quantize(m, "hif8-w8a8-ofmr")
+    x[0, 0] = float("nan")
+    with pytest.raises(RuntimeError, match="layer '0': ofmr: every candidate scale gave a non-finite output error"):
+        m(x)

@@ -224,7 +224,10 @@ class CalibrationModule(nn.Module):
         return self._params is not None
 
     def _finish(self) -> None:
-        self._params = self._calibrator.finalize()
+        try:
+            self._params = self._calibrator.finalize()
+        except (RuntimeError, ValueError) as exc:
+            raise type(exc)(f"layer {self.layer_name!r}: {exc}") from exc
         self._calibrator = None
 
     def _deploy_equivalent(self) -> QuantizedLinearBase:
