@@ -232,16 +232,19 @@ class CalibrationModule(nn.Module):
 
     def _deploy_equivalent(self) -> QuantizedLinearBase:
         if self._fake is None:
-            self.__dict__["_fake"] = self.to_deploy()
+            self.__dict__["_fake"] = self.to_deploy()  # built once, reused by convert
             if isinstance(self._fake, PackedLinear):
                 self._fake_weight = PackedLinear.dequantized_weight(self._fake)  # cached fake-quant weight
         return self._fake
 
     def to_deploy(self) -> QuantizedLinearBase:
-        """The deployable module (packed weights) for the calibrated scales; RuntimeError if not calibrated."""
+        """The deployable module (packed weights) for the calibrated scales (the one the fake-quant forward
+        already built, if any: packing runs once); RuntimeError if not calibrated."""
         if not self.calibrated:
             raise RuntimeError(f"layer {self.layer_name!r} is not calibrated ({self.calls} of "
                                f"{self.layer_config.batch_num} calibration calls)")
+        if self._fake is not None:
+            return self._fake
         return build_deploy(self.layer_name, self.geometry, self.weight, self.bias, self.layer_config, self._params)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
