@@ -10,7 +10,7 @@ import lowbit
 from lowbit.formats import hifloat8 as hif8_reference
 from lowbit.formats.int4 import quantize_int4_per_group
 from lowbit.formats.wqbmm import dequantize_weight
-from lowbit.quantize.modules import CalibrationModule, Int4Linear, PackedLinear, SVDQuantLinearDeploy
+from lowbit.quantize.modules import CalibrationModule, Int4Linear, SVDQuantLinearDeploy
 
 # Accuracy floors, derived from the formats rather than fitted: an element format whose top band keeps p
 # significant bits (8-bit floats: 3 mantissa bits, round-to-nearest -> relative error <= 2^-4, p = 4; the
