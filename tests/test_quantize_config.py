@@ -264,6 +264,7 @@ def test_report_is_printable_and_json_able():
     d = json.loads(json.dumps(report.to_dict()))
     assert d["layers"]["0"]["status"] == "converted" and d["totals"]["skipped"] == 1
     assert d["totals"]["bytes_before"] == (64 * 64 + 64 * 32) * 4
+    assert d["layers"]["lm_head"]["bytes_before"] == d["layers"]["lm_head"]["bytes_after"] == 32 * 8 * 4
 
 
 def test_non_finite_calibration_data_is_an_error_naming_the_layer_not_an_inf_scale():

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
 from torch import nn
 
 from lowbit.errors import ShapeError
@@ -91,7 +92,8 @@ def _is_candidate(module: nn.Module, amct_compat: bool) -> bool:
 
 
 def _skip(name: str, module: nn.Module, reason: str) -> LayerReport:
-    return LayerReport(name, type(module).__name__, "skipped", reason=reason)
+    size = weight_nbytes(module) if isinstance(getattr(module, "weight", None), torch.Tensor) else 0
+    return LayerReport(name, type(module).__name__, "skipped", reason=reason, bytes_before=size, bytes_after=size)
 
 
 def select_layers(model: nn.Module, config: QuantConfig) -> Selection:
