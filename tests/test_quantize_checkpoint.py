@@ -58,6 +58,7 @@ def test_round_trip_onto_a_meta_skeleton_is_bit_exact(scheme, tmp_path):
     assert meta["format_version"] == 1 and meta["lowbit_version"] == lowbit.__version__
     head = [] if lowbit.SCHEMES[scheme].config["skip_layers"] else ["lm_head"]  # HIFP8_OFMR_CFG skips nothing
     assert sorted(meta["layers"]) == head + ["mlp.0", "mlp.2"]
+    assert {layer["scheme"] for layer in meta["layers"].values()} == {scheme}
 
 
 def test_checkpoint_holds_packed_tensors_only(tmp_path):

@@ -47,7 +47,7 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
 
 def _prepare(model: nn.Module, config: ConfigLike, amct_compat: bool, stage: str):
     cfg, scheme = resolve_config(config, amct_compat)
-    selection = select_layers(model, cfg)
+    selection = select_layers(model, cfg, scheme)
     modules = [(name, CalibrationModule(name, layer, layer_cfg), layer)
                for name, layer, layer_cfg in selection.chosen]
     report = QuantizeReport(stage, scheme, cfg.amct_compat)

@@ -336,6 +336,7 @@ class LayerConfig:
     algorithm: AlgorithmSpec
     batch_num: int = 1
     amct_compat: bool = False
+    scheme: str = ""  # the SCHEMES name the config came from, if any
 
     def describe(self) -> str:
         """e.g. ``hifloat8 w channel / hifloat8 a tensor (ofmr)``."""

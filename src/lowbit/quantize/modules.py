@@ -179,7 +179,7 @@ def build_deploy(name: str, geometry: dict, weight: torch.Tensor, bias: Optional
         w = w.reshape(w.shape[0], -1)  # one row per output channel
         n, k = w.shape
         spec = cfg.weights
-        meta = {"format": cfg.describe(), "weight_type": spec.type, "group_size": spec.group_size,
+        meta = {"scheme": cfg.scheme, "format": cfg.describe(), "weight_type": spec.type, "group_size": spec.group_size,
                 "act_kind": layer_act_kind(cfg), "algorithm": cfg.algorithm.name, "amct_compat": cfg.amct_compat,
                 "geometry": geometry}
         if cfg.algorithm.name == "svdquant":

@@ -96,8 +96,9 @@ def _skip(name: str, module: nn.Module, reason: str) -> LayerReport:
     return LayerReport(name, type(module).__name__, "skipped", reason=reason, bytes_before=size, bytes_after=size)
 
 
-def select_layers(model: nn.Module, config: QuantConfig) -> Selection:
-    """Resolve ``config`` against ``model``: the layers to quantize and the skipped candidates (see module doc)."""
+def select_layers(model: nn.Module, config: QuantConfig, scheme: str = "") -> Selection:
+    """Resolve ``config`` (named ``scheme``, or "") against ``model``: the layers to quantize and the skipped
+    candidates (see the module docstring)."""
     compat = config.amct_compat
     algorithm = select_algorithm(config.algorithms, compat)
     if algorithm is None:
@@ -142,7 +143,7 @@ def select_layers(model: nn.Module, config: QuantConfig) -> Selection:
         if reason is not None:
             skipped.append(_skip(name, module, reason))
             continue
-        cfg = LayerConfig(name, weights, inputs, algorithm, config.batch_num, compat)
+        cfg = LayerConfig(name, weights, inputs, algorithm, config.batch_num, compat, scheme)
         if conv and not inputs.enabled:
             raise ValueError(f"layer {name!r}: weight-only OFMR is not supported for Conv2d (AMCT's deploy op "
                              "needs an activation scale)")
