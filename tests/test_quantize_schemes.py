@@ -147,7 +147,7 @@ def test_svdquant_deploy_is_the_svd_quant_operator():
     lowbit.quantize_(model, "svdquant-r32")
     layer = model[0]
     assert isinstance(layer, SVDQuantLinearDeploy)
-    w, s, d, u = lowbit.svdquant_decompose(mlp(torch.bfloat16)[0].weight, 32)
+    w, s, d, u = lowbit.svd_quant_decompose(mlp(torch.bfloat16)[0].weight, 32)
     assert torch.equal(layer.w, w) and torch.equal(layer.s, s) and torch.equal(layer.down, d)
     assert torch.equal(layer(x), lowbit.svd_quant(x, w, s, d, u) + layer.bias)
 

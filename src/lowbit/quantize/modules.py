@@ -21,7 +21,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from lowbit.nn.svdquant import svdquant_decompose
+from lowbit.nn.svd_quant import svd_quant_decompose
 from lowbit.ops.svd_quant import svd_quant
 from lowbit.ops.wqbmm import PackedWeight, plan_weight_quant_batch_matmul
 from lowbit.quantize.activations import STATIC_KINDS, deploy_static_input, fake_quant_input
@@ -185,7 +185,7 @@ def build_deploy(name: str, geometry: dict, weight: torch.Tensor, bias: Optional
                 "amct_compat": cfg.amct_compat,
                 "geometry": geometry}
         if cfg.algorithm.name == "svdquant":
-            ws, s, d, u = svdquant_decompose(w, cfg.algorithm.options.get("rank", 32))
+            ws, s, d, u = svd_quant_decompose(w, cfg.algorithm.options.get("rank", 32))
             tensors = {"w": ws, "s": s, "down": d, "up": u}
             return SVDQuantLinearDeploy(name, k, n, w.dtype, meta, tensors, bias)
         if params.smooth is not None:
