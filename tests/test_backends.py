@@ -179,3 +179,11 @@ def test_an_invalid_environment_variable_does_not_break_import():
     assert result.returncode == 0, result.stderr
     assert "refused: environment variable LOWBIT_BACKEND='bogus'" in result.stdout
     assert "[8, 8]" in result.stdout  # 1.0 is code 0x08 (docs/hifloat8.md)
+
+
+def test_importing_lowbit_imports_no_kernel_toolkit():
+    code = ("import sys, lowbit\nprint(sorted(m for m in ('numba', 'triton', 'torch_npu', 'amct_ops') "
+            "if m in sys.modules))")
+    result = _run_with_env(code, "auto")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

@@ -119,7 +119,7 @@ def backend_that_ran(*ops: str) -> str:
 def hardware_path_verified(results: list[dict], device: torch.device) -> bool:
     """The native kernel ran on the real device named, met every contract and raised no warning.
 
-    Triton under the interpreter does not verify a GPU path (design.md).
+    Triton under the interpreter does not verify a GPU path (docs/cli.md, "The upstream smoke contract").
     """
     if device.type == "cuda" and os.environ.get("TRITON_INTERPRET") == "1":
         return False

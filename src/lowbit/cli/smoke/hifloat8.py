@@ -1,4 +1,4 @@
-"""Smoke check of the HiFloat8 round trip (formats.md section 5, the upstream smoke script's input).
+"""Smoke check of the HiFloat8 round trip (the upstream smoke input: docs/cli.md, "The upstream smoke contract").
 
 Per dtype (FP16, BF16): 20 fixed values (0, -0, +-1, +-0.5, +-2, +-0.25, +-4, +-16, +-100, +-32768,
 +-finfo.tiny) and 16 torch.randn values from a CPU generator seeded 2026, on the device; encode then
