@@ -11,11 +11,12 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from lowbit.quantize import algorithms as alg
+from lowbit.errors import ShapeError
 from lowbit.quantize.activations import STATIC_KINDS, act_kind, fake_quant_input
 from lowbit.quantize.config import LayerConfig
+from lowbit.quantize.layer_ops import channel_axis, run_layer
 from lowbit.quantize.weight_formats import WEIGHT_FORMATS, fake_quant_weight
 
 
@@ -31,7 +32,17 @@ class QuantParams:
 
 
 def layer_act_kind(cfg: LayerConfig) -> str:
+    """The activation kind of the deploy module (lowbit.quantize.activations)."""
     return act_kind(cfg.inputs.type, cfg.inputs.strategy, cfg.inputs.dynamic, cfg.algorithm.name)
+
+
+def fake_act_kind(cfg: LayerConfig) -> str:
+    """The activation kind of the fake-quant path: as deploy, except AMCT's static per-position scales for
+    Quantile with a non-dynamic ``token`` strategy in compat mode (deploy is dynamic per token there)."""
+    inputs = cfg.inputs
+    if cfg.amct_compat and cfg.algorithm.name == "quantile" and inputs.strategy == "token" and not inputs.dynamic:
+        return "hif8_position"
+    return layer_act_kind(cfg)
 
 
 def minmax_weight_scale(w: torch.Tensor, cfg: LayerConfig) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
@@ -48,9 +59,10 @@ class Calibrator:
 
     needs_data = False
 
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], cfg: LayerConfig):
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], cfg: LayerConfig, geometry: dict):
         self.weight, self.bias, self.cfg = weight.detach(), None if bias is None else bias.detach(), cfg
-        self.kind = layer_act_kind(cfg)
+        self.geometry = geometry
+        self.kind = fake_act_kind(cfg)
         self.weight_params = self.initial_weight_params()  # at quantize() time, as AMCT (errors surface there)
 
     def initial_weight_params(self) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
@@ -67,8 +79,8 @@ class Calibrator:
 class MinMaxCalibrator(Calibrator):
     """MinMax: weights at construction; static activations by running signed max/min over the calls."""
 
-    def __init__(self, weight, bias, cfg):
-        super().__init__(weight, bias, cfg)
+    def __init__(self, weight, bias, cfg, geometry):
+        super().__init__(weight, bias, cfg, geometry)
         self.needs_data = self.kind in STATIC_KINDS
         self.vmax = self.vmin = None
 
@@ -95,13 +107,24 @@ class CastCalibrator(Calibrator):
 class QuantileCalibrator(Calibrator):
     """Quantile: HiF8 weight scale max/16 (compat: signed, unguarded); static activations: EMA of abs-max / 16."""
 
-    def __init__(self, weight, bias, cfg):
-        super().__init__(weight, bias, cfg)
-        self.needs_data = self.kind in STATIC_KINDS
+    def __init__(self, weight, bias, cfg, geometry):
+        super().__init__(weight, bias, cfg, geometry)
+        self.needs_data = self.kind in STATIC_KINDS + ("hif8_position",)
         self.ema = None
 
     def observe(self, x, y):
-        self.ema = alg.ema_update(self.ema, x.detach().abs().max().reshape(1))
+        if self.kind != "hif8_position":
+            self.ema = alg.ema_update(self.ema, x.detach().abs().max().reshape(1))
+            return
+        if x.dim() < 2:
+            raise ShapeError(
+                f"{self.cfg.name}: static per-position scales need inputs (..., S, K), got {tuple(x.shape)}")
+        others = [d for d in range(x.dim()) if d != x.dim() - 2]
+        batch_max = x.detach().abs().amax(dim=others).reshape(-1, 1)  # (S, 1): one value per position
+        if self.ema is not None and self.ema.shape != batch_max.shape:
+            raise ShapeError(f"{self.cfg.name}: every calibration call must have the same sequence length "
+                             f"(AMCT's static per-position scales), got {batch_max.shape[0]} after {self.ema.shape[0]}")
+        self.ema = alg.ema_update(self.ema, batch_max)
 
     def initial_weight_params(self):
         compat = self.cfg.amct_compat
@@ -113,7 +136,7 @@ class QuantileCalibrator(Calibrator):
         if not self.needs_data:
             return QuantParams(scale)
         act_scale = self.ema / alg.FLOAT_SCOPE["hifloat8"]
-        if compat and bool(act_scale == 0):
+        if compat and bool((act_scale == 0).any()):
             raise ValueError(f"{self.cfg.name}: quantile activation scale is 0 (all calibration inputs were zero); "
                              "AMCT would divide by it (use amct_compat=False for the guarded scale 1.0)")
         return QuantParams(scale, act_scale=act_scale if compat else alg.process_scale(act_scale)[0])
@@ -132,20 +155,20 @@ class OfmrCalibrator(WeightsFromDataCalibrator):
     """OFMR: for each candidate 2^e, output MSE with fake-quantized weights (per channel for ``channel``) and,
     separately, with fake-quantized activations; argmin at the last calibration call."""
 
-    def __init__(self, weight, bias, cfg):
-        super().__init__(weight, bias, cfg)
+    def __init__(self, weight, bias, cfg, geometry):
+        super().__init__(weight, bias, cfg, geometry)
         self.w_losses = self.d_losses = None
 
     def observe(self, x, y):
-        per_channel = self.cfg.weights.strategy == "channel"
+        axis = channel_axis(self.geometry) if self.cfg.weights.strategy == "channel" else None
         w_losses, d_losses = [], []
         for e in alg.OFMR_EXPONENTS:
             s = torch.tensor([2.0**e], device=self.weight.device)
             w_fq = fake_quant_weight(self.cfg.weights.type, self.weight, s)
-            w_losses.append(alg.ofmr_mse(y, F.linear(x, w_fq, self.bias), per_channel))
+            w_losses.append(alg.ofmr_mse(y, run_layer(self.geometry, x, w_fq, self.bias), axis))
             if self.kind != "none":
-                d_losses.append(alg.ofmr_mse(y, F.linear(fake_quant_input(x, self.kind, s), self.weight, self.bias),
-                                             False))
+                x_fq = fake_quant_input(x, self.kind, s)
+                d_losses.append(alg.ofmr_mse(y, run_layer(self.geometry, x_fq, self.weight, self.bias), None))
         w_losses = torch.stack(w_losses)
         self.w_losses = w_losses if self.w_losses is None else self.w_losses + w_losses
         if d_losses:
@@ -160,8 +183,8 @@ class OfmrCalibrator(WeightsFromDataCalibrator):
 class SmoothQuantCalibrator(WeightsFromDataCalibrator):
     """SmoothQuant: running per-input-channel max/min of x; sigma, then scales of W * sigma and x / sigma."""
 
-    def __init__(self, weight, bias, cfg):
-        super().__init__(weight, bias, cfg)
+    def __init__(self, weight, bias, cfg, geometry):
+        super().__init__(weight, bias, cfg, geometry)
         self.vmax = self.vmin = None
 
     def observe(self, x, y):
@@ -201,6 +224,7 @@ CALIBRATORS = {
 }
 
 
-def make_calibrator(weight: torch.Tensor, bias: Optional[torch.Tensor], cfg: LayerConfig) -> Calibrator:
-    """The calibrator of ``cfg.algorithm`` for this layer."""
-    return CALIBRATORS[cfg.algorithm.name](weight, bias, cfg)
+def make_calibrator(weight: torch.Tensor, bias: Optional[torch.Tensor], cfg: LayerConfig,
+                    geometry: dict) -> Calibrator:
+    """The calibrator of ``cfg.algorithm`` for this layer (``geometry``: lowbit.quantize.layer_ops)."""
+    return CALIBRATORS[cfg.algorithm.name](weight, bias, cfg, geometry)
