@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from lowbit.cli.wqbmm import _write_atomic as write_atomically  # the command's one atomic file writer
+from lowbit.cli.wqbmm import _write_atomic as write_atomically  # noqa: F401  (re-exported: the one atomic writer)
 
 EXIT_BAD_INPUT = 2  # bad argument, unreadable or malformed file, missing optional package, unusable model
 

@@ -66,7 +66,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     scheme_api.save(loaded.model, out)
     times["save"] = time.perf_counter() - start
-    written = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    written = scheme_api.directory_bytes(out)
     print(_summary(args, loaded, report, float_bytes, written, times))
     return 0
 
