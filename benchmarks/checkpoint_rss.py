@@ -1,7 +1,8 @@
 """Peak resident memory of loading all-MiniLM-L6-v2 (or a local HF directory): the float model vs a quantized
 checkpoint loaded into a meta-device skeleton with lowbit.load_quantized.
 
-Each measurement runs in a fresh subprocess (peak RSS only grows), reading ``ru_maxrss`` at the end; a third
+After loading, one forward pass on 8 tokens reads every weight (safetensors files are memory-mapped, so a
+weight counts in the resident set only once it is read). Each measurement runs in a fresh subprocess (peak RSS only grows), reading ``ru_maxrss`` at the end; a third
 subprocess that only builds the meta skeleton (libraries and modelling code imported, no weights) gives the
 baseline to subtract.
 
@@ -16,6 +17,8 @@ import resource
 import subprocess
 import sys
 
+import torch
+
 
 def _child(mode: str, model: str, checkpoint: str) -> None:
     import lowbit
@@ -24,10 +27,13 @@ def _child(mode: str, model: str, checkpoint: str) -> None:
     path = minilm_dir() if model == "minilm" else model
     if mode == "skeleton":
         load_hf_dir(path, meta=True)
-    elif mode == "float":
-        load_model(str(path))
     else:
-        lowbit.load_quantized(checkpoint, load_hf_dir(path, meta=True).model)
+        if mode == "float":
+            model = load_model(str(path)).model
+        else:
+            model = lowbit.load_quantized(checkpoint, load_hf_dir(path, meta=True).model)
+        with torch.no_grad():  # touch every weight: memory-mapped tensors count only once read
+            model(input_ids=torch.ones(1, 8, dtype=torch.int64))
     print(json.dumps({"mode": mode, "max_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
 
 

@@ -65,7 +65,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     scheme_api.save(loaded.model, out)
     times["save"] = time.perf_counter() - start
-    written = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    written = scheme_api.directory_bytes(out)
     summary = {
         "model": args.model, "model_kind": loaded.kind, "scheme": args.scheme or None, "config": args.config or None,
         "amct_compat": args.amct_compat, "layers_quantized": report.quantized, "layers_skipped": report.skipped,

@@ -11,7 +11,6 @@ provides no other data). Definitions: docs/evaluation.md.
 from __future__ import annotations
 
 import copy
-import os
 import tempfile
 from pathlib import Path
 from typing import Callable
@@ -35,7 +34,7 @@ def checkpoint_bytes(model: nn.Module) -> int:
     with tempfile.TemporaryDirectory(prefix="lowbit-eval-") as tmp:
         out = Path(tmp) / "checkpoint"
         scheme_api.save(model, out)
-        return sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+        return scheme_api.directory_bytes(out)
 
 
 def calibrator(loaded: LoadedModel, sentences: list[str], batch_size: int,

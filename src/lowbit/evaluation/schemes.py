@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from torch import nn
@@ -59,6 +60,11 @@ def quantize_model(model: nn.Module, *, scheme: str | None = None, config: Mappi
 def save(model: nn.Module, directory: str | os.PathLike) -> None:
     """:func:`lowbit.save_quantized`."""
     lowbit.save_quantized(model, directory)
+
+
+def directory_bytes(directory: str | os.PathLike) -> int:
+    """Total size in bytes of the files under ``directory`` (a checkpoint)."""
+    return sum(f.stat().st_size for f in Path(directory).rglob("*") if f.is_file())
 
 
 def load(directory: str | os.PathLike, skeleton: nn.Module) -> nn.Module:
