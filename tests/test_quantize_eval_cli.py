@@ -1,0 +1,145 @@
+"""`lowbit quantize` and `lowbit eval` on the real all-MiniLM-L6-v2 and a tiny local causal LM."""
+
+import json
+import re
+
+import pytest
+import torch
+from torch import nn
+
+from lowbit.cli import main as cli
+
+EVAL_KEYS = {"scheme", "bits_per_weight", "layers_quantized", "layers_skipped", "mean_cosine", "nn_agreement",
+             "sqnr_db", "weight_bytes", "checkpoint_bytes"}
+
+
+def wrong_type():
+    """For `--model test_quantize_eval_cli:wrong_type`: not a (model, inputs) pair."""
+    return nn.Linear(64, 64)
+
+
+def no_linear():
+    """A model with no layer any scheme quantizes."""
+    return nn.Sequential(nn.Tanh()), torch.randn(4, 64)
+
+
+def small_mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(128, 256), nn.GELU(), nn.Linear(256, 128)), torch.randn(16, 128)
+
+
+def one_error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err
+    return err
+
+
+def test_quantize_writes_a_loadable_checkpoint(tiny_causal_lm_path, tmp_path, capsys):
+    import lowbit
+    from lowbit.evaluation.models import load_hf_dir
+
+    out = tmp_path / "ckpt"
+    assert cli.main(["quantize", "--model", str(tiny_causal_lm_path), "--scheme", "hif8-wo", "--out", str(out)]) == 0
+    summary = capsys.readouterr().out
+    assert re.search(r"^layers quantized +14$", summary, re.M)  # 2 x (4 attention + 3 MLP); lm_head skipped
+    assert re.search(r"^layers skipped +1$", summary, re.M)
+    loaded = lowbit.load_quantized(out, load_hf_dir(tiny_causal_lm_path, meta=True).model)
+    reference = load_hf_dir(tiny_causal_lm_path).model
+    lowbit.quantize_(reference, "hif8-wo")
+    ids = torch.arange(40).reshape(2, 20)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, reference(ids).logits)
+
+
+def test_quantize_with_a_config_file(tmp_path, capsys):
+    config = tmp_path / "cfg.json"
+    config.write_text(json.dumps({"batch_num": 1, "quant_cfg": {"weights": {"type": "hifloat8", "strategy": "channel"},
+                                                                   "inputs": {"type": "hifloat8"}},
+                                  "algorithm": "minmax"}))
+    out = tmp_path / "ckpt"
+    assert cli.main(["quantize", "--model", "test_quantize_eval_cli:small_mlp", "--config", str(config),
+                     "--out", str(out)]) == 0
+    assert re.search(r"^layers quantized +2$", capsys.readouterr().out, re.M) and any(out.iterdir())
+
+
+def test_eval_on_minilm_json_keys_and_honest_floors(minilm_path, tmp_path, capsys):
+    path = tmp_path / "rows.json"
+    assert cli.main(["eval", "--model", str(minilm_path), "--schemes", "hif8-wo,mxfp4-wo", "--sentences", "48",
+                     "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())
+    assert [r["scheme"] for r in rows] == ["hif8-wo", "mxfp4-wo"] and all(set(r) == EVAL_KEYS for r in rows)
+    hif8, mxfp4 = rows
+    assert hif8["layers_quantized"] == 37 and hif8["layers_skipped"] == 0  # all-MiniLM-L6-v2's 37 Linear layers
+    # floors well below the measured values (benchmarks/results_quantize.md), far above an unquantized-noise model
+    assert 20 < hif8["sqnr_db"] < 60 and hif8["mean_cosine"] > 0.99 and hif8["nn_agreement"] >= 0.85
+    assert 6 < mxfp4["sqnr_db"] < hif8["sqnr_db"] and mxfp4["mean_cosine"] > 0.9
+    float_bytes = (minilm_path / "model.safetensors").stat().st_size
+    assert mxfp4["checkpoint_bytes"] < hif8["checkpoint_bytes"] < float_bytes
+    assert mxfp4["weight_bytes"] < hif8["weight_bytes"] < hif8["checkpoint_bytes"]
+    table = capsys.readouterr().out
+    assert "hif8-wo" in table and "sqnr_db" in table
+
+
+def test_eval_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "eval.png"
+    assert cli.main(["eval", "--model", "test_quantize_eval_cli:small_mlp", "--schemes", "hif8-wo,mxfp4-wo",
+                     "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_eval_perplexity_of_a_causal_lm(tiny_causal_lm_path, tmp_path, capsys):
+    from lowbit.evaluation.models import load_hf_dir
+    from lowbit.evaluation.ppl import perplexity, tokenize_text_file
+    from lowbit.evaluation.text import all_sentences
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(all_sentences()[:60]))
+    assert cli.main(["eval", "--model", str(tiny_causal_lm_path), "--schemes", "hif8-w8a8-minmax",
+                     "--text", str(corpus), "--seqlen", "64", "--calib-sentences", "4", "--json", "-"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    lm = load_hf_dir(tiny_causal_lm_path)
+    assert rows[0]["scheme"] == "float32"
+    assert rows[0]["perplexity"] == perplexity(lm.model, tokenize_text_file(lm.tokenizer, corpus), 64)
+    assert rows[1]["scheme"] == "hif8-w8a8-minmax" and rows[1]["layers_quantized"] == 14  # calibrated on sentences
+    ratio = rows[1]["perplexity"] / rows[0]["perplexity"]
+    assert ratio != 1 and abs(ratio - 1) < 0.1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["eval", "--model", "/nonexistent/model"], "not a Hugging Face model directory"),
+    (["eval", "--model", "test_quantize_eval_cli:wrong_type", "--schemes", "hif8-wo"],
+     "must return (torch.nn.Module, torch.Tensor), got Linear"),
+    (["eval", "--model", "test_quantize_eval_cli:no_linear", "--schemes", "hif8-wo"], "quantized no layer"),
+    (["eval", "--model", "test_quantize_eval_cli:nope", "--schemes", "hif8-wo"], "has no function nope"),
+    (["eval", "--model", "test_quantize_eval_cli:small_mlp", "--schemes", "hif8-wo,bogus"], "unknown scheme(s) bogus"),
+    (["eval", "--model", "test_quantize_eval_cli:small_mlp", "--sentences", "1"], "--sentences must be >= 2"),
+    (["eval", "--model", "test_quantize_eval_cli:small_mlp", "--schemes", "hif8-wo", "--json", "/nonexistent/x.json"],
+     "no directory /nonexistent"),
+    (["quantize", "--model", "test_quantize_eval_cli:small_mlp", "--scheme", "bogus", "--out", "x"], "unknown scheme"),
+    (["quantize", "--model", "test_quantize_eval_cli:small_mlp", "--config", "/nonexistent.json", "--out", "x"],
+     "/nonexistent.json"),
+    (["quantize", "--model", "test_quantize_eval_cli:no_linear", "--scheme", "hif8-wo", "--out", "{tmp}/x"],
+     "nothing to quantize"),
+])
+def test_cli_errors_are_one_line_exit_2(argv, message, tmp_path, capsys):
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    assert cli.main(argv) == 2
+    err = one_error_line(capsys)
+    assert err.startswith(f"lowbit {argv[0]}: error: ") and message in err
+
+
+def test_bad_config_json_is_one_line(tmp_path, capsys):
+    config = tmp_path / "cfg.json"
+    config.write_text("{not json")
+    argv = ["quantize", "--model", "test_quantize_eval_cli:small_mlp", "--config", str(config),
+            "--out", str(tmp_path / "o")]
+    assert cli.main(argv) == 2
+    assert f"--config {config} is not valid JSON" in one_error_line(capsys)
+
+
+def test_text_on_an_encoder_is_refused(minilm_path, tmp_path, capsys):
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("some text")
+    assert cli.main(["eval", "--model", str(minilm_path), "--schemes", "hif8-wo", "--text", str(corpus)]) == 2
+    assert "is not a causal LM" in one_error_line(capsys)
