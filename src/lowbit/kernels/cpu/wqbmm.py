@@ -112,6 +112,13 @@ def _pack_into(weight: torch.Tensor, group_size: int, tiles: torch.Tensor) -> No
     _pack_tiles(as_numpy(weight), group_size, as_numpy(tiles))
 
 
+def reads_raw_weight(m: int, template: str, prepacked: bool) -> bool:
+    """Whether a call reads the raw (K, N/2) weight as it is (:func:`_raw_preload`) instead of repacking it
+    into tiles: ``preload`` with at most RAW_MAX_ROWS rows, where one pass over the raw bytes costs less than
+    a repack (docs/wqbmm.md, section 'CPU kernel'). Same bits either way."""
+    return not prepacked and template == "preload" and m <= RAW_MAX_ROWS
+
+
 @dataclass(frozen=True)
 class WorkspaceLayout:
     """Byte offsets of the scratch arrays inside one uint8 workspace."""
@@ -121,16 +128,23 @@ class WorkspaceLayout:
     n: int
     group_size: int
     template: str
+    raw: bool  # the raw (K, N/2) weight is read as it is (:func:`_raw_preload`)
     offsets: dict
     nbytes: int
 
     @staticmethod
     @functools.lru_cache(maxsize=64)
     def build(m: int, k: int, n: int, group_size: int, template: str, prepacked: bool = False) -> "WorkspaceLayout":
-        """``prepacked``: the caller passes tiles from ``MATMUL.pack_weight``; otherwise the workspace also
-        holds the tiles, repacked there from the raw weight on every call."""
+        """``prepacked``: the caller passes tiles from ``MATMUL.pack_weight``; otherwise the weight is raw and
+        either read as it is (:func:`reads_raw_weight`: room for the block sums) or repacked into tiles in the
+        workspace on every call."""
         groups, npad = k // group_size, padded_n(n)
-        sizes = {} if prepacked else {"tiles": tiles_nbytes(k, n)}
+        raw = reads_raw_weight(m, template, prepacked)
+        if raw:
+            block_elements = 3 * m * RAW_BLOCK_N * -(-npad // RAW_BLOCK_N)
+            sizes = {"acc16": 2 * block_elements, "ysum": 4 * block_elements}
+        else:
+            sizes = {} if prepacked else {"tiles": tiles_nbytes(k, n)}
         sizes.update({
             "x32": 4 * m * k,  # float32 activations
             "a_i8": 3 * m * k,  # A1..A3
@@ -143,7 +157,7 @@ class WorkspaceLayout:
         if template == "basic":
             sizes["y_int"] = 4 * 3 * m * groups * npad
         offsets, total = aligned_offsets(sizes)
-        return WorkspaceLayout(m, k, n, group_size, template, offsets, total)
+        return WorkspaceLayout(m, k, n, group_size, template, raw, offsets, total)
 
     def view(self, workspace: torch.Tensor, name: str, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
         start, size = self.offsets[name]
@@ -336,6 +350,89 @@ def _preload(tiles, a_quads, a_max, a_sum, scale_bits, offset_bits, group_size, 
             simd.f32v_store(y_flat, row, simd.f32v_canonical_nan(simd.f32v_load(y_flat, row)))
 
 
+RAW_BLOCK_N = 16 * TILE_N  # columns per parallel task of the raw-weight path (a multiple of TILE_N)
+RAW_SPAN_K = 256  # weight rows summed in int16 before widening to int32: 256 * 7 * 15 < 2**15
+RAW_MAX_ROWS = 4  # M up to which a raw weight is read as it is (above: repacked into tiles)
+
+
+@numba.njit(**_INLINE_OPTIONS)
+def _raw_span(weight, k0, k1, byte0, nbytes, a_i8, acc16, at, width):
+    """acc16 <- sum over rows k0..k1-1 (an even count) of A_i[m, k] * u[k, col] for the block's columns:
+    ``acc16[at + ((m * 3 + i) * 2 + parity) * width + j]`` holds column ``2 * (byte0 + j) + parity``.
+
+    u = W + 8 is the nibble xor 8 (a byte of two u: the weight byte xor 0x88). Reads each weight row's bytes
+    in order, two rows at a time; every product and partial sum is a small
+    exact integer (|A| <= 7, u <= 15, at most RAW_SPAN_K rows), so int16 lanes hold them exactly.
+    """
+    m_rows = a_i8.shape[0]
+    for m in range(m_rows):
+        for slot in range(6):
+            base = at + (m * 6 + slot) * width
+            acc16[base : base + nbytes] = 0
+    for k in range(k0, k1, 2):
+        for m in range(m_rows):
+            a1, a2, a3 = np.int16(a_i8[m, 0, k]), np.int16(a_i8[m, 1, k]), np.int16(a_i8[m, 2, k])
+            b1, b2, b3 = np.int16(a_i8[m, 0, k + 1]), np.int16(a_i8[m, 1, k + 1]), np.int16(a_i8[m, 2, k + 1])
+            o = at + m * 6 * width
+            for j in range(nbytes):
+                w0, w1 = np.int16(weight[k, byte0 + j] ^ 0x88), np.int16(weight[k + 1, byte0 + j] ^ 0x88)  # u
+                l0, h0, l1, h1 = w0 & 15, w0 >> 4, w1 & 15, w1 >> 4
+                acc16[o + j] += np.int16(a1 * l0 + b1 * l1)
+                acc16[o + width + j] += np.int16(a1 * h0 + b1 * h1)
+                acc16[o + 2 * width + j] += np.int16(a2 * l0 + b2 * l1)
+                acc16[o + 3 * width + j] += np.int16(a2 * h0 + b2 * h1)
+                acc16[o + 4 * width + j] += np.int16(a3 * l0 + b3 * l1)
+                acc16[o + 5 * width + j] += np.int16(a3 * h0 + b3 * h1)
+
+
+@numba.njit(**PARALLEL_NJIT_OPTIONS)
+def _raw_preload(weight, a_i8, a_max, a_sum, scale_bits, offset_bits, group_size, is_bf16, has_offset,
+                 acc16, ysum, y32):
+    """The fused MSD matmul reading the raw (K, N/2) weight (rows <= RAW_MAX_ROWS); y32 (M, padded N) float32
+    is overwritten. Per RAW_BLOCK_N-column block and group: the group's sums ``sum_k A_i[k] * u[k, n]``
+    (int16 over RAW_SPAN_K rows, then int32 in ``ysum``), then :func:`_accumulate_row` per TILE_N columns,
+    exactly as :func:`_preload` post-processes its tiles. ``acc16`` / ``ysum``: 3 * M * RAW_BLOCK_N int16 /
+    int32 per block."""
+    k, half = weight.shape
+    m_rows, groups = a_max.shape
+    npad = y32.shape[1]
+    width = RAW_BLOCK_N // 2  # weight bytes per block
+    block_size = 3 * m_rows * RAW_BLOCK_N
+    y_flat = y32.reshape(-1)
+    for block in numba.prange(-(-npad // RAW_BLOCK_N)):
+        col0 = block * RAW_BLOCK_N
+        byte0 = col0 // 2
+        nbytes = min(width, half - byte0)
+        tiles = (min(npad, col0 + RAW_BLOCK_N) - col0) // TILE_N
+        at = block * block_size
+        for m in range(m_rows):
+            y_flat[m * npad + col0 : m * npad + col0 + tiles * TILE_N] = 0
+        for g in range(groups):
+            ysum[at : at + block_size] = 0
+            for k0 in range(g * group_size, (g + 1) * group_size, RAW_SPAN_K):
+                _raw_span(weight, k0, min(k0 + RAW_SPAN_K, (g + 1) * group_size), byte0, nbytes, a_i8, acc16, at,
+                          width)
+                for row in range(3 * m_rows):  # (m, i): interleave the even / odd columns
+                    y0, o = at + row * RAW_BLOCK_N, at + row * 2 * width
+                    for j in range(nbytes):
+                        ysum[y0 + 2 * j] += acc16[o + j]
+                        ysum[y0 + 2 * j + 1] += acc16[o + width + j]
+            for m in range(m_rows):
+                for t in range(tiles):
+                    y0 = at + m * 3 * RAW_BLOCK_N + TILE_N * t
+                    y1 = simd.i32v_load(ysum, y0)
+                    y2 = simd.i32v_load(ysum, y0 + RAW_BLOCK_N)
+                    y3 = simd.i32v_load(ysum, y0 + 2 * RAW_BLOCK_N)
+                    _accumulate_row(
+                        y_flat, m * npad + col0 + TILE_N * t, m, g, y1, y2, y3,
+                        a_max, a_sum, scale_bits, offset_bits, g * npad + col0 + TILE_N * t, is_bf16, has_offset,
+                    )
+        for m in range(m_rows):
+            for t in range(tiles):
+                row = m * npad + col0 + TILE_N * t
+                simd.f32v_store(y_flat, row, simd.f32v_canonical_nan(simd.f32v_load(y_flat, row)))
+
+
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
 def _basic_matmul(tiles, a_quads, group_size, y_int):
     """Stage 2 of ``basic``: y_int (3, M, K/G, padded N) int32 = dpbusd sums of every group."""
@@ -406,7 +503,7 @@ def _padded_bits(t: torch.Tensor, layout: WorkspaceLayout, workspace: torch.Tens
 
 def _msd_into(
     x: torch.Tensor,
-    tiles: torch.Tensor,
+    weight: torch.Tensor,
     antiquant_scale: torch.Tensor,
     antiquant_offset: torch.Tensor | None,
     layout: WorkspaceLayout,
@@ -415,7 +512,8 @@ def _msd_into(
 ) -> None:
     """MSD matmul on CPU into ``out`` (M, N) of x's dtype.
 
-    ``x`` (M, K) FP16/BF16 CPU tensor, ``tiles`` in the packed layout, scale/offset (K/G, N) in
+    ``x`` (M, K) FP16/BF16 CPU tensor, ``weight``: the tiles of the packed layout, or the raw
+    contiguous (K, N/2) weight when ``layout.raw``; scale/offset (K/G, N) in
     x's dtype, ``workspace`` a uint8 CPU tensor of at least ``layout.nbytes``, all checked by
     ``MATMUL.run``. Allocates nothing.
     """
@@ -437,14 +535,14 @@ def _msd_into(
     previous_chunksize = numba.set_parallel_chunksize(_PARALLEL_CHUNK)
     try:
         _run_stages(
-            x32, a_i8, a_max, a_sum, y32, tiles, scale_bits, offset_bits, is_bf16, has_offset, layout, workspace
+            x32, a_i8, a_max, a_sum, y32, weight, scale_bits, offset_bits, is_bf16, has_offset, layout, workspace
         )
     finally:
         numba.set_parallel_chunksize(previous_chunksize)
     out.copy_(y32[:, : layout.n])
 
 
-def _run_stages(x32, a_i8, a_max, a_sum, y32, tiles, scale_bits, offset_bits, is_bf16, has_offset, layout, workspace):
+def _run_stages(x32, a_i8, a_max, a_sum, y32, weight, scale_bits, offset_bits, is_bf16, has_offset, layout, workspace):
     """Pre-process, then the stages of the layout's template (numba kernels on workspace views)."""
     m, k, g = layout.m, layout.k, layout.group_size
     groups = k // g
@@ -452,12 +550,17 @@ def _run_stages(x32, a_i8, a_max, a_sum, y32, tiles, scale_bits, offset_bits, is
     preprocess = _msd_preprocess_serial if m * k <= _SERIAL_PREPROCESS_MAX else _msd_preprocess
     preprocess(as_numpy(x32), g, a_np, amax_np, asum_np)
     a_quads = a_np.reshape(-1).view(np.int32)
-    tiles_np = as_numpy(tiles)
-    if layout.template == "preload":
-        _preload(tiles_np, a_quads, amax_np, asum_np, scale_bits, offset_bits, g, is_bf16, has_offset, y_np)
+    weight_np = as_numpy(weight)
+    if layout.raw:
+        acc16 = as_numpy(layout.view(workspace, "acc16", torch.int16, (-1,)))
+        ysum = as_numpy(layout.view(workspace, "ysum", torch.int32, (-1,)))
+        _raw_preload(weight_np, a_np, amax_np, asum_np, scale_bits, offset_bits, g, is_bf16, has_offset,
+                     acc16, ysum, y_np)
+    elif layout.template == "preload":
+        _preload(weight_np, a_quads, amax_np, asum_np, scale_bits, offset_bits, g, is_bf16, has_offset, y_np)
     else:
         y_int = as_numpy(layout.view(workspace, "y_int", torch.int32, (3, m, groups, padded_n(layout.n))))
-        _basic_matmul(tiles_np, a_quads, g, y_int)
+        _basic_matmul(weight_np, a_quads, g, y_int)
         _basic_post_process(y_int, amax_np, asum_np, scale_bits, offset_bits, is_bf16, has_offset, y_np)
 
 
@@ -485,7 +588,7 @@ class WeightQuantBatchMatmul(WqbmmKernel):
         m, k = x.shape
         n = out.shape[1]
         layout = WorkspaceLayout.build(m, k, n, group_size, template, prepacked)
-        if not prepacked:
+        if not prepacked and not layout.raw:
             tiles = layout.view(workspace, "tiles", torch.uint8, (tiles_nbytes(k, n),))
             _pack_into(weight, group_size, tiles)
             weight = tiles
