@@ -6,6 +6,7 @@ live in registers; LANES = 32: two AVX-512 registers each on x86):
 
     I32V   <LANES x i32>    integer accumulators / 4 * LANES bytes of packed weights
     F32V   <LANES x float>  float32 post-processing
+    I16V   <LANES x i16>    small exact integer sums over LANES bytes of a raw int4 weight row
 
 and @intrinsic operations on them. Every operation is exact integer or IEEE float32 arithmetic (fmul/fadd
 without fast-math flags, so LLVM never contracts them into FMA): kernels built from them are bit-exact.
@@ -28,6 +29,7 @@ LANES = 32
 _I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
 _VI32 = ir.VectorType(_I32, LANES)
 _VF32 = ir.VectorType(ir.FloatType(), LANES)
+_VI16 = ir.VectorType(_I16, LANES)
 _ZMM_I32 = ir.VectorType(_I32, 16)
 
 
@@ -50,11 +52,13 @@ class _VectorType(types.Type):
 
 I32V = _VectorType("I32V")
 F32V = _VectorType("F32V")
+I16V = _VectorType("I16V")
+_LLVM_TYPES = {"I32V": _VI32, "F32V": _VF32, "I16V": _VI16}
 
 
 class _VectorModel(models.PrimitiveModel):
     def __init__(self, dmm, fe_type):
-        super().__init__(dmm, fe_type, _VI32 if fe_type.name == "I32V" else _VF32)
+        super().__init__(dmm, fe_type, _LLVM_TYPES[fe_type.name])
 
 
 register_model(_VectorType)(_VectorModel)
@@ -309,3 +313,96 @@ def f32v_canonical_nan(typingctx, value):
         return builder.select(is_nan, nan, args[0])
 
     return F32V(value), codegen
+
+
+# ---- int16 sums over raw int4 weight rows -----------------------------------------------------------------
+
+
+def _nibbles_intrinsic(high: bool):
+    @intrinsic
+    def nibbles(typingctx, arr, index):
+        def codegen(context, builder, sig, args):
+            v_i8 = ir.VectorType(_I8, LANES)
+            byte = builder.load(_element_ptr(context, builder, sig.args[0], args[0], args[1], v_i8), align=1)
+            u = builder.xor(byte, ir.Constant(v_i8, [0x88] * LANES))  # both nibbles + 8 (mod 16)
+            if high:
+                u = builder.lshr(u, ir.Constant(v_i8, [4] * LANES))
+            else:
+                u = builder.and_(u, ir.Constant(v_i8, [0x0F] * LANES))
+            return builder.zext(u, _VI16)
+
+        return I16V(arr, index), codegen
+
+    return nibbles
+
+
+u4v_low = _nibbles_intrinsic(False)
+u4v_high = _nibbles_intrinsic(True)
+u4v_low.__doc__ = """u = W + 8 (0..15) of the LOW nibbles of LANES bytes of a uint8 array at element ``index``
+(two's-complement nibbles: u = nibble xor 8), as int16 lanes."""
+u4v_high.__doc__ = "The same for the HIGH nibbles."
+
+
+@intrinsic
+def i16v_load(typingctx, arr, index):
+    """LANES int16 lanes from a 1-D C-contiguous int16 array at element ``index``."""
+
+    def codegen(context, builder, sig, args):
+        return builder.load(_element_ptr(context, builder, sig.args[0], args[0], args[1], _VI16), align=1)
+
+    return I16V(arr, index), codegen
+
+
+@intrinsic
+def i16v_store(typingctx, arr, index, value):
+    """Store LANES int16 lanes into a 1-D C-contiguous int16 array at element ``index``."""
+
+    def codegen(context, builder, sig, args):
+        builder.store(args[2], _element_ptr(context, builder, sig.args[0], args[0], args[1], _VI16), align=1)
+        return context.get_dummy_value()
+
+    return types.void(arr, index, value), codegen
+
+
+@intrinsic
+def i16v_madd2(typingctx, acc, u0, a0, u1, a1):
+    """acc + u0 * a0 + u1 * a1 per int16 lane (wrapping; a0, a1: integer scalars, truncated to int16)."""
+
+    def codegen(context, builder, sig, args):
+        acc, u0, a0, u1, a1 = args
+        s0, s1 = (_splat(builder, context.cast(builder, a, t, types.int16), _VI16)
+                  for a, t in ((a0, sig.args[2]), (a1, sig.args[4])))
+        return builder.add(acc, builder.add(builder.mul(u0, s0), builder.mul(u1, s1)))
+
+    return I16V(acc, u0, a0, u1, a1), codegen
+
+
+def _zip_intrinsic(part: int):
+    @intrinsic
+    def zip_half(typingctx, low, high):
+        def codegen(context, builder, sig, args):
+            a, b = (builder.sext(v, _VI32) for v in args)
+            half = LANES // 2
+            lanes = [index for t in range(half) for index in (part * half + t, LANES + part * half + t)]
+            return builder.shuffle_vector(a, b, ir.Constant(_VI32, lanes))
+
+        return I32V(low, high), codegen
+
+    return zip_half
+
+
+i16v_zip_first = _zip_intrinsic(0)
+i16v_zip_second = _zip_intrinsic(1)
+i16v_zip_first.__doc__ = """I32V (low[0], high[0], low[1], high[1], ..., high[LANES/2 - 1]) of two I16V, sign-extended:
+the even and odd columns of a raw weight row's sums back in column order."""
+i16v_zip_second.__doc__ = "The same for lanes LANES/2 .. LANES - 1."
+
+
+@intrinsic
+def i32v_add(typingctx, a, b):
+    """a + b per int32 lane (wrapping)."""
+
+    def codegen(context, builder, sig, args):
+        return builder.add(args[0], args[1])
+
+    return I32V(a, b), codegen

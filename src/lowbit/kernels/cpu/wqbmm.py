@@ -360,22 +360,36 @@ def _raw_span(weight, k0, k1, byte0, nbytes, a_i8, acc16, at, width):
     """acc16 <- sum over rows k0..k1-1 (an even count) of A_i[m, k] * u[k, col] for the block's columns:
     ``acc16[at + ((m * 3 + i) * 2 + parity) * width + j]`` holds column ``2 * (byte0 + j) + parity``.
 
-    u = W + 8 is the nibble xor 8 (a byte of two u: the weight byte xor 0x88). Reads each weight row's bytes
-    in order, two rows at a time; every product and partial sum is a small
-    exact integer (|A| <= 7, u <= 15, at most RAW_SPAN_K rows), so int16 lanes hold them exactly.
+    ``weight``: the flat (K * N/2) raw bytes. u = W + 8 is the nibble xor 8. Reads each weight row's
+    bytes in order, two rows at a time, LANES bytes per step (then the block's last bytes one by one);
+    every product and partial sum is a small exact integer (|A| <= 7, u <= 15, at most RAW_SPAN_K rows), so
+    int16 lanes hold them exactly.
     """
     m_rows = a_i8.shape[0]
+    half = weight.size // a_i8.shape[2]
+    vector_bytes = nbytes - nbytes % simd.LANES
     for m in range(m_rows):
         for slot in range(6):
             base = at + (m * 6 + slot) * width
-            acc16[base : base + nbytes] = 0
+            acc16[base : base + width] = 0  # the bytes past nbytes too: read (for padding columns) after
     for k in range(k0, k1, 2):
+        r0 = k * half + byte0
+        r1 = r0 + half
         for m in range(m_rows):
-            a1, a2, a3 = np.int16(a_i8[m, 0, k]), np.int16(a_i8[m, 1, k]), np.int16(a_i8[m, 2, k])
-            b1, b2, b3 = np.int16(a_i8[m, 0, k + 1]), np.int16(a_i8[m, 1, k + 1]), np.int16(a_i8[m, 2, k + 1])
+            a1, a2, a3 = a_i8[m, 0, k], a_i8[m, 1, k], a_i8[m, 2, k]
+            b1, b2, b3 = a_i8[m, 0, k + 1], a_i8[m, 1, k + 1], a_i8[m, 2, k + 1]
             o = at + m * 6 * width
-            for j in range(nbytes):
-                w0, w1 = np.int16(weight[k, byte0 + j] ^ 0x88), np.int16(weight[k + 1, byte0 + j] ^ 0x88)  # u
+            for j in range(0, vector_bytes, simd.LANES):
+                l0, h0 = simd.u4v_low(weight, r0 + j), simd.u4v_high(weight, r0 + j)
+                l1, h1 = simd.u4v_low(weight, r1 + j), simd.u4v_high(weight, r1 + j)
+                _madd2_at(acc16, o + j, l0, a1, l1, b1)
+                _madd2_at(acc16, o + width + j, h0, a1, h1, b1)
+                _madd2_at(acc16, o + 2 * width + j, l0, a2, l1, b2)
+                _madd2_at(acc16, o + 3 * width + j, h0, a2, h1, b2)
+                _madd2_at(acc16, o + 4 * width + j, l0, a3, l1, b3)
+                _madd2_at(acc16, o + 5 * width + j, h0, a3, h1, b3)
+            for j in range(vector_bytes, nbytes):
+                w0, w1 = np.int32(weight[r0 + j] ^ 0x88), np.int32(weight[r1 + j] ^ 0x88)
                 l0, h0, l1, h1 = w0 & 15, w0 >> 4, w1 & 15, w1 >> 4
                 acc16[o + j] += np.int16(a1 * l0 + b1 * l1)
                 acc16[o + width + j] += np.int16(a1 * h0 + b1 * h1)
@@ -385,15 +399,25 @@ def _raw_span(weight, k0, k1, byte0, nbytes, a_i8, acc16, at, width):
                 acc16[o + 5 * width + j] += np.int16(a3 * h0 + b3 * h1)
 
 
+@numba.njit(**_INLINE_OPTIONS)
+def _add_at(ysum, at, y):
+    simd.i32v_store(ysum, at, simd.i32v_add(simd.i32v_load(ysum, at), y))
+
+
+@numba.njit(**_INLINE_OPTIONS)
+def _madd2_at(acc16, at, u0, a0, u1, a1):
+    simd.i16v_store(acc16, at, simd.i16v_madd2(simd.i16v_load(acc16, at), u0, a0, u1, a1))
+
+
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
 def _raw_preload(weight, a_i8, a_max, a_sum, scale_bits, offset_bits, group_size, is_bf16, has_offset,
                  acc16, ysum, y32):
-    """The fused MSD matmul reading the raw (K, N/2) weight (rows <= RAW_MAX_ROWS); y32 (M, padded N) float32
+    """The fused MSD matmul reading the raw (K, N/2) weight, flat (rows <= RAW_MAX_ROWS); y32 (M, padded N) float32
     is overwritten. Per RAW_BLOCK_N-column block and group: the group's sums ``sum_k A_i[k] * u[k, n]``
     (int16 over RAW_SPAN_K rows, then int32 in ``ysum``), then :func:`_accumulate_row` per TILE_N columns,
     exactly as :func:`_preload` post-processes its tiles. ``acc16`` / ``ysum``: 3 * M * RAW_BLOCK_N int16 /
     int32 per block."""
-    k, half = weight.shape
+    half = weight.size // a_i8.shape[2]
     m_rows, groups = a_max.shape
     npad = y32.shape[1]
     width = RAW_BLOCK_N // 2  # weight bytes per block
@@ -412,11 +436,14 @@ def _raw_preload(weight, a_i8, a_max, a_sum, scale_bits, offset_bits, group_size
             for k0 in range(g * group_size, (g + 1) * group_size, RAW_SPAN_K):
                 _raw_span(weight, k0, min(k0 + RAW_SPAN_K, (g + 1) * group_size), byte0, nbytes, a_i8, acc16, at,
                           width)
-                for row in range(3 * m_rows):  # (m, i): interleave the even / odd columns
+                for row in range(3 * m_rows):  # (m, i): even / odd columns back in column order
                     y0, o = at + row * RAW_BLOCK_N, at + row * 2 * width
-                    for j in range(nbytes):
-                        ysum[y0 + 2 * j] += acc16[o + j]
-                        ysum[y0 + 2 * j + 1] += acc16[o + width + j]
+                    for t in range(0, tiles, 2):
+                        low = simd.i16v_load(acc16, o + TILE_N * t // 2)
+                        high = simd.i16v_load(acc16, o + width + TILE_N * t // 2)
+                        _add_at(ysum, y0 + TILE_N * t, simd.i16v_zip_first(low, high))
+                        if t + 1 < tiles:
+                            _add_at(ysum, y0 + TILE_N * (t + 1), simd.i16v_zip_second(low, high))
             for m in range(m_rows):
                 for t in range(tiles):
                     y0 = at + m * 3 * RAW_BLOCK_N + TILE_N * t
@@ -554,7 +581,7 @@ def _run_stages(x32, a_i8, a_max, a_sum, y32, weight, scale_bits, offset_bits, i
     if layout.raw:
         acc16 = as_numpy(layout.view(workspace, "acc16", torch.int16, (-1,)))
         ysum = as_numpy(layout.view(workspace, "ysum", torch.int32, (-1,)))
-        _raw_preload(weight_np, a_np, amax_np, asum_np, scale_bits, offset_bits, g, is_bf16, has_offset,
+        _raw_preload(weight_np.reshape(-1), a_np, amax_np, asum_np, scale_bits, offset_bits, g, is_bf16, has_offset,
                      acc16, ysum, y_np)
     elif layout.template == "preload":
         _preload(weight_np, a_quads, amax_np, asum_np, scale_bits, offset_bits, g, is_bf16, has_offset, y_np)
