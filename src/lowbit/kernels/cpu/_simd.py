@@ -7,6 +7,7 @@ live in registers; LANES = 32: two AVX-512 registers each on x86):
     I32V   <LANES x i32>    integer accumulators / 4 * LANES bytes of packed weights
     F32V   <LANES x float>  float32 post-processing
     I16V   <LANES x i16>    small exact integer sums over LANES bytes of a raw int4 weight row
+    U8P    <2 LANES x i8>   LANES unsigned nibbles of two weight rows, interleaved (row k, row k + 1)
 
 and @intrinsic operations on them. Every operation is exact integer or IEEE float32 arithmetic (fmul/fadd
 without fast-math flags, so LLVM never contracts them into FMA): kernels built from them are bit-exact.
@@ -30,6 +31,7 @@ _I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
 _VI32 = ir.VectorType(_I32, LANES)
 _VF32 = ir.VectorType(ir.FloatType(), LANES)
 _VI16 = ir.VectorType(_I16, LANES)
+_VPAIR = ir.VectorType(_I8, 2 * LANES)
 _ZMM_I32 = ir.VectorType(_I32, 16)
 
 
@@ -53,7 +55,8 @@ class _VectorType(types.Type):
 I32V = _VectorType("I32V")
 F32V = _VectorType("F32V")
 I16V = _VectorType("I16V")
-_LLVM_TYPES = {"I32V": _VI32, "F32V": _VF32, "I16V": _VI16}
+U8P = _VectorType("U8P")
+_LLVM_TYPES = {"I32V": _VI32, "F32V": _VF32, "I16V": _VI16, "U8P": _VPAIR}
 
 
 class _VectorModel(models.PrimitiveModel):
@@ -318,29 +321,33 @@ def f32v_canonical_nan(typingctx, value):
 # ---- int16 sums over raw int4 weight rows -----------------------------------------------------------------
 
 
-def _nibbles_intrinsic(high: bool):
+def _nibble_pairs_intrinsic(high: bool):
     @intrinsic
-    def nibbles(typingctx, arr, index):
+    def nibble_pairs(typingctx, arr, index, stride):
         def codegen(context, builder, sig, args):
             v_i8 = ir.VectorType(_I8, LANES)
-            byte = builder.load(_element_ptr(context, builder, sig.args[0], args[0], args[1], v_i8), align=1)
-            u = builder.xor(byte, ir.Constant(v_i8, [0x88] * LANES))  # both nibbles + 8 (mod 16)
-            if high:
-                u = builder.lshr(u, ir.Constant(v_i8, [4] * LANES))
-            else:
-                u = builder.and_(u, ir.Constant(v_i8, [0x0F] * LANES))
-            return builder.zext(u, _VI16)
+            rows = []
+            for offset in (args[1], builder.add(args[1], context.cast(builder, args[2], sig.args[2], sig.args[1]))):
+                byte = builder.load(_element_ptr(context, builder, sig.args[0], args[0], offset, v_i8), align=1)
+                u = builder.xor(byte, ir.Constant(v_i8, [0x88] * LANES))  # both nibbles + 8 (mod 16)
+                if high:
+                    rows.append(builder.lshr(u, ir.Constant(v_i8, [4] * LANES)))
+                else:
+                    rows.append(builder.and_(u, ir.Constant(v_i8, [0x0F] * LANES)))
+            lanes = [index for t in range(LANES) for index in (t, LANES + t)]
+            return builder.shuffle_vector(rows[0], rows[1], ir.Constant(ir.VectorType(_I32, 2 * LANES), lanes))
 
-        return I16V(arr, index), codegen
+        return U8P(arr, index, stride), codegen
 
-    return nibbles
+    return nibble_pairs
 
 
-u4v_low = _nibbles_intrinsic(False)
-u4v_high = _nibbles_intrinsic(True)
-u4v_low.__doc__ = """u = W + 8 (0..15) of the LOW nibbles of LANES bytes of a uint8 array at element ``index``
-(two's-complement nibbles: u = nibble xor 8), as int16 lanes."""
-u4v_high.__doc__ = "The same for the HIGH nibbles."
+u4p_low = _nibble_pairs_intrinsic(False)
+u4p_high = _nibble_pairs_intrinsic(True)
+u4p_low.__doc__ = """U8P of u = W + 8 (0..15) of the LOW nibbles of LANES bytes of a uint8 array at element ``index``
+(row k) and at ``index + stride`` (row k + 1), interleaved byte by byte: (u[k, 0], u[k + 1, 0], u[k, 1], ...).
+A two's-complement nibble plus 8 is the nibble xor 8."""
+u4p_high.__doc__ = "The same for the HIGH nibbles."
 
 
 @intrinsic
@@ -364,17 +371,55 @@ def i16v_store(typingctx, arr, index, value):
     return types.void(arr, index, value), codegen
 
 
-@intrinsic
-def i16v_madd2(typingctx, acc, u0, a0, u1, a1):
-    """acc + u0 * a0 + u1 * a1 per int16 lane (wrapping; a0, a1: integer scalars, truncated to int16)."""
+def _maddubs_portable(builder, pairs, weights):
+    """Per int16 lane i: u8(pairs[2i]) * s8(weights[2i]) + u8(pairs[2i + 1]) * s8(weights[2i + 1])."""
+    even, odd = (ir.Constant(_VI32, list(range(p, 2 * LANES, 2))) for p in (0, 1))
+    undef = ir.Constant(_VPAIR, None)
+    products = [
+        builder.mul(builder.zext(builder.shuffle_vector(pairs, undef, lanes), _VI16),
+                    builder.sext(builder.shuffle_vector(weights, undef, lanes), _VI16))
+        for lanes in (even, odd)
+    ]
+    return builder.add(*products)
 
-    def codegen(context, builder, sig, args):
-        acc, u0, a0, u1, a1 = args
-        s0, s1 = (_splat(builder, context.cast(builder, a, t, types.int16), _VI16)
-                  for a, t in ((a0, sig.args[2]), (a1, sig.args[4])))
-        return builder.add(acc, builder.add(builder.mul(u0, s0), builder.mul(u1, s1)))
 
-    return I16V(acc, u0, a0, u1, a1), codegen
+def _maddubs_avx512(builder, pairs, weights):
+    """vpmaddubsw: the same with signed saturation, which sums of at most 2 * 15 * 128 never reach."""
+    fnty = ir.FunctionType(_VI16, [_VPAIR, _VPAIR])
+    fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.avx512.pmaddubs.w.512")
+    return builder.call(fn, [pairs, weights])
+
+
+def _host_has_avx512bw() -> bool:
+    if numba_config.CPU_NAME not in (None, "host") or numba_config.CPU_FEATURES:
+        return False
+    return bool(llvm_binding.get_host_cpu_features().get("avx512bw"))
+
+
+def _make_maddubs(lower):
+    @intrinsic
+    def maddubs(typingctx, acc, pairs, a0, a1):
+        """acc + u0 * a0 + u1 * a1 per int16 lane i, (u0, u1) = bytes 2i, 2i + 1 of ``pairs`` (unsigned, <= 15
+        here), a0 / a1 integer scalars in [-128, 127] (truncated to int8); exact for these ranges."""
+
+        def codegen(context, builder, sig, args):
+            acc, pairs, a0, a1 = args
+            word = builder.or_(
+                builder.zext(context.cast(builder, a0, sig.args[2], types.uint8), _I16),
+                builder.shl(builder.zext(context.cast(builder, a1, sig.args[3], types.uint8), _I16),
+                            ir.Constant(_I16, 8)),
+            )
+            weights = builder.bitcast(_splat(builder, word, _VI16), _VPAIR)
+            return builder.add(acc, lower(builder, pairs, weights))
+
+        return I16V(acc, pairs, a0, a1), codegen
+
+    return maddubs
+
+
+i16v_maddubs_portable = _make_maddubs(_maddubs_portable)
+i16v_maddubs_avx512 = _make_maddubs(_maddubs_avx512)
+i16v_maddubs = i16v_maddubs_avx512 if _host_has_avx512bw() else i16v_maddubs_portable
 
 
 def _zip_intrinsic(part: int):

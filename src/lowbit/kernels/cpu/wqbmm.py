@@ -350,7 +350,7 @@ def _preload(tiles, a_quads, a_max, a_sum, scale_bits, offset_bits, group_size, 
             simd.f32v_store(y_flat, row, simd.f32v_canonical_nan(simd.f32v_load(y_flat, row)))
 
 
-RAW_BLOCK_N = 16 * TILE_N  # columns per parallel task of the raw-weight path (a multiple of TILE_N)
+RAW_BLOCK_N = 128 * TILE_N  # columns per parallel task of the raw-weight path (a multiple of TILE_N)
 RAW_SPAN_K = 256  # weight rows summed in int16 before widening to int32: 256 * 7 * 15 < 2**15
 RAW_MAX_ROWS = 4  # M up to which a raw weight is read as it is (above: repacked into tiles)
 
@@ -374,22 +374,26 @@ def _raw_span(weight, k0, k1, byte0, nbytes, a_i8, acc16, at, width):
             acc16[base : base + width] = 0  # the bytes past nbytes too: read (for padding columns) after
     for k in range(k0, k1, 2):
         r0 = k * half + byte0
-        r1 = r0 + half
         for m in range(m_rows):
             a1, a2, a3 = a_i8[m, 0, k], a_i8[m, 1, k], a_i8[m, 2, k]
             b1, b2, b3 = a_i8[m, 0, k + 1], a_i8[m, 1, k + 1], a_i8[m, 2, k + 1]
             o = at + m * 6 * width
             for j in range(0, vector_bytes, simd.LANES):
-                l0, h0 = simd.u4v_low(weight, r0 + j), simd.u4v_high(weight, r0 + j)
-                l1, h1 = simd.u4v_low(weight, r1 + j), simd.u4v_high(weight, r1 + j)
-                _madd2_at(acc16, o + j, l0, a1, l1, b1)
-                _madd2_at(acc16, o + width + j, h0, a1, h1, b1)
-                _madd2_at(acc16, o + 2 * width + j, l0, a2, l1, b2)
-                _madd2_at(acc16, o + 3 * width + j, h0, a2, h1, b2)
-                _madd2_at(acc16, o + 4 * width + j, l0, a3, l1, b3)
-                _madd2_at(acc16, o + 5 * width + j, h0, a3, h1, b3)
+                low, high = simd.u4p_low(weight, r0 + j, half), simd.u4p_high(weight, r0 + j, half)
+                s1 = simd.i16v_maddubs(simd.i16v_load(acc16, o + j), low, a1, b1)
+                s2 = simd.i16v_maddubs(simd.i16v_load(acc16, o + width + j), high, a1, b1)
+                s3 = simd.i16v_maddubs(simd.i16v_load(acc16, o + 2 * width + j), low, a2, b2)
+                s4 = simd.i16v_maddubs(simd.i16v_load(acc16, o + 3 * width + j), high, a2, b2)
+                s5 = simd.i16v_maddubs(simd.i16v_load(acc16, o + 4 * width + j), low, a3, b3)
+                s6 = simd.i16v_maddubs(simd.i16v_load(acc16, o + 5 * width + j), high, a3, b3)
+                simd.i16v_store(acc16, o + j, s1)
+                simd.i16v_store(acc16, o + width + j, s2)
+                simd.i16v_store(acc16, o + 2 * width + j, s3)
+                simd.i16v_store(acc16, o + 3 * width + j, s4)
+                simd.i16v_store(acc16, o + 4 * width + j, s5)
+                simd.i16v_store(acc16, o + 5 * width + j, s6)
             for j in range(vector_bytes, nbytes):
-                w0, w1 = np.int32(weight[r0 + j] ^ 0x88), np.int32(weight[r1 + j] ^ 0x88)
+                w0, w1 = np.int32(weight[r0 + j] ^ 0x88), np.int32(weight[r0 + half + j] ^ 0x88)
                 l0, h0, l1, h1 = w0 & 15, w0 >> 4, w1 & 15, w1 >> 4
                 acc16[o + j] += np.int16(a1 * l0 + b1 * l1)
                 acc16[o + width + j] += np.int16(a1 * h0 + b1 * h1)
@@ -402,11 +406,6 @@ def _raw_span(weight, k0, k1, byte0, nbytes, a_i8, acc16, at, width):
 @numba.njit(**_INLINE_OPTIONS)
 def _add_at(ysum, at, y):
     simd.i32v_store(ysum, at, simd.i32v_add(simd.i32v_load(ysum, at), y))
-
-
-@numba.njit(**_INLINE_OPTIONS)
-def _madd2_at(acc16, at, u0, a0, u1, a1):
-    simd.i16v_store(acc16, at, simd.i16v_madd2(simd.i16v_load(acc16, at), u0, a0, u1, a1))
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
