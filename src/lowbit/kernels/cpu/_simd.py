@@ -351,6 +351,16 @@ u4p_high.__doc__ = "The same for the HIGH nibbles."
 
 
 @intrinsic
+def i16v_zero(typingctx):
+    """All-zero I16V."""
+
+    def codegen(context, builder, sig, args):
+        return ir.Constant(_VI16, [0] * LANES)
+
+    return I16V(), codegen
+
+
+@intrinsic
 def i16v_load(typingctx, arr, index):
     """LANES int16 lanes from a 1-D C-contiguous int16 array at element ``index``."""
 
@@ -398,21 +408,19 @@ def _host_has_avx512bw() -> bool:
 
 def _make_maddubs(lower):
     @intrinsic
-    def maddubs(typingctx, acc, pairs, a0, a1):
+    def maddubs(typingctx, acc, pairs, a_words, index):
         """acc + u0 * a0 + u1 * a1 per int16 lane i, (u0, u1) = bytes 2i, 2i + 1 of ``pairs`` (unsigned, <= 15
-        here), a0 / a1 integer scalars in [-128, 127] (truncated to int8); exact for these ranges."""
+        here) and (a0, a1) the two signed bytes (low, high) of ``a_words[index]`` (a 1-D C-contiguous int16
+        array: two consecutive int8 activations viewed as one int16); exact for these ranges."""
 
         def codegen(context, builder, sig, args):
-            acc, pairs, a0, a1 = args
-            word = builder.or_(
-                builder.zext(context.cast(builder, a0, sig.args[2], types.uint8), _I16),
-                builder.shl(builder.zext(context.cast(builder, a1, sig.args[3], types.uint8), _I16),
-                            ir.Constant(_I16, 8)),
-            )
+            acc, pairs, arr, idx = args
+            data = context.make_array(sig.args[2])(context, builder, arr).data
+            word = builder.load(builder.gep(data, [idx]))
             weights = builder.bitcast(_splat(builder, word, _VI16), _VPAIR)
             return builder.add(acc, lower(builder, pairs, weights))
 
-        return I16V(acc, pairs, a0, a1), codegen
+        return I16V(acc, pairs, a_words, index), codegen
 
     return maddubs
 

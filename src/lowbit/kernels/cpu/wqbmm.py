@@ -142,7 +142,7 @@ class WorkspaceLayout:
         raw = reads_raw_weight(m, template, prepacked)
         if raw:
             block_elements = 3 * m * RAW_BLOCK_N * -(-npad // RAW_BLOCK_N)
-            sizes = {"acc16": 2 * block_elements, "ysum": 4 * block_elements}
+            sizes = {"ysum": 4 * block_elements}
         else:
             sizes = {} if prepacked else {"tiles": tiles_nbytes(k, n)}
         sizes.update({
@@ -356,51 +356,52 @@ RAW_MAX_ROWS = 4  # M up to which a raw weight is read as it is (above: repacked
 
 
 @numba.njit(**_INLINE_OPTIONS)
-def _raw_span(weight, k0, k1, byte0, nbytes, a_i8, acc16, at, width):
-    """acc16 <- sum over rows k0..k1-1 (an even count) of A_i[m, k] * u[k, col] for the block's columns:
-    ``acc16[at + ((m * 3 + i) * 2 + parity) * width + j]`` holds column ``2 * (byte0 + j) + parity``.
+def _raw_span(weight, half, k0, k1, byte0, nbytes, a_i8, a_words, ysum, at):
+    """ysum += sum over rows k0..k1-1 (an even count, at most RAW_SPAN_K) of A_i[m, k] * u[k, col] for the
+    block's columns: ``ysum[at + (m * 3 + i) * RAW_BLOCK_N + c]`` holds block column c (``2 * byte0 + c``).
 
-    ``weight``: the flat (K * N/2) raw bytes. u = W + 8 is the nibble xor 8. Reads each weight row's
-    bytes in order, two rows at a time, LANES bytes per step (then the block's last bytes one by one);
-    every product and partial sum is a small exact integer (|A| <= 7, u <= 15, at most RAW_SPAN_K rows), so
-    int16 lanes hold them exactly.
+    ``weight``: the flat raw bytes (rows of ``half`` bytes); ``a_words``: ``a_i8`` (M, 3, K) viewed as int16,
+    one word per two consecutive k. u = W + 8. Per row m and LANES bytes of the rows (2 * LANES columns),
+    the six int16 sums (3 components x even / odd columns) stay in registers while the span's rows stream
+    by two at a time; every product and partial sum is a small exact integer (|A| <= 7, u <= 15, at most
+    RAW_SPAN_K rows), so int16 lanes hold them exactly. Then they are put back in column order, widened and
+    added to ``ysum``. The block's last ``nbytes % LANES`` bytes go one by one.
     """
-    m_rows = a_i8.shape[0]
-    half = weight.size // a_i8.shape[2]
+    m_rows, _, k = a_i8.shape
     vector_bytes = nbytes - nbytes % simd.LANES
     for m in range(m_rows):
-        for slot in range(6):
-            base = at + (m * 6 + slot) * width
-            acc16[base : base + width] = 0  # the bytes past nbytes too: read (for padding columns) after
-    for k in range(k0, k1, 2):
-        r0 = k * half + byte0
-        for m in range(m_rows):
-            a1, a2, a3 = a_i8[m, 0, k], a_i8[m, 1, k], a_i8[m, 2, k]
-            b1, b2, b3 = a_i8[m, 0, k + 1], a_i8[m, 1, k + 1], a_i8[m, 2, k + 1]
-            o = at + m * 6 * width
-            for j in range(0, vector_bytes, simd.LANES):
-                low, high = simd.u4p_low(weight, r0 + j, half), simd.u4p_high(weight, r0 + j, half)
-                s1 = simd.i16v_maddubs(simd.i16v_load(acc16, o + j), low, a1, b1)
-                s2 = simd.i16v_maddubs(simd.i16v_load(acc16, o + width + j), high, a1, b1)
-                s3 = simd.i16v_maddubs(simd.i16v_load(acc16, o + 2 * width + j), low, a2, b2)
-                s4 = simd.i16v_maddubs(simd.i16v_load(acc16, o + 3 * width + j), high, a2, b2)
-                s5 = simd.i16v_maddubs(simd.i16v_load(acc16, o + 4 * width + j), low, a3, b3)
-                s6 = simd.i16v_maddubs(simd.i16v_load(acc16, o + 5 * width + j), high, a3, b3)
-                simd.i16v_store(acc16, o + j, s1)
-                simd.i16v_store(acc16, o + width + j, s2)
-                simd.i16v_store(acc16, o + 2 * width + j, s3)
-                simd.i16v_store(acc16, o + 3 * width + j, s4)
-                simd.i16v_store(acc16, o + 4 * width + j, s5)
-                simd.i16v_store(acc16, o + 5 * width + j, s6)
-            for j in range(vector_bytes, nbytes):
-                w0, w1 = np.int32(weight[r0 + j] ^ 0x88), np.int32(weight[r0 + half + j] ^ 0x88)
-                l0, h0, l1, h1 = w0 & 15, w0 >> 4, w1 & 15, w1 >> 4
-                acc16[o + j] += np.int16(a1 * l0 + b1 * l1)
-                acc16[o + width + j] += np.int16(a1 * h0 + b1 * h1)
-                acc16[o + 2 * width + j] += np.int16(a2 * l0 + b2 * l1)
-                acc16[o + 3 * width + j] += np.int16(a2 * h0 + b2 * h1)
-                acc16[o + 4 * width + j] += np.int16(a3 * l0 + b3 * l1)
-                acc16[o + 5 * width + j] += np.int16(a3 * h0 + b3 * h1)
+        y0 = at + m * 3 * RAW_BLOCK_N
+        w0 = (m * 3 * k + k0) // 2  # a_words index of the first pair of A1
+        for j in range(0, vector_bytes, simd.LANES):
+            s1 = s2 = s3 = s4 = s5 = s6 = simd.i16v_zero()
+            row = k0 * half + byte0 + j
+            for p in range((k1 - k0) // 2):
+                low, high = simd.u4p_low(weight, row, half), simd.u4p_high(weight, row, half)
+                s1 = simd.i16v_maddubs(s1, low, a_words, w0 + p)
+                s2 = simd.i16v_maddubs(s2, high, a_words, w0 + p)
+                s3 = simd.i16v_maddubs(s3, low, a_words, w0 + k // 2 + p)
+                s4 = simd.i16v_maddubs(s4, high, a_words, w0 + k // 2 + p)
+                s5 = simd.i16v_maddubs(s5, low, a_words, w0 + k + p)
+                s6 = simd.i16v_maddubs(s6, high, a_words, w0 + k + p)
+                row += 2 * half
+            c = y0 + 2 * j
+            _add_zipped(ysum, c, s1, s2)
+            _add_zipped(ysum, c + RAW_BLOCK_N, s3, s4)
+            _add_zipped(ysum, c + 2 * RAW_BLOCK_N, s5, s6)
+        for j in range(vector_bytes, nbytes):
+            for kk in range(k0, k1):
+                u = np.int32(weight[kk * half + byte0 + j] ^ 0x88)
+                for i in range(3):
+                    a = np.int32(a_i8[m, i, kk])
+                    ysum[y0 + i * RAW_BLOCK_N + 2 * j] += a * (u & 15)
+                    ysum[y0 + i * RAW_BLOCK_N + 2 * j + 1] += a * (u >> 4)
+
+
+@numba.njit(**_INLINE_OPTIONS)
+def _add_zipped(ysum, at, even, odd):
+    """ysum[at : at + 2 * LANES] += the even / odd column sums in column order (sign-extended)."""
+    _add_at(ysum, at, simd.i16v_zip_first(even, odd))
+    _add_at(ysum, at + simd.LANES, simd.i16v_zip_second(even, odd))
 
 
 @numba.njit(**_INLINE_OPTIONS)
@@ -409,17 +410,17 @@ def _add_at(ysum, at, y):
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _raw_preload(weight, a_i8, a_max, a_sum, scale_bits, offset_bits, group_size, is_bf16, has_offset,
-                 acc16, ysum, y32):
-    """The fused MSD matmul reading the raw (K, N/2) weight, flat (rows <= RAW_MAX_ROWS); y32 (M, padded N) float32
-    is overwritten. Per RAW_BLOCK_N-column block and group: the group's sums ``sum_k A_i[k] * u[k, n]``
-    (int16 over RAW_SPAN_K rows, then int32 in ``ysum``), then :func:`_accumulate_row` per TILE_N columns,
-    exactly as :func:`_preload` post-processes its tiles. ``acc16`` / ``ysum``: 3 * M * RAW_BLOCK_N int16 /
-    int32 per block."""
+def _raw_preload(weight, a_i8, a_max, a_sum, scale_bits, offset_bits, group_size, is_bf16, has_offset, ysum,
+                 y32):
+    """The fused MSD matmul reading the flat raw (K * N/2) weight (rows <= RAW_MAX_ROWS); y32 (M, padded N)
+    float32 is overwritten. Per RAW_BLOCK_N-column block and group: the group's sums ``sum_k A_i[k] * u[k, n]``
+    (:func:`_raw_span`, into ``ysum``: 3 * M * RAW_BLOCK_N int32 per block), then :func:`_accumulate_row` per
+    TILE_N columns, exactly as :func:`_preload` post-processes its tiles."""
     half = weight.size // a_i8.shape[2]
     m_rows, groups = a_max.shape
     npad = y32.shape[1]
     width = RAW_BLOCK_N // 2  # weight bytes per block
+    a_words = a_i8.reshape(-1).view(np.int16)
     block_size = 3 * m_rows * RAW_BLOCK_N
     y_flat = y32.reshape(-1)
     for block in numba.prange(-(-npad // RAW_BLOCK_N)):
@@ -433,16 +434,8 @@ def _raw_preload(weight, a_i8, a_max, a_sum, scale_bits, offset_bits, group_size
         for g in range(groups):
             ysum[at : at + block_size] = 0
             for k0 in range(g * group_size, (g + 1) * group_size, RAW_SPAN_K):
-                _raw_span(weight, k0, min(k0 + RAW_SPAN_K, (g + 1) * group_size), byte0, nbytes, a_i8, acc16, at,
-                          width)
-                for row in range(3 * m_rows):  # (m, i): even / odd columns back in column order
-                    y0, o = at + row * RAW_BLOCK_N, at + row * 2 * width
-                    for t in range(0, tiles, 2):
-                        low = simd.i16v_load(acc16, o + TILE_N * t // 2)
-                        high = simd.i16v_load(acc16, o + width + TILE_N * t // 2)
-                        _add_at(ysum, y0 + TILE_N * t, simd.i16v_zip_first(low, high))
-                        if t + 1 < tiles:
-                            _add_at(ysum, y0 + TILE_N * (t + 1), simd.i16v_zip_second(low, high))
+                k1 = min(k0 + RAW_SPAN_K, (g + 1) * group_size)
+                _raw_span(weight, half, k0, k1, byte0, nbytes, a_i8, a_words, ysum, at)
             for m in range(m_rows):
                 for t in range(tiles):
                     y0 = at + m * 3 * RAW_BLOCK_N + TILE_N * t
@@ -578,10 +571,9 @@ def _run_stages(x32, a_i8, a_max, a_sum, y32, weight, scale_bits, offset_bits, i
     a_quads = a_np.reshape(-1).view(np.int32)
     weight_np = as_numpy(weight)
     if layout.raw:
-        acc16 = as_numpy(layout.view(workspace, "acc16", torch.int16, (-1,)))
         ysum = as_numpy(layout.view(workspace, "ysum", torch.int32, (-1,)))
         _raw_preload(weight_np.reshape(-1), a_np, amax_np, asum_np, scale_bits, offset_bits, g, is_bf16, has_offset,
-                     acc16, ysum, y_np)
+                     ysum, y_np)
     elif layout.template == "preload":
         _preload(weight_np, a_quads, amax_np, asum_np, scale_bits, offset_bits, g, is_bf16, has_offset, y_np)
     else:
