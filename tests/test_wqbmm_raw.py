@@ -114,33 +114,38 @@ def test_probes_cover_the_raw_and_the_tiled_preload_paths():
     assert {p[0].dtype for p in raw} == {torch.float16, torch.bfloat16}
 
 
-@numba.njit
-def _pairs_and_madd(w, index, stride, a0, a1, high):
-    out = np.zeros(simd.LANES, np.int16)
-    pairs = simd.u4p_high(w, index, stride) if high else simd.u4p_low(w, index, stride)
-    simd.i16v_store(out, 0, simd.i16v_maddubs(simd.i16v_load(out, 0), pairs, a0, a1))
-    return out
+def _pairs_and_madd_with(maddubs):
+    """A kernel: maddubs(0, nibble pairs of w at ``index`` / ``index + stride``, the int16 word ``word[0]``),
+    returned through the column-order zip as 2 * LANES int32 (each lane twice)."""
+
+    @numba.njit
+    def run(w, index, stride, word, high):
+        out = np.empty(2 * simd.LANES, np.int32)
+        pairs = simd.u4p_high(w, index, stride) if high else simd.u4p_low(w, index, stride)
+        sums = maddubs(simd.i16v_zero(), pairs, word, 0)
+        simd.i32v_store(out, 0, simd.i16v_zip_first(sums, sums))
+        simd.i32v_store(out, simd.LANES, simd.i16v_zip_second(sums, sums))
+        return out
+
+    return run
 
 
-@numba.njit
-def _pairs_and_madd_portable(w, index, stride, a0, a1, high):
-    out = np.ones(simd.LANES, np.int16)
-    pairs = simd.u4p_high(w, index, stride) if high else simd.u4p_low(w, index, stride)
-    simd.i16v_store(out, 0, simd.i16v_maddubs_portable(simd.i16v_load(out, 0), pairs, a0, a1))
-    return out
+_MADD = {"this CPU": _pairs_and_madd_with(simd.i16v_maddubs), "portable": _pairs_and_madd_with(simd.i16v_maddubs_portable)}
 
 
+@pytest.mark.parametrize("lowering", sorted(_MADD))
 @pytest.mark.parametrize("high", [False, True])
-def test_nibble_pairs_and_maddubs_agree_with_numpy(high):
-    """u = W + 8 of two rows' nibbles (every byte value in both rows), times two int8 activations (extremes
-    included), through the lowering this CPU uses and the portable one (what CPUs without AVX512-BW run)."""
+def test_nibble_pairs_and_maddubs_agree_with_numpy(high, lowering):
+    """u = W + 8 of two rows' nibbles (every byte value in both rows), times two int8 activations read as one
+    int16 word (extremes included), through the lowering this CPU uses and the portable one (what CPUs
+    without AVX512-BW run), back through the column-order zip."""
     rng = np.random.default_rng(1)
     w = np.concatenate([np.arange(256, dtype=np.uint8), rng.integers(0, 256, 300, dtype=np.uint8)])
     stride = 256 + 5
     u = (((w >> 4) if high else (w & 15)) ^ 8).astype(np.int64)
     for index in range(0, 256 - simd.LANES + 1, simd.LANES):
         for a0, a1 in [(7, -7), (-8, 7), (-128, 127), (0, 1), (127, -128)]:
+            word = np.array([a0, a1], dtype=np.int8).view(np.int16)
             row0, row1 = u[index : index + simd.LANES], u[index + stride : index + stride + simd.LANES]
-            expected = (a0 * row0 + a1 * row1).astype(np.int16)
-            assert np.array_equal(_pairs_and_madd(w, index, stride, a0, a1, high), expected)
-            assert np.array_equal(_pairs_and_madd_portable(w, index, stride, a0, a1, high), expected + 1)
+            expected = np.repeat(a0 * row0 + a1 * row1, 2)
+            assert np.array_equal(_MADD[lowering](w, index, stride, word, high), expected)

@@ -360,27 +360,6 @@ def i16v_zero(typingctx):
     return I16V(), codegen
 
 
-@intrinsic
-def i16v_load(typingctx, arr, index):
-    """LANES int16 lanes from a 1-D C-contiguous int16 array at element ``index``."""
-
-    def codegen(context, builder, sig, args):
-        return builder.load(_element_ptr(context, builder, sig.args[0], args[0], args[1], _VI16), align=1)
-
-    return I16V(arr, index), codegen
-
-
-@intrinsic
-def i16v_store(typingctx, arr, index, value):
-    """Store LANES int16 lanes into a 1-D C-contiguous int16 array at element ``index``."""
-
-    def codegen(context, builder, sig, args):
-        builder.store(args[2], _element_ptr(context, builder, sig.args[0], args[0], args[1], _VI16), align=1)
-        return context.get_dummy_value()
-
-    return types.void(arr, index, value), codegen
-
-
 def _maddubs_portable(builder, pairs, weights):
     """Per int16 lane i: u8(pairs[2i]) * s8(weights[2i]) + u8(pairs[2i + 1]) * s8(weights[2i + 1])."""
     even, odd = (ir.Constant(_VI32, list(range(p, 2 * LANES, 2))) for p in (0, 1))

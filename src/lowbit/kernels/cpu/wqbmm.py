@@ -214,7 +214,7 @@ def _msd_preprocess_serial(x32, group_size, a_i8, a_max, a_sum):
 
 
 _SERIAL_PREPROCESS_MAX = 1 << 16  # elements of x
-_PARALLEL_CHUNK = 4  # prange iterations (32-column tiles) a thread takes at a time
+_PARALLEL_CHUNK = 4  # prange iterations (32-column tiles) a thread takes at a time (raw-weight blocks: 1)
 
 
 @numba.njit(**_INLINE_OPTIONS)
@@ -350,7 +350,7 @@ def _preload(tiles, a_quads, a_max, a_sum, scale_bits, offset_bits, group_size, 
             simd.f32v_store(y_flat, row, simd.f32v_canonical_nan(simd.f32v_load(y_flat, row)))
 
 
-RAW_BLOCK_N = 128 * TILE_N  # columns per parallel task of the raw-weight path (a multiple of TILE_N)
+RAW_BLOCK_N = 32 * TILE_N  # columns per parallel task of the raw-weight path (a multiple of TILE_N)
 RAW_SPAN_K = 256  # weight rows summed in int16 before widening to int32: 256 * 7 * 15 < 2**15
 RAW_MAX_ROWS = 4  # M up to which a raw weight is read as it is (above: repacked into tiles)
 
@@ -551,7 +551,7 @@ def _msd_into(
     sync_threads()
     # Column tiles are handed out in small chunks on demand (not split evenly up front), so a thread
     # that the OS deschedules on a shared machine does not make the other one wait at the end.
-    previous_chunksize = numba.set_parallel_chunksize(_PARALLEL_CHUNK)
+    previous_chunksize = numba.set_parallel_chunksize(1 if layout.raw else _PARALLEL_CHUNK)
     try:
         _run_stages(
             x32, a_i8, a_max, a_sum, y32, weight, scale_bits, offset_bits, is_bf16, has_offset, layout, workspace
