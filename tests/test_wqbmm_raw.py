@@ -1,4 +1,4 @@
-"""The CPU kernel's raw-weight path (preload, M <= RAW_MAX_ROWS, a raw (K, N/2) weight read as it is, no
+"""The CPU kernel's raw-weight path (preload, M <= RAW_MAX_ROWS = 16, a raw (K, N/2) weight read as it is, no
 repack) equals the reference and the tiled paths bit for bit (docs/wqbmm.md, section 'CPU kernel')."""
 
 import numba
@@ -49,11 +49,11 @@ def _operands(seed, m, k, n, g, dtype, with_offset, specials):
 
 
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), m=st.integers(1, 5), g=st.sampled_from([32, 64, 96, 128, 288]),
+@given(seed=st.integers(0, 2**31 - 1), m=st.sampled_from([1, 2, 3, 4, 5, 16, 17]), g=st.sampled_from([32, 64, 96, 128, 288]),
        groups=st.integers(1, 2), n=st.sampled_from(N_VALUES), bf16=st.booleans(), with_offset=st.booleans(),
        specials=st.booleans(), threads=st.sampled_from([1, 2]))
 def test_raw_path_equals_reference_and_tiled_paths(seed, m, g, groups, n, bf16, with_offset, specials, threads):
-    """M = 1..5 (5: past RAW_MAX_ROWS, the tiled path), G = 32..288 (288 > RAW_SPAN_K: two int16 spans per
+    """M = 1..5 and 16 (17: past RAW_MAX_ROWS, the tiled path), G = 32..288 (288 > RAW_SPAN_K: two int16 spans per
     group), K = G or 2G, N not a multiple of 32 and across column blocks, FP16/BF16, offsets present or
     absent, zero groups, NaN/Inf/extreme activations and scales, 1 and 2 threads."""
     dtype = torch.bfloat16 if bf16 else torch.float16
@@ -90,7 +90,7 @@ def test_raw_path_is_chosen_for_small_m_preload_with_a_raw_weight_and_needs_no_r
         assert cpu.reads_raw_weight(m, "preload", False)
         layout = cpu.WorkspaceLayout.build(m, k, n, g, "preload")
         assert layout.raw and "tiles" not in layout.offsets
-        assert cpu.MATMUL.workspace_nbytes(m, k, n, g, "preload", False) == layout.nbytes < cpu.tiles_nbytes(k, n) // 16
+        assert cpu.MATMUL.workspace_nbytes(m, k, n, g, "preload", False) == layout.nbytes < cpu.tiles_nbytes(k, n) // 8
     assert not cpu.reads_raw_weight(cpu.RAW_MAX_ROWS + 1, "preload", False)
     assert not cpu.reads_raw_weight(1, "basic", False)
     assert not cpu.reads_raw_weight(1, "preload", True)

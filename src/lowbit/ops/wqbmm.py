@@ -119,9 +119,11 @@ def _probes():
     """Small MSD problems covering the kernels' edge shapes: every group size 32..160 (96 and 160 are not
     powers of two), odd M and M past a multiple of four (the CPU kernel takes rows by fours), N not a
     multiple of 32 (padded column tiles), both templates, FP16 and BF16, with and without an offset, and
-    special activations (NaN, Inf, zero group, extremes) and scales."""
+    special activations (NaN, Inf, zero group, extremes) and scales. M = 17 is past the CPU kernel's
+    raw-weight path (preload reads a raw weight as it is up to M = 16 and repacks it above;
+    docs/wqbmm.md, section 'Raw-weight path')."""
     gen = torch.Generator().manual_seed(0)
-    cases = [(1, 32, 34), (3, 64, 70), (5, 96, 100), (7, 128, 2), (4, 160, 64)]  # (M, G, N)
+    cases = [(1, 32, 34), (3, 64, 70), (5, 96, 100), (7, 128, 2), (4, 160, 64), (17, 32, 66)]  # (M, G, N)
     probes = []
     for i, (m, g, n) in enumerate(cases):
         dtype = ACTIVATION_DTYPES[i % 2]

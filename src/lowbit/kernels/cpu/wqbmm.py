@@ -350,9 +350,9 @@ def _preload(tiles, a_quads, a_max, a_sum, scale_bits, offset_bits, group_size, 
             simd.f32v_store(y_flat, row, simd.f32v_canonical_nan(simd.f32v_load(y_flat, row)))
 
 
-RAW_BLOCK_N = 32 * TILE_N  # columns per parallel task of the raw-weight path (a multiple of TILE_N)
+RAW_BLOCK_N = 64 * TILE_N  # columns per parallel task of the raw-weight path (a multiple of TILE_N)
 RAW_SPAN_K = 256  # weight rows summed in int16 before widening to int32: 256 * 7 * 15 < 2**15
-RAW_MAX_ROWS = 4  # M up to which a raw weight is read as it is (above: repacked into tiles)
+RAW_MAX_ROWS = 16  # M up to which a raw weight is read as it is (above: repacked; docs/wqbmm.md)
 
 
 @numba.njit(**_INLINE_OPTIONS)
