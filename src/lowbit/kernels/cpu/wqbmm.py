@@ -28,6 +28,11 @@ Templates (same numbers):
 * ``preload``: pre-process, then one fused loop per 32-column tile where each group's integer matmul
   stays in registers and is post-processed at once (no ``Y_int``); the weight stream of the next group
   overlaps the post-processing of this one (out-of-order execution and the hardware prefetcher).
+
+Raw-weight path (:func:`_raw_preload`; docs/wqbmm.md, section 'Raw-weight path'): ``preload`` with a raw
+(K, N/2) weight and at most RAW_MAX_ROWS rows reads the raw bytes as they are, row by row (two rows per
+``vpmaddubsw``, int16 sums over at most RAW_SPAN_K rows, then int32), and post-processes with the same
+:func:`_accumulate_row`: the same integers, the same float order, the same bits, without the repack.
 """
 
 from __future__ import annotations
@@ -115,7 +120,7 @@ def _pack_into(weight: torch.Tensor, group_size: int, tiles: torch.Tensor) -> No
 def reads_raw_weight(m: int, template: str, prepacked: bool) -> bool:
     """Whether a call reads the raw (K, N/2) weight as it is (:func:`_raw_preload`) instead of repacking it
     into tiles: ``preload`` with at most RAW_MAX_ROWS rows, where one pass over the raw bytes costs less than
-    a repack (docs/wqbmm.md, section 'CPU kernel'). Same bits either way."""
+    a repack (docs/wqbmm.md, section 'Raw-weight path'). Same bits either way."""
     return not prepacked and template == "preload" and m <= RAW_MAX_ROWS
 
 
