@@ -12,6 +12,10 @@ live in registers; LANES = 32: two AVX-512 registers each on x86):
 and @intrinsic operations on them. Every operation is exact integer or IEEE float32 arithmetic (fmul/fadd
 without fast-math flags, so LLVM never contracts them into FMA): kernels built from them are bit-exact.
 
+``i16v_maddubs(acc, pairs, a_words, index)`` (the raw-weight path): per int16 lane, two unsigned nibbles
+times the two int8 of ``a_words[index]`` (int16), added to acc: vpmaddubsw with AVX512-BW, portable IR
+elsewhere.
+
 ``dpbusd(acc, w, a_words, index)``: with ``a = a_words[index]`` (int32), for each int32 lane i,
 ``acc[i] + sum_j u8(w byte 4i+j) * s8(a byte j)``. On a CPU
 with AVX512-VNNI it is the vpdpbusd instruction; elsewhere it is the same sum in portable LLVM IR.
@@ -35,16 +39,17 @@ _VPAIR = ir.VectorType(_I8, 2 * LANES)
 _ZMM_I32 = ir.VectorType(_I32, 16)
 
 
-def _host_has_vnni() -> bool:
+def _host_has(*names: str) -> bool:
     """Whether numba compiles for this CPU (not a NUMBA_CPU_NAME / NUMBA_CPU_FEATURES override, e.g.
-    "generic" for portable caches) and it has AVX512-VNNI."""
+    "generic" for portable caches) and it has every one of these LLVM CPU features."""
     if numba_config.CPU_NAME not in (None, "host") or numba_config.CPU_FEATURES:
         return False
     features = llvm_binding.get_host_cpu_features()
-    return bool(features.get("avx512vnni") and features.get("avx512bw") and features.get("avx512f"))
+    return all(features.get(name) for name in names)
 
 
-HAS_VNNI = _host_has_vnni()
+HAS_VNNI = _host_has("avx512vnni", "avx512bw", "avx512f")
+HAS_AVX512BW = _host_has("avx512bw", "avx512f")
 
 
 class _VectorType(types.Type):
@@ -379,12 +384,6 @@ def _maddubs_avx512(builder, pairs, weights):
     return builder.call(fn, [pairs, weights])
 
 
-def _host_has_avx512bw() -> bool:
-    if numba_config.CPU_NAME not in (None, "host") or numba_config.CPU_FEATURES:
-        return False
-    return bool(llvm_binding.get_host_cpu_features().get("avx512bw"))
-
-
 def _make_maddubs(lower):
     @intrinsic
     def maddubs(typingctx, acc, pairs, a_words, index):
@@ -406,7 +405,7 @@ def _make_maddubs(lower):
 
 i16v_maddubs_portable = _make_maddubs(_maddubs_portable)
 i16v_maddubs_avx512 = _make_maddubs(_maddubs_avx512)
-i16v_maddubs = i16v_maddubs_avx512 if _host_has_avx512bw() else i16v_maddubs_portable
+i16v_maddubs = i16v_maddubs_avx512 if HAS_AVX512BW else i16v_maddubs_portable
 
 
 def _zip_intrinsic(part: int):
