@@ -1,15 +1,19 @@
 """WeightQuantBatchMatmul on this CPU against torch baselines, measured in one run (interleaved rounds).
 
-For M in --ms: F.linear with the dequantized BF16 weight, aten._weight_int4pack_mm_for_cpu with BF16
-activations (same weight, group size), and lowbit's MSD ``basic`` and ``preload`` through a reused plan
-with the weight packed once (``plan.pack_weight``).
+For each N x K in --shapes and M in --ms: F.linear with the dequantized BF16 weight,
+aten._weight_int4pack_mm_for_cpu with BF16 activations (same weight, group size), lowbit's MSD ``basic`` and
+``preload`` through a reused plan with the weight packed once (``plan.pack_weight``), and the one-shot op
+``weight_quant_batch_matmul(x, weight, scale)`` with the raw (K, N/2) weight (no plan, no packing: what a
+caller of the upstream convention runs; it allocates its output and workspace every call).
+Before every timed call an untimed torch op runs (a SiLU over an 8 MiB activation, as the other layers of
+a model forward would), so each call starts with torch's threads just used and part of the cache replaced.
 Two measurements, both as medians (and minima) over --rounds interleaved rounds:
 
 * wall: all threads (torch.get_num_threads()), perf_counter per call;
 * cpu1: one thread for everyone (torch and numba), CPU time of the calling thread (time.thread_time), which
   a shared, noisy machine does not inflate by descheduling.
 
-    PYTHONPATH=src flock /tmp/lowbit-bench.lock python benchmarks/wqbmm_cpu.py
+    PYTHONPATH=src flock /tmp/lowbit-bench.lock python benchmarks/wqbmm_cpu.py --shapes 12288x8192,4096x4096
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ import torch.nn.functional as F
 
 from lowbit.cli.bench.wqbmm import int4pack_baseline
 from lowbit.formats import wqbmm as reference
-from lowbit.ops.wqbmm import TEMPLATES, plan_weight_quant_batch_matmul
+from lowbit.ops.wqbmm import TEMPLATES, plan_weight_quant_batch_matmul, weight_quant_batch_matmul
+
+_FORWARD_NEIGHBOUR = torch.randn(2 * 1024 * 1024)  # 8 MiB of float32 activations
 
 
 def _cases(m, k, n, g, weight, scale, dense_bf16, int4mm, gen):
@@ -38,6 +44,8 @@ def _cases(m, k, n, g, weight, scale, dense_bf16, int4mm, gen):
         cases[f"lowbit {template}"] = lambda plan=plan, out=out, workspace=workspace, packed=packed: plan.run(
             x, packed, scale, out=out, workspace=workspace
         )
+    cases["lowbit one-shot raw W"] = lambda: weight_quant_batch_matmul(x, weight, scale, group_size=g,
+                                                                      backend="native")
     return cases
 
 
@@ -48,6 +56,7 @@ def _measure(cases, rounds, clock):
         fn()
     for _ in range(rounds):
         for name, fn in cases.items():
+            F.silu(_FORWARD_NEIGHBOUR)
             start = clock()
             fn()
             samples[name].append(clock() - start)
@@ -57,12 +66,16 @@ def _measure(cases, rounds, clock):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ms", default="1,16")
-    parser.add_argument("--n", type=int, default=12288)
-    parser.add_argument("--k", type=int, default=8192)
+    parser.add_argument("--shapes", default="12288x8192", help="comma-separated NxK")
     parser.add_argument("--group-size", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=21)
     args = parser.parse_args()
-    n, k, g = args.n, args.k, args.group_size
+    for shape in args.shapes.split(","):
+        n, k = (int(v) for v in shape.split("x"))
+        _run_shape(n, k, args.group_size, [int(v) for v in args.ms.split(",")], args.rounds)
+
+
+def _run_shape(n, k, g, ms, rounds):
     gen = torch.Generator().manual_seed(0)
     weight = torch.randint(0, 256, (k, n // 2), generator=gen, dtype=torch.uint8)
     scale = (torch.rand(k // g, n, generator=gen) * 0.02).to(torch.float16)
@@ -72,13 +85,13 @@ def main() -> None:
     print(f"N={n} K={k} G={g}; wall: {threads} threads; cpu1: 1 thread, thread CPU time. ms: median (min)")
     print("| M | what | wall ms | wall x F.linear | cpu1 ms | cpu1 x F.linear |")
     print("|---|---|---|---|---|---|")
-    for m in (int(v) for v in args.ms.split(",")):
+    for m in ms:
         cases = _cases(m, k, n, g, weight, scale, dense_bf16, int4mm, gen)
         torch.set_num_threads(threads)
         numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
-        wall = _measure(cases, args.rounds, time.perf_counter)
+        wall = _measure(cases, rounds, time.perf_counter)
         torch.set_num_threads(1)  # lowbit's wrapper syncs numba to torch's thread count
-        cpu1 = _measure(cases, max(5, args.rounds // 3), time.thread_time)
+        cpu1 = _measure(cases, max(5, rounds // 3), time.thread_time)
         torch.set_num_threads(threads)
         base_wall, base_cpu = wall["F.linear bf16"][0], cpu1["F.linear bf16"][0]
         for name in cases:

@@ -22,6 +22,16 @@ def wqbmm_operands(m: int, k: int, n: int, g: int, dtype=torch.float16, seed: in
     return x, weight, scale
 
 
+def wqbmm_spread_operands(gen: torch.Generator, m: int, k: int, n: int, g: int, dtype, with_offset: bool):
+    """Random (x, weight, scale, offset or None) with row magnitudes spread over six decades, scales in
+    (-4, 4) and int offsets in [-8, 7]: the kernel tests' draws."""
+    x = ((torch.rand(m, k, generator=gen) * 2 - 1) * 10 ** (torch.rand(m, 1, generator=gen) * 6 - 3)).to(dtype)
+    weight = torch.randint(0, 256, (k, n // 2), generator=gen, dtype=torch.uint8)
+    scale = ((torch.rand(k // g, n, generator=gen) * 2 - 1) * 4).to(dtype)
+    offset = torch.randint(-8, 8, (k // g, n), generator=gen).to(dtype) if with_offset else None
+    return x, weight, scale, offset
+
+
 def run_cli(capsys, *argv):
     """Run ``lowbit *argv`` in this process; returns (exit code, stdout, stderr)."""
     from lowbit.cli import main as cli

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import bits
+from helpers import bits, wqbmm_spread_operands
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -35,11 +35,8 @@ def run_cpu(x, weight, scale, offset, g, template, prepacked=False):
 
 def _draw_inputs(data, m, k, n, g, dtype, with_offset, edges):
     seed = data.draw(st.integers(0, 2**31 - 1), label="seed")
-    gen = torch.Generator().manual_seed(seed)
-    x = ((torch.rand(m, k, generator=gen) * 2 - 1) * 10 ** (torch.rand(m, 1, generator=gen) * 6 - 3)).to(dtype)
-    weight = torch.randint(0, 256, (k, n // 2), generator=gen, dtype=torch.uint8)
-    scale = ((torch.rand(k // g, n, generator=gen) * 2 - 1) * 4).to(dtype)
-    offset = torch.randint(-8, 8, (k // g, n), generator=gen).to(dtype) if with_offset else None
+    x, weight, scale, offset = wqbmm_spread_operands(torch.Generator().manual_seed(seed), m, k, n, g, dtype,
+                                                     with_offset)
     if edges:
         fmax = torch.finfo(dtype).max
         specials = [0.0, -0.0, float("nan"), float("inf"), -float("inf"), fmax, -fmax, torch.finfo(dtype).tiny / 4]

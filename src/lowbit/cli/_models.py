@@ -1,5 +1,6 @@
-"""What ``lowbit quantize`` and ``lowbit eval`` share: the --model argument, progress bars, reading a JSON file.
-(One-line errors and exit 2: lowbit.cli.main, docs/cli.md.)"""
+"""What ``lowbit quantize`` and ``lowbit eval`` share: the --model argument, progress bars, JSON files.
+
+Errors are reported by the command's central handler (lowbit.cli.main): one line, exit status 2."""
 
 from __future__ import annotations
 

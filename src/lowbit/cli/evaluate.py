@@ -9,7 +9,6 @@ for bad arguments, files or models (docs/evaluation.md, docs/cli.md).
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from lowbit.cli._models import MODEL_HELP, progress
 from lowbit.cli.output import json_text, writable_path

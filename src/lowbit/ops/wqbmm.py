@@ -17,7 +17,8 @@ template, TypeError for a non-int size, BackendUnavailable for a backend that ca
 
 Two-stage call (aclnn style): :func:`plan_weight_quant_batch_matmul` fixes the sizes and the kernel and
 returns a :class:`WqbmmPlan` with ``workspace_nbytes``; ``plan.run(..., out=, workspace=)`` with a reused
-output and workspace allocates nothing. A raw weight is repacked on every call (into the workspace);
+output and workspace allocates nothing. A raw weight's current values are used on every call (the CPU kernel
+reads it directly for ``preload`` at M <= 16 and repacks it into the workspace otherwise);
 ``plan.pack_weight(weight)`` returns an explicit :class:`PackedWeight` snapshot that later runs use as it is.
 Every path runs through ``MATMUL`` (validation, kernel selection, ``last_backend`` after execution), and
 the kernel's ``run`` checks a packed weight and a workspace against its own needs before any kernel code
@@ -119,9 +120,11 @@ def _probes():
     """Small MSD problems covering the kernels' edge shapes: every group size 32..160 (96 and 160 are not
     powers of two), odd M and M past a multiple of four (the CPU kernel takes rows by fours), N not a
     multiple of 32 (padded column tiles), both templates, FP16 and BF16, with and without an offset, and
-    special activations (NaN, Inf, zero group, extremes) and scales."""
+    special activations (NaN, Inf, zero group, extremes) and scales. M = 17 is past the CPU kernel's
+    raw-weight path (preload reads a raw weight as it is up to M = 16 and repacks it above;
+    docs/wqbmm.md, section 'Raw-weight path')."""
     gen = torch.Generator().manual_seed(0)
-    cases = [(1, 32, 34), (3, 64, 70), (5, 96, 100), (7, 128, 2), (4, 160, 64)]  # (M, G, N)
+    cases = [(1, 32, 34), (3, 64, 70), (5, 96, 100), (7, 128, 2), (4, 160, 64), (17, 32, 66)]  # (M, G, N)
     probes = []
     for i, (m, g, n) in enumerate(cases):
         dtype = ACTIVATION_DTYPES[i % 2]
@@ -268,8 +271,9 @@ class WqbmmPlan:
         workspace: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Execute the plan (the aclnn "Execute" stage); x must be (..., K) with M rows, of the plan's
-        dtype and device. ``weight``: the raw (K, N/2) uint8 weight (its current values, repacked into the
-        workspace on every call; not with a ``prepacked`` plan) or this plan's :class:`PackedWeight` (no
+        dtype and device. ``weight``: the raw (K, N/2) uint8 weight (its current values, read on every call:
+        by the CPU kernel directly for ``preload`` at M <= 16, else repacked into the workspace; not with a
+        ``prepacked`` plan) or this plan's :class:`PackedWeight` (no
         repack). ``out`` / ``workspace``: reused tensors (allocated when None); the workspace must share no
         memory with the operands (ShapeError); an ``out`` that overlaps it goes through a temporary."""
         prepacked = isinstance(weight, PackedWeight)

@@ -6,9 +6,15 @@ live in registers; LANES = 32: two AVX-512 registers each on x86):
 
     I32V   <LANES x i32>    integer accumulators / 4 * LANES bytes of packed weights
     F32V   <LANES x float>  float32 post-processing
+    I16V   <LANES x i16>    small exact integer sums over LANES bytes of a raw int4 weight row
+    U8P    <2 LANES x i8>   LANES unsigned nibbles of two weight rows, interleaved (row k, row k + 1)
 
 and @intrinsic operations on them. Every operation is exact integer or IEEE float32 arithmetic (fmul/fadd
 without fast-math flags, so LLVM never contracts them into FMA): kernels built from them are bit-exact.
+
+``i16v_maddubs(acc, pairs, a_words, index)`` (the raw-weight path): per int16 lane, two unsigned nibbles
+times the two int8 of ``a_words[index]`` (int16), added to acc: vpmaddubsw with AVX512-BW, portable IR
+elsewhere.
 
 ``dpbusd(acc, w, a_words, index)``: with ``a = a_words[index]`` (int32), for each int32 lane i,
 ``acc[i] + sum_j u8(w byte 4i+j) * s8(a byte j)``. On a CPU
@@ -28,19 +34,22 @@ LANES = 32
 _I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
 _VI32 = ir.VectorType(_I32, LANES)
 _VF32 = ir.VectorType(ir.FloatType(), LANES)
+_VI16 = ir.VectorType(_I16, LANES)
+_VPAIR = ir.VectorType(_I8, 2 * LANES)
 _ZMM_I32 = ir.VectorType(_I32, 16)
 
 
-def _host_has_vnni() -> bool:
+def _host_has(*names: str) -> bool:
     """Whether numba compiles for this CPU (not a NUMBA_CPU_NAME / NUMBA_CPU_FEATURES override, e.g.
-    "generic" for portable caches) and it has AVX512-VNNI."""
+    "generic" for portable caches) and it has every one of these LLVM CPU features."""
     if numba_config.CPU_NAME not in (None, "host") or numba_config.CPU_FEATURES:
         return False
     features = llvm_binding.get_host_cpu_features()
-    return bool(features.get("avx512vnni") and features.get("avx512bw") and features.get("avx512f"))
+    return all(features.get(name) for name in names)
 
 
-HAS_VNNI = _host_has_vnni()
+HAS_VNNI = _host_has("avx512vnni", "avx512bw", "avx512f")
+HAS_AVX512BW = _host_has("avx512bw", "avx512f")
 
 
 class _VectorType(types.Type):
@@ -50,11 +59,14 @@ class _VectorType(types.Type):
 
 I32V = _VectorType("I32V")
 F32V = _VectorType("F32V")
+I16V = _VectorType("I16V")
+U8P = _VectorType("U8P")
+_LLVM_TYPES = {"I32V": _VI32, "F32V": _VF32, "I16V": _VI16, "U8P": _VPAIR}
 
 
 class _VectorModel(models.PrimitiveModel):
     def __init__(self, dmm, fe_type):
-        super().__init__(dmm, fe_type, _VI32 if fe_type.name == "I32V" else _VF32)
+        super().__init__(dmm, fe_type, _LLVM_TYPES[fe_type.name])
 
 
 register_model(_VectorType)(_VectorModel)
@@ -309,3 +321,119 @@ def f32v_canonical_nan(typingctx, value):
         return builder.select(is_nan, nan, args[0])
 
     return F32V(value), codegen
+
+
+# ---- int16 sums over raw int4 weight rows -----------------------------------------------------------------
+
+
+def _nibble_pairs_intrinsic(high: bool):
+    @intrinsic
+    def nibble_pairs(typingctx, arr, index, stride):
+        def codegen(context, builder, sig, args):
+            v_i8 = ir.VectorType(_I8, LANES)
+            rows = []
+            for offset in (args[1], builder.add(args[1], context.cast(builder, args[2], sig.args[2], sig.args[1]))):
+                byte = builder.load(_element_ptr(context, builder, sig.args[0], args[0], offset, v_i8), align=1)
+                u = builder.xor(byte, ir.Constant(v_i8, [0x88] * LANES))  # both nibbles + 8 (mod 16)
+                if high:
+                    rows.append(builder.lshr(u, ir.Constant(v_i8, [4] * LANES)))
+                else:
+                    rows.append(builder.and_(u, ir.Constant(v_i8, [0x0F] * LANES)))
+            lanes = [index for t in range(LANES) for index in (t, LANES + t)]
+            return builder.shuffle_vector(rows[0], rows[1], ir.Constant(ir.VectorType(_I32, 2 * LANES), lanes))
+
+        return U8P(arr, index, stride), codegen
+
+    return nibble_pairs
+
+
+u4p_low = _nibble_pairs_intrinsic(False)
+u4p_high = _nibble_pairs_intrinsic(True)
+u4p_low.__doc__ = """U8P of u = W + 8 (0..15) of the LOW nibbles of LANES bytes of a uint8 array at element ``index``
+(row k) and at ``index + stride`` (row k + 1), interleaved byte by byte: (u[k, 0], u[k + 1, 0], u[k, 1], ...).
+A two's-complement nibble plus 8 is the nibble xor 8."""
+u4p_high.__doc__ = "The same for the HIGH nibbles."
+
+
+@intrinsic
+def i16v_zero(typingctx):
+    """All-zero I16V."""
+
+    def codegen(context, builder, sig, args):
+        return ir.Constant(_VI16, [0] * LANES)
+
+    return I16V(), codegen
+
+
+def _maddubs_portable(builder, pairs, weights):
+    """Per int16 lane i: u8(pairs[2i]) * s8(weights[2i]) + u8(pairs[2i + 1]) * s8(weights[2i + 1])."""
+    even, odd = (ir.Constant(_VI32, list(range(p, 2 * LANES, 2))) for p in (0, 1))
+    undef = ir.Constant(_VPAIR, None)
+    products = [
+        builder.mul(builder.zext(builder.shuffle_vector(pairs, undef, lanes), _VI16),
+                    builder.sext(builder.shuffle_vector(weights, undef, lanes), _VI16))
+        for lanes in (even, odd)
+    ]
+    return builder.add(*products)
+
+
+def _maddubs_avx512(builder, pairs, weights):
+    """vpmaddubsw: the same with signed saturation, which sums of at most 2 * 15 * 128 never reach."""
+    fnty = ir.FunctionType(_VI16, [_VPAIR, _VPAIR])
+    fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.avx512.pmaddubs.w.512")
+    return builder.call(fn, [pairs, weights])
+
+
+def _make_maddubs(lower):
+    @intrinsic
+    def maddubs(typingctx, acc, pairs, a_words, index):
+        """acc + u0 * a0 + u1 * a1 per int16 lane i, (u0, u1) = bytes 2i, 2i + 1 of ``pairs`` (unsigned, <= 15
+        here) and (a0, a1) the two signed bytes (low, high) of ``a_words[index]`` (a 1-D C-contiguous int16
+        array: two consecutive int8 activations viewed as one int16); exact for these ranges."""
+
+        def codegen(context, builder, sig, args):
+            acc, pairs, arr, idx = args
+            data = context.make_array(sig.args[2])(context, builder, arr).data
+            word = builder.load(builder.gep(data, [idx]))
+            weights = builder.bitcast(_splat(builder, word, _VI16), _VPAIR)
+            return builder.add(acc, lower(builder, pairs, weights))
+
+        return I16V(acc, pairs, a_words, index), codegen
+
+    return maddubs
+
+
+i16v_maddubs_portable = _make_maddubs(_maddubs_portable)
+i16v_maddubs_avx512 = _make_maddubs(_maddubs_avx512)
+i16v_maddubs = i16v_maddubs_avx512 if HAS_AVX512BW else i16v_maddubs_portable
+
+
+def _zip_intrinsic(part: int):
+    @intrinsic
+    def zip_half(typingctx, low, high):
+        def codegen(context, builder, sig, args):
+            a, b = (builder.sext(v, _VI32) for v in args)
+            half = LANES // 2
+            lanes = [index for t in range(half) for index in (part * half + t, LANES + part * half + t)]
+            return builder.shuffle_vector(a, b, ir.Constant(_VI32, lanes))
+
+        return I32V(low, high), codegen
+
+    return zip_half
+
+
+i16v_zip_first = _zip_intrinsic(0)
+i16v_zip_second = _zip_intrinsic(1)
+i16v_zip_first.__doc__ = """I32V (low[0], high[0], low[1], high[1], ..., high[LANES/2 - 1]) of two I16V, sign-extended:
+the even and odd columns of a raw weight row's sums back in column order."""
+i16v_zip_second.__doc__ = "The same for lanes LANES/2 .. LANES - 1."
+
+
+@intrinsic
+def i32v_add(typingctx, a, b):
+    """a + b per int32 lane (wrapping)."""
+
+    def codegen(context, builder, sig, args):
+        return builder.add(args[0], args[1])
+
+    return I32V(a, b), codegen

@@ -28,6 +28,11 @@ Templates (same numbers):
 * ``preload``: pre-process, then one fused loop per 32-column tile where each group's integer matmul
   stays in registers and is post-processed at once (no ``Y_int``); the weight stream of the next group
   overlaps the post-processing of this one (out-of-order execution and the hardware prefetcher).
+
+Raw-weight path (:func:`_raw_preload`; docs/wqbmm.md, section 'Raw-weight path'): ``preload`` with a raw
+(K, N/2) weight and at most RAW_MAX_ROWS rows reads the raw bytes as they are, row by row (two rows per
+``vpmaddubsw``, int16 sums over at most RAW_SPAN_K rows, then int32), and post-processes with the same
+:func:`_accumulate_row`: the same integers, the same float order, the same bits, without the repack.
 """
 
 from __future__ import annotations
@@ -112,6 +117,13 @@ def _pack_into(weight: torch.Tensor, group_size: int, tiles: torch.Tensor) -> No
     _pack_tiles(as_numpy(weight), group_size, as_numpy(tiles))
 
 
+def reads_raw_weight(m: int, template: str, prepacked: bool) -> bool:
+    """Whether a call reads the raw (K, N/2) weight as it is (:func:`_raw_preload`) instead of repacking it
+    into tiles: ``preload`` with at most RAW_MAX_ROWS rows, where one pass over the raw bytes costs less than
+    a repack (docs/wqbmm.md, section 'Raw-weight path'). Same bits either way."""
+    return not prepacked and template == "preload" and m <= RAW_MAX_ROWS
+
+
 @dataclass(frozen=True)
 class WorkspaceLayout:
     """Byte offsets of the scratch arrays inside one uint8 workspace."""
@@ -121,16 +133,23 @@ class WorkspaceLayout:
     n: int
     group_size: int
     template: str
+    raw: bool  # the raw (K, N/2) weight is read as it is (:func:`_raw_preload`)
     offsets: dict
     nbytes: int
 
     @staticmethod
     @functools.lru_cache(maxsize=64)
     def build(m: int, k: int, n: int, group_size: int, template: str, prepacked: bool = False) -> "WorkspaceLayout":
-        """``prepacked``: the caller passes tiles from ``MATMUL.pack_weight``; otherwise the workspace also
-        holds the tiles, repacked there from the raw weight on every call."""
+        """``prepacked``: the caller passes tiles from ``MATMUL.pack_weight``; otherwise the weight is raw and
+        either read as it is (:func:`reads_raw_weight`: room for the block sums) or repacked into tiles in the
+        workspace on every call."""
         groups, npad = k // group_size, padded_n(n)
-        sizes = {} if prepacked else {"tiles": tiles_nbytes(k, n)}
+        raw = reads_raw_weight(m, template, prepacked)
+        if raw:
+            block_elements = 3 * m * RAW_BLOCK_N * -(-npad // RAW_BLOCK_N)
+            sizes = {"ysum": 4 * block_elements}
+        else:
+            sizes = {} if prepacked else {"tiles": tiles_nbytes(k, n)}
         sizes.update({
             "x32": 4 * m * k,  # float32 activations
             "a_i8": 3 * m * k,  # A1..A3
@@ -143,7 +162,7 @@ class WorkspaceLayout:
         if template == "basic":
             sizes["y_int"] = 4 * 3 * m * groups * npad
         offsets, total = aligned_offsets(sizes)
-        return WorkspaceLayout(m, k, n, group_size, template, offsets, total)
+        return WorkspaceLayout(m, k, n, group_size, template, raw, offsets, total)
 
     def view(self, workspace: torch.Tensor, name: str, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
         start, size = self.offsets[name]
@@ -200,7 +219,7 @@ def _msd_preprocess_serial(x32, group_size, a_i8, a_max, a_sum):
 
 
 _SERIAL_PREPROCESS_MAX = 1 << 16  # elements of x
-_PARALLEL_CHUNK = 4  # prange iterations (32-column tiles) a thread takes at a time
+_PARALLEL_CHUNK = 4  # prange iterations (32-column tiles) a thread takes at a time (raw-weight blocks: 1)
 
 
 @numba.njit(**_INLINE_OPTIONS)
@@ -336,6 +355,108 @@ def _preload(tiles, a_quads, a_max, a_sum, scale_bits, offset_bits, group_size, 
             simd.f32v_store(y_flat, row, simd.f32v_canonical_nan(simd.f32v_load(y_flat, row)))
 
 
+RAW_BLOCK_N = 64 * TILE_N  # columns per parallel task of the raw-weight path (a multiple of TILE_N)
+RAW_SPAN_K = 256  # weight rows summed in int16 before widening to int32: 256 * 7 * 15 < 2**15
+RAW_MAX_ROWS = 16  # M up to which a raw weight is read as it is (above: repacked; docs/wqbmm.md)
+
+
+@numba.njit(**_INLINE_OPTIONS)
+def _raw_span(weight, half, k0, k1, byte0, nbytes, a_i8, a_words, ysum, at):
+    """ysum += sum over rows k0..k1-1 (an even count, at most RAW_SPAN_K) of A_i[m, k] * u[k, col] for the
+    block's columns: ``ysum[at + (m * 3 + i) * RAW_BLOCK_N + c]`` holds block column c (``2 * byte0 + c``).
+
+    ``weight``: the flat raw bytes (rows of ``half`` bytes); ``a_words``: ``a_i8`` (M, 3, K) viewed as int16,
+    one word per two consecutive k. u = W + 8. Per row m and LANES bytes of the rows (2 * LANES columns),
+    the six int16 sums (3 components x even / odd columns) stay in registers while the span's rows stream
+    by two at a time; every product and partial sum is a small exact integer (|A| <= 7, u <= 15, at most
+    RAW_SPAN_K rows), so int16 lanes hold them exactly. Then they are put back in column order, widened and
+    added to ``ysum``. The block's last ``nbytes % LANES`` bytes go one by one.
+    """
+    m_rows, _, k = a_i8.shape
+    vector_bytes = nbytes - nbytes % simd.LANES
+    for m in range(m_rows):
+        y0 = at + m * 3 * RAW_BLOCK_N
+        w0 = (m * 3 * k + k0) // 2  # a_words index of the first pair of A1
+        for j in range(0, vector_bytes, simd.LANES):
+            s1 = s2 = s3 = s4 = s5 = s6 = simd.i16v_zero()
+            row = k0 * half + byte0 + j
+            for p in range((k1 - k0) // 2):
+                low, high = simd.u4p_low(weight, row, half), simd.u4p_high(weight, row, half)
+                s1 = simd.i16v_maddubs(s1, low, a_words, w0 + p)
+                s2 = simd.i16v_maddubs(s2, high, a_words, w0 + p)
+                s3 = simd.i16v_maddubs(s3, low, a_words, w0 + k // 2 + p)
+                s4 = simd.i16v_maddubs(s4, high, a_words, w0 + k // 2 + p)
+                s5 = simd.i16v_maddubs(s5, low, a_words, w0 + k + p)
+                s6 = simd.i16v_maddubs(s6, high, a_words, w0 + k + p)
+                row += 2 * half
+            c = y0 + 2 * j
+            _add_zipped(ysum, c, s1, s2)
+            _add_zipped(ysum, c + RAW_BLOCK_N, s3, s4)
+            _add_zipped(ysum, c + 2 * RAW_BLOCK_N, s5, s6)
+        for j in range(vector_bytes, nbytes):
+            for kk in range(k0, k1):
+                u = np.int32(weight[kk * half + byte0 + j] ^ 0x88)
+                for i in range(3):
+                    a = np.int32(a_i8[m, i, kk])
+                    ysum[y0 + i * RAW_BLOCK_N + 2 * j] += a * (u & 15)
+                    ysum[y0 + i * RAW_BLOCK_N + 2 * j + 1] += a * (u >> 4)
+
+
+@numba.njit(**_INLINE_OPTIONS)
+def _add_zipped(ysum, at, even, odd):
+    """ysum[at : at + 2 * LANES] += the even / odd column sums in column order (sign-extended)."""
+    _add_at(ysum, at, simd.i16v_zip_first(even, odd))
+    _add_at(ysum, at + simd.LANES, simd.i16v_zip_second(even, odd))
+
+
+@numba.njit(**_INLINE_OPTIONS)
+def _add_at(ysum, at, y):
+    simd.i32v_store(ysum, at, simd.i32v_add(simd.i32v_load(ysum, at), y))
+
+
+@numba.njit(**PARALLEL_NJIT_OPTIONS)
+def _raw_preload(weight, a_i8, a_max, a_sum, scale_bits, offset_bits, group_size, is_bf16, has_offset, ysum,
+                 y32):
+    """The fused MSD matmul reading the flat raw (K * N/2) weight (rows <= RAW_MAX_ROWS); y32 (M, padded N)
+    float32 is overwritten. Per RAW_BLOCK_N-column block and group: the group's sums ``sum_k A_i[k] * u[k, n]``
+    (:func:`_raw_span`, into ``ysum``: 3 * M * RAW_BLOCK_N int32 per block), then :func:`_accumulate_row` per
+    TILE_N columns, exactly as :func:`_preload` post-processes its tiles."""
+    half = weight.size // a_i8.shape[2]
+    m_rows, groups = a_max.shape
+    npad = y32.shape[1]
+    width = RAW_BLOCK_N // 2  # weight bytes per block
+    a_words = a_i8.reshape(-1).view(np.int16)
+    block_size = 3 * m_rows * RAW_BLOCK_N
+    y_flat = y32.reshape(-1)
+    for block in numba.prange(-(-npad // RAW_BLOCK_N)):
+        col0 = block * RAW_BLOCK_N
+        byte0 = col0 // 2
+        nbytes = min(width, half - byte0)
+        tiles = (min(npad, col0 + RAW_BLOCK_N) - col0) // TILE_N
+        at = block * block_size
+        for m in range(m_rows):
+            y_flat[m * npad + col0 : m * npad + col0 + tiles * TILE_N] = 0
+        for g in range(groups):
+            ysum[at : at + block_size] = 0
+            for k0 in range(g * group_size, (g + 1) * group_size, RAW_SPAN_K):
+                k1 = min(k0 + RAW_SPAN_K, (g + 1) * group_size)
+                _raw_span(weight, half, k0, k1, byte0, nbytes, a_i8, a_words, ysum, at)
+            for m in range(m_rows):
+                for t in range(tiles):
+                    y0 = at + m * 3 * RAW_BLOCK_N + TILE_N * t
+                    y1 = simd.i32v_load(ysum, y0)
+                    y2 = simd.i32v_load(ysum, y0 + RAW_BLOCK_N)
+                    y3 = simd.i32v_load(ysum, y0 + 2 * RAW_BLOCK_N)
+                    _accumulate_row(
+                        y_flat, m * npad + col0 + TILE_N * t, m, g, y1, y2, y3,
+                        a_max, a_sum, scale_bits, offset_bits, g * npad + col0 + TILE_N * t, is_bf16, has_offset,
+                    )
+        for m in range(m_rows):
+            for t in range(tiles):
+                row = m * npad + col0 + TILE_N * t
+                simd.f32v_store(y_flat, row, simd.f32v_canonical_nan(simd.f32v_load(y_flat, row)))
+
+
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
 def _basic_matmul(tiles, a_quads, group_size, y_int):
     """Stage 2 of ``basic``: y_int (3, M, K/G, padded N) int32 = dpbusd sums of every group."""
@@ -406,7 +527,7 @@ def _padded_bits(t: torch.Tensor, layout: WorkspaceLayout, workspace: torch.Tens
 
 def _msd_into(
     x: torch.Tensor,
-    tiles: torch.Tensor,
+    weight: torch.Tensor,
     antiquant_scale: torch.Tensor,
     antiquant_offset: torch.Tensor | None,
     layout: WorkspaceLayout,
@@ -415,7 +536,8 @@ def _msd_into(
 ) -> None:
     """MSD matmul on CPU into ``out`` (M, N) of x's dtype.
 
-    ``x`` (M, K) FP16/BF16 CPU tensor, ``tiles`` in the packed layout, scale/offset (K/G, N) in
+    ``x`` (M, K) FP16/BF16 CPU tensor, ``weight``: the tiles of the packed layout, or the raw
+    contiguous (K, N/2) weight when ``layout.raw``; scale/offset (K/G, N) in
     x's dtype, ``workspace`` a uint8 CPU tensor of at least ``layout.nbytes``, all checked by
     ``MATMUL.run``. Allocates nothing.
     """
@@ -434,17 +556,17 @@ def _msd_into(
     sync_threads()
     # Column tiles are handed out in small chunks on demand (not split evenly up front), so a thread
     # that the OS deschedules on a shared machine does not make the other one wait at the end.
-    previous_chunksize = numba.set_parallel_chunksize(_PARALLEL_CHUNK)
+    previous_chunksize = numba.set_parallel_chunksize(1 if layout.raw else _PARALLEL_CHUNK)
     try:
         _run_stages(
-            x32, a_i8, a_max, a_sum, y32, tiles, scale_bits, offset_bits, is_bf16, has_offset, layout, workspace
+            x32, a_i8, a_max, a_sum, y32, weight, scale_bits, offset_bits, is_bf16, has_offset, layout, workspace
         )
     finally:
         numba.set_parallel_chunksize(previous_chunksize)
     out.copy_(y32[:, : layout.n])
 
 
-def _run_stages(x32, a_i8, a_max, a_sum, y32, tiles, scale_bits, offset_bits, is_bf16, has_offset, layout, workspace):
+def _run_stages(x32, a_i8, a_max, a_sum, y32, weight, scale_bits, offset_bits, is_bf16, has_offset, layout, workspace):
     """Pre-process, then the stages of the layout's template (numba kernels on workspace views)."""
     m, k, g = layout.m, layout.k, layout.group_size
     groups = k // g
@@ -452,12 +574,16 @@ def _run_stages(x32, a_i8, a_max, a_sum, y32, tiles, scale_bits, offset_bits, is
     preprocess = _msd_preprocess_serial if m * k <= _SERIAL_PREPROCESS_MAX else _msd_preprocess
     preprocess(as_numpy(x32), g, a_np, amax_np, asum_np)
     a_quads = a_np.reshape(-1).view(np.int32)
-    tiles_np = as_numpy(tiles)
-    if layout.template == "preload":
-        _preload(tiles_np, a_quads, amax_np, asum_np, scale_bits, offset_bits, g, is_bf16, has_offset, y_np)
+    weight_np = as_numpy(weight)
+    if layout.raw:
+        ysum = as_numpy(layout.view(workspace, "ysum", torch.int32, (-1,)))
+        _raw_preload(weight_np.reshape(-1), a_np, amax_np, asum_np, scale_bits, offset_bits, g, is_bf16, has_offset,
+                     ysum, y_np)
+    elif layout.template == "preload":
+        _preload(weight_np, a_quads, amax_np, asum_np, scale_bits, offset_bits, g, is_bf16, has_offset, y_np)
     else:
         y_int = as_numpy(layout.view(workspace, "y_int", torch.int32, (3, m, groups, padded_n(layout.n))))
-        _basic_matmul(tiles_np, a_quads, g, y_int)
+        _basic_matmul(weight_np, a_quads, g, y_int)
         _basic_post_process(y_int, amax_np, asum_np, scale_bits, offset_bits, is_bf16, has_offset, y_np)
 
 
@@ -485,7 +611,7 @@ class WeightQuantBatchMatmul(WqbmmKernel):
         m, k = x.shape
         n = out.shape[1]
         layout = WorkspaceLayout.build(m, k, n, group_size, template, prepacked)
-        if not prepacked:
+        if not prepacked and not layout.raw:
             tiles = layout.view(workspace, "tiles", torch.uint8, (tiles_nbytes(k, n),))
             _pack_into(weight, group_size, tiles)
             weight = tiles
