@@ -31,16 +31,18 @@ _VF32 = ir.VectorType(ir.FloatType(), LANES)
 _ZMM_I32 = ir.VectorType(_I32, 16)
 
 
-def _host_has_vnni() -> bool:
+def _host_has(*names: str) -> bool:
     """Whether numba compiles for this CPU (not a NUMBA_CPU_NAME / NUMBA_CPU_FEATURES override, e.g.
-    "generic" for portable caches) and it has AVX512-VNNI."""
+    "generic" for portable caches) and it has every feature in ``names`` (LLVM's names)."""
     if numba_config.CPU_NAME not in (None, "host") or numba_config.CPU_FEATURES:
         return False
     features = llvm_binding.get_host_cpu_features()
-    return bool(features.get("avx512vnni") and features.get("avx512bw") and features.get("avx512f"))
+    return all(features.get(name) for name in names)
 
 
-HAS_VNNI = _host_has_vnni()
+HAS_VNNI = _host_has("avx512vnni", "avx512bw", "avx512f")
+HAS_AVX512F = _host_has("avx512f")
+HAS_AVX512VBMI = _host_has("avx512vbmi", "avx512bw", "avx512f")
 
 
 class _VectorType(types.Type):
@@ -297,6 +299,98 @@ f32v_add = _f32_binary("fadd")
 f32v_mul = _f32_binary("fmul")
 f32v_add.__doc__ = "IEEE float32 a + b per lane (b: F32V or float32 scalar)."
 f32v_mul.__doc__ = "IEEE float32 a * b per lane (b: F32V or float32 scalar)."
+
+
+@intrinsic
+def f32v_sum_tree(typingctx, value):
+    """The float32 sum of the LANES lanes folded pairwise: ``lane[i] += lane[i + h]`` for ``i < h``,
+    h = LANES / 2, ..., 1; returns lane 0."""
+
+    def codegen(context, builder, sig, args):
+        v = args[0]
+        width = LANES
+        while width > 1:
+            width //= 2
+            mask = ir.VectorType(_I32, width)
+            low = builder.shuffle_vector(v, v, ir.Constant(mask, list(range(width))))
+            high = builder.shuffle_vector(v, v, ir.Constant(mask, list(range(width, 2 * width))))
+            v = builder.fadd(low, high)
+        return builder.extract_element(v, ir.Constant(_I32, 0))
+
+    return types.float32(value), codegen
+
+
+@intrinsic
+def f32v_keep_first(typingctx, value, count):
+    """Lanes ``i < count`` of ``value``; the others +0.0."""
+
+    def codegen(context, builder, sig, args):
+        count = builder.trunc(args[1], _I32) if args[1].type.width > 32 else args[1]
+        keep = builder.icmp_signed("<", ir.Constant(_VI32, list(range(LANES))), _splat(builder, count, _VI32))
+        return builder.select(keep, args[0], ir.Constant(_VF32, [0.0] * LANES))
+
+    return F32V(value, count), codegen
+
+
+@intrinsic
+def nibbles_load(typingctx, arr, index):
+    """LANES 4-bit codes from LANES / 2 bytes of a 1-D C-contiguous uint8 array at element ``index``:
+    lane 2i is the low nibble of byte i, lane 2i + 1 its high nibble (as int32 0..15)."""
+
+    def codegen(context, builder, sig, args):
+        v_bytes = ir.VectorType(_I8, LANES // 2)
+        packed = builder.load(_element_ptr(context, builder, sig.args[0], args[0], args[1], v_bytes), align=1)
+        low = builder.and_(packed, ir.Constant(v_bytes, [0x0F] * (LANES // 2)))
+        high = builder.lshr(packed, ir.Constant(v_bytes, [4] * (LANES // 2)))
+        interleave = [i // 2 + (LANES // 2) * (i % 2) for i in range(LANES)]
+        return builder.zext(builder.shuffle_vector(low, high, ir.Constant(_VI32, interleave)), _VI32)
+
+    return I32V(arr, index), codegen
+
+
+def _lookup16_avx512(builder, table, index):
+    """vpermps on 16-lane pieces: lane i <- table[index[i] & 15]."""
+    v16f, v16i = ir.VectorType(ir.FloatType(), 16), ir.VectorType(_I32, 16)
+    fn = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(v16f, [v16f, v16i]), "llvm.x86.avx512.permvar.sf.512")
+    entries = builder.shuffle_vector(table, table, ir.Constant(v16i, list(range(16))))
+    pieces = []
+    for p in range(LANES // 16):
+        lanes = builder.shuffle_vector(index, index, ir.Constant(v16i, list(range(16 * p, 16 * p + 16))))
+        pieces.append(builder.call(fn, [entries, lanes]))
+    while len(pieces) > 1:
+        n = pieces[0].type.count
+        pieces = [builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, 2 * n), list(range(2 * n))))
+                  for lo, hi in zip(pieces[0::2], pieces[1::2])]
+    return pieces[0]
+
+
+def _lookup16_portable(builder, table, index):
+    """The same, one lane at a time (variable extractelement), in plain LLVM IR."""
+    result = ir.Constant(_VF32, None)
+    for i in range(LANES):
+        lane = ir.Constant(_I32, i)
+        entry = builder.and_(builder.extract_element(index, lane), ir.Constant(_I32, 15))
+        result = builder.insert_element(result, builder.extract_element(table, entry), lane)
+    return result
+
+
+def _make_lookup16(lower):
+    @intrinsic
+    def lookup16(typingctx, table, index):
+        """Lane i <- lane ``index[i] & 15`` of ``table`` (an F32V whose first 16 lanes are the table)."""
+
+        def codegen(context, builder, sig, args):
+            return lower(builder, args[0], args[1])
+
+        return F32V(table, index), codegen
+
+    return lookup16
+
+
+lookup16_portable = _make_lookup16(_lookup16_portable)
+lookup16_avx512 = _make_lookup16(_lookup16_avx512)
+lookup16 = lookup16_avx512 if HAS_AVX512F else lookup16_portable
 
 
 @intrinsic
