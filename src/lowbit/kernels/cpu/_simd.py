@@ -321,43 +321,63 @@ def f32v_sum_tree(typingctx, value):
 
 
 @intrinsic
-def f32v_keep_first(typingctx, value, count):
-    """Lanes ``i < count`` of ``value``; the others +0.0."""
+def f32v_select(typingctx, keep, value):
+    """Lanes of ``value`` where ``keep`` (I32V) is nonzero; the others +0.0."""
 
     def codegen(context, builder, sig, args):
-        count = builder.trunc(args[1], _I32) if args[1].type.width > 32 else args[1]
-        keep = builder.icmp_signed("<", ir.Constant(_VI32, list(range(LANES))), _splat(builder, count, _VI32))
-        return builder.select(keep, args[0], ir.Constant(_VF32, [0.0] * LANES))
+        nonzero = builder.icmp_signed("!=", args[0], ir.Constant(_VI32, [0] * LANES))
+        return builder.select(nonzero, args[1], ir.Constant(_VF32, [0.0] * LANES))
 
-    return F32V(value, count), codegen
+    return F32V(keep, value), codegen
 
 
 @intrinsic
-def nibbles_load(typingctx, arr, index):
-    """LANES 4-bit codes from LANES / 2 bytes of a 1-D C-contiguous uint8 array at element ``index``:
-    lane 2i is the low nibble of byte i, lane 2i + 1 its high nibble (as int32 0..15)."""
+def f32v_pieces(typingctx, a, b):
+    """F32V with lanes 0 .. LANES/2 - 1 equal to ``a`` and the others to ``b`` (float32 scalars)."""
+    if a != types.float32 or b != types.float32:
+        return None
 
     def codegen(context, builder, sig, args):
-        v_bytes = ir.VectorType(_I8, LANES // 2)
-        packed = builder.load(_element_ptr(context, builder, sig.args[0], args[0], args[1], v_bytes), align=1)
-        low = builder.and_(packed, ir.Constant(v_bytes, [0x0F] * (LANES // 2)))
-        high = builder.lshr(packed, ir.Constant(v_bytes, [4] * (LANES // 2)))
-        interleave = [i // 2 + (LANES // 2) * (i % 2) for i in range(LANES)]
-        return builder.zext(builder.shuffle_vector(low, high, ir.Constant(_VI32, interleave)), _VI32)
+        first, second = (_splat(builder, value, _VF32) for value in args)
+        half = [i if i < LANES // 2 else LANES + i for i in range(LANES)]
+        return builder.shuffle_vector(first, second, ir.Constant(_VI32, half))
+
+    return F32V(a, b), codegen
+
+
+@intrinsic
+def bytes_load(typingctx, arr, index):
+    """LANES bytes of a 1-D C-contiguous uint8 array at element ``index``, zero-extended to int32 lanes."""
+
+    def codegen(context, builder, sig, args):
+        v_bytes = ir.VectorType(_I8, LANES)
+        return builder.zext(builder.load(_element_ptr(context, builder, sig.args[0], args[0], args[1], v_bytes),
+                                          align=1), _VI32)
 
     return I32V(arr, index), codegen
 
 
+@intrinsic
+def i32v_shift_right(typingctx, value, count):
+    """Logical right shift of every int32 lane by ``count`` bits (a constant-size int)."""
+
+    def codegen(context, builder, sig, args):
+        count = builder.trunc(args[1], _I32) if args[1].type.width > 32 else args[1]
+        return builder.lshr(args[0], _splat(builder, count, _VI32))
+
+    return I32V(value, count), codegen
+
+
 def _lookup16_avx512(builder, table, index):
-    """vpermps on 16-lane pieces: lane i <- table[index[i] & 15]."""
+    """vpermps on each 16-lane piece with that piece's 16 table lanes."""
     v16f, v16i = ir.VectorType(ir.FloatType(), 16), ir.VectorType(_I32, 16)
     fn = cgutils.get_or_insert_function(
         builder.module, ir.FunctionType(v16f, [v16f, v16i]), "llvm.x86.avx512.permvar.sf.512")
-    entries = builder.shuffle_vector(table, table, ir.Constant(v16i, list(range(16))))
     pieces = []
     for p in range(LANES // 16):
-        lanes = builder.shuffle_vector(index, index, ir.Constant(v16i, list(range(16 * p, 16 * p + 16))))
-        pieces.append(builder.call(fn, [entries, lanes]))
+        piece = ir.Constant(v16i, list(range(16 * p, 16 * p + 16)))
+        entries = builder.shuffle_vector(table, table, piece)
+        pieces.append(builder.call(fn, [entries, builder.shuffle_vector(index, index, piece)]))
     while len(pieces) > 1:
         n = pieces[0].type.count
         pieces = [builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, 2 * n), list(range(2 * n))))
@@ -371,6 +391,7 @@ def _lookup16_portable(builder, table, index):
     for i in range(LANES):
         lane = ir.Constant(_I32, i)
         entry = builder.and_(builder.extract_element(index, lane), ir.Constant(_I32, 15))
+        entry = builder.add(entry, ir.Constant(_I32, 16 * (i // 16)))
         result = builder.insert_element(result, builder.extract_element(table, entry), lane)
     return result
 
@@ -378,7 +399,8 @@ def _lookup16_portable(builder, table, index):
 def _make_lookup16(lower):
     @intrinsic
     def lookup16(typingctx, table, index):
-        """Lane i <- lane ``index[i] & 15`` of ``table`` (an F32V whose first 16 lanes are the table)."""
+        """Per 16-lane piece p: lane i <- table lane ``16 p + (index[i] & 15)`` (each piece of ``table``
+        holds that piece's 16 entries; the index bits above the low 4 are ignored)."""
 
         def codegen(context, builder, sig, args):
             return lower(builder, args[0], args[1])

@@ -28,10 +28,11 @@ import numpy as np
 import torch
 from llvmlite import ir
 from numba.core import cgutils
+from numba import types
 from numba.extending import intrinsic
 
 from lowbit.backends import Kernel
-from lowbit.formats import hifloat8, mxfp4
+from lowbit.formats import hifloat4, hifloat8, mxfp4
 from lowbit.formats import weight_only as reference
 from lowbit.kernels.cpu import _simd as simd
 from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, as_numpy, sync_threads
@@ -40,7 +41,8 @@ LANES = reference.LANES  # 64 = two F32V
 HALF = simd.LANES  # 32
 GEMV_MAX_M = 4  # rows of x up to which the bit-exact GEMV path runs
 GEMM_TILE_ELEMENTS = 1 << 22  # float32 weights decoded per GEMM tile (16 MiB)
-_ROWS_PER_TASK = 8  # weight rows a thread takes at a time
+_ROWS_PER_TASK = 8  # weight rows per prange iteration
+_PARALLEL_CHUNK = 4  # prange iterations a thread takes at a time
 _INLINE = dict(NJIT_OPTIONS, inline="always")
 
 # ---- tables (from the reference formats) ------------------------------------------------------------------
@@ -51,13 +53,61 @@ _E2M1 = np.tile(mxfp4.e2m1_values(torch.float32).numpy(), 2)  # an F32V: entries
 _HIF4_QUARTERS = np.tile(
     np.array([c / 4 for c in range(8)] + [-c / 4 for c in range(8)], dtype=np.float32), 2
 )  # nibble = sign << 3 | c -> (-1)^sign * c / 4 (nibble 8 is -0.0)
-_FP32_NAN_BITS = np.uint32(0x7FC00000)
+# Scale bytes -> float32 values (a NaN for 0xFF: the block is NaN).
+_E8M0 = torch.exp2(torch.arange(256, dtype=torch.float64) - mxfp4.E8M0_BIAS).to(torch.float32).numpy()
+_E8M0[mxfp4.E8M0_NAN] = np.nan
+_E6M2 = hifloat4.scale_value(torch.arange(256, dtype=torch.int32).clamp(max=254)).numpy()
+_E6M2[hifloat4.POISON_BYTE] = np.nan
 
-# ---- HiFloat8 decode: 32 codes -> F32V --------------------------------------------------------------------
+# ---- register orders ---------------------------------------------------------------------------------------
+# A step's 64 weights sit in two F32V registers in an order that is cheap to decode into: register lane p
+# (0..63; lanes 32..63 are the second register) holds element ORDER[p] of the step. x is stored in the same
+# order, so every register lane accumulates one logical lane of the reference; the lanes are put back in the
+# logical order (one shuffle) before the reference's pairwise fold.
 
-_V8x32 = ir.VectorType(ir.IntType(8), HALF)
+# HiFloat8: the byte unpacks of 64 codes; register quarter q (16 lanes), lane r: element 16 (r // 4) + 4 q + r % 4.
+HIFLOAT8_ORDER = [16 * ((p % 16) // 4) + 4 * (p // 16) + p % 4 for p in range(LANES)]
+# MXFP4, HiFloat4: the low nibbles of 32 bytes (elements 0, 2, .., 62), then the high nibbles (1, 3, .., 63).
+NIBBLE_ORDER = [2 * p for p in range(HALF)] + [2 * p + 1 for p in range(HALF)]
+
 _V8x64 = ir.VectorType(ir.IntType(8), 64)
-_V32x32 = ir.VectorType(ir.IntType(32), HALF)
+_V16x32 = ir.VectorType(ir.IntType(16), 32)
+_V32x16 = ir.VectorType(ir.IntType(32), 16)
+_I32 = ir.IntType(32)
+
+
+def _mask(values) -> ir.Constant:
+    return ir.Constant(ir.VectorType(_I32, len(values)), list(values))
+
+
+def _halves(builder, vector64):
+    """A 64-lane vector as two 32-lane ones."""
+    return (builder.shuffle_vector(vector64, vector64, _mask(range(HALF))),
+            builder.shuffle_vector(vector64, vector64, _mask(range(HALF, LANES))))
+
+
+def _make_logical(order):
+    inverse = [order.index(lane) for lane in range(LANES)]
+
+    @intrinsic
+    def logical(typingctx, first, second):
+        """The 64 lanes of (``first``, ``second``), kept in this register order, as logical lanes
+        (0..31, 32..63)."""
+
+        def codegen(context, builder, sig, args):
+            low = builder.shuffle_vector(args[0], args[1], _mask(inverse[:HALF]))
+            high = builder.shuffle_vector(args[0], args[1], _mask(inverse[HALF:]))
+            return context.make_tuple(builder, sig.return_type, [low, high])
+
+        return types.UniTuple(simd.F32V, 2)(first, second), codegen
+
+    return logical
+
+
+hifloat8_logical = _make_logical(HIFLOAT8_ORDER)
+nibble_logical = _make_logical(NIBBLE_ORDER)
+
+# ---- HiFloat8 decode: 64 codes -> two F32V in HIFLOAT8_ORDER ------------------------------------------------
 
 
 def _byte_table(values) -> tuple[ir.Constant, ir.Constant]:
@@ -67,55 +117,68 @@ def _byte_table(values) -> tuple[ir.Constant, ir.Constant]:
 
 
 def _hifloat8_decode_vbmi(context, builder, codes, table_arg):
-    """Exact FP32 values of 32 codes (<32 x i8>): BF16 bits of the magnitude from two byte tables."""
+    """BF16 bits of the magnitude from two 128-entry byte tables (vpermi2b, index bits 0-6), the code's sign,
+    NaN for 0x80; bytes -> words -> FP32 by unpacking (the order of HIFLOAT8_ORDER)."""
     fn = cgutils.get_or_insert_function(
         builder.module, ir.FunctionType(_V8x64, [_V8x64] * 3), "llvm.x86.avx512.vpermi2var.qi.512")
-    wide = builder.shuffle_vector(codes, codes, ir.Constant(ir.VectorType(ir.IntType(32), 64), list(range(32)) * 2))
-    first = ir.Constant(ir.VectorType(ir.IntType(32), HALF), list(range(HALF)))
-    halves = []
-    for shift in (8, 0):
-        low, high = _byte_table([bits >> shift for bits in _HIF8_BF16_BITS])
-        picked = builder.call(fn, [low, wide, high])  # index bits 0-6; bit 7 (the sign) is ignored
-        halves.append(builder.zext(builder.shuffle_vector(picked, picked, first), _V32x32))
-    sign = builder.zext(builder.and_(codes, ir.Constant(_V8x32, [0x80] * HALF)), _V32x32)
-    high = builder.or_(halves[0], sign)
-    bits = builder.or_(builder.shl(high, ir.Constant(_V32x32, [24] * HALF)),
-                       builder.shl(halves[1], ir.Constant(_V32x32, [16] * HALF)))
-    nan = builder.icmp_unsigned("==", codes, ir.Constant(_V8x32, [hifloat8.NAN_CODE] * HALF))
-    bits = builder.select(nan, ir.Constant(_V32x32, [0x7FFFFFFF] * HALF), bits)
-    return builder.bitcast(bits, ir.VectorType(ir.FloatType(), HALF))
+    high_table, low_table = (_byte_table([bits >> shift for bits in _HIF8_BF16_BITS]) for shift in (8, 0))
+    high = builder.call(fn, [high_table[0], codes, high_table[1]])
+    low = builder.call(fn, [low_table[0], codes, low_table[1]])
+    high = builder.or_(high, builder.and_(codes, ir.Constant(_V8x64, [0x80] * 64)))
+    nan = builder.icmp_unsigned("==", codes, ir.Constant(_V8x64, [hifloat8.NAN_CODE] * 64))
+    high = builder.select(nan, ir.Constant(_V8x64, [0x7F] * 64), high)
+    low = builder.select(nan, ir.Constant(_V8x64, [0xFF] * 64), low)
+    # unpack{l,h}bw per 128-bit lane: words (low byte, high byte) of bytes 0-7 / 8-15 of each lane
+    words = [builder.bitcast(builder.shuffle_vector(low, high, _mask(
+        [i for lane in range(4) for j in range(8 * h, 8 * h + 8) for i in (16 * lane + j, 64 + 16 * lane + j)])),
+        _V16x32) for h in (0, 1)]
+    zero = ir.Constant(_V16x32, [0] * 32)
+    dwords = []
+    for w in words:  # unpack{l,h}wd with zero below: dword = word << 16, words 0-3 / 4-7 of each lane
+        for h in (0, 1):
+            pairs = [i for lane in range(4) for j in range(4 * h, 4 * h + 4) for i in (8 * lane + j, 32 + 8 * lane + j)]
+            dwords.append(builder.bitcast(builder.shuffle_vector(zero, w, _mask(pairs)), _V32x16))
+    quarters = [builder.bitcast(d, ir.VectorType(ir.FloatType(), 16)) for d in dwords]
+    first = builder.shuffle_vector(quarters[0], quarters[1], _mask(range(HALF)))
+    second = builder.shuffle_vector(quarters[2], quarters[3], _mask(range(HALF)))
+    return first, second
 
 
 def _hifloat8_decode_portable(context, builder, codes, table_arg):
     """The same values gathered from the 256-entry FP32 decode table (``table_arg``), in plain LLVM IR."""
     table_type, table = table_arg
     data = context.make_array(table_type)(context, builder, table).data
+    ordered = builder.shuffle_vector(codes, codes, _mask(HIFLOAT8_ORDER))
     i64 = ir.IntType(64)
     v64 = ir.VectorType(i64, HALF)
-    base = builder.insert_element(ir.Constant(v64, None), builder.ptrtoint(data, i64), ir.Constant(ir.IntType(32), 0))
-    bases = builder.shuffle_vector(base, base, ir.Constant(_V32x32, [0] * HALF))
-    offsets = builder.shl(builder.zext(codes, v64), ir.Constant(v64, [2] * HALF))
-    pointers = builder.inttoptr(builder.add(bases, offsets), ir.VectorType(data.type, HALF))
+    base = builder.insert_element(ir.Constant(v64, None), builder.ptrtoint(data, i64), ir.Constant(_I32, 0))
+    bases = builder.shuffle_vector(base, base, _mask([0] * HALF))
     v_f32, v_i1 = ir.VectorType(ir.FloatType(), HALF), ir.VectorType(ir.IntType(1), HALF)
-    fn = cgutils.get_or_insert_function(
-        builder.module, ir.FunctionType(v_f32, [pointers.type, ir.IntType(32), v_i1, v_f32]),
-        f"llvm.masked.gather.v{HALF}f32.v{HALF}p0")
-    return builder.call(fn, [pointers, ir.Constant(ir.IntType(32), 4), ir.Constant(v_i1, [1] * HALF),
-                             ir.Constant(v_f32, None)])
+    halves = []
+    for part in _halves(builder, ordered):
+        offsets = builder.shl(builder.zext(part, v64), ir.Constant(v64, [2] * HALF))
+        pointers = builder.inttoptr(builder.add(bases, offsets), ir.VectorType(data.type, HALF))
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(v_f32, [pointers.type, _I32, v_i1, v_f32]),
+            f"llvm.masked.gather.v{HALF}f32.v{HALF}p0")
+        halves.append(builder.call(fn, [pointers, ir.Constant(_I32, 4), ir.Constant(v_i1, [1] * HALF),
+                                        ir.Constant(v_f32, None)]))
+    return halves
 
 
 def _make_hifloat8_decode(lower):
     @intrinsic
     def hifloat8_decode(typingctx, codes, index, table):
-        """F32V of the exact values of the 32 HiFloat8 codes ``codes[index : index + 32]`` (a 1-D
-        C-contiguous uint8 array); ``table``: the 256-entry FP32 decode table (read by the portable
-        lowering only). NaN (0x80) gives 0x7FFFFFFF, as the reference's FP32 decode."""
+        """Exact FP32 values of the 64 HiFloat8 codes ``codes[index : index + 64]`` (a 1-D C-contiguous
+        uint8 array) as two F32V in HIFLOAT8_ORDER (NaN for 0x80). ``table``: the 256-entry FP32 decode
+        table (read by the portable lowering only)."""
 
         def codegen(context, builder, sig, args):
-            ptr = simd._element_ptr(context, builder, sig.args[0], args[0], args[1], _V8x32)
-            return lower(context, builder, builder.load(ptr, align=1), (sig.args[2], args[2]))
+            ptr = simd._element_ptr(context, builder, sig.args[0], args[0], args[1], _V8x64)
+            first, second = lower(context, builder, builder.load(ptr, align=1), (sig.args[2], args[2]))
+            return context.make_tuple(builder, sig.return_type, [first, second])
 
-        return simd.F32V(codes, index, table), codegen
+        return types.UniTuple(simd.F32V, 2)(codes, index, table), codegen
 
     return hifloat8_decode
 
@@ -125,111 +188,120 @@ hifloat8_decode_vbmi = _make_hifloat8_decode(_hifloat8_decode_vbmi)
 hifloat8_decode = hifloat8_decode_vbmi if simd.HAS_AVX512VBMI else hifloat8_decode_portable
 
 # ---- HiFloat4 multipliers: 2^(e2 + e3) per lane ------------------------------------------------------------
-
-# Lane i of a 32-element half: its 8-group flag is bit 7 - i // 8 of the (shifted) e2 byte, its 4-group flag
-# bit 7 - i // 4 of the half's e3 byte (flag bytes are MSB first: docs/hifloat4.md, 'Packed layout').
-_E2_SHIFTS = [7 - i // 8 for i in range(HALF)]
-_E3_SHIFTS = [7 - i // 4 for i in range(HALF)]
+# In NIBBLE_ORDER register lane i of either register holds element 2i or 2i + 1: 8-group i // 4, 4-group
+# i // 2. Their flags in the block's little-endian scale word [E6M2, e2, e3 (groups 0-7), e3 (8-15)], flag
+# bytes MSB first (docs/hifloat4.md, 'Packed layout'): e2 of group g at bit 15 - g, e3 of group g at bit
+# 23 - g (g < 8) or 39 - g.
+_E2_BITS = [15 - i // 4 for i in range(HALF)]
+_E3_BITS = [23 - i // 2 if i // 2 < 8 else 39 - i // 2 for i in range(HALF)]
 
 
 @intrinsic
-def hifloat4_multipliers(typingctx, e2, e3):
-    """F32V of 2^(e2 flag + e3 flag) for the 32 elements of a half block: ``e2`` the block's e2 byte
-    shifted left by 4 for the second half (int32), ``e3`` the half's e3 byte (int32)."""
+def hifloat4_multipliers(typingctx, word):
+    """F32V of 2^(e2 flag + e3 flag) for register lanes 0..31 (of either register) of a block whose 4
+    scale bytes are the int32 ``word``."""
 
     def codegen(context, builder, sig, args):
-        levels = ir.Constant(_V32x32, [0] * HALF)
-        for value, shifts in zip(args, (_E2_SHIFTS, _E3_SHIFTS)):
-            splat = simd._splat(builder, builder.trunc(value, ir.IntType(32)) if value.type.width > 32 else value,
-                                _V32x32)
-            flag = builder.and_(builder.lshr(splat, ir.Constant(_V32x32, shifts)), ir.Constant(_V32x32, [1] * HALF))
+        word = builder.trunc(args[0], _I32) if args[0].type.width > 32 else args[0]
+        splat = simd._splat(builder, word, simd._VI32)
+        levels = ir.Constant(simd._VI32, [127] * HALF)
+        for bits in (_E2_BITS, _E3_BITS):
+            flag = builder.and_(builder.lshr(splat, _mask(bits)), ir.Constant(simd._VI32, [1] * HALF))
             levels = builder.add(levels, flag)
-        exponent = builder.add(levels, ir.Constant(_V32x32, [127] * HALF))
-        return builder.bitcast(builder.shl(exponent, ir.Constant(_V32x32, [23] * HALF)), simd._VF32)
+        return builder.bitcast(builder.shl(levels, ir.Constant(simd._VI32, [23] * HALF)), simd._VF32)
 
-    return simd.F32V(e2, e3), codegen
-
-
-# ---- scalar scales ---------------------------------------------------------------------------------------
+    return simd.F32V(word), codegen
 
 
-@numba.njit(**_INLINE)
-def _e8m0_value(byte):
-    """2^(byte - 127) as float32 (byte 0: the subnormal 2^-127; 0xFF: NaN)."""
-    b = np.uint32(byte)
-    bits = np.uint32(0x00400000) if b == 0 else np.uint32(b << np.uint32(23))
-    return np.uint32(_FP32_NAN_BITS if b == np.uint32(0xFF) else bits).view(np.float32)
+# ---- one step: the 64 weights k0 .. k0 + 63 of a row, as two F32V in the format's register order ----------
 
 
 @numba.njit(**_INLINE)
-def _e6m2_value(byte):
-    """The E6M2 scale 2^((b >> 2) - 48) * (1 + (b & 3) / 4) as float32 (0xFF: NaN, a poisoned block)."""
-    b = np.uint32(byte)
-    bits = np.uint32(((b >> np.uint32(2)) + np.uint32(127 - 48)) << np.uint32(23) | (b & np.uint32(3)) << np.uint32(21))
-    return np.uint32(_FP32_NAN_BITS if b == np.uint32(0xFF) else bits).view(np.float32)
-
-
-# ---- one step: 64 weights of a row (two F32V) --------------------------------------------------------------
+def _hifloat8_step(codes, start, scale, table):
+    """HiFloat8: the codes at ``codes[start]`` (flat) times the row's ``scale``."""
+    w0, w1 = hifloat8_decode(codes, start, table)
+    return simd.f32v_mul(w0, scale), simd.f32v_mul(w1, scale)
 
 
 @numba.njit(**_INLINE)
-def _hifloat8_step(codes, row_start, k0, scale, table):
-    """Weights k0 .. k0 + 63 of the row whose codes start at ``row_start`` (``codes`` flat)."""
-    w0 = simd.f32v_mul(hifloat8_decode(codes, row_start + k0, table), scale)
-    w1 = simd.f32v_mul(hifloat8_decode(codes, row_start + k0 + HALF, table), scale)
-    return w0, w1
+def _nibble_step(tables, packed, start):
+    """MXFP4 / HiFloat4: 32 bytes at ``packed[start]`` (flat) through ``tables`` (piece p of the F32V
+    serves bytes 16p .. 16p + 15)."""
+    pairs = simd.bytes_load(packed, start)
+    return simd.lookup16(tables, pairs), simd.lookup16(tables, simd.i32v_shift_right(pairs, 4))
 
 
 @numba.njit(**_INLINE)
-def _mxfp4_half(codes, scales, row, block):
-    """Weights of MXFP4 block ``block`` (32 elements) of ``row``: codes (N, K/2), scales (N, K/32)."""
-    table = simd.f32v_mul(simd.f32v_load(_E2M1, 0), _e8m0_value(scales[row, block]))
-    return simd.lookup16(table, simd.nibbles_load(codes.reshape(-1), row * codes.shape[1] + 16 * block))
+def _mxfp4_step(codes, start, scale_a, scale_b):
+    """MXFP4: two blocks (their 32 code bytes at ``codes[start]``) with E8M0 bytes ``scale_a``, ``scale_b``."""
+    scales = simd.f32v_pieces(_E8M0[scale_a], _E8M0[scale_b])
+    return _nibble_step(simd.f32v_mul(simd.f32v_load(_E2M1, 0), scales), codes, start)
 
 
 @numba.njit(**_INLINE)
-def _hifloat4_step(scale, value, row, block):
-    """Weights of HiFloat4 block ``block`` (64 elements) of ``row``: scale (N, K/64, 4), value (N, K/2)."""
-    table = simd.f32v_mul(simd.f32v_load(_HIF4_QUARTERS, 0), _e6m2_value(scale[row, block, 0]))
-    e2 = np.int32(scale[row, block, 1])
-    start = row * value.shape[1] + 32 * block
-    flat = value.reshape(-1)
-    w0 = simd.f32v_mul(simd.lookup16(table, simd.nibbles_load(flat, start)),
-                       hifloat4_multipliers(e2, np.int32(scale[row, block, 2])))
-    w1 = simd.f32v_mul(simd.lookup16(table, simd.nibbles_load(flat, start + 16)),
-                       hifloat4_multipliers(e2 << 4, np.int32(scale[row, block, 3])))
-    return w0, w1
+def _hifloat4_step(words, value, block):
+    """HiFloat4: block ``block`` (flat index): scale word ``words[block]``, 32 value bytes at 32 * block."""
+    word = words[block]
+    table = simd.f32v_mul(simd.f32v_load(_HIF4_QUARTERS, 0), _E6M2[word & 0xFF])
+    w0, w1 = _nibble_step(table, value, 32 * block)
+    multipliers = hifloat4_multipliers(word)
+    return simd.f32v_mul(w0, multipliers), simd.f32v_mul(w1, multipliers)
 
 
 @numba.njit(**_INLINE)
 def _accumulate(acc0, acc1, x_flat, x0, w0, w1):
-    """Lanes += x[x0 .. x0 + 63] * (w0, w1)."""
+    """Lanes += x[x0 .. x0 + 63] * (w0, w1) (x in the same register order)."""
     acc0 = simd.f32v_add(acc0, simd.f32v_mul(simd.f32v_load(x_flat, x0), w0))
     acc1 = simd.f32v_add(acc1, simd.f32v_mul(simd.f32v_load(x_flat, x0 + HALF), w1))
     return acc0, acc1
 
 
-# ---- GEMV kernels: y32 (M, N) <- x32 (M, Kp) @ W.T in the lane order ---------------------------------------
+# ---- steps of a row that end early (a K that is not a multiple of 64) -------------------------------------
 
 
 @numba.njit(**_INLINE)
-def _hifloat8_tail(codes_flat, row_start, k0, count, scale, table, scratch):
-    """The last ``count`` < 64 weights of a row (k0 ..), the other lanes +0.0 (through ``scratch``: the
-    codes past the row are not read)."""
+def _hifloat8_tail(codes, start, count, scale, keep, scratch):
+    """The last ``count`` < 64 weights of a row from ``codes[start]``; lanes whose element is past them
+    are +0.0 (``keep``: int32[64], nonzero for the lanes to keep). The codes are copied into ``scratch``
+    (64 bytes) so that nothing past the row is read."""
     scratch[:] = 0
-    scratch[:count] = codes_flat[row_start + k0 : row_start + k0 + count]
-    w0, w1 = _hifloat8_step(scratch, 0, 0, scale, table)
-    return simd.f32v_keep_first(w0, count), simd.f32v_keep_first(w1, count - HALF)
+    scratch[:count] = codes[start : start + count]
+    w0, w1 = _hifloat8_step(scratch, 0, scale, _HIF8_FP32)
+    return simd.f32v_select(simd.i32v_load(keep, 0), w0), simd.f32v_select(simd.i32v_load(keep, HALF), w1)
+
+
+@numba.njit(**_INLINE)
+def _mxfp4_last_block(codes, start, scale, scratch):
+    """An odd last MXFP4 block (16 code bytes at ``codes[start]``) as a step whose second block is zeros."""
+    scratch[:] = 0
+    scratch[:16] = codes[start : start + 16]
+    return _mxfp4_step(scratch, 0, scale, np.uint8(127))
+
+
+# ---- GEMV kernels: y32 (M, N) <- x (M, Kp, register order) @ W.T in the lane order -------------------------
+
+
+@numba.njit(**_INLINE)
+def _row_sum_hifloat8(acc0, acc1):
+    low, high = hifloat8_logical(acc0, acc1)
+    return simd.f32v_sum_tree(simd.f32v_add(low, high))
+
+
+@numba.njit(**_INLINE)
+def _row_sum_nibbles(acc0, acc1):
+    low, high = nibble_logical(acc0, acc1)
+    return simd.f32v_sum_tree(simd.f32v_add(low, high))
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _hifloat8_gemv(x32, codes, scale, y32):
-    """codes (N, K) uint8, scale (N,) float32, x32 (M, Kp) zero-padded, y32 (M, N) float32."""
+def _hifloat8_gemv(x_reg, codes, scale, keep, y32):
+    """codes (N, K) uint8, scale (N,) float32, x_reg (M, Kp) float32 (register order, zero-padded),
+    keep int32[64] (the tail's lanes), y32 (M, N) float32."""
     n, k = codes.shape
-    m_rows, kp = x32.shape
+    m_rows, kp = x_reg.shape
     full = k // LANES
     tail = k - full * LANES
-    codes_flat, x_flat = codes.reshape(-1), x32.reshape(-1)
+    codes_flat, x_flat = codes.reshape(-1), x_reg.reshape(-1)
     for task in numba.prange((n + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
         scratch = np.zeros(LANES, dtype=np.uint8)
         for row in range(task * _ROWS_PER_TASK, min(n, (task + 1) * _ROWS_PER_TASK)):
@@ -238,57 +310,74 @@ def _hifloat8_gemv(x32, codes, scale, y32):
                 acc0 = simd.f32v_zero()
                 acc1 = simd.f32v_zero()
                 for t in range(full):
-                    w0, w1 = _hifloat8_step(codes_flat, row * k, LANES * t, s, _HIF8_FP32)
+                    w0, w1 = _hifloat8_step(codes_flat, row * k + LANES * t, s, _HIF8_FP32)
                     acc0, acc1 = _accumulate(acc0, acc1, x_flat, m * kp + LANES * t, w0, w1)
                 if tail:
-                    w0, w1 = _hifloat8_tail(codes_flat, row * k, LANES * full, tail, s, _HIF8_FP32, scratch)
+                    w0, w1 = _hifloat8_tail(codes_flat, row * k + LANES * full, tail, s, keep, scratch)
                     acc0, acc1 = _accumulate(acc0, acc1, x_flat, m * kp + LANES * full, w0, w1)
-                y32[m, row] = simd.f32v_sum_tree(simd.f32v_add(acc0, acc1))
+                y32[m, row] = _row_sum_hifloat8(acc0, acc1)
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _mxfp4_gemv(x32, codes, scales, y32):
-    """codes (N, K/2), scales (N, K/32) uint8; x32 (M, Kp) zero-padded; y32 (M, N) float32."""
+def _mxfp4_gemv(x_reg, codes, scales, y32):
+    """codes (N, K/2), scales (N, K/32) uint8; x_reg (M, Kp) register order; y32 (M, N) float32."""
     n, blocks = scales.shape
-    m_rows, kp = x32.shape
-    x_flat = x32.reshape(-1)
+    m_rows, kp = x_reg.shape
+    x_flat, codes_flat, scales_flat = x_reg.reshape(-1), codes.reshape(-1), scales.reshape(-1)
     for task in numba.prange((n + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
+        scratch = np.zeros(HALF, dtype=np.uint8)
         for row in range(task * _ROWS_PER_TASK, min(n, (task + 1) * _ROWS_PER_TASK)):
+            b0 = row * blocks
             for m in range(m_rows):
                 acc0 = simd.f32v_zero()
                 acc1 = simd.f32v_zero()
                 for t in range(blocks // 2):
-                    w0 = _mxfp4_half(codes, scales, row, 2 * t)
-                    w1 = _mxfp4_half(codes, scales, row, 2 * t + 1)
+                    b = b0 + 2 * t
+                    w0, w1 = _mxfp4_step(codes_flat, 16 * b, scales_flat[b], scales_flat[b + 1])
                     acc0, acc1 = _accumulate(acc0, acc1, x_flat, m * kp + LANES * t, w0, w1)
-                if blocks % 2:  # an odd last block fills lanes 0..31 only
-                    w0 = _mxfp4_half(codes, scales, row, blocks - 1)
-                    acc0 = simd.f32v_add(acc0, simd.f32v_mul(simd.f32v_load(x_flat, m * kp + HALF * (blocks - 1)), w0))
-                y32[m, row] = simd.f32v_sum_tree(simd.f32v_add(acc0, acc1))
+                if blocks % 2:
+                    b = b0 + blocks - 1
+                    w0, w1 = _mxfp4_last_block(codes_flat, 16 * b, scales_flat[b], scratch)
+                    acc0, acc1 = _accumulate(acc0, acc1, x_flat, m * kp + LANES * (blocks // 2), w0, w1)
+                y32[m, row] = _row_sum_nibbles(acc0, acc1)
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _hifloat4_gemv(x32, scale, value, y32):
-    """scale (N, K/64, 4), value (N, K/2) uint8; x32 (M, K); y32 (M, N) float32."""
-    n, blocks = scale.shape[0], scale.shape[1]
-    m_rows, kp = x32.shape
-    x_flat = x32.reshape(-1)
+def _hifloat4_gemv(x_reg, words, value, y32):
+    """words (N, K/64) int32 (the scale bytes), value (N, K/2) uint8; x_reg (M, K) register order."""
+    n, blocks = words.shape
+    m_rows, kp = x_reg.shape
+    x_flat, words_flat, value_flat = x_reg.reshape(-1), words.reshape(-1), value.reshape(-1)
     for task in numba.prange((n + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
         for row in range(task * _ROWS_PER_TASK, min(n, (task + 1) * _ROWS_PER_TASK)):
             for m in range(m_rows):
                 acc0 = simd.f32v_zero()
                 acc1 = simd.f32v_zero()
                 for b in range(blocks):
-                    w0, w1 = _hifloat4_step(scale, value, row, b)
+                    w0, w1 = _hifloat4_step(words_flat, value_flat, row * blocks + b)
                     acc0, acc1 = _accumulate(acc0, acc1, x_flat, m * kp + LANES * b, w0, w1)
-                y32[m, row] = simd.f32v_sum_tree(simd.f32v_add(acc0, acc1))
+                y32[m, row] = _row_sum_nibbles(acc0, acc1)
 
 
-# ---- GEMM tiles: rows r0 .. r0 + R - 1 of W decoded into w32 (R, Kp) ---------------------------------------
+# ---- GEMM tiles: rows r0 .. r0 + R - 1 of W decoded into w32 (R, Kp), logical order ------------------------
+
+
+@numba.njit(**_INLINE)
+def _store_hifloat8(w_flat, at, w0, w1):
+    low, high = hifloat8_logical(w0, w1)
+    simd.f32v_store(w_flat, at, low)
+    simd.f32v_store(w_flat, at + HALF, high)
+
+
+@numba.njit(**_INLINE)
+def _store_nibbles(w_flat, at, w0, w1):
+    low, high = nibble_logical(w0, w1)
+    simd.f32v_store(w_flat, at, low)
+    simd.f32v_store(w_flat, at + HALF, high)
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _hifloat8_tile(codes, scale, r0, w32):
+def _hifloat8_tile(codes, scale, keep, r0, w32):
     n, k = codes.shape
     kp = w32.shape[1]
     full = k // LANES
@@ -299,37 +388,41 @@ def _hifloat8_tile(codes, scale, r0, w32):
         for i in range(task * _ROWS_PER_TASK, min(w32.shape[0], (task + 1) * _ROWS_PER_TASK)):
             row = r0 + i
             for t in range(full):
-                w0, w1 = _hifloat8_step(codes_flat, row * k, LANES * t, scale[row], _HIF8_FP32)
-                _store(w_flat, i * kp + LANES * t, w0, w1)
+                w0, w1 = _hifloat8_step(codes_flat, row * k + LANES * t, scale[row], _HIF8_FP32)
+                _store_hifloat8(w_flat, i * kp + LANES * t, w0, w1)
             if tail:
-                w0, w1 = _hifloat8_tail(codes_flat, row * k, LANES * full, tail, scale[row], _HIF8_FP32, scratch)
-                _store(w_flat, i * kp + LANES * full, w0, w1)
+                w0, w1 = _hifloat8_tail(codes_flat, row * k + LANES * full, tail, scale[row], keep, scratch)
+                _store_hifloat8(w_flat, i * kp + LANES * full, w0, w1)
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
 def _mxfp4_tile(codes, scales, r0, w32):
     blocks = scales.shape[1]
     kp = w32.shape[1]
-    w_flat = w32.reshape(-1)
-    for i in numba.prange(w32.shape[0]):
-        for b in range(blocks):
-            simd.f32v_store(w_flat, i * kp + HALF * b, _mxfp4_half(codes, scales, r0 + i, b))
+    w_flat, codes_flat, scales_flat = w32.reshape(-1), codes.reshape(-1), scales.reshape(-1)
+    for task in numba.prange((w32.shape[0] + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
+        scratch = np.zeros(HALF, dtype=np.uint8)
+        for i in range(task * _ROWS_PER_TASK, min(w32.shape[0], (task + 1) * _ROWS_PER_TASK)):
+            b0 = (r0 + i) * blocks
+            for t in range(blocks // 2):
+                b = b0 + 2 * t
+                w0, w1 = _mxfp4_step(codes_flat, 16 * b, scales_flat[b], scales_flat[b + 1])
+                _store_nibbles(w_flat, i * kp + LANES * t, w0, w1)
+            if blocks % 2:
+                b = b0 + blocks - 1
+                w0, w1 = _mxfp4_last_block(codes_flat, 16 * b, scales_flat[b], scratch)
+                _store_nibbles(w_flat, i * kp + LANES * (blocks // 2), w0, w1)
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _hifloat4_tile(scale, value, r0, w32):
+def _hifloat4_tile(words, value, r0, w32):
+    blocks = words.shape[1]
     kp = w32.shape[1]
-    w_flat = w32.reshape(-1)
+    w_flat, words_flat, value_flat = w32.reshape(-1), words.reshape(-1), value.reshape(-1)
     for i in numba.prange(w32.shape[0]):
-        for b in range(scale.shape[1]):
-            w0, w1 = _hifloat4_step(scale, value, r0 + i, b)
-            _store(w_flat, i * kp + LANES * b, w0, w1)
-
-
-@numba.njit(**_INLINE)
-def _store(w_flat, at, w0, w1):
-    simd.f32v_store(w_flat, at, w0)
-    simd.f32v_store(w_flat, at + HALF, w1)
+        for b in range(blocks):
+            w0, w1 = _hifloat4_step(words_flat, value_flat, (r0 + i) * blocks + b)
+            _store_nibbles(w_flat, i * kp + LANES * b, w0, w1)
 
 
 # ---- kernels -----------------------------------------------------------------------------------------------
@@ -343,10 +436,16 @@ class _WeightOnlyLinear(Kernel):
     """Shared driver: ``run(x, *weight, bias, out=)`` with x (..., K) FP16/BF16, the weight tensors of the
     format (validated by lowbit.ops.weight_only), bias (N,) or None, out (..., N) in x's dtype."""
 
-    def _gemv(self, x32: np.ndarray, weight: tuple, y32: np.ndarray) -> None:
+    order: list[int]  # the format's register order
+
+    def _operands(self, weight: tuple[torch.Tensor, ...], k: int) -> tuple:
+        """The numba kernels' weight operands."""
         raise NotImplementedError
 
-    def _tile(self, weight: tuple, r0: int, w32: np.ndarray) -> None:
+    def _gemv(self, x_reg: np.ndarray, operands: tuple, y32: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def _tile(self, operands: tuple, r0: int, w32: np.ndarray) -> None:
         raise NotImplementedError
 
     def run(self, x: torch.Tensor, *args, out: torch.Tensor) -> None:
@@ -357,51 +456,78 @@ class _WeightOnlyLinear(Kernel):
         x32 = torch.zeros(m, kp, dtype=torch.float32)
         x32[:, :k] = x.reshape(m, k)
         y32 = torch.empty(m, n, dtype=torch.float32)
-        weight_np = tuple(as_numpy(t) for t in weight)
+        operands = self._operands(weight, k)
         sync_threads()
-        if m <= GEMV_MAX_M:
-            self._gemv(as_numpy(x32), weight_np, as_numpy(y32))
-        else:
-            self._gemm(x32[:, :k], weight_np, n, kp, y32)
+        # Rows are handed out in small chunks on demand (not split evenly up front), so a thread that the OS
+        # deschedules on a shared machine does not make the other one wait at the end.
+        previous_chunksize = numba.set_parallel_chunksize(_PARALLEL_CHUNK)
+        try:
+            if m <= GEMV_MAX_M:
+                x_reg = x32.view(m, kp // LANES, LANES)[:, :, self.order].reshape(m, kp)
+                self._gemv(as_numpy(x_reg), operands, as_numpy(y32))
+            else:
+                self._gemm(x32[:, :k], operands, n, kp, y32)
+        finally:
+            numba.set_parallel_chunksize(previous_chunksize)
         out.view(m, n).copy_(reference.finish(y32, bias, out.dtype))
 
-    def _gemm(self, x32: torch.Tensor, weight_np: tuple, n: int, kp: int, y32: torch.Tensor) -> None:
+    def _gemm(self, x32: torch.Tensor, operands: tuple, n: int, kp: int, y32: torch.Tensor) -> None:
+        """y32 = x32 @ W.T, W decoded tile by tile (rows of at most GEMM_TILE_ELEMENTS weights)."""
         rows = max(1, min(n, GEMM_TILE_ELEMENTS // kp))
         w32 = torch.empty(rows, kp, dtype=torch.float32)
         for r0 in range(0, n, rows):
             tile = w32[: min(rows, n - r0)]
-            self._tile(weight_np, r0, as_numpy(tile))
+            self._tile(operands, r0, as_numpy(tile))
             y32[:, r0 : r0 + tile.shape[0]] = x32 @ tile[:, : x32.shape[1]].T
 
 
 class HiFloat8Linear(_WeightOnlyLinear):
     """hifloat8_linear on the CPU: ``run(x, codes, scale, bias, out=)``."""
 
-    def _gemv(self, x32, weight, y32):
-        _hifloat8_gemv(x32, *weight, y32)
+    order = HIFLOAT8_ORDER
 
-    def _tile(self, weight, r0, w32):
-        _hifloat8_tile(*weight, r0, w32)
+    def _operands(self, weight, k):
+        tail = k % LANES
+        keep = np.array([element < tail for element in self.order], dtype=np.int32)
+        return as_numpy(weight[0]), as_numpy(weight[1]), keep
+
+    def _gemv(self, x_reg, operands, y32):
+        _hifloat8_gemv(x_reg, *operands, y32)
+
+    def _tile(self, operands, r0, w32):
+        _hifloat8_tile(*operands, r0, w32)
 
 
 class Mxfp4Linear(_WeightOnlyLinear):
     """mxfp4_linear on the CPU: ``run(x, codes, scales, bias, out=)``."""
 
-    def _gemv(self, x32, weight, y32):
-        _mxfp4_gemv(x32, *weight, y32)
+    order = NIBBLE_ORDER
 
-    def _tile(self, weight, r0, w32):
-        _mxfp4_tile(*weight, r0, w32)
+    def _operands(self, weight, k):
+        return tuple(as_numpy(t) for t in weight)
+
+    def _gemv(self, x_reg, operands, y32):
+        _mxfp4_gemv(x_reg, *operands, y32)
+
+    def _tile(self, operands, r0, w32):
+        _mxfp4_tile(*operands, r0, w32)
 
 
 class HiFloat4Linear(_WeightOnlyLinear):
     """hifloat4_linear on the CPU: ``run(x, scale, value, bias, out=)``."""
 
-    def _gemv(self, x32, weight, y32):
-        _hifloat4_gemv(x32, *weight, y32)
+    order = NIBBLE_ORDER
 
-    def _tile(self, weight, r0, w32):
-        _hifloat4_tile(*weight, r0, w32)
+    def _operands(self, weight, k):
+        scale, value = weight
+        words = as_numpy(scale).reshape(scale.shape[0], -1).view(np.int32)  # one little-endian word per block
+        return words, as_numpy(value)
+
+    def _gemv(self, x_reg, operands, y32):
+        _hifloat4_gemv(x_reg, *operands, y32)
+
+    def _tile(self, operands, r0, w32):
+        _hifloat4_tile(*operands, r0, w32)
 
 
 HIFLOAT8_LINEAR = HiFloat8Linear()
