@@ -195,10 +195,10 @@ def _hifloat4_probes():
     w[2, 5] = float("nan")  # a poisoned block
     probes = [(torch.randn(1, 128, generator=g).bfloat16(), *hifloat4.pack(w), None)]
     # Raw bytes: every E6M2 byte (0x00 .. 0xFE, and 0xFF) and random flags and values.
-    scale = torch.randint(0, 256, (4, 64, 4), generator=g, dtype=torch.uint8)
-    scale[..., 0] = torch.arange(256, dtype=torch.uint8).reshape(4, 64)
-    value = torch.randint(0, 256, (4, 64 * 32), generator=g, dtype=torch.uint8)
-    probes.append((torch.randn(3, 64 * 64, generator=g).half(), scale, value, torch.randn(4, generator=g).half()))
+    scale = torch.randint(0, 256, (16, 16, 4), generator=g, dtype=torch.uint8)
+    scale[..., 0] = torch.arange(256, dtype=torch.uint8).reshape(16, 16)
+    value = torch.randint(0, 256, (16, 16 * 32), generator=g, dtype=torch.uint8)
+    probes.append((torch.randn(3, 16 * 64, generator=g).half(), scale, value, torch.randn(16, generator=g).half()))
     x = torch.randn(2, 128, generator=g).bfloat16()
     x[1, :3] = torch.tensor([float("inf"), float("nan"), -0.0])
     probes.append((x, *hifloat4.pack(torch.randn(5, 128, generator=g)), torch.randn(5, generator=g)))
