@@ -172,14 +172,27 @@ def _dense(fmt, weight):
 
 @pytest.mark.parametrize("fmt", WEIGHTS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gemm_path_within_the_order_interval(fmt, dtype):
+@pytest.mark.parametrize("bias_dtype", [None, "x", torch.float32])
+def test_gemm_path_within_the_order_interval(fmt, dtype, bias_dtype):
+    """float32 GEMM, and (BF16 x, MXFP4 / HiFloat4, bias None or BF16) torch's BF16 GEMM."""
     g = gen(5)
     m, n, k = cpu.GEMV_MAX_M + 5, 40, 320 - (1 if fmt == "hifloat8" else 0)
     weight = WEIGHTS[fmt](n, k, g)
     x = torch.randn(m, k, generator=g).to(dtype)
-    bias = torch.randn(n, generator=g)
+    x[0, :8] = 2.0**-130  # BF16 subnormals (flushed by a BF16 GEMM), FP16 zeros
+    bias = None if bias_dtype is None else torch.randn(n, generator=g).to(dtype if bias_dtype == "x" else bias_dtype)
     got = OPS[fmt](x, *weight, bias, backend="native").float()
     lo, hi = reference.gemm_interval(x, _dense(fmt, weight), bias)
+    assert ((lo.float() <= got) & (got <= hi.float())).all()
+
+
+def test_gemm_path_with_subnormal_mxfp4_weights():
+    g = gen(12)
+    codes, scales = mxfp4_weight(24, 128, g)
+    scales[:8] = 0  # 2^-127: subnormal weights
+    x = (torch.randn(cpu.GEMV_MAX_M + 3, 128, generator=g) * 2.0**100).bfloat16()
+    got = lowbit.mxfp4_linear(x, codes, scales, backend="native").float()
+    lo, hi = reference.gemm_interval(x, reference.mxfp4_weight(codes, scales))
     assert ((lo.float() <= got) & (got <= hi.float())).all()
 
 

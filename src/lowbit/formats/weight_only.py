@@ -31,6 +31,7 @@ LANES = 64  # summation lanes along K
 NAN_BITS = {torch.bfloat16: 0x7FC0, torch.float16: 0x7E00}  # canonical quiet NaN of each output dtype
 _FP32_UNIT_ROUNDOFF = 2.0**-24
 _FP32_MIN_SUBNORMAL = 2.0**-149
+_FP32_MIN_NORMAL = 2.0**-126
 
 
 def hifloat8_weight(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -88,13 +89,15 @@ def linear(x: torch.Tensor, w32: torch.Tensor, bias: Optional[torch.Tensor] = No
 def gemm_interval(
     x: torch.Tensor, w32: torch.Tensor, bias: Optional[torch.Tensor] = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(lo, hi), each (..., N) in x's dtype: every float32 summation order of the products (with or
-    without fused multiply-adds) followed by :func:`finish` gives a result in [lo, hi].
+    """(lo, hi), each (..., N) in x's dtype: every float32 summation of the products (any order, with or
+    without fused multiply-adds, with or without flushing subnormals to zero) followed by one rounding to
+    x's dtype gives a result in [lo, hi].
 
     With ``S = sum_k |x_k w_k| + |bias|`` (float64) and ``r`` the reference's float32 ``sum + bias``, any
-    other order's ``r'`` satisfies ``|r' - r| <= (gamma(K + 1) + gamma(ceil(K/64) + 7)) * S + K * 2^-149``
-    (gamma(n) = n u / (1 - n u), u = 2^-24), and rounding to x's dtype is monotone. Only meaningful where
-    S is finite and below the FP32 range (docs/weight_only.md, 'Tolerance of the GEMM path').
+    other such ``r'`` satisfies ``|r' - r| <= delta`` with ``delta = (gamma(K + 1) + gamma(ceil(K/64) + 7))
+    * S + K * 2^-149 + 2^-126 * (sum_k |x_k| + sum_k |w_k| + K + 2)`` (gamma(n) = n u / (1 - n u),
+    u = 2^-24), and rounding is monotone. Only meaningful where S is finite and below the FP32 range
+    (docs/weight_only.md, 'Tolerance of the GEMM path').
     """
     k = x.shape[-1]
     x64 = x.reshape(-1, k).to(torch.float64)
@@ -105,7 +108,9 @@ def gemm_interval(
         b64 = bias.to(torch.float64)
         s = s + b64.abs()
         r = (r.to(torch.float32) + bias.to(torch.float32)).to(torch.float64)
-    delta = (_gamma(k + 1) + _gamma(math.ceil(k / LANES) + 7)) * s + k * _FP32_MIN_SUBNORMAL
+    flushed = x64.abs().sum(-1, keepdim=True) + w64.abs().sum(-1) + (k + 2)
+    delta = ((_gamma(k + 1) + _gamma(math.ceil(k / LANES) + 7)) * s + k * _FP32_MIN_SUBNORMAL
+             + _FP32_MIN_NORMAL * flushed)
     shape = (*x.shape[:-1], w32.shape[0])
     bounds = []
     for edge in (r - delta, r + delta):

@@ -437,6 +437,7 @@ class _WeightOnlyLinear(Kernel):
     format (validated by lowbit.ops.weight_only), bias (N,) or None, out (..., N) in x's dtype."""
 
     order: list[int]  # the format's register order
+    bf16_exact: bool  # every decoded weight is a BF16 value (MXFP4, HiFloat4; not HiFloat8 times a scale)
 
     def _operands(self, weight: tuple[torch.Tensor, ...], k: int) -> tuple:
         """The numba kernels' weight operands."""
@@ -452,10 +453,7 @@ class _WeightOnlyLinear(Kernel):
         *weight, bias = args
         k, n = x.shape[-1], out.shape[-1]
         m = out.numel() // n
-        kp = _padded_k(k)
-        x32 = torch.zeros(m, kp, dtype=torch.float32)
-        x32[:, :k] = x.reshape(m, k)
-        y32 = torch.empty(m, n, dtype=torch.float32)
+        x, out = x.reshape(m, k), out.view(m, n)
         operands = self._operands(weight, k)
         sync_threads()
         # Rows are handed out in small chunks on demand (not split evenly up front), so a thread that the OS
@@ -463,28 +461,68 @@ class _WeightOnlyLinear(Kernel):
         previous_chunksize = numba.set_parallel_chunksize(_PARALLEL_CHUNK)
         try:
             if m <= GEMV_MAX_M:
-                x_reg = x32.view(m, kp // LANES, LANES)[:, :, self.order].reshape(m, kp)
-                self._gemv(as_numpy(x_reg), operands, as_numpy(y32))
+                self._run_gemv(x, operands, bias, out)
+            elif self.bf16_exact and x.dtype == torch.bfloat16 and (bias is None or bias.dtype == torch.bfloat16):
+                self._run_gemm_bf16(x, operands, bias, out)
             else:
-                self._gemm(x32[:, :k], operands, n, kp, y32)
+                self._run_gemm(x, operands, bias, out)
         finally:
             numba.set_parallel_chunksize(previous_chunksize)
-        out.view(m, n).copy_(reference.finish(y32, bias, out.dtype))
 
-    def _gemm(self, x32: torch.Tensor, operands: tuple, n: int, kp: int, y32: torch.Tensor) -> None:
-        """y32 = x32 @ W.T, W decoded tile by tile (rows of at most GEMM_TILE_ELEMENTS weights)."""
+    def _run_gemv(self, x: torch.Tensor, operands: tuple, bias, out: torch.Tensor) -> None:
+        """The bit-exact path: x in register order, the lane sums, then the reference's rounding."""
+        (m, k), n = x.shape, out.shape[1]
+        kp = _padded_k(k)
+        x32 = torch.zeros(m, kp, dtype=torch.float32)
+        x32[:, :k] = x
+        x_reg = x32.view(m, kp // LANES, LANES)[:, :, self.order].reshape(m, kp)
+        y32 = torch.empty(m, n, dtype=torch.float32)
+        self._gemv(as_numpy(x_reg), operands, as_numpy(y32))
+        out.copy_(reference.finish(y32, bias, out.dtype))
+
+    def _tiles(self, operands: tuple, n: int, k: int):
+        """(first row, float32 (rows, K) view) of W, decoded tile by tile into one reused buffer."""
+        kp = _padded_k(k)
         rows = max(1, min(n, GEMM_TILE_ELEMENTS // kp))
         w32 = torch.empty(rows, kp, dtype=torch.float32)
         for r0 in range(0, n, rows):
             tile = w32[: min(rows, n - r0)]
             self._tile(operands, r0, as_numpy(tile))
-            y32[:, r0 : r0 + tile.shape[0]] = x32 @ tile[:, : x32.shape[1]].T
+            yield r0, tile[:, :k]
+
+    def _run_gemm(self, x: torch.Tensor, operands: tuple, bias, out: torch.Tensor) -> None:
+        """float32 GEMM on decoded tiles (torch's order), then the reference's rounding."""
+        (m, k), n = x.shape, out.shape[1]
+        x32 = x.to(torch.float32)
+        y32 = torch.empty(m, n, dtype=torch.float32)
+        for r0, tile in self._tiles(operands, n, k):
+            y32[:, r0 : r0 + tile.shape[0]] = x32 @ tile.T
+        out.copy_(reference.finish(y32, bias, out.dtype))
+
+    def _run_gemm_bf16(self, x: torch.Tensor, operands: tuple, bias, out: torch.Tensor) -> None:
+        """BF16 x and a format whose weights are exact in BF16: torch's BF16 GEMM (float32 accumulation, one
+        rounding to BF16) on decoded tiles; a BF16 bias is one more column (x extended by a column of ones)."""
+        (m, k), n = x.shape, out.shape[1]
+        extra = 0 if bias is None else 1
+        x_ext = torch.ones(m, k + extra, dtype=torch.bfloat16)
+        x_ext[:, :k] = x
+        w16 = None
+        for r0, tile in self._tiles(operands, n, k):
+            if w16 is None:
+                w16 = torch.empty(tile.shape[0], k + extra, dtype=torch.bfloat16)
+            tile16 = w16[: tile.shape[0]]
+            tile16[:, :k] = tile  # exact: these weights are BF16 values
+            if extra:
+                tile16[:, k] = bias[r0 : r0 + tile.shape[0]]
+            out[:, r0 : r0 + tile.shape[0]] = torch.nn.functional.linear(x_ext, tile16)
+        out.copy_(torch.where(out.isnan(), reference.canonical_nan(out.dtype), out))
 
 
 class HiFloat8Linear(_WeightOnlyLinear):
     """hifloat8_linear on the CPU: ``run(x, codes, scale, bias, out=)``."""
 
     order = HIFLOAT8_ORDER
+    bf16_exact = False
 
     def _operands(self, weight, k):
         tail = k % LANES
@@ -502,6 +540,7 @@ class Mxfp4Linear(_WeightOnlyLinear):
     """mxfp4_linear on the CPU: ``run(x, codes, scales, bias, out=)``."""
 
     order = NIBBLE_ORDER
+    bf16_exact = True
 
     def _operands(self, weight, k):
         return tuple(as_numpy(t) for t in weight)
@@ -517,6 +556,7 @@ class HiFloat4Linear(_WeightOnlyLinear):
     """hifloat4_linear on the CPU: ``run(x, scale, value, bias, out=)``."""
 
     order = NIBBLE_ORDER
+    bf16_exact = True
 
     def _operands(self, weight, k):
         scale, value = weight
