@@ -190,7 +190,7 @@ hifloat8_decode = hifloat8_decode_vbmi if simd.HAS_AVX512VBMI else hifloat8_deco
 # ---- HiFloat4 multipliers: 2^(e2 + e3) per lane ------------------------------------------------------------
 # In NIBBLE_ORDER register lane i of either register holds element 2i or 2i + 1: 8-group i // 4, 4-group
 # i // 2. Their flags in the block's little-endian scale word [E6M2, e2, e3 (groups 0-7), e3 (8-15)], flag
-# bytes MSB first (docs/hifloat4.md, 'Packed layout'): e2 of group g at bit 15 - g, e3 of group g at bit
+# bytes MSB first (docs/weight_only.md, 'Weights'): e2 of group g at bit 15 - g, e3 of group g at bit
 # 23 - g (g < 8) or 39 - g.
 _E2_BITS = [15 - i // 4 for i in range(HALF)]
 _E3_BITS = [23 - i // 2 if i // 2 < 8 else 39 - i // 2 for i in range(HALF)]
