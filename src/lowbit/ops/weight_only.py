@@ -95,22 +95,17 @@ def _hifloat4_outputs(x, scale, value, bias=None) -> tuple[TensorSpec]:
     return _output(op, x, bias, n, k)
 
 
-# ---- reference kernels -------------------------------------------------------------------------------------
+# ---- reference kernel --------------------------------------------------------------------------------------
 
 
-class _ReferenceHiFloat8Linear(Kernel):
-    def run(self, x, codes, scale, bias, *, out):
-        out.copy_(reference.linear(x, reference.hifloat8_weight(codes, scale), bias))
+class _ReferenceLinear(Kernel):
+    """``run(x, a, b, bias, out=)``: lowbit.formats.weight_only.linear of the format's float32 weight."""
 
+    def __init__(self, weight):
+        self.weight = weight  # (a, b) -> (N, K) float32
 
-class _ReferenceMxfp4Linear(Kernel):
-    def run(self, x, codes, scales, bias, *, out):
-        out.copy_(reference.linear(x, reference.mxfp4_weight(codes, scales), bias))
-
-
-class _ReferenceHiFloat4Linear(Kernel):
-    def run(self, x, scale, value, bias, *, out):
-        out.copy_(reference.linear(x, reference.hifloat4_weight(scale, value), bias))
+    def run(self, x, a, b, bias, *, out):
+        out.copy_(reference.linear(x, self.weight(a, b), bias))
 
 
 # ---- probes: edge shapes and special values of every kernel, small ------------------------------------------
@@ -211,32 +206,25 @@ def _hifloat4_probes():
 
 # ---- operators ---------------------------------------------------------------------------------------------
 
-_SCHEMA = "Tensor x, Tensor {0}, Tensor {1}, Tensor? bias=None"
+def _operator(name: str, outputs, weight, probes, params: tuple[str, str]) -> backends.Operator:
+    """Register the Operator ``name`` (reference: ``weight`` then the lane sums) and its custom ops."""
+    op = backends.register(backends.Operator(
+        name=name,
+        outputs=outputs,
+        reference=_ReferenceLinear(weight),
+        native=kernels.native("weight_only", name.upper(), ("cpu", "cuda")),
+        probes=probes,
+    ))
+    define(op, f"Tensor x, Tensor {params[0]}, Tensor {params[1]}, Tensor? bias=None")
+    return op
 
-HIFLOAT8_LINEAR = backends.register(backends.Operator(
-    name="hifloat8_linear",
-    outputs=_hifloat8_outputs,
-    reference=_ReferenceHiFloat8Linear(),
-    native=kernels.native("weight_only", "HIFLOAT8_LINEAR", ("cpu", "cuda")),
-    probes=_hifloat8_probes,
-))
-MXFP4_LINEAR = backends.register(backends.Operator(
-    name="mxfp4_linear",
-    outputs=_mxfp4_outputs,
-    reference=_ReferenceMxfp4Linear(),
-    native=kernels.native("weight_only", "MXFP4_LINEAR", ("cpu", "cuda")),
-    probes=_mxfp4_probes,
-))
-HIFLOAT4_LINEAR = backends.register(backends.Operator(
-    name="hifloat4_linear",
-    outputs=_hifloat4_outputs,
-    reference=_ReferenceHiFloat4Linear(),
-    native=kernels.native("weight_only", "HIFLOAT4_LINEAR", ("cpu", "cuda")),
-    probes=_hifloat4_probes,
-))
-define(HIFLOAT8_LINEAR, _SCHEMA.format("codes", "scale"))
-define(MXFP4_LINEAR, _SCHEMA.format("codes", "scales"))
-define(HIFLOAT4_LINEAR, _SCHEMA.format("scale", "value"))
+
+HIFLOAT8_LINEAR = _operator("hifloat8_linear", _hifloat8_outputs, reference.hifloat8_weight, _hifloat8_probes,
+                            ("codes", "scale"))
+MXFP4_LINEAR = _operator("mxfp4_linear", _mxfp4_outputs, reference.mxfp4_weight, _mxfp4_probes,
+                         ("codes", "scales"))
+HIFLOAT4_LINEAR = _operator("hifloat4_linear", _hifloat4_outputs, reference.hifloat4_weight, _hifloat4_probes,
+                            ("scale", "value"))
 
 
 def hifloat8_linear(

@@ -432,29 +432,24 @@ def _padded_k(k: int) -> int:
     return -(-k // LANES) * LANES
 
 
-class _WeightOnlyLinear(Kernel):
-    """Shared driver: ``run(x, *weight, bias, out=)`` with x (..., K) FP16/BF16, the weight tensors of the
-    format (validated by lowbit.ops.weight_only), bias (N,) or None, out (..., N) in x's dtype."""
+class WeightOnlyLinear(Kernel):
+    """One format's kernel: ``run(x, a, b, bias, out=)`` with x (..., K) FP16/BF16, the format's two weight
+    tensors (validated by lowbit.ops.weight_only), bias (N,) or None, out (..., N) in x's dtype.
 
-    order: list[int]  # the format's register order
-    bf16_exact: bool  # every decoded weight is a BF16 value (MXFP4, HiFloat4; not HiFloat8 times a scale)
+    ``gemv(x_reg, *operands, y32)`` and ``tile(*operands, r0, w32)``: the format's numba kernels;
+    ``order``: its register order; ``bf16_exact``: every decoded weight is a BF16 value (MXFP4, HiFloat4;
+    not a HiFloat8 value times an FP32 scale); ``operands(a, b, k)``: the numba kernels' weight operands.
+    """
 
-    def _operands(self, weight: tuple[torch.Tensor, ...], k: int) -> tuple:
-        """The numba kernels' weight operands."""
-        raise NotImplementedError
-
-    def _gemv(self, x_reg: np.ndarray, operands: tuple, y32: np.ndarray) -> None:
-        raise NotImplementedError
-
-    def _tile(self, operands: tuple, r0: int, w32: np.ndarray) -> None:
-        raise NotImplementedError
+    def __init__(self, gemv, tile, order: list[int], bf16_exact: bool, operands):
+        self.gemv, self.tile, self.order, self.bf16_exact, self._operands = gemv, tile, order, bf16_exact, operands
 
     def run(self, x: torch.Tensor, *args, out: torch.Tensor) -> None:
         *weight, bias = args
         k, n = x.shape[-1], out.shape[-1]
         m = out.numel() // n
         x, out = x.reshape(m, k), out.view(m, n)
-        operands = self._operands(weight, k)
+        operands = self._operands(*weight, k)
         sync_threads()
         # Rows are handed out in small chunks on demand (not split evenly up front), so a thread that the OS
         # deschedules on a shared machine does not make the other one wait at the end.
@@ -477,7 +472,7 @@ class _WeightOnlyLinear(Kernel):
         x32[:, :k] = x
         x_reg = x32.view(m, kp // LANES, LANES)[:, :, self.order].reshape(m, kp)
         y32 = torch.empty(m, n, dtype=torch.float32)
-        self._gemv(as_numpy(x_reg), operands, as_numpy(y32))
+        self.gemv(as_numpy(x_reg), *operands, as_numpy(y32))
         out.copy_(reference.finish(y32, bias, out.dtype))
 
     def _tiles(self, operands: tuple, n: int, k: int):
@@ -487,7 +482,7 @@ class _WeightOnlyLinear(Kernel):
         w32 = torch.empty(rows, kp, dtype=torch.float32)
         for r0 in range(0, n, rows):
             tile = w32[: min(rows, n - r0)]
-            self._tile(operands, r0, as_numpy(tile))
+            self.tile(*operands, r0, as_numpy(tile))
             yield r0, tile[:, :k]
 
     def _run_gemm(self, x: torch.Tensor, operands: tuple, bias, out: torch.Tensor) -> None:
@@ -518,58 +513,21 @@ class _WeightOnlyLinear(Kernel):
         out.copy_(torch.where(out.isnan(), reference.canonical_nan(out.dtype), out))
 
 
-class HiFloat8Linear(_WeightOnlyLinear):
-    """hifloat8_linear on the CPU: ``run(x, codes, scale, bias, out=)``."""
-
-    order = HIFLOAT8_ORDER
-    bf16_exact = False
-
-    def _operands(self, weight, k):
-        tail = k % LANES
-        keep = np.array([element < tail for element in self.order], dtype=np.int32)
-        return as_numpy(weight[0]), as_numpy(weight[1]), keep
-
-    def _gemv(self, x_reg, operands, y32):
-        _hifloat8_gemv(x_reg, *operands, y32)
-
-    def _tile(self, operands, r0, w32):
-        _hifloat8_tile(*operands, r0, w32)
+def _hifloat8_operands(codes, scale, k):
+    tail = k % LANES
+    keep = np.array([element < tail for element in HIFLOAT8_ORDER], dtype=np.int32)  # lanes of a last step
+    return as_numpy(codes), as_numpy(scale), keep
 
 
-class Mxfp4Linear(_WeightOnlyLinear):
-    """mxfp4_linear on the CPU: ``run(x, codes, scales, bias, out=)``."""
-
-    order = NIBBLE_ORDER
-    bf16_exact = True
-
-    def _operands(self, weight, k):
-        return tuple(as_numpy(t) for t in weight)
-
-    def _gemv(self, x_reg, operands, y32):
-        _mxfp4_gemv(x_reg, *operands, y32)
-
-    def _tile(self, operands, r0, w32):
-        _mxfp4_tile(*operands, r0, w32)
+def _mxfp4_operands(codes, scales, k):
+    return as_numpy(codes), as_numpy(scales)
 
 
-class HiFloat4Linear(_WeightOnlyLinear):
-    """hifloat4_linear on the CPU: ``run(x, scale, value, bias, out=)``."""
-
-    order = NIBBLE_ORDER
-    bf16_exact = True
-
-    def _operands(self, weight, k):
-        scale, value = weight
-        words = as_numpy(scale).reshape(scale.shape[0], -1).view(np.int32)  # one little-endian word per block
-        return words, as_numpy(value)
-
-    def _gemv(self, x_reg, operands, y32):
-        _hifloat4_gemv(x_reg, *operands, y32)
-
-    def _tile(self, operands, r0, w32):
-        _hifloat4_tile(*operands, r0, w32)
+def _hifloat4_operands(scale, value, k):
+    words = as_numpy(scale).reshape(scale.shape[0], -1).view(np.int32)  # one little-endian word per block
+    return words, as_numpy(value)
 
 
-HIFLOAT8_LINEAR = HiFloat8Linear()
-MXFP4_LINEAR = Mxfp4Linear()
-HIFLOAT4_LINEAR = HiFloat4Linear()
+HIFLOAT8_LINEAR = WeightOnlyLinear(_hifloat8_gemv, _hifloat8_tile, HIFLOAT8_ORDER, False, _hifloat8_operands)
+MXFP4_LINEAR = WeightOnlyLinear(_mxfp4_gemv, _mxfp4_tile, NIBBLE_ORDER, True, _mxfp4_operands)
+HIFLOAT4_LINEAR = WeightOnlyLinear(_hifloat4_gemv, _hifloat4_tile, NIBBLE_ORDER, True, _hifloat4_operands)

@@ -108,10 +108,12 @@ def _linear_kernel(
     tl.store(y_ptr + m * N + rows, tl.reshape(acc, (ROWS,)), mask=valid)
 
 
-class _TritonLinear(Kernel):
-    """``run(x, a, b, bias, out=)``: x (..., K) FP16/BF16, the format's two weight tensors, bias or None."""
+class TritonLinear(Kernel):
+    """One format's kernel: ``run(x, a, b, bias, out=)`` with x (..., K) FP16/BF16, the format's two weight
+    tensors (see _weights), bias (N,) or None, out (..., N) in x's dtype."""
 
-    format: int
+    def __init__(self, fmt: int):
+        self.format = fmt
 
     def run(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias, *, out: torch.Tensor) -> None:
         k, n = x.shape[-1], out.shape[-1]
@@ -126,24 +128,6 @@ class _TritonLinear(Kernel):
         out.view(m, n).copy_(reference.finish(y32, bias, out.dtype))
 
 
-class HiFloat8Linear(_TritonLinear):
-    """hifloat8_linear in Triton: ``run(x, codes, scale, bias, out=)``."""
-
-    format = HIFLOAT8
-
-
-class Mxfp4Linear(_TritonLinear):
-    """mxfp4_linear in Triton: ``run(x, codes, scales, bias, out=)``."""
-
-    format = MXFP4
-
-
-class HiFloat4Linear(_TritonLinear):
-    """hifloat4_linear in Triton: ``run(x, scale, value, bias, out=)``."""
-
-    format = HIFLOAT4
-
-
-HIFLOAT8_LINEAR = HiFloat8Linear()
-MXFP4_LINEAR = Mxfp4Linear()
-HIFLOAT4_LINEAR = HiFloat4Linear()
+HIFLOAT8_LINEAR = TritonLinear(HIFLOAT8)
+MXFP4_LINEAR = TritonLinear(MXFP4)
+HIFLOAT4_LINEAR = TritonLinear(HIFLOAT4)
