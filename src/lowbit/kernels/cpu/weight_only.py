@@ -197,20 +197,21 @@ _E3_BITS = [23 - i // 2 if i // 2 < 8 else 39 - i // 2 for i in range(HALF)]
 
 
 @intrinsic
-def hifloat4_multipliers(typingctx, word):
-    """F32V of 2^(e2 flag + e3 flag) for register lanes 0..31 (of either register) of a block whose 4
-    scale bytes are the int32 ``word``."""
+def hifloat4_levels(typingctx, weights, word):
+    """``weights`` (F32V, register lanes 0..31 of either register of a block) times 2^(e2 flag + e3 flag),
+    the flags from the block's scale bytes as the int32 ``word``: doubled where a flag is set (exact)."""
 
     def codegen(context, builder, sig, args):
-        word = builder.trunc(args[0], _I32) if args[0].type.width > 32 else args[0]
+        word = builder.trunc(args[1], _I32) if args[1].type.width > 32 else args[1]
         splat = simd._splat(builder, word, simd._VI32)
-        levels = ir.Constant(simd._VI32, [127] * HALF)
+        w = args[0]
         for bits in (_E2_BITS, _E3_BITS):
-            flag = builder.and_(builder.lshr(splat, _mask(bits)), ir.Constant(simd._VI32, [1] * HALF))
-            levels = builder.add(levels, flag)
-        return builder.bitcast(builder.shl(levels, ir.Constant(simd._VI32, [23] * HALF)), simd._VF32)
+            flag = builder.and_(splat, _mask([1 << b for b in bits]))
+            set_ = builder.icmp_unsigned("!=", flag, ir.Constant(simd._VI32, [0] * HALF))
+            w = builder.select(set_, builder.fmul(w, ir.Constant(simd._VF32, [2.0] * HALF)), w)
+        return w
 
-    return simd.F32V(word), codegen
+    return simd.F32V(weights, word), codegen
 
 
 # ---- one step: the 64 weights k0 .. k0 + 63 of a row, as two F32V in the format's register order ----------
@@ -244,8 +245,7 @@ def _hifloat4_step(words, value, block):
     word = words[block]
     table = simd.f32v_mul(simd.f32v_load(_HIF4_QUARTERS, 0), _E6M2[word & 0xFF])
     w0, w1 = _nibble_step(table, value, 32 * block)
-    multipliers = hifloat4_multipliers(word)
-    return simd.f32v_mul(w0, multipliers), simd.f32v_mul(w1, multipliers)
+    return hifloat4_levels(w0, word), hifloat4_levels(w1, word)
 
 
 @numba.njit(**_INLINE)
