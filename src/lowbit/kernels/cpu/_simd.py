@@ -1,4 +1,4 @@
-"""LANES-wide SIMD values for numba kernels: the register tiles of the int4 matmul kernels.
+"""LANES-wide SIMD values for numba kernels: the register tiles of the int4 matmul and weight-only kernels.
 
 numba has no vector types, and LLVM does not reliably keep array-held accumulators in registers or find
 VNNI dot products on its own. This module adds two value types, each lowered to one LLVM vector (so they
@@ -9,6 +9,9 @@ live in registers; LANES = 32: two AVX-512 registers each on x86):
 
 and @intrinsic operations on them. Every operation is exact integer or IEEE float32 arithmetic (fmul/fadd
 without fast-math flags, so LLVM never contracts them into FMA): kernels built from them are bit-exact.
+
+Table look-ups: ``lookup16`` (vpermps with AVX-512, lane by lane elsewhere) picks 16-entry float32 tables
+by 4-bit indices, e.g. of ``nibbles`` from ``bytes_load``; ``f32v_sum_tree`` folds the lanes pairwise.
 
 ``dpbusd(acc, w, a_words, index)``: with ``a = a_words[index]`` (int32), for each int32 lane i,
 ``acc[i] + sum_j u8(w byte 4i+j) * s8(a byte j)``. On a CPU
