@@ -11,7 +11,7 @@ and @intrinsic operations on them. Every operation is exact integer or IEEE floa
 without fast-math flags, so LLVM never contracts them into FMA): kernels built from them are bit-exact.
 
 Table look-ups: ``lookup16`` (vpermps with AVX-512, lane by lane elsewhere) picks 16-entry float32 tables
-by 4-bit indices, e.g. of ``nibbles`` from ``bytes_load``; ``f32v_sum_tree`` folds the lanes pairwise.
+by 4-bit indices (e.g. the nibbles of bytes from ``bytes_load``); ``f32v_sum_tree`` folds the lanes pairwise.
 
 ``dpbusd(acc, w, a_words, index)``: with ``a = a_words[index]`` (int32), for each int32 lane i,
 ``acc[i] + sum_j u8(w byte 4i+j) * s8(a byte j)``. On a CPU
