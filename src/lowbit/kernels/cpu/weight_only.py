@@ -65,10 +65,27 @@ _E6M2[hifloat4.POISON_BYTE] = np.nan
 # order, so every register lane accumulates one logical lane of the reference; the lanes are put back in the
 # logical order (one shuffle) before the reference's pairwise fold.
 
+# An order is given as a split of the 64 elements into dimensions and a permutation of them (so that x is
+# put in it by one strided copy); ORDER lists the element of each register lane.
+
+
+def _reorder(x32: torch.Tensor, split: tuple[int, ...], perm: tuple[int, ...]) -> torch.Tensor:
+    """x32 (M, Kp), Kp a multiple of 64, with every 64-element step put in the order (split, perm)."""
+    m, kp = x32.shape
+    steps = x32.view(m, kp // LANES, *split).permute(0, 1, *(2 + p for p in perm))
+    return steps.reshape(m, kp)
+
+
+def _order(split: tuple[int, ...], perm: tuple[int, ...]) -> list[int]:
+    return _reorder(torch.arange(LANES, dtype=torch.float32).unsqueeze(0), split, perm).int().flatten().tolist()
+
+
 # HiFloat8: the byte unpacks of 64 codes; register quarter q (16 lanes), lane r: element 16 (r // 4) + 4 q + r % 4.
-HIFLOAT8_ORDER = [16 * ((p % 16) // 4) + 4 * (p // 16) + p % 4 for p in range(LANES)]
+HIFLOAT8_SPLIT = ((4, 4, 4), (1, 0, 2))
 # MXFP4, HiFloat4: the low nibbles of 32 bytes (elements 0, 2, .., 62), then the high nibbles (1, 3, .., 63).
-NIBBLE_ORDER = [2 * p for p in range(HALF)] + [2 * p + 1 for p in range(HALF)]
+NIBBLE_SPLIT = ((32, 2), (1, 0))
+HIFLOAT8_ORDER = _order(*HIFLOAT8_SPLIT)
+NIBBLE_ORDER = _order(*NIBBLE_SPLIT)
 
 _V8x64 = ir.VectorType(ir.IntType(8), 64)
 _V16x32 = ir.VectorType(ir.IntType(16), 32)
@@ -437,12 +454,12 @@ class WeightOnlyLinear(Kernel):
     tensors (validated by lowbit.ops.weight_only), bias (N,) or None, out (..., N) in x's dtype.
 
     ``gemv(x_reg, *operands, y32)`` and ``tile(*operands, r0, w32)``: the format's numba kernels;
-    ``order``: its register order; ``bf16_exact``: every decoded weight is a BF16 value (MXFP4, HiFloat4;
+    ``split``: its register order (see _reorder); ``bf16_exact``: every decoded weight is a BF16 value (MXFP4, HiFloat4;
     not a HiFloat8 value times an FP32 scale); ``operands(a, b, k)``: the numba kernels' weight operands.
     """
 
-    def __init__(self, gemv, tile, order: list[int], bf16_exact: bool, operands):
-        self.gemv, self.tile, self.order, self.bf16_exact, self._operands = gemv, tile, order, bf16_exact, operands
+    def __init__(self, gemv, tile, split: tuple, bf16_exact: bool, operands):
+        self.gemv, self.tile, self.split, self.bf16_exact, self._operands = gemv, tile, split, bf16_exact, operands
 
     def run(self, x: torch.Tensor, *args, out: torch.Tensor) -> None:
         *weight, bias = args
@@ -468,9 +485,12 @@ class WeightOnlyLinear(Kernel):
         """The bit-exact path: x in register order, the lane sums, then the reference's rounding."""
         (m, k), n = x.shape, out.shape[1]
         kp = _padded_k(k)
-        x32 = torch.zeros(m, kp, dtype=torch.float32)
-        x32[:, :k] = x
-        x_reg = x32.view(m, kp // LANES, LANES)[:, :, self.order].reshape(m, kp)
+        if kp == k:
+            x32 = x.to(torch.float32)
+        else:
+            x32 = torch.zeros(m, kp, dtype=torch.float32)
+            x32[:, :k] = x
+        x_reg = _reorder(x32, *self.split)
         y32 = torch.empty(m, n, dtype=torch.float32)
         self.gemv(as_numpy(x_reg), *operands, as_numpy(y32))
         out.copy_(reference.finish(y32, bias, out.dtype))
@@ -528,6 +548,6 @@ def _hifloat4_operands(scale, value, k):
     return words, as_numpy(value)
 
 
-HIFLOAT8_LINEAR = WeightOnlyLinear(_hifloat8_gemv, _hifloat8_tile, HIFLOAT8_ORDER, False, _hifloat8_operands)
-MXFP4_LINEAR = WeightOnlyLinear(_mxfp4_gemv, _mxfp4_tile, NIBBLE_ORDER, True, _mxfp4_operands)
-HIFLOAT4_LINEAR = WeightOnlyLinear(_hifloat4_gemv, _hifloat4_tile, NIBBLE_ORDER, True, _hifloat4_operands)
+HIFLOAT8_LINEAR = WeightOnlyLinear(_hifloat8_gemv, _hifloat8_tile, HIFLOAT8_SPLIT, False, _hifloat8_operands)
+MXFP4_LINEAR = WeightOnlyLinear(_mxfp4_gemv, _mxfp4_tile, NIBBLE_SPLIT, True, _mxfp4_operands)
+HIFLOAT4_LINEAR = WeightOnlyLinear(_hifloat4_gemv, _hifloat4_tile, NIBBLE_SPLIT, True, _hifloat4_operands)
