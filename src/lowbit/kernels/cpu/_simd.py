@@ -241,6 +241,27 @@ def f32v_store(typingctx, arr, index, value):
 
 
 @intrinsic
+def f32v_store_any(typingctx, arr, index, value):
+    """Store LANES float32 lanes at element ``index`` of a 1-D C-contiguous float32 array, or, into an int16
+    array, their BF16 bit patterns by truncation (the high 16 bits: exact for values that are BF16 values)."""
+    bf16 = arr.dtype == types.int16
+    if not bf16 and arr.dtype != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        value = args[2]
+        if bf16:
+            v_i16 = ir.VectorType(_I16, LANES)
+            high = builder.lshr(builder.bitcast(value, _VI32), ir.Constant(_VI32, [16] * LANES))
+            value = builder.trunc(high, v_i16)
+        ptr = _element_ptr(context, builder, sig.args[0], args[0], args[1], value.type)
+        builder.store(value, ptr, align=1)
+        return context.get_dummy_value()
+
+    return types.void(arr, index, value), codegen
+
+
+@intrinsic
 def f16v_load(typingctx, arr, index):
     """LANES FP16 values (an int16 bit-pattern array) at element ``index``, widened exactly to float32.
 

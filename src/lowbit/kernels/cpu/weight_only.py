@@ -376,21 +376,22 @@ def _hifloat4_gemv(x_reg, words, value, y32):
                 y32[m, row] = _row_sum_nibbles(acc0, acc1)
 
 
-# ---- GEMM tiles: rows r0 .. r0 + R - 1 of W decoded into w32 (R, Kp), logical order ------------------------
+# ---- GEMM tiles: rows r0 .. r0 + R - 1 of W decoded into w32 (R, >= Kp), logical order, float32 or BF16 ----------------------
 
 
 @numba.njit(**_INLINE)
 def _store_hifloat8(w_flat, at, w0, w1):
     low, high = hifloat8_logical(w0, w1)
-    simd.f32v_store(w_flat, at, low)
-    simd.f32v_store(w_flat, at + HALF, high)
+    simd.f32v_store_any(w_flat, at, low)
+    simd.f32v_store_any(w_flat, at + HALF, high)
 
 
 @numba.njit(**_INLINE)
 def _store_nibbles(w_flat, at, w0, w1):
+    """Into float32, or BF16 bits (int16; exact: MXFP4 and HiFloat4 weights are BF16 values)."""
     low, high = nibble_logical(w0, w1)
-    simd.f32v_store(w_flat, at, low)
-    simd.f32v_store(w_flat, at + HALF, high)
+    simd.f32v_store_any(w_flat, at, low)
+    simd.f32v_store_any(w_flat, at + HALF, high)
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
@@ -495,41 +496,37 @@ class WeightOnlyLinear(Kernel):
         self.gemv(as_numpy(x_reg), *operands, as_numpy(y32))
         out.copy_(reference.finish(y32, bias, out.dtype))
 
-    def _tiles(self, operands: tuple, n: int, k: int):
-        """(first row, float32 (rows, K) view) of W, decoded tile by tile into one reused buffer."""
-        kp = _padded_k(k)
-        rows = max(1, min(n, GEMM_TILE_ELEMENTS // kp))
-        w32 = torch.empty(rows, kp, dtype=torch.float32)
+    def _tiles(self, operands: tuple, n: int, k: int, dtype: torch.dtype, width: int):
+        """(first row, (rows, width) tile) of W decoded tile by tile into one reused buffer of ``dtype``
+        (float32, or BF16 for a bf16_exact format); columns K .. width - 1 hold zeros or are not written."""
+        rows = max(1, min(n, GEMM_TILE_ELEMENTS // width))
+        buffer = torch.empty(rows, width, dtype=dtype)
         for r0 in range(0, n, rows):
-            tile = w32[: min(rows, n - r0)]
+            tile = buffer[: min(rows, n - r0)]
             self.tile(*operands, r0, as_numpy(tile))
-            yield r0, tile[:, :k]
+            yield r0, tile
 
     def _run_gemm(self, x: torch.Tensor, operands: tuple, bias, out: torch.Tensor) -> None:
         """float32 GEMM on decoded tiles (torch's order), then the reference's rounding."""
         (m, k), n = x.shape, out.shape[1]
         x32 = x.to(torch.float32)
         y32 = torch.empty(m, n, dtype=torch.float32)
-        for r0, tile in self._tiles(operands, n, k):
-            y32[:, r0 : r0 + tile.shape[0]] = x32 @ tile.T
+        for r0, tile in self._tiles(operands, n, k, torch.float32, _padded_k(k)):
+            y32[:, r0 : r0 + tile.shape[0]] = x32 @ tile[:, :k].T
         out.copy_(reference.finish(y32, bias, out.dtype))
 
     def _run_gemm_bf16(self, x: torch.Tensor, operands: tuple, bias, out: torch.Tensor) -> None:
         """BF16 x and a format whose weights are exact in BF16: torch's BF16 GEMM (float32 accumulation, one
-        rounding to BF16) on decoded tiles; a BF16 bias is one more column (x extended by a column of ones)."""
+        rounding to BF16) on tiles decoded to BF16; a BF16 bias is one more column (x extended by ones)."""
         (m, k), n = x.shape, out.shape[1]
         extra = 0 if bias is None else 1
-        x_ext = torch.ones(m, k + extra, dtype=torch.bfloat16)
-        x_ext[:, :k] = x
-        w16 = None
-        for r0, tile in self._tiles(operands, n, k):
-            if w16 is None:
-                w16 = torch.empty(tile.shape[0], k + extra, dtype=torch.bfloat16)
-            tile16 = w16[: tile.shape[0]]
-            tile16[:, :k] = tile  # exact: these weights are BF16 values
+        if extra:
+            x = torch.cat([x, torch.ones(m, 1, dtype=x.dtype)], dim=1)
+        kp = _padded_k(k)
+        for r0, tile in self._tiles(operands, n, k, torch.bfloat16, kp if kp >= k + extra else kp + LANES):
             if extra:
-                tile16[:, k] = bias[r0 : r0 + tile.shape[0]]
-            out[:, r0 : r0 + tile.shape[0]] = torch.nn.functional.linear(x_ext, tile16)
+                tile[:, k] = bias[r0 : r0 + tile.shape[0]]
+            out[:, r0 : r0 + tile.shape[0]] = torch.nn.functional.linear(x, tile[:, : k + extra])
         out.copy_(torch.where(out.isnan(), reference.canonical_nan(out.dtype), out))
 
 
