@@ -49,6 +49,26 @@ def hifloat4_weight(scale: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     return hifloat4.unpack(scale, value, torch.float32)
 
 
+def e8m0_scales() -> torch.Tensor:
+    """(256,) float32: the value 2^(b - 127) of every E8M0 byte b (byte 0: 2^-127, subnormal; 0xFF: NaN)."""
+    scales = torch.exp2(torch.arange(256, dtype=torch.float64) - mxfp4.E8M0_BIAS).to(torch.float32)
+    scales[mxfp4.E8M0_NAN] = math.nan
+    return scales
+
+
+def e6m2_scales() -> torch.Tensor:
+    """(256,) float32: the HiFloat4 block scale of every E6M2 byte (0xFF, a poisoned block: NaN)."""
+    scales = hifloat4.scale_value(torch.arange(256, dtype=torch.int32).clamp(max=254))
+    scales[hifloat4.POISON_BYTE] = math.nan
+    return scales
+
+
+def hifloat4_quarters() -> torch.Tensor:
+    """(16,) float32: the HiFloat4 element of every nibble ``sign << 3 | c``, (-1)^sign * c / 4 (8: -0.0)."""
+    quarters = torch.arange(8, dtype=torch.float32) / 4
+    return torch.cat([quarters, -quarters])
+
+
 def lane_sums(x32: torch.Tensor, w32: torch.Tensor) -> torch.Tensor:
     """(M, N) float32 sums of ``x32`` (M, K) times ``w32`` (N, K), both float32, in the lane order."""
     m, k = x32.shape

@@ -7,9 +7,9 @@ Two paths, chosen by the number of rows M of x (``GEMV_MAX_M``):
   64t + 63) into float32 exactly as the reference does, multiplies them by x and adds them to the lanes
   (mul and add, never FMA); then :func:`f32v_sum_tree` folds the lanes in the reference's order. Rows are
   split across threads; each row's sum is one thread's, so the result does not depend on the thread count.
-* **GEMM** (larger M, prefill): tiles of rows are decoded with the same step functions into a float32
-  buffer, and torch multiplies x by each tile (its order: docs/weight_only.md, 'Tolerance of the GEMM
-  path'); only the tile is ever in full precision.
+* **GEMM** (larger M, prefill): tiles of rows are decoded with the same step functions into a float32 (or,
+  for weights that are BF16 values and BF16 x, BF16) buffer, and torch multiplies x by each tile (its
+  order: docs/weight_only.md, 'Tolerance of the GEMM path'); only one tile is ever decoded.
 
 Decoding (docs/weight_only.md, 'Weights'):
 
@@ -27,12 +27,12 @@ import numba
 import numpy as np
 import torch
 from llvmlite import ir
-from numba.core import cgutils
 from numba import types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from lowbit.backends import Kernel
-from lowbit.formats import hifloat4, hifloat8, mxfp4
+from lowbit.formats import hifloat8, mxfp4
 from lowbit.formats import weight_only as reference
 from lowbit.kernels.cpu import _simd as simd
 from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, as_numpy, sync_threads
@@ -49,15 +49,10 @@ _INLINE = dict(NJIT_OPTIONS, inline="always")
 
 _HIF8_FP32 = hifloat8.decode_table(torch.float32).numpy()  # 256 entries, NaN at 0x80
 _HIF8_BF16_BITS = hifloat8.decode_table(torch.bfloat16).view(torch.int16).numpy().astype(np.uint16)[:128]
-_E2M1 = np.tile(mxfp4.e2m1_values(torch.float32).numpy(), 2)  # an F32V: entries 0..15, repeated
-_HIF4_QUARTERS = np.tile(
-    np.array([c / 4 for c in range(8)] + [-c / 4 for c in range(8)], dtype=np.float32), 2
-)  # nibble = sign << 3 | c -> (-1)^sign * c / 4 (nibble 8 is -0.0)
-# Scale bytes -> float32 values (a NaN for 0xFF: the block is NaN).
-_E8M0 = torch.exp2(torch.arange(256, dtype=torch.float64) - mxfp4.E8M0_BIAS).to(torch.float32).numpy()
-_E8M0[mxfp4.E8M0_NAN] = np.nan
-_E6M2 = hifloat4.scale_value(torch.arange(256, dtype=torch.int32).clamp(max=254)).numpy()
-_E6M2[hifloat4.POISON_BYTE] = np.nan
+_E2M1 = np.tile(mxfp4.e2m1_values(torch.float32).numpy(), 2)  # an F32V: the 16 entries in each half
+_HIF4_QUARTERS = np.tile(reference.hifloat4_quarters().numpy(), 2)
+_E8M0 = reference.e8m0_scales().numpy()
+_E6M2 = reference.e6m2_scales().numpy()
 
 # ---- register orders ---------------------------------------------------------------------------------------
 # A step's 64 weights sit in two F32V registers in an order that is cheap to decode into: register lane p

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from lowbit.backends import Kernel
-from lowbit.formats import hifloat4, hifloat8, mxfp4
+from lowbit.formats import hifloat8, mxfp4
 from lowbit.formats import weight_only as reference
 
 LANES = reference.LANES
@@ -32,13 +32,8 @@ def _table(fmt: int, device: torch.device) -> torch.Tensor:
     if fmt == HIFLOAT8:
         return hifloat8.decode_table(torch.float32).to(device)
     if fmt == MXFP4:
-        scales = torch.exp2(torch.arange(256, dtype=torch.float64) - mxfp4.E8M0_BIAS).to(torch.float32)
-        scales[mxfp4.E8M0_NAN] = float("nan")
-        return torch.cat([mxfp4.e2m1_values(torch.float32), scales]).to(device)
-    quarters = torch.tensor([c / 4 for c in range(8)] + [-c / 4 for c in range(8)], dtype=torch.float32)
-    scales = hifloat4.scale_value(torch.arange(256, dtype=torch.int32).clamp(max=254))
-    scales[hifloat4.POISON_BYTE] = float("nan")
-    return torch.cat([quarters, scales]).to(device)
+        return torch.cat([mxfp4.e2m1_values(torch.float32), reference.e8m0_scales()]).to(device)
+    return torch.cat([reference.hifloat4_quarters(), reference.e6m2_scales()]).to(device)
 
 
 @triton.jit
