@@ -3,11 +3,12 @@
 For each (N, K) and M: F.linear with a BF16 weight, and lowbit's hifloat8_linear, mxfp4_linear and
 hifloat4_linear (backend "native") with BF16 x. As in a model's forward pass, every timed call follows
 a torch op (SiLU of an (M, 4K) activation) and cycles through enough copies of its weight ("layers") that
-they do not all fit in the last-level cache (at least 64 MiB per case). Wall time (perf_counter) with
-torch.get_num_threads() threads, per call; medians and minima over --rounds rounds, the cases of a round
-interleaved; ratios are F.linear's median over the case's median.
+they do not all fit in the last-level cache (at least 64 MiB per case). Per call; medians and minima over
+--rounds rounds, the cases of a round interleaved; ratios are F.linear's median over the case's median.
+Clocks: ``wall`` (perf_counter, torch.get_num_threads() threads for torch and numba) or ``cpu1`` (one
+thread for everyone, CPU time of the calling thread: not inflated when a shared machine deschedules it).
 
-    PYTHONPATH=src python benchmarks/weight_only.py [--rounds 7] [--ms 1 256]
+    PYTHONPATH=src python benchmarks/weight_only.py [--rounds 7] [--ms 1 256] [--clock wall|cpu1]
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def _call(name: str):
     return lambda x, *weight: fn(x, *weight, backend="native")
 
 
-def measure(n: int, k: int, m: int, rounds: int, gen: torch.Generator) -> dict[str, list[float]]:
+def measure(n: int, k: int, m: int, rounds: int, gen: torch.Generator, clock) -> dict[str, list[float]]:
     x = torch.randn(m, k, generator=gen).bfloat16()
     activation = torch.randn(m, 4 * k, generator=gen).bfloat16()
     cases = {name: (_call(name), _layers(tensors)) for name, tensors in _weights(n, k, gen).items()}
@@ -76,9 +77,9 @@ def measure(n: int, k: int, m: int, rounds: int, gen: torch.Generator) -> dict[s
             total = 0.0
             for weight in layers:
                 F.silu(activation)
-                start = time.perf_counter()
+                start = clock()
                 fn(x, *weight)
-                total += time.perf_counter() - start
+                total += clock() - start
             times[name].append(total / len(layers))
     return times
 
@@ -87,15 +88,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--ms", type=int, nargs="+", default=[1, 256])
+    parser.add_argument("--clock", choices=("wall", "cpu1"), default="wall")
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
+    if args.clock == "cpu1":
+        torch.set_num_threads(1)
+    clock = time.perf_counter if args.clock == "wall" else time.thread_time
     print(f"CPU: {_cpu_model()}, {os.cpu_count()} logical CPUs, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; load average at start: {os.getloadavg()}")
+          f"{torch.get_num_threads()} threads, clock {args.clock}; load average at start: {os.getloadavg()}")
     print("| M | N | K | case | median ms | min ms | F.linear / case |")
     print("|---|---|---|---|---|---|---|")
     for n, k in SHAPES:
         for m in args.ms:
-            times = measure(n, k, m, args.rounds, gen)
+            times = measure(n, k, m, args.rounds, gen, clock)
             base = statistics.median(times["F.linear bf16"])
             for name, ts in times.items():
                 median = statistics.median(ts)
