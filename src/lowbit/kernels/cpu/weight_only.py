@@ -182,8 +182,8 @@ def _make_hifloat8_decode(lower):
     @intrinsic
     def hifloat8_decode(typingctx, codes, index, table):
         """Exact FP32 values of the 64 HiFloat8 codes ``codes[index : index + 64]`` (a 1-D C-contiguous
-        uint8 array) as two F32V in HIFLOAT8_ORDER (NaN for 0x80). ``table``: the 256-entry FP32 decode
-        table (read by the portable lowering only)."""
+        uint8 array) as two F32V in HIFLOAT8_ORDER; 0x80 gives a NaN whose payload depends on the lowering
+        (outputs are made canonical). ``table``: the 256-entry FP32 decode table (portable lowering only)."""
 
         def codegen(context, builder, sig, args):
             ptr = simd._element_ptr(context, builder, sig.args[0], args[0], args[1], _V8x64)
