@@ -42,7 +42,7 @@ HALF = simd.LANES  # 32
 GEMV_MAX_M = 4  # rows of x up to which the bit-exact GEMV path runs
 GEMM_TILE_ELEMENTS = 1 << 22  # float32 weights decoded per GEMM tile (16 MiB)
 _ROWS_PER_TASK = 8  # weight rows per prange iteration
-_PARALLEL_CHUNK = 4  # prange iterations a thread takes at a time
+_CHUNKS = 32  # prange iterations are handed out in about this many chunks (at least 4 iterations each)
 _INLINE = dict(NJIT_OPTIONS, inline="always")
 
 # ---- tables (from the reference formats) ------------------------------------------------------------------
@@ -81,6 +81,7 @@ HIFLOAT8_SPLIT = ((4, 4, 4), (1, 0, 2))
 NIBBLE_SPLIT = ((32, 2), (1, 0))
 HIFLOAT8_ORDER = _order(*HIFLOAT8_SPLIT)
 NIBBLE_ORDER = _order(*NIBBLE_SPLIT)
+_HIFLOAT8_ELEMENTS = np.array(HIFLOAT8_ORDER)
 
 _V8x64 = ir.VectorType(ir.IntType(8), 64)
 _V16x32 = ir.VectorType(ir.IntType(16), 32)
@@ -464,9 +465,10 @@ class WeightOnlyLinear(Kernel):
         x, out = x.reshape(m, k), out.view(m, n)
         operands = self._operands(*weight, k)
         sync_threads()
-        # Rows are handed out in small chunks on demand (not split evenly up front), so a thread that the OS
+        # Rows are handed out in chunks on demand (not split evenly up front), so a thread that the OS
         # deschedules on a shared machine does not make the other one wait at the end.
-        previous_chunksize = numba.set_parallel_chunksize(_PARALLEL_CHUNK)
+        tasks = -(-(n if m <= GEMV_MAX_M else min(n, GEMM_TILE_ELEMENTS // _padded_k(k))) // _ROWS_PER_TASK)
+        previous_chunksize = numba.set_parallel_chunksize(max(4, tasks // _CHUNKS))
         try:
             if m <= GEMV_MAX_M:
                 self._run_gemv(x, operands, bias, out)
@@ -526,8 +528,7 @@ class WeightOnlyLinear(Kernel):
 
 
 def _hifloat8_operands(codes, scale, k):
-    tail = k % LANES
-    keep = np.array([element < tail for element in HIFLOAT8_ORDER], dtype=np.int32)  # lanes of a last step
+    keep = (_HIFLOAT8_ELEMENTS < k % LANES).astype(np.int32)  # the lanes of a last, short step
     return as_numpy(codes), as_numpy(scale), keep
 
 
