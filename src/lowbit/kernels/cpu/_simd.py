@@ -241,6 +241,20 @@ def f32v_store(typingctx, arr, index, value):
 
 
 @intrinsic
+def f32v_load_halves(typingctx, arr, first, second):
+    """F32V of LANES / 2 float32 at element ``first`` of a 1-D C-contiguous float32 array, then LANES / 2
+    at element ``second``."""
+
+    def codegen(context, builder, sig, args):
+        half = ir.VectorType(ir.FloatType(), LANES // 2)
+        low, high = (builder.load(_element_ptr(context, builder, sig.args[0], args[0], index, half), align=4)
+                     for index in args[1:])
+        return builder.shuffle_vector(low, high, ir.Constant(_VI32, list(range(LANES))))
+
+    return F32V(arr, first, second), codegen
+
+
+@intrinsic
 def f32v_store_any(typingctx, arr, index, value):
     """Store LANES float32 lanes at element ``index`` of a 1-D C-contiguous float32 array, or, into an int16
     array, their BF16 bit patterns by truncation (the high 16 bits: exact for values that are BF16 values)."""
@@ -353,20 +367,6 @@ def f32v_select(typingctx, keep, value):
         return builder.select(nonzero, args[1], ir.Constant(_VF32, [0.0] * LANES))
 
     return F32V(keep, value), codegen
-
-
-@intrinsic
-def f32v_pieces(typingctx, a, b):
-    """F32V with lanes 0 .. LANES/2 - 1 equal to ``a`` and the others to ``b`` (float32 scalars)."""
-    if a != types.float32 or b != types.float32:
-        return None
-
-    def codegen(context, builder, sig, args):
-        first, second = (_splat(builder, value, _VF32) for value in args)
-        half = [i if i < LANES // 2 else LANES + i for i in range(LANES)]
-        return builder.shuffle_vector(first, second, ir.Constant(_VI32, half))
-
-    return F32V(a, b), codegen
 
 
 @intrinsic

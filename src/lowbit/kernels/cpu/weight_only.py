@@ -49,10 +49,10 @@ _INLINE = dict(NJIT_OPTIONS, inline="always")
 
 _HIF8_FP32 = hifloat8.decode_table(torch.float32).numpy()  # 256 entries, NaN at 0x80
 _HIF8_BF16_BITS = hifloat8.decode_table(torch.bfloat16).view(torch.int16).numpy().astype(np.uint16)[:128]
-_E2M1 = np.tile(mxfp4.e2m1_values(torch.float32).numpy(), 2)  # an F32V: the 16 entries in each half
-_HIF4_QUARTERS = np.tile(reference.hifloat4_quarters().numpy(), 2)
-_E8M0 = reference.e8m0_scales().numpy()
-_E6M2 = reference.e6m2_scales().numpy()
+# 16-entry tables of every scale byte, (256 * 16,) float32: entry 16 b + nibble. MXFP4: the E2M1 value times
+# the E8M0 scale (one rounding: the reference's weight); HiFloat4: (-1)^s c/4 times the E6M2 scale (exact).
+_MXFP4_TABLES = (reference.e8m0_scales()[:, None] * mxfp4.e2m1_values(torch.float32)).reshape(-1).numpy()
+_HIFLOAT4_TABLES = (reference.e6m2_scales()[:, None] * reference.hifloat4_quarters()).reshape(-1).numpy()
 
 # ---- register orders ---------------------------------------------------------------------------------------
 # A step's 64 weights sit in two F32V registers in an order that is cheap to decode into: register lane p
@@ -248,16 +248,16 @@ def _nibble_step(tables, packed, start):
 @numba.njit(**_INLINE)
 def _mxfp4_step(codes, start, scale_a, scale_b):
     """MXFP4: two blocks (their 32 code bytes at ``codes[start]``) with E8M0 bytes ``scale_a``, ``scale_b``."""
-    scales = simd.f32v_pieces(_E8M0[scale_a], _E8M0[scale_b])
-    return _nibble_step(simd.f32v_mul(simd.f32v_load(_E2M1, 0), scales), codes, start)
+    tables = simd.f32v_load_halves(_MXFP4_TABLES, 16 * np.int64(scale_a), 16 * np.int64(scale_b))
+    return _nibble_step(tables, codes, start)
 
 
 @numba.njit(**_INLINE)
 def _hifloat4_step(words, value, block):
     """HiFloat4: block ``block`` (flat index): scale word ``words[block]``, 32 value bytes at 32 * block."""
-    word = words[block]
-    table = simd.f32v_mul(simd.f32v_load(_HIF4_QUARTERS, 0), _E6M2[word & 0xFF])
-    w0, w1 = _nibble_step(table, value, 32 * block)
+    word = words[np.uint64(block)]
+    table = 16 * np.int64(word & 0xFF)
+    w0, w1 = _nibble_step(simd.f32v_load_halves(_HIFLOAT4_TABLES, table, table), value, 32 * block)
     return hifloat4_levels(w0, word), hifloat4_levels(w1, word)
 
 
@@ -345,7 +345,7 @@ def _mxfp4_gemv(x_reg, codes, scales, y32):
                 acc0 = simd.f32v_zero()
                 acc1 = simd.f32v_zero()
                 for t in range(blocks // 2):
-                    b = b0 + 2 * t
+                    b = np.uint64(b0 + 2 * t)  # unsigned: no negative-index wraparound code
                     w0, w1 = _mxfp4_step(codes_flat, 16 * b, scales_flat[b], scales_flat[b + 1])
                     acc0, acc1 = _accumulate(acc0, acc1, x_flat, m * kp + LANES * t, w0, w1)
                 if blocks % 2:
@@ -419,7 +419,7 @@ def _mxfp4_tile(codes, scales, r0, w32):
         for i in range(task * _ROWS_PER_TASK, min(w32.shape[0], (task + 1) * _ROWS_PER_TASK)):
             b0 = (r0 + i) * blocks
             for t in range(blocks // 2):
-                b = b0 + 2 * t
+                b = np.uint64(b0 + 2 * t)
                 w0, w1 = _mxfp4_step(codes_flat, 16 * b, scales_flat[b], scales_flat[b + 1])
                 _store_nibbles(w_flat, i * kp + LANES * t, w0, w1)
             if blocks % 2:
