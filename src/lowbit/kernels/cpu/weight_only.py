@@ -15,10 +15,10 @@ Decoding (docs/weight_only.md, 'Weights'):
 
 * HiFloat8: the code's exact value from two 128-entry byte tables (the BF16 bits of each magnitude;
   vpermi2b with AVX512-VBMI, a gather from the FP32 decode table elsewhere), times the row's scale.
-* MXFP4: a 16-entry table (the E2M1 values times the block's E8M0 scale, one multiply each, as the
-  reference) indexed by the nibbles (vpermps with AVX-512).
-* HiFloat4: a 16-entry table (signed c/4 times the E6M2 scale: exact) indexed by the nibbles, times
-  2^(e2 + e3) per lane from the flag bytes (exact).
+* MXFP4: the block's 16-entry table (the E2M1 values times its E8M0 scale, the reference's products,
+  precomputed for all 256 scale bytes) indexed by the nibbles (vpermps with AVX-512).
+* HiFloat4: the block's 16-entry table (signed c/4 times the E6M2 scale: exact) indexed by the nibbles,
+  doubled per lane where the e2 or e3 flag is set (exact).
 """
 
 from __future__ import annotations
