@@ -22,6 +22,7 @@ from lowbit.formats import weight_only as reference
 
 LANES = reference.LANES
 ROWS_PER_PROGRAM = 16
+_MAX_GRID_Y = 65535  # CUDA's limit on the second grid dimension (programs over N)
 HIFLOAT8, MXFP4, HIFLOAT4 = 0, 1, 2  # the FORMAT of the kernel
 
 
@@ -109,6 +110,12 @@ class TritonLinear(Kernel):
 
     def __init__(self, fmt: int):
         self.format = fmt
+
+    def supports(self, x, a, b, bias):
+        programs = triton.cdiv(a.shape[0], ROWS_PER_PROGRAM)
+        if programs > _MAX_GRID_Y:
+            return f"N = {a.shape[0]}: this kernel takes at most {_MAX_GRID_Y * ROWS_PER_PROGRAM} output features"
+        return None
 
     def run(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias, *, out: torch.Tensor) -> None:
         k, n = x.shape[-1], out.shape[-1]
