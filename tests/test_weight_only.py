@@ -347,3 +347,10 @@ def test_bad_arguments_raise_typed_errors(call, error, match):
     codes, scale = hif8_weight(8, 64, g)
     with pytest.raises(error, match=match):
         call(x, codes, scale)
+
+
+def test_triton_kernel_declares_its_grid_limit():
+    x = torch.empty(1, 32, device="meta")
+    too_many = torch.empty(16 * 65536, 16, dtype=torch.uint8, device="meta")
+    assert "output features" in triton_kernels.MXFP4_LINEAR.supports(x, too_many, too_many[:, :1], None)
+    assert triton_kernels.MXFP4_LINEAR.supports(x, too_many[:64], too_many[:64, :1], None) is None
