@@ -1,4 +1,4 @@
-"""LANES-wide SIMD values for numba kernels: the register tiles of the int4 matmul kernels.
+"""LANES-wide SIMD values for numba kernels: the register tiles of the int4 matmul and weight-only kernels.
 
 numba has no vector types, and LLVM does not reliably keep array-held accumulators in registers or find
 VNNI dot products on its own. This module adds two value types, each lowered to one LLVM vector (so they
@@ -15,6 +15,9 @@ without fast-math flags, so LLVM never contracts them into FMA): kernels built f
 ``i16v_maddubs(acc, pairs, a_words, index)`` (the raw-weight path): per int16 lane, two unsigned nibbles
 times the two int8 of ``a_words[index]`` (int16), added to acc: vpmaddubsw with AVX512-BW, portable IR
 elsewhere.
+
+Table look-ups: ``lookup16`` (vpermps with AVX-512, lane by lane elsewhere) picks 16-entry float32 tables
+by 4-bit indices (e.g. the nibbles of bytes from ``bytes_load``); ``f32v_sum_tree`` folds the lanes pairwise.
 
 ``dpbusd(acc, w, a_words, index)``: with ``a = a_words[index]`` (int32), for each int32 lane i,
 ``acc[i] + sum_j u8(w byte 4i+j) * s8(a byte j)``. On a CPU
@@ -41,7 +44,7 @@ _ZMM_I32 = ir.VectorType(_I32, 16)
 
 def _host_has(*names: str) -> bool:
     """Whether numba compiles for this CPU (not a NUMBA_CPU_NAME / NUMBA_CPU_FEATURES override, e.g.
-    "generic" for portable caches) and it has every one of these LLVM CPU features."""
+    "generic" for portable caches) and it has every feature in ``names`` (LLVM's names)."""
     if numba_config.CPU_NAME not in (None, "host") or numba_config.CPU_FEATURES:
         return False
     features = llvm_binding.get_host_cpu_features()
@@ -50,6 +53,8 @@ def _host_has(*names: str) -> bool:
 
 HAS_VNNI = _host_has("avx512vnni", "avx512bw", "avx512f")
 HAS_AVX512BW = _host_has("avx512bw", "avx512f")
+HAS_AVX512F = _host_has("avx512f")
+HAS_AVX512VBMI = _host_has("avx512vbmi", "avx512bw", "avx512f")
 
 
 class _VectorType(types.Type):
@@ -248,6 +253,41 @@ def f32v_store(typingctx, arr, index, value):
 
 
 @intrinsic
+def f32v_load_halves(typingctx, arr, first, second):
+    """F32V of LANES / 2 float32 at element ``first`` of a 1-D C-contiguous float32 array, then LANES / 2
+    at element ``second``."""
+
+    def codegen(context, builder, sig, args):
+        half = ir.VectorType(ir.FloatType(), LANES // 2)
+        low, high = (builder.load(_element_ptr(context, builder, sig.args[0], args[0], index, half), align=4)
+                     for index in args[1:])
+        return builder.shuffle_vector(low, high, ir.Constant(_VI32, list(range(LANES))))
+
+    return F32V(arr, first, second), codegen
+
+
+@intrinsic
+def f32v_store_any(typingctx, arr, index, value):
+    """Store LANES float32 lanes at element ``index`` of a 1-D C-contiguous float32 array, or, into an int16
+    array, their BF16 bit patterns by truncation (the high 16 bits: exact for values that are BF16 values)."""
+    bf16 = arr.dtype == types.int16
+    if not bf16 and arr.dtype != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        value = args[2]
+        if bf16:
+            v_i16 = ir.VectorType(_I16, LANES)
+            high = builder.lshr(builder.bitcast(value, _VI32), ir.Constant(_VI32, [16] * LANES))
+            value = builder.trunc(high, v_i16)
+        ptr = _element_ptr(context, builder, sig.args[0], args[0], args[1], value.type)
+        builder.store(value, ptr, align=1)
+        return context.get_dummy_value()
+
+    return types.void(arr, index, value), codegen
+
+
+@intrinsic
 def f16v_load(typingctx, arr, index):
     """LANES FP16 values (an int16 bit-pattern array) at element ``index``, widened exactly to float32.
 
@@ -309,6 +349,106 @@ f32v_add = _f32_binary("fadd")
 f32v_mul = _f32_binary("fmul")
 f32v_add.__doc__ = "IEEE float32 a + b per lane (b: F32V or float32 scalar)."
 f32v_mul.__doc__ = "IEEE float32 a * b per lane (b: F32V or float32 scalar)."
+
+
+@intrinsic
+def f32v_sum_tree(typingctx, value):
+    """The float32 sum of the LANES lanes folded pairwise: ``lane[i] += lane[i + h]`` for ``i < h``,
+    h = LANES / 2, ..., 1; returns lane 0."""
+
+    def codegen(context, builder, sig, args):
+        v = args[0]
+        width = LANES
+        while width > 1:
+            width //= 2
+            mask = ir.VectorType(_I32, width)
+            low = builder.shuffle_vector(v, v, ir.Constant(mask, list(range(width))))
+            high = builder.shuffle_vector(v, v, ir.Constant(mask, list(range(width, 2 * width))))
+            v = builder.fadd(low, high)
+        return builder.extract_element(v, ir.Constant(_I32, 0))
+
+    return types.float32(value), codegen
+
+
+@intrinsic
+def f32v_select(typingctx, keep, value):
+    """Lanes of ``value`` where ``keep`` (I32V) is nonzero; the others +0.0."""
+
+    def codegen(context, builder, sig, args):
+        nonzero = builder.icmp_signed("!=", args[0], ir.Constant(_VI32, [0] * LANES))
+        return builder.select(nonzero, args[1], ir.Constant(_VF32, [0.0] * LANES))
+
+    return F32V(keep, value), codegen
+
+
+@intrinsic
+def bytes_load(typingctx, arr, index):
+    """LANES bytes of a 1-D C-contiguous uint8 array at element ``index``, zero-extended to int32 lanes."""
+
+    def codegen(context, builder, sig, args):
+        v_bytes = ir.VectorType(_I8, LANES)
+        return builder.zext(builder.load(_element_ptr(context, builder, sig.args[0], args[0], args[1], v_bytes),
+                                          align=1), _VI32)
+
+    return I32V(arr, index), codegen
+
+
+@intrinsic
+def i32v_shift_right(typingctx, value, count):
+    """Logical right shift of every int32 lane by ``count`` bits (a constant-size int)."""
+
+    def codegen(context, builder, sig, args):
+        count = builder.trunc(args[1], _I32) if args[1].type.width > 32 else args[1]
+        return builder.lshr(args[0], _splat(builder, count, _VI32))
+
+    return I32V(value, count), codegen
+
+
+def _lookup16_avx512(builder, table, index):
+    """vpermps on each 16-lane piece with that piece's 16 table lanes."""
+    v16f, v16i = ir.VectorType(ir.FloatType(), 16), ir.VectorType(_I32, 16)
+    fn = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(v16f, [v16f, v16i]), "llvm.x86.avx512.permvar.sf.512")
+    pieces = []
+    for p in range(LANES // 16):
+        piece = ir.Constant(v16i, list(range(16 * p, 16 * p + 16)))
+        entries = builder.shuffle_vector(table, table, piece)
+        pieces.append(builder.call(fn, [entries, builder.shuffle_vector(index, index, piece)]))
+    while len(pieces) > 1:
+        n = pieces[0].type.count
+        pieces = [builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, 2 * n), list(range(2 * n))))
+                  for lo, hi in zip(pieces[0::2], pieces[1::2])]
+    return pieces[0]
+
+
+def _lookup16_portable(builder, table, index):
+    """The same, one lane at a time (variable extractelement), in plain LLVM IR."""
+    result = ir.Constant(_VF32, None)
+    for i in range(LANES):
+        lane = ir.Constant(_I32, i)
+        entry = builder.and_(builder.extract_element(index, lane), ir.Constant(_I32, 15))
+        entry = builder.add(entry, ir.Constant(_I32, 16 * (i // 16)))
+        result = builder.insert_element(result, builder.extract_element(table, entry), lane)
+    return result
+
+
+def _make_lookup16(lower):
+    @intrinsic
+    def lookup16(typingctx, table, index):
+        """Per 16-lane piece p: lane i <- table lane ``16 p + (index[i] & 15)`` (each piece of ``table``
+        holds that piece's 16 entries; the index bits above the low 4 are ignored)."""
+
+        def codegen(context, builder, sig, args):
+            return lower(builder, args[0], args[1])
+
+        return F32V(table, index), codegen
+
+    return lookup16
+
+
+lookup16_portable = _make_lookup16(_lookup16_portable)
+lookup16_avx512 = _make_lookup16(_lookup16_avx512)
+lookup16 = lookup16_avx512 if HAS_AVX512F else lookup16_portable
 
 
 @intrinsic

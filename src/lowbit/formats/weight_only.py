@@ -1,0 +1,143 @@
+"""Weight-only linear layers: the reference numerics (docs/weight_only.md).
+
+``y = x @ W.T + bias`` with a quantized weight W (N, K) that is never materialized in full precision by the
+fast kernels. The reference here is the definition every kernel follows (docs/weight_only.md, sections
+'Weights' and 'Summation order'):
+
+1. **Weight**: each format's weight decoded to float32 (HiFloat8: the exact FP32 decode times the
+   per-row FP32 scale, one rounding; MXFP4: E2M1 value times the E8M0 scale, exact except that a product
+   beyond FP32's range is +-Inf; HiFloat4: exact). A NaN code or NaN scale gives NaN.
+2. **Products**: ``p = fl32(x_k * w_k)`` with x widened exactly to float32.
+3. **Sum**: 64 lanes; lane ``j`` adds the products of ``k = j, j + 64, j + 128, ...`` in order, starting
+   from +0.0 (a K that is not a multiple of 64 leaves the last lanes short: they add nothing). Then the
+   64 lane sums are folded pairwise: ``lane[i] += lane[i + h]`` for ``i < h``, h = 32, 16, 8, 4, 2, 1.
+4. **Output**: ``fl32(sum + bias)`` (bias widened exactly to float32), rounded once (to nearest, ties to
+   even) to x's dtype; a NaN output is the dtype's canonical quiet NaN (BF16 0x7FC0, FP16 0x7E00).
+
+:func:`gemm_interval` is the tolerance of kernels that sum in another order (the tiled-GEMM path of
+large batches): docs/weight_only.md, section 'Tolerance of the GEMM path'.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from lowbit.formats import hifloat4, hifloat8, mxfp4
+
+LANES = 64  # summation lanes along K
+NAN_BITS = {torch.bfloat16: 0x7FC0, torch.float16: 0x7E00}  # canonical quiet NaN of each output dtype
+_FP32_UNIT_ROUNDOFF = 2.0**-24
+_FP32_MIN_SUBNORMAL = 2.0**-149
+_FP32_MIN_NORMAL = 2.0**-126
+
+
+def hifloat8_weight(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """(N, K) float32 weight of HiFloat8 ``codes`` (N, K) uint8 and per-row ``scale`` (N,) float32."""
+    return hifloat8.decode(codes, torch.float32) * scale.unsqueeze(-1)
+
+
+def mxfp4_weight(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """(N, K) float32 weight of MXFP4 ``codes`` (N, K/2) and E8M0 ``scales`` (N, K/32), both uint8."""
+    return mxfp4.dequantize(codes, scales, torch.float32, axis=-1)
+
+
+def hifloat4_weight(scale: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """(N, K) float32 weight of AMCT-packed HiFloat4 ``scale`` (N, K/64, 4) and ``value`` (N, K/2)."""
+    return hifloat4.unpack(scale, value, torch.float32)
+
+
+def e8m0_scales() -> torch.Tensor:
+    """(256,) float32: the value 2^(b - 127) of every E8M0 byte b (byte 0: 2^-127, subnormal; 0xFF: NaN)."""
+    scales = torch.exp2(torch.arange(256, dtype=torch.float64) - mxfp4.E8M0_BIAS).to(torch.float32)
+    scales[mxfp4.E8M0_NAN] = math.nan
+    return scales
+
+
+def e6m2_scales() -> torch.Tensor:
+    """(256,) float32: the HiFloat4 block scale of every E6M2 byte (0xFF, a poisoned block: NaN)."""
+    scales = hifloat4.scale_value(torch.arange(256, dtype=torch.int32).clamp(max=254))
+    scales[hifloat4.POISON_BYTE] = math.nan
+    return scales
+
+
+def hifloat4_quarters() -> torch.Tensor:
+    """(16,) float32: the HiFloat4 element of every nibble ``sign << 3 | c``, (-1)^sign * c / 4 (8: -0.0)."""
+    quarters = torch.arange(8, dtype=torch.float32) / 4
+    return torch.cat([quarters, -quarters])
+
+
+def lane_sums(x32: torch.Tensor, w32: torch.Tensor) -> torch.Tensor:
+    """(M, N) float32 sums of ``x32`` (M, K) times ``w32`` (N, K), both float32, in the lane order."""
+    m, k = x32.shape
+    steps = -(-k // LANES)
+    pad = steps * LANES - k
+    x32 = torch.nn.functional.pad(x32, (0, pad))
+    w32 = torch.nn.functional.pad(w32, (0, pad))  # padded products are +0 * +0: adding them changes nothing
+    acc = torch.zeros(m, w32.shape[0], LANES, dtype=torch.float32, device=x32.device)
+    for t in range(steps):
+        lanes = slice(t * LANES, (t + 1) * LANES)
+        acc = acc + x32[:, None, lanes] * w32[None, :, lanes]
+    width = LANES
+    while width > 1:
+        width //= 2
+        acc = acc[..., :width] + acc[..., width:]
+    return acc[..., 0]
+
+
+def canonical_nan(dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The 0-d canonical quiet NaN of ``dtype`` (BF16 or FP16)."""
+    return torch.tensor(NAN_BITS[dtype], dtype=torch.int16, device=device).view(dtype)
+
+
+def finish(y32: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """Step 4: ``fl32(y32 + bias)`` rounded once to ``dtype``, NaN made canonical (a new tensor)."""
+    if bias is not None:
+        y32 = y32 + bias.to(torch.float32)
+    return torch.where(y32.isnan(), canonical_nan(dtype, y32.device), y32.to(dtype))
+
+
+def linear(x: torch.Tensor, w32: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The reference: x (..., K) FP16/BF16, w32 (N, K) float32, bias (N,) or None -> (..., N) in x's dtype."""
+    k = x.shape[-1]
+    y32 = lane_sums(x.reshape(-1, k).to(torch.float32), w32)
+    return finish(y32, bias, x.dtype).reshape(*x.shape[:-1], w32.shape[0])
+
+
+def gemm_interval(
+    x: torch.Tensor, w32: torch.Tensor, bias: Optional[torch.Tensor] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lo, hi), each (..., N) in x's dtype: every float32 summation of the products (any order, with or
+    without fused multiply-adds, with or without flushing subnormals to zero) followed by one rounding to
+    x's dtype gives a result in [lo, hi].
+
+    With ``S = sum_k |x_k w_k| + |bias|`` (float64) and ``r`` the reference's float32 ``sum + bias``, any
+    other such ``r'`` satisfies ``|r' - r| <= delta`` with ``delta = (gamma(K + 1) + gamma(ceil(K/64) + 7))
+    * S + K * 2^-149 + 2^-126 * (sum_k |x_k| + sum_k |w_k| + K + 2)`` (gamma(n) = n u / (1 - n u),
+    u = 2^-24), and rounding is monotone. Only meaningful where S is finite and below the FP32 range
+    (docs/weight_only.md, 'Tolerance of the GEMM path').
+    """
+    k = x.shape[-1]
+    x64 = x.reshape(-1, k).to(torch.float64)
+    w64 = w32.to(torch.float64)
+    s = x64.abs() @ w64.abs().T
+    r = lane_sums(x64.to(torch.float32), w32).to(torch.float64)
+    if bias is not None:
+        b64 = bias.to(torch.float64)
+        s = s + b64.abs()
+        r = (r.to(torch.float32) + bias.to(torch.float32)).to(torch.float64)
+    flushed = x64.abs().sum(-1, keepdim=True) + w64.abs().sum(-1) + (k + 2)
+    delta = ((_gamma(k + 1) + _gamma(math.ceil(k / LANES) + 7)) * s + k * _FP32_MIN_SUBNORMAL
+             + _FP32_MIN_NORMAL * flushed)
+    shape = (*x.shape[:-1], w32.shape[0])
+    bounds = []
+    for edge in (r - delta, r + delta):
+        bounds.append(finish(edge.to(torch.float32), None, x.dtype).reshape(shape))
+    return bounds[0], bounds[1]
+
+
+def _gamma(n: int) -> float:
+    u = _FP32_UNIT_ROUNDOFF
+    return n * u / (1 - n * u)

@@ -1,0 +1,546 @@
+"""Weight-only linear layers on the CPU (numba): the packed weight is decoded in registers, never stored.
+
+Two paths, chosen by the number of rows M of x (``GEMV_MAX_M``):
+
+* **GEMV** (M <= GEMV_MAX_M, decoding): bit-exact with the reference (lowbit.formats.weight_only). The
+  64 summation lanes are two F32V registers: one step decodes 64 consecutive weights of a row (k = 64t ..
+  64t + 63) into float32 exactly as the reference does, multiplies them by x and adds them to the lanes
+  (mul and add, never FMA); then :func:`f32v_sum_tree` folds the lanes in the reference's order. Rows are
+  split across threads; each row's sum is one thread's, so the result does not depend on the thread count.
+* **GEMM** (larger M, prefill): tiles of rows are decoded with the same step functions into a float32 (or,
+  for weights that are BF16 values and BF16 x, BF16) buffer, and torch multiplies x by each tile (its
+  order: docs/weight_only.md, 'Tolerance of the GEMM path'); only one tile is ever decoded.
+
+Decoding (docs/weight_only.md, 'Weights'):
+
+* HiFloat8: the code's exact value from two 128-entry byte tables (the BF16 bits of each magnitude;
+  vpermi2b with AVX512-VBMI, a gather from the FP32 decode table elsewhere), times the row's scale.
+* MXFP4: the block's 16-entry table (the E2M1 values times its E8M0 scale, the reference's products,
+  precomputed for all 256 scale bytes) indexed by the nibbles (vpermps with AVX-512).
+* HiFloat4: the block's 16-entry table (signed c/4 times the E6M2 scale: exact) indexed by the nibbles,
+  doubled per lane where the e2 or e3 flag is set (exact).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from lowbit.backends import Kernel
+from lowbit.formats import hifloat8, mxfp4
+from lowbit.formats import weight_only as reference
+from lowbit.kernels.cpu import _simd as simd
+from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, as_numpy, sync_threads
+
+LANES = reference.LANES  # 64 = two F32V
+HALF = simd.LANES  # 32
+GEMV_MAX_M = 4  # rows of x up to which the bit-exact GEMV path runs
+GEMM_TILE_ELEMENTS = 1 << 22  # weights decoded per GEMM tile (16 MiB in float32)
+_ROWS_PER_TASK = 8  # weight rows per prange iteration
+_CHUNKS = 32  # prange iterations are handed out in about this many chunks (at least 4 iterations each)
+_INLINE = dict(NJIT_OPTIONS, inline="always")
+
+# ---- tables (from the reference formats) ------------------------------------------------------------------
+
+_HIF8_FP32 = hifloat8.decode_table(torch.float32).numpy()  # 256 entries, NaN at 0x80
+_HIF8_BF16_BITS = hifloat8.decode_table(torch.bfloat16).view(torch.int16).numpy().astype(np.uint16)[:128]
+# 16-entry tables of every scale byte, (256 * 16,) float32: entry 16 b + nibble. MXFP4: the E2M1 value times
+# the E8M0 scale (one rounding: the reference's weight); HiFloat4: (-1)^s c/4 times the E6M2 scale (exact).
+_MXFP4_TABLES = (reference.e8m0_scales()[:, None] * mxfp4.e2m1_values(torch.float32)).reshape(-1).numpy()
+_HIFLOAT4_TABLES = (reference.e6m2_scales()[:, None] * reference.hifloat4_quarters()).reshape(-1).numpy()
+
+# ---- register orders ---------------------------------------------------------------------------------------
+# A step's 64 weights sit in two F32V registers in an order that is cheap to decode into: register lane p
+# (0..63; lanes 32..63 are the second register) holds element ORDER[p] of the step. x is stored in the same
+# order, so every register lane accumulates one logical lane of the reference; the lanes are put back in the
+# logical order (one shuffle) before the reference's pairwise fold.
+
+# An order is given as a split of the 64 elements into dimensions and a permutation of them (so that x is
+# put in it by one strided copy); ORDER lists the element of each register lane.
+
+
+def _reorder(x32: torch.Tensor, split: tuple[int, ...], perm: tuple[int, ...]) -> torch.Tensor:
+    """x32 (M, Kp), Kp a multiple of 64, with every 64-element step put in the order (split, perm)."""
+    m, kp = x32.shape
+    steps = x32.view(m, kp // LANES, *split).permute(0, 1, *(2 + p for p in perm))
+    return steps.reshape(m, kp)
+
+
+def _order(split: tuple[int, ...], perm: tuple[int, ...]) -> list[int]:
+    return _reorder(torch.arange(LANES, dtype=torch.float32).unsqueeze(0), split, perm).int().flatten().tolist()
+
+
+# HiFloat8: the byte unpacks of 64 codes; register quarter q (16 lanes), lane r: element 16 (r // 4) + 4 q + r % 4.
+HIFLOAT8_SPLIT = ((4, 4, 4), (1, 0, 2))
+# MXFP4, HiFloat4: the low nibbles of 32 bytes (elements 0, 2, .., 62), then the high nibbles (1, 3, .., 63).
+NIBBLE_SPLIT = ((32, 2), (1, 0))
+HIFLOAT8_ORDER = _order(*HIFLOAT8_SPLIT)
+NIBBLE_ORDER = _order(*NIBBLE_SPLIT)
+_HIFLOAT8_ELEMENTS = np.array(HIFLOAT8_ORDER)
+
+_V8x64 = ir.VectorType(ir.IntType(8), 64)
+_V16x32 = ir.VectorType(ir.IntType(16), 32)
+_V32x16 = ir.VectorType(ir.IntType(32), 16)
+_I32 = ir.IntType(32)
+
+
+def _mask(values) -> ir.Constant:
+    return ir.Constant(ir.VectorType(_I32, len(values)), list(values))
+
+
+def _halves(builder, vector64):
+    """A 64-lane vector as two 32-lane ones."""
+    return (builder.shuffle_vector(vector64, vector64, _mask(range(HALF))),
+            builder.shuffle_vector(vector64, vector64, _mask(range(HALF, LANES))))
+
+
+def _make_logical(order):
+    inverse = [order.index(lane) for lane in range(LANES)]
+
+    @intrinsic
+    def logical(typingctx, first, second):
+        """The 64 lanes of (``first``, ``second``), kept in this register order, as logical lanes
+        (0..31, 32..63)."""
+
+        def codegen(context, builder, sig, args):
+            low = builder.shuffle_vector(args[0], args[1], _mask(inverse[:HALF]))
+            high = builder.shuffle_vector(args[0], args[1], _mask(inverse[HALF:]))
+            return context.make_tuple(builder, sig.return_type, [low, high])
+
+        return types.UniTuple(simd.F32V, 2)(first, second), codegen
+
+    return logical
+
+
+hifloat8_logical = _make_logical(HIFLOAT8_ORDER)
+nibble_logical = _make_logical(NIBBLE_ORDER)
+
+# ---- HiFloat8 decode: 64 codes -> two F32V in HIFLOAT8_ORDER ------------------------------------------------
+
+
+def _byte_table(values) -> tuple[ir.Constant, ir.Constant]:
+    """A 128-entry byte table as the two 64-byte halves vpermi2b reads."""
+    values = [int(v) & 0xFF for v in values]
+    return ir.Constant(_V8x64, values[:64]), ir.Constant(_V8x64, values[64:])
+
+
+def _hifloat8_decode_vbmi(context, builder, codes, table_arg):
+    """BF16 bits of the magnitude from two 128-entry byte tables (vpermi2b, index bits 0-6), the code's sign,
+    NaN for 0x80; bytes -> words -> FP32 by unpacking (the order of HIFLOAT8_ORDER)."""
+    fn = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(_V8x64, [_V8x64] * 3), "llvm.x86.avx512.vpermi2var.qi.512")
+    high_table, low_table = (_byte_table([bits >> shift for bits in _HIF8_BF16_BITS]) for shift in (8, 0))
+    high = builder.call(fn, [high_table[0], codes, high_table[1]])
+    low = builder.call(fn, [low_table[0], codes, low_table[1]])
+    high = builder.or_(high, builder.and_(codes, ir.Constant(_V8x64, [0x80] * 64)))
+    nan = builder.icmp_unsigned("==", codes, ir.Constant(_V8x64, [hifloat8.NAN_CODE] * 64))
+    high = builder.select(nan, ir.Constant(_V8x64, [0x7F] * 64), high)
+    low = builder.select(nan, ir.Constant(_V8x64, [0xFF] * 64), low)
+    # unpack{l,h}bw per 128-bit lane: words (low byte, high byte) of bytes 0-7 / 8-15 of each lane
+    words = [builder.bitcast(builder.shuffle_vector(low, high, _mask(
+        [i for lane in range(4) for j in range(8 * h, 8 * h + 8) for i in (16 * lane + j, 64 + 16 * lane + j)])),
+        _V16x32) for h in (0, 1)]
+    zero = ir.Constant(_V16x32, [0] * 32)
+    dwords = []
+    for w in words:  # unpack{l,h}wd with zero below: dword = word << 16, words 0-3 / 4-7 of each lane
+        for h in (0, 1):
+            pairs = [i for lane in range(4) for j in range(4 * h, 4 * h + 4) for i in (8 * lane + j, 32 + 8 * lane + j)]
+            dwords.append(builder.bitcast(builder.shuffle_vector(zero, w, _mask(pairs)), _V32x16))
+    quarters = [builder.bitcast(d, ir.VectorType(ir.FloatType(), 16)) for d in dwords]
+    first = builder.shuffle_vector(quarters[0], quarters[1], _mask(range(HALF)))
+    second = builder.shuffle_vector(quarters[2], quarters[3], _mask(range(HALF)))
+    return first, second
+
+
+def _hifloat8_decode_portable(context, builder, codes, table_arg):
+    """The same values gathered from the 256-entry FP32 decode table (``table_arg``), in plain LLVM IR."""
+    table_type, table = table_arg
+    data = context.make_array(table_type)(context, builder, table).data
+    ordered = builder.shuffle_vector(codes, codes, _mask(HIFLOAT8_ORDER))
+    i64 = ir.IntType(64)
+    v64 = ir.VectorType(i64, HALF)
+    base = builder.insert_element(ir.Constant(v64, None), builder.ptrtoint(data, i64), ir.Constant(_I32, 0))
+    bases = builder.shuffle_vector(base, base, _mask([0] * HALF))
+    v_f32, v_i1 = ir.VectorType(ir.FloatType(), HALF), ir.VectorType(ir.IntType(1), HALF)
+    halves = []
+    for part in _halves(builder, ordered):
+        offsets = builder.shl(builder.zext(part, v64), ir.Constant(v64, [2] * HALF))
+        pointers = builder.inttoptr(builder.add(bases, offsets), ir.VectorType(data.type, HALF))
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(v_f32, [pointers.type, _I32, v_i1, v_f32]),
+            f"llvm.masked.gather.v{HALF}f32.v{HALF}p0")
+        halves.append(builder.call(fn, [pointers, ir.Constant(_I32, 4), ir.Constant(v_i1, [1] * HALF),
+                                        ir.Constant(v_f32, None)]))
+    return halves
+
+
+def _make_hifloat8_decode(lower):
+    @intrinsic
+    def hifloat8_decode(typingctx, codes, index, table):
+        """Exact FP32 values of the 64 HiFloat8 codes ``codes[index : index + 64]`` (a 1-D C-contiguous
+        uint8 array) as two F32V in HIFLOAT8_ORDER; 0x80 gives a NaN whose payload depends on the lowering
+        (outputs are made canonical). ``table``: the 256-entry FP32 decode table (portable lowering only)."""
+
+        def codegen(context, builder, sig, args):
+            ptr = simd._element_ptr(context, builder, sig.args[0], args[0], args[1], _V8x64)
+            first, second = lower(context, builder, builder.load(ptr, align=1), (sig.args[2], args[2]))
+            return context.make_tuple(builder, sig.return_type, [first, second])
+
+        return types.UniTuple(simd.F32V, 2)(codes, index, table), codegen
+
+    return hifloat8_decode
+
+
+hifloat8_decode_portable = _make_hifloat8_decode(_hifloat8_decode_portable)
+hifloat8_decode_vbmi = _make_hifloat8_decode(_hifloat8_decode_vbmi)
+hifloat8_decode = hifloat8_decode_vbmi if simd.HAS_AVX512VBMI else hifloat8_decode_portable
+
+# ---- HiFloat4 multipliers: 2^(e2 + e3) per lane ------------------------------------------------------------
+# In NIBBLE_ORDER register lane i of either register holds element 2i or 2i + 1: 8-group i // 4, 4-group
+# i // 2. Their flags in the block's little-endian scale word [E6M2, e2, e3 (groups 0-7), e3 (8-15)], flag
+# bytes MSB first (docs/weight_only.md, 'Weights'): e2 of group g at bit 15 - g, e3 of group g at bit
+# 23 - g (g < 8) or 39 - g.
+_E2_BITS = [15 - i // 4 for i in range(HALF)]
+_E3_BITS = [23 - i // 2 if i // 2 < 8 else 39 - i // 2 for i in range(HALF)]
+
+
+@intrinsic
+def hifloat4_levels(typingctx, weights, word):
+    """``weights`` (F32V, register lanes 0..31 of either register of a block) times 2^(e2 flag + e3 flag),
+    the flags from the block's scale bytes as the int32 ``word``: doubled where a flag is set (exact)."""
+
+    def codegen(context, builder, sig, args):
+        word = builder.trunc(args[1], _I32) if args[1].type.width > 32 else args[1]
+        splat = simd._splat(builder, word, simd._VI32)
+        w = args[0]
+        for bits in (_E2_BITS, _E3_BITS):
+            flag = builder.and_(splat, _mask([1 << b for b in bits]))
+            set_ = builder.icmp_unsigned("!=", flag, ir.Constant(simd._VI32, [0] * HALF))
+            w = builder.select(set_, builder.fmul(w, ir.Constant(simd._VF32, [2.0] * HALF)), w)
+        return w
+
+    return simd.F32V(weights, word), codegen
+
+
+# ---- one step: the 64 weights k0 .. k0 + 63 of a row, as two F32V in the format's register order ----------
+
+
+@numba.njit(**_INLINE)
+def _hifloat8_step(codes, start, scale, table):
+    """HiFloat8: the codes at ``codes[start]`` (flat) times the row's ``scale``."""
+    w0, w1 = hifloat8_decode(codes, start, table)
+    return simd.f32v_mul(w0, scale), simd.f32v_mul(w1, scale)
+
+
+@numba.njit(**_INLINE)
+def _nibble_step(tables, packed, start):
+    """MXFP4 / HiFloat4: 32 bytes at ``packed[start]`` (flat) through ``tables`` (piece p of the F32V
+    serves bytes 16p .. 16p + 15)."""
+    pairs = simd.bytes_load(packed, start)
+    return simd.lookup16(tables, pairs), simd.lookup16(tables, simd.i32v_shift_right(pairs, 4))
+
+
+@numba.njit(**_INLINE)
+def _mxfp4_step(codes, start, scale_a, scale_b):
+    """MXFP4: two blocks (their 32 code bytes at ``codes[start]``) with E8M0 bytes ``scale_a``, ``scale_b``."""
+    tables = simd.f32v_load_halves(_MXFP4_TABLES, 16 * np.int64(scale_a), 16 * np.int64(scale_b))
+    return _nibble_step(tables, codes, start)
+
+
+@numba.njit(**_INLINE)
+def _hifloat4_step(words, value, block):
+    """HiFloat4: block ``block`` (flat index): scale word ``words[block]``, 32 value bytes at 32 * block."""
+    word = words[np.uint64(block)]
+    table = 16 * np.int64(word & 0xFF)
+    w0, w1 = _nibble_step(simd.f32v_load_halves(_HIFLOAT4_TABLES, table, table), value, 32 * block)
+    return hifloat4_levels(w0, word), hifloat4_levels(w1, word)
+
+
+@numba.njit(**_INLINE)
+def _accumulate(acc0, acc1, x_flat, x0, w0, w1):
+    """Lanes += x[x0 .. x0 + 63] * (w0, w1) (x in the same register order)."""
+    acc0 = simd.f32v_add(acc0, simd.f32v_mul(simd.f32v_load(x_flat, x0), w0))
+    acc1 = simd.f32v_add(acc1, simd.f32v_mul(simd.f32v_load(x_flat, x0 + HALF), w1))
+    return acc0, acc1
+
+
+# ---- steps of a row that end early (a K that is not a multiple of 64) -------------------------------------
+
+
+@numba.njit(**_INLINE)
+def _hifloat8_tail(codes, start, count, scale, keep, scratch):
+    """The last ``count`` < 64 weights of a row from ``codes[start]``; lanes whose element is past them
+    are +0.0 (``keep``: int32[64], nonzero for the lanes to keep). The codes are copied into ``scratch``
+    (64 bytes) so that nothing past the row is read."""
+    scratch[:] = 0
+    scratch[:count] = codes[start : start + count]
+    w0, w1 = _hifloat8_step(scratch, 0, scale, _HIF8_FP32)
+    return simd.f32v_select(simd.i32v_load(keep, 0), w0), simd.f32v_select(simd.i32v_load(keep, HALF), w1)
+
+
+@numba.njit(**_INLINE)
+def _mxfp4_last_block(codes, start, scale, scratch):
+    """An odd last MXFP4 block (16 code bytes at ``codes[start]``) as a step whose second block is zeros."""
+    scratch[:] = 0
+    scratch[:16] = codes[start : start + 16]
+    return _mxfp4_step(scratch, 0, scale, np.uint8(127))
+
+
+# ---- GEMV kernels: y32 (M, N) <- x (M, Kp, register order) @ W.T in the lane order -------------------------
+
+
+@numba.njit(**_INLINE)
+def _row_sum_hifloat8(acc0, acc1):
+    low, high = hifloat8_logical(acc0, acc1)
+    return simd.f32v_sum_tree(simd.f32v_add(low, high))
+
+
+@numba.njit(**_INLINE)
+def _row_sum_nibbles(acc0, acc1):
+    low, high = nibble_logical(acc0, acc1)
+    return simd.f32v_sum_tree(simd.f32v_add(low, high))
+
+
+@numba.njit(**PARALLEL_NJIT_OPTIONS)
+def _hifloat8_gemv(x_reg, codes, scale, keep, y32):
+    """codes (N, K) uint8, scale (N,) float32, x_reg (M, Kp) float32 (register order, zero-padded),
+    keep int32[64] (the tail's lanes), y32 (M, N) float32."""
+    n, k = codes.shape
+    m_rows, kp = x_reg.shape
+    full = k // LANES
+    tail = k - full * LANES
+    codes_flat, x_flat = codes.reshape(-1), x_reg.reshape(-1)
+    for task in numba.prange((n + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
+        scratch = np.zeros(LANES, dtype=np.uint8)
+        for row in range(task * _ROWS_PER_TASK, min(n, (task + 1) * _ROWS_PER_TASK)):
+            s = scale[row]
+            for m in range(m_rows):
+                acc0 = simd.f32v_zero()
+                acc1 = simd.f32v_zero()
+                for t in range(full):
+                    w0, w1 = _hifloat8_step(codes_flat, row * k + LANES * t, s, _HIF8_FP32)
+                    acc0, acc1 = _accumulate(acc0, acc1, x_flat, m * kp + LANES * t, w0, w1)
+                if tail:
+                    w0, w1 = _hifloat8_tail(codes_flat, row * k + LANES * full, tail, s, keep, scratch)
+                    acc0, acc1 = _accumulate(acc0, acc1, x_flat, m * kp + LANES * full, w0, w1)
+                y32[m, row] = _row_sum_hifloat8(acc0, acc1)
+
+
+@numba.njit(**PARALLEL_NJIT_OPTIONS)
+def _mxfp4_gemv(x_reg, codes, scales, y32):
+    """codes (N, K/2), scales (N, K/32) uint8; x_reg (M, Kp) register order; y32 (M, N) float32."""
+    n, blocks = scales.shape
+    m_rows, kp = x_reg.shape
+    x_flat, codes_flat, scales_flat = x_reg.reshape(-1), codes.reshape(-1), scales.reshape(-1)
+    for task in numba.prange((n + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
+        scratch = np.zeros(HALF, dtype=np.uint8)
+        for row in range(task * _ROWS_PER_TASK, min(n, (task + 1) * _ROWS_PER_TASK)):
+            b0 = row * blocks
+            for m in range(m_rows):
+                acc0 = simd.f32v_zero()
+                acc1 = simd.f32v_zero()
+                for t in range(blocks // 2):
+                    b = np.uint64(b0 + 2 * t)  # unsigned: no negative-index wraparound code
+                    w0, w1 = _mxfp4_step(codes_flat, 16 * b, scales_flat[b], scales_flat[b + 1])
+                    acc0, acc1 = _accumulate(acc0, acc1, x_flat, m * kp + LANES * t, w0, w1)
+                if blocks % 2:
+                    b = b0 + blocks - 1
+                    w0, w1 = _mxfp4_last_block(codes_flat, 16 * b, scales_flat[b], scratch)
+                    acc0, acc1 = _accumulate(acc0, acc1, x_flat, m * kp + LANES * (blocks // 2), w0, w1)
+                y32[m, row] = _row_sum_nibbles(acc0, acc1)
+
+
+@numba.njit(**PARALLEL_NJIT_OPTIONS)
+def _hifloat4_gemv(x_reg, words, value, y32):
+    """words (N, K/64) int32 (the scale bytes), value (N, K/2) uint8; x_reg (M, K) register order."""
+    n, blocks = words.shape
+    m_rows, kp = x_reg.shape
+    x_flat, words_flat, value_flat = x_reg.reshape(-1), words.reshape(-1), value.reshape(-1)
+    for task in numba.prange((n + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
+        for row in range(task * _ROWS_PER_TASK, min(n, (task + 1) * _ROWS_PER_TASK)):
+            for m in range(m_rows):
+                acc0 = simd.f32v_zero()
+                acc1 = simd.f32v_zero()
+                for b in range(blocks):
+                    w0, w1 = _hifloat4_step(words_flat, value_flat, row * blocks + b)
+                    acc0, acc1 = _accumulate(acc0, acc1, x_flat, m * kp + LANES * b, w0, w1)
+                y32[m, row] = _row_sum_nibbles(acc0, acc1)
+
+
+# ---- GEMM tiles: rows r0 .. r0 + R - 1 of W decoded into w32 (R, >= Kp), logical order, float32 or BF16 ----------------------
+
+
+@numba.njit(**_INLINE)
+def _store_hifloat8(w_flat, at, w0, w1):
+    low, high = hifloat8_logical(w0, w1)
+    simd.f32v_store_any(w_flat, at, low)
+    simd.f32v_store_any(w_flat, at + HALF, high)
+
+
+@numba.njit(**_INLINE)
+def _store_nibbles(w_flat, at, w0, w1):
+    """Into float32, or BF16 bits (int16; exact: MXFP4 and HiFloat4 weights are BF16 values)."""
+    low, high = nibble_logical(w0, w1)
+    simd.f32v_store_any(w_flat, at, low)
+    simd.f32v_store_any(w_flat, at + HALF, high)
+
+
+@numba.njit(**PARALLEL_NJIT_OPTIONS)
+def _hifloat8_tile(codes, scale, keep, r0, w32):
+    n, k = codes.shape
+    kp = w32.shape[1]
+    full = k // LANES
+    tail = k - full * LANES
+    codes_flat, w_flat = codes.reshape(-1), w32.reshape(-1)
+    for task in numba.prange((w32.shape[0] + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
+        scratch = np.zeros(LANES, dtype=np.uint8)
+        for i in range(task * _ROWS_PER_TASK, min(w32.shape[0], (task + 1) * _ROWS_PER_TASK)):
+            row = r0 + i
+            for t in range(full):
+                w0, w1 = _hifloat8_step(codes_flat, row * k + LANES * t, scale[row], _HIF8_FP32)
+                _store_hifloat8(w_flat, i * kp + LANES * t, w0, w1)
+            if tail:
+                w0, w1 = _hifloat8_tail(codes_flat, row * k + LANES * full, tail, scale[row], keep, scratch)
+                _store_hifloat8(w_flat, i * kp + LANES * full, w0, w1)
+
+
+@numba.njit(**PARALLEL_NJIT_OPTIONS)
+def _mxfp4_tile(codes, scales, r0, w32):
+    blocks = scales.shape[1]
+    kp = w32.shape[1]
+    w_flat, codes_flat, scales_flat = w32.reshape(-1), codes.reshape(-1), scales.reshape(-1)
+    for task in numba.prange((w32.shape[0] + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
+        scratch = np.zeros(HALF, dtype=np.uint8)
+        for i in range(task * _ROWS_PER_TASK, min(w32.shape[0], (task + 1) * _ROWS_PER_TASK)):
+            b0 = (r0 + i) * blocks
+            for t in range(blocks // 2):
+                b = np.uint64(b0 + 2 * t)
+                w0, w1 = _mxfp4_step(codes_flat, 16 * b, scales_flat[b], scales_flat[b + 1])
+                _store_nibbles(w_flat, i * kp + LANES * t, w0, w1)
+            if blocks % 2:
+                b = b0 + blocks - 1
+                w0, w1 = _mxfp4_last_block(codes_flat, 16 * b, scales_flat[b], scratch)
+                _store_nibbles(w_flat, i * kp + LANES * (blocks // 2), w0, w1)
+
+
+@numba.njit(**PARALLEL_NJIT_OPTIONS)
+def _hifloat4_tile(words, value, r0, w32):
+    blocks = words.shape[1]
+    kp = w32.shape[1]
+    w_flat, words_flat, value_flat = w32.reshape(-1), words.reshape(-1), value.reshape(-1)
+    for i in numba.prange(w32.shape[0]):
+        for b in range(blocks):
+            w0, w1 = _hifloat4_step(words_flat, value_flat, (r0 + i) * blocks + b)
+            _store_nibbles(w_flat, i * kp + LANES * b, w0, w1)
+
+
+# ---- kernels -----------------------------------------------------------------------------------------------
+
+
+def _padded_k(k: int) -> int:
+    return -(-k // LANES) * LANES
+
+
+class WeightOnlyLinear(Kernel):
+    """One format's kernel: ``run(x, a, b, bias, out=)`` with x (..., K) FP16/BF16, the format's two weight
+    tensors (validated by lowbit.ops.weight_only), bias (N,) or None, out (..., N) in x's dtype.
+
+    ``gemv(x_reg, *operands, y32)`` and ``tile(*operands, r0, w32)``: the format's numba kernels;
+    ``split``: its register order (see _reorder); ``bf16_exact``: every decoded weight is a BF16 value (MXFP4, HiFloat4;
+    not a HiFloat8 value times an FP32 scale); ``operands(a, b, k)``: the numba kernels' weight operands.
+    """
+
+    def __init__(self, gemv, tile, split: tuple, bf16_exact: bool, operands):
+        self.gemv, self.tile, self.split, self.bf16_exact, self._operands = gemv, tile, split, bf16_exact, operands
+
+    def run(self, x: torch.Tensor, *args, out: torch.Tensor) -> None:
+        *weight, bias = args
+        k, n = x.shape[-1], out.shape[-1]
+        m = out.numel() // n
+        x, out = x.reshape(m, k), out.view(m, n)
+        operands = self._operands(*weight, k)
+        sync_threads()
+        # Rows are handed out in chunks on demand (not split evenly up front), so a thread that the OS
+        # deschedules on a shared machine does not make the other one wait at the end.
+        tasks = -(-(n if m <= GEMV_MAX_M else min(n, GEMM_TILE_ELEMENTS // _padded_k(k))) // _ROWS_PER_TASK)
+        previous_chunksize = numba.set_parallel_chunksize(max(4, tasks // _CHUNKS))
+        try:
+            if m <= GEMV_MAX_M:
+                self._run_gemv(x, operands, bias, out)
+            elif self.bf16_exact and x.dtype == torch.bfloat16 and (bias is None or bias.dtype == torch.bfloat16):
+                self._run_gemm_bf16(x, operands, bias, out)
+            else:
+                self._run_gemm(x, operands, bias, out)
+        finally:
+            numba.set_parallel_chunksize(previous_chunksize)
+
+    def _run_gemv(self, x: torch.Tensor, operands: tuple, bias, out: torch.Tensor) -> None:
+        """The bit-exact path: x in register order, the lane sums, then the reference's rounding."""
+        (m, k), n = x.shape, out.shape[1]
+        kp = _padded_k(k)
+        if kp == k:
+            x32 = x.to(torch.float32)
+        else:
+            x32 = torch.zeros(m, kp, dtype=torch.float32)
+            x32[:, :k] = x
+        x_reg = _reorder(x32, *self.split)
+        y32 = torch.empty(m, n, dtype=torch.float32)
+        self.gemv(as_numpy(x_reg), *operands, as_numpy(y32))
+        out.copy_(reference.finish(y32, bias, out.dtype))
+
+    def _tiles(self, operands: tuple, n: int, k: int, dtype: torch.dtype, width: int):
+        """(first row, (rows, width) tile) of W decoded tile by tile into one reused buffer of ``dtype``
+        (float32, or BF16 for a bf16_exact format); columns K .. width - 1 hold zeros or are not written."""
+        rows = max(1, min(n, GEMM_TILE_ELEMENTS // width))
+        buffer = torch.empty(rows, width, dtype=dtype)
+        for r0 in range(0, n, rows):
+            tile = buffer[: min(rows, n - r0)]
+            self.tile(*operands, r0, as_numpy(tile))
+            yield r0, tile
+
+    def _run_gemm(self, x: torch.Tensor, operands: tuple, bias, out: torch.Tensor) -> None:
+        """float32 GEMM on decoded tiles (torch's order), then the reference's rounding."""
+        (m, k), n = x.shape, out.shape[1]
+        x32 = x.to(torch.float32)
+        y32 = torch.empty(m, n, dtype=torch.float32)
+        for r0, tile in self._tiles(operands, n, k, torch.float32, _padded_k(k)):
+            y32[:, r0 : r0 + tile.shape[0]] = x32 @ tile[:, :k].T
+        out.copy_(reference.finish(y32, bias, out.dtype))
+
+    def _run_gemm_bf16(self, x: torch.Tensor, operands: tuple, bias, out: torch.Tensor) -> None:
+        """BF16 x and a format whose weights are exact in BF16: torch's BF16 GEMM (float32 accumulation, one
+        rounding to BF16) on tiles decoded to BF16; a BF16 bias is one more column (x extended by ones)."""
+        (m, k), n = x.shape, out.shape[1]
+        extra = 0 if bias is None else 1
+        if extra:
+            x = torch.cat([x, torch.ones(m, 1, dtype=x.dtype)], dim=1)
+        kp = _padded_k(k)
+        for r0, tile in self._tiles(operands, n, k, torch.bfloat16, kp if kp >= k + extra else kp + LANES):
+            if extra:
+                tile[:, k] = bias[r0 : r0 + tile.shape[0]]
+            out[:, r0 : r0 + tile.shape[0]] = torch.nn.functional.linear(x, tile[:, : k + extra])
+        out.copy_(torch.where(out.isnan(), reference.canonical_nan(out.dtype), out))
+
+
+def _hifloat8_operands(codes, scale, k):
+    keep = (_HIFLOAT8_ELEMENTS < k % LANES).astype(np.int32)  # the lanes of a last, short step
+    return as_numpy(codes), as_numpy(scale), keep
+
+
+def _mxfp4_operands(codes, scales, k):
+    return as_numpy(codes), as_numpy(scales)
+
+
+def _hifloat4_operands(scale, value, k):
+    words = as_numpy(scale).reshape(scale.shape[0], -1).view(np.int32)  # one little-endian word per block
+    return words, as_numpy(value)
+
+
+HIFLOAT8_LINEAR = WeightOnlyLinear(_hifloat8_gemv, _hifloat8_tile, HIFLOAT8_SPLIT, False, _hifloat8_operands)
+MXFP4_LINEAR = WeightOnlyLinear(_mxfp4_gemv, _mxfp4_tile, NIBBLE_SPLIT, True, _mxfp4_operands)
+HIFLOAT4_LINEAR = WeightOnlyLinear(_hifloat4_gemv, _hifloat4_tile, NIBBLE_SPLIT, True, _hifloat4_operands)

@@ -1,0 +1,356 @@
+"""Weight-only linear operators: every kernel equals the reference bit for bit (CPU GEMV, Triton), the CPU
+GEMM path stays within the derived interval, the SIMD building blocks in both lowerings, and errors."""
+
+import numba
+import numpy as np
+import pytest
+import torch
+
+import lowbit
+from lowbit.errors import DeviceError, DtypeError, ShapeError
+from lowbit.formats import hifloat4, hifloat8, mxfp4
+from lowbit.formats import weight_only as reference
+from lowbit.kernels.cpu import _simd as simd
+from lowbit.kernels.cpu import weight_only as cpu
+from lowbit.ops import weight_only as ops
+
+triton_kernels = pytest.importorskip("lowbit.kernels.triton.weight_only", reason="triton is not installed")
+
+FINITE_HIF8 = [c for c in range(256) if abs(hifloat8.code_value(c)) < float("inf")]  # 253 codes, no NaN/Inf
+OPS = {"hifloat8": ops.HIFLOAT8_LINEAR, "mxfp4": ops.MXFP4_LINEAR, "hifloat4": ops.HIFLOAT4_LINEAR}
+
+
+def bits(t):
+    return t.view(torch.int16)
+
+
+def assert_bits(got, want):
+    assert got.shape == want.shape and got.dtype == want.dtype
+    differ = bits(got) != bits(want)
+    assert not differ.any(), f"{int(differ.sum())} of {want.numel()} outputs differ, first at {differ.nonzero()[0]}"
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def hif8_weight(n, k, g, codes=FINITE_HIF8):
+    table = torch.tensor(codes, dtype=torch.uint8)
+    return table[torch.randint(0, len(table), (n, k), generator=g)], torch.rand(n, generator=g) + 0.5
+
+
+def mxfp4_weight(n, k, g):
+    return mxfp4.quantize(torch.randn(n, k, generator=g))
+
+
+def hif4_weight(n, k, g):
+    return hifloat4.pack(torch.randn(n, k, generator=g))
+
+
+WEIGHTS = {"hifloat8": hif8_weight, "mxfp4": mxfp4_weight, "hifloat4": hif4_weight}
+
+
+def native_equals_reference(op, *args):
+    want = op(*args, backend="reference")
+    assert_bits(op(*args, backend="native"), want)
+    return want
+
+
+# --- exhaustive over small spaces -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+def test_hifloat8_every_finite_code_and_a_k_tail(m):
+    g = gen(m)
+    codes = torch.stack([torch.tensor(FINITE_HIF8, dtype=torch.uint8)[torch.randperm(253, generator=g)]
+                         for _ in range(9)])  # K = 253: three 64-lane steps and a tail of 61
+    scale = torch.rand(9, generator=g) * 4
+    x = torch.randn(m, 253, generator=g).bfloat16()
+    native_equals_reference(ops.HIFLOAT8_LINEAR, x, codes, scale, None)
+    native_equals_reference(ops.HIFLOAT8_LINEAR, x.half(), codes, scale / 1024, torch.randn(9, generator=g))
+
+
+def test_hifloat8_specials_nan_inf_codes_and_scales():
+    g = gen(1)
+    codes, _ = hif8_weight(8, 130, g)
+    codes[0, 7], codes[1, 100], codes[2, 129], codes[3, 64] = 0x80, 0x6F, 0xEF, 0x6F
+    codes[3, 65] = 0xEF  # +Inf and -Inf in one row: NaN
+    scale = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0, float("inf"), float("nan"), 2.0**-126])
+    x = torch.randn(3, 130, generator=g).half()
+    x[1, 100], x[2, :] = 0.0, 0.0  # Inf weight times 0: NaN; a zero row
+    want = native_equals_reference(ops.HIFLOAT8_LINEAR, x, codes, scale, None)
+    assert want[0, 0].isnan() and want[0, 1].isinf() and want[1, 1].isnan() and want[0, 3].isnan()
+    assert want[0, 4] == 0 and want[0, 5].isnan()  # scale 0 -> zero weights; scale Inf -> Inf * 0 codes
+    nan = bits(want[want.isnan()])
+    assert (nan == reference.NAN_BITS[torch.float16]).all()  # canonical NaN
+
+
+@pytest.mark.parametrize("k", [32, 96])
+def test_mxfp4_every_code_under_every_scale_byte(k):
+    g = gen(k)
+    every_code = torch.arange(16, dtype=torch.uint8).repeat(k // 16)
+    row = every_code[0::2] | every_code[1::2] << 4  # codes 0..15 in every 32-block
+    codes = row[torch.randperm(k // 2, generator=g)].repeat(256, 1)
+    scales = torch.arange(256, dtype=torch.uint8).unsqueeze(1).repeat(1, k // 32)
+    for m, dtype in ((1, torch.bfloat16), (3, torch.float16)):
+        x = torch.randn(m, k, generator=g).to(dtype)
+        native_equals_reference(ops.MXFP4_LINEAR, x, codes, scales, None)
+
+
+def test_mxfp4_zero_blocks_and_nan_scales():
+    g = gen(2)
+    codes, scales = mxfp4_weight(5, 128, g)
+    codes[0, :16], codes[1, 16:32], codes[2, :] = 0x00, 0x88, 0x88  # +0 and -0 blocks
+    scales[2, :], scales[3, 2] = 0x00, 0xFF
+    x = torch.randn(2, 128, generator=g).bfloat16()
+    want = native_equals_reference(ops.MXFP4_LINEAR, x, codes, scales, torch.randn(5, generator=g).bfloat16())
+    assert want[:, 3].isnan().all() and not want[:, :3].isnan().any()
+
+
+def test_hifloat4_every_scale_byte_and_flag_pattern():
+    g = gen(3)
+    scale = torch.randint(0, 256, (16, 16, 4), generator=g, dtype=torch.uint8)
+    scale[..., 0] = torch.arange(256, dtype=torch.uint8).reshape(16, 16)  # 0xFF: a poisoned block
+    scale[0, :, 1] = torch.arange(16, dtype=torch.uint8) * 17  # e2 patterns
+    scale[1, :, 2] = torch.arange(16, dtype=torch.uint8) * 16 + 15  # e3 patterns
+    value = torch.randint(0, 256, (16, 512), generator=g, dtype=torch.uint8)
+    for m in (1, 4):
+        native_equals_reference(ops.HIFLOAT4_LINEAR, torch.randn(m, 1024, generator=g).half(), scale, value, None)
+
+
+def test_hifloat4_packed_weights_with_poisoned_and_zero_blocks():
+    g = gen(4)
+    w = torch.randn(6, 192, generator=g) * 100
+    w[0, 70] = float("nan")
+    w[1, 128:] = 0.0
+    w[2] = 1e-30
+    want = native_equals_reference(ops.HIFLOAT4_LINEAR, torch.randn(3, 192, generator=g).bfloat16(),
+                                   *hifloat4.pack(w), torch.randn(6, generator=g))
+    assert want[:, 0].isnan().all() and not want[:, 1:].isnan().any()
+
+
+# --- shapes, strides, threads -------------------------------------------------------------------------------
+
+K_SIZES = {"hifloat8": (1, 61, 189), "mxfp4": (32, 96, 128), "hifloat4": (64, 128, 192)}
+
+
+@pytest.mark.parametrize("fmt", WEIGHTS)
+@pytest.mark.parametrize("size", [0, 1, 2])
+def test_odd_sizes_and_non_contiguous_x(fmt, size):
+    n, k = (1, 33, 7)[size], K_SIZES[fmt][size]
+    g = gen(size)
+    weight = WEIGHTS[fmt](n, k, g)
+    for m in (1, 2, 3, 4):  # the bit-exact GEMV path
+        x = torch.randn(m, 2 * k, generator=g).bfloat16()[:, ::2]
+        assert x.numel() == 1 or not x.is_contiguous()
+        native_equals_reference(OPS[fmt], x, *weight, None)
+
+
+@pytest.mark.parametrize("fmt", WEIGHTS)
+@pytest.mark.parametrize("m", [1, 3, 9])
+def test_result_does_not_depend_on_the_thread_count(fmt, m):
+    g = gen(m)
+    weight = WEIGHTS[fmt](67, 256, g)
+    x = torch.randn(m, 256, generator=g).bfloat16()
+    previous = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            results.append(OPS[fmt](x, *weight, None, backend="native"))
+            assert numba.get_num_threads() == min(threads, numba.config.NUMBA_NUM_THREADS)
+    finally:
+        torch.set_num_threads(previous)
+    assert_bits(results[0], results[1])
+
+
+# --- the GEMM path (M > GEMV_MAX_M): within the interval of any summation order ---------------------------
+
+def _dense(fmt, weight):
+    return {"hifloat8": reference.hifloat8_weight, "mxfp4": reference.mxfp4_weight,
+            "hifloat4": reference.hifloat4_weight}[fmt](*weight)
+
+
+@pytest.mark.parametrize("fmt", WEIGHTS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias_dtype", [None, "x", torch.float32])
+def test_gemm_path_within_the_order_interval(fmt, dtype, bias_dtype):
+    """float32 GEMM, and (BF16 x, MXFP4 / HiFloat4, bias None or BF16) torch's BF16 GEMM."""
+    g = gen(5)
+    m, n, k = cpu.GEMV_MAX_M + 5, 40, {"hifloat8": 319, "mxfp4": 352, "hifloat4": 320}[fmt]  # tails, odd blocks
+    weight = WEIGHTS[fmt](n, k, g)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    x[0, :8] = 2.0**-130  # BF16 subnormals (flushed by a BF16 GEMM), FP16 zeros
+    bias = None if bias_dtype is None else torch.randn(n, generator=g).to(dtype if bias_dtype == "x" else bias_dtype)
+    got = OPS[fmt](x, *weight, bias, backend="native").float()
+    lo, hi = reference.gemm_interval(x, _dense(fmt, weight), bias)
+    assert ((lo.float() <= got) & (got <= hi.float())).all()
+
+
+def test_gemm_path_with_subnormal_mxfp4_weights():
+    g = gen(12)
+    codes, scales = mxfp4_weight(24, 128, g)
+    scales[:8] = 0  # 2^-127: subnormal weights
+    x = (torch.randn(cpu.GEMV_MAX_M + 3, 128, generator=g) * 2.0**100).bfloat16()
+    got = lowbit.mxfp4_linear(x, codes, scales, backend="native").float()
+    lo, hi = reference.gemm_interval(x, reference.mxfp4_weight(codes, scales))
+    assert ((lo.float() <= got) & (got <= hi.float())).all()
+
+
+def test_gemm_interval_contains_the_reference_and_excludes_an_ulp_away():
+    g = gen(6)
+    x = torch.randn(3, 256, generator=g).bfloat16()
+    w32 = reference.mxfp4_weight(*mxfp4_weight(8, 256, g))
+    want = reference.linear(x, w32)
+    lo, hi = reference.gemm_interval(x, w32)
+    assert ((lo.float() <= want.float()) & (want.float() <= hi.float())).all()
+    far = (bits(hi).int() + 8 * torch.where(hi.float() >= 0, 1, -1)).to(torch.int16).view(torch.bfloat16)
+    assert not ((lo.float() <= far.float()) & (far.float() <= hi.float())).any()
+    assert ((bits(hi).int() - bits(lo).int()).abs() <= 1).float().mean() > 0.9
+
+
+def test_gemm_path_keeps_nan_and_inf():
+    g = gen(7)
+    codes, scale = hif8_weight(6, 96, g)
+    codes[0, 3], codes[1, 5] = 0x80, 0x6F
+    got = lowbit.hifloat8_linear(torch.randn(cpu.GEMV_MAX_M + 1, 96, generator=g).bfloat16(), codes, scale,
+                                 backend="native")
+    assert got[:, 0].isnan().all() and got[:, 1].isinf().all() and got[:, 2:].isfinite().all()
+
+
+# --- Triton (interpreted on the CPU): bit-exact for every M ---------------------------------------------------
+
+@pytest.mark.parametrize("fmt", WEIGHTS)
+def test_triton_kernel_equals_the_reference(fmt):
+    g = gen(8)
+    k = 128 - (5 if fmt == "hifloat8" else 0) + (32 if fmt == "mxfp4" else 0)
+    weight = WEIGHTS[fmt](17, k, g)  # 17 rows: a second, partly empty program
+    x = torch.randn(cpu.GEMV_MAX_M + 2, k, generator=g).half()
+    bias = torch.randn(17, generator=g).half()
+    want = OPS[fmt](x, *weight, bias, backend="reference")
+    got = torch.empty_like(want)
+    getattr(triton_kernels, OPS[fmt].name.upper()).run(x, *weight, bias, out=got)
+    assert_bits(got, want)
+
+
+# --- SIMD building blocks, both lowerings -------------------------------------------------------------------
+
+def _decode_with(decode):
+    @numba.njit
+    def run(codes, table, out):
+        for start in range(0, codes.size, 64):
+            w0, w1 = decode(codes, start, table)
+            simd.f32v_store(out, start, w0)
+            simd.f32v_store(out, start + 32, w1)
+    return run
+
+
+@pytest.mark.parametrize("lowering", ["portable", "vbmi"])
+def test_hifloat8_decode_every_code(lowering):
+    if lowering == "vbmi" and not simd.HAS_AVX512VBMI:
+        pytest.skip("no AVX512-VBMI on this CPU")
+    decode = cpu.hifloat8_decode_vbmi if lowering == "vbmi" else cpu.hifloat8_decode_portable
+    codes = np.arange(256, dtype=np.uint8)
+    out = np.empty(256, dtype=np.float32)
+    _decode_with(decode)(codes, cpu._HIF8_FP32, out)
+    order = np.array(cpu.HIFLOAT8_ORDER)
+    logical = np.empty_like(out)
+    for start in range(0, 256, 64):
+        logical[start + order] = out[start : start + 64]
+    want = hifloat8.decode(torch.from_numpy(codes), torch.float32).numpy()
+    assert np.array_equal(np.isnan(logical), np.isnan(want))
+    finite = ~np.isnan(want)
+    assert np.array_equal(logical[finite].view(np.int32), want[finite].view(np.int32))  # signed zeros too
+
+
+def _lookup_with(lookup):
+    @numba.njit
+    def run(table, index, out):
+        simd.f32v_store(out, 0, lookup(simd.f32v_load(table, 0), simd.i32v_load(index, 0)))
+    return run
+
+
+@pytest.mark.parametrize("lowering", ["portable", "avx512"])
+def test_lookup16_every_index_in_both_pieces(lowering):
+    if lowering == "avx512" and not simd.HAS_AVX512F:
+        pytest.skip("no AVX-512 on this CPU")
+    run = _lookup_with(simd.lookup16_avx512 if lowering == "avx512" else simd.lookup16_portable)
+    table = np.arange(32, dtype=np.float32) * 0.5 - 3
+    for high_bits in (0, 0x30, 0xFFFFFF00):  # bits above the low 4 are ignored
+        index = ((np.arange(32) * 7) % 16 | high_bits).astype(np.uint32).view(np.int32)
+        out = np.empty(32, dtype=np.float32)
+        run(table, index, out)
+        piece = np.arange(32) // 16
+        assert np.array_equal(out, table[16 * piece + (index & 15)])
+
+
+def test_sum_tree_folds_in_the_reference_order():
+    @numba.njit
+    def tree(values):
+        return simd.f32v_sum_tree(simd.f32v_load(values, 0))
+
+    g = gen(9)
+    for _ in range(20):
+        values = (torch.randn(32, generator=g) * torch.exp2(torch.randint(-20, 20, (32,), generator=g))).numpy()
+        acc = torch.from_numpy(values)
+        while acc.numel() > 1:
+            acc = acc[: acc.numel() // 2] + acc[acc.numel() // 2 :]
+        assert np.float32(tree(values)).view(np.int32) == acc.numpy().view(np.int32)[0]
+
+
+# --- contracts and errors -------------------------------------------------------------------------------------
+
+def test_public_functions_shapes_out_and_backend():
+    g = gen(10)
+    codes, scales = mxfp4_weight(24, 64, g)
+    x = torch.randn(2, 3, 64, generator=g).bfloat16()
+    y = lowbit.mxfp4_linear(x, codes, scales)
+    assert y.shape == (2, 3, 24) and y.dtype == torch.bfloat16
+    assert lowbit.last_backend("mxfp4_linear") in ("native", "reference")
+    out = torch.empty(2, 3, 24, dtype=torch.bfloat16)
+    assert lowbit.mxfp4_linear(x, codes, scales, out=out, backend="native") is out
+    assert_bits(out, lowbit.mxfp4_linear(x, codes, scales, backend="reference"))
+    assert lowbit.last_backend("mxfp4_linear") == "reference"
+
+
+def test_reference_is_the_documented_sum():
+    """A hand-computed case: 64 lanes, lane j sums k = j, j + 64; then the pairwise fold."""
+    k = 128
+    x = torch.zeros(1, k, dtype=torch.bfloat16)
+    x[0, 0], x[0, 64], x[0, 32] = 2.0**24, 1.0, 1.0  # lane 0: 2^24 + 1 -> 2^24 (ties to even); lane 32: 1
+    codes = torch.full((1, k), 0x08, dtype=torch.uint8)  # 1.0
+    y32 = reference.lane_sums(x.float(), reference.hifloat8_weight(codes, torch.ones(1)))
+    assert y32.item() == 2.0**24  # then 2^24 + 1 (lane 32 folded into lane 0) -> 2^24
+    assert_bits(lowbit.hifloat8_linear(x, codes, torch.ones(1), backend="native"),
+                torch.tensor([[2.0**24]], dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda x, c, s: lowbit.hifloat8_linear(x.float(), c, s), DtypeError, "x must be float16 or bfloat16"),
+    (lambda x, c, s: lowbit.hifloat8_linear(x, c.to(torch.int8), s), DtypeError, "codes must be uint8"),
+    (lambda x, c, s: lowbit.hifloat8_linear(x, c, s.half()), DtypeError, "scale must be a float32"),
+    (lambda x, c, s: lowbit.hifloat8_linear(x, c, s[:3]), ShapeError, "scale must have shape"),
+    (lambda x, c, s: lowbit.hifloat8_linear(x[:, :10], c, s), ShapeError, "K = 64"),
+    (lambda x, c, s: lowbit.hifloat8_linear(x, c[0], s), ShapeError, "codes must be"),
+    (lambda x, c, s: lowbit.hifloat8_linear(x, c, s, torch.zeros(5)), ShapeError, "bias must have shape"),
+    (lambda x, c, s: lowbit.hifloat8_linear(x, c, s, torch.zeros(8, dtype=torch.float64)), DtypeError, "bias"),
+    (lambda x, c, s: lowbit.hifloat8_linear(x.to("meta"), c, s), DeviceError, "one device"),
+    (lambda x, c, s: lowbit.mxfp4_linear(x[:, :48], c[:, :24], c[:, :1]), ShapeError, "multiple of 32"),
+    (lambda x, c, s: lowbit.mxfp4_linear(x, c[:, :32], c[:, :3]), ShapeError, "scales"),
+    (lambda x, c, s: lowbit.hifloat4_linear(x, c.reshape(8, 16, 4), c[:, :32]), ShapeError, "K/64"),
+    (lambda x, c, s: lowbit.hifloat4_linear(x, c.reshape(8, 1, 64), c[:, :32]), ShapeError, "K/64, 4"),
+    (lambda x, c, s: lowbit.hifloat4_linear(x, c.view(torch.int8).reshape(8, 1, 64)[..., :4], c[:, :32]),
+     DtypeError, "scale must be uint8"),
+])
+def test_bad_arguments_raise_typed_errors(call, error, match):
+    g = gen(11)
+    x = torch.randn(2, 64, generator=g).bfloat16()
+    codes, scale = hif8_weight(8, 64, g)
+    with pytest.raises(error, match=match):
+        call(x, codes, scale)
+
+
+def test_triton_kernel_declares_its_grid_limit():
+    x = torch.empty(1, 32, device="meta")
+    too_many = torch.empty(16 * 65536, 16, dtype=torch.uint8, device="meta")
+    assert "output features" in triton_kernels.MXFP4_LINEAR.supports(x, too_many, too_many[:, :1], None)
+    assert triton_kernels.MXFP4_LINEAR.supports(x, too_many[:64], too_many[:64, :1], None) is None
