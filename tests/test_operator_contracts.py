@@ -38,8 +38,8 @@ def _reference(op: Operator, args: tuple):
     return op(*args, backend="reference")
 
 
-def _agree(op: Operator, got, want) -> bool:
-    return all(op.agrees(g, w) for g, w in zip(_as_tuple(got), _as_tuple(want)))
+def _agree(op: Operator, got, want, args) -> bool:
+    return all(op.agrees(g, w, args) for g, w in zip(_as_tuple(got), _as_tuple(want)))
 
 
 def _strided(t: torch.Tensor) -> torch.Tensor:
@@ -82,7 +82,7 @@ def test_every_kernel_here_equals_the_reference_on_every_probe(name, device_type
             continue
         got = op.new_outputs(*args)
         kernel.run(*args, out=got)
-        assert _agree(op, got, _reference(op, args)), f"{name} {device_type} kernel differs on a probe"
+        assert _agree(op, got, _reference(op, args), args), f"{name} {device_type} kernel differs on a probe"
         ran += 1
     assert ran, f"the {device_type} kernel of {name} supports none of its probes"
 
@@ -96,7 +96,7 @@ def test_non_contiguous_inputs(name, backend):
     args = _smallest_probe(op)
     strided = tuple(_strided(a) if isinstance(a, torch.Tensor) and a.numel() > 1 else a for a in args)
     assert not all(t.is_contiguous() for t in tensors_of(strided))
-    assert _agree(op, op(*strided, backend=backend), _reference(op, args))
+    assert _agree(op, op(*strided, backend=backend), _reference(op, args), args)
 
 
 @pytest.mark.parametrize("name", OPERATORS)
@@ -106,7 +106,7 @@ def test_out_that_is_non_contiguous_is_filled(name):
     outs = tuple(_strided(torch.zeros_like(t)) for t in _as_tuple(op.new_outputs(*args)))
     result = op(*args, out=outs if len(outs) > 1 else outs[0])
     assert all(r is o for r, o in zip(_as_tuple(result), outs))
-    assert _agree(op, result, _reference(op, args))
+    assert _agree(op, result, _reference(op, args), args)
 
 
 @pytest.mark.parametrize("name", OPERATORS)
@@ -126,7 +126,7 @@ def test_out_overlapping_an_input_gives_the_reference_result(name):
         outs = list(_as_tuple(op.new_outputs(*args)))
         outs[k] = storage[: torch.Size(spec.shape).numel() * spec.dtype.itemsize].view(spec.dtype).view(spec.shape)
         result = op(*call_args, out=tuple(outs) if len(outs) > 1 else outs[0], backend="auto")
-        assert _agree(op, result, want), f"{name}: output {k} over input {index}"
+        assert _agree(op, result, want, args), f"{name}: output {k} over input {index}"
 
 
 def test_every_operator_is_registered_once_with_both_custom_ops():

@@ -354,3 +354,17 @@ def test_triton_kernel_declares_its_grid_limit():
     too_many = torch.empty(16 * 65536, 16, dtype=torch.uint8, device="meta")
     assert "output features" in triton_kernels.MXFP4_LINEAR.supports(x, too_many, too_many[:, :1], None)
     assert triton_kernels.MXFP4_LINEAR.supports(x, too_many[:64], too_many[:64, :1], None) is None
+
+
+def test_the_contract_is_exact_for_few_rows_and_the_interval_above():
+    g = torch.Generator().manual_seed(5)
+    w32 = torch.randn(8, 128, generator=g)
+    for rows, exact_only in ((reference.EXACT_ROWS, True), (reference.EXACT_ROWS + 1, False)):
+        x = torch.randn(rows, 128, generator=g).bfloat16()
+        want = reference.linear(x, w32)
+        lo, hi = reference.gemm_interval(x, w32)
+        assert reference.meets_contract(want, want, x, w32)
+        nudged = torch.where(want == hi, lo, hi)  # another value inside the interval, where it has two
+        assert reference.meets_contract(nudged, want, x, w32) is (not exact_only or bool(torch.equal(nudged, want)))
+        outside = (hi.float() * 2 + 1).bfloat16()
+        assert not reference.meets_contract(outside, want, x, w32)

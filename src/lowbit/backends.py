@@ -162,6 +162,11 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.numel() else True
 
 
+def same_bits(got: torch.Tensor, want: torch.Tensor, args: Sequence = ()) -> bool:
+    """The default contract of a kernel: the reference's bits exactly (``args`` unused)."""
+    return bits_equal(got, want)
+
+
 def _as_tuple(out: Any) -> tuple[torch.Tensor, ...]:
     return out if isinstance(out, tuple) else (out,)
 
@@ -189,7 +194,8 @@ class Operator:
     * ``probes() -> iterable of args``: CPU inputs for the self-check, covering the kernels' edge shapes
       and special values; every probe a kernel supports must give the reference's bits (or satisfy
       ``agrees``, for an operator whose kernels may sum in another order).
-    * ``agrees(got, want) -> bool``: comparison for the self-check (default: bit equality).
+    * ``agrees(got, want, args) -> bool``: whether a kernel's output ``got`` meets the contract given the
+      reference's ``want`` for the arguments ``args`` (default :func:`same_bits`: bit equality).
     """
 
     name: str
@@ -197,7 +203,7 @@ class Operator:
     reference: Kernel
     native: Mapping[str, Callable[[], Kernel]]
     probes: Callable[[], Iterable[tuple]]
-    agrees: Callable[[torch.Tensor, torch.Tensor], bool] = bits_equal
+    agrees: Callable[[torch.Tensor, torch.Tensor, Sequence], bool] = same_bits
     _checked: dict[str, Optional[str]] = field(default_factory=dict, repr=False)  # device -> None or error
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -242,7 +248,7 @@ class Operator:
             kernel.run(*on_device, out=got)
             ran += 1
             for g, w in zip(_as_tuple(got), _as_tuple(want)):
-                if not self.agrees(g.cpu(), w):
+                if not self.agrees(g.cpu(), w, args):
                     shapes = [tuple(t.shape) for t in tensors_of(args)]
                     return f"native {self.name} differs from the reference on {device} (probe shapes {shapes})"
         return None if ran else f"native {self.name} supports none of the self-check probes"

@@ -15,7 +15,8 @@ fast kernels. The reference here is the definition every kernel follows (docs/we
    even) to x's dtype; a NaN output is the dtype's canonical quiet NaN (BF16 0x7FC0, FP16 0x7E00).
 
 :func:`gemm_interval` is the tolerance of kernels that sum in another order (the tiled-GEMM path of
-large batches): docs/weight_only.md, section 'Tolerance of the GEMM path'.
+batches of more than ``EXACT_ROWS`` rows): docs/weight_only.md, section 'Tolerance of the GEMM path';
+:func:`meets_contract` checks a kernel's result against both.
 """
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ from typing import Optional
 
 import torch
 
+from lowbit.dtypes import bit_view
 from lowbit.formats import hifloat4, hifloat8, mxfp4
 
 LANES = 64  # summation lanes along K
+EXACT_ROWS = 4  # every kernel gives the reference's bits for x with up to this many rows (decoding)
 NAN_BITS = {torch.bfloat16: 0x7FC0, torch.float16: 0x7E00}  # canonical quiet NaN of each output dtype
 _FP32_UNIT_ROUNDOFF = 2.0**-24
 _FP32_MIN_SUBNORMAL = 2.0**-149
@@ -136,6 +139,30 @@ def gemm_interval(
     for edge in (r - delta, r + delta):
         bounds.append(finish(edge.to(torch.float32), None, x.dtype).reshape(shape))
     return bounds[0], bounds[1]
+
+
+def meets_contract(y: torch.Tensor, want: torch.Tensor, x: torch.Tensor, w32: torch.Tensor,
+                   bias: Optional[torch.Tensor] = None) -> bool:
+    """Whether a kernel's ``y`` meets the contract, given the reference's ``want`` for x, the float32 weight
+    w32 and bias: the same bits for x with up to EXACT_ROWS rows; above that, every element inside
+    :func:`gemm_interval`, or NaN where ``want`` is. Where the absolute products sum beyond the float32
+    range (or hold Inf / NaN) the order decides whether an intermediate overflows: any result is allowed
+    there."""
+    if y.dtype == want.dtype and y.shape == want.shape and torch.equal(
+            bit_view(y.contiguous()), bit_view(want.contiguous())):
+        return True
+    k = x.shape[-1]
+    if x.numel() // max(k, 1) <= EXACT_ROWS or y.shape != want.shape:
+        return False
+    lo, hi = (t.to(torch.float32) for t in gemm_interval(x, w32, bias))
+    s = x.reshape(-1, k).to(torch.float64).abs() @ w32.to(torch.float64).abs().T
+    if bias is not None:
+        s = s + bias.to(torch.float64).abs()
+    unbounded = (~torch.isfinite(s) | (s > torch.finfo(torch.float32).max)).reshape(lo.shape)
+    y32 = y.to(torch.float32)
+    inside = (y32 >= lo) & (y32 <= hi)
+    both_nan = y32.isnan() & want.to(torch.float32).isnan()
+    return bool((inside | both_nan | unbounded).all())
 
 
 def _gamma(n: int) -> float:

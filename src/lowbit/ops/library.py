@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 
 from lowbit import backends
-from lowbit.backends import Kernel, Operator, bits_equal
+from lowbit.backends import Kernel, Operator, same_bits
 
 _LIB = torch.library.Library("lowbit", "FRAGMENT")
 
@@ -43,7 +43,7 @@ def define(
     *,
     output_names: Sequence[str] = ("out",),
     differentiable: bool = True,
-    agrees: Callable[[torch.Tensor, torch.Tensor], bool] = bits_equal,
+    agrees: Callable[[torch.Tensor, torch.Tensor, Sequence], bool] = same_bits,
 ) -> Operator:
     """Create and register the :class:`Operator` ``name`` (the other arguments are its fields), and register
     it as the custom ops ``lowbit::<name>`` and ``lowbit::<name>_out``.

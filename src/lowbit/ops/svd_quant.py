@@ -42,7 +42,7 @@ from lowbit.ops.library import call, define
 RTOL = ATOL = 1e-2  # the upstream test's criterion (docs/svd_quant.md, section 'Backends')
 
 
-def agrees(got: torch.Tensor, want: torch.Tensor) -> bool:
+def agrees(got: torch.Tensor, want: torch.Tensor, args=()) -> bool:
     """The self-check's comparison: same shape and dtype, NaN exactly where the reference has NaN, and
     ``allclose(rtol=RTOL, atol=ATOL)`` elsewhere (backends sum the matmuls in different orders)."""
     return (got.shape == want.shape and got.dtype == want.dtype

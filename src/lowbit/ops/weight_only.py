@@ -22,7 +22,7 @@ import torch
 from lowbit import backends, kernels
 from lowbit.backends import Kernel, TensorSpec
 from lowbit.errors import DtypeError, ShapeError
-from lowbit.formats import hifloat4, hifloat8, mxfp4
+from lowbit.formats import hifloat4, hifloat8
 from lowbit.formats import weight_only as reference
 from lowbit.ops.library import call, define
 
@@ -207,16 +207,16 @@ def _hifloat4_probes():
 # ---- operators ---------------------------------------------------------------------------------------------
 
 def _operator(name: str, outputs, weight, probes, params: tuple[str, str]) -> backends.Operator:
-    """Register the Operator ``name`` (reference: ``weight`` then the lane sums) and its custom ops."""
-    op = backends.register(backends.Operator(
-        name=name,
-        outputs=outputs,
-        reference=_ReferenceLinear(weight),
-        native=kernels.native("weight_only", name.upper(), ("cpu", "cuda")),
-        probes=probes,
-    ))
-    define(op, f"Tensor x, Tensor {params[0]}, Tensor {params[1]}, Tensor? bias=None")
-    return op
+    """Register the Operator ``name`` (reference: ``weight`` then the lane sums) and its custom ops; a
+    kernel's result is checked with lowbit.formats.weight_only.meets_contract."""
+
+    def agrees(got, want, args) -> bool:
+        x, a, b, bias = args
+        return reference.meets_contract(got, want, x, weight(a, b), bias)
+
+    return define(name, f"Tensor x, Tensor {params[0]}, Tensor {params[1]}, Tensor? bias=None", outputs,
+                  _ReferenceLinear(weight), probes, kernels.native("weight_only", name.upper(), ("cpu", "cuda")),
+                  agrees=agrees)
 
 
 HIFLOAT8_LINEAR = _operator("hifloat8_linear", _hifloat8_outputs, reference.hifloat8_weight, _hifloat8_probes,

@@ -39,7 +39,7 @@ from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, as_
 
 LANES = reference.LANES  # 64 = two F32V
 HALF = simd.LANES  # 32
-GEMV_MAX_M = 4  # rows of x up to which the bit-exact GEMV path runs
+GEMV_MAX_M = reference.EXACT_ROWS  # rows of x up to which the bit-exact GEMV path runs
 GEMM_TILE_ELEMENTS = 1 << 22  # weights decoded per GEMM tile (16 MiB in float32)
 _ROWS_PER_TASK = 8  # weight rows per prange iteration
 _CHUNKS = 32  # prange iterations are handed out in about this many chunks (at least 4 iterations each)
