@@ -29,6 +29,20 @@ from lowbit.ops.hifloat8 import decode_from_hifloat8, encode_to_hifloat8
 from lowbit.ops.mxfp4 import dynamic_mx_quant, mxfp4_dequantize, mxfp4_quantize
 from lowbit.ops.svd_quant import svd_quant
 from lowbit.ops.wqbmm import PackedWeight, WqbmmPlan, plan_weight_quant_batch_matmul, weight_quant_batch_matmul
+from lowbit.quantize import (  # noqa: E402
+    SCHEMES,
+    AlgorithmSpec,
+    InputSpec,
+    QuantConfig,
+    QuantizeReport,
+    Scheme,
+    WeightSpec,
+    convert,
+    load_quantized,
+    quantize,
+    quantize_,
+    save_quantized,
+)
 
 try:
     __version__ = version("lowbit")
@@ -36,6 +50,18 @@ except PackageNotFoundError:  # running from a source tree without installation
     __version__ = "0+unknown"
 
 __all__ = [
+    "SCHEMES",
+    "AlgorithmSpec",
+    "InputSpec",
+    "QuantConfig",
+    "QuantizeReport",
+    "Scheme",
+    "WeightSpec",
+    "convert",
+    "load_quantized",
+    "quantize",
+    "quantize_",
+    "save_quantized",
     "BackendUnavailable",
     "DeviceError",
     "DtypeError",

@@ -1,0 +1,73 @@
+"""Activation fake quantization at run time (docs/quantize.md, "Activations").
+
+Kinds: ``none``; ``hif8_cast`` (scaleless HiF8 round trip, Cast); ``hif8_static`` / ``fp8_static`` (one
+calibrated per-tensor scale: ``Q(x / s) * s``); ``hif8_token`` (dynamic per token: ``s = max|x| / 15``
+over the last axis); ``mxfp8`` / ``mxfp4`` (dynamic MX blocks of 32 along the last axis). The result has
+x's dtype; divisions by the scale are in float32.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from lowbit.formats import mxfp8
+from lowbit.ops.mxfp4 import mxfp4_dequantize, mxfp4_quantize
+from lowbit.quantize.algorithms import dynamic_token_scale
+from lowbit.quantize.elements import e4m3_codes, e4m3_values, hif8_round_trip
+
+ACT_KINDS = ("none", "hif8_cast", "hif8_static", "hif8_token", "fp8_static", "mxfp8", "mxfp4")
+STATIC_KINDS = ("hif8_static", "fp8_static")
+# MXFP4 activations: OCP floor shared exponent, ties-away elements (the svd_quant operator's in-kernel rule).
+MXFP4_ACT_RULE = ("floor", "ta")
+
+
+def act_kind(act_type: Optional[str], strategy: str, dynamic: Optional[bool], algorithm: str) -> str:
+    """The run-time kind for a resolved inputs spec (type None: not quantized)."""
+    if act_type is None:
+        return "none"
+    if act_type == "mxfp8_e4m3fn":
+        return "mxfp8"
+    if act_type == "mxfp4_e2m1":
+        return "mxfp4"
+    if act_type == "hifloat8":
+        if algorithm == "cast":
+            return "hif8_cast"
+        return "hif8_token" if strategy == "token" and algorithm != "ofmr" else "hif8_static"
+    if act_type == "float8_e4m3fn":
+        return "fp8_static"
+    raise ValueError(f"lowbit does not implement {act_type} activation quantization")
+
+
+def _scaled_hif8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    # AMCT: HiF8RT(x / s) (x / s in float32) cast to x's dtype, times s cast to x's dtype.
+    return hif8_round_trip(x.to(torch.float32) / scale).to(x.dtype) * scale.to(x.dtype)
+
+
+def deploy_static_input(x: torch.Tensor, kind: str, scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """AMCT's deploy path for a static scale: ``Q(x * rd(1 / s))`` with ``rd`` the rounding to ``out_dtype``
+    (``npu_quantize`` multiply form), dequantized by the float32 ``s``; result in ``out_dtype``."""
+    reciprocal = (1 / scale).to(out_dtype).to(torch.float32)
+    v = x.to(torch.float32) * reciprocal
+    q = hif8_round_trip(v) if kind == "hif8_static" else e4m3_values(e4m3_codes(v))
+    return (q * scale).to(out_dtype)
+
+
+def fake_quant_input(x: torch.Tensor, kind: str, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Quantize-dequantize ``x`` (..., K) by ``kind``; ``scale`` (float32 [1]) for the static kinds."""
+    if kind == "none":
+        return x
+    if kind == "hif8_cast":
+        return hif8_round_trip(x)
+    if kind == "hif8_static":
+        return _scaled_hif8(x, scale)
+    if kind == "hif8_token":
+        return _scaled_hif8(x, dynamic_token_scale(x))
+    if kind == "fp8_static":
+        return (e4m3_values(e4m3_codes(x.to(torch.float32) / scale)) * scale).to(x.dtype)
+    if kind == "mxfp8":
+        return mxfp8.dequantize(*mxfp8.quantize(x), x.dtype)
+    if kind == "mxfp4":
+        return mxfp4_dequantize(*mxfp4_quantize(x, 32, *MXFP4_ACT_RULE), x.dtype)
+    raise ValueError(f"unknown activation quantization kind {kind!r}; expected one of {ACT_KINDS}")

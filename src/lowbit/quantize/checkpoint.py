@@ -1,0 +1,203 @@
+"""Saving and loading quantized models (docs/quantize.md, "Checkpoints").
+
+A checkpoint is a directory with ``model.safetensors`` (every tensor of the model's state_dict: packed
+tensors as stored, no float copy of a quantized weight; other parameters and buffers as they are) and
+``quantization.json`` (format version, lowbit's version, and for every quantized layer its module kind,
+sizes, config and the shape/dtype of each packed tensor). Needs the ``safetensors`` package (the
+``models`` extra), imported only when called.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Union
+
+import torch
+from torch import nn
+
+from lowbit.quantize.modules import DEPLOY_CLASSES, CalibrationLinear, Int4Linear, QuantizedLinearBase
+
+FORMAT_VERSION = 1
+TENSORS_FILE = "model.safetensors"
+META_FILE = "quantization.json"
+PathLike = Union[str, os.PathLike]
+
+
+class CheckpointError(ValueError, RuntimeError):
+    """A quantized checkpoint is missing, corrupt, of an unknown version, or does not fit the model; the
+    message names the file and the tensor or layer. Raised before the model is changed."""
+
+
+def _safetensors_torch():
+    try:
+        import safetensors.torch
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ModuleNotFoundError(
+            "lowbit quantized checkpoints need the 'safetensors' package: pip install 'lowbit[models]'") from exc
+    return safetensors.torch
+
+
+def _lowbit_version() -> str:
+    import lowbit
+
+    return lowbit.__version__
+
+
+def _state_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state_dict as contiguous CPU tensors; tensors sharing storage are copied (safetensors
+    stores no aliases), so tied weights load untied."""
+    out, seen = {}, set()
+    for key, t in model.state_dict().items():
+        if t.device.type == "meta":
+            raise ValueError(f"save_quantized: tensor {key!r} is on the meta device (nothing to save)")
+        t = t.detach().cpu().contiguous()
+        ptr = (t.untyped_storage().data_ptr(), t.storage_offset())
+        out[key] = t.clone() if ptr in seen else t
+        seen.add(ptr)
+    return out
+
+
+def save_quantized(model: nn.Module, directory: PathLike) -> Path:
+    """Write ``directory``/model.safetensors and ``directory``/quantization.json atomically (built in a
+    temporary directory beside it, then renamed into place; an existing checkpoint directory is replaced).
+
+    The model must be converted (RuntimeError naming the layers still calibrating). Returns the path."""
+    st = _safetensors_torch()
+    calibrating = [n for n, m in model.named_modules() if isinstance(m, CalibrationLinear)]
+    if calibrating:
+        raise RuntimeError(f"save_quantized: call lowbit.convert(model) first; calibration modules: {calibrating}")
+    layers = {n: m.quant_meta() for n, m in model.named_modules() if isinstance(m, QuantizedLinearBase)}
+    meta = {"format_version": FORMAT_VERSION, "lowbit_version": _lowbit_version(), "layers": layers}
+    tensors = _state_tensors(model)
+    target = Path(directory)
+    if target.exists() and not target.is_dir():
+        raise ValueError(f"save_quantized: {target} exists and is not a directory")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    try:
+        st.save_file(tensors, str(tmp / TENSORS_FILE), metadata={"format": "pt"})
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=1, sort_keys=True))
+        if target.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent))
+            os.replace(target, old / "checkpoint")
+            os.replace(tmp, target)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return target
+
+
+def _read_meta(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise CheckpointError(f"load_quantized: missing file {path}")
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"load_quantized: {path} is not valid JSON ({exc})") from None
+    if not isinstance(meta, dict) or "format_version" not in meta or not isinstance(meta.get("layers"), dict):
+        raise CheckpointError(f"load_quantized: {path} is not a lowbit quantization file")
+    if meta["format_version"] != FORMAT_VERSION:
+        raise CheckpointError(f"load_quantized: {path} has format_version {meta['format_version']!r}; this lowbit "
+                              f"reads version {FORMAT_VERSION}")
+    return meta
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    if not path.is_file():
+        raise CheckpointError(f"load_quantized: missing file {path}")
+    try:
+        return _safetensors_torch().load_file(str(path))
+    except Exception as exc:  # safetensors raises its own SafetensorError (not exported as a stable type)
+        raise CheckpointError(f"load_quantized: cannot read {path} (truncated or corrupt?): {exc}") from None
+
+
+def _deploy_modules(model: nn.Module, layers: dict, meta_path: Path) -> dict[str, QuantizedLinearBase]:
+    modules = dict(model.named_modules())
+    built = {}
+    for name, layer in layers.items():
+        target = modules.get(name)
+        if not isinstance(target, nn.Linear):
+            raise CheckpointError(f"load_quantized: {meta_path} lists layer {name!r}, which is "
+                                  f"{'missing' if target is None else type(target).__name__} in the model")
+        try:
+            cls = DEPLOY_CLASSES[layer["kind"]]
+            sizes = (layer["in_features"], layer["out_features"], layer["bias"])
+        except (KeyError, TypeError):
+            raise CheckpointError(f"load_quantized: {meta_path}: layer {name!r} has an unknown or incomplete "
+                                  "description") from None
+        if sizes != (target.in_features, target.out_features, target.bias is not None):
+            raise CheckpointError(
+                f"load_quantized: {meta_path}: layer {name!r} is (in, out, bias) = {sizes} in the checkpoint but "
+                f"{(target.in_features, target.out_features, target.bias is not None)} in the model")
+        built[name] = cls.from_meta(name, layer)
+    return built
+
+
+def _expected_tensors(model: nn.Module, built: dict[str, QuantizedLinearBase]) -> dict[str, torch.Tensor]:
+    """Name -> tensor (for shape and dtype) the model will hold after the layers are replaced."""
+    expected = {}
+    replaced = tuple(f"{n}." for n in built)
+    for key, t in model.state_dict(keep_vars=True).items():
+        if not key.startswith(replaced):
+            expected[key] = t
+    for name, module in built.items():
+        for key, t in module.state_dict(keep_vars=True).items():
+            expected[f"{name}.{key}"] = t
+    return expected
+
+
+def _check_tensors(expected: dict, tensors: dict, path: Path) -> None:
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(f"load_quantized: {path} does not fit the model (another model?): missing tensors "
+                              f"{missing[:10]}, unexpected tensors {unexpected[:10]}")
+    for key, want in expected.items():
+        got = tensors[key]
+        if tuple(got.shape) != tuple(want.shape) or got.dtype != want.dtype:
+            raise CheckpointError(f"load_quantized: {path}: tensor {key!r} is {got.dtype} {tuple(got.shape)}, the "
+                                  f"model needs {want.dtype} {tuple(want.shape)}")
+
+
+def _check_no_meta_left(model: nn.Module, expected: dict, built: dict) -> None:
+    replaced = tuple(f"{n}." for n in built)
+    for key, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t.device.type == "meta" and key not in expected and not key.startswith(replaced):
+            raise CheckpointError(f"load_quantized: {key!r} is on the meta device and not in the checkpoint "
+                                  "(a non-persistent buffer? build the skeleton so that it is materialized)")
+
+
+def load_quantized(directory: PathLike, model: nn.Module) -> nn.Module:
+    """Load a :func:`save_quantized` checkpoint into the float skeleton ``model`` and return it.
+
+    ``model`` has the original architecture (``nn.Linear`` where quantized layers were), possibly built under
+    ``torch.device("meta")``: the listed layers are replaced by deploy modules built from the stored packed
+    tensors, every other tensor is assigned from the file (``load_state_dict(..., assign=True)``), so no float
+    copy of a quantized weight is ever made. Tensors come back on the CPU. CheckpointError (a ValueError and
+    RuntimeError) naming the file and tensor for a missing/truncated/corrupt file, an unknown format version
+    or a checkpoint of another model; the model is then unchanged."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"load_quantized: model must be torch.nn.Module, got {type(model).__name__}")
+    root = Path(directory)
+    meta_path, tensor_path = root / META_FILE, root / TENSORS_FILE
+    meta = _read_meta(meta_path)
+    tensors = _read_tensors(tensor_path)
+    built = _deploy_modules(model, meta["layers"], meta_path)
+    expected = _expected_tensors(model, built)
+    _check_tensors(expected, tensors, tensor_path)
+    _check_no_meta_left(model, expected, built)
+    for name, module in built.items():
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, module)
+    model.load_state_dict(tensors, strict=True, assign=True)
+    for module in built.values():
+        if isinstance(module, Int4Linear):
+            module.prepack()
+    return model

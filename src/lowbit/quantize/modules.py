@@ -1,0 +1,265 @@
+"""Quantized Linear modules: the calibration (fake-quant) module and the deployable packed modules.
+
+* :class:`CalibrationLinear` replaces an ``nn.Linear`` at :func:`lowbit.quantize`. It keeps the original
+  weight and bias Parameters (no copy). Data-dependent algorithms count its own forward calls: calls
+  1..batch_num return the float output and record statistics, the scales are fixed at call batch_num, and
+  later calls return the fake-quant output. Data-free algorithms fake-quantize from the first call.
+* :class:`PackedLinear` (dequantize then ``F.linear``), :class:`Int4Linear` (``weight_quant_batch_matmul``
+  with a prepacked ``PackedWeight``) and :class:`SVDQuantLinearDeploy` (``svd_quant``) hold only packed
+  tensors (buffers) and compute with lowbit's operators; :meth:`compute` is the one weight -> output step.
+
+Inputs: (..., K) in the weight's dtype; outputs (..., N) in x's dtype. No gradient flows (all forwards run
+under ``torch.no_grad``, as AMCT's). Fake quant equals deploy bit for bit except Int4Linear (MSD numerics
+vs the dequantized weight; docs/quantize.md, "Fake quant vs deploy").
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lowbit.errors import DtypeError, ShapeError
+from lowbit.nn.svdquant import svdquant_decompose
+from lowbit.ops.svd_quant import svd_quant
+from lowbit.ops.wqbmm import PackedWeight, plan_weight_quant_batch_matmul
+from lowbit.quantize.activations import STATIC_KINDS, deploy_static_input, fake_quant_input
+from lowbit.quantize.calibration import QuantParams, layer_act_kind, make_calibrator, smoothed_weight
+from lowbit.quantize.config import LayerConfig
+from lowbit.quantize.weight_formats import WEIGHT_FORMATS
+
+DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
+
+
+def int4_compute_dtype(weight_dtype: torch.dtype) -> torch.dtype:
+    """weight_quant_batch_matmul runs in FP16/BF16: the weight's dtype if it is one, else BF16."""
+    return weight_dtype if weight_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+def check_input(name: str, x: torch.Tensor, in_features: int, dtype: torch.dtype) -> None:
+    """ShapeError / DtypeError naming the layer for an input that is not (..., in_features) of ``dtype``."""
+    if x.dim() == 0 or x.shape[-1] != in_features:
+        raise ShapeError(f"layer {name!r}: input must be (..., {in_features}), got shape {tuple(x.shape)}")
+    if x.dtype != dtype:
+        raise DtypeError(f"layer {name!r}: input dtype {x.dtype} does not match the weight dtype {dtype}")
+
+
+class QuantizedLinearBase(nn.Module):
+    """Packed tensors as buffers (names as in the checkpoint), the original bias Parameter, and the
+    metadata to rebuild the module from a checkpoint (:meth:`quant_meta`, :meth:`from_meta`)."""
+
+    kind = ""
+
+    def __init__(self, name: str, in_features: int, out_features: int, weight_dtype: torch.dtype,
+                 cfg_meta: dict, tensors: dict[str, torch.Tensor], bias: Optional[torch.Tensor]):
+        super().__init__()
+        self.layer_name, self.in_features, self.out_features = name, in_features, out_features
+        self.weight_dtype, self.cfg_meta = weight_dtype, dict(cfg_meta)
+        for key, value in tensors.items():
+            self.register_buffer(key, value)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    def packed_tensors(self) -> dict[str, torch.Tensor]:
+        return dict(self.named_buffers(recurse=False))
+
+    def packed_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.packed_tensors().values())
+
+    def quant_meta(self) -> dict[str, Any]:
+        """JSON-able description: kind, sizes, dtype, config, and each packed tensor's shape and dtype."""
+        return {
+            "kind": self.kind, "in_features": self.in_features, "out_features": self.out_features,
+            "weight_dtype": DTYPE_NAMES[self.weight_dtype], "bias": self.bias is not None, **self.cfg_meta,
+            "tensors": {k: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+                        for k, t in self.packed_tensors().items()},
+        }
+
+    @classmethod
+    def from_meta(cls, name: str, meta: dict) -> "QuantizedLinearBase":
+        """An empty module (uninitialised buffers on the CPU) of the layout ``meta`` describes."""
+        tensors = {k: torch.empty(v["shape"], dtype=getattr(torch, v["dtype"])) for k, v in meta["tensors"].items()}
+        dtype = DTYPES[meta["weight_dtype"]]
+        bias = torch.empty(meta["out_features"], dtype=dtype) if meta["bias"] else None
+        cfg_meta = {k: v for k, v in meta.items()
+                    if k not in ("kind", "in_features", "out_features", "weight_dtype", "bias", "tensors")}
+        return cls(name, meta["in_features"], meta["out_features"], dtype, cfg_meta, tensors, bias)
+
+    def quantize_input(self, x: torch.Tensor, deploy: bool = True) -> torch.Tensor:
+        """Smoothing then activation fake quant; result in x's dtype. Fake quant divides by sigma and s_d;
+        the deploy path of an ``amct_compat`` layer multiplies by their reciprocals rounded to the weight /
+        output dtype, as AMCT's deploy ops (docs/quantize.md, "Fake quant vs deploy")."""
+        npu_rounding = deploy and self.cfg_meta.get("amct_compat", False)
+        xs = x
+        if "smooth" in self._buffers:
+            xs = x * (1 / self.smooth) if npu_rounding else x / self.smooth
+        kind, scale = self.cfg_meta["act_kind"], self._buffers.get("act_scale")
+        if npu_rounding and kind in STATIC_KINDS:
+            return deploy_static_input(xs, kind, scale, x.dtype)
+        return fake_quant_input(xs, kind, scale).to(x.dtype)
+
+    def compute(self, x_q: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_input(self.layer_name, x, self.in_features, self.weight_dtype)
+        with torch.no_grad():
+            return self.compute(self.quantize_input(x))
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.cfg_meta.get('format', '')}"
+
+
+class PackedLinear(QuantizedLinearBase):
+    """Deploy module for HiF8 / FP8 / INT8 / MXFP8 / MXFP4 / HiF4 weights: dequantize, then ``F.linear``."""
+
+    kind = "packed"
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The (N, K) weight in the original dtype, decoded from the packed buffers (not cached)."""
+        fmt = WEIGHT_FORMATS[self.cfg_meta["weight_type"]]
+        tensors = {k: v for k, v in self.packed_tensors().items() if k not in ("smooth", "act_scale")}
+        return fmt.decode(tensors, self.weight_dtype, self.cfg_meta.get("group_size"))
+
+    def compute(self, x_q):
+        return F.linear(x_q, self.dequantized_weight(), self.bias)
+
+
+class Int4Linear(PackedLinear):
+    """Deploy module for int4 per-group weights: ``weight_quant_batch_matmul`` (MSD) with a PackedWeight made
+    once (at convert / load, again after a device move). x is cast to the 16-bit compute dtype and back."""
+
+    kind = "int4"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._packed: Optional[PackedWeight] = None
+
+    def _plan(self, m: int, device: torch.device):
+        return plan_weight_quant_batch_matmul(
+            m, self.in_features, self.out_features, group_size=self.cfg_meta["group_size"], device=device,
+            dtype=self.antiquant_scale.dtype, prepacked=True)
+
+    def prepack(self) -> None:
+        """(Re)build the kernel-layout PackedWeight from the ``weight`` buffer on its device."""
+        self._packed = self._plan(1, self.weight.device).pack_weight(self.weight)
+
+    def compute(self, x_q):
+        if self._packed is None or self._packed.device != self.weight.device or self._packed.shape != tuple(
+                self.weight.shape):
+            self.prepack()
+        x2 = x_q.reshape(-1, self.in_features).to(self.antiquant_scale.dtype)
+        plan = self._plan(x2.shape[0], self.weight.device)
+        y = plan.run(x2, self._packed, self.antiquant_scale, self._buffers.get("antiquant_offset"))
+        y = y.reshape(*x_q.shape[:-1], self.out_features).to(x_q.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+class SVDQuantLinearDeploy(QuantizedLinearBase):
+    """Deploy module for SVDQuant: ``svd_quant`` (MXFP4 residual, rank-r BF16 branch, MXFP4 activations inside
+    the operator); x cast to BF16, output cast back to x's dtype, then the bias added."""
+
+    kind = "svdquant"
+
+    def quantize_input(self, x, deploy=True):
+        return x  # the operator quantizes the activations itself
+
+    def compute(self, x_q):
+        xb = x_q.to(torch.bfloat16)
+        x3 = xb.reshape(-1, self.in_features) if xb.dim() == 1 else xb
+        y = svd_quant(x3, self.w, self.s, self.down, self.up).reshape(*x_q.shape[:-1], self.out_features)
+        y = y.to(x_q.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+DEPLOY_CLASSES = {c.kind: c for c in (PackedLinear, Int4Linear, SVDQuantLinearDeploy)}
+
+
+def build_deploy(name: str, weight: torch.Tensor, bias: Optional[torch.Tensor], cfg: LayerConfig,
+                 params: QuantParams) -> QuantizedLinearBase:
+    """Pack ``weight`` with the calibrated ``params`` into the deploy module of ``cfg``."""
+    with torch.no_grad():
+        w = weight.detach()
+        n, k = w.shape
+        spec = cfg.weights
+        meta = {"format": cfg.describe(), "weight_type": spec.type, "group_size": spec.group_size,
+                "act_kind": layer_act_kind(cfg), "algorithm": cfg.algorithm.name, "amct_compat": cfg.amct_compat}
+        if cfg.algorithm.name == "svdquant":
+            ws, s, d, u = svdquant_decompose(w, cfg.algorithm.options.get("rank", 32))
+            tensors = {"w": ws, "s": s, "down": d, "up": u}
+            return SVDQuantLinearDeploy(name, k, n, w.dtype, meta, tensors, bias)
+        if params.smooth is not None:
+            w = smoothed_weight(w, params.smooth)
+        compute_dtype = int4_compute_dtype(weight.dtype)
+        tensors = WEIGHT_FORMATS[spec.type].encode(w, params.weight_scale, params.weight_offset, spec.group_size,
+                                                   compute_dtype)
+        if params.smooth is not None:
+            tensors["smooth"] = params.smooth
+        if params.act_scale is not None:
+            tensors["act_scale"] = params.act_scale
+        cls = Int4Linear if spec.type == "int4" else PackedLinear
+        module = cls(name, k, n, weight.dtype, meta, tensors, bias)
+        if isinstance(module, Int4Linear):
+            module.prepack()
+        return module
+
+
+class CalibrationLinear(nn.Module):
+    """AMCT's quant op for a Linear layer (see the module docstring). ``weight`` / ``bias`` are the original
+    Parameters; ``calibrated`` tells whether the scales are fixed."""
+
+    def __init__(self, name: str, linear: nn.Linear, cfg: LayerConfig):
+        super().__init__()
+        self.layer_name, self.layer_config = name, cfg
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+        self.calls = 0
+        self._calibrator = make_calibrator(self.weight, self.bias, cfg)
+        self._params: Optional[QuantParams] = None
+        self.__dict__["_fake"] = None  # deploy-equivalent module, kept out of the module tree (no state_dict)
+        self._fake_weight: Optional[torch.Tensor] = None
+        if not self._calibrator.needs_data:
+            self._finish()
+
+    @property
+    def calibrated(self) -> bool:
+        return self._params is not None
+
+    def _finish(self) -> None:
+        self._params = self._calibrator.finalize()
+        self._calibrator = None
+
+    def _deploy_equivalent(self) -> QuantizedLinearBase:
+        if self._fake is None:
+            self.__dict__["_fake"] = self.to_deploy()
+            if isinstance(self._fake, PackedLinear):
+                self._fake_weight = PackedLinear.dequantized_weight(self._fake)  # cached fake-quant weight
+        return self._fake
+
+    def to_deploy(self) -> QuantizedLinearBase:
+        """The deployable module (packed weights) for the calibrated scales; RuntimeError if not calibrated."""
+        if not self.calibrated:
+            raise RuntimeError(f"layer {self.layer_name!r} is not calibrated ({self.calls} of "
+                               f"{self.layer_config.batch_num} calibration calls)")
+        return build_deploy(self.layer_name, self.weight, self.bias, self.layer_config, self._params)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_input(self.layer_name, x, self.in_features, self.weight.dtype)
+        with torch.no_grad():
+            if not self.calibrated:
+                y = F.linear(x, self.weight, self.bias)
+                self._calibrator.observe(x, y)
+                self.calls += 1
+                if self.calls == self.layer_config.batch_num:
+                    self._finish()
+                return y
+            fake = self._deploy_equivalent()
+            if self._fake_weight is None:  # svdquant: the operator is the fake quant
+                return fake.compute(fake.quantize_input(x, deploy=False))
+            return F.linear(fake.quantize_input(x, deploy=False), self._fake_weight, self.bias)
+
+    def extra_repr(self) -> str:
+        state = "calibrated" if self.calibrated else f"calibrating {self.calls}/{self.layer_config.batch_num}"
+        return f"{self.layer_name!r}, {self.layer_config.describe()}, {state}"

@@ -1,0 +1,192 @@
+"""save_quantized / load_quantized: bit-exact round trips, meta skeletons, and clear errors with nothing loaded."""
+
+import copy
+import json
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import lowbit
+from lowbit.quantize.checkpoint import META_FILE, TENSORS_FILE, CheckpointError
+from lowbit.quantize.modules import QuantizedLinearBase
+
+SCHEMES = ["hif8-w8a8-ofmr", "hif8-w8a8-smoothquant", "fp8-wo", "mxfp8-w8a8", "mxfp4-w4a4", "hif4-wo",
+           "int4-a16w4", "svdquant-r32", "hif8-cast"]
+
+
+class Net(nn.Module):
+    def __init__(self, dtype=torch.float32):
+        super().__init__()
+        self.embed = nn.Embedding(10, 128, dtype=dtype)
+        self.norm = nn.LayerNorm(128, dtype=dtype)
+        self.mlp = nn.Sequential(nn.Linear(128, 256, dtype=dtype), nn.ReLU(), nn.Linear(256, 128, dtype=dtype))
+        self.lm_head = nn.Linear(128, 10, dtype=dtype)
+        self.register_buffer("step", torch.tensor(7))
+
+    def forward(self, tokens):
+        h = self.norm(self.embed(tokens))
+        return self.lm_head(h + self.mlp(h))
+
+
+def quantized(scheme, dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    model = Net(dtype)
+    tokens = torch.randint(0, 10, (4, 16), generator=torch.Generator().manual_seed(1))
+    lowbit.quantize(model, scheme)
+    model(tokens)
+    lowbit.convert(model)
+    return model, tokens
+
+
+def skeleton(dtype=torch.float32):
+    with torch.device("meta"):
+        return Net(dtype)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_round_trip_onto_a_meta_skeleton_is_bit_exact(scheme, tmp_path):
+    model, tokens = quantized(scheme)
+    before = model(tokens)
+    lowbit.save_quantized(model, tmp_path / "ckpt")
+    loaded = lowbit.load_quantized(tmp_path / "ckpt", skeleton())
+    assert all(t.device.type == "cpu" for t in loaded.state_dict().values())
+    assert type(loaded.mlp[0]) is type(model.mlp[0]) and type(loaded.lm_head) is type(model.lm_head)
+    assert torch.equal(loaded(tokens), before)
+    meta = json.loads((tmp_path / "ckpt" / META_FILE).read_text())
+    assert meta["format_version"] == 1 and meta["lowbit_version"] == lowbit.__version__
+    head = [] if lowbit.SCHEMES[scheme].config["skip_layers"] else ["lm_head"]  # HIFP8_OFMR_CFG skips nothing
+    assert sorted(meta["layers"]) == head + ["mlp.0", "mlp.2"]
+
+
+def test_checkpoint_holds_packed_tensors_only(tmp_path):
+    from safetensors.torch import load_file
+
+    model, _ = quantized("hif8-wo", torch.bfloat16)
+    lowbit.save_quantized(model, tmp_path / "ckpt")
+    tensors = load_file(str(tmp_path / "ckpt" / TENSORS_FILE))
+    assert "mlp.0.weight" not in tensors
+    assert tensors["mlp.0.codes"].dtype == torch.uint8 and tensors["mlp.0.codes"].shape == (256, 128)
+    assert tensors["lm_head.weight"].dtype == torch.bfloat16  # unquantized parameters as they are
+    assert tensors["step"].item() == 7
+
+
+def test_round_trip_bf16_materialized_skeleton(tmp_path):
+    model, tokens = quantized("int4-a16w4", torch.bfloat16)
+    before = model(tokens)
+    lowbit.save_quantized(model, tmp_path / "c")
+    loaded = lowbit.load_quantized(str(tmp_path / "c"), Net(torch.bfloat16))
+    assert torch.equal(loaded(tokens), before)
+
+
+def test_save_replaces_an_existing_checkpoint_atomically(tmp_path):
+    model, tokens = quantized("hif8-wo")
+    target = tmp_path / "ckpt"
+    lowbit.save_quantized(quantized("fp8-wo")[0], target)
+    lowbit.save_quantized(model, target)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # no temporaries left beside it
+    assert sorted(os.listdir(target)) == [TENSORS_FILE, META_FILE]
+    assert torch.equal(lowbit.load_quantized(target, skeleton())(tokens), model(tokens))
+
+
+def test_save_refuses_an_unconverted_model(tmp_path):
+    model = Net()
+    lowbit.quantize(model, "hif8-w8a8-ofmr")
+    with pytest.raises(RuntimeError, match="convert"):
+        lowbit.save_quantized(model, tmp_path / "c")
+    assert not (tmp_path / "c").exists()
+
+
+def _saved(tmp_path, scheme="hif8-wo"):
+    model, _ = quantized(scheme)
+    return lowbit.save_quantized(model, tmp_path / "ckpt")
+
+
+def _assert_untouched(model, before):
+    assert [type(m) for m in model.modules()] == [type(m) for m in before.modules()]
+    for (k, a), (_, b) in zip(model.state_dict().items(), before.state_dict().items()):
+        assert a.device == b.device and a.shape == b.shape and a.dtype == b.dtype
+        if a.device.type != "meta":
+            assert torch.equal(a, b), k
+
+
+@pytest.mark.parametrize("materialized", [False, True])
+def test_truncated_file_is_a_clear_error_and_nothing_is_loaded(tmp_path, materialized):
+    path = _saved(tmp_path)
+    data = (path / TENSORS_FILE).read_bytes()
+    (path / TENSORS_FILE).write_bytes(data[: len(data) // 2])
+    model = Net() if materialized else skeleton()
+    before = copy.deepcopy(model)
+    with pytest.raises(CheckpointError, match=r"model\.safetensors.*truncated or corrupt"):
+        lowbit.load_quantized(path, model)
+    _assert_untouched(model, before)
+
+
+def test_missing_files_are_named(tmp_path):
+    path = _saved(tmp_path)
+    (path / TENSORS_FILE).unlink()
+    with pytest.raises(CheckpointError, match="missing file .*model.safetensors"):
+        lowbit.load_quantized(path, skeleton())
+    with pytest.raises(CheckpointError, match="missing file .*quantization.json"):
+        lowbit.load_quantized(tmp_path / "nowhere", skeleton())
+
+
+def test_unknown_format_version_and_corrupt_json(tmp_path):
+    path = _saved(tmp_path)
+    meta = json.loads((path / META_FILE).read_text())
+    (path / META_FILE).write_text(json.dumps({**meta, "format_version": 99}))
+    with pytest.raises(CheckpointError, match="format_version 99"):
+        lowbit.load_quantized(path, skeleton())
+    (path / META_FILE).write_text("{not json")
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        lowbit.load_quantized(path, skeleton())
+
+
+class Other(nn.Module):
+    def __init__(self, hidden=256, extra=False):
+        super().__init__()
+        self.embed = nn.Embedding(10, 128)
+        self.norm = nn.LayerNorm(128)
+        self.mlp = nn.Sequential(nn.Linear(128, hidden), nn.ReLU(), nn.Linear(hidden, 128))
+        self.lm_head = nn.Linear(128, 10)
+        self.register_buffer("step", torch.tensor(7))
+        if extra:
+            self.extra = nn.Linear(4, 4)
+
+
+@pytest.mark.parametrize("foreign, message", [
+    (lambda: Other(hidden=512), r"layer 'mlp.0' is \(in, out, bias\) = \(128, 256, True\)"),
+    (lambda: Other(extra=True), r"missing tensors \['extra.bias', 'extra.weight'\]"),
+    (lambda: nn.Sequential(nn.Linear(128, 256)), "lists layer 'mlp.0', which is missing"),
+])
+def test_checkpoint_of_another_model_is_rejected_before_loading(tmp_path, foreign, message):
+    path = _saved(tmp_path)
+    model = foreign()
+    before = copy.deepcopy(model)
+    with pytest.raises(CheckpointError, match=message):
+        lowbit.load_quantized(path, model)
+    _assert_untouched(model, before)
+
+
+def test_wrong_dtype_or_shape_of_a_stored_tensor_is_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = _saved(tmp_path)
+    tensors = load_file(str(path / TENSORS_FILE))
+    tensors["norm.weight"] = tensors["norm.weight"][:64].clone()
+    save_file(tensors, str(path / TENSORS_FILE))
+    model = skeleton()
+    with pytest.raises(CheckpointError, match=r"tensor 'norm.weight' is torch.float32 \(64,\)"):
+        lowbit.load_quantized(path, model)
+    assert not any(isinstance(m, QuantizedLinearBase) for m in model.modules())
+
+
+def test_import_lowbit_does_not_import_optional_packages():
+    import subprocess
+    import sys
+
+    code = ("import sys, lowbit; lowbit.quantize, lowbit.save_quantized, lowbit.QuantizeReport; "
+            "print(sorted(m for m in ('safetensors', 'transformers', 'numba') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=os.environ)
+    assert out.stdout.strip() == "[]"
