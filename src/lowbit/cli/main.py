@@ -1,4 +1,4 @@
-"""The ``lowbit`` command: info, smoke, bench, eval, and the WeightQuantBatchMatmul tool chain (wqbmm, verify).
+"""The ``lowbit`` command: info, smoke, bench, eval, quantize-checkpoint, and the WeightQuantBatchMatmul tool chain (wqbmm, verify).
 
 Exit codes and --debug: docs/cli.md. Every error is one line on stderr (``lowbit <command>: error: ...``;
 for ``lowbit smoke`` the one-line JSON error object of its contract) and exit 2, without a traceback
@@ -146,7 +146,7 @@ def _leaf_parsers(parser: _Parser) -> Iterator[_Parser]:
 def build_parser() -> argparse.ArgumentParser:
     """The ``lowbit`` parser (imports lowbit's operators)."""
     from lowbit import backends
-    from lowbit.cli import bench, evaluate, smoke, wqbmm
+    from lowbit.cli import bench, evaluate, quantize_checkpoint, smoke, wqbmm
 
     backend_choices = list(backends.BACKENDS)
     parser = _Parser(prog="lowbit", description=__doc__.split("\n\n")[0])
@@ -175,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     wqbmm.add_subcommands(sub)  # wqbmm gen-data|run|profile|example, verify
     evaluate.add_subcommand(sub)  # eval
+    quantize_checkpoint.add_subcommand(sub)  # quantize-checkpoint
     for leaf in _leaf_parsers(parser):  # `--debug` also after the command; error lines name the command
         leaf.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
         leaf.set_defaults(command_prog=leaf.prog)

@@ -47,8 +47,8 @@ class StreamReport:
     shards_kept: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
-        return (f"{self.out_dir}: {len(self.layers)} layers quantized, {len(self.not_quantized)} 2-D weights and "
-                f"{self.copied} tensors in all copied as they were; {len(self.shards_written)} shards written, "
+        return (f"{self.out_dir}: {len(self.layers)} layers quantized; {self.copied} tensors copied as they were, "
+                f"{len(self.not_quantized)} of them 2-D weights; {len(self.shards_written)} shards written, "
                 f"{len(self.shards_kept)} kept from an earlier run")
 
 
@@ -246,7 +246,7 @@ def quantize_checkpoint(in_dir: PathLike, out_dir: PathLike, scheme: str, *, ski
     ``progress``: a progress bar on stderr (needs tqdm). Rerunning after an interruption keeps the shards
     already written. Errors, raised before anything is written: ValueError (unknown scheme, one that needs
     calibration or quantizes whole tensors, ``out_dir`` inside ``in_dir`` or not an earlier output),
-    CheckpointError (missing, truncated or corrupt input shard or index), ShapeError (int4 with odd N)."""
+    CheckpointError (missing, truncated or corrupt input shard or index)."""
     in_dir, out_dir = Path(in_dir), Path(out_dir)
     config = stream_config(scheme)
     workers = default_workers() if workers is None else check_int("workers", workers, minimum=1)
