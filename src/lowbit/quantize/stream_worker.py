@@ -20,7 +20,7 @@ import torch
 from lowbit.quantize.shard_io import TORCH_DTYPES, copy_range, write_all
 from lowbit.quantize.stream_plan import LayerPlan, PackedTensor, pack_rows, stream_config
 
-BLOCK_BYTES = 4 * 1024 * 1024  # input bytes per row block
+BLOCK_BYTES = 1024 * 1024  # input bytes per row block (its temporaries are ~10-20x that)
 
 
 @dataclass(frozen=True)
