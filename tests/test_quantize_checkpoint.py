@@ -58,6 +58,7 @@ def test_round_trip_onto_a_meta_skeleton_is_bit_exact(scheme, tmp_path):
     assert meta["format_version"] == 1 and meta["lowbit_version"] == lowbit.__version__
     head = [] if lowbit.SCHEMES[scheme].config["skip_layers"] else ["lm_head"]  # HIFP8_OFMR_CFG skips nothing
     assert sorted(meta["layers"]) == head + ["mlp.0", "mlp.2"]
+    assert {layer["scheme"] for layer in meta["layers"].values()} == {scheme}
 
 
 def test_checkpoint_holds_packed_tensors_only(tmp_path):
@@ -156,9 +157,9 @@ class Other(nn.Module):
 
 
 @pytest.mark.parametrize("foreign, message", [
-    (lambda: Other(hidden=512), r"layer 'mlp.0' is \(in, out, bias\) = \(128, 256, True\)"),
+    (lambda: Other(hidden=512), r"layer 'mlp.0', which in the model is .*'weight_shape': \[512, 128\]"),
     (lambda: Other(extra=True), r"missing tensors \['extra.bias', 'extra.weight'\]"),
-    (lambda: nn.Sequential(nn.Linear(128, 256)), "lists layer 'mlp.0', which is missing"),
+    (lambda: nn.Sequential(nn.Linear(128, 256)), "lists layer 'mlp.0', which in the model is missing"),
 ])
 def test_checkpoint_of_another_model_is_rejected_before_loading(tmp_path, foreign, message):
     path = _saved(tmp_path)

@@ -9,7 +9,7 @@ from torch import nn
 import lowbit
 from lowbit.errors import DtypeError, ShapeError
 from lowbit.quantize.config import QuantConfig
-from lowbit.quantize.modules import CalibrationLinear
+from lowbit.quantize.modules import CalibrationModule
 
 HIF8 = {"type": "hifloat8", "symmetric": True, "strategy": "tensor"}
 
@@ -232,7 +232,7 @@ def test_convert_names_uncalibrated_layers_and_leaves_the_model_unchanged():
     m(torch.randn(4, 64))
     with pytest.raises(RuntimeError, match=r"0 \(1/2 calls\), 2 \(1/2 calls\)"):
         lowbit.convert(m)
-    assert isinstance(m[0], CalibrationLinear) and isinstance(m[2], CalibrationLinear)
+    assert isinstance(m[0], CalibrationModule) and isinstance(m[2], CalibrationModule)
 
 
 def test_quantize_underscore_refuses_schemes_that_need_calibration():
@@ -264,3 +264,18 @@ def test_report_is_printable_and_json_able():
     d = json.loads(json.dumps(report.to_dict()))
     assert d["layers"]["0"]["status"] == "converted" and d["totals"]["skipped"] == 1
     assert d["totals"]["bytes_before"] == (64 * 64 + 64 * 32) * 4
+    assert d["layers"]["lm_head"]["bytes_before"] == d["layers"]["lm_head"]["bytes_after"] == 32 * 8 * 4
+
+
+def test_non_finite_calibration_data_is_an_error_naming_the_layer_not_an_inf_scale():
+    m = model()
+    lowbit.quantize(m, "hif8-w8a8-minmax")
+    x = torch.randn(4, 64)
+    x[0, 0] = float("inf")
+    with pytest.raises(RuntimeError, match="layer '0': quantization scale is not finite"):
+        m(x)
+    m = model()
+    lowbit.quantize(m, "hif8-w8a8-ofmr")
+    x[0, 0] = float("nan")
+    with pytest.raises(RuntimeError, match="layer '0': ofmr: every candidate scale gave a non-finite output error"):
+        m(x)

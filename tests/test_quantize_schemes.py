@@ -10,7 +10,7 @@ import lowbit
 from lowbit.formats import hifloat8 as hif8_reference
 from lowbit.formats.int4 import quantize_int4_per_group
 from lowbit.formats.wqbmm import dequantize_weight
-from lowbit.quantize.modules import CalibrationLinear, Int4Linear, PackedLinear, SVDQuantLinearDeploy
+from lowbit.quantize.modules import CalibrationModule, Int4Linear, SVDQuantLinearDeploy
 
 # Accuracy floors, derived from the formats rather than fitted: an element format whose top band keeps p
 # significant bits (8-bit floats: 3 mantissa bits, round-to-nearest -> relative error <= 2^-4, p = 4; the
@@ -56,7 +56,7 @@ def test_scheme_end_to_end(scheme):
     model, x = mlp(), inputs()
     reference = model(x).detach()
     report = lowbit.quantize(model, scheme)
-    assert report.quantized == ["0", "2"] and all(isinstance(model[i], CalibrationLinear) for i in (0, 2))
+    assert report.quantized == ["0", "2"] and all(isinstance(model[i], CalibrationModule) for i in (0, 2))
     needs_data = lowbit.SCHEMES[scheme].needs_calibration
     assert [l.status for l in report.layers.values()] == ["calibrating" if needs_data else "quantized"] * 2
     model(x)  # calibration (batch_num 1)
@@ -186,3 +186,73 @@ def test_degenerate_weights_give_finite_scales():
         assert torch.isfinite(scale.float()).all(), scheme
         assert (scale.float()[0] == 1.0).all() if scale.dim() == 1 else (scale.float() == 1.0).all()
         assert torch.isfinite(m(xs)[:, 0]).all(), scheme
+
+
+class SmallCNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 16, 3, padding=1)
+        self.conv2 = nn.Conv2d(16, 16, 3, stride=2, padding="valid", groups=2, bias=False)
+        self.head = nn.Linear(16 * 7 * 7, 10)
+
+    def forward(self, x):
+        h = torch.relu(self.conv2(torch.relu(self.conv1(x))))
+        return self.head(h.flatten(1))
+
+
+def independent_fake_quant(wtype, w, scale):
+    """Q(w / s) * s through the reference element codecs (float32)."""
+    u = w / scale
+    q = hif8_reference.decode(hif8_reference.encode(u), torch.float32) if wtype == "hifloat8" else \
+        u.clamp(-448, 448).to(torch.float8_e4m3fn).float()
+    return q * scale
+
+
+@pytest.mark.parametrize("strategy", ["tensor", "channel"])
+@pytest.mark.parametrize("wtype", ["hifloat8", "float8_e4m3fn"])
+def test_ofmr_conv2d(strategy, wtype, tmp_path):
+    torch.manual_seed(0)
+    model, x = SmallCNN(), torch.randn(4, 3, 16, 16)
+    reference = model(x).detach()
+    w1, b1 = model.conv1.weight.detach().clone(), model.conv1.bias.detach().clone()
+    config = {"quant_cfg": {"weights": {"type": wtype, "symmetric": True, "strategy": strategy},
+                            "inputs": {"type": wtype, "symmetric": True, "strategy": "tensor"}},
+              "algorithm": "ofmr"}
+    report = lowbit.quantize(model, config)
+    assert {n: l.layer_type for n, l in report.layers.items()} == {"conv1": "Conv2d", "conv2": "Conv2d",
+                                                                  "head": "Linear"}
+    model(x)
+    fake = model(x)
+    lowbit.convert(model)
+    assert torch.equal(model(x), fake)
+    assert sqnr_db(reference, fake) >= 6.02 * 4 - 10 * math.log10(2 * 3)  # W and A, three layers
+    # conv1's scales: per output channel (or one), the argmin of the output MSE over 2^-5 ... 2^5.
+    y = torch.nn.functional.conv2d(x, w1, b1, padding=1)
+    candidates = [2.0**e for e in range(-5, 6)]
+    losses = torch.stack([
+        (torch.nn.functional.conv2d(x, independent_fake_quant(wtype, w1, torch.tensor(c)), b1, padding=1) - y)
+        .double().pow(2).sum(dim=(0, 2, 3) if strategy == "channel" else (0, 1, 2, 3)) / y.numel()
+        for c in candidates]).float()
+    expected = torch.tensor(candidates)[losses.argmin(dim=0)].reshape(-1)
+    assert torch.equal(model.conv1.scale, expected)
+    assert torch.equal(model.conv1.dequantized_weight(),
+                       independent_fake_quant(wtype, w1, expected.reshape(-1, 1, 1, 1)))
+    lowbit.save_quantized(model, tmp_path / "cnn")
+    with torch.device("meta"):
+        skeleton = SmallCNN()
+    assert torch.equal(lowbit.load_quantized(tmp_path / "cnn", skeleton)(x), fake)
+
+
+def test_conv2d_errors_and_skips():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding_mode="reflect", padding=1), nn.Conv2d(4, 4, 1))
+    config = {"quant_cfg": {"weights": {"type": "hifloat8", "strategy": "channel"},
+                            "inputs": {"type": "hifloat8", "strategy": "tensor"}}, "algorithm": "ofmr"}
+    report = lowbit.quantize(model, config)
+    assert report.skipped == {"0": "Conv2d padding_mode 'reflect' (AMCT needs 'zeros')"}
+    with pytest.raises(lowbit.ShapeError, match=r"layer '1': input must be \(N, 4, H, W\)"):
+        model[1](torch.randn(1, 3, 8, 8))
+    weight_only = {"quant_cfg": {"weights": config["quant_cfg"]["weights"]}, "algorithm": "ofmr"}
+    with pytest.raises(ValueError, match="weight-only OFMR is not supported for Conv2d"):
+        lowbit.quantize(nn.Sequential(nn.Conv2d(3, 4, 1)).to(torch.bfloat16), weight_only)
+    report = lowbit.quantize_(nn.Sequential(nn.Conv2d(3, 4, 1), nn.Linear(4, 4)), "hif8-wo")  # only OFMR takes Conv2d
+    assert list(report.layers) == ["1"]

@@ -68,6 +68,7 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = t
     if codes.shape[:-1] != scales.shape[:-1] or codes.shape[-1] != BLOCK * scales.shape[-1]:
         raise ShapeError(f"mxfp8 dequantize: codes {tuple(codes.shape)} do not match scales {tuple(scales.shape)}")
     exponent = scales.to(torch.int32) - E8M0_BIAS
-    factor = torch.where(scales == NAN_SCALE, float("nan"), torch.ldexp(torch.ones(exponent.shape, device=codes.device), exponent))
+    powers = torch.ldexp(torch.ones(exponent.shape, device=codes.device), exponent)
+    factor = torch.where(scales == NAN_SCALE, float("nan"), powers)
     values = e4m3_values(codes).reshape(*scales.shape, BLOCK) * factor[..., None]
     return values.reshape(codes.shape).to(dtype)

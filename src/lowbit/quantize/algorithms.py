@@ -95,11 +95,15 @@ def hif8_max_scale(w: torch.Tensor, strategy: str, *, signed_max: bool, guard: b
     return scale
 
 
-def ofmr_mse(y: torch.Tensor, y_hat: torch.Tensor, per_channel: bool) -> torch.Tensor:
-    """OFMR loss: ``sum((y - y_hat)^2)`` in float64 divided by ``numel(y)``, per output channel (last axis,
-    shape [N]) or one value (shape [1]); returned as float32."""
+def ofmr_mse(y: torch.Tensor, y_hat: torch.Tensor, channel_axis: Optional[int]) -> torch.Tensor:
+    """OFMR loss: ``sum((y - y_hat)^2)`` in float64 divided by ``numel(y)``, per output channel (along
+    ``channel_axis``, shape [C]) or one value (``channel_axis`` None, shape [1]); returned as float32."""
     sq = (y.to(torch.float64) - y_hat.to(torch.float64)).pow(2)
-    total = sq.reshape(-1, sq.shape[-1]).sum(dim=0) if per_channel else sq.sum().reshape(1)
+    if channel_axis is None:
+        total = sq.sum().reshape(1)
+    else:
+        sq = sq.movedim(channel_axis, -1)
+        total = sq.reshape(-1, sq.shape[-1]).sum(dim=0)
     return (total / y.numel()).to(torch.float32)
 
 

@@ -12,7 +12,7 @@ from typing import Any, Mapping, Union
 from torch import nn
 
 from lowbit.quantize.config import QuantConfig
-from lowbit.quantize.modules import CalibrationLinear, QuantizedLinearBase
+from lowbit.quantize.modules import CalibrationModule, QuantizedLinearBase
 from lowbit.quantize.report import LayerReport, QuantizeReport
 from lowbit.quantize.schemes import AMCT_DEFAULT_CONFIG, get_scheme, thaw
 from lowbit.quantize.selection import select_layers, weight_nbytes
@@ -47,15 +47,15 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
 
 def _prepare(model: nn.Module, config: ConfigLike, amct_compat: bool, stage: str):
     cfg, scheme = resolve_config(config, amct_compat)
-    selection = select_layers(model, cfg)
-    modules = [(name, CalibrationLinear(name, linear, layer_cfg), linear)
-               for name, linear, layer_cfg in selection.chosen]
+    selection = select_layers(model, cfg, scheme)
+    modules = [(name, CalibrationModule(name, layer, layer_cfg), layer)
+               for name, layer, layer_cfg in selection.chosen]
     report = QuantizeReport(stage, scheme, cfg.amct_compat)
     return modules, selection, report
 
 
 def quantize(model: nn.Module, config: ConfigLike = None, *, amct_compat: bool = False) -> QuantizeReport:
-    """Replace each selected layer of ``model`` by its calibration module (:class:`CalibrationLinear`), in place.
+    """Replace each selected layer of ``model`` by its calibration module (:class:`CalibrationModule`), in place.
 
     ``config``: AMCT's dict, a scheme name from ``SCHEMES``, a :class:`QuantConfig`, or None (AMCT's default
     INT8 MinMax weight-only preset). ``amct_compat``: reproduce AMCT bit for bit, quirks included. Then run
@@ -80,7 +80,7 @@ def convert(model: nn.Module) -> QuantizeReport:
     RuntimeError naming every layer that is not calibrated yet (fewer forward calls than ``batch_num``);
     the model is then unchanged."""
     _check_model("convert", model)
-    pending = [(n, m) for n, m in model.named_modules() if isinstance(m, CalibrationLinear)]
+    pending = [(n, m) for n, m in model.named_modules() if isinstance(m, CalibrationModule)]
     missing = [f"{n} ({m.calls}/{m.layer_config.batch_num} calls)" for n, m in pending if not m.calibrated]
     if missing:
         raise RuntimeError(f"convert: layers not calibrated yet (run forward passes first): {', '.join(missing)}")
@@ -92,8 +92,8 @@ def convert(model: nn.Module) -> QuantizeReport:
     return report
 
 
-def _deployed_report(name: str, calib: CalibrationLinear, deploy: QuantizedLinearBase) -> LayerReport:
-    return LayerReport(name, "Linear", "converted", calib.layer_config.describe(),
+def _deployed_report(name: str, calib: CalibrationModule, deploy: QuantizedLinearBase) -> LayerReport:
+    return LayerReport(name, calib.layer_type, "converted", calib.layer_config.describe(),
                        bytes_before=weight_nbytes(calib), bytes_after=deploy.packed_nbytes())
 
 

@@ -11,11 +11,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from lowbit.quantize import algorithms as alg
 from lowbit.quantize.activations import STATIC_KINDS, act_kind, fake_quant_input
 from lowbit.quantize.config import LayerConfig
+from lowbit.quantize.layer_ops import channel_axis, run_layer
 from lowbit.quantize.weight_formats import WEIGHT_FORMATS, fake_quant_weight
 
 
@@ -48,8 +48,9 @@ class Calibrator:
 
     needs_data = False
 
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], cfg: LayerConfig):
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], cfg: LayerConfig, geometry: dict):
         self.weight, self.bias, self.cfg = weight.detach(), None if bias is None else bias.detach(), cfg
+        self.geometry = geometry
         self.kind = layer_act_kind(cfg)
         self.weight_params = self.initial_weight_params()  # at quantize() time, as AMCT (errors surface there)
 
@@ -67,8 +68,8 @@ class Calibrator:
 class MinMaxCalibrator(Calibrator):
     """MinMax: weights at construction; static activations by running signed max/min over the calls."""
 
-    def __init__(self, weight, bias, cfg):
-        super().__init__(weight, bias, cfg)
+    def __init__(self, weight, bias, cfg, geometry):
+        super().__init__(weight, bias, cfg, geometry)
         self.needs_data = self.kind in STATIC_KINDS
         self.vmax = self.vmin = None
 
@@ -95,8 +96,8 @@ class CastCalibrator(Calibrator):
 class QuantileCalibrator(Calibrator):
     """Quantile: HiF8 weight scale max/16 (compat: signed, unguarded); static activations: EMA of abs-max / 16."""
 
-    def __init__(self, weight, bias, cfg):
-        super().__init__(weight, bias, cfg)
+    def __init__(self, weight, bias, cfg, geometry):
+        super().__init__(weight, bias, cfg, geometry)
         self.needs_data = self.kind in STATIC_KINDS
         self.ema = None
 
@@ -132,20 +133,20 @@ class OfmrCalibrator(WeightsFromDataCalibrator):
     """OFMR: for each candidate 2^e, output MSE with fake-quantized weights (per channel for ``channel``) and,
     separately, with fake-quantized activations; argmin at the last calibration call."""
 
-    def __init__(self, weight, bias, cfg):
-        super().__init__(weight, bias, cfg)
+    def __init__(self, weight, bias, cfg, geometry):
+        super().__init__(weight, bias, cfg, geometry)
         self.w_losses = self.d_losses = None
 
     def observe(self, x, y):
-        per_channel = self.cfg.weights.strategy == "channel"
+        axis = channel_axis(self.geometry) if self.cfg.weights.strategy == "channel" else None
         w_losses, d_losses = [], []
         for e in alg.OFMR_EXPONENTS:
             s = torch.tensor([2.0**e], device=self.weight.device)
             w_fq = fake_quant_weight(self.cfg.weights.type, self.weight, s)
-            w_losses.append(alg.ofmr_mse(y, F.linear(x, w_fq, self.bias), per_channel))
+            w_losses.append(alg.ofmr_mse(y, run_layer(self.geometry, x, w_fq, self.bias), axis))
             if self.kind != "none":
-                d_losses.append(alg.ofmr_mse(y, F.linear(fake_quant_input(x, self.kind, s), self.weight, self.bias),
-                                             False))
+                x_fq = fake_quant_input(x, self.kind, s)
+                d_losses.append(alg.ofmr_mse(y, run_layer(self.geometry, x_fq, self.weight, self.bias), None))
         w_losses = torch.stack(w_losses)
         self.w_losses = w_losses if self.w_losses is None else self.w_losses + w_losses
         if d_losses:
@@ -160,8 +161,8 @@ class OfmrCalibrator(WeightsFromDataCalibrator):
 class SmoothQuantCalibrator(WeightsFromDataCalibrator):
     """SmoothQuant: running per-input-channel max/min of x; sigma, then scales of W * sigma and x / sigma."""
 
-    def __init__(self, weight, bias, cfg):
-        super().__init__(weight, bias, cfg)
+    def __init__(self, weight, bias, cfg, geometry):
+        super().__init__(weight, bias, cfg, geometry)
         self.vmax = self.vmin = None
 
     def observe(self, x, y):
@@ -201,6 +202,7 @@ CALIBRATORS = {
 }
 
 
-def make_calibrator(weight: torch.Tensor, bias: Optional[torch.Tensor], cfg: LayerConfig) -> Calibrator:
-    """The calibrator of ``cfg.algorithm`` for this layer."""
-    return CALIBRATORS[cfg.algorithm.name](weight, bias, cfg)
+def make_calibrator(weight: torch.Tensor, bias: Optional[torch.Tensor], cfg: LayerConfig,
+                    geometry: dict) -> Calibrator:
+    """The calibrator of ``cfg.algorithm`` for this layer (``geometry``: lowbit.quantize.layer_ops)."""
+    return CALIBRATORS[cfg.algorithm.name](weight, bias, cfg, geometry)

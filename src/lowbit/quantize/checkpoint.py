@@ -19,7 +19,8 @@ from typing import Any, Union
 import torch
 from torch import nn
 
-from lowbit.quantize.modules import DEPLOY_CLASSES, CalibrationLinear, Int4Linear, QuantizedLinearBase
+from lowbit.quantize.layer_ops import geometry_mismatch
+from lowbit.quantize.modules import DEPLOY_CLASSES, CalibrationModule, Int4Linear, QuantizedLinearBase
 
 FORMAT_VERSION = 1
 TENSORS_FILE = "model.safetensors"
@@ -67,7 +68,7 @@ def save_quantized(model: nn.Module, directory: PathLike) -> Path:
 
     The model must be converted (RuntimeError naming the layers still calibrating). Returns the path."""
     st = _safetensors_torch()
-    calibrating = [n for n, m in model.named_modules() if isinstance(m, CalibrationLinear)]
+    calibrating = [n for n, m in model.named_modules() if isinstance(m, CalibrationModule)]
     if calibrating:
         raise RuntimeError(f"save_quantized: call lowbit.convert(model) first; calibration modules: {calibrating}")
     layers = {n: m.quant_meta() for n, m in model.named_modules() if isinstance(m, QuantizedLinearBase)}
@@ -143,20 +144,15 @@ def _deploy_modules(model: nn.Module, layers: dict, meta_path: Path) -> dict[str
     modules = dict(model.named_modules())
     built = {}
     for name, layer in layers.items():
-        target = modules.get(name)
-        if not isinstance(target, nn.Linear):
-            raise CheckpointError(f"load_quantized: {meta_path} lists layer {name!r}, which is "
-                                  f"{'missing' if target is None else type(target).__name__} in the model")
         try:
-            cls = DEPLOY_CLASSES[layer["kind"]]
-            sizes = (layer["in_features"], layer["out_features"], layer["bias"])
+            cls, geometry, has_bias = DEPLOY_CLASSES[layer["kind"]], layer["geometry"], layer["bias"]
         except (KeyError, TypeError):
             raise CheckpointError(f"load_quantized: {meta_path}: layer {name!r} has an unknown or incomplete "
                                   "description") from None
-        if sizes != (target.in_features, target.out_features, target.bias is not None):
-            raise CheckpointError(
-                f"load_quantized: {meta_path}: layer {name!r} is (in, out, bias) = {sizes} in the checkpoint but "
-                f"{(target.in_features, target.out_features, target.bias is not None)} in the model")
+        target = modules.get(name)
+        problem = "is missing" if target is None else geometry_mismatch(geometry, target, has_bias)
+        if problem:
+            raise CheckpointError(f"load_quantized: {meta_path} lists layer {name!r}, which in the model {problem}")
         built[name] = cls.from_meta(name, layer)
     return built
 

@@ -159,10 +159,12 @@ def parse_weights(d: Mapping, amct_compat: bool, where: str = "weights") -> Opti
             raise ValueError(f"group_size only support positive int, but got {group_size!r} ({where})")
         group_types = GROUP_WEIGHT_TYPES + (() if amct_compat else LOWBIT_WEIGHT_TYPES)
         if wtype not in group_types:
-            raise ValueError(f"Weights group_size only support for weight dtype: {list(group_types)}, got {wtype} ({where})")
+            raise ValueError(
+                f"Weights group_size only support for weight dtype: {list(group_types)}, got {wtype} ({where})")
         allowed = FIXED_GROUP_SIZES.get(wtype)
         if allowed and group_size not in allowed:
-            raise ValueError(f"wts_type {wtype} only support group_size value: {list(allowed)}, got {group_size} ({where})")
+            raise ValueError(
+                f"wts_type {wtype} only support group_size value: {list(allowed)}, got {group_size} ({where})")
     return WeightSpec(wtype, symmetric, strategy, group_size)
 
 
@@ -334,6 +336,7 @@ class LayerConfig:
     algorithm: AlgorithmSpec
     batch_num: int = 1
     amct_compat: bool = False
+    scheme: str = ""  # the SCHEMES name the config came from, if any
 
     def describe(self) -> str:
         """e.g. ``hifloat8 w channel / hifloat8 a tensor (ofmr)``."""

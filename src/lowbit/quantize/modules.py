@@ -1,6 +1,7 @@
 """Quantized Linear modules: the calibration (fake-quant) module and the deployable packed modules.
 
-* :class:`CalibrationLinear` replaces an ``nn.Linear`` at :func:`lowbit.quantize`. It keeps the original
+* :class:`CalibrationModule` replaces an ``nn.Linear`` (or, for OFMR, an ``nn.Conv2d``) at
+  :func:`lowbit.quantize`. It keeps the original
   weight and bias Parameters (no copy). Data-dependent algorithms count its own forward calls: calls
   1..batch_num return the float output and record statistics, the scales are fixed at call batch_num, and
   later calls return the fake-quant output. Data-free algorithms fake-quantize from the first call.
@@ -18,16 +19,15 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from lowbit.errors import DtypeError, ShapeError
 from lowbit.nn.svdquant import svdquant_decompose
 from lowbit.ops.svd_quant import svd_quant
 from lowbit.ops.wqbmm import PackedWeight, plan_weight_quant_batch_matmul
 from lowbit.quantize.activations import STATIC_KINDS, deploy_static_input, fake_quant_input
 from lowbit.quantize.calibration import QuantParams, layer_act_kind, make_calibrator, smoothed_weight
 from lowbit.quantize.config import LayerConfig
+from lowbit.quantize.layer_ops import check_layer_input, layer_geometry, run_layer
 from lowbit.quantize.weight_formats import WEIGHT_FORMATS
 
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -37,14 +37,6 @@ DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
 def int4_compute_dtype(weight_dtype: torch.dtype) -> torch.dtype:
     """weight_quant_batch_matmul runs in FP16/BF16: the weight's dtype if it is one, else BF16."""
     return weight_dtype if weight_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
-
-
-def check_input(name: str, x: torch.Tensor, in_features: int, dtype: torch.dtype) -> None:
-    """ShapeError / DtypeError naming the layer for an input that is not (..., in_features) of ``dtype``."""
-    if x.dim() == 0 or x.shape[-1] != in_features:
-        raise ShapeError(f"layer {name!r}: input must be (..., {in_features}), got shape {tuple(x.shape)}")
-    if x.dtype != dtype:
-        raise DtypeError(f"layer {name!r}: input dtype {x.dtype} does not match the weight dtype {dtype}")
 
 
 class QuantizedLinearBase(nn.Module):
@@ -104,7 +96,7 @@ class QuantizedLinearBase(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        check_input(self.layer_name, x, self.in_features, self.weight_dtype)
+        check_layer_input(self.layer_name, self.cfg_meta["geometry"], x, self.weight_dtype)
         with torch.no_grad():
             return self.compute(self.quantize_input(x))
 
@@ -113,18 +105,20 @@ class QuantizedLinearBase(nn.Module):
 
 
 class PackedLinear(QuantizedLinearBase):
-    """Deploy module for HiF8 / FP8 / INT8 / MXFP8 / MXFP4 / HiF4 weights: dequantize, then ``F.linear``."""
+    """Deploy module for HiF8 / FP8 / INT8 / MXFP8 / MXFP4 / HiF4 weights: dequantize, then ``F.linear``
+    (or ``F.conv2d`` for a Conv2d layer's geometry, see lowbit.quantize.layer_ops)."""
 
     kind = "packed"
 
     def dequantized_weight(self) -> torch.Tensor:
-        """The (N, K) weight in the original dtype, decoded from the packed buffers (not cached)."""
+        """The weight (its original shape and dtype), decoded from the packed buffers (not cached)."""
         fmt = WEIGHT_FORMATS[self.cfg_meta["weight_type"]]
         tensors = {k: v for k, v in self.packed_tensors().items() if k not in ("smooth", "act_scale")}
-        return fmt.decode(tensors, self.weight_dtype, self.cfg_meta.get("group_size"))
+        dense = fmt.decode(tensors, self.weight_dtype, self.cfg_meta.get("group_size"))
+        return dense.reshape(self.cfg_meta["geometry"]["weight_shape"])
 
     def compute(self, x_q):
-        return F.linear(x_q, self.dequantized_weight(), self.bias)
+        return run_layer(self.cfg_meta["geometry"], x_q, self.dequantized_weight(), self.bias)
 
 
 class Int4Linear(PackedLinear):
@@ -177,15 +171,17 @@ class SVDQuantLinearDeploy(QuantizedLinearBase):
 DEPLOY_CLASSES = {c.kind: c for c in (PackedLinear, Int4Linear, SVDQuantLinearDeploy)}
 
 
-def build_deploy(name: str, weight: torch.Tensor, bias: Optional[torch.Tensor], cfg: LayerConfig,
+def build_deploy(name: str, geometry: dict, weight: torch.Tensor, bias: Optional[torch.Tensor], cfg: LayerConfig,
                  params: QuantParams) -> QuantizedLinearBase:
     """Pack ``weight`` with the calibrated ``params`` into the deploy module of ``cfg``."""
     with torch.no_grad():
         w = weight.detach()
+        w = w.reshape(w.shape[0], -1)  # one row per output channel
         n, k = w.shape
         spec = cfg.weights
-        meta = {"format": cfg.describe(), "weight_type": spec.type, "group_size": spec.group_size,
-                "act_kind": layer_act_kind(cfg), "algorithm": cfg.algorithm.name, "amct_compat": cfg.amct_compat}
+        meta = {"scheme": cfg.scheme, "format": cfg.describe(), "weight_type": spec.type, "group_size": spec.group_size,
+                "act_kind": layer_act_kind(cfg), "algorithm": cfg.algorithm.name, "amct_compat": cfg.amct_compat,
+                "geometry": geometry}
         if cfg.algorithm.name == "svdquant":
             ws, s, d, u = svdquant_decompose(w, cfg.algorithm.options.get("rank", 32))
             tensors = {"w": ws, "s": s, "down": d, "up": u}
@@ -206,17 +202,17 @@ def build_deploy(name: str, weight: torch.Tensor, bias: Optional[torch.Tensor], 
         return module
 
 
-class CalibrationLinear(nn.Module):
-    """AMCT's quant op for a Linear layer (see the module docstring). ``weight`` / ``bias`` are the original
-    Parameters; ``calibrated`` tells whether the scales are fixed."""
+class CalibrationModule(nn.Module):
+    """AMCT's quant op for a Linear (or, with OFMR, Conv2d) layer; see the module docstring. ``weight`` /
+    ``bias`` are the original Parameters; ``calibrated`` tells whether the scales are fixed."""
 
-    def __init__(self, name: str, linear: nn.Linear, cfg: LayerConfig):
+    def __init__(self, name: str, layer: nn.Module, cfg: LayerConfig):
         super().__init__()
-        self.layer_name, self.layer_config = name, cfg
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight, self.bias = linear.weight, linear.bias
+        self.layer_name, self.layer_config, self.layer_type = name, cfg, type(layer).__name__
+        self.geometry = layer_geometry(layer)
+        self.weight, self.bias = layer.weight, layer.bias
         self.calls = 0
-        self._calibrator = make_calibrator(self.weight, self.bias, cfg)
+        self._calibrator = make_calibrator(self.weight, self.bias, cfg, self.geometry)
         self._params: Optional[QuantParams] = None
         self.__dict__["_fake"] = None  # deploy-equivalent module, kept out of the module tree (no state_dict)
         self._fake_weight: Optional[torch.Tensor] = None
@@ -228,28 +224,34 @@ class CalibrationLinear(nn.Module):
         return self._params is not None
 
     def _finish(self) -> None:
-        self._params = self._calibrator.finalize()
+        try:
+            self._params = self._calibrator.finalize()
+        except (RuntimeError, ValueError) as exc:
+            raise type(exc)(f"layer {self.layer_name!r}: {exc}") from exc
         self._calibrator = None
 
     def _deploy_equivalent(self) -> QuantizedLinearBase:
         if self._fake is None:
-            self.__dict__["_fake"] = self.to_deploy()
+            self.__dict__["_fake"] = self.to_deploy()  # built once, reused by convert
             if isinstance(self._fake, PackedLinear):
                 self._fake_weight = PackedLinear.dequantized_weight(self._fake)  # cached fake-quant weight
         return self._fake
 
     def to_deploy(self) -> QuantizedLinearBase:
-        """The deployable module (packed weights) for the calibrated scales; RuntimeError if not calibrated."""
+        """The deployable module (packed weights) for the calibrated scales (the one the fake-quant forward
+        already built, if any: packing runs once); RuntimeError if not calibrated."""
         if not self.calibrated:
             raise RuntimeError(f"layer {self.layer_name!r} is not calibrated ({self.calls} of "
                                f"{self.layer_config.batch_num} calibration calls)")
-        return build_deploy(self.layer_name, self.weight, self.bias, self.layer_config, self._params)
+        if self._fake is not None:
+            return self._fake
+        return build_deploy(self.layer_name, self.geometry, self.weight, self.bias, self.layer_config, self._params)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        check_input(self.layer_name, x, self.in_features, self.weight.dtype)
+        check_layer_input(self.layer_name, self.geometry, x, self.weight.dtype)
         with torch.no_grad():
             if not self.calibrated:
-                y = F.linear(x, self.weight, self.bias)
+                y = run_layer(self.geometry, x, self.weight, self.bias)
                 self._calibrator.observe(x, y)
                 self.calls += 1
                 if self.calls == self.layer_config.batch_num:
@@ -258,7 +260,7 @@ class CalibrationLinear(nn.Module):
             fake = self._deploy_equivalent()
             if self._fake_weight is None:  # svdquant: the operator is the fake quant
                 return fake.compute(fake.quantize_input(x, deploy=False))
-            return F.linear(fake.quantize_input(x, deploy=False), self._fake_weight, self.bias)
+            return run_layer(self.geometry, fake.quantize_input(x, deploy=False), self._fake_weight, self.bias)
 
     def extra_repr(self) -> str:
         state = "calibrated" if self.calibrated else f"calibrating {self.calls}/{self.layer_config.batch_num}"

@@ -9,8 +9,9 @@ from typing import Optional
 @dataclass(frozen=True)
 class LayerReport:
     """One candidate layer. ``status``: "quantized", "calibrating", "converted" or "skipped" (then ``reason``
-    says why). ``format``: e.g. "hifloat8 w / hifloat8 a (ofmr)". Bytes: weight storage before and after
-    (after: packed elements + every scale; None while only calibrating)."""
+    says why). ``format``: e.g. "hifloat8 w tensor / hifloat8 a tensor (ofmr)". Bytes: weight storage before
+    and after (after: packed elements + every scale; None until converted; a skipped layer's weight is
+    unchanged). The report's totals count the quantized layers only."""
 
     name: str
     layer_type: str

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
 from torch import nn
 
 from lowbit.errors import ShapeError
@@ -62,13 +63,15 @@ def check_shape(name: str, linear: nn.Linear, cfg: LayerConfig) -> None:
             raise ShapeError(f"layer {name!r}: svdquant rank {rank} exceeds min(N, K) = {min(n, k)}")
 
 
-def amct_skip_reason(linear: nn.Linear, weights: WeightSpec, inputs: InputSpec) -> Optional[str]:
+def amct_skip_reason(layer: nn.Module, weights: WeightSpec, inputs: InputSpec) -> Optional[str]:
     """AMCT's silent per-layer skips (NPU limits, dtype table) for the global combination; compat mode only."""
     comb = comb_name(weights, inputs)
     row = table(True).get(comb)
-    n, k = linear.out_features, linear.in_features
-    if row is not None and linear.weight.dtype not in row.weight_dtypes:
-        return f"weight dtype {linear.weight.dtype} not supported by AMCT for {comb}"
+    if row is not None and layer.weight.dtype not in row.weight_dtypes:
+        return f"weight dtype {layer.weight.dtype} not supported by AMCT for {comb}"
+    if not isinstance(layer, nn.Linear):
+        return None  # the shape limits below are for Linear layers only
+    n, k = layer.out_features, layer.in_features
     if not inputs.enabled and (n > 65535 or k > 65535):
         return f"AMCT weight-only limit: N or K > 65535 (N={n}, K={k})"
     if comb == "mxfp8_e4m3fn mxfp8_e4m3fn" and (-(-k // 32)) % 2:
@@ -89,11 +92,13 @@ def _is_candidate(module: nn.Module, amct_compat: bool) -> bool:
 
 
 def _skip(name: str, module: nn.Module, reason: str) -> LayerReport:
-    return LayerReport(name, type(module).__name__, "skipped", reason=reason)
+    size = weight_nbytes(module) if isinstance(getattr(module, "weight", None), torch.Tensor) else 0
+    return LayerReport(name, type(module).__name__, "skipped", reason=reason, bytes_before=size, bytes_after=size)
 
 
-def select_layers(model: nn.Module, config: QuantConfig) -> Selection:
-    """Resolve ``config`` against ``model``: the layers to quantize and the skipped candidates (see module doc)."""
+def select_layers(model: nn.Module, config: QuantConfig, scheme: str = "") -> Selection:
+    """Resolve ``config`` (named ``scheme``, or "") against ``model``: the layers to quantize and the skipped
+    candidates (see the module docstring)."""
     compat = config.amct_compat
     algorithm = select_algorithm(config.algorithms, compat)
     if algorithm is None:
@@ -108,9 +113,11 @@ def select_layers(model: nn.Module, config: QuantConfig) -> Selection:
         if type(module).__name__ == "FP8Linear":
             skipped.append(_skip(name, module, "already quantized (FP8Linear)"))
             continue
-        if isinstance(module, nn.Conv2d):
-            if algorithm.name == "ofmr":
-                skipped.append(_skip(name, module, "Conv2d is not implemented by lowbit yet"))
+        conv = type(module).__name__ == "Conv2d" if compat else isinstance(module, nn.Conv2d)
+        if conv and algorithm.name != "ofmr":
+            continue  # AMCT: only OFMR quantizes Conv2d layers
+        if conv and module.padding_mode != "zeros":
+            skipped.append(_skip(name, module, f"Conv2d padding_mode {module.padding_mode!r} (AMCT needs 'zeros')"))
             continue
         hit = next((s for s in config.skip_layers if s in name), None)
         if hit is not None:
@@ -136,8 +143,12 @@ def select_layers(model: nn.Module, config: QuantConfig) -> Selection:
         if reason is not None:
             skipped.append(_skip(name, module, reason))
             continue
-        cfg = LayerConfig(name, weights, inputs, algorithm, config.batch_num, compat)
-        check_shape(name, module, cfg)
+        cfg = LayerConfig(name, weights, inputs, algorithm, config.batch_num, compat, scheme)
+        if conv and not inputs.enabled:
+            raise ValueError(f"layer {name!r}: weight-only OFMR is not supported for Conv2d (AMCT's deploy op "
+                             "needs an activation scale)")
+        if not conv:
+            check_shape(name, module, cfg)
         chosen.append((name, module, cfg))
     return Selection(tuple(chosen), tuple(skipped))
 

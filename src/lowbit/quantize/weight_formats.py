@@ -134,6 +134,9 @@ WEIGHT_FORMATS: dict[str, WeightFormat] = {
 
 def fake_quant_weight(fmt: str, w: torch.Tensor, scale=None, offset=None, group_size=None,
                       compute_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """``decode(encode(w))`` in w's dtype (the fake-quantized weight)."""
+    """``decode(encode(w))`` in w's dtype and shape (the fake-quantized weight); ``w`` (N, ...) is quantized
+    as an (N, -1) matrix."""
     f = WEIGHT_FORMATS[fmt]
-    return f.decode(f.encode(w, scale, offset, group_size, compute_dtype or w.dtype), w.dtype, group_size)
+    rows = w.reshape(w.shape[0], -1)
+    dense = f.decode(f.encode(rows, scale, offset, group_size, compute_dtype or w.dtype), w.dtype, group_size)
+    return dense.reshape(w.shape)
