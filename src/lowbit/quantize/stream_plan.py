@@ -105,10 +105,10 @@ def linear_of(weight: torch.Tensor, bias: bool) -> nn.Linear:
     return linear
 
 
-def pack_rows(layer: str, weight: torch.Tensor, config: QuantConfig, bias: bool = False) -> QuantizedLinearBase:
-    """The deploy module ``quantize_`` makes of a layer called ``layer`` with this (N, K) weight."""
+def pack_rows(layer: str, weight: torch.Tensor, scheme: str, bias: bool = False) -> QuantizedLinearBase:
+    """The deploy module ``quantize_(model, scheme)`` makes of a layer called ``layer`` with this (N, K) weight."""
     holder = holder_with(layer, linear_of(weight, bias))
-    quantize_(holder, config)
+    quantize_(holder, scheme)
     module = holder.get_submodule(layer)
     if not isinstance(module, QuantizedLinearBase):
         raise RuntimeError(f"layer {layer!r}: quantize_ did not pack it (got {type(module).__name__})")
@@ -147,11 +147,12 @@ def _packed_tensors(probes: list[QuantizedLinearBase], rows: int, layer: str) ->
 
 
 class Planner:
-    """Decides, tensor by tensor, what a streamed quantization with ``config`` does (see the module doc).
-    ``skip``: substrings of layer names to leave unquantized (on top of embeddings and the scheme's list)."""
+    """Decides, tensor by tensor, what a streamed quantization with ``scheme`` does (see the module doc).
+    ``skip``: substrings of layer names to leave unquantized (on top of embeddings and the scheme's list).
+    ValueError from :func:`stream_config` for a scheme that cannot be streamed."""
 
-    def __init__(self, config: QuantConfig, skip: tuple[str, ...] = ()):
-        self.config, self.skip = config, tuple(skip)
+    def __init__(self, scheme: str, skip: tuple[str, ...] = ()):
+        self.scheme, self.config, self.skip = scheme, stream_config(scheme), tuple(skip)
         self._probes: dict[tuple, list[QuantizedLinearBase]] = {}
 
     def reason_to_copy(self, name: str, entry: TensorEntry, has_bias: bool) -> Optional[str]:
@@ -199,6 +200,6 @@ class Planner:
         key = (weights, inputs, k, dtype, has_bias)
         if key not in self._probes:
             torch_dtype = TORCH_DTYPES[dtype]
-            self._probes[key] = [pack_rows(layer, torch.zeros(r, k, dtype=torch_dtype), self.config, has_bias)
+            self._probes[key] = [pack_rows(layer, torch.zeros(r, k, dtype=torch_dtype), self.scheme, has_bias)
                                  for r in PROBE_ROWS]
         return self._probes[key]

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 from lowbit.quantize.shard_io import TORCH_DTYPES, copy_range, write_all
-from lowbit.quantize.stream_plan import LayerPlan, PackedTensor, pack_rows, stream_config
+from lowbit.quantize.stream_plan import LayerPlan, PackedTensor, pack_rows
 
 BLOCK_BYTES = 1024 * 1024  # input bytes per row block (its temporaries are ~10-20x that)
 
@@ -68,9 +68,6 @@ def run_task(task) -> int:
     return _quantize(task)
 
 
-_CONFIGS: dict = {}
-
-
 def _read_rows(path: str, name: str, start: int, stop: int) -> torch.Tensor:
     from safetensors import safe_open
 
@@ -90,7 +87,6 @@ def _span(t: PackedTensor, start: int, stop: int) -> tuple[int, int]:
 
 def _quantize(task: QuantizeTask) -> int:
     layer = task.layer
-    config = _CONFIGS.get(task.scheme) or _CONFIGS.setdefault(task.scheme, stream_config(task.scheme))
     whole: dict[str, Optional[torch.Tensor]] = {
         t.key: None if t.axis == 0 else torch.empty(t.shape, dtype=TORCH_DTYPES[t.dtype]) for t in layer.tensors}
     step = _block_rows(layer)
@@ -99,7 +95,7 @@ def _quantize(task: QuantizeTask) -> int:
         for start in range(0, layer.rows, step):
             stop = min(start + step, layer.rows)
             weight = _read_rows(task.src, layer.weight, start, stop)
-            packed = pack_rows(layer.name, weight, config).state_dict()
+            packed = pack_rows(layer.name, weight, task.scheme).state_dict()
             for t, offset in zip(layer.tensors, task.dst_offsets):
                 block = packed[t.key]
                 lo, hi = _span(t, start, stop)

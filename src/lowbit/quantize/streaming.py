@@ -23,7 +23,7 @@ from typing import Iterator, Optional, Union
 from lowbit.errors import check_int
 from lowbit.quantize.checkpoint import FORMAT_VERSION, META_FILE, CheckpointError
 from lowbit.quantize.shard_io import INDEX_FILE, Shard, encode_header, model_shards, read_shard
-from lowbit.quantize.stream_plan import Planner, stream_config
+from lowbit.quantize.stream_plan import Planner
 from lowbit.quantize.stream_worker import CopyTask, QuantizeTask, init_worker, run_indexed
 from lowbit.toolchain.files import atomic_path, write_bytes_atomic
 
@@ -248,15 +248,15 @@ def quantize_checkpoint(in_dir: PathLike, out_dir: PathLike, scheme: str, *, ski
     calibration or quantizes whole tensors, ``out_dir`` inside ``in_dir`` or not an earlier output),
     CheckpointError (missing, truncated or corrupt input shard or index)."""
     in_dir, out_dir = Path(in_dir), Path(out_dir)
-    config = stream_config(scheme)
-    workers = default_workers() if workers is None else check_int("workers", workers, minimum=1)
+    if isinstance(skip, str) or not all(isinstance(s, str) and s for s in skip):
+        raise ValueError(f"skip must be a sequence of non-empty strings, got {skip!r}")
     skip = tuple(skip)
-    if not all(isinstance(s, str) and s for s in skip):
-        raise ValueError(f"skip entries must be non-empty strings, got {list(skip)}")
+    planner = Planner(scheme, skip)
+    workers = default_workers() if workers is None else check_int("workers", workers, minimum=1)
     _check_dirs(in_dir, out_dir)
     shards, weight_map = model_shards(in_dir)
     all_names = {name for shard in shards for name in shard.tensors}
-    planner, report = Planner(config, skip), StreamReport(out_dir)
+    report = StreamReport(out_dir)
     plans = [_plan_shard(shard, all_names, planner, scheme, out_dir, report) for shard in shards]
 
     import lowbit
