@@ -1,4 +1,5 @@
-"""The ``lowbit`` command: info, smoke, bench, eval, quantize-checkpoint, and the WeightQuantBatchMatmul tool chain (wqbmm, verify).
+"""The ``lowbit`` command: info, smoke, bench, eval, quantize-checkpoint, and the WeightQuantBatchMatmul tool
+chain (wqbmm, verify).
 
 Exit codes and --debug: docs/cli.md. Every error is one line on stderr (``lowbit <command>: error: ...``;
 for ``lowbit smoke`` the one-line JSON error object of its contract) and exit 2, without a traceback
