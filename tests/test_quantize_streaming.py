@@ -238,6 +238,8 @@ def _corrupt(directory, how):
         shard.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!" + data[24:])
     elif how == "tiny":
         shard.write_bytes(data[:5])
+    elif how == "padded":
+        shard.write_bytes(data + b"\0" * 8)
     elif how == "unlisted":
         index["weight_map"].pop(next(k for k, v in index["weight_map"].items() if v == shard.name))
     elif how == "phantom":
@@ -250,7 +252,7 @@ def _corrupt(directory, how):
 
 
 @pytest.mark.parametrize("how, message", [
-    ("truncated", "truncated or corrupt"), ("garbage", "corrupt safetensors header"), ("tiny", "truncated"),
+    ("truncated", "truncated or corrupt"), ("garbage", "corrupt safetensors header"), ("tiny", "truncated"), ("padded", "the file has"),
     ("unlisted", "does not list it"), ("phantom", "lists tensors no shard holds: ['ghost.weight']"),
     ("missing shard", "which is missing"), ("escaping shard", "not a file name in the same directory")])
 def test_bad_input_is_refused_before_writing(small_dir, tmp_path, how, message):
@@ -324,3 +326,17 @@ def test_load_quantized_reads_shards_and_checks_the_index(tmp_path):
     with pytest.raises(CheckpointError, match="model-00002-of-00002.safetensors', which is missing"):
         lowbit.load_quantized(tmp_path / "out", before)
     assert all(torch.equal(state[k], v) for k, v in before.state_dict().items())  # model untouched
+
+
+def test_stored_non_persistent_buffers_are_ignored_on_load(tmp_path):
+    class WithPositions(Net):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("positions", torch.arange(4), persistent=False)
+
+    state = {**net().state_dict(), "positions": torch.tensor([9, 9, 9, 9])}  # as older checkpoints store it
+    quantize_checkpoint(write_model_dir(state, tmp_path / "in"), tmp_path / "out", "hif8-wo", workers=1)
+    loaded = lowbit.load_quantized(tmp_path / "out", WithPositions())
+    assert torch.equal(loaded.positions, torch.arange(4))
+    with pytest.raises(CheckpointError, match=r"unexpected tensors \['positions'\]"):
+        lowbit.load_quantized(tmp_path / "out", net())  # a persistent-only model: still strict
