@@ -7,8 +7,8 @@ Builds, in ``--dir`` (default: a temporary folder, removed at the end), checkpoi
 weights), then runs the command in a subprocess for each (shards, workers) pair and reports:
 
 * ``peak_rss_process``: the largest peak RSS of any one process of the run (the command or one of its pool
-  workers), from ``os.wait4``'s rusage of the command (``ru_maxrss`` covers the waited-for descendants:
-  the maximum over the processes, not their sum);
+  workers): ``getrusage(RUSAGE_CHILDREN).ru_maxrss`` in a small launcher process that runs the command
+  (it covers the waited-for descendants: the maximum over the processes, not their sum);
 * ``peak_rss_sum``: the largest sum of the RSS of the command and its workers, sampled every 20 ms from /proc;
 * the same two for a run on a 1-tensor checkpoint of (64, ``--cols``) (process start-up: interpreter,
   torch, lowbit's kernels), and the difference, to compare with the largest tensor's size;
@@ -81,12 +81,19 @@ def _tree_rss(pid: int) -> int:
     return total
 
 
+# A small launcher process runs the command and prints RUSAGE_CHILDREN's ru_maxrss (KiB): the command and
+# its pool workers (waited for by the command). Measured from this process instead, the command's figure
+# would include this process's own memory at the fork (the checkpoint writer's torch heap).
+LAUNCHER = ("import resource, subprocess, sys; rc = subprocess.call(sys.argv[1:], stdout=subprocess.DEVNULL); "
+            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(rc)")
+
+
 def run_command(in_dir: Path, out_dir: Path, scheme: str, workers: int) -> dict:
-    """Run the command; wall time, peak RSS of its largest process (wait4) and of all of them (sampled)."""
+    """Run the command; wall time, peak RSS of its largest process and of all of them together (sampled)."""
     command = [sys.executable, "-m", "lowbit", "quantize-checkpoint", str(in_dir), str(out_dir), "--scheme", scheme,
                "--workers", str(workers), "--no-progress"]
     start = time.perf_counter()
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen([sys.executable, "-c", LAUNCHER, *command], stdout=subprocess.PIPE, text=True)
     peak_sum, done = [0], threading.Event()
 
     def sample():
@@ -96,14 +103,13 @@ def run_command(in_dir: Path, out_dir: Path, scheme: str, workers: int) -> dict:
 
     sampler = threading.Thread(target=sample)
     sampler.start()
-    _, status, usage = os.wait4(proc.pid, 0)
+    out, _ = proc.communicate()
     wall = time.perf_counter() - start
     done.set()
     sampler.join()
-    proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(command)} exited with {proc.returncode}")
-    return {"wall_s": wall, "peak_rss_process": usage.ru_maxrss * 1024, "peak_rss_sum": peak_sum[0],
+    return {"wall_s": wall, "peak_rss_process": int(out.split()[-1]) * 1024, "peak_rss_sum": peak_sum[0],
             "command": " ".join(command)}
 
 
