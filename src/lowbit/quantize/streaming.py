@@ -191,6 +191,8 @@ def _write_shards(todo: list[_ShardPlan], out_dir: Path, manifest: dict, workers
                   report: StreamReport) -> None:
     """Run the shards' tasks; rename each shard into place and record it in the manifest when complete.
     On any error or interruption the temporary files are removed (completed shards stay recorded)."""
+    if not todo:
+        return
     temps = [out_dir / f".{p.name}{PARTIAL_SUFFIX}" for p in todo]
     remaining = [len(p.tasks) for p in todo]
 
