@@ -271,6 +271,12 @@ def test_unstreamable_schemes(small_dir, tmp_path, scheme, message):
     assert not (tmp_path / "out").exists()
 
 
+def test_streamable_schemes_are_the_data_free_row_wise_ones():
+    from lowbit.quantize.stream_plan import streamable_schemes
+
+    assert sorted(streamable_schemes()) == sorted(STREAMED_SCHEMES + ["hif8-cast", "mxfp8-w8a8", "mxfp4-w4a4"])
+
+
 def test_bad_options(small_dir, tmp_path):
     with pytest.raises(ValueError, match="skip must be a sequence of non-empty strings"):
         quantize_checkpoint(small_dir, tmp_path / "out", "hif8-wo", skip="up")

@@ -21,14 +21,14 @@ def _cmd_quantize_checkpoint(args: argparse.Namespace) -> int:
 
 def add_subcommand(subparsers) -> None:
     """Add ``quantize-checkpoint`` to the ``lowbit`` parser."""
-    from lowbit.quantize.schemes import SCHEMES
+    from lowbit.quantize.stream_plan import streamable_schemes
     from lowbit.quantize.streaming import default_workers
 
     p = subparsers.add_parser(
         "quantize-checkpoint", help="quantize a safetensors checkpoint directory tensor by tensor (data-free schemes)")
     p.add_argument("in_dir", metavar="IN_DIR", help="model.safetensors or shards + model.safetensors.index.json")
     p.add_argument("out_dir", metavar="OUT_DIR", help="output directory (new, empty, or an earlier run's to resume)")
-    p.add_argument("--scheme", required=True, metavar="NAME", help=f"one of: {', '.join(SCHEMES)}")
+    p.add_argument("--scheme", required=True, metavar="NAME", help=f"a data-free scheme: {', '.join(streamable_schemes())}")
     p.add_argument("--skip", action="append", default=[], metavar="PATTERN",
                    help="do not quantize layers whose name contains PATTERN (repeatable)")
     p.add_argument("--workers", type=positive_int, default=default_workers(),

@@ -23,7 +23,7 @@ from lowbit.errors import ShapeError
 from lowbit.quantize.api import quantize_, resolve_config
 from lowbit.quantize.config import QuantConfig
 from lowbit.quantize.modules import QuantizedLinearBase
-from lowbit.quantize.schemes import get_scheme
+from lowbit.quantize.schemes import SCHEMES, get_scheme
 from lowbit.quantize.selection import select_layers
 from lowbit.quantize.shard_io import DTYPE_NAMES, TORCH_DTYPES, TensorEntry
 
@@ -45,6 +45,18 @@ def stream_config(scheme: str) -> QuantConfig:
         raise ValueError(f"scheme {scheme!r} quantizes a weight as a whole (per-tensor scale or SVD), which "
                          "quantize-checkpoint does not stream: use lowbit.quantize_ + save_quantized")
     return config
+
+
+def streamable_schemes() -> list[str]:
+    """The names of the schemes :func:`stream_config` accepts."""
+    names = []
+    for name in SCHEMES:
+        try:
+            stream_config(name)
+        except ValueError:
+            continue
+        names.append(name)
+    return names
 
 
 @dataclass(frozen=True)
