@@ -185,7 +185,7 @@ class Planner:
         n, k = entry.shape
         try:
             stub = holder_with(layer, nn.Linear(k, n, bias=has_bias, device="meta", dtype=TORCH_DTYPES[entry.dtype]))
-        except (KeyError, ValueError, TypeError):
+        except (KeyError, TypeError):
             return "its name is not a module path"
         try:
             selection = select_layers(stub, self.config)
@@ -202,9 +202,7 @@ class Planner:
         probes = self._probe(layer, k, entry.dtype, has_bias)
         tensors = _packed_tensors(probes, n, layer)
         meta = _grow(probes[0].quant_meta(), probes[1].quant_meta(), n, layer)
-        quantum = math.lcm(*(t.per_row.denominator for t in tensors))
-        if n % quantum:
-            raise ShapeError(f"layer {layer!r}: N = {n} is not a multiple of {quantum}")
+        quantum = math.lcm(*(t.per_row.denominator for t in tensors))  # N is a multiple (_grow checked it)
         return LayerPlan(layer, name, n, k, entry.dtype, meta, tensors, quantum)
 
     def _probe(self, layer: str, k: int, dtype: str, has_bias: bool) -> list[QuantizedLinearBase]:
