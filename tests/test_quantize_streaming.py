@@ -171,13 +171,15 @@ def test_synthetic_streamed_equals_in_memory(scheme, dtype, tmp_path, monkeypatc
 def test_skip_option_and_odd_rows_for_int4(tmp_path):
     state = net().state_dict()
     state["odd_n.weight"] = torch.randn(5, 128, dtype=torch.bfloat16)  # int4 packs two rows a byte
+    state["no..path.weight"] = torch.randn(8, 128, dtype=torch.bfloat16)
     src = write_model_dir(state, tmp_path / "in")
     report = quantize_checkpoint(src, tmp_path / "out", "int4-a16w4", skip=("down",), workers=1)
     assert report.not_quantized["down.weight"] == "matched --skip 'down'"
     assert "N = 5 is odd" in report.not_quantized["odd_n.weight"]
+    assert report.not_quantized["no..path.weight"] == "its name is not a module path"
     assert report.layers == ["up"]
     stored = stored_tensors(tmp_path / "out")
-    for name in ("down.weight", "odd_n.weight", "step", "norm.weight", "embed_tokens.weight"):
+    for name in ("down.weight", "odd_n.weight", "no..path.weight", "step", "norm.weight", "embed_tokens.weight"):
         assert torch.equal(stored[name], state[name])
 
 

@@ -96,7 +96,7 @@ class LayerPlan:
 
 def holder_with(name: str, layer: nn.Module) -> nn.Module:
     """A module tree with ``layer`` at the dotted path ``name`` (so name-based config rules apply as in the
-    model); ValueError for a name that cannot be a module path."""
+    model); KeyError (from ``add_module``) for a name that cannot be a module path, such as ``a..b``."""
     root = parent = nn.Module()
     *path, leaf = name.split(".")
     for part in path:
