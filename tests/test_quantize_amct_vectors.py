@@ -193,3 +193,47 @@ def test_compat_deploy_multiplies_by_the_rounded_reciprocal_of_the_activation_sc
 def test_compat_ofmr_power_of_two_scales_make_deploy_equal_fake_quant():
     _, _, fake, deployed = _calibrated_pair("hif8-w8a8-ofmr", compat=True)
     assert torch.equal(fake, deployed)
+
+
+TOKEN_QUANTILE = _config({"type": "hifloat8", "symmetric": True, "strategy": "channel"},
+                         {"type": "hifloat8", "symmetric": True, "strategy": "token"}, "quantile", batch_num=2)
+
+
+def test_compat_static_token_scales_are_per_sequence_position_in_fake_quant_only():
+    from lowbit.formats import hifloat8
+
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(64, 32).to(torch.bfloat16))
+    calib = [(torch.randn(3, 5, 64) * torch.arange(1, 6)[:, None]).to(torch.bfloat16) for _ in range(2)]
+    lowbit.quantize(model, TOKEN_QUANTILE, amct_compat=True)
+    for x in calib:
+        model(x)
+    with pytest.raises(lowbit.ShapeError, match="sequence length 5"):
+        model(calib[0][:, :4])
+    x = calib[0]
+    fake = model(x)
+    lowbit.convert(model)
+    layer = model[0]
+    # EMA over the two calls of the abs-max per position (over batch and channels), / 16.
+    m1, m2 = (c.float().abs().amax(dim=(0, 2)).reshape(5, 1) for c in calib)
+    assert torch.equal(layer.act_scale, (0.99 * m1 + 0.01 * m2) / 16)
+    s = layer.act_scale
+    x_fq = hifloat8.decode(hifloat8.encode(x.float() / s), torch.bfloat16) * s.to(torch.bfloat16)
+    w = layer.dequantized_weight()
+    assert torch.equal(fake, torch.nn.functional.linear(x_fq, w, layer.bias))
+    # Deploy: dynamic per token, max|x| / 15 over the channels of each token.
+    t = alg.process_scale(x.float().abs().amax(dim=-1, keepdim=True) / 15)[0]
+    x_dq = hifloat8.decode(hifloat8.encode(x.float() / t), torch.bfloat16) * t.to(torch.bfloat16)
+    assert torch.equal(model(x), torch.nn.functional.linear(x_dq, w, layer.bias))
+
+
+def test_default_token_activations_are_dynamic_in_fake_quant_and_deploy():
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(64, 32).to(torch.bfloat16))
+    x = torch.randn(3, 5, 64).to(torch.bfloat16)
+    lowbit.quantize(model, TOKEN_QUANTILE)
+    assert model[0].calibrated  # nothing to calibrate: per-token scales are computed at run time
+    fake = model(x)
+    lowbit.convert(model)
+    assert torch.equal(model(x), fake)
+    assert model(x[:, :2]).shape == (3, 2, 32)  # any sequence length

@@ -1,9 +1,10 @@
 """Activation fake quantization at run time (docs/quantize.md, "Activations").
 
 Kinds: ``none``; ``hif8_cast`` (scaleless HiF8 round trip, Cast); ``hif8_static`` / ``fp8_static`` (one
-calibrated per-tensor scale: ``Q(x / s) * s``); ``hif8_token`` (dynamic per token: ``s = max|x| / 15``
-over the last axis); ``mxfp8`` / ``mxfp4`` (dynamic MX blocks of 32 along the last axis). The result has
-x's dtype; divisions by the scale are in float32.
+calibrated per-tensor scale: ``Q(x / s) * s``); ``hif8_token`` (dynamic per token: ``s = max|x| / 15`` over
+the last axis); ``hif8_position`` (AMCT's static "token" fake quant in compat mode: one calibrated scale per
+sequence position, shape (S, 1)); ``mxfp8`` / ``mxfp4`` (dynamic MX blocks of 32 along the last axis). The
+result has x's dtype; divisions by the scale are in float32.
 """
 
 from __future__ import annotations
@@ -12,12 +13,13 @@ from typing import Optional
 
 import torch
 
+from lowbit.errors import ShapeError
 from lowbit.formats import mxfp8
 from lowbit.ops.mxfp4 import mxfp4_dequantize, mxfp4_quantize
 from lowbit.quantize.algorithms import dynamic_token_scale
 from lowbit.quantize.elements import e4m3_codes, e4m3_values, hif8_round_trip
 
-ACT_KINDS = ("none", "hif8_cast", "hif8_static", "hif8_token", "fp8_static", "mxfp8", "mxfp4")
+ACT_KINDS = ("none", "hif8_cast", "hif8_static", "hif8_token", "hif8_position", "fp8_static", "mxfp8", "mxfp4")
 STATIC_KINDS = ("hif8_static", "fp8_static")
 # MXFP4 activations: OCP floor shared exponent, ties-away elements (the svd_quant operator's in-kernel rule).
 MXFP4_ACT_RULE = ("floor", "ta")
@@ -64,6 +66,11 @@ def fake_quant_input(x: torch.Tensor, kind: str, scale: Optional[torch.Tensor] =
         return _scaled_hif8(x, scale)
     if kind == "hif8_token":
         return _scaled_hif8(x, dynamic_token_scale(x))
+    if kind == "hif8_position":  # AMCT's static "token" fake quant: one scale per sequence position, (S, 1)
+        if x.dim() < 2 or x.shape[-2] != scale.shape[0]:
+            raise ShapeError(f"static per-position activation scales were calibrated for sequence length "
+                             f"{scale.shape[0]}, got input shape {tuple(x.shape)}")
+        return _scaled_hif8(x, scale)
     if kind == "fp8_static":
         return (e4m3_values(e4m3_codes(x.to(torch.float32) / scale)) * scale).to(x.dtype)
     if kind == "mxfp8":

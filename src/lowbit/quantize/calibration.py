@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from lowbit.quantize import algorithms as alg
+from lowbit.errors import ShapeError
 from lowbit.quantize.activations import STATIC_KINDS, act_kind, fake_quant_input
 from lowbit.quantize.config import LayerConfig
 from lowbit.quantize.layer_ops import channel_axis, run_layer
@@ -31,7 +32,17 @@ class QuantParams:
 
 
 def layer_act_kind(cfg: LayerConfig) -> str:
+    """The activation kind of the deploy module (lowbit.quantize.activations)."""
     return act_kind(cfg.inputs.type, cfg.inputs.strategy, cfg.inputs.dynamic, cfg.algorithm.name)
+
+
+def fake_act_kind(cfg: LayerConfig) -> str:
+    """The activation kind of the fake-quant path: as deploy, except AMCT's static per-position scales for
+    Quantile with a non-dynamic ``token`` strategy in compat mode (deploy is dynamic per token there)."""
+    inputs = cfg.inputs
+    if cfg.amct_compat and cfg.algorithm.name == "quantile" and inputs.strategy == "token" and not inputs.dynamic:
+        return "hif8_position"
+    return layer_act_kind(cfg)
 
 
 def minmax_weight_scale(w: torch.Tensor, cfg: LayerConfig) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
@@ -51,7 +62,7 @@ class Calibrator:
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], cfg: LayerConfig, geometry: dict):
         self.weight, self.bias, self.cfg = weight.detach(), None if bias is None else bias.detach(), cfg
         self.geometry = geometry
-        self.kind = layer_act_kind(cfg)
+        self.kind = fake_act_kind(cfg)
         self.weight_params = self.initial_weight_params()  # at quantize() time, as AMCT (errors surface there)
 
     def initial_weight_params(self) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
@@ -98,11 +109,22 @@ class QuantileCalibrator(Calibrator):
 
     def __init__(self, weight, bias, cfg, geometry):
         super().__init__(weight, bias, cfg, geometry)
-        self.needs_data = self.kind in STATIC_KINDS
+        self.needs_data = self.kind in STATIC_KINDS + ("hif8_position",)
         self.ema = None
 
     def observe(self, x, y):
-        self.ema = alg.ema_update(self.ema, x.detach().abs().max().reshape(1))
+        if self.kind != "hif8_position":
+            self.ema = alg.ema_update(self.ema, x.detach().abs().max().reshape(1))
+            return
+        if x.dim() < 2:
+            raise ShapeError(
+                f"{self.cfg.name}: static per-position scales need inputs (..., S, K), got {tuple(x.shape)}")
+        others = [d for d in range(x.dim()) if d != x.dim() - 2]
+        batch_max = x.detach().abs().amax(dim=others).reshape(-1, 1)  # (S, 1): one value per position
+        if self.ema is not None and self.ema.shape != batch_max.shape:
+            raise ShapeError(f"{self.cfg.name}: every calibration call must have the same sequence length "
+                             f"(AMCT's static per-position scales), got {batch_max.shape[0]} after {self.ema.shape[0]}")
+        self.ema = alg.ema_update(self.ema, batch_max)
 
     def initial_weight_params(self):
         compat = self.cfg.amct_compat
@@ -114,7 +136,7 @@ class QuantileCalibrator(Calibrator):
         if not self.needs_data:
             return QuantParams(scale)
         act_scale = self.ema / alg.FLOAT_SCOPE["hifloat8"]
-        if compat and bool(act_scale == 0):
+        if compat and bool((act_scale == 0).any()):
             raise ValueError(f"{self.cfg.name}: quantile activation scale is 0 (all calibration inputs were zero); "
                              "AMCT would divide by it (use amct_compat=False for the guarded scale 1.0)")
         return QuantParams(scale, act_scale=act_scale if compat else alg.process_scale(act_scale)[0])

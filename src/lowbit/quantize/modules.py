@@ -25,7 +25,7 @@ from lowbit.nn.svdquant import svdquant_decompose
 from lowbit.ops.svd_quant import svd_quant
 from lowbit.ops.wqbmm import PackedWeight, plan_weight_quant_batch_matmul
 from lowbit.quantize.activations import STATIC_KINDS, deploy_static_input, fake_quant_input
-from lowbit.quantize.calibration import QuantParams, layer_act_kind, make_calibrator, smoothed_weight
+from lowbit.quantize.calibration import QuantParams, fake_act_kind, layer_act_kind, make_calibrator, smoothed_weight
 from lowbit.quantize.config import LayerConfig
 from lowbit.quantize.layer_ops import check_layer_input, layer_geometry, run_layer
 from lowbit.quantize.weight_formats import WEIGHT_FORMATS
@@ -87,7 +87,8 @@ class QuantizedLinearBase(nn.Module):
         xs = x
         if "smooth" in self._buffers:
             xs = x * (1 / self.smooth) if npu_rounding else x / self.smooth
-        kind, scale = self.cfg_meta["act_kind"], self._buffers.get("act_scale")
+        kind = self.cfg_meta["act_kind"] if deploy else self.cfg_meta.get("fake_act_kind", self.cfg_meta["act_kind"])
+        scale = self._buffers.get("act_scale")
         if npu_rounding and kind in STATIC_KINDS:
             return deploy_static_input(xs, kind, scale, x.dtype)
         return fake_quant_input(xs, kind, scale).to(x.dtype)
@@ -180,7 +181,8 @@ def build_deploy(name: str, geometry: dict, weight: torch.Tensor, bias: Optional
         n, k = w.shape
         spec = cfg.weights
         meta = {"scheme": cfg.scheme, "format": cfg.describe(), "weight_type": spec.type, "group_size": spec.group_size,
-                "act_kind": layer_act_kind(cfg), "algorithm": cfg.algorithm.name, "amct_compat": cfg.amct_compat,
+                "act_kind": layer_act_kind(cfg), "fake_act_kind": fake_act_kind(cfg), "algorithm": cfg.algorithm.name,
+                "amct_compat": cfg.amct_compat,
                 "geometry": geometry}
         if cfg.algorithm.name == "svdquant":
             ws, s, d, u = svdquant_decompose(w, cfg.algorithm.options.get("rank", 32))
