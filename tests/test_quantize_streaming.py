@@ -348,3 +348,11 @@ def test_stored_non_persistent_buffers_are_ignored_on_load(tmp_path):
     assert torch.equal(loaded.positions, torch.arange(4))
     with pytest.raises(CheckpointError, match=r"unexpected tensors \['positions'\]"):
         lowbit.load_quantized(tmp_path / "out", net())  # a persistent-only model: still strict
+
+
+def test_progress_bar_on_stderr(tmp_path, capsys):
+    pytest.importorskip("tqdm")
+    src = write_model_dir(net().state_dict(), tmp_path / "in", shards=2)
+    quantize_checkpoint(src, tmp_path / "out", "hif4-wo", workers=1, progress=True)
+    captured = capsys.readouterr()
+    assert captured.out == "" and "quantize-checkpoint: 100%" in captured.err
