@@ -21,6 +21,7 @@ EXAMPLES = {
     "lowbit verify": "lowbit verify /tmp/wqbmm/output/output_z.bin /tmp/wqbmm/output/golden.bin",
     "lowbit eval": "lowbit eval --model minilm --schemes hif8-wo,mxfp4-wo --sentences 64 --plot eval.png",
     "lowbit quantize": "lowbit quantize --model minilm --scheme hif8-wo --out /tmp/minilm-hif8",
+    "lowbit quantize-checkpoint": "lowbit quantize-checkpoint ./llm ./llm-mxfp4 --scheme mxfp4-wo --workers 2",
 }
 BENCH_EXAMPLE = "lowbit bench {op} --repeats 3 --plot bench.png"
 

@@ -1,5 +1,5 @@
-"""The ``lowbit`` command: info, smoke, bench, quantize, eval, and the WeightQuantBatchMatmul tool chain
-(wqbmm, verify).
+"""The ``lowbit`` command: info, smoke, bench, quantize, quantize-checkpoint, eval, and the
+WeightQuantBatchMatmul tool chain (wqbmm, verify).
 
 Exit codes, --debug and the two renderings of every report (the human view by default, ``--json`` for
 scripts): docs/cli.md. Every error is one line on stderr (``lowbit <command>: error: ...``; for
@@ -189,7 +189,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The ``lowbit`` parser (imports lowbit's operators)."""
     from lowbit import backends
-    from lowbit.cli import bench, evaluate, quantize, smoke, wqbmm
+    from lowbit.cli import bench, evaluate, quantize, quantize_checkpoint, smoke, wqbmm
     from lowbit.cli.help import add_examples, subcommand_parsers
     from lowbit.cli.output import add_json_flag
 
@@ -224,6 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     wqbmm.add_subcommands(sub)  # wqbmm gen-data|run|profile|example, verify
     evaluate.add_subcommand(sub)  # eval
     quantize.add_subcommand(sub)  # quantize
+    quantize_checkpoint.add_subcommand(sub)  # quantize-checkpoint
     add_examples(parser)
     leaves = [p for p in subcommand_parsers(parser) if p.subcommands is None]
     for leaf in leaves:  # `--debug` also after the command; error lines name the command

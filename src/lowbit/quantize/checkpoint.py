@@ -119,6 +119,27 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"load_quantized: cannot read {path} (truncated or corrupt?): {exc}") from None
 
 
+def _read_checkpoint_tensors(root: Path) -> tuple[dict[str, torch.Tensor], Path]:
+    """All tensors of ``root``: model.safetensors, or the shards model.safetensors.index.json lists (checked
+    against it: docs/quantize_checkpoint.md, "Output"); also the path to name in errors."""
+    from lowbit.quantize.shard_io import INDEX_FILE, model_shards  # shard_io imports this module
+
+    if not (root / INDEX_FILE).is_file():
+        return _read_tensors(root / TENSORS_FILE), root / TENSORS_FILE
+    tensors = {}
+    for shard in model_shards(root)[0]:
+        tensors.update(_read_tensors(shard.path))
+    return tensors, root / INDEX_FILE
+
+
+def _drop_non_persistent_buffers(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Ignore stored tensors that are non-persistent buffers of ``model`` (older Hugging Face checkpoints
+    hold e.g. ``embeddings.position_ids``), as transformers does; the model keeps its own."""
+    for prefix, module in model.named_modules():
+        for buffer in module._non_persistent_buffers_set:
+            tensors.pop(f"{prefix}.{buffer}" if prefix else buffer, None)
+
+
 def _deploy_modules(model: nn.Module, layers: dict, meta_path: Path) -> dict[str, QuantizedLinearBase]:
     modules = dict(model.named_modules())
     built = {}
@@ -182,9 +203,10 @@ def load_quantized(directory: PathLike, model: nn.Module) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise TypeError(f"load_quantized: model must be torch.nn.Module, got {type(model).__name__}")
     root = Path(directory)
-    meta_path, tensor_path = root / META_FILE, root / TENSORS_FILE
+    meta_path = root / META_FILE
     meta = _read_meta(meta_path)
-    tensors = _read_tensors(tensor_path)
+    tensors, tensor_path = _read_checkpoint_tensors(root)
+    _drop_non_persistent_buffers(model, tensors)
     built = _deploy_modules(model, meta["layers"], meta_path)
     expected = _expected_tensors(model, built)
     _check_tensors(expected, tensors, tensor_path)
