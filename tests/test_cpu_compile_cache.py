@@ -45,7 +45,10 @@ def test_a_module_without_numba_kernels_of_its_own_is_never_cold():
     assert not warm.is_cold("lowbit.kernels.cpu.svd_quant")  # it runs the mxfp4 module's kernels
 
 
-def test_one_worker_starts_no_process(monkeypatch):
+def test_one_worker_or_busy_cpus_start_no_process(monkeypatch):
     monkeypatch.setattr(warm, "is_cold", lambda module: True)
     monkeypatch.setattr(warm.concurrent.futures, "ProcessPoolExecutor", None)  # would fail if used
     assert warm.warm_cache(operators().values(), workers=1) == []
+    monkeypatch.setattr(warm.os, "getloadavg", lambda: (1000.0, 0.0, 0.0))
+    assert warm.idle_cpus() == 0
+    assert warm.warm_cache(operators().values()) == []

@@ -56,15 +56,27 @@ def _warm_family(operator_names: list[str]) -> None:
         operators()[name].auto_check_error(DEVICE_TYPE)
 
 
+def idle_cpus() -> int:
+    """The CPUs this process may run on minus the 1-minute load average, rounded (0 or more)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # no load average on this platform
+        load = 0.0
+    return max(0, round(cpus - load))
+
+
 def warm_cache(ops: Iterable[Operator], workers: int | None = None) -> list[str]:
     """Compile the CPU kernels of the cold families among ``ops`` in parallel; returns those modules.
 
-    ``workers``: processes (default: the CPUs available, at most one per cold family). Nothing is started
-    when fewer than two families are cold or only one worker would run (the caller compiles as fast).
-    Families are submitted largest kernel module first, so that the longest compile starts first.
+    ``workers``: processes (default: :func:`idle_cpus`, at most one per cold family). Nothing is started
+    when fewer than two families are cold or fewer than two workers would run: on CPUs busy with other
+    work, worker processes only add their start-up to the same compile time (benchmarks/
+    results_first_run.md). Families are submitted largest kernel module first, so that the longest
+    compile starts first.
     """
     cold = {module: names for module, names in families(ops).items() if is_cold(module)}
-    workers = min(workers or len(os.sched_getaffinity(0)), len(cold))
+    workers = min(idle_cpus() if workers is None else workers, len(cold))
     if workers < 2:
         return []
     order = sorted(cold, key=lambda m: -os.path.getsize(importlib.import_module(m).__file__))
