@@ -7,9 +7,9 @@ import sys
 import threading
 
 import numba
-from numba.core import event as numba_event
 import numpy as np
 import torch
+from numba.core import event as numba_event
 
 # Options every CPU kernel is compiled with: one place to change them.
 NJIT_OPTIONS = dict(nogil=True, cache=True, boundscheck=False)
