@@ -187,3 +187,44 @@ def test_importing_lowbit_imports_no_kernel_toolkit():
     result = _run_with_env(code, "auto")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+class _WrongFor(_Native):
+    """A native kernel that is right except for inputs of ``dtype``; records the dtypes it ran."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        self.dtype, self.ran = dtype, []
+
+    def run(self, x, *, out):
+        self.ran.append(x.dtype)
+        out.copy_(x * 2 + (1 if x.dtype == self.dtype else 0))
+
+
+def _two_dtype_toy(native: Kernel, name: str) -> Operator:
+    return Operator(name=name, outputs=lambda x: (TensorSpec(tuple(x.shape), x.dtype),), reference=_Double(),
+                    native={"cpu": lambda: native},
+                    probes=lambda: [(torch.arange(4.0),), (torch.arange(4.0, dtype=torch.float64),)])
+
+
+def test_auto_self_checks_only_the_probes_with_the_calls_dtypes():
+    native = _WrongFor(torch.float64)
+    op = _two_dtype_toy(native, "toy_per_dtype")
+    op(torch.ones(2), backend="auto")
+    assert native.ran == [torch.float32, torch.float32]  # one probe, then the call: float64 never ran
+    assert backends.last_backend("toy_per_dtype") == "native"
+    assert torch.equal(op(torch.ones(2, dtype=torch.float64), backend="auto"), torch.full((2,), 2.0, dtype=torch.float64))
+    assert backends.last_backend("toy_per_dtype") == "reference"  # the float64 probe failed
+    assert "differs from the reference" in op.auto_check_error("cpu")  # no arguments: every probe
+    assert op.auto_check_error("cpu", (torch.ones(1),)) is None
+
+
+def test_a_call_with_dtypes_no_probe_has_checks_every_probe_and_a_full_pass_answers_for_all():
+    native = _WrongFor(None)  # always right
+    op = _two_dtype_toy(native, "toy_unprobed")
+    assert op.auto_check_error("cpu", (torch.ones(1, dtype=torch.float16),)) is None
+    assert native.ran == [torch.float32, torch.float64]
+    assert op.auto_check_error("cpu") is None and op.auto_check_error("cpu", (torch.ones(1),)) is None
+    assert len(native.ran) == 2  # the check of every probe answered both
+    assert backends.dtype_signature((torch.ones(1), 3, torch.bfloat16, None)) == (torch.float32, torch.bfloat16)
+    assert backends.dtype_signature(()) is None

@@ -15,8 +15,10 @@ Backends:
   :class:`BackendUnavailable` if there is none, or if the kernel does not support these arguments (its
   ``supports`` gives the reason).
 * ``auto`` runs native when the device has a kernel that passed a one-time self-check against the reference
-  on this device (cached per operator and device for the life of the process) and supports these
-  arguments; otherwise the reference, for that call.
+  on this device and supports these arguments; otherwise the reference, for that call. The self-check
+  runs the probes with the call's dtypes (see :func:`dtype_signature`; all probes when none has them), so
+  a first call compiles only the kernel specializations it needs; results are cached per operator, device
+  and dtype signature for the life of the process.
 
 The process default is ``auto``; change it with :func:`set_backend` or the environment variable
 ``LOWBIT_BACKEND``, or for one thread / asyncio context with :func:`use_backend`. :func:`last_backend`
@@ -154,6 +156,15 @@ def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b1 and b0 < a1
 
 
+def dtype_signature(args: Sequence) -> Optional[tuple[torch.dtype, ...]]:
+    """The dtypes of the tensors and the torch.dtype values among ``args``, in order (None for no args):
+    what selects a kernel specialization, and the probes of the self-check for a call."""
+    if not args:
+        return None
+    return tuple(a.dtype if isinstance(a, torch.Tensor) else a for a in args
+                 if isinstance(a, (torch.Tensor, torch.dtype)))
+
+
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Same shape, dtype and bytes (NaN payloads and signed zeros included)."""
     if a.shape != b.shape or a.dtype != b.dtype:
@@ -204,7 +215,8 @@ class Operator:
     native: Mapping[str, Callable[[], Kernel]]
     probes: Callable[[], Iterable[tuple]]
     agrees: Callable[[torch.Tensor, torch.Tensor, Sequence], bool] = same_bits
-    _checked: dict[str, Optional[str]] = field(default_factory=dict, repr=False)  # device -> None or error
+    # (device, dtype signature or None for every probe) -> None or error
+    _checked: dict[tuple, Optional[str]] = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     # ---- kernels and backends ----------------------------------------------------------------------
@@ -222,23 +234,38 @@ class Operator:
         except (ImportError, OSError) as exc:
             raise BackendUnavailable(f"{self.name}: cannot load the {device.type} kernel: {exc}") from exc
 
-    def auto_check_error(self, device: torch.device | str) -> Optional[str]:
-        """Why ``auto`` does not run native on ``device`` (None: it does). Runs the self-check once."""
-        key = str(canonical_device(device))
+    def auto_check_error(self, device: torch.device | str, args: Sequence = ()) -> Optional[str]:
+        """Why ``auto`` does not run native on ``device`` for arguments of the dtypes of ``args`` (None: it
+        does; no ``args``: for any). The self-check runs the probes of that dtype signature that the kernel
+        supports (every probe when there are none), once per device and signature; a passed check of every
+        probe answers for all signatures."""
+        device = canonical_device(device)
+        every = (str(device), None)
+        key = (str(device), dtype_signature(args))
         with self._lock:
+            if every in self._checked and self._checked[every] is None:
+                return None
             if key in self._checked:
                 return self._checked[key]
         try:  # no lock held while kernels run
-            error = self._self_check(self.native_kernel(device), canonical_device(device))
+            kernel = self.native_kernel(device)
+            probes = list(self.probes())
+            matching = [p for p in probes if dtype_signature(p) == key[1] and kernel.supports(
+                *(a.to(device) if isinstance(a, torch.Tensor) else a for a in p)) is None]
+            error = self._self_check(kernel, device, matching or probes)
+            checked_every = not matching
         except Exception as exc:  # any failure of the probe means: do not trust native here
-            error = f"{type(exc).__name__}: {exc}"
+            error, checked_every = f"{type(exc).__name__}: {exc}", True
         with self._lock:
+            if checked_every:
+                error = self._checked.setdefault(every, error)
             return self._checked.setdefault(key, error)
 
-    def _self_check(self, kernel: Kernel, device: torch.device) -> Optional[str]:
-        """None if ``kernel`` agrees with the reference on every probe it supports, else the first failure."""
+    def _self_check(self, kernel: Kernel, device: torch.device, probes: Optional[list] = None) -> Optional[str]:
+        """None if ``kernel`` agrees with the reference on every probe (default: ``self.probes()``) it
+        supports, else the first failure."""
         ran = 0
-        for args in self.probes():
+        for args in self.probes() if probes is None else probes:
             want = self._allocate(args, torch.device("cpu"))
             self.reference.run(*args, out=want)
             on_device = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
@@ -261,7 +288,7 @@ class Operator:
     def kernel(self, device: torch.device | str, backend: Optional[str] = None, args: Sequence = ()) -> tuple[str, Kernel]:
         """(backend name, Kernel) that runs ``args`` on ``device``: see the module docstring."""
         name = check_backend_name(backend if backend is not None else get_backend())
-        if name == "reference" or (name == "auto" and self.auto_check_error(device) is not None):
+        if name == "reference" or (name == "auto" and self.auto_check_error(device, args) is not None):
             return "reference", self.reference
         kernel = self.native_kernel(device)
         reason = kernel.supports(*args) if args else None

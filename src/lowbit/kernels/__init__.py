@@ -9,20 +9,25 @@ declares them without importing numba, triton or torch_npu before a kernel is us
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+from dataclasses import dataclass
 
 # Device type -> the sub-package holding its kernels.
 PACKAGES = {"cpu": "cpu", "cuda": "triton", "npu": "npu"}
 
 
-def native(family: str, kernel: str, device_types: tuple[str, ...]) -> dict[str, Callable]:
+@dataclass(frozen=True)
+class NativeLoader:
+    """Imports ``module`` on first call and returns its attribute ``kernel`` (a Kernel)."""
+
+    module: str  # e.g. "lowbit.kernels.cpu.hifloat8"
+    kernel: str  # e.g. "ENCODE"
+
+    def __call__(self):
+        return getattr(importlib.import_module(self.module), self.kernel)
+
+
+def native(family: str, kernel: str, device_types: tuple[str, ...]) -> dict[str, NativeLoader]:
     """``{device type: loader}`` for an Operator's ``native``: each loader imports
     ``lowbit.kernels.<package>.<family>`` on first use and returns its attribute ``kernel``."""
-
-    def loader(device_type: str) -> Callable:
-        def load():
-            module = importlib.import_module(f"lowbit.kernels.{PACKAGES[device_type]}.{family}")
-            return getattr(module, kernel)
-        return load
-
-    return {device_type: loader(device_type) for device_type in device_types}
+    return {device_type: NativeLoader(f"lowbit.kernels.{PACKAGES[device_type]}.{family}", kernel)
+            for device_type in device_types}

@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from lowbit.backends import BackendUnavailable
+from lowbit.backends import BackendUnavailable, operators
 from lowbit.cli._discover import operator_modules
 from lowbit.cli.devices import resolve_device
 from lowbit.cli.smoke import _common
@@ -64,6 +64,16 @@ def run_one(module: ModuleType, backend: str, device: torch.device) -> tuple[dic
     return report, EXIT_OK if _common.contracts_hold(results) else EXIT_CONTRACT_BROKEN
 
 
+def _warm_cpu_kernels() -> None:
+    """Compile cold CPU kernel families in parallel processes (lowbit.kernels.cpu.warm); without numba
+    nothing happens here and each check reports the missing backend itself."""
+    try:
+        from lowbit.kernels.cpu.warm import warm_cache
+    except (ImportError, OSError):
+        return
+    warm_cache(operators().values())
+
+
 def run(op: str, backend: str, device_name: str,
         on_check: Callable[[str], object] | None = None) -> tuple[dict, int]:
     """Run ``op`` (or 'all') and build the report; returns (report, exit code).
@@ -80,6 +90,8 @@ def run(op: str, backend: str, device_name: str,
     except (BackendUnavailable, RuntimeError, ValueError) as exc:
         return error_report(backend, str(exc)), EXIT_CANNOT_RUN
     selected = list(available.values()) if op == "all" else [available[op]]
+    if op == "all" and device.type == "cpu" and backend != "reference":
+        _warm_cpu_kernels()
     outcomes = []
     for module in selected:
         if on_check is not None:

@@ -1,14 +1,53 @@
-"""Shared plumbing for the numba kernels: thread count and zero-copy numpy views of CPU tensors."""
+"""Shared plumbing for the numba kernels: thread count, zero-copy numpy views of CPU tensors, and the
+one-line notice on stderr while a kernel family compiles."""
 
 from __future__ import annotations
+
+import sys
+import threading
 
 import numba
 import numpy as np
 import torch
+from numba.core import event as numba_event
 
 # Options every CPU kernel is compiled with: one place to change them.
 NJIT_OPTIONS = dict(nogil=True, cache=True, boundscheck=False)
 PARALLEL_NJIT_OPTIONS = dict(NJIT_OPTIONS, parallel=True)
+
+
+KERNEL_PACKAGE = __name__.rpartition(".")[0]  # "lowbit.kernels.cpu"
+
+
+class CompileNotice(numba_event.Listener):
+    """Prints "lowbit: compiling CPU kernels for <family> (first run only; cached in <dir>)" on stderr the
+    first time, in this process, that numba compiles (rather than loads from its on-disk cache) a kernel of
+    ``lowbit/kernels/cpu/<family>.py``; silent when the cache is warm."""
+
+    def __init__(self) -> None:
+        self.announced: set[str] = set()
+        self._lock = threading.Lock()
+
+    def on_start(self, event) -> None:
+        dispatcher = event.data["dispatcher"]
+        module = getattr(dispatcher.py_func, "__module__", "")
+        package, _, family = module.rpartition(".")
+        if package != KERNEL_PACKAGE:
+            return
+        with self._lock:
+            if family in self.announced:
+                return
+            self.announced.add(family)
+        cache_dir = getattr(getattr(dispatcher, "_cache", None), "_cache_path", None) or "numba's cache"
+        print(f"lowbit: compiling CPU kernels for {family} (first run only; cached in {cache_dir})",
+              file=sys.stderr, flush=True)
+
+    def on_end(self, event) -> None:
+        pass
+
+
+COMPILE_NOTICE = CompileNotice()
+numba_event.register("numba:compile", COMPILE_NOTICE)
 
 
 def sync_threads() -> int:

@@ -1,0 +1,91 @@
+"""Fill numba's on-disk cache for several CPU kernel families at once, one worker process per family.
+
+numba compiles under a process-wide lock, so one process compiles one kernel at a time. When the cache of
+several families is cold (nothing of the family was ever cached), :func:`warm_cache` compiles them in
+parallel worker processes, each running the self-check of its family's operators (which compiles every
+specialization the probes need); the calling process then loads the kernels from the cache. A family
+counts as cold only when none of its cached kernels has an index file in numba's cache, so a warm
+cache costs no worker process. Warming is an optimization only: a worker that fails changes nothing, as
+the calling process compiles whatever is still missing itself.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import importlib
+import multiprocessing
+import os
+from typing import Iterable
+
+import numba
+
+from lowbit.backends import Operator
+
+DEVICE_TYPE = "cpu"
+
+
+def families(ops: Iterable[Operator]) -> dict[str, list[str]]:
+    """``{kernel module: [operator names]}`` of the operators with a CPU kernel loaded by NativeLoader."""
+    found: dict[str, list[str]] = {}
+    for op in ops:
+        module = getattr(op.native.get(DEVICE_TYPE), "module", None)
+        if module is not None:
+            found.setdefault(module, []).append(op.name)
+    return found
+
+
+def is_cold(module_name: str) -> bool:
+    """True when ``module_name`` defines numba kernels cached on disk and none of them has an index in
+    numba's cache yet (it imports the module, which compiles nothing)."""
+    module = importlib.import_module(module_name)
+    index_paths = [
+        getattr(getattr(getattr(value, "_cache", None), "_cache_file", None), "_index_path", None)
+        for value in vars(module).values()
+        if isinstance(value, numba.core.dispatcher.Dispatcher) and value.py_func.__module__ == module_name
+    ]
+    index_paths = [path for path in index_paths if path]  # kernels compiled with cache=True
+    return bool(index_paths) and not any(os.path.exists(path) for path in index_paths)
+
+
+def _warm_family(operator_names: list[str]) -> None:
+    """Worker: run the CPU self-check of each operator (compiling and caching its kernels)."""
+    import lowbit  # noqa: F401  (registers every operator)
+    from lowbit.backends import operators
+
+    for name in operator_names:
+        operators()[name].auto_check_error(DEVICE_TYPE)
+
+
+def idle_cpus() -> int:
+    """The CPUs this process may run on minus the 1-minute load average, rounded (0 or more)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # no load average on this platform
+        load = 0.0
+    return max(0, round(cpus - load))
+
+
+def warm_cache(ops: Iterable[Operator], workers: int | None = None) -> list[str]:
+    """Compile the CPU kernels of the cold families among ``ops`` in parallel; returns those modules.
+
+    ``workers``: processes (default: :func:`idle_cpus`, at most one per cold family). Nothing is started
+    when fewer than two families are cold or fewer than two workers would run: on CPUs busy with other
+    work, worker processes only add their start-up to the same compile time (benchmarks/
+    results_first_run.md). Families are submitted largest kernel module first, so that the longest
+    compile starts first.
+    """
+    cold = {module: names for module, names in families(ops).items() if is_cold(module)}
+    workers = min(idle_cpus() if workers is None else workers, len(cold))
+    if workers < 2:
+        return []
+    order = sorted(cold, key=lambda m: -os.path.getsize(importlib.import_module(m).__file__))
+    context = multiprocessing.get_context("spawn")  # no fork of a process that may run OpenMP threads
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+        done = [pool.submit(_warm_family, cold[module]) for module in order]
+        for future in done:
+            try:
+                future.result()
+            except Exception:  # the caller compiles what a failed worker left out
+                pass
+    return order

@@ -1,0 +1,54 @@
+"""First use of the CPU kernels: the compile notice on stderr (only while numba compiles, once per kernel
+family), cold-cache detection, and the kernel families that `lowbit smoke all` warms in parallel."""
+
+import os
+import subprocess
+import sys
+
+import lowbit  # noqa: F401  (registers every operator)
+from lowbit.backends import operators
+from lowbit.kernels.cpu import warm
+
+HIFLOAT8 = "lowbit.kernels.cpu.hifloat8"
+ENCODE_TWICE = (
+    "import torch, lowbit; from lowbit.kernels.cpu import warm; cold = warm.is_cold('lowbit.kernels.cpu.hifloat8'); "
+    "[lowbit.encode_to_hifloat8(torch.ones(4, dtype=torch.bfloat16), backend='native') for _ in range(2)]; "
+    "print(cold, warm.is_cold('lowbit.kernels.cpu.hifloat8'))"
+)
+
+
+def _encode_in_fresh_process(cache_dir) -> subprocess.CompletedProcess:
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(cache_dir)}
+    return subprocess.run([sys.executable, "-c", ENCODE_TWICE], env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_compile_notice_is_printed_once_while_compiling_and_not_when_the_cache_is_warm(tmp_path):
+    first = _encode_in_fresh_process(tmp_path)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.split() == ["True", "False"]  # cold before, cached after
+    notices = [line for line in first.stderr.splitlines() if line.startswith("lowbit:")]
+    assert len(notices) == 1, first.stderr
+    assert notices[0].startswith(f"lowbit: compiling CPU kernels for hifloat8 (first run only; cached in {tmp_path}")
+    second = _encode_in_fresh_process(tmp_path)
+    assert second.returncode == 0, second.stderr
+    assert second.stdout.split() == ["False", "False"] and "lowbit:" not in second.stderr
+
+
+def test_operators_are_grouped_by_their_cpu_kernel_module():
+    families = warm.families(operators().values())
+    assert families[HIFLOAT8] == ["encode_to_hifloat8", "decode_from_hifloat8"]
+    assert sorted(families) == [f"lowbit.kernels.cpu.{f}" for f in ("hifloat4", "hifloat8", "mxfp4", "svd_quant", "wqbmm")]
+    assert sum(map(len, families.values())) == sum("cpu" in op.native for op in operators().values())
+
+
+def test_a_module_without_numba_kernels_of_its_own_is_never_cold():
+    assert not warm.is_cold("lowbit.kernels.cpu.svd_quant")  # it runs the mxfp4 module's kernels
+
+
+def test_one_worker_or_busy_cpus_start_no_process(monkeypatch):
+    monkeypatch.setattr(warm, "is_cold", lambda module: True)
+    monkeypatch.setattr(warm.concurrent.futures, "ProcessPoolExecutor", None)  # would fail if used
+    assert warm.warm_cache(operators().values(), workers=1) == []
+    monkeypatch.setattr(warm.os, "getloadavg", lambda: (1000.0, 0.0, 0.0))
+    assert warm.idle_cpus() == 0
+    assert warm.warm_cache(operators().values()) == []
