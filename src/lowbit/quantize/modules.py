@@ -23,6 +23,7 @@ from torch import nn
 
 from lowbit.nn.svd_quant import svd_quant_decompose
 from lowbit.ops.svd_quant import svd_quant
+from lowbit.ops.weight_only import hifloat4_linear, mxfp4_linear
 from lowbit.ops.wqbmm import PackedWeight, plan_weight_quant_batch_matmul
 from lowbit.quantize.activations import STATIC_KINDS, deploy_static_input, fake_quant_input
 from lowbit.quantize.calibration import QuantParams, fake_act_kind, layer_act_kind, make_calibrator, smoothed_weight
@@ -105,11 +106,30 @@ class QuantizedLinearBase(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.cfg_meta.get('format', '')}"
 
 
+# Weight formats with a fused weight-only kernel (lowbit.ops.weight_only): the op and its packed buffers.
+FUSED_LINEAR = {
+    "mxfp4_e2m1": (mxfp4_linear, ("codes", "scales")),
+    "hifloat4": (hifloat4_linear, ("block_scale", "value")),
+}
+
+
 class PackedLinear(QuantizedLinearBase):
     """Deploy module for HiF8 / FP8 / INT8 / MXFP8 / MXFP4 / HiF4 weights: dequantize, then ``F.linear``
-    (or ``F.conv2d`` for a Conv2d layer's geometry, see lowbit.quantize.layer_ops)."""
+    (or ``F.conv2d`` for a Conv2d layer's geometry, see lowbit.quantize.layer_ops). A Linear layer with
+    MXFP4 or HiFloat4 weights and FP16/BF16 inputs (not ``amct_compat``) runs the fused weight-only kernel
+    instead, which reads the packed weight and never builds the dense one: the same weight values, summed
+    in another order (docs/weight_only.md; docs/quantize.md, "Fake quant vs deploy")."""
 
     kind = "packed"
+
+    def fused_linear(self, x_q: torch.Tensor) -> Optional[torch.Tensor]:
+        """The fused kernel's result, or None where this layer has none (see the class docstring)."""
+        fused = FUSED_LINEAR.get(self.cfg_meta["weight_type"])
+        if (fused is None or self.cfg_meta["geometry"]["type"] != "Linear" or self.cfg_meta.get("amct_compat")
+                or x_q.dtype not in (torch.float16, torch.bfloat16)):
+            return None
+        op, names = fused
+        return op(x_q, *(self._buffers[name] for name in names), self.bias)
 
     def dequantized_weight(self) -> torch.Tensor:
         """The weight (its original shape and dtype), decoded from the packed buffers (not cached)."""
@@ -119,6 +139,9 @@ class PackedLinear(QuantizedLinearBase):
         return dense.reshape(self.cfg_meta["geometry"]["weight_shape"])
 
     def compute(self, x_q):
+        fused = self.fused_linear(x_q)
+        if fused is not None:
+            return fused
         return run_layer(self.cfg_meta["geometry"], x_q, self.dequantized_weight(), self.bias)
 
 
