@@ -57,13 +57,15 @@ def _warm_family(operator_names: list[str]) -> None:
 
 
 def idle_cpus() -> int:
-    """The CPUs this process may run on minus the 1-minute load average, rounded (0 or more)."""
+    """The CPUs this process may run on minus the 1-minute load average, rounded up from a quarter (0 or
+    more): 2 CPUs at load 0.7 count as 2 idle ones (a parallel warm-up measured 33 s against 55 s serial
+    there), at load 1.0 as 1."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     try:
         load = os.getloadavg()[0]
     except (AttributeError, OSError):  # no load average on this platform
         load = 0.0
-    return max(0, round(cpus - load))
+    return max(0, round(cpus - load + 0.25))
 
 
 def warm_cache(ops: Iterable[Operator], workers: int | None = None) -> list[str]:
