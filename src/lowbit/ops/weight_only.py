@@ -227,15 +227,8 @@ HIFLOAT4_LINEAR = _operator("hifloat4_linear", _hifloat4_outputs, reference.hifl
                             ("scale", "value"))
 
 
-def hifloat8_linear(
-    x: torch.Tensor,
-    codes: torch.Tensor,
-    scale: torch.Tensor,
-    bias: Optional[torch.Tensor] = None,
-    *,
-    out: Optional[torch.Tensor] = None,
-    backend: Optional[str] = None,
-) -> torch.Tensor:
+def hifloat8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+        out: Optional[torch.Tensor] = None, backend: Optional[str] = None) -> torch.Tensor:
     """``x @ W.T + bias`` with W[n, k] = decode(codes[n, k]) * scale[n] (HiFloat8, W8A16).
 
     codes (N, K) uint8 HiFloat8 codes (lowbit.encode_to_hifloat8 of the weight divided by its row scale);
@@ -244,15 +237,8 @@ def hifloat8_linear(
     return call(HIFLOAT8_LINEAR, (x, codes, scale, bias), out, backend)
 
 
-def mxfp4_linear(
-    x: torch.Tensor,
-    codes: torch.Tensor,
-    scales: torch.Tensor,
-    bias: Optional[torch.Tensor] = None,
-    *,
-    out: Optional[torch.Tensor] = None,
-    backend: Optional[str] = None,
-) -> torch.Tensor:
+def mxfp4_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+        out: Optional[torch.Tensor] = None, backend: Optional[str] = None) -> torch.Tensor:
     """``x @ W.T + bias`` with W (N, K) MXFP4: ``codes, scales = lowbit.mxfp4_quantize(W)`` (axis -1, block 32).
 
     codes (N, K/2) uint8 (element 2i in the low nibble), scales (N, K/32) uint8 E8M0 (0xFF: a NaN block).
@@ -261,15 +247,8 @@ def mxfp4_linear(
     return call(MXFP4_LINEAR, (x, codes, scales, bias), out, backend)
 
 
-def hifloat4_linear(
-    x: torch.Tensor,
-    scale: torch.Tensor,
-    value: torch.Tensor,
-    bias: Optional[torch.Tensor] = None,
-    *,
-    out: Optional[torch.Tensor] = None,
-    backend: Optional[str] = None,
-) -> torch.Tensor:
+def hifloat4_linear(x: torch.Tensor, scale: torch.Tensor, value: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+        out: Optional[torch.Tensor] = None, backend: Optional[str] = None) -> torch.Tensor:
     """``x @ W.T + bias`` with W (N, K) HiFloat4: ``scale, value = lowbit.hifloat4_pack(W)`` (AMCT layout).
 
     scale (N, K/64, 4) uint8 [E6M2 byte, e2 flags, e3 flags x2] per 64-block (0xFF: a NaN block), value
