@@ -74,13 +74,8 @@ def canonicalize_nan(acc: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(acc), torch.tensor(float("nan"), dtype=acc.dtype), acc)
 
 
-def wqbmm_msd(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    antiquant_scale: torch.Tensor,
-    antiquant_offset: torch.Tensor | None,
-    group_size: int,
-) -> torch.Tensor:
+def wqbmm_msd(x: torch.Tensor, weight: torch.Tensor, antiquant_scale: torch.Tensor,
+               antiquant_offset: torch.Tensor | None, group_size: int) -> torch.Tensor:
     """MSD matmul of x (M, K) with the packed (K, N/2) weight; returns (M, N) in x's dtype.
 
     Inputs are assumed validated (lowbit.ops.wqbmm does it). Runs on x's device.
@@ -113,13 +108,8 @@ def dequantize_weight(
     return (w * antiquant_scale.to(torch.float32).repeat_interleave(group_size, dim=0)).to(antiquant_scale.dtype)
 
 
-def wqbmm_dequant(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    antiquant_scale: torch.Tensor,
-    antiquant_offset: torch.Tensor | None,
-    group_size: int,
-) -> torch.Tensor:
+def wqbmm_dequant(x: torch.Tensor, weight: torch.Tensor, antiquant_scale: torch.Tensor,
+                  antiquant_offset: torch.Tensor | None, group_size: int) -> torch.Tensor:
     """``x @ dequantize_weight(...)``: float32 products summed in ascending k (one fixed order, so the
     bits do not depend on the thread count or the machine); (M, N) in x's dtype."""
     w = dequantize_weight(weight, antiquant_scale, antiquant_offset, group_size).to(torch.float32)

@@ -108,16 +108,9 @@ DEQUANTIZE = define("mxfp4_dequantize", "Tensor codes, Tensor scales, ScalarType
                     kernels.native("mxfp4", "DEQUANTIZE", ("cpu", "cuda")))
 
 
-def mxfp4_quantize(
-    x: torch.Tensor,
-    block_size: int = 32,
-    scale_rule: str = "floor",
-    rounding: str = "ta",
-    axis: int = -1,
-    *,
-    out: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-    backend: Optional[str] = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def mxfp4_quantize(x: torch.Tensor, block_size: int = 32, scale_rule: str = "floor", rounding: str = "ta",
+                   axis: int = -1, *, out: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                   backend: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """MXFP4-quantize ``x`` (FP16/BF16/FP32) in blocks of ``block_size`` along ``axis``.
 
     Returns ``(codes, scales)`` uint8 on x's device: codes (..., K/2, ...) with element 2i in the low
