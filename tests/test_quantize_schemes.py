@@ -256,3 +256,16 @@ def test_conv2d_errors_and_skips():
         lowbit.quantize(nn.Sequential(nn.Conv2d(3, 4, 1)).to(torch.bfloat16), weight_only)
     report = lowbit.quantize_(nn.Sequential(nn.Conv2d(3, 4, 1), nn.Linear(4, 4)), "hif8-wo")  # only OFMR takes Conv2d
     assert list(report.layers) == ["1"]
+
+
+def test_convert_and_quantize_underscore_report_progress_per_layer():
+    seen = []
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 64)).to(torch.bfloat16)
+    lowbit.quantize_(model, "mxfp4-wo", progress=seen.append)
+    assert seen == ["0", "2"]
+    seen.clear()
+    model = nn.Sequential(nn.Linear(64, 32)).to(torch.bfloat16)
+    lowbit.quantize(model, "hif8-w8a8-minmax")
+    model(torch.randn(4, 64, dtype=torch.bfloat16))
+    lowbit.convert(model, progress=seen.append)
+    assert seen == ["0"]

@@ -12,8 +12,9 @@ MODEL_HELP = ("'minilm' (the packaged all-MiniLM-L6-v2), a local Hugging Face mo
               "'module:function' returning (torch.nn.Module, input batch tensor)")
 
 
-def progress(total: int, desc: str, unit: str):
-    """A tqdm bar on stderr (shown only when stderr is a terminal), or a no-op when tqdm is missing."""
+def progress(total: int | None, desc: str, unit: str):
+    """A tqdm bar on stderr (shown only when stderr is a terminal; ``total`` None: a counter), or a no-op when
+    tqdm is missing."""
     try:
         from tqdm import tqdm
     except ImportError:

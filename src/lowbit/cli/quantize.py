@@ -52,10 +52,13 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         bar = progress(len(sentences), "calibrate", "sentence")
         calibrate = calibrator(loaded, sentences, args.batch_size, bar)
     start = time.perf_counter()
+    layers = progress(None, "pack", "layer")
     try:
         report = scheme_api.quantize_model(loaded.model, scheme=args.scheme or None, config=config,
-                                           calibrate=calibrate, amct_compat=args.amct_compat)
+                                           calibrate=calibrate, amct_compat=args.amct_compat,
+                                           progress=lambda name: layers.update(1))
     finally:
+        layers.close()
         if bar is not None:
             bar.close()
     times["quantize" if calibrate is None else "quantize+calibrate"] = time.perf_counter() - start

@@ -35,25 +35,26 @@ def needs_calibration(scheme: str) -> bool:
 
 
 def quantize_model(model: nn.Module, *, scheme: str | None = None, config: Mapping[str, Any] | None = None,
-                   calibrate: Callable[[nn.Module], None] | None = None,
-                   amct_compat: bool = False) -> lowbit.QuantizeReport:
+                   calibrate: Callable[[nn.Module], None] | None = None, amct_compat: bool = False,
+                   progress: Callable[[str], object] | None = None) -> lowbit.QuantizeReport:
     """Quantize ``model`` in place with a named ``scheme`` or an AMCT-schema ``config`` (exactly one).
 
     A data-free scheme goes through :func:`lowbit.quantize_`; otherwise :func:`lowbit.quantize`, then
     ``calibrate(model)`` (forward passes; required, ValueError if None), then :func:`lowbit.convert`. A config
     is always calibrated when ``calibrate`` is given. Returns the per-layer report of every candidate layer
-    (skipped ones from the quantize stage, converted ones from convert). Errors of the API propagate.
+    (skipped ones from the quantize stage, converted ones from convert). ``progress(layer name)`` as each
+    layer is packed. Errors of the API propagate.
     """
     if (scheme is None) == (config is None):
         raise ValueError("give exactly one of scheme and config")
     if scheme is not None and not needs_calibration(scheme) and not amct_compat:
-        return lowbit.quantize_(model, scheme)
+        return lowbit.quantize_(model, scheme, progress=progress)
     if scheme is not None and calibrate is None:
         raise ValueError(f"scheme {scheme} needs calibration data")
     first = lowbit.quantize(model, scheme if scheme is not None else config, amct_compat=amct_compat)
     if calibrate is not None:
         calibrate(model)
-    converted = lowbit.convert(model)
+    converted = lowbit.convert(model, progress=progress)
     return lowbit.QuantizeReport("convert", scheme or "", amct_compat, {**first.layers, **converted.layers})
 
 

@@ -7,7 +7,7 @@ so on any error the model is unchanged. See docs/quantize.md.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Union
+from typing import Any, Callable, Mapping, Optional, Union
 
 from torch import nn
 
@@ -74,17 +74,28 @@ def quantize(model: nn.Module, config: ConfigLike = None, *, amct_compat: bool =
     return report
 
 
-def convert(model: nn.Module) -> QuantizeReport:
+def _deploy_modules(pending, progress: Optional[Callable[[str], object]]) -> list:
+    """(name, calibration module, deploy module) for each (name, calibration module); ``progress(name)``
+    after each layer is packed (the slow step: a command's progress bar)."""
+    deployed = []
+    for name, calib in pending:
+        deployed.append((name, calib, calib.to_deploy()))
+        if progress is not None:
+            progress(name)
+    return deployed
+
+
+def convert(model: nn.Module, *, progress: Optional[Callable[[str], object]] = None) -> QuantizeReport:
     """Replace every calibration module of ``model`` by its deployable packed module, in place.
 
     RuntimeError naming every layer that is not calibrated yet (fewer forward calls than ``batch_num``);
-    the model is then unchanged."""
+    the model is then unchanged. ``progress(layer name)`` is called as each layer is packed."""
     _check_model("convert", model)
     pending = [(n, m) for n, m in model.named_modules() if isinstance(m, CalibrationModule)]
     missing = [f"{n} ({m.calls}/{m.layer_config.batch_num} calls)" for n, m in pending if not m.calibrated]
     if missing:
         raise RuntimeError(f"convert: layers not calibrated yet (run forward passes first): {', '.join(missing)}")
-    deployed = [(n, m, m.to_deploy()) for n, m in pending]
+    deployed = _deploy_modules(pending, progress)
     report = QuantizeReport("convert", "", any(m.layer_config.amct_compat for _, m in pending))
     for name, calib, deploy in deployed:
         _replace(model, name, deploy)
@@ -97,17 +108,19 @@ def _deployed_report(name: str, calib: CalibrationModule, deploy: QuantizedLinea
                        bytes_before=weight_nbytes(calib), bytes_after=deploy.packed_nbytes())
 
 
-def quantize_(model: nn.Module, config: ConfigLike) -> QuantizeReport:
+def quantize_(model: nn.Module, config: ConfigLike, *,
+              progress: Optional[Callable[[str], object]] = None) -> QuantizeReport:
     """quantize + convert in one call for a data-free scheme or config (in place).
 
-    ValueError (model unchanged) if any selected layer needs calibration data; otherwise as :func:`quantize`."""
+    ValueError (model unchanged) if any selected layer needs calibration data; otherwise as :func:`quantize`.
+    ``progress(layer name)`` is called as each layer is packed."""
     _check_model("quantize_", model)
     modules, selection, report = _prepare(model, config, False, "quantize_")
     needs = [name for name, module, _ in modules if not module.calibrated]
     if needs:
         raise ValueError(f"quantize_: this config needs calibration data (layers {needs}); use quantize(), run "
                          "forward passes, then convert()")
-    deployed = [(name, module, module.to_deploy()) for name, module, _ in modules]
+    deployed = _deploy_modules([(name, module) for name, module, _ in modules], progress)
     for name, calib, deploy in deployed:
         _replace(model, name, deploy)
         report.add(_deployed_report(name, calib, deploy))
