@@ -41,8 +41,6 @@ from lowbit.errors import BackendUnavailable, DeviceError, DtypeError, ShapeErro
 BACKENDS = ("native", "reference", "auto")
 ENV_VAR = "LOWBIT_BACKEND"
 
-Outputs = "torch.Tensor | tuple[torch.Tensor, ...]"
-
 
 def check_backend_name(name: str) -> str:
     """``name`` if it is one of BACKENDS; ValueError (listing them) otherwise, also for "" and non-strings."""
@@ -145,15 +143,13 @@ def _memory_span(t: torch.Tensor) -> tuple[int, int]:
 
 
 def _touches(span: tuple[int, int], spans: list[tuple[int, int]]) -> bool:
+    """Whether the non-empty byte range ``span`` intersects any of ``spans``."""
     return span[0] < span[1] and any(span[0] < end and start < span[1] for start, end in spans)
 
 
 def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether the memory ``a`` and ``b`` may touch intersects (conservative: compares address ranges)."""
-    if a.device != b.device or a.numel() == 0 or b.numel() == 0:
-        return False
-    (a0, a1), (b0, b1) = _memory_span(a), _memory_span(b)
-    return a0 < b1 and b0 < a1
+    return a.device == b.device and _touches(_memory_span(a), [_memory_span(b)])
 
 
 def dtype_signature(args: Sequence) -> Optional[tuple[torch.dtype, ...]]:

@@ -22,13 +22,14 @@ from lowbit import backends
 from lowbit.backends import Kernel, Operator, same_bits
 
 _LIB = torch.library.Library("lowbit", "FRAGMENT")
+_ARGUMENTS: dict[str, list] = {}  # custom op name -> its schema's arguments (read once, at definition)
+_OUTPUT_COUNT: dict[str, int] = {}  # operator name -> number of output tensors
 
 
 def _complete(name: str, args: tuple, kwargs: dict) -> list:
     """All arguments of ``lowbit::<name>`` in schema order (the dispatcher leaves out trailing defaults)."""
-    schema = getattr(torch.ops.lowbit, name).default._schema
     full = list(args)
-    for argument in schema.arguments[len(args):]:
+    for argument in _ARGUMENTS[name][len(args):]:
         full.append(kwargs[argument.name] if argument.name in kwargs else argument.default_value)
     return full
 
@@ -54,13 +55,14 @@ def define(
     """
     op = backends.register(Operator(name=name, outputs=outputs, reference=reference, native=native,
                                     probes=probes, agrees=agrees))
-    outputs = output_names
-    n_outs = len(outputs)
+    n_outs = _OUTPUT_COUNT[name] = len(output_names)
     returns = "Tensor" if n_outs == 1 else "(" + ", ".join(["Tensor"] * n_outs) + ")"
-    mutated = ", ".join(f"Tensor({chr(ord('a') + i)}!) {name}" for i, name in enumerate(outputs))
-    _LIB.define(f"{op.name}({params}, str? backend=None) -> {returns}")
+    mutated = ", ".join(f"Tensor({chr(ord('a') + i)}!) {out}" for i, out in enumerate(output_names))
+    _LIB.define(f"{name}({params}, str? backend=None) -> {returns}")
     required = re.sub(r"=[^,]*", "", params)  # the _out op takes every parameter, then the outputs
-    _LIB.define(f"{op.name}_out({required}, {mutated}, str? backend=None) -> ()")
+    _LIB.define(f"{name}_out({required}, {mutated}, str? backend=None) -> ()")
+    for op_name in (name, name + "_out"):
+        _ARGUMENTS[op_name] = list(getattr(torch.ops.lowbit, op_name).default._schema.arguments)
 
     def functional(*args, **kwargs):
         *args, backend = _complete(op.name, args, kwargs)
@@ -94,11 +96,15 @@ def define(
 
 def call(op: Operator, args: Sequence[Any], out: Any = None, backend: Optional[str] = None) -> Any:
     """Run ``op`` through its custom op: the functional one, or ``_out`` when ``out`` is given (a tensor,
-    or a tuple of tensors for several outputs; validated, then returned)."""
+    or a tuple of tensors for several outputs; the op validates it, then it is returned). TypeError here
+    for an ``out`` of the wrong structure, which the custom op's schema could not name."""
     if out is None:
         return getattr(torch.ops.lowbit, op.name)(*args, backend)
-    if isinstance(out, list):
-        out = tuple(out)
-    op.check_out(args, out)
-    getattr(torch.ops.lowbit, op.name + "_out")(*args, *(out if isinstance(out, tuple) else (out,)), backend)
-    return out
+    n_outs = _OUTPUT_COUNT[op.name]
+    outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+    if len(outs) != n_outs or not all(isinstance(t, torch.Tensor) for t in outs):
+        want = "a tensor" if n_outs == 1 else f"a tuple of {n_outs} tensors"
+        raise TypeError(f"{op.name}: out must be {want}, got {type(out).__name__}"
+                        + (f" of length {len(outs)}" if isinstance(out, (tuple, list)) else ""))
+    getattr(torch.ops.lowbit, op.name + "_out")(*args, *outs, backend)
+    return tuple(out) if isinstance(out, list) else out

@@ -122,14 +122,13 @@ class PackedLinear(QuantizedLinearBase):
 
     kind = "packed"
 
-    def fused_linear(self, x_q: torch.Tensor) -> Optional[torch.Tensor]:
-        """The fused kernel's result, or None where this layer has none (see the class docstring)."""
-        fused = FUSED_LINEAR.get(self.cfg_meta["weight_type"])
-        if (fused is None or self.cfg_meta["geometry"]["type"] != "Linear" or self.cfg_meta.get("amct_compat")
-                or x_q.dtype not in (torch.float16, torch.bfloat16)):
+    def fused_kernel(self, dtype: torch.dtype) -> Optional[tuple]:
+        """(operator, names of its packed buffers) of the fused kernel for inputs of ``dtype``, or None where
+        this layer has none (see the class docstring)."""
+        if (self.cfg_meta["geometry"]["type"] != "Linear" or self.cfg_meta.get("amct_compat")
+                or dtype not in (torch.float16, torch.bfloat16)):
             return None
-        op, names = fused
-        return op(x_q, *(self._buffers[name] for name in names), self.bias)
+        return FUSED_LINEAR.get(self.cfg_meta["weight_type"])
 
     def dequantized_weight(self) -> torch.Tensor:
         """The weight (its original shape and dtype), decoded from the packed buffers (not cached)."""
@@ -139,9 +138,10 @@ class PackedLinear(QuantizedLinearBase):
         return dense.reshape(self.cfg_meta["geometry"]["weight_shape"])
 
     def compute(self, x_q):
-        fused = self.fused_linear(x_q)
+        fused = self.fused_kernel(x_q.dtype)
         if fused is not None:
-            return fused
+            op, names = fused
+            return op(x_q, *(self._buffers[name] for name in names), self.bias)
         return run_layer(self.cfg_meta["geometry"], x_q, self.dequantized_weight(), self.bias)
 
 
