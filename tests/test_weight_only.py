@@ -128,6 +128,53 @@ def test_hifloat4_packed_weights_with_poisoned_and_zero_blocks():
     assert want[:, 0].isnan().all() and not want[:, 1:].isnan().any()
 
 
+# --- fused multiply-adds only where every product is exact (docs/weight_only.md, 'Summation order') ----------
+
+FUSING = {  # format: (operator, quantize a float32 (N, K) weight, its float32 weight)
+    "mxfp4": (ops.MXFP4_LINEAR, mxfp4.quantize, lambda t: reference.mxfp4_weight(*t)),
+    "hifloat4": (ops.HIFLOAT4_LINEAR, hifloat4.pack, lambda t: reference.hifloat4_weight(*t)),
+}
+
+
+def gemv_lane_sums(fmt, x, weight):
+    """The CPU GEMV's float32 sums (before the rounding to x's dtype) of x (M, K), K a multiple of 64."""
+    kernel = {"mxfp4": cpu.MXFP4_LINEAR, "hifloat4": cpu.HIFLOAT4_LINEAR}[fmt]
+    m, k = x.shape
+    y32 = torch.empty(m, weight[0].shape[0])
+    kernel.gemv(cpu._reorder(x.float(), *kernel.split).numpy(), *kernel._operands(*weight, k), y32.numpy())
+    return y32
+
+
+@pytest.mark.parametrize("fmt", FUSING)
+def test_products_below_the_normal_range_are_rounded_before_the_sum(fmt):
+    g = gen(5)
+    _, quantize, weight_of = FUSING[fmt]
+    weight = quantize(torch.randn(16, 512, generator=g) * 2.0**-40)
+    x = (torch.randn(3, 512, generator=g) * 2.0**-102).bfloat16()
+    x[:, :64] *= 2.0**20  # lane sums in the normal range, then subnormal products added to them
+    x[2, :] *= 2.0**40  # a row with only exact products
+    w32 = weight_of(weight)
+    exact = x[0].double() * w32.double()
+    assert ((x[0].float() * w32).double() != exact).any()  # setup: some products are inexact
+    got = gemv_lane_sums(fmt, x, weight)
+    want = reference.lane_sums(x.float(), w32)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+@pytest.mark.parametrize("fmt", FUSING)
+def test_a_product_beyond_the_float32_range_overflows_before_the_sum(fmt):
+    op, quantize, weight_of = FUSING[fmt]
+    w = torch.zeros(2, 128)
+    w[:, 0], w[:, 64] = -(2.0**17), 2.0**17
+    weight = quantize(w)
+    v = float(weight_of(weight)[0, 64])
+    x = torch.zeros(1, 128)
+    x[0, 64] = 2.0 ** (128 - np.floor(np.log2(v)))  # x * v in [2^128, 2^129): Inf as a float32 product
+    x[0, 0] = x[0, 64] / 2  # lane 0: -x v / 2 (finite), then Inf; fused, it would end at x v / 2 (finite)
+    want = native_equals_reference(op, x.bfloat16(), *weight, None)
+    assert want.isinf().all()
+
+
 # --- shapes, strides, threads -------------------------------------------------------------------------------
 
 K_SIZES = {"hifloat8": (1, 61, 189), "mxfp4": (32, 96, 128), "hifloat4": (64, 128, 192)}

@@ -10,7 +10,8 @@ live in registers; LANES = 32: two AVX-512 registers each on x86):
     U8P    <2 LANES x i8>   LANES unsigned nibbles of two weight rows, interleaved (row k, row k + 1)
 
 and @intrinsic operations on them. Every operation is exact integer or IEEE float32 arithmetic (fmul/fadd
-without fast-math flags, so LLVM never contracts them into FMA): kernels built from them are bit-exact.
+without fast-math flags, so LLVM never contracts them into FMA; ``f32v_fma`` is the explicit fused
+multiply-add, for kernels that prove it gives the same bits): kernels built from them are bit-exact.
 
 ``i16v_maddubs(acc, pairs, a_words, index)`` (the raw-weight path): per int16 lane, two unsigned nibbles
 times the two int8 of ``a_words[index]`` (int16), added to acc: vpmaddubsw with AVX512-BW, portable IR
@@ -352,6 +353,18 @@ f32v_mul.__doc__ = "IEEE float32 a * b per lane (b: F32V or float32 scalar)."
 
 
 @intrinsic
+def f32v_fma(typingctx, a, b, c):
+    """``a * b + c`` per lane with one rounding (llvm.fma: vfmadd with FMA hardware)."""
+
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(_VF32, [_VF32] * 3), f"llvm.fma.v{LANES}f32")
+        return builder.call(fn, list(args))
+
+    return F32V(a, b, c), codegen
+
+
+@intrinsic
 def f32v_sum_tree(typingctx, value):
     """The float32 sum of the LANES lanes folded pairwise: ``lane[i] += lane[i + h]`` for ``i < h``,
     h = LANES / 2, ..., 1; returns lane 0."""
@@ -567,6 +580,22 @@ i16v_zip_second = _zip_intrinsic(1)
 i16v_zip_first.__doc__ = """I32V (low[0], high[0], low[1], high[1], ..., high[LANES/2 - 1]) of two I16V, sign-extended:
 the even and odd columns of a raw weight row's sums back in column order."""
 i16v_zip_second.__doc__ = "The same for lanes LANES/2 .. LANES - 1."
+
+
+@intrinsic
+def i32v_low_byte_range(typingctx, value):
+    """(min, max) over the LANES lanes of ``value & 0xFF`` (int64 each)."""
+
+    def codegen(context, builder, sig, args):
+        low_bytes = builder.and_(args[0], ir.Constant(_VI32, [0xFF] * LANES))
+        ends = []
+        for name in ("umin", "umax"):
+            fn = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(_I32, [_VI32]), f"llvm.vector.reduce.{name}.v{LANES}i32")
+            ends.append(builder.zext(builder.call(fn, [low_bytes]), ir.IntType(64)))
+        return context.make_tuple(builder, sig.return_type, ends)
+
+    return types.UniTuple(types.int64, 2)(value), codegen
 
 
 @intrinsic

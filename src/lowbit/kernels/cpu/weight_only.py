@@ -5,7 +5,9 @@ Two paths, chosen by the number of rows M of x (``GEMV_MAX_M``):
 * **GEMV** (M <= GEMV_MAX_M, decoding): bit-exact with the reference (lowbit.formats.weight_only). The
   64 summation lanes are two F32V registers: one step decodes 64 consecutive weights of a row (k = 64t ..
   64t + 63) into float32 exactly as the reference does, multiplies them by x and adds them to the lanes
-  (mul and add, never FMA); then :func:`f32v_sum_tree` folds the lanes in the reference's order. Rows are
+  (mul and add; a fused multiply-add only where every product of the row is exact, so that it gives the
+  same bits: MXFP4 and HiFloat4, see _fused_bytes); then :func:`f32v_sum_tree` folds the lanes in the
+  reference's order. Rows are
   split across threads; each row's sum is one thread's, so the result does not depend on the thread count.
 * **GEMM** (larger M, prefill): tiles of rows are decoded with the same step functions into a float32 (or,
   for weights that are BF16 values and BF16 x, BF16) buffer, and torch multiplies x by each tile (its
@@ -53,6 +55,25 @@ _HIF8_BF16_BITS = hifloat8.decode_table(torch.bfloat16).view(torch.int16).numpy(
 # the E8M0 scale (one rounding: the reference's weight); HiFloat4: (-1)^s c/4 times the E6M2 scale (exact).
 _MXFP4_TABLES = (reference.e8m0_scales()[:, None] * mxfp4.e2m1_values(torch.float32)).reshape(-1).numpy()
 _HIFLOAT4_TABLES = (reference.e6m2_scales()[:, None] * reference.hifloat4_quarters()).reshape(-1).numpy()
+
+
+def _exponent_bounds(tables: np.ndarray, multiplier: float) -> np.ndarray:
+    """(2, 256) int32: per scale byte b, floor(log2) of the smallest nonzero |weight| of its 16-entry table
+    and of the largest finite one times ``multiplier`` (HiFloat4's levels: up to x4); both never decrease
+    with b. The NaN table of byte 0xFF (a NaN scale or a poisoned block) gets the bounds of 0xFE."""
+    magnitudes = np.abs(tables.reshape(256, 16)).astype(np.float64)
+    nan = np.isnan(magnitudes).any(axis=1)
+    assert nan.tolist() == [False] * 255 + [True]  # the NaN / poison byte is 0xFF
+    smallest = np.where(magnitudes > 0, magnitudes, np.inf).min(axis=1)
+    largest = np.where(np.isinf(magnitudes), 0.0, magnitudes).max(axis=1) * multiplier  # Inf * x: exact
+    bounds = np.floor(np.log2(np.stack([smallest, largest])[:, :255])).astype(np.int32)
+    assert (np.diff(bounds, axis=1) >= 0).all()  # both grow with the byte: see _fused_rows
+    return np.concatenate([bounds, bounds[:, -1:]], axis=1)  # 0xFF (NaN products in any order) as 0xFE
+
+
+_MXFP4_EXPONENTS = _exponent_bounds(_MXFP4_TABLES, 1.0)
+_HIFLOAT4_EXPONENTS = _exponent_bounds(_HIFLOAT4_TABLES, 4.0)
+_NO_EXPONENT = 1 << 20  # _x_exponents of a row without finite nonzero values
 
 # ---- register orders ---------------------------------------------------------------------------------------
 # A step's 64 weights sit in two F32V registers in an order that is cheap to decode into: register lane p
@@ -269,6 +290,82 @@ def _accumulate(acc0, acc1, x_flat, x0, w0, w1):
     return acc0, acc1
 
 
+@numba.njit(**_INLINE)
+def _accumulate_fused(acc0, acc1, x_flat, x0, w0, w1):
+    """The same with fused multiply-adds: the same bits where every product x * w is exact in float32
+    (then fma(x, w, acc) = fl(acc + x * w)); see _fused_bytes."""
+    acc0 = simd.f32v_fma(simd.f32v_load(x_flat, x0), w0, acc0)
+    acc1 = simd.f32v_fma(simd.f32v_load(x_flat, x0 + HALF), w1, acc1)
+    return acc0, acc1
+
+
+# ---- where a fused multiply-add gives the reference's bits --------------------------------------------------
+# x is an FP16 or BF16 value (at most 11 significant bits) and an MXFP4 or HiFloat4 weight has at most 6, so
+# x * w fits float32's 24-bit significand: the product is exact unless it falls below 2^-126 (subnormal
+# results lose bits) or reaches 2^128 (overflow). Both are ruled out per block from the exponent range of
+# the x row and the smallest and largest scale byte of the W row (_fused_bytes); other rows take the mul + add step
+# (docs/weight_only.md, 'Summation order').
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _x_exponents(x_flat, start, count):
+    """(lowest, highest) floor(log2 |x|) over the finite nonzero float32 x[start : start + count] (a
+    subnormal counts as -149: every nonzero float32 is at least 2^-149); (_NO_EXPONENT, -_NO_EXPONENT) when
+    there is none."""
+    low = _NO_EXPONENT
+    high = -_NO_EXPONENT
+    bits = x_flat[start : start + count].view(np.int32)
+    for i in range(count):
+        biased = (bits[i] >> 23) & 0xFF
+        if (bits[i] & 0x7FFFFFFF) != 0 and biased != 0xFF:
+            e = biased - 127 if biased != 0 else -149
+            low = min(low, e)
+            high = max(high, e)
+    return low, high
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _fused_bytes(x_reg, exponents):
+    """(M, 256) bool: whether every product of x row m with a block of scale byte b is exact (all nonzero
+    |x w| in [2^-126, 2^128)). As the weight bounds grow with b, the bytes where this holds are one
+    interval: a row of W may be summed with _accumulate_fused when its smallest and its largest scale
+    byte both pass (_fused_rows)."""
+    m_rows, kp = x_reg.shape
+    fused = np.empty((m_rows, 256), dtype=np.bool_)
+    x_flat = x_reg.reshape(-1)
+    for m in range(m_rows):
+        low, high = _x_exponents(x_flat, m * kp, kp)
+        for b in range(256):
+            fused[m, b] = low + exponents[0, b] >= -126 and high + exponents[1, b] <= 126
+    return fused
+
+
+@numba.njit(**_INLINE)
+def _scale_byte_range(scales, start, count):
+    """(min, max) of the uint8 ``scales[start : start + count]`` (MXFP4's E8M0 bytes of a row)."""
+    low, high = 255, 0
+    full = start + count - count % HALF
+    for i in range(start, full, HALF):
+        lo, hi = simd.i32v_low_byte_range(simd.bytes_load(scales, i))
+        low, high = min(low, lo), max(high, hi)
+    for i in range(full, start + count):
+        low, high = min(low, np.int64(scales[i])), max(high, np.int64(scales[i]))
+    return low, high
+
+
+@numba.njit(**_INLINE)
+def _word_byte_range(words, start, count):
+    """(min, max) of the low bytes of the int32 ``words[start : start + count]`` (HiFloat4's E6M2 bytes)."""
+    low, high = 255, 0
+    full = start + count - count % HALF
+    for i in range(start, full, HALF):
+        lo, hi = simd.i32v_low_byte_range(simd.i32v_load(words, i))
+        low, high = min(low, lo), max(high, hi)
+    for i in range(full, start + count):
+        low, high = min(low, np.int64(words[i] & 0xFF)), max(high, np.int64(words[i] & 0xFF))
+    return low, high
+
+
 # ---- steps of a row that end early (a K that is not a multiple of 64) -------------------------------------
 
 
@@ -331,28 +428,53 @@ def _hifloat8_gemv(x_reg, codes, scale, keep, y32):
                 y32[m, row] = _row_sum_hifloat8(acc0, acc1)
 
 
+@numba.njit(**_INLINE)
+def _mxfp4_row_sum(accumulate, x_flat, x0, codes_flat, scales_flat, b0, blocks, scratch):
+    """One row of W (its blocks b0 .. b0 + blocks - 1) times x_flat[x0:] (register order), summed with
+    ``accumulate`` (_accumulate or _accumulate_fused: a compile-time choice, so each loop is branch-free)."""
+    acc0 = simd.f32v_zero()
+    acc1 = simd.f32v_zero()
+    for t in range(blocks // 2):
+        b = np.uint64(b0 + 2 * t)  # unsigned: no negative-index wraparound code
+        w0, w1 = _mxfp4_step(codes_flat, 16 * b, scales_flat[b], scales_flat[b + 1])
+        acc0, acc1 = accumulate(acc0, acc1, x_flat, x0 + LANES * t, w0, w1)
+    if blocks % 2:
+        b = b0 + blocks - 1
+        w0, w1 = _mxfp4_last_block(codes_flat, 16 * b, scales_flat[b], scratch)
+        acc0, acc1 = accumulate(acc0, acc1, x_flat, x0 + LANES * (blocks // 2), w0, w1)
+    return _row_sum_nibbles(acc0, acc1)
+
+
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
 def _mxfp4_gemv(x_reg, codes, scales, y32):
     """codes (N, K/2), scales (N, K/32) uint8; x_reg (M, Kp) register order; y32 (M, N) float32."""
     n, blocks = scales.shape
     m_rows, kp = x_reg.shape
     x_flat, codes_flat, scales_flat = x_reg.reshape(-1), codes.reshape(-1), scales.reshape(-1)
+    fused = _fused_bytes(x_reg, _MXFP4_EXPONENTS)
     for task in numba.prange((n + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
         scratch = np.zeros(HALF, dtype=np.uint8)
         for row in range(task * _ROWS_PER_TASK, min(n, (task + 1) * _ROWS_PER_TASK)):
             b0 = row * blocks
+            low, high = _scale_byte_range(scales_flat, b0, blocks)
             for m in range(m_rows):
-                acc0 = simd.f32v_zero()
-                acc1 = simd.f32v_zero()
-                for t in range(blocks // 2):
-                    b = np.uint64(b0 + 2 * t)  # unsigned: no negative-index wraparound code
-                    w0, w1 = _mxfp4_step(codes_flat, 16 * b, scales_flat[b], scales_flat[b + 1])
-                    acc0, acc1 = _accumulate(acc0, acc1, x_flat, m * kp + LANES * t, w0, w1)
-                if blocks % 2:
-                    b = b0 + blocks - 1
-                    w0, w1 = _mxfp4_last_block(codes_flat, 16 * b, scales_flat[b], scratch)
-                    acc0, acc1 = _accumulate(acc0, acc1, x_flat, m * kp + LANES * (blocks // 2), w0, w1)
-                y32[m, row] = _row_sum_nibbles(acc0, acc1)
+                if fused[m, low] and fused[m, high]:
+                    y32[m, row] = _mxfp4_row_sum(_accumulate_fused, x_flat, m * kp, codes_flat, scales_flat, b0,
+                                                 blocks, scratch)
+                else:
+                    y32[m, row] = _mxfp4_row_sum(_accumulate, x_flat, m * kp, codes_flat, scales_flat, b0, blocks,
+                                                 scratch)
+
+
+@numba.njit(**_INLINE)
+def _hifloat4_row_sum(accumulate, x_flat, x0, words_flat, value_flat, b0, blocks):
+    """One row of W (blocks b0 .. b0 + blocks - 1) times x_flat[x0:], as _mxfp4_row_sum."""
+    acc0 = simd.f32v_zero()
+    acc1 = simd.f32v_zero()
+    for b in range(blocks):
+        w0, w1 = _hifloat4_step(words_flat, value_flat, b0 + b)
+        acc0, acc1 = accumulate(acc0, acc1, x_flat, x0 + LANES * b, w0, w1)
+    return _row_sum_nibbles(acc0, acc1)
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
@@ -361,15 +483,17 @@ def _hifloat4_gemv(x_reg, words, value, y32):
     n, blocks = words.shape
     m_rows, kp = x_reg.shape
     x_flat, words_flat, value_flat = x_reg.reshape(-1), words.reshape(-1), value.reshape(-1)
+    fused = _fused_bytes(x_reg, _HIFLOAT4_EXPONENTS)
     for task in numba.prange((n + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
         for row in range(task * _ROWS_PER_TASK, min(n, (task + 1) * _ROWS_PER_TASK)):
+            b0 = row * blocks
+            low, high = _word_byte_range(words_flat, b0, blocks)
             for m in range(m_rows):
-                acc0 = simd.f32v_zero()
-                acc1 = simd.f32v_zero()
-                for b in range(blocks):
-                    w0, w1 = _hifloat4_step(words_flat, value_flat, row * blocks + b)
-                    acc0, acc1 = _accumulate(acc0, acc1, x_flat, m * kp + LANES * b, w0, w1)
-                y32[m, row] = _row_sum_nibbles(acc0, acc1)
+                if fused[m, low] and fused[m, high]:
+                    y32[m, row] = _hifloat4_row_sum(_accumulate_fused, x_flat, m * kp, words_flat, value_flat, b0,
+                                                    blocks)
+                else:
+                    y32[m, row] = _hifloat4_row_sum(_accumulate, x_flat, m * kp, words_flat, value_flat, b0, blocks)
 
 
 # ---- GEMM tiles: rows r0 .. r0 + R - 1 of W decoded into w32 (R, >= Kp), logical order, float32 or BF16 ----------------------
