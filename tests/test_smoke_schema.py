@@ -30,8 +30,9 @@ def smoke(capsys, *argv):
     return code, captured.out, captured.err
 
 
-def test_one_operator_report_matches_the_schema(capsys):
-    code, out, err = smoke(capsys, "hifloat8", "--backend", "native", "--device", "cpu")
+@pytest.mark.parametrize("op", ["hifloat8", "weight_only"])
+def test_one_operator_report_matches_the_schema(capsys, op):
+    code, out, err = smoke(capsys, op, "--backend", "native", "--device", "cpu")
     assert code == 0, err
     report = json.loads(out)
     assert problems(report) == []

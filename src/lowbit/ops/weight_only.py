@@ -110,8 +110,9 @@ class _ReferenceLinear(Kernel):
 
 # ---- probes: edge shapes and special values of every kernel, small ------------------------------------------
 # Shapes: M = 1 (decode), M = 2..4 (the CPU GEMV loop), M = 6 (the CPU GEMM path: there with operands whose
-# sums are exact in float32 in any order, so every path must give the same bits); K with a tail of a
-# 64-lane step (HiFloat8) or an odd number of 32-blocks (MXFP4); FP16 and BF16; bias absent, x's dtype, FP32.
+# sums are exact in float32 in any order, so every path must give the same bits; for MXFP4 and HiFloat4 both
+# of its tile kinds, BF16 and float32); K with a tail of a 64-lane step (HiFloat8) or an odd number of
+# 32-blocks (MXFP4); FP16 and BF16; bias absent, x's dtype, FP32.
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -180,6 +181,8 @@ def _mxfp4_probes():
     probes.append((x, c, s, None))
     probes.append((_small_integers((6, 64), g, torch.bfloat16), codes(3, 64), scales(3, 64, 126, 129),
                    _small_integers((3,), g, torch.float32)))
+    probes.append((_small_integers((6, 64), g, torch.bfloat16), codes(3, 64), scales(3, 64, 126, 129),
+                   _small_integers((3,), g, torch.bfloat16)))
     return probes
 
 
@@ -201,6 +204,9 @@ def _hifloat4_probes():
     exact[..., 0] = 48 << 2  # scale 1.0: weights are multiples of 1/4 below 8
     probes.append((_small_integers((6, 64), g, torch.bfloat16), exact,
                    torch.randint(0, 256, (3, 32), generator=g, dtype=torch.uint8), None))
+    probes.append((_small_integers((6, 64), g, torch.float16), exact,
+                   torch.randint(0, 256, (3, 32), generator=g, dtype=torch.uint8),
+                   _small_integers((3,), g, torch.float32)))
     return probes
 
 

@@ -17,7 +17,7 @@ from lowbit.cli.render import STYLE, shorten, verdict
 from lowbit.cli.smoke._common import required_contracts
 
 WHY_LIMIT = 140  # characters of an explanation below the table: at most 2 lines at 80 columns
-CASE_LABEL_KEYS = ("input_dtype", "api", "template", "qdim", "shape_bsnkr")  # what tells a case apart
+CASE_LABEL_KEYS = ("input_dtype", "operator", "api", "template", "qdim", "shape_bsnkr", "x_shape")  # tells cases apart
 
 
 def _case_label(result: dict) -> str:
