@@ -130,7 +130,13 @@ def test_hifloat4_packed_weights_with_poisoned_and_zero_blocks():
 
 # --- fused multiply-adds only where every product is exact (docs/weight_only.md, 'Summation order') ----------
 
-FUSING = {  # format: (operator, quantize a float32 (N, K) weight, its float32 weight)
+def hif8_quantize(w):
+    scale = w.abs().amax(1) / 16
+    return lowbit.encode_to_hifloat8((w / scale[:, None]).bfloat16()), scale
+
+
+FUSING = {  # format: (operator, quantize a float32 (N, K) weight, its float32 weight for BF16 x)
+    "hifloat8": (ops.HIFLOAT8_LINEAR, hif8_quantize, lambda t: reference.hifloat8_weight(*t, torch.bfloat16)),
     "mxfp4": (ops.MXFP4_LINEAR, mxfp4.quantize, lambda t: reference.mxfp4_weight(*t)),
     "hifloat4": (ops.HIFLOAT4_LINEAR, hifloat4.pack, lambda t: reference.hifloat4_weight(*t)),
 }
@@ -138,10 +144,10 @@ FUSING = {  # format: (operator, quantize a float32 (N, K) weight, its float32 w
 
 def gemv_lane_sums(fmt, x, weight):
     """The CPU GEMV's float32 sums (before the rounding to x's dtype) of x (M, K), K a multiple of 64."""
-    kernel = {"mxfp4": cpu.MXFP4_LINEAR, "hifloat4": cpu.HIFLOAT4_LINEAR}[fmt]
+    kernel = {"hifloat8": cpu.HIFLOAT8_LINEAR, "mxfp4": cpu.MXFP4_LINEAR, "hifloat4": cpu.HIFLOAT4_LINEAR}[fmt]
     m, k = x.shape
     y32 = torch.empty(m, weight[0].shape[0])
-    kernel.gemv(cpu._reorder(x.float(), *kernel.split).numpy(), *kernel._operands(*weight, k), y32.numpy())
+    kernel.gemv(cpu._reorder(x.float(), *kernel.split).numpy(), *kernel._operands(*weight, k, x.dtype), y32.numpy())
     return y32
 
 
@@ -212,9 +218,10 @@ def test_result_does_not_depend_on_the_thread_count(fmt, m):
 
 # --- the GEMM path (M > GEMV_MAX_M): within the interval of any summation order ---------------------------
 
-def _dense(fmt, weight):
-    return {"hifloat8": reference.hifloat8_weight, "mxfp4": reference.mxfp4_weight,
-            "hifloat4": reference.hifloat4_weight}[fmt](*weight)
+def _dense(fmt, weight, dtype):
+    if fmt == "hifloat8":
+        return reference.hifloat8_weight(*weight, dtype)
+    return {"mxfp4": reference.mxfp4_weight, "hifloat4": reference.hifloat4_weight}[fmt](*weight)
 
 
 @pytest.mark.parametrize("fmt", WEIGHTS)
@@ -229,7 +236,7 @@ def test_gemm_path_within_the_order_interval(fmt, dtype, bias_dtype):
     x[0, :8] = 2.0**-130  # BF16 subnormals (flushed by a BF16 GEMM), FP16 zeros
     bias = None if bias_dtype is None else torch.randn(n, generator=g).to(dtype if bias_dtype == "x" else bias_dtype)
     got = OPS[fmt](x, *weight, bias, backend="native").float()
-    lo, hi = reference.gemm_interval(x, _dense(fmt, weight), bias)
+    lo, hi = reference.gemm_interval(x, _dense(fmt, weight, dtype), bias)
     assert ((lo.float() <= got) & (got <= hi.float())).all()
 
 
@@ -281,29 +288,31 @@ def test_triton_kernel_equals_the_reference(fmt):
 
 # --- SIMD building blocks, both lowerings -------------------------------------------------------------------
 
-def _decode_with(decode):
-    @numba.njit
-    def run(codes, table, out):
-        for start in range(0, codes.size, 64):
-            w0, w1 = decode(codes, start, table)
-            simd.f32v_store(out, start, w0)
-            simd.f32v_store(out, start + 32, w1)
-    return run
+@numba.njit
+def _decode_row(magnitudes, scale, bf16, table, codes, out):
+    cpu._fill_row_table(magnitudes, scale, bf16, table)
+    for start in range(0, codes.size, 64):
+        w0, w1 = cpu.hifloat8_decode(codes, start, table)
+        simd.f32v_store(out, start, w0)
+        simd.f32v_store(out, start + 32, w1)
 
 
-@pytest.mark.parametrize("lowering", ["portable", "vbmi"])
-def test_hifloat8_decode_every_code(lowering):
-    if lowering == "vbmi" and not simd.HAS_AVX512VBMI:
+@pytest.mark.parametrize("dtype, kind", [(torch.bfloat16, np.uint8), (torch.bfloat16, np.float32),
+                                         (torch.float16, np.float32)])
+@pytest.mark.parametrize("scale", [1.0, -0.3, 3e-39, 1e-6, 7e4, 1e30, 0.0, -0.0, float("inf"), float("nan")])
+def test_hifloat8_row_table_decodes_every_code(dtype, kind, scale):
+    if kind is np.uint8 and not simd.HAS_AVX512VBMI:
         pytest.skip("no AVX512-VBMI on this CPU")
-    decode = cpu.hifloat8_decode_vbmi if lowering == "vbmi" else cpu.hifloat8_decode_portable
-    codes = np.arange(256, dtype=np.uint8)
+    codes = torch.arange(256, dtype=torch.uint8).reshape(1, 256)
+    _, scale_x, bf16, magnitudes, _, table_like, _ = cpu._hifloat8_operands(codes, torch.tensor([scale]), 256,
+                                                                           dtype, kind)
     out = np.empty(256, dtype=np.float32)
-    _decode_with(decode)(codes, cpu._HIF8_FP32, out)
+    _decode_row(magnitudes, scale_x[0], bf16, np.empty_like(table_like), codes.numpy().reshape(-1), out)
     order = np.array(cpu.HIFLOAT8_ORDER)
     logical = np.empty_like(out)
     for start in range(0, 256, 64):
         logical[start + order] = out[start : start + 64]
-    want = hifloat8.decode(torch.from_numpy(codes), torch.float32).numpy()
+    want = reference.hifloat8_weight(codes, torch.tensor([scale]), dtype)[0].numpy()
     assert np.array_equal(np.isnan(logical), np.isnan(want))
     finite = ~np.isnan(want)
     assert np.array_equal(logical[finite].view(np.int32), want[finite].view(np.int32))  # signed zeros too
@@ -365,7 +374,7 @@ def test_reference_is_the_documented_sum():
     x = torch.zeros(1, k, dtype=torch.bfloat16)
     x[0, 0], x[0, 64], x[0, 32] = 2.0**24, 1.0, 1.0  # lane 0: 2^24 + 1 -> 2^24 (ties to even); lane 32: 1
     codes = torch.full((1, k), 0x08, dtype=torch.uint8)  # 1.0
-    y32 = reference.lane_sums(x.float(), reference.hifloat8_weight(codes, torch.ones(1)))
+    y32 = reference.lane_sums(x.float(), reference.hifloat8_weight(codes, torch.ones(1), torch.bfloat16))
     assert y32.item() == 2.0**24  # then 2^24 + 1 (lane 32 folded into lane 0) -> 2^24
     assert_bits(lowbit.hifloat8_linear(x, codes, torch.ones(1), backend="native"),
                 torch.tensor([[2.0**24]], dtype=torch.bfloat16))

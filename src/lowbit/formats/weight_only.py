@@ -4,9 +4,10 @@
 fast kernels. The reference here is the definition every kernel follows (docs/weight_only.md, sections
 'Weights' and 'Summation order'):
 
-1. **Weight**: each format's weight decoded to float32 (HiFloat8: the exact FP32 decode times the
-   per-row FP32 scale, one rounding; MXFP4: E2M1 value times the E8M0 scale, exact except that a product
-   beyond FP32's range is +-Inf; HiFloat4: exact). A NaN code or NaN scale gives NaN.
+1. **Weight**: each format's weight decoded to float32 (HiFloat8: dequantized in x's dtype, as AMCT's
+   fake quant and an NPU's antiquant do: the code's value in x's dtype times the row scale rounded to x's
+   dtype, the product rounded to x's dtype; MXFP4: E2M1 value times the E8M0 scale, exact except that a
+   product beyond FP32's range is +-Inf; HiFloat4: exact). A NaN code or NaN scale gives NaN.
 2. **Products**: ``p = fl32(x_k * w_k)`` with x widened exactly to float32.
 3. **Sum**: 64 lanes; lane ``j`` adds the products of ``k = j, j + 64, j + 128, ...`` in order, starting
    from +0.0 (a K that is not a multiple of 64 leaves the last lanes short: they add nothing). Then the
@@ -37,9 +38,11 @@ _FP32_MIN_SUBNORMAL = 2.0**-149
 _FP32_MIN_NORMAL = 2.0**-126
 
 
-def hifloat8_weight(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """(N, K) float32 weight of HiFloat8 ``codes`` (N, K) uint8 and per-row ``scale`` (N,) float32."""
-    return hifloat8.decode(codes, torch.float32) * scale.unsqueeze(-1)
+def hifloat8_weight(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(N, K) float32 weight of HiFloat8 ``codes`` (N, K) uint8 and per-row ``scale`` (N,) float32, dequantized
+    in ``dtype`` (x's: FP16 or BF16): ``decode(code, dtype) * scale.to(dtype)`` rounded to dtype, as float32
+    (each factor has at most 11 significant bits, so the float32 product is exact and rounds once)."""
+    return (hifloat8.decode(codes, dtype) * scale.to(dtype).unsqueeze(-1)).to(torch.float32)
 
 
 def mxfp4_weight(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

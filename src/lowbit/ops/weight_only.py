@@ -102,10 +102,10 @@ class _ReferenceLinear(Kernel):
     """``run(x, a, b, bias, out=)``: lowbit.formats.weight_only.linear of the format's float32 weight."""
 
     def __init__(self, weight):
-        self.weight = weight  # (a, b) -> (N, K) float32
+        self.weight = weight  # (a, b, x's dtype) -> (N, K) float32
 
     def run(self, x, a, b, bias, *, out):
-        out.copy_(reference.linear(x, self.weight(a, b), bias))
+        out.copy_(reference.linear(x, self.weight(a, b, x.dtype), bias))
 
 
 # ---- probes: edge shapes and special values of every kernel, small ------------------------------------------
@@ -218,7 +218,7 @@ def _operator(name: str, outputs, weight, probes, params: tuple[str, str]) -> ba
 
     def agrees(got, want, args) -> bool:
         x, a, b, bias = args
-        return reference.meets_contract(got, want, x, weight(a, b), bias)
+        return reference.meets_contract(got, want, x, weight(a, b, x.dtype), bias)
 
     return define(name, f"Tensor x, Tensor {params[0]}, Tensor {params[1]}, Tensor? bias=None", outputs,
                   _ReferenceLinear(weight), probes, kernels.native("weight_only", name.upper(), ("cpu", "cuda")),
@@ -227,15 +227,16 @@ def _operator(name: str, outputs, weight, probes, params: tuple[str, str]) -> ba
 
 HIFLOAT8_LINEAR = _operator("hifloat8_linear", _hifloat8_outputs, reference.hifloat8_weight, _hifloat8_probes,
                             ("codes", "scale"))
-MXFP4_LINEAR = _operator("mxfp4_linear", _mxfp4_outputs, reference.mxfp4_weight, _mxfp4_probes,
-                         ("codes", "scales"))
-HIFLOAT4_LINEAR = _operator("hifloat4_linear", _hifloat4_outputs, reference.hifloat4_weight, _hifloat4_probes,
-                            ("scale", "value"))
+MXFP4_LINEAR = _operator("mxfp4_linear", _mxfp4_outputs, lambda a, b, dtype: reference.mxfp4_weight(a, b),
+                         _mxfp4_probes, ("codes", "scales"))
+HIFLOAT4_LINEAR = _operator("hifloat4_linear", _hifloat4_outputs, lambda a, b, dtype: reference.hifloat4_weight(a, b),
+                            _hifloat4_probes, ("scale", "value"))
 
 
 def hifloat8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
         out: Optional[torch.Tensor] = None, backend: Optional[str] = None) -> torch.Tensor:
-    """``x @ W.T + bias`` with W[n, k] = decode(codes[n, k]) * scale[n] (HiFloat8, W8A16).
+    """``x @ W.T + bias`` with W[n, k] = decode(codes[n, k]) * scale[n] dequantized in x's dtype (HiFloat8,
+    W8A16): the code's value and the scale each in x's dtype, their product rounded to it (AMCT's fake quant).
 
     codes (N, K) uint8 HiFloat8 codes (lowbit.encode_to_hifloat8 of the weight divided by its row scale);
     scale (N,) float32. x (..., K) FP16/BF16 -> (..., N) in x's dtype (module docstring).

@@ -365,6 +365,51 @@ def f32v_fma(typingctx, a, b, c):
 
 
 @intrinsic
+def f32v_round_to_bf16(typingctx, value):
+    """Each lane rounded to the nearest BF16 value (ties to even; overflow to Inf), as float32; NaN lanes
+    become the quiet NaN 0x7FC00000."""
+
+    def codegen(context, builder, sig, args):
+        bits = builder.bitcast(args[0], _VI32)
+        lsb = builder.and_(builder.lshr(bits, ir.Constant(_VI32, [16] * LANES)), ir.Constant(_VI32, [1] * LANES))
+        rounded = builder.add(builder.add(bits, ir.Constant(_VI32, [0x7FFF] * LANES)), lsb)
+        rounded = builder.and_(rounded, ir.Constant(_VI32, [-0x10000] * LANES))  # 0xFFFF0000
+        is_nan = builder.fcmp_unordered("uno", args[0], args[0])
+        rounded = builder.select(is_nan, ir.Constant(_VI32, [0x7FC00000] * LANES), rounded)
+        return builder.bitcast(rounded, _VF32)
+
+    return F32V(value), codegen
+
+
+@intrinsic
+def f32v_round_to_f16(typingctx, value):
+    """Each lane rounded to the nearest FP16 value (IEEE: ties to even, subnormals, overflow to Inf), as
+    float32 (vcvtps2ph / vcvtph2ps on x86)."""
+
+    def codegen(context, builder, sig, args):
+        half = builder.fptrunc(args[0], ir.VectorType(ir.HalfType(), LANES))
+        return builder.fpext(half, _VF32)
+
+    return F32V(value), codegen
+
+
+@intrinsic
+def f32v_store_bf16_bytes(typingctx, arr, high_index, low_index, value):
+    """For BF16-valued lanes: the high and the low byte of each lane's BF16 bits stored into the uint8
+    array ``arr`` at ``high_index`` and ``low_index`` (LANES bytes each)."""
+
+    def codegen(context, builder, sig, args):
+        bits = builder.bitcast(args[3], _VI32)
+        v_bytes = ir.VectorType(_I8, LANES)
+        for shift, index in ((24, args[1]), (16, args[2])):
+            part = builder.trunc(builder.lshr(bits, ir.Constant(_VI32, [shift] * LANES)), v_bytes)
+            builder.store(part, _element_ptr(context, builder, sig.args[0], args[0], index, v_bytes), align=1)
+        return context.get_dummy_value()
+
+    return types.void(arr, high_index, low_index, value), codegen
+
+
+@intrinsic
 def f32v_sum_tree(typingctx, value):
     """The float32 sum of the LANES lanes folded pairwise: ``lane[i] += lane[i + h]`` for ``i < h``,
     h = LANES / 2, ..., 1; returns lane 0."""

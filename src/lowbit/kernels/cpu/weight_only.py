@@ -15,8 +15,9 @@ Two paths, chosen by the number of rows M of x (``GEMV_MAX_M``):
 
 Decoding (docs/weight_only.md, 'Weights'):
 
-* HiFloat8: the code's exact value from two 128-entry byte tables (the BF16 bits of each magnitude;
-  vpermi2b with AVX512-VBMI, a gather from the FP32 decode table elsewhere), times the row's scale.
+* HiFloat8: dequantized in x's dtype, so a row has only 256 weights: they are put in a row table first
+  (the BF16 bytes of each magnitude for vpermi2b with AVX512-VBMI and BF16 x; otherwise the float32
+  values, gathered), then each code is a look-up.
 * MXFP4: the block's 16-entry table (the E2M1 values times its E8M0 scale, the reference's products,
   precomputed for all 256 scale bytes) indexed by the nibbles (vpermps with AVX-512).
 * HiFloat4: the block's 16-entry table (signed c/4 times the E6M2 scale: exact) indexed by the nibbles,
@@ -25,13 +26,15 @@ Decoding (docs/weight_only.md, 'Weights'):
 
 from __future__ import annotations
 
+import math
+
 import numba
 import numpy as np
 import torch
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from lowbit.backends import Kernel
 from lowbit.formats import hifloat8, mxfp4
@@ -49,8 +52,18 @@ _INLINE = dict(NJIT_OPTIONS, inline="always")
 
 # ---- tables (from the reference formats) ------------------------------------------------------------------
 
-_HIF8_FP32 = hifloat8.decode_table(torch.float32).numpy()  # 256 entries, NaN at 0x80
-_HIF8_BF16_BITS = hifloat8.decode_table(torch.bfloat16).view(torch.int16).numpy().astype(np.uint16)[:128]
+# HiFloat8: the values of codes 0..127 in each x dtype (as float32), and floor(log2) of the smallest nonzero
+# and of the largest finite one (for _hifloat8_fused).
+_HIF8_MAGNITUDES = {dtype: hifloat8.decode_table(dtype)[:128].to(torch.float32).numpy()
+                    for dtype in (torch.bfloat16, torch.float16)}
+
+
+def _magnitude_exponents(values: np.ndarray) -> np.ndarray:
+    finite = np.abs(values[np.isfinite(values)]).astype(np.float64)
+    return np.floor(np.log2([finite[finite > 0].min(), finite.max()])).astype(np.int64)
+
+
+_HIF8_MAGNITUDE_EXPONENTS = {dtype: _magnitude_exponents(v) for dtype, v in _HIF8_MAGNITUDES.items()}
 # 16-entry tables of every scale byte, (256 * 16,) float32: entry 16 b + nibble. MXFP4: the E2M1 value times
 # the E8M0 scale (one rounding: the reference's weight); HiFloat4: (-1)^s c/4 times the E6M2 scale (exact).
 _MXFP4_TABLES = (reference.e8m0_scales()[:, None] * mxfp4.e2m1_values(torch.float32)).reshape(-1).numpy()
@@ -142,23 +155,25 @@ hifloat8_logical = _make_logical(HIFLOAT8_ORDER)
 nibble_logical = _make_logical(NIBBLE_ORDER)
 
 # ---- HiFloat8 decode: 64 codes -> two F32V in HIFLOAT8_ORDER ------------------------------------------------
-
-
-def _byte_table(values) -> tuple[ir.Constant, ir.Constant]:
-    """A 128-entry byte table as the two 64-byte halves vpermi2b reads."""
-    values = [int(v) & 0xFF for v in values]
-    return ir.Constant(_V8x64, values[:64]), ir.Constant(_V8x64, values[64:])
+# A HiFloat8 weight is dequantized in x's dtype (docs/weight_only.md, 'Weights'), so one row of W holds at
+# most 256 values: each row's are put in a table first (_fill_row_table), then every code is a look-up. Two
+# kinds of row table: for BF16 x on a CPU with AVX512-VBMI the high and the low bytes of the BF16 bits of
+# codes 0..127 (uint8 (256,): vpermi2b reads them, the code's sign is XORed in); otherwise the float32
+# values of all 256 codes (NaN at 0x80), gathered.
 
 
 def _hifloat8_decode_vbmi(context, builder, codes, table_arg):
-    """BF16 bits of the magnitude from two 128-entry byte tables (vpermi2b, index bits 0-6), the code's sign,
-    NaN for 0x80; bytes -> words -> FP32 by unpacking (the order of HIFLOAT8_ORDER)."""
+    """BF16 bits of the code's magnitude from the row's byte tables (vpermi2b, index bits 0-6), the code's
+    sign XORed in, NaN for 0x80; bytes -> words -> FP32 by unpacking (the order of HIFLOAT8_ORDER)."""
     fn = cgutils.get_or_insert_function(
         builder.module, ir.FunctionType(_V8x64, [_V8x64] * 3), "llvm.x86.avx512.vpermi2var.qi.512")
-    high_table, low_table = (_byte_table([bits >> shift for bits in _HIF8_BF16_BITS]) for shift in (8, 0))
-    high = builder.call(fn, [high_table[0], codes, high_table[1]])
-    low = builder.call(fn, [low_table[0], codes, low_table[1]])
-    high = builder.or_(high, builder.and_(codes, ir.Constant(_V8x64, [0x80] * 64)))
+    table_type, table = table_arg
+    data = context.make_array(table_type)(context, builder, table).data
+    quarters = [builder.load(builder.bitcast(builder.gep(data, [ir.Constant(_I32, 64 * q)]), _V8x64.as_pointer()),
+                             align=1) for q in range(4)]
+    high = builder.call(fn, [quarters[0], codes, quarters[1]])
+    low = builder.call(fn, [quarters[2], codes, quarters[3]])
+    high = builder.xor(high, builder.and_(codes, ir.Constant(_V8x64, [0x80] * 64)))
     nan = builder.icmp_unsigned("==", codes, ir.Constant(_V8x64, [hifloat8.NAN_CODE] * 64))
     high = builder.select(nan, ir.Constant(_V8x64, [0x7F] * 64), high)
     low = builder.select(nan, ir.Constant(_V8x64, [0xFF] * 64), low)
@@ -172,14 +187,14 @@ def _hifloat8_decode_vbmi(context, builder, codes, table_arg):
         for h in (0, 1):
             pairs = [i for lane in range(4) for j in range(4 * h, 4 * h + 4) for i in (8 * lane + j, 32 + 8 * lane + j)]
             dwords.append(builder.bitcast(builder.shuffle_vector(zero, w, _mask(pairs)), _V32x16))
-    quarters = [builder.bitcast(d, ir.VectorType(ir.FloatType(), 16)) for d in dwords]
-    first = builder.shuffle_vector(quarters[0], quarters[1], _mask(range(HALF)))
-    second = builder.shuffle_vector(quarters[2], quarters[3], _mask(range(HALF)))
+    pieces = [builder.bitcast(d, ir.VectorType(ir.FloatType(), 16)) for d in dwords]
+    first = builder.shuffle_vector(pieces[0], pieces[1], _mask(range(HALF)))
+    second = builder.shuffle_vector(pieces[2], pieces[3], _mask(range(HALF)))
     return first, second
 
 
-def _hifloat8_decode_portable(context, builder, codes, table_arg):
-    """The same values gathered from the 256-entry FP32 decode table (``table_arg``), in plain LLVM IR."""
+def _hifloat8_decode_gather(context, builder, codes, table_arg):
+    """The values gathered from the row's 256-entry float32 table, in plain LLVM IR."""
     table_type, table = table_arg
     data = context.make_array(table_type)(context, builder, table).data
     ordered = builder.shuffle_vector(codes, codes, _mask(HIFLOAT8_ORDER))
@@ -200,26 +215,63 @@ def _hifloat8_decode_portable(context, builder, codes, table_arg):
     return halves
 
 
-def _make_hifloat8_decode(lower):
-    @intrinsic
-    def hifloat8_decode(typingctx, codes, index, table):
-        """Exact FP32 values of the 64 HiFloat8 codes ``codes[index : index + 64]`` (a 1-D C-contiguous
-        uint8 array) as two F32V in HIFLOAT8_ORDER; 0x80 gives a NaN whose payload depends on the lowering
-        (outputs are made canonical). ``table``: the 256-entry FP32 decode table (portable lowering only)."""
+@intrinsic
+def hifloat8_decode(typingctx, codes, index, table):
+    """The row's weights of the 64 HiFloat8 codes ``codes[index : index + 64]`` (a 1-D C-contiguous uint8
+    array) as two F32V in HIFLOAT8_ORDER, looked up in the row ``table`` (_fill_row_table): a uint8 byte
+    table (vpermi2b: AVX512-VBMI only) or a float32 value table (gathered). 0x80 gives a NaN whose payload
+    depends on the table kind (outputs are made canonical)."""
+    lower = _hifloat8_decode_vbmi if table.dtype == types.uint8 else _hifloat8_decode_gather
 
-        def codegen(context, builder, sig, args):
-            ptr = simd._element_ptr(context, builder, sig.args[0], args[0], args[1], _V8x64)
-            first, second = lower(context, builder, builder.load(ptr, align=1), (sig.args[2], args[2]))
-            return context.make_tuple(builder, sig.return_type, [first, second])
+    def codegen(context, builder, sig, args):
+        ptr = simd._element_ptr(context, builder, sig.args[0], args[0], args[1], _V8x64)
+        first, second = lower(context, builder, builder.load(ptr, align=1), (sig.args[2], args[2]))
+        return context.make_tuple(builder, sig.return_type, [first, second])
 
-        return types.UniTuple(simd.F32V, 2)(codes, index, table), codegen
-
-    return hifloat8_decode
+    return types.UniTuple(simd.F32V, 2)(codes, index, table), codegen
 
 
-hifloat8_decode_portable = _make_hifloat8_decode(_hifloat8_decode_portable)
-hifloat8_decode_vbmi = _make_hifloat8_decode(_hifloat8_decode_vbmi)
-hifloat8_decode = hifloat8_decode_vbmi if simd.HAS_AVX512VBMI else hifloat8_decode_portable
+def _fill_row_table(magnitudes, scale, bf16, table):
+    """Put one row's weights in ``table``: code c's is ``magnitudes[c & 0x7F] * scale`` rounded to x's dtype
+    (BF16 if ``bf16``, else FP16), negated for c >= 0x80, NaN for 0x80. ``magnitudes`` (128,) float32: the
+    code values in x's dtype; ``scale``: the row's scale rounded to x's dtype. Both have at most 11
+    significant bits, so their float32 product is exact and rounds once: the reference's weight. A uint8
+    table gets the BF16 bytes of codes 0..127 (BF16 only), a float32 table the values of all 256 codes."""
+
+
+@overload(_fill_row_table, jit_options=NJIT_OPTIONS)
+def _fill_row_table_typed(magnitudes, scale, bf16, table):
+    if table.dtype == types.uint8:
+        def fill_bytes(magnitudes, scale, bf16, table):
+            for i in range(0, 128, HALF):
+                value = simd.f32v_round_to_bf16(simd.f32v_mul(simd.f32v_load(magnitudes, i), scale))
+                simd.f32v_store_bf16_bytes(table, i, 128 + i, value)
+
+        return fill_bytes
+
+    def fill_values(magnitudes, scale, bf16, table):
+        for i in range(0, 128, HALF):
+            value = simd.f32v_mul(simd.f32v_load(magnitudes, i), scale)
+            value = simd.f32v_round_to_bf16(value) if bf16 else simd.f32v_round_to_f16(value)
+            simd.f32v_store(table, i, value)
+            simd.f32v_store(table, 128 + i, simd.f32v_mul(value, np.float32(-1.0)))
+        table[hifloat8.NAN_CODE] = np.nan
+
+    return fill_values
+
+
+@numba.njit(**_INLINE)
+def _hifloat8_fused(scale, magnitude_exponents, x_low, x_high):
+    """Whether every product of an x row (finite nonzero |x| in [2^x_low, 2^(x_high + 1))) with a W row of
+    (x-dtype) ``scale`` is exact in float32, so that the row may be summed with _accumulate_fused: both
+    factors have at most 11 significant bits, so only a product below 2^-126 or from 2^128 is not."""
+    if scale == 0 or not np.isfinite(scale):
+        return True  # zero, Inf or NaN weights: exact (or NaN) products
+    _, e = math.frexp(abs(scale))  # |scale| in [2^(e - 1), 2^e)
+    low = magnitude_exponents[0] + e - 2  # a weight rounded to x's dtype is at least half its exact value,
+    high = magnitude_exponents[1] + e + 1  # and below 2^(high + 1)
+    return x_low + low >= -126 and x_high + high <= 126
+
 
 # ---- HiFloat4 multipliers: 2^(e2 + e3) per lane ------------------------------------------------------------
 # In NIBBLE_ORDER register lane i of either register holds element 2i or 2i + 1: 8-group i // 4, 4-group
@@ -249,13 +301,6 @@ def hifloat4_levels(typingctx, weights, word):
 
 
 # ---- one step: the 64 weights k0 .. k0 + 63 of a row, as two F32V in the format's register order ----------
-
-
-@numba.njit(**_INLINE)
-def _hifloat8_step(codes, start, scale, table):
-    """HiFloat8: the codes at ``codes[start]`` (flat) times the row's ``scale``."""
-    w0, w1 = hifloat8_decode(codes, start, table)
-    return simd.f32v_mul(w0, scale), simd.f32v_mul(w1, scale)
 
 
 @numba.njit(**_INLINE)
@@ -325,18 +370,27 @@ def _x_exponents(x_flat, start, count):
 
 
 @numba.njit(**NJIT_OPTIONS)
+def _x_bounds(x_reg):
+    """(M, 2) int64: _x_exponents of each row of x_reg (M, Kp)."""
+    m_rows, kp = x_reg.shape
+    bounds = np.empty((m_rows, 2), dtype=np.int64)
+    x_flat = x_reg.reshape(-1)
+    for m in range(m_rows):
+        bounds[m, 0], bounds[m, 1] = _x_exponents(x_flat, m * kp, kp)
+    return bounds
+
+
+@numba.njit(**NJIT_OPTIONS)
 def _fused_bytes(x_reg, exponents):
     """(M, 256) bool: whether every product of x row m with a block of scale byte b is exact (all nonzero
     |x w| in [2^-126, 2^128)). As the weight bounds grow with b, the bytes where this holds are one
     interval: a row of W may be summed with _accumulate_fused when its smallest and its largest scale
     byte both pass (_fused_rows)."""
-    m_rows, kp = x_reg.shape
-    fused = np.empty((m_rows, 256), dtype=np.bool_)
-    x_flat = x_reg.reshape(-1)
-    for m in range(m_rows):
-        low, high = _x_exponents(x_flat, m * kp, kp)
+    bounds = _x_bounds(x_reg)
+    fused = np.empty((bounds.shape[0], 256), dtype=np.bool_)
+    for m in range(bounds.shape[0]):
         for b in range(256):
-            fused[m, b] = low + exponents[0, b] >= -126 and high + exponents[1, b] <= 126
+            fused[m, b] = bounds[m, 0] + exponents[0, b] >= -126 and bounds[m, 1] + exponents[1, b] <= 126
     return fused
 
 
@@ -370,13 +424,13 @@ def _word_byte_range(words, start, count):
 
 
 @numba.njit(**_INLINE)
-def _hifloat8_tail(codes, start, count, scale, keep, scratch):
+def _hifloat8_tail(codes, start, count, table, keep, scratch):
     """The last ``count`` < 64 weights of a row from ``codes[start]``; lanes whose element is past them
     are +0.0 (``keep``: int32[64], nonzero for the lanes to keep). The codes are copied into ``scratch``
     (64 bytes) so that nothing past the row is read."""
     scratch[:] = 0
     scratch[:count] = codes[start : start + count]
-    w0, w1 = _hifloat8_step(scratch, 0, scale, _HIF8_FP32)
+    w0, w1 = hifloat8_decode(scratch, 0, table)
     return simd.f32v_select(simd.i32v_load(keep, 0), w0), simd.f32v_select(simd.i32v_load(keep, HALF), w1)
 
 
@@ -403,29 +457,45 @@ def _row_sum_nibbles(acc0, acc1):
     return simd.f32v_sum_tree(simd.f32v_add(low, high))
 
 
+@numba.njit(**_INLINE)
+def _hifloat8_row_sum(accumulate, x_flat, x0, codes_flat, c0, k, table, keep, scratch):
+    """One row of W (codes_flat[c0 : c0 + k]) times x_flat[x0:] (register order) with the row's ``table``,
+    summed with ``accumulate`` (_accumulate or _accumulate_fused: a compile-time choice)."""
+    full = k // LANES
+    acc0 = simd.f32v_zero()
+    acc1 = simd.f32v_zero()
+    for t in range(full):
+        w0, w1 = hifloat8_decode(codes_flat, c0 + LANES * t, table)
+        acc0, acc1 = accumulate(acc0, acc1, x_flat, x0 + LANES * t, w0, w1)
+    if k % LANES:
+        w0, w1 = _hifloat8_tail(codes_flat, c0 + LANES * full, k % LANES, table, keep, scratch)
+        acc0, acc1 = accumulate(acc0, acc1, x_flat, x0 + LANES * full, w0, w1)
+    return _row_sum_hifloat8(acc0, acc1)
+
+
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _hifloat8_gemv(x_reg, codes, scale, keep, y32):
-    """codes (N, K) uint8, scale (N,) float32, x_reg (M, Kp) float32 (register order, zero-padded),
-    keep int32[64] (the tail's lanes), y32 (M, N) float32."""
+def _hifloat8_gemv(x_reg, codes, scale, bf16, magnitudes, magnitude_exponents, table_like, keep, y32):
+    """codes (N, K) uint8; scale (N,) float32, the row scales rounded to x's dtype (BF16 if ``bf16``, else
+    FP16); magnitudes (128,) float32 and magnitude_exponents (2,) int64: _HIF8_MAGNITUDES and
+    _HIF8_MAGNITUDE_EXPONENTS of that dtype; table_like: a (256,) array of the row-table kind (uint8 bytes,
+    BF16 with AVX512-VBMI only, or float32 values); keep int32[64] (the tail's lanes); x_reg (M, Kp)
+    float32 (register order, zero-padded); y32 (M, N) float32."""
     n, k = codes.shape
     m_rows, kp = x_reg.shape
-    full = k // LANES
-    tail = k - full * LANES
     codes_flat, x_flat = codes.reshape(-1), x_reg.reshape(-1)
+    x_bounds = _x_bounds(x_reg)
     for task in numba.prange((n + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
         scratch = np.zeros(LANES, dtype=np.uint8)
+        table = np.empty_like(table_like)
         for row in range(task * _ROWS_PER_TASK, min(n, (task + 1) * _ROWS_PER_TASK)):
-            s = scale[row]
+            _fill_row_table(magnitudes, scale[row], bf16, table)
             for m in range(m_rows):
-                acc0 = simd.f32v_zero()
-                acc1 = simd.f32v_zero()
-                for t in range(full):
-                    w0, w1 = _hifloat8_step(codes_flat, row * k + LANES * t, s, _HIF8_FP32)
-                    acc0, acc1 = _accumulate(acc0, acc1, x_flat, m * kp + LANES * t, w0, w1)
-                if tail:
-                    w0, w1 = _hifloat8_tail(codes_flat, row * k + LANES * full, tail, s, keep, scratch)
-                    acc0, acc1 = _accumulate(acc0, acc1, x_flat, m * kp + LANES * full, w0, w1)
-                y32[m, row] = _row_sum_hifloat8(acc0, acc1)
+                if _hifloat8_fused(scale[row], magnitude_exponents, x_bounds[m, 0], x_bounds[m, 1]):
+                    y32[m, row] = _hifloat8_row_sum(_accumulate_fused, x_flat, m * kp, codes_flat, row * k, k,
+                                                    table, keep, scratch)
+                else:
+                    y32[m, row] = _hifloat8_row_sum(_accumulate, x_flat, m * kp, codes_flat, row * k, k, table,
+                                                    keep, scratch)
 
 
 @numba.njit(**_INLINE)
@@ -508,14 +578,15 @@ def _store_hifloat8(w_flat, at, w0, w1):
 
 @numba.njit(**_INLINE)
 def _store_nibbles(w_flat, at, w0, w1):
-    """Into float32, or BF16 bits (int16; exact: MXFP4 and HiFloat4 weights are BF16 values)."""
+    """Into float32, or BF16 bits (int16; exact: MXFP4 and HiFloat4 weights are BF16 values, HiFloat8 ones
+    for BF16 x)."""
     low, high = nibble_logical(w0, w1)
     simd.f32v_store_any(w_flat, at, low)
     simd.f32v_store_any(w_flat, at + HALF, high)
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _hifloat8_tile(codes, scale, keep, r0, w32):
+def _hifloat8_tile(codes, scale, bf16, magnitudes, magnitude_exponents, table_like, keep, r0, w32):
     n, k = codes.shape
     kp = w32.shape[1]
     full = k // LANES
@@ -523,13 +594,15 @@ def _hifloat8_tile(codes, scale, keep, r0, w32):
     codes_flat, w_flat = codes.reshape(-1), w32.reshape(-1)
     for task in numba.prange((w32.shape[0] + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
         scratch = np.zeros(LANES, dtype=np.uint8)
+        table = np.empty_like(table_like)
         for i in range(task * _ROWS_PER_TASK, min(w32.shape[0], (task + 1) * _ROWS_PER_TASK)):
             row = r0 + i
+            _fill_row_table(magnitudes, scale[row], bf16, table)
             for t in range(full):
-                w0, w1 = _hifloat8_step(codes_flat, row * k + LANES * t, scale[row], _HIF8_FP32)
+                w0, w1 = hifloat8_decode(codes_flat, row * k + LANES * t, table)
                 _store_hifloat8(w_flat, i * kp + LANES * t, w0, w1)
             if tail:
-                w0, w1 = _hifloat8_tail(codes_flat, row * k + LANES * full, tail, scale[row], keep, scratch)
+                w0, w1 = _hifloat8_tail(codes_flat, row * k + LANES * full, tail, table, keep, scratch)
                 _store_hifloat8(w_flat, i * kp + LANES * full, w0, w1)
 
 
@@ -575,19 +648,20 @@ class WeightOnlyLinear(Kernel):
     tensors (validated by lowbit.ops.weight_only), bias (N,) or None, out (..., N) in x's dtype.
 
     ``gemv(x_reg, *operands, y32)`` and ``tile(*operands, r0, w32)``: the format's numba kernels;
-    ``split``: its register order (see _reorder); ``bf16_exact``: every decoded weight is a BF16 value (MXFP4, HiFloat4;
-    not a HiFloat8 value times an FP32 scale); ``operands(a, b, k)``: the numba kernels' weight operands.
+    ``split``: its register order (see _reorder); ``operands(a, b, k, dtype)``: the numba kernels' weight
+    operands for x of ``dtype``. With BF16 x every format's decoded weight is a BF16 value (the GEMM path
+    uses torch's BF16 GEMM).
     """
 
-    def __init__(self, gemv, tile, split: tuple, bf16_exact: bool, operands):
-        self.gemv, self.tile, self.split, self.bf16_exact, self._operands = gemv, tile, split, bf16_exact, operands
+    def __init__(self, gemv, tile, split: tuple, operands):
+        self.gemv, self.tile, self.split, self._operands = gemv, tile, split, operands
 
     def run(self, x: torch.Tensor, *args, out: torch.Tensor) -> None:
         *weight, bias = args
         k, n = x.shape[-1], out.shape[-1]
         m = out.numel() // n
         x, out = x.reshape(m, k), out.view(m, n)
-        operands = self._operands(*weight, k)
+        operands = self._operands(*weight, k, x.dtype)
         sync_threads()
         # Rows are handed out in chunks on demand (not split evenly up front), so a thread that the OS
         # deschedules on a shared machine does not make the other one wait at the end.
@@ -596,7 +670,7 @@ class WeightOnlyLinear(Kernel):
         try:
             if m <= GEMV_MAX_M:
                 self._run_gemv(x, operands, bias, out)
-            elif self.bf16_exact and x.dtype == torch.bfloat16 and (bias is None or bias.dtype == torch.bfloat16):
+            elif x.dtype == torch.bfloat16 and (bias is None or bias.dtype == torch.bfloat16):
                 self._run_gemm_bf16(x, operands, bias, out)
             else:
                 self._run_gemm(x, operands, bias, out)
@@ -619,7 +693,7 @@ class WeightOnlyLinear(Kernel):
 
     def _tiles(self, operands: tuple, n: int, k: int, dtype: torch.dtype, width: int):
         """(first row, (rows, width) tile) of W decoded tile by tile into one reused buffer of ``dtype``
-        (float32, or BF16 for a bf16_exact format); columns K .. width - 1 hold zeros or are not written."""
+        (float32 or BF16); columns K .. width - 1 hold zeros or are not written."""
         rows = max(1, min(n, GEMM_TILE_ELEMENTS // width))
         buffer = torch.empty(rows, width, dtype=dtype)
         for r0 in range(0, n, rows):
@@ -637,7 +711,7 @@ class WeightOnlyLinear(Kernel):
         out.copy_(reference.finish(y32, bias, out.dtype))
 
     def _run_gemm_bf16(self, x: torch.Tensor, operands: tuple, bias, out: torch.Tensor) -> None:
-        """BF16 x and a format whose weights are exact in BF16: torch's BF16 GEMM (float32 accumulation, one
+        """BF16 x (every decoded weight is a BF16 value): torch's BF16 GEMM (float32 accumulation, one
         rounding to BF16) on tiles decoded to BF16; a BF16 bias is one more column (x extended by ones)."""
         (m, k), n = x.shape, out.shape[1]
         extra = 0 if bias is None else 1
@@ -651,20 +725,27 @@ class WeightOnlyLinear(Kernel):
         out.copy_(torch.where(out.isnan(), reference.canonical_nan(out.dtype), out))
 
 
-def _hifloat8_operands(codes, scale, k):
+def _hifloat8_operands(codes, scale, k, dtype, table_kind=None):
+    """``table_kind``: np.uint8 (byte tables) or np.float32 (value tables); by default bytes for BF16 x on
+    a CPU with AVX512-VBMI."""
+    bf16 = dtype == torch.bfloat16
+    if table_kind is None:
+        table_kind = np.uint8 if bf16 and simd.HAS_AVX512VBMI else np.float32
     keep = (_HIFLOAT8_ELEMENTS < k % LANES).astype(np.int32)  # the lanes of a last, short step
-    return as_numpy(codes), as_numpy(scale), keep
+    scale_x = scale.to(dtype).to(torch.float32)
+    return (as_numpy(codes), as_numpy(scale_x), bf16, _HIF8_MAGNITUDES[dtype], _HIF8_MAGNITUDE_EXPONENTS[dtype],
+            np.zeros(256, dtype=table_kind), keep)
 
 
-def _mxfp4_operands(codes, scales, k):
+def _mxfp4_operands(codes, scales, k, dtype):
     return as_numpy(codes), as_numpy(scales)
 
 
-def _hifloat4_operands(scale, value, k):
+def _hifloat4_operands(scale, value, k, dtype):
     words = as_numpy(scale).reshape(scale.shape[0], -1).view(np.int32)  # one little-endian word per block
     return words, as_numpy(value)
 
 
-HIFLOAT8_LINEAR = WeightOnlyLinear(_hifloat8_gemv, _hifloat8_tile, HIFLOAT8_SPLIT, False, _hifloat8_operands)
-MXFP4_LINEAR = WeightOnlyLinear(_mxfp4_gemv, _mxfp4_tile, NIBBLE_SPLIT, True, _mxfp4_operands)
-HIFLOAT4_LINEAR = WeightOnlyLinear(_hifloat4_gemv, _hifloat4_tile, NIBBLE_SPLIT, True, _hifloat4_operands)
+HIFLOAT8_LINEAR = WeightOnlyLinear(_hifloat8_gemv, _hifloat8_tile, HIFLOAT8_SPLIT, _hifloat8_operands)
+MXFP4_LINEAR = WeightOnlyLinear(_mxfp4_gemv, _mxfp4_tile, NIBBLE_SPLIT, _mxfp4_operands)
+HIFLOAT4_LINEAR = WeightOnlyLinear(_hifloat4_gemv, _hifloat4_tile, NIBBLE_SPLIT, _hifloat4_operands)

@@ -27,11 +27,11 @@ HIFLOAT8, MXFP4, HIFLOAT4 = 0, 1, 2  # the FORMAT of the kernel
 
 
 @functools.cache
-def _table(fmt: int, device: torch.device) -> torch.Tensor:
-    """float32 look-up table: HiFloat8: the 256 decoded codes; MXFP4: the 16 E2M1 values, then the 256 E8M0
-    scales; HiFloat4: the 16 signed quarters c/4, then the 256 E6M2 scales (0xFF: NaN)."""
+def _table(fmt: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """float32 look-up table: HiFloat8: the 256 codes decoded to x's ``dtype``; MXFP4: the 16 E2M1 values,
+    then the 256 E8M0 scales; HiFloat4: the 16 signed quarters c/4, then the 256 E6M2 scales (0xFF: NaN)."""
     if fmt == HIFLOAT8:
-        return hifloat8.decode_table(torch.float32).to(device)
+        return hifloat8.decode_table(dtype).to(torch.float32).to(device)
     if fmt == MXFP4:
         return torch.cat([mxfp4.e2m1_values(torch.float32), reference.e8m0_scales()]).to(device)
     return torch.cat([reference.hifloat4_quarters(), reference.e6m2_scales()]).to(device)
@@ -45,12 +45,12 @@ def _nibble(packed_ptr, rows, cols, mask, K):
 
 
 @triton.jit
-def _weights(a_ptr, b_ptr, table_ptr, rows, cols, K, FORMAT: tl.constexpr):
+def _weights(a_ptr, b_ptr, table_ptr, rows, cols, K, FORMAT: tl.constexpr, X_DTYPE: tl.constexpr):
     """float32 weights (rows, 64) of columns ``cols``; columns >= K are +0.0."""
     mask = (cols < K)[None, :]
-    if FORMAT == 0:  # HiFloat8: a = codes (N, K), b = scale (N,)
+    if FORMAT == 0:  # HiFloat8: a = codes (N, K), b = scale (N,) rounded to x's dtype; product rounded to it
         codes = tl.load(a_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0).to(tl.int32)
-        w = tl.load(table_ptr + codes) * tl.load(b_ptr + rows)[:, None]
+        w = (tl.load(table_ptr + codes) * tl.load(b_ptr + rows)[:, None]).to(X_DTYPE).to(tl.float32)
     elif FORMAT == 1:  # MXFP4: a = codes (N, K/2), b = scales (N, K/32)
         value = tl.load(table_ptr + _nibble(a_ptr, rows, cols, mask, K))
         scale_byte = tl.load(b_ptr + rows[:, None] * (K // 32) + cols[None, :] // 32, mask=mask, other=127)
@@ -83,6 +83,7 @@ def _linear_kernel(
     y_ptr,  # *float32 (M, N): the sums
     N, K, KP,
     FORMAT: tl.constexpr,
+    X_DTYPE: tl.constexpr,  # x's dtype (HiFloat8 weights are rounded to it)
     ROWS: tl.constexpr,  # outputs per program
     LANES: tl.constexpr,  # 64
 ):
@@ -94,7 +95,7 @@ def _linear_kernel(
     for k0 in range(0, KP, LANES):
         cols = k0 + tl.arange(0, LANES)
         x = tl.load(x_ptr + m * KP + cols)
-        acc = acc + x[None, :] * _weights(a_ptr, b_ptr, table_ptr, rows, cols, K, FORMAT)
+        acc = acc + x[None, :] * _weights(a_ptr, b_ptr, table_ptr, rows, cols, K, FORMAT, X_DTYPE)
     acc = _fold(acc, ROWS, 64)
     acc = _fold(acc, ROWS, 32)
     acc = _fold(acc, ROWS, 16)
@@ -124,9 +125,12 @@ class TritonLinear(Kernel):
         x32 = torch.zeros(m, kp, dtype=torch.float32, device=x.device)
         x32[:, :k] = x.reshape(m, k)
         y32 = torch.empty(m, n, dtype=torch.float32, device=x.device)
+        if self.format == HIFLOAT8:
+            b = b.to(x.dtype).to(torch.float32)  # the row scale in x's dtype
         grid = (m, triton.cdiv(n, ROWS_PER_PROGRAM))
-        _linear_kernel[grid](x32, a, b, _table(self.format, x.device), y32, n, k, kp, FORMAT=self.format,
-                             ROWS=ROWS_PER_PROGRAM, LANES=LANES, enable_fp_fusion=False)
+        x_dtype = tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16
+        _linear_kernel[grid](x32, a, b, _table(self.format, x.device, x.dtype), y32, n, k, kp, FORMAT=self.format,
+                             X_DTYPE=x_dtype, ROWS=ROWS_PER_PROGRAM, LANES=LANES, enable_fp_fusion=False)
         out.view(m, n).copy_(reference.finish(y32, bias, out.dtype))
 
 
