@@ -136,7 +136,7 @@ def hif8_quantize(w):
 
 
 FUSING = {  # format: (operator, quantize a float32 (N, K) weight, its float32 weight for BF16 x)
-    "hifloat8": (ops.HIFLOAT8_LINEAR, hif8_quantize, lambda t: reference.hifloat8_weight(*t, torch.bfloat16)),
+    "hifloat8": (ops.HIFLOAT8_LINEAR, hif8_quantize, lambda t: reference.hifloat8_weight(*t, torch.bfloat16)),  # never fused
     "mxfp4": (ops.MXFP4_LINEAR, mxfp4.quantize, lambda t: reference.mxfp4_weight(*t)),
     "hifloat4": (ops.HIFLOAT4_LINEAR, hifloat4.pack, lambda t: reference.hifloat4_weight(*t)),
 }
@@ -304,8 +304,8 @@ def test_hifloat8_row_table_decodes_every_code(dtype, kind, scale):
     if kind is np.uint8 and not simd.HAS_AVX512VBMI:
         pytest.skip("no AVX512-VBMI on this CPU")
     codes = torch.arange(256, dtype=torch.uint8).reshape(1, 256)
-    _, scale_x, bf16, magnitudes, _, table_like, _ = cpu._hifloat8_operands(codes, torch.tensor([scale]), 256,
-                                                                           dtype, kind)
+    _, scale_x, bf16, magnitudes, table_like, _ = cpu._hifloat8_operands(codes, torch.tensor([scale]), 256, dtype,
+                                                                        kind)
     out = np.empty(256, dtype=np.float32)
     _decode_row(magnitudes, scale_x[0], bf16, np.empty_like(table_like), codes.numpy().reshape(-1), out)
     order = np.array(cpu.HIFLOAT8_ORDER)

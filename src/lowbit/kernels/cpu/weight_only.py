@@ -5,8 +5,8 @@ Two paths, chosen by the number of rows M of x (``GEMV_MAX_M``):
 * **GEMV** (M <= GEMV_MAX_M, decoding): bit-exact with the reference (lowbit.formats.weight_only). The
   64 summation lanes are two F32V registers: one step decodes 64 consecutive weights of a row (k = 64t ..
   64t + 63) into float32 exactly as the reference does, multiplies them by x and adds them to the lanes
-  (mul and add; a fused multiply-add only where every product of the row is exact, so that it gives the
-  same bits: MXFP4 and HiFloat4, see _fused_bytes); then :func:`f32v_sum_tree` folds the lanes in the
+  (mul and add; for MXFP4 and HiFloat4 a fused multiply-add where every product of the row is exact, so
+  that it gives the same bits, see _fused_bytes); then :func:`f32v_sum_tree` folds the lanes in the
   reference's order. Rows are
   split across threads; each row's sum is one thread's, so the result does not depend on the thread count.
 * **GEMM** (larger M, prefill): tiles of rows are decoded with the same step functions into a float32 (or,
@@ -25,8 +25,6 @@ Decoding (docs/weight_only.md, 'Weights'):
 """
 
 from __future__ import annotations
-
-import math
 
 import numba
 import numpy as np
@@ -52,18 +50,9 @@ _INLINE = dict(NJIT_OPTIONS, inline="always")
 
 # ---- tables (from the reference formats) ------------------------------------------------------------------
 
-# HiFloat8: the values of codes 0..127 in each x dtype (as float32), and floor(log2) of the smallest nonzero
-# and of the largest finite one (for _hifloat8_fused).
+# HiFloat8: the values of codes 0..127 in each x dtype, as float32.
 _HIF8_MAGNITUDES = {dtype: hifloat8.decode_table(dtype)[:128].to(torch.float32).numpy()
                     for dtype in (torch.bfloat16, torch.float16)}
-
-
-def _magnitude_exponents(values: np.ndarray) -> np.ndarray:
-    finite = np.abs(values[np.isfinite(values)]).astype(np.float64)
-    return np.floor(np.log2([finite[finite > 0].min(), finite.max()])).astype(np.int64)
-
-
-_HIF8_MAGNITUDE_EXPONENTS = {dtype: _magnitude_exponents(v) for dtype, v in _HIF8_MAGNITUDES.items()}
 # 16-entry tables of every scale byte, (256 * 16,) float32: entry 16 b + nibble. MXFP4: the E2M1 value times
 # the E8M0 scale (one rounding: the reference's weight); HiFloat4: (-1)^s c/4 times the E6M2 scale (exact).
 _MXFP4_TABLES = (reference.e8m0_scales()[:, None] * mxfp4.e2m1_values(torch.float32)).reshape(-1).numpy()
@@ -260,19 +249,6 @@ def _fill_row_table_typed(magnitudes, scale, bf16, table):
     return fill_values
 
 
-@numba.njit(**_INLINE)
-def _hifloat8_fused(scale, magnitude_exponents, x_low, x_high):
-    """Whether every product of an x row (finite nonzero |x| in [2^x_low, 2^(x_high + 1))) with a W row of
-    (x-dtype) ``scale`` is exact in float32, so that the row may be summed with _accumulate_fused: both
-    factors have at most 11 significant bits, so only a product below 2^-126 or from 2^128 is not."""
-    if scale == 0 or not np.isfinite(scale):
-        return True  # zero, Inf or NaN weights: exact (or NaN) products
-    _, e = math.frexp(abs(scale))  # |scale| in [2^(e - 1), 2^e)
-    low = magnitude_exponents[0] + e - 2  # a weight rounded to x's dtype is at least half its exact value,
-    high = magnitude_exponents[1] + e + 1  # and below 2^(high + 1)
-    return x_low + low >= -126 and x_high + high <= 126
-
-
 # ---- HiFloat4 multipliers: 2^(e2 + e3) per lane ------------------------------------------------------------
 # In NIBBLE_ORDER register lane i of either register holds element 2i or 2i + 1: 8-group i // 4, 4-group
 # i // 2. Their flags in the block's little-endian scale word [E6M2, e2, e3 (groups 0-7), e3 (8-15)], flag
@@ -458,44 +434,38 @@ def _row_sum_nibbles(acc0, acc1):
 
 
 @numba.njit(**_INLINE)
-def _hifloat8_row_sum(accumulate, x_flat, x0, codes_flat, c0, k, table, keep, scratch):
-    """One row of W (codes_flat[c0 : c0 + k]) times x_flat[x0:] (register order) with the row's ``table``,
-    summed with ``accumulate`` (_accumulate or _accumulate_fused: a compile-time choice)."""
+def _hifloat8_row_sum(x_flat, x0, codes_flat, c0, k, table, keep, scratch):
+    """One row of W (codes_flat[c0 : c0 + k]) times x_flat[x0:] (register order) with the row's ``table``.
+    A multiply and an add per product: here a fused multiply-add (same bits, as the products are exact but
+    for the extremes) measured slower, as the lanes' chains of additions bound the loop."""
     full = k // LANES
     acc0 = simd.f32v_zero()
     acc1 = simd.f32v_zero()
     for t in range(full):
         w0, w1 = hifloat8_decode(codes_flat, c0 + LANES * t, table)
-        acc0, acc1 = accumulate(acc0, acc1, x_flat, x0 + LANES * t, w0, w1)
+        acc0, acc1 = _accumulate(acc0, acc1, x_flat, x0 + LANES * t, w0, w1)
     if k % LANES:
         w0, w1 = _hifloat8_tail(codes_flat, c0 + LANES * full, k % LANES, table, keep, scratch)
-        acc0, acc1 = accumulate(acc0, acc1, x_flat, x0 + LANES * full, w0, w1)
+        acc0, acc1 = _accumulate(acc0, acc1, x_flat, x0 + LANES * full, w0, w1)
     return _row_sum_hifloat8(acc0, acc1)
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _hifloat8_gemv(x_reg, codes, scale, bf16, magnitudes, magnitude_exponents, table_like, keep, y32):
+def _hifloat8_gemv(x_reg, codes, scale, bf16, magnitudes, table_like, keep, y32):
     """codes (N, K) uint8; scale (N,) float32, the row scales rounded to x's dtype (BF16 if ``bf16``, else
-    FP16); magnitudes (128,) float32 and magnitude_exponents (2,) int64: _HIF8_MAGNITUDES and
-    _HIF8_MAGNITUDE_EXPONENTS of that dtype; table_like: a (256,) array of the row-table kind (uint8 bytes,
-    BF16 with AVX512-VBMI only, or float32 values); keep int32[64] (the tail's lanes); x_reg (M, Kp)
-    float32 (register order, zero-padded); y32 (M, N) float32."""
+    FP16); magnitudes (128,) float32: _HIF8_MAGNITUDES of that dtype; table_like: a (256,) array of the
+    row-table kind (uint8 bytes, BF16 with AVX512-VBMI only, or float32 values); keep int32[64] (the tail's
+    lanes); x_reg (M, Kp) float32 (register order, zero-padded); y32 (M, N) float32."""
     n, k = codes.shape
     m_rows, kp = x_reg.shape
     codes_flat, x_flat = codes.reshape(-1), x_reg.reshape(-1)
-    x_bounds = _x_bounds(x_reg)
     for task in numba.prange((n + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
         scratch = np.zeros(LANES, dtype=np.uint8)
         table = np.empty_like(table_like)
         for row in range(task * _ROWS_PER_TASK, min(n, (task + 1) * _ROWS_PER_TASK)):
             _fill_row_table(magnitudes, scale[row], bf16, table)
             for m in range(m_rows):
-                if _hifloat8_fused(scale[row], magnitude_exponents, x_bounds[m, 0], x_bounds[m, 1]):
-                    y32[m, row] = _hifloat8_row_sum(_accumulate_fused, x_flat, m * kp, codes_flat, row * k, k,
-                                                    table, keep, scratch)
-                else:
-                    y32[m, row] = _hifloat8_row_sum(_accumulate, x_flat, m * kp, codes_flat, row * k, k, table,
-                                                    keep, scratch)
+                y32[m, row] = _hifloat8_row_sum(x_flat, m * kp, codes_flat, row * k, k, table, keep, scratch)
 
 
 @numba.njit(**_INLINE)
@@ -586,7 +556,7 @@ def _store_nibbles(w_flat, at, w0, w1):
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _hifloat8_tile(codes, scale, bf16, magnitudes, magnitude_exponents, table_like, keep, r0, w32):
+def _hifloat8_tile(codes, scale, bf16, magnitudes, table_like, keep, r0, w32):
     n, k = codes.shape
     kp = w32.shape[1]
     full = k // LANES
@@ -733,8 +703,7 @@ def _hifloat8_operands(codes, scale, k, dtype, table_kind=None):
         table_kind = np.uint8 if bf16 and simd.HAS_AVX512VBMI else np.float32
     keep = (_HIFLOAT8_ELEMENTS < k % LANES).astype(np.int32)  # the lanes of a last, short step
     scale_x = scale.to(dtype).to(torch.float32)
-    return (as_numpy(codes), as_numpy(scale_x), bf16, _HIF8_MAGNITUDES[dtype], _HIF8_MAGNITUDE_EXPONENTS[dtype],
-            np.zeros(256, dtype=table_kind), keep)
+    return as_numpy(codes), as_numpy(scale_x), bf16, _HIF8_MAGNITUDES[dtype], np.zeros(256, dtype=table_kind), keep
 
 
 def _mxfp4_operands(codes, scales, k, dtype):
