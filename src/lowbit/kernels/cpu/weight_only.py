@@ -145,19 +145,22 @@ nibble_logical = _make_logical(NIBBLE_ORDER)
 
 # ---- HiFloat8 decode: 64 codes -> two F32V in HIFLOAT8_ORDER ------------------------------------------------
 # A HiFloat8 weight is dequantized in x's dtype (docs/weight_only.md, 'Weights'), so one row of W holds at
-# most 256 values: each row's are put in a table first (_fill_row_table), then every code is a look-up. Two
-# kinds of row table: for BF16 x on a CPU with AVX512-VBMI the high and the low bytes of the BF16 bits of
-# codes 0..127 (uint8 (256,): vpermi2b reads them, the code's sign is XORed in); otherwise the float32
-# values of all 256 codes (NaN at 0x80), gathered.
+# most 256 values: each row's are put in a table first (_fill_row_table), then every code is a look-up. The
+# kind of row table is its array type: on a CPU with AVX512-VBMI, 256 bytes, the high and then the low
+# bytes of the 16-bit patterns of codes 0..127 (vpermi2b reads them, the code's sign is XORed in): uint8
+# (256,) for BF16 x, uint16 (128,) for FP16 x; elsewhere float32 (256,): the values of all 256 codes (NaN
+# at 0x80), gathered.
 
 
 def _hifloat8_decode_vbmi(context, builder, codes, table_arg):
-    """BF16 bits of the code's magnitude from the row's byte tables (vpermi2b, index bits 0-6), the code's
-    sign XORed in, NaN for 0x80; bytes -> words -> FP32 by unpacking (the order of HIFLOAT8_ORDER)."""
+    """16-bit patterns (BF16 for a uint8 table, FP16 for a uint16 one) of the code's magnitude from the row's
+    byte tables (vpermi2b, index bits 0-6), the code's sign XORed in, NaN for 0x80; bytes -> words by
+    unpacking, words -> FP32 by unpacking with zeros below (BF16) or vcvtph2ps (FP16), in HIFLOAT8_ORDER."""
     fn = cgutils.get_or_insert_function(
         builder.module, ir.FunctionType(_V8x64, [_V8x64] * 3), "llvm.x86.avx512.vpermi2var.qi.512")
     table_type, table = table_arg
     data = context.make_array(table_type)(context, builder, table).data
+    data = builder.bitcast(data, ir.IntType(8).as_pointer())
     quarters = [builder.load(builder.bitcast(builder.gep(data, [ir.Constant(_I32, 64 * q)]), _V8x64.as_pointer()),
                              align=1) for q in range(4)]
     high = builder.call(fn, [quarters[0], codes, quarters[1]])
@@ -171,12 +174,17 @@ def _hifloat8_decode_vbmi(context, builder, codes, table_arg):
         [i for lane in range(4) for j in range(8 * h, 8 * h + 8) for i in (16 * lane + j, 64 + 16 * lane + j)])),
         _V16x32) for h in (0, 1)]
     zero = ir.Constant(_V16x32, [0] * 32)
-    dwords = []
-    for w in words:  # unpack{l,h}wd with zero below: dword = word << 16, words 0-3 / 4-7 of each lane
+    pieces = []
+    for w in words:  # words 0-3 / 4-7 of each 128-bit lane
         for h in (0, 1):
+            if table_type.dtype == types.uint16:  # FP16 bits: vcvtph2ps
+                chosen = builder.shuffle_vector(w, w, _mask([8 * lane + j for lane in range(4) for j in range(4 * h, 4 * h + 4)]))
+                pieces.append(builder.fpext(builder.bitcast(chosen, ir.VectorType(ir.HalfType(), 16)),
+                                            ir.VectorType(ir.FloatType(), 16)))
+                continue
+            # BF16 bits: unpack{l,h}wd with zero below, dword = word << 16
             pairs = [i for lane in range(4) for j in range(4 * h, 4 * h + 4) for i in (8 * lane + j, 32 + 8 * lane + j)]
-            dwords.append(builder.bitcast(builder.shuffle_vector(zero, w, _mask(pairs)), _V32x16))
-    pieces = [builder.bitcast(d, ir.VectorType(ir.FloatType(), 16)) for d in dwords]
+            pieces.append(builder.bitcast(builder.shuffle_vector(zero, w, _mask(pairs)), ir.VectorType(ir.FloatType(), 16)))
     first = builder.shuffle_vector(pieces[0], pieces[1], _mask(range(HALF)))
     second = builder.shuffle_vector(pieces[2], pieces[3], _mask(range(HALF)))
     return first, second
@@ -207,10 +215,10 @@ def _hifloat8_decode_gather(context, builder, codes, table_arg):
 @intrinsic
 def hifloat8_decode(typingctx, codes, index, table):
     """The row's weights of the 64 HiFloat8 codes ``codes[index : index + 64]`` (a 1-D C-contiguous uint8
-    array) as two F32V in HIFLOAT8_ORDER, looked up in the row ``table`` (_fill_row_table): a uint8 byte
-    table (vpermi2b: AVX512-VBMI only) or a float32 value table (gathered). 0x80 gives a NaN whose payload
-    depends on the table kind (outputs are made canonical)."""
-    lower = _hifloat8_decode_vbmi if table.dtype == types.uint8 else _hifloat8_decode_gather
+    array) as two F32V in HIFLOAT8_ORDER, looked up in the row ``table`` (_fill_row_table): byte tables
+    (uint8 for BF16, uint16 for FP16; vpermi2b: AVX512-VBMI only) or a float32 value table (gathered). 0x80
+    gives a NaN whose payload depends on the table kind (outputs are made canonical)."""
+    lower = _hifloat8_decode_gather if table.dtype == types.float32 else _hifloat8_decode_vbmi
 
     def codegen(context, builder, sig, args):
         ptr = simd._element_ptr(context, builder, sig.args[0], args[0], args[1], _V8x64)
@@ -224,19 +232,25 @@ def _fill_row_table(magnitudes, scale, bf16, table):
     """Put one row's weights in ``table``: code c's is ``magnitudes[c & 0x7F] * scale`` rounded to x's dtype
     (BF16 if ``bf16``, else FP16), negated for c >= 0x80, NaN for 0x80. ``magnitudes`` (128,) float32: the
     code values in x's dtype; ``scale``: the row's scale rounded to x's dtype. Both have at most 11
-    significant bits, so their float32 product is exact and rounds once: the reference's weight. A uint8
-    table gets the BF16 bytes of codes 0..127 (BF16 only), a float32 table the values of all 256 codes."""
+    significant bits, so their float32 product is exact and rounds once: the reference's weight. A byte
+    table (uint8: BF16, uint16: FP16) gets the bytes of codes 0..127, a float32 table the values of all 256."""
 
 
 @overload(_fill_row_table, jit_options=NJIT_OPTIONS)
 def _fill_row_table_typed(magnitudes, scale, bf16, table):
     if table.dtype == types.uint8:
-        def fill_bytes(magnitudes, scale, bf16, table):
+        def fill_bf16_bytes(magnitudes, scale, bf16, table):
             for i in range(0, 128, HALF):
                 value = simd.f32v_round_to_bf16(simd.f32v_mul(simd.f32v_load(magnitudes, i), scale))
                 simd.f32v_store_bf16_bytes(table, i, 128 + i, value)
 
-        return fill_bytes
+        return fill_bf16_bytes
+    if table.dtype == types.uint16:
+        def fill_f16_bytes(magnitudes, scale, bf16, table):
+            for i in range(0, 128, HALF):
+                simd.f32v_store_f16_bytes(table, i, 128 + i, simd.f32v_mul(simd.f32v_load(magnitudes, i), scale))
+
+        return fill_f16_bytes
 
     def fill_values(magnitudes, scale, bf16, table):
         for i in range(0, 128, HALF):
@@ -453,9 +467,9 @@ def _hifloat8_row_sum(x_flat, x0, codes_flat, c0, k, table, keep, scratch):
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
 def _hifloat8_gemv(x_reg, codes, scale, bf16, magnitudes, table_like, keep, y32):
     """codes (N, K) uint8; scale (N,) float32, the row scales rounded to x's dtype (BF16 if ``bf16``, else
-    FP16); magnitudes (128,) float32: _HIF8_MAGNITUDES of that dtype; table_like: a (256,) array of the
-    row-table kind (uint8 bytes, BF16 with AVX512-VBMI only, or float32 values); keep int32[64] (the tail's
-    lanes); x_reg (M, Kp) float32 (register order, zero-padded); y32 (M, N) float32."""
+    FP16); magnitudes (128,) float32: _HIF8_MAGNITUDES of that dtype; table_like: an array of the row-table
+    kind (see hifloat8_decode); keep int32[64] (the tail's lanes); x_reg (M, Kp) float32 (register order,
+    zero-padded); y32 (M, N) float32."""
     n, k = codes.shape
     m_rows, kp = x_reg.shape
     codes_flat, x_flat = codes.reshape(-1), x_reg.reshape(-1)
@@ -696,14 +710,18 @@ class WeightOnlyLinear(Kernel):
 
 
 def _hifloat8_operands(codes, scale, k, dtype, table_kind=None):
-    """``table_kind``: np.uint8 (byte tables) or np.float32 (value tables); by default bytes for BF16 x on
-    a CPU with AVX512-VBMI."""
+    """``table_kind``: "bytes" (byte tables: AVX512-VBMI only) or "values" (gathered); by default bytes on a
+    CPU with AVX512-VBMI."""
     bf16 = dtype == torch.bfloat16
     if table_kind is None:
-        table_kind = np.uint8 if bf16 and simd.HAS_AVX512VBMI else np.float32
+        table_kind = "bytes" if simd.HAS_AVX512VBMI else "values"
+    if table_kind == "bytes":
+        table_like = np.zeros(256, dtype=np.uint8) if bf16 else np.zeros(128, dtype=np.uint16)
+    else:
+        table_like = np.zeros(256, dtype=np.float32)
     keep = (_HIFLOAT8_ELEMENTS < k % LANES).astype(np.int32)  # the lanes of a last, short step
     scale_x = scale.to(dtype).to(torch.float32)
-    return as_numpy(codes), as_numpy(scale_x), bf16, _HIF8_MAGNITUDES[dtype], np.zeros(256, dtype=table_kind), keep
+    return as_numpy(codes), as_numpy(scale_x), bf16, _HIF8_MAGNITUDES[dtype], table_like, keep
 
 
 def _mxfp4_operands(codes, scales, k, dtype):
