@@ -50,6 +50,18 @@ def test_one_worker_or_busy_cpus_start_no_process(monkeypatch):
     monkeypatch.setattr(warm, "is_cold", lambda module: True)
     monkeypatch.setattr(warm.concurrent.futures, "ProcessPoolExecutor", None)  # would fail if used
     assert warm.warm_cache(operators().values(), workers=1) == []
+    busy = iter([(100, 1000), (100, 2000)])  # no idle jiffies in the window
+    monkeypatch.setattr(warm, "_cpu_times", lambda: next(busy))
+    assert warm.idle_cpus(window=0) == 0
+    monkeypatch.setattr(warm, "_cpu_times", lambda: None)  # no /proc/stat: the load average
     monkeypatch.setattr(warm.os, "getloadavg", lambda: (1000.0, 0.0, 0.0))
     assert warm.idle_cpus() == 0
     assert warm.warm_cache(operators().values()) == []
+
+
+def test_idle_cpus_counts_idle_time_not_the_load_average(monkeypatch):
+    monkeypatch.setattr(warm.os, "getloadavg", lambda: (1000.0, 0.0, 0.0))
+    quiet = iter([(0, 0), (1000, 1000)])  # all idle in the window
+    monkeypatch.setattr(warm, "_cpu_times", lambda: next(quiet))
+    monkeypatch.setattr(warm.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert warm.idle_cpus(window=0) == 2
