@@ -52,6 +52,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                 case.time(f"fake-quant qdim={qdim} out=",
                           lambda: hifloat4_fake_quant(x, qdim, out=out, backend=args.backend), nbytes * n)
             case.time("fake-quant qdim=-1 alloc", lambda: hifloat4_fake_quant(x, backend=args.backend), nbytes * n)
+            case.time("empty_like + copy_ of the output", lambda: torch.empty_like(out).copy_(out), nbytes * n)
             rows += case.ratio_to_baseline("x memcpy")
             del x, out
 

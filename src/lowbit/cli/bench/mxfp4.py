@@ -49,10 +49,15 @@ def run(args: argparse.Namespace) -> list[dict]:
         case.time("memcpy (prealloc)", lambda: copy_dst.copy_(x), 2 * in_bytes)
         case.time("quantize op out=", lambda: quant(out), in_bytes + packed_bytes)
         case.time("quantize op alloc", quant, in_bytes + packed_bytes)
+        case.time("empty_like + copy_ of quantize's outputs",
+                  lambda: (torch.empty_like(out[0]).copy_(out[0]), torch.empty_like(out[1]).copy_(out[1])),
+                  2 * packed_bytes)
         case.time("dequantize op out=",
                   lambda: mxfp4_dequantize(codes, scales, dtype, out=values, backend=args.backend),
                   in_bytes + packed_bytes)
         case.time("dequantize op alloc", lambda: mxfp4_dequantize(codes, scales, dtype, backend=args.backend),
                   in_bytes + packed_bytes)
+        case.time("empty_like + copy_ of dequantize's output", lambda: torch.empty_like(values).copy_(values),
+                  2 * in_bytes)
         rows += case.ratio_to_baseline("x memcpy")
     return rows
