@@ -69,7 +69,7 @@ def test_smoke_input_holds_the_worked_vector_and_the_ties():
 def test_bench_modules_run_tiny_cases(capsys):
     code, out, _ = run_cli(capsys, "bench", "mxfp4", "--sizes", "4096", "--repeats", "1", "--json")
     rows = json.loads(out)
-    assert code == 0 and rows[0]["what"] == "memcpy (prealloc)" and len(rows) == 5
+    assert code == 0 and rows[0]["what"] == "memcpy (prealloc)" and len(rows) == 7
     code, out, _ = run_cli(capsys, "bench", "svd_quant", "--shapes", "1x4x64x64x32", "--repeats", "1", "--json")
     rows = json.loads(out)
     assert code == 0 and [r["what"] for r in rows] == ["F.linear bf16", "svd_quant"]
