@@ -17,7 +17,9 @@ from lowbit.ops import weight_only as ops
 triton_kernels = pytest.importorskip("lowbit.kernels.triton.weight_only", reason="triton is not installed")
 
 FINITE_HIF8 = [c for c in range(256) if abs(hifloat8.code_value(c)) < float("inf")]  # 253 codes, no NaN/Inf
-OPS = {"hifloat8": ops.HIFLOAT8_LINEAR, "mxfp4": ops.MXFP4_LINEAR, "hifloat4": ops.HIFLOAT4_LINEAR}
+OPS = {"hifloat8": ops.HIFLOAT8_LINEAR, "float8": ops.FLOAT8_E4M3FN_LINEAR, "mxfp4": ops.MXFP4_LINEAR,
+       "hifloat4": ops.HIFLOAT4_LINEAR}
+FINITE_E4M3 = [c for c in range(256) if c & 0x7F != 0x7F]  # 254 codes, no NaN
 
 
 def bits(t):
@@ -47,7 +49,11 @@ def hif4_weight(n, k, g):
     return hifloat4.pack(torch.randn(n, k, generator=g))
 
 
-WEIGHTS = {"hifloat8": hif8_weight, "mxfp4": mxfp4_weight, "hifloat4": hif4_weight}
+def fp8_weight(n, k, g):
+    return hif8_weight(n, k, g, FINITE_E4M3)
+
+
+WEIGHTS = {"hifloat8": hif8_weight, "float8": fp8_weight, "mxfp4": mxfp4_weight, "hifloat4": hif4_weight}
 
 
 def native_equals_reference(op, *args):
@@ -183,7 +189,7 @@ def test_a_product_beyond_the_float32_range_overflows_before_the_sum(fmt):
 
 # --- shapes, strides, threads -------------------------------------------------------------------------------
 
-K_SIZES = {"hifloat8": (1, 61, 189), "mxfp4": (32, 96, 128), "hifloat4": (64, 128, 192)}
+K_SIZES = {"hifloat8": (1, 61, 189), "float8": (1, 61, 189), "mxfp4": (32, 96, 128), "hifloat4": (64, 128, 192)}
 
 
 @pytest.mark.parametrize("fmt", WEIGHTS)
@@ -221,6 +227,8 @@ def test_result_does_not_depend_on_the_thread_count(fmt, m):
 def _dense(fmt, weight, dtype):
     if fmt == "hifloat8":
         return reference.hifloat8_weight(*weight, dtype)
+    if fmt == "float8":
+        return reference.float8_e4m3fn_weight(*weight, dtype)
     return {"mxfp4": reference.mxfp4_weight, "hifloat4": reference.hifloat4_weight}[fmt](*weight)
 
 
@@ -230,7 +238,7 @@ def _dense(fmt, weight, dtype):
 def test_gemm_path_within_the_order_interval(fmt, dtype, bias_dtype):
     """float32 GEMM, and (BF16 x, MXFP4 / HiFloat4, bias None or BF16) torch's BF16 GEMM."""
     g = gen(5)
-    m, n, k = cpu.GEMV_MAX_M + 5, 40, {"hifloat8": 319, "mxfp4": 352, "hifloat4": 320}[fmt]  # tails, odd blocks
+    m, n, k = cpu.GEMV_MAX_M + 5, 40, {"hifloat8": 319, "float8": 319, "mxfp4": 352, "hifloat4": 320}[fmt]
     weight = WEIGHTS[fmt](n, k, g)
     x = torch.randn(m, k, generator=g).to(dtype)
     x[0, :8] = 2.0**-130  # BF16 subnormals (flushed by a BF16 GEMM), FP16 zeros
@@ -289,47 +297,54 @@ def test_triton_kernel_equals_the_reference(fmt):
 # --- SIMD building blocks, both lowerings -------------------------------------------------------------------
 
 @numba.njit
-def _decode_row(magnitudes, scale, bf16, table, codes, out):
-    cpu._fill_row_table(magnitudes, scale, bf16, table)
+def _decode_row(magnitudes, scale, bf16, nan_code, table, codes, out):
+    cpu._fill_row_table(magnitudes, scale, bf16, nan_code, table)
     for start in range(0, codes.size, 64):
-        w0, w1 = cpu.hifloat8_decode(codes, start, table)
+        w0, w1 = cpu.code8_decode(codes, start, table, nan_code)
         simd.f32v_store(out, start, w0)
         simd.f32v_store(out, start + 32, w1)
 
 
+CODE8 = {"hifloat8": (cpu._hifloat8_operands, reference.hifloat8_weight),
+         "float8": (cpu._float8_operands, reference.float8_e4m3fn_weight)}
+
+
+@pytest.mark.parametrize("fmt", CODE8)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kind", ["bytes", "values"])
 @pytest.mark.parametrize("scale", [1.0, -0.3, 3e-39, 1e-6, 7e4, 1e30, 0.0, -0.0, float("inf"), float("nan")])
-def test_hifloat8_row_table_decodes_every_code(dtype, kind, scale):
+def test_row_table_decodes_every_8bit_code(fmt, dtype, kind, scale):
     if kind == "bytes" and not simd.HAS_AVX512VBMI:
         pytest.skip("no AVX512-VBMI on this CPU")
+    operands, weight = CODE8[fmt]
     codes = torch.arange(256, dtype=torch.uint8).reshape(1, 256)
-    _, scale_x, bf16, magnitudes, table_like, _ = cpu._hifloat8_operands(codes, torch.tensor([scale]), 256, dtype,
-                                                                        kind)
+    _, scale_x, bf16, magnitudes, nan_code, table_like, _ = operands(codes, torch.tensor([scale]), 256, dtype, kind)
     out = np.empty(256, dtype=np.float32)
-    _decode_row(magnitudes, scale_x[0], bf16, np.empty_like(table_like), codes.numpy().reshape(-1), out)
-    order = np.array(cpu.HIFLOAT8_ORDER)
+    _decode_row(magnitudes, scale_x[0], bf16, nan_code, np.empty_like(table_like), codes.numpy().reshape(-1), out)
+    order = np.array(cpu.CODE8_ORDER)
     logical = np.empty_like(out)
     for start in range(0, 256, 64):
         logical[start + order] = out[start : start + 64]
-    want = reference.hifloat8_weight(codes, torch.tensor([scale]), dtype)[0].numpy()
+    want = weight(codes, torch.tensor([scale]), dtype)[0].numpy()
     assert np.array_equal(np.isnan(logical), np.isnan(want))
     finite = ~np.isnan(want)
     assert np.array_equal(logical[finite].view(np.int32), want[finite].view(np.int32))  # signed zeros too
 
 
+@pytest.mark.parametrize("fmt", CODE8)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_hifloat8_gemv_with_gathered_tables_equals_the_reference(dtype):
+def test_8bit_gemv_with_gathered_tables_equals_the_reference(fmt, dtype):
     """The table kind of CPUs without AVX512-VBMI, on this one: codes, a K tail, M up to 4."""
     g = gen(13)
-    codes, scale = hif8_weight(24, 189, g)
+    operands, weight = CODE8[fmt]
+    codes, scale = hif8_weight(24, 189, g, FINITE_HIF8 if fmt == "hifloat8" else FINITE_E4M3)
     x = torch.randn(3, 189, generator=g).to(dtype)
     x_reg = torch.zeros(3, 192)
     x_reg[:, :189] = x.float()
     y32 = torch.empty(3, 24)
-    cpu._hifloat8_gemv(cpu._reorder(x_reg, *cpu.HIFLOAT8_SPLIT).numpy(),
-                       *cpu._hifloat8_operands(codes, scale, 189, dtype, "values"), y32.numpy())
-    want = reference.lane_sums(x.float(), reference.hifloat8_weight(codes, scale, dtype))
+    cpu._code8_gemv(cpu._reorder(x_reg, *cpu.CODE8_SPLIT).numpy(), *operands(codes, scale, 189, dtype, "values"),
+                    y32.numpy())
+    want = reference.lane_sums(x.float(), weight(codes, scale, dtype))
     assert torch.equal(y32.view(torch.int32), want.view(torch.int32))
 
 

@@ -6,7 +6,8 @@ fast kernels. The reference here is the definition every kernel follows (docs/we
 
 1. **Weight**: each format's weight decoded to float32 (HiFloat8: dequantized in x's dtype, as AMCT's
    fake quant and an NPU's antiquant do: the code's value in x's dtype times the row scale rounded to x's
-   dtype, the product rounded to x's dtype; MXFP4: E2M1 value times the E8M0 scale, exact except that a
+   dtype, the product rounded to x's dtype; FP8 E4M3: the code's value times the FP32 row scale in
+   float32, then rounded to x's dtype, as fake quant does; MXFP4: E2M1 value times the E8M0 scale, exact except that a
    product beyond FP32's range is +-Inf; HiFloat4: exact). A NaN code or NaN scale gives NaN.
 2. **Products**: ``p = fl32(x_k * w_k)`` with x widened exactly to float32.
 3. **Sum**: 64 lanes; lane ``j`` adds the products of ``k = j, j + 64, j + 128, ...`` in order, starting
@@ -28,7 +29,7 @@ from typing import Optional
 import torch
 
 from lowbit.dtypes import bit_view
-from lowbit.formats import hifloat4, hifloat8, mxfp4
+from lowbit.formats import hifloat4, hifloat8, mxfp4, mxfp8
 
 LANES = 64  # summation lanes along K
 EXACT_ROWS = 4  # every kernel gives the reference's bits for x with up to this many rows (decoding)
@@ -43,6 +44,13 @@ def hifloat8_weight(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
     in ``dtype`` (x's: FP16 or BF16): ``decode(code, dtype) * scale.to(dtype)`` rounded to dtype, as float32
     (each factor has at most 11 significant bits, so the float32 product is exact and rounds once)."""
     return (hifloat8.decode(codes, dtype) * scale.to(dtype).unsqueeze(-1)).to(torch.float32)
+
+
+def float8_e4m3fn_weight(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(N, K) float32 weight of FP8 E4M3 ``codes`` (N, K) uint8 (float8_e4m3fn bit patterns; 0x7F / 0xFF NaN)
+    and per-row ``scale`` (N,) float32, dequantized in ``dtype`` as fake quant does: the exact code value
+    times the scale in float32 (one rounding), then rounded to dtype."""
+    return (mxfp8.e4m3_values(codes) * scale.unsqueeze(-1)).to(dtype).to(torch.float32)
 
 
 def mxfp4_weight(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Weight-only linear layers: ``hifloat8_linear``, ``mxfp4_linear``, ``hifloat4_linear`` (docs/weight_only.md).
+"""Weight-only linear layers: ``hifloat8_linear``, ``float8_e4m3fn_linear``, ``mxfp4_linear``,
+``hifloat4_linear`` (docs/weight_only.md).
 
 ``y = x @ W.T + bias`` where W (N, K) is given in its packed format and the kernels decode it on the fly
 (never the whole weight in full precision). Numerics: lowbit.formats.weight_only (float32 weight, a
@@ -60,8 +61,8 @@ def _output(op: str, x: torch.Tensor, bias: Optional[torch.Tensor], n: int, k: i
     return (TensorSpec((*x.shape[:-1], n), x.dtype),)
 
 
-def _hifloat8_outputs(x, codes, scale, bias=None) -> tuple[TensorSpec]:
-    op = "hifloat8_linear"
+def _row_scaled_outputs(op: str, x, codes, scale, bias) -> tuple[TensorSpec]:
+    """8-bit codes (N, K) uint8 with a per-row float32 scale (N,): HiFloat8, FP8 E4M3."""
     _check_byte_tensor(op, "codes", codes, 2, "(N, K)")
     n, k = codes.shape
     if k == 0:
@@ -71,6 +72,14 @@ def _hifloat8_outputs(x, codes, scale, bias=None) -> tuple[TensorSpec]:
     if tuple(scale.shape) != (n,):
         raise ShapeError(f"{op}: scale must have shape (N,) = ({n},), got {tuple(scale.shape)}")
     return _output(op, x, bias, n, k)
+
+
+def _hifloat8_outputs(x, codes, scale, bias=None) -> tuple[TensorSpec]:
+    return _row_scaled_outputs("hifloat8_linear", x, codes, scale, bias)
+
+
+def _float8_outputs(x, codes, scale, bias=None) -> tuple[TensorSpec]:
+    return _row_scaled_outputs("float8_e4m3fn_linear", x, codes, scale, bias)
 
 
 def _mxfp4_outputs(x, codes, scales, bias=None) -> tuple[TensorSpec]:
@@ -152,6 +161,28 @@ def _hifloat8_probes():
     return probes
 
 
+def _float8_probes():
+    g = _gen(83)
+    every = torch.arange(256, dtype=torch.uint8)
+    probes = [
+        (torch.randn(1, 200, generator=g).bfloat16(), every[torch.randint(0, 256, (5, 200), generator=g)],
+         torch.rand(5, generator=g) / 448, None),
+        (torch.randn(3, 64, generator=g).half(), every[torch.randint(0, 256, (3, 64), generator=g)],
+         torch.rand(3, generator=g) * 3, torch.randn(3, generator=g)),
+    ]
+    # Every code (NaN 0x7F / 0xFF, -0 0x80), scales 0 / Inf / NaN / tiny / huge / negative; K = 130.
+    codes = every[torch.randperm(256, generator=g)][:130].repeat(7, 1)
+    scale = torch.tensor([1.0, 0.0, float("inf"), 2.0**-140, 2.0**120, float("nan"), -0.7])
+    x = torch.randn(2, 130, generator=g).bfloat16()
+    x[1, :4] = torch.tensor([0.0, float("inf"), -0.0, float("nan")])
+    probes.append((x, codes, scale, torch.randn(7, generator=g).bfloat16()))
+    exact = torch.tensor([c for c in range(256) if (4 * abs(float(every[c : c + 1].view(torch.float8_e4m3fn)))).is_integer()
+                          and abs(float(every[c : c + 1].view(torch.float8_e4m3fn))) <= 16], dtype=torch.uint8)
+    probes.append((_small_integers((6, 96), g, torch.bfloat16), exact[torch.randint(0, len(exact), (4, 96), generator=g)],
+                   torch.tensor([1.0, 2.0, 0.5, 4.0]), _small_integers((4,), g, torch.bfloat16)))
+    return probes
+
+
 def _mxfp4_probes():
     g = _gen(4)
 
@@ -227,6 +258,8 @@ def _operator(name: str, outputs, weight, probes, params: tuple[str, str]) -> ba
 
 HIFLOAT8_LINEAR = _operator("hifloat8_linear", _hifloat8_outputs, reference.hifloat8_weight, _hifloat8_probes,
                             ("codes", "scale"))
+FLOAT8_E4M3FN_LINEAR = _operator("float8_e4m3fn_linear", _float8_outputs, reference.float8_e4m3fn_weight,
+                                 _float8_probes, ("codes", "scale"))
 MXFP4_LINEAR = _operator("mxfp4_linear", _mxfp4_outputs, lambda a, b, dtype: reference.mxfp4_weight(a, b),
                          _mxfp4_probes, ("codes", "scales"))
 HIFLOAT4_LINEAR = _operator("hifloat4_linear", _hifloat4_outputs, lambda a, b, dtype: reference.hifloat4_weight(a, b),
@@ -242,6 +275,18 @@ def hifloat8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, b
     scale (N,) float32. x (..., K) FP16/BF16 -> (..., N) in x's dtype (module docstring).
     """
     return call(HIFLOAT8_LINEAR, (x, codes, scale, bias), out, backend)
+
+
+def float8_e4m3fn_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+                         bias: Optional[torch.Tensor] = None, *, out: Optional[torch.Tensor] = None,
+                         backend: Optional[str] = None) -> torch.Tensor:
+    """``x @ W.T + bias`` with W[n, k] = e4m3(codes[n, k]) * scale[n] (float32) rounded to x's dtype (FP8
+    weight-only, W8A16; fake quant's dequantization).
+
+    codes (N, K) uint8 float8_e4m3fn bit patterns (0x7F / 0xFF: NaN); scale (N,) float32. x (..., K)
+    FP16/BF16 -> (..., N) in x's dtype (module docstring).
+    """
+    return call(FLOAT8_E4M3FN_LINEAR, (x, codes, scale, bias), out, backend)
 
 
 def mxfp4_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor] = None, *,

@@ -23,7 +23,7 @@ from torch import nn
 
 from lowbit.nn.svd_quant import svd_quant_decompose
 from lowbit.ops.svd_quant import svd_quant
-from lowbit.ops.weight_only import hifloat4_linear, hifloat8_linear, mxfp4_linear
+from lowbit.ops.weight_only import float8_e4m3fn_linear, hifloat4_linear, hifloat8_linear, mxfp4_linear
 from lowbit.ops.wqbmm import PackedWeight, plan_weight_quant_batch_matmul
 from lowbit.quantize.activations import STATIC_KINDS, deploy_static_input, fake_quant_input
 from lowbit.quantize.calibration import QuantParams, fake_act_kind, layer_act_kind, make_calibrator, smoothed_weight
@@ -109,15 +109,19 @@ class QuantizedLinearBase(nn.Module):
 # Weight formats with a fused weight-only kernel (lowbit.ops.weight_only): the op and its packed buffers.
 FUSED_LINEAR = {
     "hifloat8": (hifloat8_linear, ("codes", "scale")),
+    "float8_e4m3fn": (float8_e4m3fn_linear, ("codes", "scale")),
     "mxfp4_e2m1": (mxfp4_linear, ("codes", "scales")),
     "hifloat4": (hifloat4_linear, ("block_scale", "value")),
 }
 
 
+_ROW_SCALED = ("hifloat8", "float8_e4m3fn")  # 8-bit codes with a per-row (or per-tensor) FP32 scale
+
+
 class PackedLinear(QuantizedLinearBase):
     """Deploy module for HiF8 / FP8 / INT8 / MXFP8 / MXFP4 / HiF4 weights: dequantize, then ``F.linear``
     (or ``F.conv2d`` for a Conv2d layer's geometry, see lowbit.quantize.layer_ops). A Linear layer with
-    MXFP4 or HiFloat4 weights and FP16/BF16 inputs, or HiFloat8 weights and inputs of the weight's dtype
+    MXFP4 or HiFloat4 weights and FP16/BF16 inputs, or HiFloat8 / FP8 weights and inputs of the weight's dtype
     (not ``amct_compat``) runs the fused weight-only kernel instead, which reads the packed weight and
     never builds the dense one: the same weight values, summed in another order (docs/weight_only.md;
     docs/quantize.md, "Fake quant vs deploy")."""
@@ -130,7 +134,7 @@ class PackedLinear(QuantizedLinearBase):
         if (self.cfg_meta["geometry"]["type"] != "Linear" or self.cfg_meta.get("amct_compat")
                 or dtype not in (torch.float16, torch.bfloat16)):
             return None
-        if self.cfg_meta["weight_type"] == "hifloat8" and dtype != self.weight_dtype:
+        if self.cfg_meta["weight_type"] in _ROW_SCALED and dtype != self.weight_dtype:
             return None  # the kernel dequantizes in x's dtype, fake quant in the weight's
         return FUSED_LINEAR.get(self.cfg_meta["weight_type"])
 
@@ -146,7 +150,7 @@ class PackedLinear(QuantizedLinearBase):
         if fused is not None:
             op, names = fused
             packed = [self._buffers[name] for name in names]
-            if op is hifloat8_linear:  # a per-tensor scale (1,) as the operator's per-row (N,)
+            if self.cfg_meta["weight_type"] in _ROW_SCALED:  # a per-tensor scale (1,) as the operator's (N,)
                 packed[1] = packed[1].expand(self.out_features)
             return op(x_q, *packed, self.bias)
         return run_layer(self.cfg_meta["geometry"], x_q, self.dequantized_weight(), self.bias)

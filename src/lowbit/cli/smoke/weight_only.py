@@ -1,5 +1,5 @@
-"""Smoke check of the weight-only linear layers hifloat8_linear, mxfp4_linear and hifloat4_linear
-(docs/weight_only.md), compared with the reference backend bit for bit.
+"""Smoke check of the weight-only linear layers hifloat8_linear, float8_e4m3fn_linear, mxfp4_linear and
+hifloat4_linear (docs/weight_only.md), compared with the reference backend bit for bit.
 
 Per operator and x dtype (BF16, FP16), on a weight of N = 40 rows (CPU generator seeded 2026):
 
@@ -12,7 +12,8 @@ Per operator and x dtype (BF16, FP16), on a weight of N = 40 rows (CPU generator
   is exact in float32 and every summation order gives the reference's bits: bit equality is the
   contract there too (docs/cli.md, "lowbit smoke").
 
-Weights: HiFloat8 codes of the weight over its per-row scale amax / 32768 (float32), MXFP4 by
+Weights: HiFloat8 codes of the weight over its per-row scale amax / 32768 (float32), FP8 E4M3 codes over
+the power of two at or above amax / 448, MXFP4 by
 lowbit.formats.mxfp4.quantize, HiFloat4 by lowbit.formats.hifloat4.pack. The reference is the operator
 run with backend "reference" on the CPU copies; the error figures compare with the exact (float64)
 product of x and the decoded weight, plus the bias. Extra keys: ``operator``, ``x_shape``, ``bias``
@@ -27,12 +28,14 @@ import torch
 
 from lowbit.backends import Operator
 from lowbit.cli.smoke._common import backend_that_ran, case_result, dtype_name
-from lowbit.formats import hifloat4, hifloat8, mxfp4
+from lowbit.formats import hifloat4, hifloat8, mxfp4, mxfp8
 from lowbit.formats.weight_only import EXACT_ROWS
 from lowbit.ops.weight_only import (
+    FLOAT8_E4M3FN_LINEAR,
     HIFLOAT4_LINEAR,
     HIFLOAT8_LINEAR,
     MXFP4_LINEAR,
+    float8_e4m3fn_linear,
     hifloat4_linear,
     hifloat8_linear,
     mxfp4_linear,
@@ -56,6 +59,18 @@ def hifloat8_dense(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return hifloat8.decode(codes, torch.float32) * scale.unsqueeze(1)
 
 
+def float8_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes (N, K) uint8 float8_e4m3fn, scale (N,) float32) of a float32 weight: each row over the power of
+    two at or above amax / 448 (so the GEMM case's weights stay multiples of 1/4)."""
+    scale = torch.exp2(torch.ceil(torch.log2(w.abs().amax(1) / mxfp8.E4M3_MAX)))
+    return mxfp8.e4m3_codes(w / scale.unsqueeze(1)), scale
+
+
+def float8_dense(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The (N, K) float32 weight that FP8 E4M3 ``codes`` and ``scale`` stand for."""
+    return mxfp8.e4m3_values(codes) * scale.unsqueeze(1)
+
+
 def mxfp4_dense(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """The (N, K) float32 weight of MXFP4 ``codes`` and ``scales``."""
     return mxfp4.dequantize(codes, scales, torch.float32)
@@ -71,6 +86,7 @@ def formats() -> tuple[tuple[Callable, Operator, tuple[int, int], Callable, Call
     (N, K) -> its two weight tensors, dense: those tensors -> the (N, K) float32 weight)."""
     return (
         (hifloat8_linear, HIFLOAT8_LINEAR, (100, 128), hifloat8_weight, hifloat8_dense),
+        (float8_e4m3fn_linear, FLOAT8_E4M3FN_LINEAR, (100, 128), float8_weight, float8_dense),
         (mxfp4_linear, MXFP4_LINEAR, (96, 128), mxfp4.quantize, mxfp4_dense),
         (hifloat4_linear, HIFLOAT4_LINEAR, (128, 192), hifloat4.pack, hifloat4_dense),
     )

@@ -35,7 +35,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from lowbit.backends import Kernel
-from lowbit.formats import hifloat8, mxfp4
+from lowbit.formats import hifloat8, mxfp4, mxfp8
 from lowbit.formats import weight_only as reference
 from lowbit.kernels.cpu import _simd as simd
 from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, as_numpy, sync_threads
@@ -50,9 +50,11 @@ _INLINE = dict(NJIT_OPTIONS, inline="always")
 
 # ---- tables (from the reference formats) ------------------------------------------------------------------
 
-# HiFloat8: the values of codes 0..127 in each x dtype, as float32.
+# HiFloat8: the values of codes 0..127 in each x dtype, as float32. FP8 E4M3: exact values (0x7F: NaN).
 _HIF8_MAGNITUDES = {dtype: hifloat8.decode_table(dtype)[:128].to(torch.float32).numpy()
                     for dtype in (torch.bfloat16, torch.float16)}
+_E4M3_MAGNITUDES = mxfp8.e4m3_values(torch.arange(128, dtype=torch.uint8)).numpy()
+_E4M3_NAN_CODE = 0x7F
 # 16-entry tables of every scale byte, (256 * 16,) float32: entry 16 b + nibble. MXFP4: the E2M1 value times
 # the E8M0 scale (one rounding: the reference's weight); HiFloat4: (-1)^s c/4 times the E6M2 scale (exact).
 _MXFP4_TABLES = (reference.e8m0_scales()[:, None] * mxfp4.e2m1_values(torch.float32)).reshape(-1).numpy()
@@ -99,12 +101,12 @@ def _order(split: tuple[int, ...], perm: tuple[int, ...]) -> list[int]:
 
 
 # HiFloat8: the byte unpacks of 64 codes; register quarter q (16 lanes), lane r: element 16 (r // 4) + 4 q + r % 4.
-HIFLOAT8_SPLIT = ((4, 4, 4), (1, 0, 2))
+CODE8_SPLIT = ((4, 4, 4), (1, 0, 2))
 # MXFP4, HiFloat4: the low nibbles of 32 bytes (elements 0, 2, .., 62), then the high nibbles (1, 3, .., 63).
 NIBBLE_SPLIT = ((32, 2), (1, 0))
-HIFLOAT8_ORDER = _order(*HIFLOAT8_SPLIT)
+CODE8_ORDER = _order(*CODE8_SPLIT)
 NIBBLE_ORDER = _order(*NIBBLE_SPLIT)
-_HIFLOAT8_ELEMENTS = np.array(HIFLOAT8_ORDER)
+_CODE8_ELEMENTS = np.array(CODE8_ORDER)
 
 _V8x64 = ir.VectorType(ir.IntType(8), 64)
 _V16x32 = ir.VectorType(ir.IntType(16), 32)
@@ -140,11 +142,11 @@ def _make_logical(order):
     return logical
 
 
-hifloat8_logical = _make_logical(HIFLOAT8_ORDER)
+code8_logical = _make_logical(CODE8_ORDER)
 nibble_logical = _make_logical(NIBBLE_ORDER)
 
-# ---- HiFloat8 decode: 64 codes -> two F32V in HIFLOAT8_ORDER ------------------------------------------------
-# A HiFloat8 weight is dequantized in x's dtype (docs/weight_only.md, 'Weights'), so one row of W holds at
+# ---- 8-bit codes (HiFloat8, FP8 E4M3): 64 codes -> two F32V in CODE8_ORDER -------------------------------
+# An 8-bit weight is dequantized in x's dtype (docs/weight_only.md, 'Weights'), so one row of W holds at
 # most 256 values: each row's are put in a table first (_fill_row_table), then every code is a look-up. The
 # kind of row table is its array type: on a CPU with AVX512-VBMI, 256 bytes, the high and then the low
 # bytes of the 16-bit patterns of codes 0..127 (vpermi2b reads them, the code's sign is XORed in): uint8
@@ -152,10 +154,10 @@ nibble_logical = _make_logical(NIBBLE_ORDER)
 # at 0x80), gathered.
 
 
-def _hifloat8_decode_vbmi(context, builder, codes, table_arg):
+def _code8_decode_vbmi(context, builder, codes, table_arg, nan_code):
     """16-bit patterns (BF16 for a uint8 table, FP16 for a uint16 one) of the code's magnitude from the row's
-    byte tables (vpermi2b, index bits 0-6), the code's sign XORed in, NaN for 0x80; bytes -> words by
-    unpacking, words -> FP32 by unpacking with zeros below (BF16) or vcvtph2ps (FP16), in HIFLOAT8_ORDER."""
+    byte tables (vpermi2b, index bits 0-6), the code's sign XORed in, NaN for ``nan_code``; bytes -> words by
+    unpacking, words -> FP32 by unpacking with zeros below (BF16) or vcvtph2ps (FP16), in CODE8_ORDER."""
     fn = cgutils.get_or_insert_function(
         builder.module, ir.FunctionType(_V8x64, [_V8x64] * 3), "llvm.x86.avx512.vpermi2var.qi.512")
     table_type, table = table_arg
@@ -166,7 +168,7 @@ def _hifloat8_decode_vbmi(context, builder, codes, table_arg):
     high = builder.call(fn, [quarters[0], codes, quarters[1]])
     low = builder.call(fn, [quarters[2], codes, quarters[3]])
     high = builder.xor(high, builder.and_(codes, ir.Constant(_V8x64, [0x80] * 64)))
-    nan = builder.icmp_unsigned("==", codes, ir.Constant(_V8x64, [hifloat8.NAN_CODE] * 64))
+    nan = builder.icmp_unsigned("==", codes, simd._splat(builder, builder.trunc(nan_code, ir.IntType(8)), _V8x64))
     high = builder.select(nan, ir.Constant(_V8x64, [0x7F] * 64), high)
     low = builder.select(nan, ir.Constant(_V8x64, [0xFF] * 64), low)
     # unpack{l,h}bw per 128-bit lane: words (low byte, high byte) of bytes 0-7 / 8-15 of each lane
@@ -190,11 +192,11 @@ def _hifloat8_decode_vbmi(context, builder, codes, table_arg):
     return first, second
 
 
-def _hifloat8_decode_gather(context, builder, codes, table_arg):
+def _code8_decode_gather(context, builder, codes, table_arg, nan_code):
     """The values gathered from the row's 256-entry float32 table, in plain LLVM IR."""
     table_type, table = table_arg
     data = context.make_array(table_type)(context, builder, table).data
-    ordered = builder.shuffle_vector(codes, codes, _mask(HIFLOAT8_ORDER))
+    ordered = builder.shuffle_vector(codes, codes, _mask(CODE8_ORDER))
     i64 = ir.IntType(64)
     v64 = ir.VectorType(i64, HALF)
     base = builder.insert_element(ir.Constant(v64, None), builder.ptrtoint(data, i64), ir.Constant(_I32, 0))
@@ -213,52 +215,53 @@ def _hifloat8_decode_gather(context, builder, codes, table_arg):
 
 
 @intrinsic
-def hifloat8_decode(typingctx, codes, index, table):
-    """The row's weights of the 64 HiFloat8 codes ``codes[index : index + 64]`` (a 1-D C-contiguous uint8
-    array) as two F32V in HIFLOAT8_ORDER, looked up in the row ``table`` (_fill_row_table): byte tables
-    (uint8 for BF16, uint16 for FP16; vpermi2b: AVX512-VBMI only) or a float32 value table (gathered). 0x80
-    gives a NaN whose payload depends on the table kind (outputs are made canonical)."""
-    lower = _hifloat8_decode_gather if table.dtype == types.float32 else _hifloat8_decode_vbmi
+def code8_decode(typingctx, codes, index, table, nan_code):
+    """The row's weights of the 64 codes ``codes[index : index + 64]`` (a 1-D C-contiguous uint8 array) as
+    two F32V in CODE8_ORDER, looked up in the row ``table`` (_fill_row_table): byte tables (uint8 for BF16,
+    uint16 for FP16; vpermi2b: AVX512-VBMI only) or a float32 value table (gathered). ``nan_code`` (int)
+    decodes to a NaN whose payload depends on the table kind (outputs are made canonical)."""
+    lower = _code8_decode_gather if table.dtype == types.float32 else _code8_decode_vbmi
 
     def codegen(context, builder, sig, args):
         ptr = simd._element_ptr(context, builder, sig.args[0], args[0], args[1], _V8x64)
-        first, second = lower(context, builder, builder.load(ptr, align=1), (sig.args[2], args[2]))
+        first, second = lower(context, builder, builder.load(ptr, align=1), (sig.args[2], args[2]), args[3])
         return context.make_tuple(builder, sig.return_type, [first, second])
 
-    return types.UniTuple(simd.F32V, 2)(codes, index, table), codegen
+    return types.UniTuple(simd.F32V, 2)(codes, index, table, nan_code), codegen
 
 
-def _fill_row_table(magnitudes, scale, bf16, table):
-    """Put one row's weights in ``table``: code c's is ``magnitudes[c & 0x7F] * scale`` rounded to x's dtype
-    (BF16 if ``bf16``, else FP16), negated for c >= 0x80, NaN for 0x80. ``magnitudes`` (128,) float32: the
-    code values in x's dtype; ``scale``: the row's scale rounded to x's dtype. Both have at most 11
-    significant bits, so their float32 product is exact and rounds once: the reference's weight. A byte
-    table (uint8: BF16, uint16: FP16) gets the bytes of codes 0..127, a float32 table the values of all 256."""
+def _fill_row_table(magnitudes, scale, bf16, nan_code, table):
+    """Put one row's weights in ``table``: code c's is ``fl32(magnitudes[c & 0x7F] * scale)`` rounded to x's
+    dtype (BF16 if ``bf16``, else FP16), negated for c >= 0x80, NaN for ``nan_code``. ``magnitudes`` (128,)
+    float32 and the row's ``scale`` (float32) are the format's (HiFloat8: both already rounded to x's dtype,
+    so the float32 product is exact; FP8: the code value and the FP32 scale, as fake quant multiplies them).
+    A byte table (uint8: BF16, uint16: FP16) gets the bytes of codes 0..127, a float32 table the values of
+    all 256."""
 
 
 @overload(_fill_row_table, jit_options=NJIT_OPTIONS)
-def _fill_row_table_typed(magnitudes, scale, bf16, table):
+def _fill_row_table_typed(magnitudes, scale, bf16, nan_code, table):
     if table.dtype == types.uint8:
-        def fill_bf16_bytes(magnitudes, scale, bf16, table):
+        def fill_bf16_bytes(magnitudes, scale, bf16, nan_code, table):
             for i in range(0, 128, HALF):
                 value = simd.f32v_round_to_bf16(simd.f32v_mul(simd.f32v_load(magnitudes, i), scale))
                 simd.f32v_store_bf16_bytes(table, i, 128 + i, value)
 
         return fill_bf16_bytes
     if table.dtype == types.uint16:
-        def fill_f16_bytes(magnitudes, scale, bf16, table):
+        def fill_f16_bytes(magnitudes, scale, bf16, nan_code, table):
             for i in range(0, 128, HALF):
                 simd.f32v_store_f16_bytes(table, i, 128 + i, simd.f32v_mul(simd.f32v_load(magnitudes, i), scale))
 
         return fill_f16_bytes
 
-    def fill_values(magnitudes, scale, bf16, table):
+    def fill_values(magnitudes, scale, bf16, nan_code, table):
         for i in range(0, 128, HALF):
             value = simd.f32v_mul(simd.f32v_load(magnitudes, i), scale)
             value = simd.f32v_round_to_bf16(value) if bf16 else simd.f32v_round_to_f16(value)
             simd.f32v_store(table, i, value)
             simd.f32v_store(table, 128 + i, simd.f32v_mul(value, np.float32(-1.0)))
-        table[hifloat8.NAN_CODE] = np.nan
+        table[nan_code] = np.nan
 
     return fill_values
 
@@ -414,13 +417,13 @@ def _word_byte_range(words, start, count):
 
 
 @numba.njit(**_INLINE)
-def _hifloat8_tail(codes, start, count, table, keep, scratch):
+def _code8_tail(codes, start, count, table, nan_code, keep, scratch):
     """The last ``count`` < 64 weights of a row from ``codes[start]``; lanes whose element is past them
     are +0.0 (``keep``: int32[64], nonzero for the lanes to keep). The codes are copied into ``scratch``
     (64 bytes) so that nothing past the row is read."""
     scratch[:] = 0
     scratch[:count] = codes[start : start + count]
-    w0, w1 = hifloat8_decode(scratch, 0, table)
+    w0, w1 = code8_decode(scratch, 0, table, nan_code)
     return simd.f32v_select(simd.i32v_load(keep, 0), w0), simd.f32v_select(simd.i32v_load(keep, HALF), w1)
 
 
@@ -436,8 +439,8 @@ def _mxfp4_last_block(codes, start, scale, scratch):
 
 
 @numba.njit(**_INLINE)
-def _row_sum_hifloat8(acc0, acc1):
-    low, high = hifloat8_logical(acc0, acc1)
+def _row_sum_code8(acc0, acc1):
+    low, high = code8_logical(acc0, acc1)
     return simd.f32v_sum_tree(simd.f32v_add(low, high))
 
 
@@ -448,7 +451,7 @@ def _row_sum_nibbles(acc0, acc1):
 
 
 @numba.njit(**_INLINE)
-def _hifloat8_row_sum(x_flat, x0, codes_flat, c0, k, table, keep, scratch):
+def _code8_row_sum(x_flat, x0, codes_flat, c0, k, table, nan_code, keep, scratch):
     """One row of W (codes_flat[c0 : c0 + k]) times x_flat[x0:] (register order) with the row's ``table``.
     A multiply and an add per product: here a fused multiply-add (same bits, as the products are exact but
     for the extremes) measured slower, as the lanes' chains of additions bound the loop."""
@@ -456,20 +459,20 @@ def _hifloat8_row_sum(x_flat, x0, codes_flat, c0, k, table, keep, scratch):
     acc0 = simd.f32v_zero()
     acc1 = simd.f32v_zero()
     for t in range(full):
-        w0, w1 = hifloat8_decode(codes_flat, c0 + LANES * t, table)
+        w0, w1 = code8_decode(codes_flat, c0 + LANES * t, table, nan_code)
         acc0, acc1 = _accumulate(acc0, acc1, x_flat, x0 + LANES * t, w0, w1)
     if k % LANES:
-        w0, w1 = _hifloat8_tail(codes_flat, c0 + LANES * full, k % LANES, table, keep, scratch)
+        w0, w1 = _code8_tail(codes_flat, c0 + LANES * full, k % LANES, table, nan_code, keep, scratch)
         acc0, acc1 = _accumulate(acc0, acc1, x_flat, x0 + LANES * full, w0, w1)
-    return _row_sum_hifloat8(acc0, acc1)
+    return _row_sum_code8(acc0, acc1)
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _hifloat8_gemv(x_reg, codes, scale, bf16, magnitudes, table_like, keep, y32):
-    """codes (N, K) uint8; scale (N,) float32, the row scales rounded to x's dtype (BF16 if ``bf16``, else
-    FP16); magnitudes (128,) float32: _HIF8_MAGNITUDES of that dtype; table_like: an array of the row-table
-    kind (see hifloat8_decode); keep int32[64] (the tail's lanes); x_reg (M, Kp) float32 (register order,
-    zero-padded); y32 (M, N) float32."""
+def _code8_gemv(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, y32):
+    """codes (N, K) uint8; scale (N,) float32 and magnitudes (128,) float32 as _fill_row_table takes them;
+    bf16: x is BF16 (else FP16); nan_code: the code that decodes to NaN; table_like: an array of the
+    row-table kind (see code8_decode); keep int32[64] (the tail's lanes); x_reg (M, Kp) float32 (register
+    order, zero-padded); y32 (M, N) float32."""
     n, k = codes.shape
     m_rows, kp = x_reg.shape
     codes_flat, x_flat = codes.reshape(-1), x_reg.reshape(-1)
@@ -477,9 +480,10 @@ def _hifloat8_gemv(x_reg, codes, scale, bf16, magnitudes, table_like, keep, y32)
         scratch = np.zeros(LANES, dtype=np.uint8)
         table = np.empty_like(table_like)
         for row in range(task * _ROWS_PER_TASK, min(n, (task + 1) * _ROWS_PER_TASK)):
-            _fill_row_table(magnitudes, scale[row], bf16, table)
+            _fill_row_table(magnitudes, scale[row], bf16, nan_code, table)
             for m in range(m_rows):
-                y32[m, row] = _hifloat8_row_sum(x_flat, m * kp, codes_flat, row * k, k, table, keep, scratch)
+                y32[m, row] = _code8_row_sum(x_flat, m * kp, codes_flat, row * k, k, table, nan_code, keep,
+                                             scratch)
 
 
 @numba.njit(**_INLINE)
@@ -554,8 +558,8 @@ def _hifloat4_gemv(x_reg, words, value, y32):
 
 
 @numba.njit(**_INLINE)
-def _store_hifloat8(w_flat, at, w0, w1):
-    low, high = hifloat8_logical(w0, w1)
+def _store_code8(w_flat, at, w0, w1):
+    low, high = code8_logical(w0, w1)
     simd.f32v_store_any(w_flat, at, low)
     simd.f32v_store_any(w_flat, at + HALF, high)
 
@@ -570,7 +574,7 @@ def _store_nibbles(w_flat, at, w0, w1):
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _hifloat8_tile(codes, scale, bf16, magnitudes, table_like, keep, r0, w32):
+def _code8_tile(codes, scale, bf16, magnitudes, nan_code, table_like, keep, r0, w32):
     n, k = codes.shape
     kp = w32.shape[1]
     full = k // LANES
@@ -581,13 +585,13 @@ def _hifloat8_tile(codes, scale, bf16, magnitudes, table_like, keep, r0, w32):
         table = np.empty_like(table_like)
         for i in range(task * _ROWS_PER_TASK, min(w32.shape[0], (task + 1) * _ROWS_PER_TASK)):
             row = r0 + i
-            _fill_row_table(magnitudes, scale[row], bf16, table)
+            _fill_row_table(magnitudes, scale[row], bf16, nan_code, table)
             for t in range(full):
-                w0, w1 = hifloat8_decode(codes_flat, row * k + LANES * t, table)
-                _store_hifloat8(w_flat, i * kp + LANES * t, w0, w1)
+                w0, w1 = code8_decode(codes_flat, row * k + LANES * t, table, nan_code)
+                _store_code8(w_flat, i * kp + LANES * t, w0, w1)
             if tail:
-                w0, w1 = _hifloat8_tail(codes_flat, row * k + LANES * full, tail, table, keep, scratch)
-                _store_hifloat8(w_flat, i * kp + LANES * full, w0, w1)
+                w0, w1 = _code8_tail(codes_flat, row * k + LANES * full, tail, table, nan_code, keep, scratch)
+                _store_code8(w_flat, i * kp + LANES * full, w0, w1)
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
@@ -709,9 +713,9 @@ class WeightOnlyLinear(Kernel):
         out.copy_(torch.where(out.isnan(), reference.canonical_nan(out.dtype), out))
 
 
-def _hifloat8_operands(codes, scale, k, dtype, table_kind=None):
-    """``table_kind``: "bytes" (byte tables: AVX512-VBMI only) or "values" (gathered); by default bytes on a
-    CPU with AVX512-VBMI."""
+def _code8_operands(codes, scale, magnitudes, nan_code, k, dtype, table_kind):
+    """The _code8_gemv / _code8_tile operands. ``table_kind``: "bytes" (AVX512-VBMI only) or "values"
+    (gathered); None: bytes on a CPU with AVX512-VBMI."""
     bf16 = dtype == torch.bfloat16
     if table_kind is None:
         table_kind = "bytes" if simd.HAS_AVX512VBMI else "values"
@@ -719,9 +723,19 @@ def _hifloat8_operands(codes, scale, k, dtype, table_kind=None):
         table_like = np.zeros(256, dtype=np.uint8) if bf16 else np.zeros(128, dtype=np.uint16)
     else:
         table_like = np.zeros(256, dtype=np.float32)
-    keep = (_HIFLOAT8_ELEMENTS < k % LANES).astype(np.int32)  # the lanes of a last, short step
-    scale_x = scale.to(dtype).to(torch.float32)
-    return as_numpy(codes), as_numpy(scale_x), bf16, _HIF8_MAGNITUDES[dtype], table_like, keep
+    keep = (_CODE8_ELEMENTS < k % LANES).astype(np.int32)  # the lanes of a last, short step
+    return as_numpy(codes), as_numpy(scale.contiguous()), bf16, magnitudes, nan_code, table_like, keep
+
+
+def _hifloat8_operands(codes, scale, k, dtype, table_kind=None):
+    """HiFloat8: code values and row scales both rounded to x's dtype first."""
+    return _code8_operands(codes, scale.to(dtype).to(torch.float32), _HIF8_MAGNITUDES[dtype], hifloat8.NAN_CODE, k,
+                           dtype, table_kind)
+
+
+def _float8_operands(codes, scale, k, dtype, table_kind=None):
+    """FP8 E4M3: exact code values times the FP32 row scales (0x7F / 0xFF are NaN codes)."""
+    return _code8_operands(codes, scale, _E4M3_MAGNITUDES, _E4M3_NAN_CODE, k, dtype, table_kind)
 
 
 def _mxfp4_operands(codes, scales, k, dtype):
@@ -733,6 +747,7 @@ def _hifloat4_operands(scale, value, k, dtype):
     return words, as_numpy(value)
 
 
-HIFLOAT8_LINEAR = WeightOnlyLinear(_hifloat8_gemv, _hifloat8_tile, HIFLOAT8_SPLIT, _hifloat8_operands)
+HIFLOAT8_LINEAR = WeightOnlyLinear(_code8_gemv, _code8_tile, CODE8_SPLIT, _hifloat8_operands)
+FLOAT8_E4M3FN_LINEAR = WeightOnlyLinear(_code8_gemv, _code8_tile, CODE8_SPLIT, _float8_operands)
 MXFP4_LINEAR = WeightOnlyLinear(_mxfp4_gemv, _mxfp4_tile, NIBBLE_SPLIT, _mxfp4_operands)
 HIFLOAT4_LINEAR = WeightOnlyLinear(_hifloat4_gemv, _hifloat4_tile, NIBBLE_SPLIT, _hifloat4_operands)

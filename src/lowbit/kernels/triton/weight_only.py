@@ -17,21 +17,24 @@ import triton
 import triton.language as tl
 
 from lowbit.backends import Kernel
-from lowbit.formats import hifloat8, mxfp4
+from lowbit.formats import hifloat8, mxfp4, mxfp8
 from lowbit.formats import weight_only as reference
 
 LANES = reference.LANES
 ROWS_PER_PROGRAM = 16
 _MAX_GRID_Y = 65535  # CUDA's limit on the second grid dimension (programs over N)
-HIFLOAT8, MXFP4, HIFLOAT4 = 0, 1, 2  # the FORMAT of the kernel
+HIFLOAT8, MXFP4, HIFLOAT4, FLOAT8_E4M3FN = 0, 1, 2, 3  # the FORMAT of the kernel
 
 
 @functools.cache
 def _table(fmt: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """float32 look-up table: HiFloat8: the 256 codes decoded to x's ``dtype``; MXFP4: the 16 E2M1 values,
-    then the 256 E8M0 scales; HiFloat4: the 16 signed quarters c/4, then the 256 E6M2 scales (0xFF: NaN)."""
+    """float32 look-up table: HiFloat8: the 256 codes decoded to x's ``dtype``; FP8 E4M3: the 256 code values;
+    MXFP4: the 16 E2M1 values, then the 256 E8M0 scales; HiFloat4: the 16 signed quarters c/4, then the 256
+    E6M2 scales (0xFF: NaN)."""
     if fmt == HIFLOAT8:
         return hifloat8.decode_table(dtype).to(torch.float32).to(device)
+    if fmt == FLOAT8_E4M3FN:
+        return mxfp8.e4m3_values(torch.arange(256, dtype=torch.uint8)).to(device)
     if fmt == MXFP4:
         return torch.cat([mxfp4.e2m1_values(torch.float32), reference.e8m0_scales()]).to(device)
     return torch.cat([reference.hifloat4_quarters(), reference.e6m2_scales()]).to(device)
@@ -45,12 +48,24 @@ def _nibble(packed_ptr, rows, cols, mask, K):
 
 
 @triton.jit
+def _round_to(w, X_DTYPE: tl.constexpr):
+    """float32 ``w`` rounded to the nearest X_DTYPE value (ties to even), as float32. BF16 by integer
+    arithmetic on the bits (NaN kept): the same on a GPU and in the interpreter, whose float32 -> BF16
+    cast does not round to nearest even."""
+    if X_DTYPE == tl.bfloat16:
+        bits = w.to(tl.uint32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return tl.where(w == w, rounded.to(tl.float32, bitcast=True), w)
+    return w.to(tl.float16).to(tl.float32)
+
+
+@triton.jit
 def _weights(a_ptr, b_ptr, table_ptr, rows, cols, K, FORMAT: tl.constexpr, X_DTYPE: tl.constexpr):
     """float32 weights (rows, 64) of columns ``cols``; columns >= K are +0.0."""
     mask = (cols < K)[None, :]
-    if FORMAT == 0:  # HiFloat8: a = codes (N, K), b = scale (N,) rounded to x's dtype; product rounded to it
+    if FORMAT == 0 or FORMAT == 3:  # HiFloat8 (scale b rounded to x's dtype) or FP8: a = codes (N, K), b (N,)
         codes = tl.load(a_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0).to(tl.int32)
-        w = (tl.load(table_ptr + codes) * tl.load(b_ptr + rows)[:, None]).to(X_DTYPE).to(tl.float32)
+        w = _round_to(tl.load(table_ptr + codes) * tl.load(b_ptr + rows)[:, None], X_DTYPE)
     elif FORMAT == 1:  # MXFP4: a = codes (N, K/2), b = scales (N, K/32)
         value = tl.load(table_ptr + _nibble(a_ptr, rows, cols, mask, K))
         scale_byte = tl.load(b_ptr + rows[:, None] * (K // 32) + cols[None, :] // 32, mask=mask, other=127)
@@ -135,5 +150,6 @@ class TritonLinear(Kernel):
 
 
 HIFLOAT8_LINEAR = TritonLinear(HIFLOAT8)
+FLOAT8_E4M3FN_LINEAR = TritonLinear(FLOAT8_E4M3FN)
 MXFP4_LINEAR = TritonLinear(MXFP4)
 HIFLOAT4_LINEAR = TritonLinear(HIFLOAT4)
