@@ -641,6 +641,24 @@ i16v_zip_second.__doc__ = "The same for lanes LANES/2 .. LANES - 1."
 
 
 @intrinsic
+def low_bytes_load(typingctx, arr, index):
+    """LANES low bytes as int32 lanes, from element ``index`` of a 1-D C-contiguous uint8 array (its bytes) or
+    int32 array (each word & 0xFF)."""
+    if arr.dtype not in (types.uint8, types.int32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        if sig.args[0].dtype == types.uint8:
+            v_bytes = ir.VectorType(_I8, LANES)
+            ptr = _element_ptr(context, builder, sig.args[0], args[0], args[1], v_bytes)
+            return builder.zext(builder.load(ptr, align=1), _VI32)
+        words = builder.load(_element_ptr(context, builder, sig.args[0], args[0], args[1], _VI32), align=1)
+        return builder.and_(words, ir.Constant(_VI32, [0xFF] * LANES))
+
+    return I32V(arr, index), codegen
+
+
+@intrinsic
 def i32v_low_byte_range(typingctx, value):
     """(min, max) over the LANES lanes of ``value & 0xFF`` (int64 each)."""
 

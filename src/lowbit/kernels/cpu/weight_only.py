@@ -388,28 +388,16 @@ def _fused_bytes(x_reg, exponents):
 
 
 @numba.njit(**_INLINE)
-def _scale_byte_range(scales, start, count):
-    """(min, max) of the uint8 ``scales[start : start + count]`` (MXFP4's E8M0 bytes of a row)."""
+def _low_byte_range(flat, start, count):
+    """(min, max) of the low bytes of ``flat[start : start + count]``: a uint8 array (MXFP4's E8M0 bytes of a
+    row) or an int32 one (HiFloat4's scale words, whose low byte is the E6M2 scale)."""
     low, high = 255, 0
     full = start + count - count % HALF
     for i in range(start, full, HALF):
-        lo, hi = simd.i32v_low_byte_range(simd.bytes_load(scales, i))
+        lo, hi = simd.i32v_low_byte_range(simd.low_bytes_load(flat, i))
         low, high = min(low, lo), max(high, hi)
     for i in range(full, start + count):
-        low, high = min(low, np.int64(scales[i])), max(high, np.int64(scales[i]))
-    return low, high
-
-
-@numba.njit(**_INLINE)
-def _word_byte_range(words, start, count):
-    """(min, max) of the low bytes of the int32 ``words[start : start + count]`` (HiFloat4's E6M2 bytes)."""
-    low, high = 255, 0
-    full = start + count - count % HALF
-    for i in range(start, full, HALF):
-        lo, hi = simd.i32v_low_byte_range(simd.i32v_load(words, i))
-        low, high = min(low, lo), max(high, hi)
-    for i in range(full, start + count):
-        low, high = min(low, np.int64(words[i] & 0xFF)), max(high, np.int64(words[i] & 0xFF))
+        low, high = min(low, np.int64(flat[i]) & 0xFF), max(high, np.int64(flat[i]) & 0xFF)
     return low, high
 
 
@@ -514,7 +502,7 @@ def _mxfp4_gemv(x_reg, codes, scales, y32):
         scratch = np.zeros(HALF, dtype=np.uint8)
         for row in range(task * _ROWS_PER_TASK, min(n, (task + 1) * _ROWS_PER_TASK)):
             b0 = row * blocks
-            low, high = _scale_byte_range(scales_flat, b0, blocks)
+            low, high = _low_byte_range(scales_flat, b0, blocks)
             for m in range(m_rows):
                 if fused[m, low] and fused[m, high]:
                     y32[m, row] = _mxfp4_row_sum(_accumulate_fused, x_flat, m * kp, codes_flat, scales_flat, b0,
@@ -545,7 +533,7 @@ def _hifloat4_gemv(x_reg, words, value, y32):
     for task in numba.prange((n + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
         for row in range(task * _ROWS_PER_TASK, min(n, (task + 1) * _ROWS_PER_TASK)):
             b0 = row * blocks
-            low, high = _word_byte_range(words_flat, b0, blocks)
+            low, high = _low_byte_range(words_flat, b0, blocks)
             for m in range(m_rows):
                 if fused[m, low] and fused[m, high]:
                     y32[m, row] = _hifloat4_row_sum(_accumulate_fused, x_flat, m * kp, words_flat, value_flat, b0,
