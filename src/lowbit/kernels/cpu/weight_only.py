@@ -491,27 +491,6 @@ def _mxfp4_row_sum(accumulate, x_flat, x0, codes_flat, scales_flat, b0, blocks, 
     return _row_sum_nibbles(acc0, acc1)
 
 
-@numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _mxfp4_gemv(x_reg, codes, scales, y32):
-    """codes (N, K/2), scales (N, K/32) uint8; x_reg (M, Kp) register order; y32 (M, N) float32."""
-    n, blocks = scales.shape
-    m_rows, kp = x_reg.shape
-    x_flat, codes_flat, scales_flat = x_reg.reshape(-1), codes.reshape(-1), scales.reshape(-1)
-    fused = _fused_bytes(x_reg, _MXFP4_EXPONENTS)
-    for task in numba.prange((n + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
-        scratch = np.zeros(HALF, dtype=np.uint8)
-        for row in range(task * _ROWS_PER_TASK, min(n, (task + 1) * _ROWS_PER_TASK)):
-            b0 = row * blocks
-            low, high = _low_byte_range(scales_flat, b0, blocks)
-            for m in range(m_rows):
-                if fused[m, low] and fused[m, high]:
-                    y32[m, row] = _mxfp4_row_sum(_accumulate_fused, x_flat, m * kp, codes_flat, scales_flat, b0,
-                                                 blocks, scratch)
-                else:
-                    y32[m, row] = _mxfp4_row_sum(_accumulate, x_flat, m * kp, codes_flat, scales_flat, b0, blocks,
-                                                 scratch)
-
-
 @numba.njit(**_INLINE)
 def _hifloat4_row_sum(accumulate, x_flat, x0, words_flat, value_flat, b0, blocks):
     """One row of W (blocks b0 .. b0 + blocks - 1) times x_flat[x0:], as _mxfp4_row_sum."""
@@ -523,23 +502,55 @@ def _hifloat4_row_sum(accumulate, x_flat, x0, words_flat, value_flat, b0, blocks
     return _row_sum_nibbles(acc0, acc1)
 
 
+def _nibble_row_sum(accumulate, x_flat, x0, scales_flat, packed_flat, b0, blocks, scratch):
+    """One row of a 4-bit W times x_flat[x0:]: _mxfp4_row_sum for uint8 E8M0 ``scales_flat`` (MXFP4),
+    _hifloat4_row_sum for int32 scale words (HiFloat4)."""
+
+
+@overload(_nibble_row_sum, jit_options=NJIT_OPTIONS)
+def _nibble_row_sum_typed(accumulate, x_flat, x0, scales_flat, packed_flat, b0, blocks, scratch):
+    if scales_flat.dtype == types.uint8:
+        def mxfp4_row(accumulate, x_flat, x0, scales_flat, packed_flat, b0, blocks, scratch):
+            return _mxfp4_row_sum(accumulate, x_flat, x0, packed_flat, scales_flat, b0, blocks, scratch)
+
+        return mxfp4_row
+
+    def hifloat4_row(accumulate, x_flat, x0, scales_flat, packed_flat, b0, blocks, scratch):
+        return _hifloat4_row_sum(accumulate, x_flat, x0, scales_flat, packed_flat, b0, blocks)
+
+    return hifloat4_row
+
+
+def _nibble_exponents(scales):
+    """The format's _exponent_bounds: MXFP4's for uint8 ``scales``, HiFloat4's for int32 scale words."""
+
+
+@overload(_nibble_exponents, jit_options=NJIT_OPTIONS)
+def _nibble_exponents_typed(scales):
+    exponents = _MXFP4_EXPONENTS if scales.dtype == types.uint8 else _HIFLOAT4_EXPONENTS
+    return lambda scales: exponents
+
+
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _hifloat4_gemv(x_reg, words, value, y32):
-    """words (N, K/64) int32 (the scale bytes), value (N, K/2) uint8; x_reg (M, K) register order."""
-    n, blocks = words.shape
+def _nibble_gemv(x_reg, scales, packed, y32):
+    """MXFP4 (scales (N, K/32) uint8 E8M0, packed = codes (N, K/2)) or HiFloat4 (scales = words (N, K/64)
+    int32, packed = value (N, K/2)); x_reg (M, Kp) register order; y32 (M, N) float32."""
+    n, blocks = scales.shape
     m_rows, kp = x_reg.shape
-    x_flat, words_flat, value_flat = x_reg.reshape(-1), words.reshape(-1), value.reshape(-1)
-    fused = _fused_bytes(x_reg, _HIFLOAT4_EXPONENTS)
+    x_flat, scales_flat, packed_flat = x_reg.reshape(-1), scales.reshape(-1), packed.reshape(-1)
+    fused = _fused_bytes(x_reg, _nibble_exponents(scales))
     for task in numba.prange((n + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
+        scratch = np.zeros(HALF, dtype=np.uint8)
         for row in range(task * _ROWS_PER_TASK, min(n, (task + 1) * _ROWS_PER_TASK)):
             b0 = row * blocks
-            low, high = _low_byte_range(words_flat, b0, blocks)
+            low, high = _low_byte_range(scales_flat, b0, blocks)
             for m in range(m_rows):
                 if fused[m, low] and fused[m, high]:
-                    y32[m, row] = _hifloat4_row_sum(_accumulate_fused, x_flat, m * kp, words_flat, value_flat, b0,
-                                                    blocks)
+                    y32[m, row] = _nibble_row_sum(_accumulate_fused, x_flat, m * kp, scales_flat, packed_flat, b0,
+                                                  blocks, scratch)
                 else:
-                    y32[m, row] = _hifloat4_row_sum(_accumulate, x_flat, m * kp, words_flat, value_flat, b0, blocks)
+                    y32[m, row] = _nibble_row_sum(_accumulate, x_flat, m * kp, scales_flat, packed_flat, b0, blocks,
+                                                  scratch)
 
 
 # ---- GEMM tiles: rows r0 .. r0 + R - 1 of W decoded into w32 (R, >= Kp), logical order, float32 or BF16 ----------------------
@@ -583,7 +594,7 @@ def _code8_tile(codes, scale, bf16, magnitudes, nan_code, table_like, keep, r0, 
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _mxfp4_tile(codes, scales, r0, w32):
+def _mxfp4_tile(scales, codes, r0, w32):
     blocks = scales.shape[1]
     kp = w32.shape[1]
     w_flat, codes_flat, scales_flat = w32.reshape(-1), codes.reshape(-1), scales.reshape(-1)
@@ -727,7 +738,7 @@ def _float8_operands(codes, scale, k, dtype, table_kind=None):
 
 
 def _mxfp4_operands(codes, scales, k, dtype):
-    return as_numpy(codes), as_numpy(scales)
+    return as_numpy(scales), as_numpy(codes)
 
 
 def _hifloat4_operands(scale, value, k, dtype):
@@ -737,5 +748,5 @@ def _hifloat4_operands(scale, value, k, dtype):
 
 HIFLOAT8_LINEAR = WeightOnlyLinear(_code8_gemv, _code8_tile, CODE8_SPLIT, _hifloat8_operands)
 FLOAT8_E4M3FN_LINEAR = WeightOnlyLinear(_code8_gemv, _code8_tile, CODE8_SPLIT, _float8_operands)
-MXFP4_LINEAR = WeightOnlyLinear(_mxfp4_gemv, _mxfp4_tile, NIBBLE_SPLIT, _mxfp4_operands)
-HIFLOAT4_LINEAR = WeightOnlyLinear(_hifloat4_gemv, _hifloat4_tile, NIBBLE_SPLIT, _hifloat4_operands)
+MXFP4_LINEAR = WeightOnlyLinear(_nibble_gemv, _mxfp4_tile, NIBBLE_SPLIT, _mxfp4_operands)
+HIFLOAT4_LINEAR = WeightOnlyLinear(_nibble_gemv, _hifloat4_tile, NIBBLE_SPLIT, _hifloat4_operands)
