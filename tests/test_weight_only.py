@@ -8,7 +8,7 @@ import torch
 
 import lowbit
 from lowbit.errors import DeviceError, DtypeError, ShapeError
-from lowbit.formats import hifloat4, hifloat8, mxfp4
+from lowbit.formats import hifloat4, hifloat8, mxfp4, mxfp8
 from lowbit.formats import weight_only as reference
 from lowbit.kernels.cpu import _simd as simd
 from lowbit.kernels.cpu import weight_only as cpu
@@ -17,8 +17,8 @@ from lowbit.ops import weight_only as ops
 triton_kernels = pytest.importorskip("lowbit.kernels.triton.weight_only", reason="triton is not installed")
 
 FINITE_HIF8 = [c for c in range(256) if abs(hifloat8.code_value(c)) < float("inf")]  # 253 codes, no NaN/Inf
-OPS = {"hifloat8": ops.HIFLOAT8_LINEAR, "float8": ops.FLOAT8_E4M3FN_LINEAR, "mxfp4": ops.MXFP4_LINEAR,
-       "hifloat4": ops.HIFLOAT4_LINEAR}
+OPS = {"hifloat8": ops.HIFLOAT8_LINEAR, "float8": ops.FLOAT8_E4M3FN_LINEAR, "mxfp8": ops.MXFP8_LINEAR,
+       "mxfp4": ops.MXFP4_LINEAR, "hifloat4": ops.HIFLOAT4_LINEAR}
 FINITE_E4M3 = [c for c in range(256) if c & 0x7F != 0x7F]  # 254 codes, no NaN
 
 
@@ -53,7 +53,12 @@ def fp8_weight(n, k, g):
     return hif8_weight(n, k, g, FINITE_E4M3)
 
 
-WEIGHTS = {"hifloat8": hif8_weight, "float8": fp8_weight, "mxfp4": mxfp4_weight, "hifloat4": hif4_weight}
+def mxfp8_weight(n, k, g):
+    return mxfp8.quantize(torch.randn(n, k, generator=g) * 10.0 ** torch.randint(-3, 4, (n, 1), generator=g))
+
+
+WEIGHTS = {"hifloat8": hif8_weight, "float8": fp8_weight, "mxfp8": mxfp8_weight, "mxfp4": mxfp4_weight,
+           "hifloat4": hif4_weight}
 
 
 def native_equals_reference(op, *args):
@@ -189,7 +194,8 @@ def test_a_product_beyond_the_float32_range_overflows_before_the_sum(fmt):
 
 # --- shapes, strides, threads -------------------------------------------------------------------------------
 
-K_SIZES = {"hifloat8": (1, 61, 189), "float8": (1, 61, 189), "mxfp4": (32, 96, 128), "hifloat4": (64, 128, 192)}
+K_SIZES = {"hifloat8": (1, 61, 189), "float8": (1, 61, 189), "mxfp8": (32, 96, 128), "mxfp4": (32, 96, 128),
+           "hifloat4": (64, 128, 192)}
 
 
 @pytest.mark.parametrize("fmt", WEIGHTS)
@@ -229,6 +235,8 @@ def _dense(fmt, weight, dtype):
         return reference.hifloat8_weight(*weight, dtype)
     if fmt == "float8":
         return reference.float8_e4m3fn_weight(*weight, dtype)
+    if fmt == "mxfp8":
+        return reference.mxfp8_weight(*weight, dtype)
     return {"mxfp4": reference.mxfp4_weight, "hifloat4": reference.hifloat4_weight}[fmt](*weight)
 
 
@@ -238,7 +246,7 @@ def _dense(fmt, weight, dtype):
 def test_gemm_path_within_the_order_interval(fmt, dtype, bias_dtype):
     """float32 GEMM, and (BF16 x, MXFP4 / HiFloat4, bias None or BF16) torch's BF16 GEMM."""
     g = gen(5)
-    m, n, k = cpu.GEMV_MAX_M + 5, 40, {"hifloat8": 319, "float8": 319, "mxfp4": 352, "hifloat4": 320}[fmt]
+    m, n, k = cpu.GEMV_MAX_M + 5, 40, {"hifloat8": 319, "float8": 319, "mxfp8": 352, "mxfp4": 352, "hifloat4": 320}[fmt]
     weight = WEIGHTS[fmt](n, k, g)
     x = torch.randn(m, k, generator=g).to(dtype)
     x[0, :8] = 2.0**-130  # BF16 subnormals (flushed by a BF16 GEMM), FP16 zeros
@@ -346,6 +354,26 @@ def test_8bit_gemv_with_gathered_tables_equals_the_reference(fmt, dtype):
                     y32.numpy())
     want = reference.lane_sums(x.float(), weight(codes, scale, dtype))
     assert torch.equal(y32.view(torch.int32), want.view(torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind", ["bytes", "values"])
+def test_mxfp8_every_code_under_every_scale_byte(dtype, kind):
+    if kind == "bytes" and not simd.HAS_AVX512VBMI:
+        pytest.skip("no AVX512-VBMI on this CPU")
+    g = gen(14)
+    codes = torch.arange(256, dtype=torch.uint8).repeat(32, 3)[:, :736].contiguous()  # K = 736: a one-block last step
+    scales = torch.arange(256, dtype=torch.uint8).repeat(3)[torch.randperm(768, generator=g)][: 32 * 23].reshape(32, 23)
+    x = torch.randn(2, 736, generator=g).to(dtype)
+    x_reg = torch.zeros(2, 768)
+    x_reg[:, :736] = x.float()
+    y32 = torch.empty(2, 32)
+    cpu._mxfp8_gemv(cpu._reorder(x_reg, *cpu.CODE8_SPLIT).numpy(),
+                    *cpu._mxfp8_operands(codes, scales, 736, dtype, kind), y32.numpy())
+    want = reference.lane_sums(x.float(), reference.mxfp8_weight(codes, scales, dtype))
+    assert torch.equal(y32.isnan(), want.isnan())
+    finite = ~want.isnan()
+    assert torch.equal(y32[finite].view(torch.int32), want[finite].view(torch.int32))
 
 
 def _lookup_with(lookup):

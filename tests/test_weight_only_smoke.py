@@ -11,7 +11,7 @@ from helpers import run_cli
 from lowbit.cli.smoke import weight_only as smoke
 from lowbit.formats.weight_only import EXACT_ROWS
 
-OPERATORS = ["hifloat8_linear", "float8_e4m3fn_linear", "mxfp4_linear", "hifloat4_linear"]
+OPERATORS = ["hifloat8_linear", "float8_e4m3fn_linear", "mxfp8_linear", "mxfp4_linear", "hifloat4_linear"]
 
 
 def rows(result):
@@ -26,12 +26,12 @@ def test_native_cpu_verifies_every_operator_on_both_paths(capsys):
     results = report["results"]
     assert Counter(r["operator"] for r in results) == {op: 10 for op in OPERATORS}
     assert Counter((r["input_dtype"], r["path"]) for r in results) == {
-        ("bfloat16", "decode"): 16, ("float16", "decode"): 16, ("bfloat16", "gemm"): 4, ("float16", "gemm"): 4}
+        ("bfloat16", "decode"): 20, ("float16", "decode"): 20, ("bfloat16", "gemm"): 5, ("float16", "gemm"): 5}
     for r in results:
         assert r["backend"] == "native" and r["matches_reference"] and r["extra_contracts"] == []
         assert (rows(r) <= EXACT_ROWS) == (r["path"] == "decode")  # the GEMM case runs the other CPU path
     tails = {r["operator"] for r in results if r["x_shape"][-1] % 64}
-    assert tails == {"hifloat8_linear", "float8_e4m3fn_linear", "mxfp4_linear"}  # HiFloat4's K: whole 64-blocks
+    assert tails == {"hifloat8_linear", "float8_e4m3fn_linear", "mxfp8_linear", "mxfp4_linear"}  # HiF4: 64-blocks
     assert {r["bias"] for r in results} == {None, "bfloat16", "float16"}
 
 

@@ -28,7 +28,7 @@ from lowbit.ops.hifloat4 import hifloat4_fake_quant, hifloat4_pack, hifloat4_unp
 from lowbit.ops.hifloat8 import decode_from_hifloat8, encode_to_hifloat8
 from lowbit.ops.mxfp4 import dynamic_mx_quant, mxfp4_dequantize, mxfp4_quantize
 from lowbit.ops.svd_quant import svd_quant
-from lowbit.ops.weight_only import float8_e4m3fn_linear, hifloat4_linear, hifloat8_linear, mxfp4_linear
+from lowbit.ops.weight_only import float8_e4m3fn_linear, hifloat4_linear, hifloat8_linear, mxfp4_linear, mxfp8_linear
 from lowbit.ops.wqbmm import PackedWeight, WqbmmPlan, plan_weight_quant_batch_matmul, weight_quant_batch_matmul
 from lowbit.quantize import (  # noqa: E402
     SCHEMES,
@@ -84,6 +84,7 @@ __all__ = [
     "mxfp4_dequantize",
     "mxfp4_linear",
     "mxfp4_quantize",
+    "mxfp8_linear",
     "plan_weight_quant_batch_matmul",
     "set_backend",
     "svd_quant",

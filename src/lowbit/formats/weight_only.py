@@ -7,7 +7,8 @@ fast kernels. The reference here is the definition every kernel follows (docs/we
 1. **Weight**: each format's weight decoded to float32 (HiFloat8: dequantized in x's dtype, as AMCT's
    fake quant and an NPU's antiquant do: the code's value in x's dtype times the row scale rounded to x's
    dtype, the product rounded to x's dtype; FP8 E4M3: the code's value times the FP32 row scale in
-   float32, then rounded to x's dtype, as fake quant does; MXFP4: E2M1 value times the E8M0 scale, exact except that a
+   float32, then rounded to x's dtype, as fake quant does; MXFP8: the E4M3 value times the block's E8M0
+   scale in float32, then rounded to x's dtype; MXFP4: E2M1 value times the E8M0 scale, exact except that a
    product beyond FP32's range is +-Inf; HiFloat4: exact). A NaN code or NaN scale gives NaN.
 2. **Products**: ``p = fl32(x_k * w_k)`` with x widened exactly to float32.
 3. **Sum**: 64 lanes; lane ``j`` adds the products of ``k = j, j + 64, j + 128, ...`` in order, starting
@@ -51,6 +52,13 @@ def float8_e4m3fn_weight(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.
     and per-row ``scale`` (N,) float32, dequantized in ``dtype`` as fake quant does: the exact code value
     times the scale in float32 (one rounding), then rounded to dtype."""
     return (mxfp8.e4m3_values(codes) * scale.unsqueeze(-1)).to(dtype).to(torch.float32)
+
+
+def mxfp8_weight(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(N, K) float32 weight of MXFP8 ``codes`` (N, K) uint8 E4M3 and E8M0 ``scales`` (N, K/32) uint8 (0xFF:
+    NaN), dequantized in ``dtype`` as lowbit.formats.mxfp8.dequantize does (the float32 product, then one
+    rounding to dtype)."""
+    return mxfp8.dequantize(codes, scales, dtype).to(torch.float32)
 
 
 def mxfp4_weight(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""Weight-only linear layers: ``hifloat8_linear``, ``float8_e4m3fn_linear``, ``mxfp4_linear``,
-``hifloat4_linear`` (docs/weight_only.md).
+"""Weight-only linear layers: ``hifloat8_linear``, ``float8_e4m3fn_linear``, ``mxfp8_linear``,
+``mxfp4_linear``, ``hifloat4_linear`` (docs/weight_only.md).
 
 ``y = x @ W.T + bias`` where W (N, K) is given in its packed format and the kernels decode it on the fly
 (never the whole weight in full precision). Numerics: lowbit.formats.weight_only (float32 weight, a
@@ -23,7 +23,7 @@ import torch
 from lowbit import backends, kernels
 from lowbit.backends import Kernel, TensorSpec
 from lowbit.errors import DtypeError, ShapeError
-from lowbit.formats import hifloat4, hifloat8
+from lowbit.formats import hifloat4, hifloat8, mxfp8
 from lowbit.formats import weight_only as reference
 from lowbit.ops.library import call, define
 
@@ -80,6 +80,17 @@ def _hifloat8_outputs(x, codes, scale, bias=None) -> tuple[TensorSpec]:
 
 def _float8_outputs(x, codes, scale, bias=None) -> tuple[TensorSpec]:
     return _row_scaled_outputs("float8_e4m3fn_linear", x, codes, scale, bias)
+
+
+def _mxfp8_outputs(x, codes, scales, bias=None) -> tuple[TensorSpec]:
+    op = "mxfp8_linear"
+    _check_byte_tensor(op, "codes", codes, 2, "(N, K)")
+    _check_byte_tensor(op, "scales", scales, 2, "(N, K/32)")
+    n, k = codes.shape
+    if k == 0 or k % MXFP4_BLOCK or tuple(scales.shape) != (n, k // MXFP4_BLOCK):
+        raise ShapeError(f"{op}: codes (N, K) and scales (N, K/32) need a positive K that is a multiple of 32, "
+                         f"got {tuple(codes.shape)} and {tuple(scales.shape)}")
+    return _output(op, x, bias, n, k)
 
 
 def _mxfp4_outputs(x, codes, scales, bias=None) -> tuple[TensorSpec]:
@@ -183,6 +194,34 @@ def _float8_probes():
     return probes
 
 
+def _mxfp8_probes():
+    g = _gen(88)
+
+    def codes(n, k):
+        return torch.randint(0, 256, (n, k), generator=g, dtype=torch.uint8)
+
+    def scales(n, k, low, high):
+        return torch.randint(low, high + 1, (n, k // MXFP4_BLOCK), generator=g, dtype=torch.uint8)
+
+    probes = [
+        (torch.randn(1, 96, generator=g).bfloat16(), codes(3, 96), scales(3, 96, 118, 130), None),
+        (torch.randn(4, 160, generator=g).half(), codes(2, 160), scales(2, 160, 110, 125),
+         torch.randn(2, generator=g).half()),
+    ]
+    # Every code under every scale byte (0x00: 2^-127; 0xFE: products beyond float32; 0xFF: NaN); FP16 x,
+    # whose dtype overflows and flushes many of these weights.
+    probes.append((torch.randn(2, 32 * 8, generator=g).half(), torch.arange(256, dtype=torch.uint8).repeat(32, 1),
+                   torch.arange(256, dtype=torch.uint8).reshape(32, 8), torch.randn(32, generator=g)))
+    x = torch.randn(3, 64, generator=g).bfloat16()
+    x[2, :3] = torch.tensor([float("inf"), float("nan"), -0.0])
+    probes.append((x, codes(4, 64), scales(4, 64, 100, 140), None))
+    exact = torch.tensor([c for c in range(256) if (4 * abs(float(mxfp8.e4m3_values(torch.tensor([c], dtype=torch.uint8))))).is_integer()
+                          and abs(float(mxfp8.e4m3_values(torch.tensor([c], dtype=torch.uint8)))) <= 16], dtype=torch.uint8)
+    probes.append((_small_integers((6, 96), g, torch.bfloat16), exact[torch.randint(0, len(exact), (4, 96), generator=g)],
+                   scales(4, 96, 127, 127), _small_integers((4,), g, torch.bfloat16)))
+    return probes
+
+
 def _mxfp4_probes():
     g = _gen(4)
 
@@ -260,6 +299,7 @@ HIFLOAT8_LINEAR = _operator("hifloat8_linear", _hifloat8_outputs, reference.hifl
                             ("codes", "scale"))
 FLOAT8_E4M3FN_LINEAR = _operator("float8_e4m3fn_linear", _float8_outputs, reference.float8_e4m3fn_weight,
                                  _float8_probes, ("codes", "scale"))
+MXFP8_LINEAR = _operator("mxfp8_linear", _mxfp8_outputs, reference.mxfp8_weight, _mxfp8_probes, ("codes", "scales"))
 MXFP4_LINEAR = _operator("mxfp4_linear", _mxfp4_outputs, lambda a, b, dtype: reference.mxfp4_weight(a, b),
                          _mxfp4_probes, ("codes", "scales"))
 HIFLOAT4_LINEAR = _operator("hifloat4_linear", _hifloat4_outputs, lambda a, b, dtype: reference.hifloat4_weight(a, b),
@@ -287,6 +327,17 @@ def float8_e4m3fn_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tens
     FP16/BF16 -> (..., N) in x's dtype (module docstring).
     """
     return call(FLOAT8_E4M3FN_LINEAR, (x, codes, scale, bias), out, backend)
+
+
+def mxfp8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+        out: Optional[torch.Tensor] = None, backend: Optional[str] = None) -> torch.Tensor:
+    """``x @ W.T + bias`` with W (N, K) MXFP8: ``codes, scales = lowbit.formats.mxfp8.quantize(W)`` (E4M3
+    elements, an E8M0 scale per 32 along K), dequantized in x's dtype as mxfp8.dequantize does.
+
+    codes (N, K) uint8 float8_e4m3fn bit patterns, scales (N, K/32) uint8 (0xFF: a NaN block). x (..., K)
+    FP16/BF16 -> (..., N) in x's dtype (module docstring).
+    """
+    return call(MXFP8_LINEAR, (x, codes, scales, bias), out, backend)
 
 
 def mxfp4_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor] = None, *,

@@ -23,7 +23,7 @@ from torch import nn
 
 from lowbit.nn.svd_quant import svd_quant_decompose
 from lowbit.ops.svd_quant import svd_quant
-from lowbit.ops.weight_only import float8_e4m3fn_linear, hifloat4_linear, hifloat8_linear, mxfp4_linear
+from lowbit.ops.weight_only import float8_e4m3fn_linear, hifloat4_linear, hifloat8_linear, mxfp4_linear, mxfp8_linear
 from lowbit.ops.wqbmm import PackedWeight, plan_weight_quant_batch_matmul
 from lowbit.quantize.activations import STATIC_KINDS, deploy_static_input, fake_quant_input
 from lowbit.quantize.calibration import QuantParams, fake_act_kind, layer_act_kind, make_calibrator, smoothed_weight
@@ -110,21 +110,23 @@ class QuantizedLinearBase(nn.Module):
 FUSED_LINEAR = {
     "hifloat8": (hifloat8_linear, ("codes", "scale")),
     "float8_e4m3fn": (float8_e4m3fn_linear, ("codes", "scale")),
+    "mxfp8_e4m3fn": (mxfp8_linear, ("codes", "scales")),
     "mxfp4_e2m1": (mxfp4_linear, ("codes", "scales")),
     "hifloat4": (hifloat4_linear, ("block_scale", "value")),
 }
 
 
 _ROW_SCALED = ("hifloat8", "float8_e4m3fn")  # 8-bit codes with a per-row (or per-tensor) FP32 scale
+_IN_WEIGHT_DTYPE = (*_ROW_SCALED, "mxfp8_e4m3fn")  # fake quant rounds these weights to the weight's dtype
 
 
 class PackedLinear(QuantizedLinearBase):
     """Deploy module for HiF8 / FP8 / INT8 / MXFP8 / MXFP4 / HiF4 weights: dequantize, then ``F.linear``
     (or ``F.conv2d`` for a Conv2d layer's geometry, see lowbit.quantize.layer_ops). A Linear layer with
-    MXFP4 or HiFloat4 weights and FP16/BF16 inputs, or HiFloat8 / FP8 weights and inputs of the weight's dtype
-    (not ``amct_compat``) runs the fused weight-only kernel instead, which reads the packed weight and
-    never builds the dense one: the same weight values, summed in another order (docs/weight_only.md;
-    docs/quantize.md, "Fake quant vs deploy")."""
+    MXFP4 or HiFloat4 weights and FP16/BF16 inputs, or HiFloat8 / FP8 / MXFP8 weights and inputs of the
+    weight's dtype (not ``amct_compat``) runs the fused weight-only kernel instead, which reads the packed
+    weight and never builds the dense one: the same weight values, summed in another order
+    (docs/weight_only.md; docs/quantize.md, "Fake quant vs deploy")."""
 
     kind = "packed"
 
@@ -134,7 +136,7 @@ class PackedLinear(QuantizedLinearBase):
         if (self.cfg_meta["geometry"]["type"] != "Linear" or self.cfg_meta.get("amct_compat")
                 or dtype not in (torch.float16, torch.bfloat16)):
             return None
-        if self.cfg_meta["weight_type"] in _ROW_SCALED and dtype != self.weight_dtype:
+        if self.cfg_meta["weight_type"] in _IN_WEIGHT_DTYPE and dtype != self.weight_dtype:
             return None  # the kernel dequantizes in x's dtype, fake quant in the weight's
         return FUSED_LINEAR.get(self.cfg_meta["weight_type"])
 

@@ -1,5 +1,5 @@
-"""Smoke check of the weight-only linear layers hifloat8_linear, float8_e4m3fn_linear, mxfp4_linear and
-hifloat4_linear (docs/weight_only.md), compared with the reference backend bit for bit.
+"""Smoke check of the weight-only linear layers hifloat8_linear, float8_e4m3fn_linear, mxfp8_linear,
+mxfp4_linear and hifloat4_linear (docs/weight_only.md), compared with the reference backend bit for bit.
 
 Per operator and x dtype (BF16, FP16), on a weight of N = 40 rows (CPU generator seeded 2026):
 
@@ -13,7 +13,7 @@ Per operator and x dtype (BF16, FP16), on a weight of N = 40 rows (CPU generator
   contract there too (docs/cli.md, "lowbit smoke").
 
 Weights: HiFloat8 codes of the weight over its per-row scale amax / 32768 (float32), FP8 E4M3 codes over
-the power of two at or above amax / 448, MXFP4 by
+the power of two at or above amax / 448, MXFP8 by lowbit.formats.mxfp8.quantize, MXFP4 by
 lowbit.formats.mxfp4.quantize, HiFloat4 by lowbit.formats.hifloat4.pack. The reference is the operator
 run with backend "reference" on the CPU copies; the error figures compare with the exact (float64)
 product of x and the decoded weight, plus the bias. Extra keys: ``operator``, ``x_shape``, ``bias``
@@ -35,10 +35,12 @@ from lowbit.ops.weight_only import (
     HIFLOAT4_LINEAR,
     HIFLOAT8_LINEAR,
     MXFP4_LINEAR,
+    MXFP8_LINEAR,
     float8_e4m3fn_linear,
     hifloat4_linear,
     hifloat8_linear,
     mxfp4_linear,
+    mxfp8_linear,
 )
 
 NAME = "weight_only"
@@ -71,6 +73,11 @@ def float8_dense(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return mxfp8.e4m3_values(codes) * scale.unsqueeze(1)
 
 
+def mxfp8_dense(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The (N, K) float32 weight of MXFP8 ``codes`` and ``scales``."""
+    return mxfp8.dequantize(codes, scales, torch.float32)
+
+
 def mxfp4_dense(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """The (N, K) float32 weight of MXFP4 ``codes`` and ``scales``."""
     return mxfp4.dequantize(codes, scales, torch.float32)
@@ -87,6 +94,7 @@ def formats() -> tuple[tuple[Callable, Operator, tuple[int, int], Callable, Call
     return (
         (hifloat8_linear, HIFLOAT8_LINEAR, (100, 128), hifloat8_weight, hifloat8_dense),
         (float8_e4m3fn_linear, FLOAT8_E4M3FN_LINEAR, (100, 128), float8_weight, float8_dense),
+        (mxfp8_linear, MXFP8_LINEAR, (96, 128), mxfp8.quantize, mxfp8_dense),
         (mxfp4_linear, MXFP4_LINEAR, (96, 128), mxfp4.quantize, mxfp4_dense),
         (hifloat4_linear, HIFLOAT4_LINEAR, (128, 192), hifloat4.pack, hifloat4_dense),
     )

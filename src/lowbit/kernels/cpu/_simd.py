@@ -442,6 +442,17 @@ def f32v_sum_tree(typingctx, value):
 
 
 @intrinsic
+def f32v_choose(typingctx, mask, if_set, if_clear):
+    """Per lane ``if_set`` where ``mask`` (I32V) is nonzero, else ``if_clear`` (float32 scalars)."""
+
+    def codegen(context, builder, sig, args):
+        nonzero = builder.icmp_signed("!=", args[0], ir.Constant(_VI32, [0] * LANES))
+        return builder.select(nonzero, _splat(builder, args[1], _VF32), _splat(builder, args[2], _VF32))
+
+    return F32V(mask, types.float32, types.float32), codegen
+
+
+@intrinsic
 def f32v_select(typingctx, keep, value):
     """Lanes of ``value`` where ``keep`` (I32V) is nonzero; the others +0.0."""
 

@@ -55,6 +55,11 @@ _HIF8_MAGNITUDES = {dtype: hifloat8.decode_table(dtype)[:128].to(torch.float32).
                     for dtype in (torch.bfloat16, torch.float16)}
 _E4M3_MAGNITUDES = mxfp8.e4m3_values(torch.arange(128, dtype=torch.uint8)).numpy()
 _E4M3_NAN_CODE = 0x7F
+# MXFP8: fixed code tables (E4M3 values are exact in BF16 and float32) of both kinds (see code8_decode), the
+# E8M0 scale values, and which register lanes of a 64-element step hold its second 32-block.
+_E4M3_VALUES = mxfp8.e4m3_values(torch.arange(256, dtype=torch.uint8)).numpy()
+_E4M3_BF16_BYTES = np.concatenate([(_E4M3_VALUES[:128].view(np.uint32) >> shift).astype(np.uint8) for shift in (24, 16)])
+_E8M0_SCALES = reference.e8m0_scales().numpy()
 # 16-entry tables of every scale byte, (256 * 16,) float32: entry 16 b + nibble. MXFP4: the E2M1 value times
 # the E8M0 scale (one rounding: the reference's weight); HiFloat4: (-1)^s c/4 times the E6M2 scale (exact).
 _MXFP4_TABLES = (reference.e8m0_scales()[:, None] * mxfp4.e2m1_values(torch.float32)).reshape(-1).numpy()
@@ -107,6 +112,8 @@ NIBBLE_SPLIT = ((32, 2), (1, 0))
 CODE8_ORDER = _order(*CODE8_SPLIT)
 NIBBLE_ORDER = _order(*NIBBLE_SPLIT)
 _CODE8_ELEMENTS = np.array(CODE8_ORDER)
+_SECOND_BLOCK = (_CODE8_ELEMENTS >= 32).astype(np.int32)  # MXFP8: lanes of the step's second 32-block
+_FIRST_BLOCK = 1 - _SECOND_BLOCK
 
 _V8x64 = ir.VectorType(ir.IntType(8), 64)
 _V16x32 = ir.VectorType(ir.IntType(16), 32)
@@ -475,6 +482,72 @@ def _code8_gemv(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, kee
 
 
 @numba.njit(**_INLINE)
+def _round_bf16(value):
+    return simd.f32v_round_to_bf16(value)
+
+
+@numba.njit(**_INLINE)
+def _round_f16(value):
+    return simd.f32v_round_to_f16(value)
+
+
+@numba.njit(**_INLINE)
+def _mxfp8_step(round_to, codes, start, table, byte_a, byte_b):
+    """MXFP8: 64 codes at ``codes[start]`` (two 32-blocks with E8M0 bytes ``byte_a``, ``byte_b``) as weights:
+    the E4M3 value times the block's scale in float32, then ``round_to`` x's dtype (docs/weight_only.md)."""
+    w0, w1 = code8_decode(codes, start, table, _E4M3_NAN_CODE)
+    scale_a, scale_b = _E8M0_SCALES[byte_a], _E8M0_SCALES[byte_b]
+    s0 = simd.f32v_choose(simd.i32v_load(_SECOND_BLOCK, 0), scale_b, scale_a)
+    s1 = simd.f32v_choose(simd.i32v_load(_SECOND_BLOCK, HALF), scale_b, scale_a)
+    return round_to(simd.f32v_mul(w0, s0)), round_to(simd.f32v_mul(w1, s1))
+
+
+@numba.njit(**_INLINE)
+def _mxfp8_row_step(round_to, codes_flat, scales_flat, c0, s0, t, k, table, scratch):
+    """Step t of the row whose codes start at c0 and E8M0 bytes at s0; a last step of one 32-block (K % 64
+    == 32) is read from ``scratch`` and its second block's lanes made +0.0."""
+    if LANES * (t + 1) <= k:
+        return _mxfp8_step(round_to, codes_flat, c0 + LANES * t, table, scales_flat[s0 + 2 * t],
+                           scales_flat[s0 + 2 * t + 1])
+    scratch[:] = 0
+    scratch[:HALF] = codes_flat[c0 + LANES * t : c0 + LANES * t + HALF]
+    w0, w1 = _mxfp8_step(round_to, scratch, 0, table, scales_flat[s0 + 2 * t], np.uint8(127))
+    return (simd.f32v_select(simd.i32v_load(_FIRST_BLOCK, 0), w0),
+            simd.f32v_select(simd.i32v_load(_FIRST_BLOCK, HALF), w1))
+
+
+@numba.njit(**_INLINE)
+def _mxfp8_row_sum(round_to, x_flat, x0, codes_flat, scales_flat, c0, s0, k, table, scratch):
+    acc0 = simd.f32v_zero()
+    acc1 = simd.f32v_zero()
+    for t in range(-(-k // LANES)):
+        w0, w1 = _mxfp8_row_step(round_to, codes_flat, scales_flat, c0, s0, t, k, table, scratch)
+        acc0, acc1 = _accumulate(acc0, acc1, x_flat, x0 + LANES * t, w0, w1)
+    return _row_sum_code8(acc0, acc1)
+
+
+@numba.njit(**PARALLEL_NJIT_OPTIONS)
+def _mxfp8_gemv(x_reg, codes, scales, bf16, table, y32):
+    """codes (N, K) uint8 E4M3, scales (N, K/32) uint8 E8M0; bf16: x is BF16 (else FP16); table: the E4M3
+    code table of the kind code8_decode reads; x_reg (M, Kp) float32 (CODE8_ORDER, zero-padded); y32 (M, N)
+    float32."""
+    n, k = codes.shape
+    blocks = scales.shape[1]
+    m_rows, kp = x_reg.shape
+    x_flat, codes_flat, scales_flat = x_reg.reshape(-1), codes.reshape(-1), scales.reshape(-1)
+    for task in numba.prange((n + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
+        scratch = np.zeros(LANES, dtype=np.uint8)
+        for row in range(task * _ROWS_PER_TASK, min(n, (task + 1) * _ROWS_PER_TASK)):
+            for m in range(m_rows):
+                if bf16:
+                    y32[m, row] = _mxfp8_row_sum(_round_bf16, x_flat, m * kp, codes_flat, scales_flat, row * k,
+                                                 row * blocks, k, table, scratch)
+                else:
+                    y32[m, row] = _mxfp8_row_sum(_round_f16, x_flat, m * kp, codes_flat, scales_flat, row * k,
+                                                 row * blocks, k, table, scratch)
+
+
+@numba.njit(**_INLINE)
 def _mxfp4_row_sum(accumulate, x_flat, x0, codes_flat, scales_flat, b0, blocks, scratch):
     """One row of W (its blocks b0 .. b0 + blocks - 1) times x_flat[x0:] (register order), summed with
     ``accumulate`` (_accumulate or _accumulate_fused: a compile-time choice, so each loop is branch-free)."""
@@ -591,6 +664,30 @@ def _code8_tile(codes, scale, bf16, magnitudes, nan_code, table_like, keep, r0, 
             if tail:
                 w0, w1 = _code8_tail(codes_flat, row * k + LANES * full, tail, table, nan_code, keep, scratch)
                 _store_code8(w_flat, i * kp + LANES * full, w0, w1)
+
+
+@numba.njit(**_INLINE)
+def _mxfp8_tile_row(round_to, codes_flat, scales_flat, row, i, k, blocks, kp, table, scratch, w_flat):
+    for t in range(-(-k // LANES)):
+        w0, w1 = _mxfp8_row_step(round_to, codes_flat, scales_flat, row * k, row * blocks, t, k, table, scratch)
+        _store_code8(w_flat, i * kp + LANES * t, w0, w1)
+
+
+@numba.njit(**PARALLEL_NJIT_OPTIONS)
+def _mxfp8_tile(codes, scales, bf16, table, r0, w32):
+    n, k = codes.shape
+    blocks = scales.shape[1]
+    kp = w32.shape[1]
+    codes_flat, scales_flat, w_flat = codes.reshape(-1), scales.reshape(-1), w32.reshape(-1)
+    for task in numba.prange((w32.shape[0] + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
+        scratch = np.zeros(LANES, dtype=np.uint8)
+        for i in range(task * _ROWS_PER_TASK, min(w32.shape[0], (task + 1) * _ROWS_PER_TASK)):
+            if bf16:
+                _mxfp8_tile_row(_round_bf16, codes_flat, scales_flat, r0 + i, i, k, blocks, kp, table, scratch,
+                                w_flat)
+            else:
+                _mxfp8_tile_row(_round_f16, codes_flat, scales_flat, r0 + i, i, k, blocks, kp, table, scratch,
+                                w_flat)
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
@@ -737,6 +834,14 @@ def _float8_operands(codes, scale, k, dtype, table_kind=None):
     return _code8_operands(codes, scale, _E4M3_MAGNITUDES, _E4M3_NAN_CODE, k, dtype, table_kind)
 
 
+def _mxfp8_operands(codes, scales, k, dtype, table_kind=None):
+    """``table_kind`` as for _code8_operands: "bytes" (AVX512-VBMI) or "values"."""
+    if table_kind is None:
+        table_kind = "bytes" if simd.HAS_AVX512VBMI else "values"
+    table = _E4M3_BF16_BYTES if table_kind == "bytes" else _E4M3_VALUES
+    return as_numpy(codes), as_numpy(scales), dtype == torch.bfloat16, table
+
+
 def _mxfp4_operands(codes, scales, k, dtype):
     return as_numpy(scales), as_numpy(codes)
 
@@ -748,5 +853,6 @@ def _hifloat4_operands(scale, value, k, dtype):
 
 HIFLOAT8_LINEAR = WeightOnlyLinear(_code8_gemv, _code8_tile, CODE8_SPLIT, _hifloat8_operands)
 FLOAT8_E4M3FN_LINEAR = WeightOnlyLinear(_code8_gemv, _code8_tile, CODE8_SPLIT, _float8_operands)
+MXFP8_LINEAR = WeightOnlyLinear(_mxfp8_gemv, _mxfp8_tile, CODE8_SPLIT, _mxfp8_operands)
 MXFP4_LINEAR = WeightOnlyLinear(_nibble_gemv, _mxfp4_tile, NIBBLE_SPLIT, _mxfp4_operands)
 HIFLOAT4_LINEAR = WeightOnlyLinear(_nibble_gemv, _hifloat4_tile, NIBBLE_SPLIT, _hifloat4_operands)

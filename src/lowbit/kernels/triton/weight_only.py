@@ -23,18 +23,21 @@ from lowbit.formats import weight_only as reference
 LANES = reference.LANES
 ROWS_PER_PROGRAM = 16
 _MAX_GRID_Y = 65535  # CUDA's limit on the second grid dimension (programs over N)
-HIFLOAT8, MXFP4, HIFLOAT4, FLOAT8_E4M3FN = 0, 1, 2, 3  # the FORMAT of the kernel
+HIFLOAT8, MXFP4, HIFLOAT4, FLOAT8_E4M3FN, MXFP8 = 0, 1, 2, 3, 4  # the FORMAT of the kernel
 
 
 @functools.cache
 def _table(fmt: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """float32 look-up table: HiFloat8: the 256 codes decoded to x's ``dtype``; FP8 E4M3: the 256 code values;
+    """float32 look-up table: HiFloat8: the 256 codes decoded to x's ``dtype``; FP8 E4M3: the 256 code values
+    (MXFP8: then the 256 E8M0 scales);
     MXFP4: the 16 E2M1 values, then the 256 E8M0 scales; HiFloat4: the 16 signed quarters c/4, then the 256
     E6M2 scales (0xFF: NaN)."""
     if fmt == HIFLOAT8:
         return hifloat8.decode_table(dtype).to(torch.float32).to(device)
     if fmt == FLOAT8_E4M3FN:
         return mxfp8.e4m3_values(torch.arange(256, dtype=torch.uint8)).to(device)
+    if fmt == MXFP8:
+        return torch.cat([mxfp8.e4m3_values(torch.arange(256, dtype=torch.uint8)), reference.e8m0_scales()]).to(device)
     if fmt == MXFP4:
         return torch.cat([mxfp4.e2m1_values(torch.float32), reference.e8m0_scales()]).to(device)
     return torch.cat([reference.hifloat4_quarters(), reference.e6m2_scales()]).to(device)
@@ -66,6 +69,10 @@ def _weights(a_ptr, b_ptr, table_ptr, rows, cols, K, FORMAT: tl.constexpr, X_DTY
     if FORMAT == 0 or FORMAT == 3:  # HiFloat8 (scale b rounded to x's dtype) or FP8: a = codes (N, K), b (N,)
         codes = tl.load(a_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0).to(tl.int32)
         w = _round_to(tl.load(table_ptr + codes) * tl.load(b_ptr + rows)[:, None], X_DTYPE)
+    elif FORMAT == 4:  # MXFP8: a = codes (N, K), b = scales (N, K/32); product rounded to x's dtype
+        codes = tl.load(a_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0).to(tl.int32)
+        scale_byte = tl.load(b_ptr + rows[:, None] * (K // 32) + cols[None, :] // 32, mask=mask, other=127)
+        w = _round_to(tl.load(table_ptr + codes) * tl.load(table_ptr + 256 + scale_byte.to(tl.int32)), X_DTYPE)
     elif FORMAT == 1:  # MXFP4: a = codes (N, K/2), b = scales (N, K/32)
         value = tl.load(table_ptr + _nibble(a_ptr, rows, cols, mask, K))
         scale_byte = tl.load(b_ptr + rows[:, None] * (K // 32) + cols[None, :] // 32, mask=mask, other=127)
@@ -151,5 +158,6 @@ class TritonLinear(Kernel):
 
 HIFLOAT8_LINEAR = TritonLinear(HIFLOAT8)
 FLOAT8_E4M3FN_LINEAR = TritonLinear(FLOAT8_E4M3FN)
+MXFP8_LINEAR = TritonLinear(MXFP8)
 MXFP4_LINEAR = TritonLinear(MXFP4)
 HIFLOAT4_LINEAR = TritonLinear(HIFLOAT4)
