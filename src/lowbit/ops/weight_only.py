@@ -172,6 +172,13 @@ def _hifloat8_probes():
     return probes
 
 
+def _exact_e4m3_codes() -> torch.Tensor:
+    """The E4M3 codes whose values are multiples of 1/4 up to 16 in magnitude (GEMM probes with exact sums)."""
+    every = torch.arange(256, dtype=torch.uint8)
+    values = mxfp8.e4m3_values(every)
+    return every[((4 * values) == (4 * values).round()) & (values.abs() <= 16)]
+
+
 def _float8_probes():
     g = _gen(83)
     every = torch.arange(256, dtype=torch.uint8)
@@ -187,11 +194,25 @@ def _float8_probes():
     x = torch.randn(2, 130, generator=g).bfloat16()
     x[1, :4] = torch.tensor([0.0, float("inf"), -0.0, float("nan")])
     probes.append((x, codes, scale, torch.randn(7, generator=g).bfloat16()))
-    exact = torch.tensor([c for c in range(256) if (4 * abs(float(every[c : c + 1].view(torch.float8_e4m3fn)))).is_integer()
-                          and abs(float(every[c : c + 1].view(torch.float8_e4m3fn))) <= 16], dtype=torch.uint8)
-    probes.append((_small_integers((6, 96), g, torch.bfloat16), exact[torch.randint(0, len(exact), (4, 96), generator=g)],
+    exact = _exact_e4m3_codes()
+    probes.append((_small_integers((6, 96), g, torch.bfloat16), exact[torch.randint(len(exact), (4, 96), generator=g)],
                    torch.tensor([1.0, 2.0, 0.5, 4.0]), _small_integers((4,), g, torch.bfloat16)))
     return probes
+
+
+def _block_scales(g: torch.Generator, n: int, k: int, low: int, high: int) -> torch.Tensor:
+    """(n, k/32) uint8 E8M0 bytes drawn from [low, high]."""
+    return torch.randint(low, high + 1, (n, k // MXFP4_BLOCK), generator=g, dtype=torch.uint8)
+
+
+def _random_mx_probes(g: torch.Generator, codes) -> list[tuple]:
+    """Two random MX probes: (1, 96) BF16 x without bias, (4, 160) FP16 x with an FP16 bias (an odd number of
+    32-blocks); ``codes(n, k)``: random code bytes of an (n, k) weight."""
+    return [
+        (torch.randn(1, 96, generator=g).bfloat16(), codes(3, 96), _block_scales(g, 3, 96, 118, 130), None),
+        (torch.randn(4, 160, generator=g).half(), codes(2, 160), _block_scales(g, 2, 160, 110, 125),
+         torch.randn(2, generator=g).half()),
+    ]
 
 
 def _mxfp8_probes():
@@ -200,25 +221,18 @@ def _mxfp8_probes():
     def codes(n, k):
         return torch.randint(0, 256, (n, k), generator=g, dtype=torch.uint8)
 
-    def scales(n, k, low, high):
-        return torch.randint(low, high + 1, (n, k // MXFP4_BLOCK), generator=g, dtype=torch.uint8)
-
-    probes = [
-        (torch.randn(1, 96, generator=g).bfloat16(), codes(3, 96), scales(3, 96, 118, 130), None),
-        (torch.randn(4, 160, generator=g).half(), codes(2, 160), scales(2, 160, 110, 125),
-         torch.randn(2, generator=g).half()),
-    ]
+    probes = _random_mx_probes(g, codes)
     # Every code under every scale byte (0x00: 2^-127; 0xFE: products beyond float32; 0xFF: NaN); FP16 x,
     # whose dtype overflows and flushes many of these weights.
-    probes.append((torch.randn(2, 32 * 8, generator=g).half(), torch.arange(256, dtype=torch.uint8).repeat(32, 1),
-                   torch.arange(256, dtype=torch.uint8).reshape(32, 8), torch.randn(32, generator=g)))
+    every = torch.arange(256, dtype=torch.uint8)
+    probes.append((torch.randn(2, 32 * 8, generator=g).half(), every.repeat(32, 1), every.reshape(32, 8),
+                   torch.randn(32, generator=g)))
     x = torch.randn(3, 64, generator=g).bfloat16()
     x[2, :3] = torch.tensor([float("inf"), float("nan"), -0.0])
-    probes.append((x, codes(4, 64), scales(4, 64, 100, 140), None))
-    exact = torch.tensor([c for c in range(256) if (4 * abs(float(mxfp8.e4m3_values(torch.tensor([c], dtype=torch.uint8))))).is_integer()
-                          and abs(float(mxfp8.e4m3_values(torch.tensor([c], dtype=torch.uint8)))) <= 16], dtype=torch.uint8)
-    probes.append((_small_integers((6, 96), g, torch.bfloat16), exact[torch.randint(0, len(exact), (4, 96), generator=g)],
-                   scales(4, 96, 127, 127), _small_integers((4,), g, torch.bfloat16)))
+    probes.append((x, codes(4, 64), _block_scales(g, 4, 64, 100, 140), None))
+    exact = _exact_e4m3_codes()
+    probes.append((_small_integers((6, 96), g, torch.bfloat16), exact[torch.randint(len(exact), (4, 96), generator=g)],
+                   _block_scales(g, 4, 96, 127, 127), _small_integers((4,), g, torch.bfloat16)))
     return probes
 
 
@@ -228,14 +242,7 @@ def _mxfp4_probes():
     def codes(n, k):
         return torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
 
-    def scales(n, k, low, high):
-        return torch.randint(low, high + 1, (n, k // MXFP4_BLOCK), generator=g, dtype=torch.uint8)
-
-    probes = [
-        (torch.randn(1, 96, generator=g).bfloat16(), codes(3, 96), scales(3, 96, 120, 130), None),
-        (torch.randn(4, 160, generator=g).half(), codes(2, 160), scales(2, 160, 110, 125),
-         torch.randn(2, generator=g).half()),
-    ]
+    probes = _random_mx_probes(g, codes)
     # Every code under every scale byte (0x00 is 2^-127, 0xFE overflows to Inf for |code| >= 2, 0xFF is NaN).
     every_code = torch.arange(16, dtype=torch.uint8).repeat(2)
     row = (every_code[0::2] | every_code[1::2] << 4).unsqueeze(0)
@@ -244,14 +251,14 @@ def _mxfp4_probes():
     # Zero blocks (+0 and -0 codes), NaN-scale blocks, x with Inf / NaN / -0.
     c = codes(4, 128)
     c[0, :16], c[1, 16:32], c[2] = 0x00, 0x88, 0x77
-    s = scales(4, 128, 100, 140)
+    s = _block_scales(g, 4, 128, 100, 140)
     s[3, 1] = 0xFF
     x = torch.randn(3, 128, generator=g).half()
     x[2, :3] = torch.tensor([float("inf"), float("nan"), -0.0])
     probes.append((x, c, s, None))
-    probes.append((_small_integers((6, 64), g, torch.bfloat16), codes(3, 64), scales(3, 64, 126, 129),
+    probes.append((_small_integers((6, 64), g, torch.bfloat16), codes(3, 64), _block_scales(g, 3, 64, 126, 129),
                    _small_integers((3,), g, torch.float32)))
-    probes.append((_small_integers((6, 64), g, torch.bfloat16), codes(3, 64), scales(3, 64, 126, 129),
+    probes.append((_small_integers((6, 64), g, torch.bfloat16), codes(3, 64), _block_scales(g, 3, 64, 126, 129),
                    _small_integers((3,), g, torch.bfloat16)))
     return probes
 

@@ -58,7 +58,8 @@ _E4M3_NAN_CODE = 0x7F
 # MXFP8: fixed code tables (E4M3 values are exact in BF16 and float32) of both kinds (see code8_decode), the
 # E8M0 scale values, and which register lanes of a 64-element step hold its second 32-block.
 _E4M3_VALUES = mxfp8.e4m3_values(torch.arange(256, dtype=torch.uint8)).numpy()
-_E4M3_BF16_BYTES = np.concatenate([(_E4M3_VALUES[:128].view(np.uint32) >> shift).astype(np.uint8) for shift in (24, 16)])
+_E4M3_BF16_BYTES = np.concatenate([(_E4M3_VALUES[:128].view(np.uint32) >> shift).astype(np.uint8)
+                                   for shift in (24, 16)])
 _E8M0_SCALES = reference.e8m0_scales().numpy()
 # 16-entry tables of every scale byte, (256 * 16,) float32: entry 16 b + nibble. MXFP4: the E2M1 value times
 # the E8M0 scale (one rounding: the reference's weight); HiFloat4: (-1)^s c/4 times the E6M2 scale (exact).
@@ -187,13 +188,15 @@ def _code8_decode_vbmi(context, builder, codes, table_arg, nan_code):
     for w in words:  # words 0-3 / 4-7 of each 128-bit lane
         for h in (0, 1):
             if table_type.dtype == types.uint16:  # FP16 bits: vcvtph2ps
-                chosen = builder.shuffle_vector(w, w, _mask([8 * lane + j for lane in range(4) for j in range(4 * h, 4 * h + 4)]))
+                words_h = [8 * lane + j for lane in range(4) for j in range(4 * h, 4 * h + 4)]
+                chosen = builder.shuffle_vector(w, w, _mask(words_h))
                 pieces.append(builder.fpext(builder.bitcast(chosen, ir.VectorType(ir.HalfType(), 16)),
                                             ir.VectorType(ir.FloatType(), 16)))
                 continue
             # BF16 bits: unpack{l,h}wd with zero below, dword = word << 16
             pairs = [i for lane in range(4) for j in range(4 * h, 4 * h + 4) for i in (8 * lane + j, 32 + 8 * lane + j)]
-            pieces.append(builder.bitcast(builder.shuffle_vector(zero, w, _mask(pairs)), ir.VectorType(ir.FloatType(), 16)))
+            pieces.append(builder.bitcast(builder.shuffle_vector(zero, w, _mask(pairs)),
+                                          ir.VectorType(ir.FloatType(), 16)))
     first = builder.shuffle_vector(pieces[0], pieces[1], _mask(range(HALF)))
     second = builder.shuffle_vector(pieces[2], pieces[3], _mask(range(HALF)))
     return first, second
@@ -626,7 +629,7 @@ def _nibble_gemv(x_reg, scales, packed, y32):
                                                   scratch)
 
 
-# ---- GEMM tiles: rows r0 .. r0 + R - 1 of W decoded into w32 (R, >= Kp), logical order, float32 or BF16 ----------------------
+# ---- GEMM tiles: rows r0 .. r0 + R - 1 of W decoded into w32 (R, >= Kp), logical order, float32 or BF16 ---------
 
 
 @numba.njit(**_INLINE)
@@ -667,27 +670,22 @@ def _code8_tile(codes, scale, bf16, magnitudes, nan_code, table_like, keep, r0, 
 
 
 @numba.njit(**_INLINE)
-def _mxfp8_tile_row(round_to, codes_flat, scales_flat, row, i, k, blocks, kp, table, scratch, w_flat):
+def _mxfp8_tile_row(round_to, codes_flat, scales_flat, row, k, blocks, table, w_flat, at):
+    scratch = np.zeros(LANES, dtype=np.uint8)
     for t in range(-(-k // LANES)):
         w0, w1 = _mxfp8_row_step(round_to, codes_flat, scales_flat, row * k, row * blocks, t, k, table, scratch)
-        _store_code8(w_flat, i * kp + LANES * t, w0, w1)
+        _store_code8(w_flat, at + LANES * t, w0, w1)
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
 def _mxfp8_tile(codes, scales, bf16, table, r0, w32):
-    n, k = codes.shape
-    blocks = scales.shape[1]
-    kp = w32.shape[1]
+    k, blocks, kp = codes.shape[1], scales.shape[1], w32.shape[1]
     codes_flat, scales_flat, w_flat = codes.reshape(-1), scales.reshape(-1), w32.reshape(-1)
-    for task in numba.prange((w32.shape[0] + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
-        scratch = np.zeros(LANES, dtype=np.uint8)
-        for i in range(task * _ROWS_PER_TASK, min(w32.shape[0], (task + 1) * _ROWS_PER_TASK)):
-            if bf16:
-                _mxfp8_tile_row(_round_bf16, codes_flat, scales_flat, r0 + i, i, k, blocks, kp, table, scratch,
-                                w_flat)
-            else:
-                _mxfp8_tile_row(_round_f16, codes_flat, scales_flat, r0 + i, i, k, blocks, kp, table, scratch,
-                                w_flat)
+    for i in numba.prange(w32.shape[0]):
+        if bf16:
+            _mxfp8_tile_row(_round_bf16, codes_flat, scales_flat, r0 + i, k, blocks, table, w_flat, i * kp)
+        else:
+            _mxfp8_tile_row(_round_f16, codes_flat, scales_flat, r0 + i, k, blocks, table, w_flat, i * kp)
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
