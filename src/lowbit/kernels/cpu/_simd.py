@@ -364,19 +364,23 @@ def f32v_fma(typingctx, a, b, c):
     return F32V(a, b, c), codegen
 
 
+def _round_to_bf16(builder, value):
+    bits = builder.bitcast(value, _VI32)
+    lsb = builder.and_(builder.lshr(bits, ir.Constant(_VI32, [16] * LANES)), ir.Constant(_VI32, [1] * LANES))
+    rounded = builder.add(builder.add(bits, ir.Constant(_VI32, [0x7FFF] * LANES)), lsb)
+    rounded = builder.and_(rounded, ir.Constant(_VI32, [-0x10000] * LANES))  # 0xFFFF0000
+    is_nan = builder.fcmp_unordered("uno", value, value)
+    rounded = builder.select(is_nan, ir.Constant(_VI32, [0x7FC00000] * LANES), rounded)
+    return builder.bitcast(rounded, _VF32)
+
+
 @intrinsic
 def f32v_round_to_bf16(typingctx, value):
     """Each lane rounded to the nearest BF16 value (ties to even; overflow to Inf), as float32; NaN lanes
     become the quiet NaN 0x7FC00000."""
 
     def codegen(context, builder, sig, args):
-        bits = builder.bitcast(args[0], _VI32)
-        lsb = builder.and_(builder.lshr(bits, ir.Constant(_VI32, [16] * LANES)), ir.Constant(_VI32, [1] * LANES))
-        rounded = builder.add(builder.add(bits, ir.Constant(_VI32, [0x7FFF] * LANES)), lsb)
-        rounded = builder.and_(rounded, ir.Constant(_VI32, [-0x10000] * LANES))  # 0xFFFF0000
-        is_nan = builder.fcmp_unordered("uno", args[0], args[0])
-        rounded = builder.select(is_nan, ir.Constant(_VI32, [0x7FC00000] * LANES), rounded)
-        return builder.bitcast(rounded, _VF32)
+        return _round_to_bf16(builder, args[0])
 
     return F32V(value), codegen
 
@@ -412,6 +416,33 @@ def _make_store_16bit_bytes(fp16: bool):
         return types.void(arr, high_offset, low_offset, value), codegen
 
     return store_bytes
+
+
+def _make_store_rounded(fp16: bool):
+    @intrinsic
+    def store_rounded(typingctx, arr, index, value):
+        def codegen(context, builder, sig, args):
+            value = args[2]
+            is_nan = builder.fcmp_unordered("uno", value, value)
+            value = builder.select(is_nan, ir.Constant(_VF32, [float("nan")] * LANES), value)  # 0x7FC00000
+            if fp16:
+                bits = builder.bitcast(builder.fptrunc(value, ir.VectorType(ir.HalfType(), LANES)), _VI16)
+            else:
+                rounded = builder.bitcast(_round_to_bf16(builder, value), _VI32)
+                bits = builder.trunc(builder.lshr(rounded, ir.Constant(_VI32, [16] * LANES)), _VI16)
+            builder.store(bits, _element_ptr(context, builder, sig.args[0], args[0], args[1], _VI16), align=1)
+            return context.get_dummy_value()
+
+        return types.void(arr, index, value), codegen
+
+    return store_rounded
+
+
+f32v_store_as_bf16 = _make_store_rounded(fp16=False)
+f32v_store_as_f16 = _make_store_rounded(fp16=True)
+f32v_store_as_bf16.__doc__ = """Each lane rounded to BF16 (ties to even; NaN as 0x7FC0) stored as LANES int16 bit patterns into
+the 1-D C-contiguous int16 array ``arr`` at element ``index``."""
+f32v_store_as_f16.__doc__ = """The same for FP16 (IEEE rounding, subnormals, overflow to Inf; NaN as 0x7E00)."""
 
 
 f32v_store_bf16_bytes = _make_store_16bit_bytes(fp16=False)

@@ -718,7 +718,59 @@ def _hifloat4_tile(words, value, r0, w32):
             _store_nibbles(w_flat, i * kp + LANES * b, w0, w1)
 
 
+# ---- the GEMV's input and output, in numba (no torch op between a call's start and its end) ------------------
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _gather_x(x_bits, bf16, order, x_reg):
+    """x_reg (M, Kp) float32 <- x (M, K) FP16/BF16 bit patterns (int16) widened exactly, each 64-element step
+    in the register order ``order`` (int32[64]: the element of each register lane), zero past K."""
+    m_rows, k = x_bits.shape
+    kp = x_reg.shape[1]
+    widened = np.zeros(kp, dtype=np.float32)
+    chunk = np.zeros(HALF, dtype=np.int16)
+    for m in range(m_rows):
+        row = x_bits[m]
+        for j in range(0, kp, HALF):
+            if j + HALF <= k:
+                source, at = row, j
+            else:  # the last, short chunk (zeros after it)
+                chunk[:] = 0
+                chunk[: max(0, k - j)] = row[j:k]
+                source, at = chunk, 0
+            value = simd.bf16v_load(source, at) if bf16 else simd.f16v_load(source, at)
+            simd.f32v_store(widened, j, value)
+        for j in range(0, kp, LANES):
+            for p in range(LANES):
+                x_reg[m, j + p] = widened[j + order[p]]
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _finish(y32, bias, has_bias, bf16, out_bits):
+    """The reference's step 4 (lowbit.formats.weight_only.finish) into ``out_bits`` (M, N) int16: fl32(y32 +
+    bias) if ``has_bias`` (bias (N,) float32), rounded once to BF16 (``bf16``) or FP16, NaN canonical."""
+    m_rows, n = y32.shape
+    y_chunk = np.zeros(HALF, dtype=np.float32)
+    out_chunk = np.zeros(HALF, dtype=np.int16)
+    for m in range(m_rows):
+        for j in range(0, n, HALF):
+            count = min(HALF, n - j)
+            y_chunk[:count] = y32[m, j : j + count]
+            value = simd.f32v_load(y_chunk, 0)
+            if has_bias:
+                y_chunk[:count] = bias[j : j + count]
+                value = simd.f32v_add(value, simd.f32v_load(y_chunk, 0))
+            if bf16:
+                simd.f32v_store_as_bf16(out_chunk, 0, value)
+            else:
+                simd.f32v_store_as_f16(out_chunk, 0, value)
+            out_bits[m, j : j + count] = out_chunk[:count]
+
+
 # ---- kernels -----------------------------------------------------------------------------------------------
+
+
+_NO_BIAS = np.zeros(0, dtype=np.float32)
 
 
 def _padded_k(k: int) -> int:
@@ -737,6 +789,7 @@ class WeightOnlyLinear(Kernel):
 
     def __init__(self, gemv, tile, split: tuple, operands):
         self.gemv, self.tile, self.split, self._operands = gemv, tile, split, operands
+        self.order = np.array(_order(*split), dtype=np.int32)
 
     def run(self, x: torch.Tensor, *args, out: torch.Tensor) -> None:
         *weight, bias = args
@@ -760,18 +813,16 @@ class WeightOnlyLinear(Kernel):
             numba.set_parallel_chunksize(previous_chunksize)
 
     def _run_gemv(self, x: torch.Tensor, operands: tuple, bias, out: torch.Tensor) -> None:
-        """The bit-exact path: x in register order, the lane sums, then the reference's rounding."""
+        """The bit-exact path: x in register order, the lane sums, then the reference's rounding (all in
+        numba: a torch op between them would cost more than they do, see benchmarks/results_weight_only.md)."""
         (m, k), n = x.shape, out.shape[1]
-        kp = _padded_k(k)
-        if kp == k:
-            x32 = x.to(torch.float32)
-        else:
-            x32 = torch.zeros(m, kp, dtype=torch.float32)
-            x32[:, :k] = x
-        x_reg = _reorder(x32, *self.split)
-        y32 = torch.empty(m, n, dtype=torch.float32)
-        self.gemv(as_numpy(x_reg), *operands, as_numpy(y32))
-        out.copy_(reference.finish(y32, bias, out.dtype))
+        bf16 = x.dtype == torch.bfloat16
+        x_reg = np.empty((m, _padded_k(k)), dtype=np.float32)
+        _gather_x(as_numpy(x), bf16, self.order, x_reg)
+        y32 = np.empty((m, n), dtype=np.float32)
+        self.gemv(x_reg, *operands, y32)
+        bias32 = _NO_BIAS if bias is None else as_numpy(bias.to(torch.float32))
+        _finish(y32, bias32, bias is not None, bf16, as_numpy(out))
 
     def _tiles(self, operands: tuple, n: int, k: int, dtype: torch.dtype, width: int):
         """(first row, (rows, width) tile) of W decoded tile by tile into one reused buffer of ``dtype``
