@@ -578,43 +578,14 @@ def _hifloat4_row_sum(accumulate, x_flat, x0, words_flat, value_flat, b0, blocks
     return _row_sum_nibbles(acc0, acc1)
 
 
-def _nibble_row_sum(accumulate, x_flat, x0, scales_flat, packed_flat, b0, blocks, scratch):
-    """One row of a 4-bit W times x_flat[x0:]: _mxfp4_row_sum for uint8 E8M0 ``scales_flat`` (MXFP4),
-    _hifloat4_row_sum for int32 scale words (HiFloat4)."""
-
-
-@overload(_nibble_row_sum, jit_options=NJIT_OPTIONS)
-def _nibble_row_sum_typed(accumulate, x_flat, x0, scales_flat, packed_flat, b0, blocks, scratch):
-    if scales_flat.dtype == types.uint8:
-        def mxfp4_row(accumulate, x_flat, x0, scales_flat, packed_flat, b0, blocks, scratch):
-            return _mxfp4_row_sum(accumulate, x_flat, x0, packed_flat, scales_flat, b0, blocks, scratch)
-
-        return mxfp4_row
-
-    def hifloat4_row(accumulate, x_flat, x0, scales_flat, packed_flat, b0, blocks, scratch):
-        return _hifloat4_row_sum(accumulate, x_flat, x0, scales_flat, packed_flat, b0, blocks)
-
-    return hifloat4_row
-
-
-def _nibble_exponents(scales):
-    """The format's _exponent_bounds: MXFP4's for uint8 ``scales``, HiFloat4's for int32 scale words."""
-
-
-@overload(_nibble_exponents, jit_options=NJIT_OPTIONS)
-def _nibble_exponents_typed(scales):
-    exponents = _MXFP4_EXPONENTS if scales.dtype == types.uint8 else _HIFLOAT4_EXPONENTS
-    return lambda scales: exponents
-
-
-@numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _nibble_gemv(x_reg, scales, packed, y32):
-    """MXFP4 (scales (N, K/32) uint8 E8M0, packed = codes (N, K/2)) or HiFloat4 (scales = words (N, K/64)
-    int32, packed = value (N, K/2)); x_reg (M, Kp) register order; y32 (M, N) float32."""
+@numba.njit(**_INLINE)
+def _nibble_rows(row_sum, x_reg, scales, packed, exponents, y32):
+    """The 4-bit GEMV (inlined into each format's kernel, whose ``row_sum`` and exponent bounds it takes):
+    x_reg (M, Kp) register order, scales / packed the format's two weight arrays (N, ...), y32 (M, N)."""
     n, blocks = scales.shape
     m_rows, kp = x_reg.shape
     x_flat, scales_flat, packed_flat = x_reg.reshape(-1), scales.reshape(-1), packed.reshape(-1)
-    fused = _fused_bytes(x_reg, _nibble_exponents(scales))
+    fused = _fused_bytes(x_reg, exponents)
     for task in numba.prange((n + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
         scratch = np.zeros(HALF, dtype=np.uint8)
         for row in range(task * _ROWS_PER_TASK, min(n, (task + 1) * _ROWS_PER_TASK)):
@@ -622,11 +593,33 @@ def _nibble_gemv(x_reg, scales, packed, y32):
             low, high = _low_byte_range(scales_flat, b0, blocks)
             for m in range(m_rows):
                 if fused[m, low] and fused[m, high]:
-                    y32[m, row] = _nibble_row_sum(_accumulate_fused, x_flat, m * kp, scales_flat, packed_flat, b0,
-                                                  blocks, scratch)
+                    y32[m, row] = row_sum(_accumulate_fused, x_flat, m * kp, scales_flat, packed_flat, b0, blocks,
+                                          scratch)
                 else:
-                    y32[m, row] = _nibble_row_sum(_accumulate, x_flat, m * kp, scales_flat, packed_flat, b0, blocks,
-                                                  scratch)
+                    y32[m, row] = row_sum(_accumulate, x_flat, m * kp, scales_flat, packed_flat, b0, blocks,
+                                          scratch)
+
+
+@numba.njit(**_INLINE)
+def _mxfp4_row(accumulate, x_flat, x0, scales_flat, codes_flat, b0, blocks, scratch):
+    return _mxfp4_row_sum(accumulate, x_flat, x0, codes_flat, scales_flat, b0, blocks, scratch)
+
+
+@numba.njit(**_INLINE)
+def _hifloat4_row(accumulate, x_flat, x0, words_flat, value_flat, b0, blocks, scratch):
+    return _hifloat4_row_sum(accumulate, x_flat, x0, words_flat, value_flat, b0, blocks)
+
+
+@numba.njit(**PARALLEL_NJIT_OPTIONS)
+def _mxfp4_gemv(x_reg, scales, codes, y32):
+    """scales (N, K/32) uint8 E8M0, codes (N, K/2) uint8; x_reg (M, Kp) register order; y32 (M, N)."""
+    _nibble_rows(_mxfp4_row, x_reg, scales, codes, _MXFP4_EXPONENTS, y32)
+
+
+@numba.njit(**PARALLEL_NJIT_OPTIONS)
+def _hifloat4_gemv(x_reg, words, value, y32):
+    """words (N, K/64) int32 (the scale bytes), value (N, K/2) uint8; x_reg (M, Kp) register order."""
+    _nibble_rows(_hifloat4_row, x_reg, words, value, _HIFLOAT4_EXPONENTS, y32)
 
 
 # ---- GEMM tiles: rows r0 .. r0 + R - 1 of W decoded into w32 (R, >= Kp), logical order, float32 or BF16 ---------
@@ -903,5 +896,5 @@ def _hifloat4_operands(scale, value, k, dtype):
 HIFLOAT8_LINEAR = WeightOnlyLinear(_code8_gemv, _code8_tile, CODE8_SPLIT, _hifloat8_operands)
 FLOAT8_E4M3FN_LINEAR = WeightOnlyLinear(_code8_gemv, _code8_tile, CODE8_SPLIT, _float8_operands)
 MXFP8_LINEAR = WeightOnlyLinear(_mxfp8_gemv, _mxfp8_tile, CODE8_SPLIT, _mxfp8_operands)
-MXFP4_LINEAR = WeightOnlyLinear(_nibble_gemv, _mxfp4_tile, NIBBLE_SPLIT, _mxfp4_operands)
-HIFLOAT4_LINEAR = WeightOnlyLinear(_nibble_gemv, _hifloat4_tile, NIBBLE_SPLIT, _hifloat4_operands)
+MXFP4_LINEAR = WeightOnlyLinear(_mxfp4_gemv, _mxfp4_tile, NIBBLE_SPLIT, _mxfp4_operands)
+HIFLOAT4_LINEAR = WeightOnlyLinear(_hifloat4_gemv, _hifloat4_tile, NIBBLE_SPLIT, _hifloat4_operands)
