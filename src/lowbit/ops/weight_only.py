@@ -167,8 +167,9 @@ def _hifloat8_probes():
     probes.append((x, codes, scale, torch.randn(6, generator=g).bfloat16()))
     probes.append((torch.tensor([[2.0]]).half(), torch.tensor([[0x18], [0xE0]], dtype=torch.uint8),
                    torch.tensor([3.0, -0.5]), None))  # K = 1
-    probes.append((_small_integers((6, 96), g, torch.bfloat16), pick(exact, (4, 96)),
-                   torch.tensor([1.0, 2.0, 0.5, 4.0]), _small_integers((4,), g, torch.bfloat16)))
+    for dtype, bias_dtype in ((torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32)):
+        probes.append((_small_integers((6, 96), g, dtype), pick(exact, (4, 96)), torch.tensor([1.0, 2.0, 0.5, 4.0]),
+                       _small_integers((4,), g, bias_dtype)))
     return probes
 
 
@@ -195,8 +196,9 @@ def _float8_probes():
     x[1, :4] = torch.tensor([0.0, float("inf"), -0.0, float("nan")])
     probes.append((x, codes, scale, torch.randn(7, generator=g).bfloat16()))
     exact = _exact_e4m3_codes()
-    probes.append((_small_integers((6, 96), g, torch.bfloat16), exact[torch.randint(len(exact), (4, 96), generator=g)],
-                   torch.tensor([1.0, 2.0, 0.5, 4.0]), _small_integers((4,), g, torch.bfloat16)))
+    for dtype, bias_dtype in ((torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32)):
+        probes.append((_small_integers((6, 96), g, dtype), exact[torch.randint(len(exact), (4, 96), generator=g)],
+                       torch.tensor([1.0, 2.0, 0.5, 4.0]), _small_integers((4,), g, bias_dtype)))
     return probes
 
 
@@ -231,8 +233,9 @@ def _mxfp8_probes():
     x[2, :3] = torch.tensor([float("inf"), float("nan"), -0.0])
     probes.append((x, codes(4, 64), _block_scales(g, 4, 64, 100, 140), None))
     exact = _exact_e4m3_codes()
-    probes.append((_small_integers((6, 96), g, torch.bfloat16), exact[torch.randint(len(exact), (4, 96), generator=g)],
-                   _block_scales(g, 4, 96, 127, 127), _small_integers((4,), g, torch.bfloat16)))
+    for dtype, bias_dtype in ((torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32)):
+        probes.append((_small_integers((6, 96), g, dtype), exact[torch.randint(len(exact), (4, 96), generator=g)],
+                       _block_scales(g, 4, 96, 127, 127), _small_integers((4,), g, bias_dtype)))
     return probes
 
 
