@@ -314,17 +314,23 @@ def _decode_row(magnitudes, scale, bf16, nan_code, table, codes, out):
         simd.f32v_store(out, start + 32, w1)
 
 
+def skip_without_the_instructions_of(kind, dtype):
+    if kind == "bytes" and (dtype != torch.bfloat16 or not simd.HAS_AVX512VBMI):
+        pytest.skip("byte tables: BF16 x with AVX512-VBMI only")
+    if kind == "words" and not simd.HAS_AVX512BW:
+        pytest.skip("no AVX512-BW on this CPU")
+
+
 CODE8 = {"hifloat8": (cpu._hifloat8_operands, reference.hifloat8_weight),
          "float8": (cpu._float8_operands, reference.float8_e4m3fn_weight)}
 
 
 @pytest.mark.parametrize("fmt", CODE8)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("kind", ["bytes", "values"])
+@pytest.mark.parametrize("kind", ["bytes", "words", "values"])
 @pytest.mark.parametrize("scale", [1.0, -0.3, 3e-39, 1e-6, 7e4, 1e30, 0.0, -0.0, float("inf"), float("nan")])
 def test_row_table_decodes_every_8bit_code(fmt, dtype, kind, scale):
-    if kind == "bytes" and not simd.HAS_AVX512VBMI:
-        pytest.skip("no AVX512-VBMI on this CPU")
+    skip_without_the_instructions_of(kind, dtype)
     operands, weight = CODE8[fmt]
     codes = torch.arange(256, dtype=torch.uint8).reshape(1, 256)
     _, scale_x, bf16, magnitudes, nan_code, table_like, _ = operands(codes, torch.tensor([scale]), 256, dtype, kind)
@@ -342,8 +348,10 @@ def test_row_table_decodes_every_8bit_code(fmt, dtype, kind, scale):
 
 @pytest.mark.parametrize("fmt", CODE8)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_8bit_gemv_with_gathered_tables_equals_the_reference(fmt, dtype):
-    """The table kind of CPUs without AVX512-VBMI, on this one: codes, a K tail, M up to 4."""
+@pytest.mark.parametrize("kind", ["words", "values"])
+def test_8bit_gemv_with_other_tables_equals_the_reference(fmt, dtype, kind):
+    """The table kinds of CPUs without AVX512-VBMI (or BW), on this one: codes, a K tail, M up to 4."""
+    skip_without_the_instructions_of(kind, dtype)
     g = gen(13)
     operands, weight = CODE8[fmt]
     codes, scale = hif8_weight(24, 189, g, FINITE_HIF8 if fmt == "hifloat8" else FINITE_E4M3)
@@ -351,17 +359,16 @@ def test_8bit_gemv_with_gathered_tables_equals_the_reference(fmt, dtype):
     x_reg = torch.zeros(3, 192)
     x_reg[:, :189] = x.float()
     y32 = torch.empty(3, 24)
-    cpu._code8_gemv(cpu._reorder(x_reg, *cpu.CODE8_SPLIT).numpy(), *operands(codes, scale, 189, dtype, "values"),
+    cpu._code8_gemv(cpu._reorder(x_reg, *cpu.CODE8_SPLIT).numpy(), *operands(codes, scale, 189, dtype, kind),
                     y32.numpy())
     want = reference.lane_sums(x.float(), weight(codes, scale, dtype))
     assert torch.equal(y32.view(torch.int32), want.view(torch.int32))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("kind", ["bytes", "values"])
+@pytest.mark.parametrize("kind", ["bytes", "words", "values"])
 def test_mxfp8_every_code_under_every_scale_byte(dtype, kind):
-    if kind == "bytes" and not simd.HAS_AVX512VBMI:
-        pytest.skip("no AVX512-VBMI on this CPU")
+    skip_without_the_instructions_of(kind, torch.bfloat16)  # FP16 x uses the BF16 tables of E4M3 values
     g = gen(14)
     codes = torch.arange(256, dtype=torch.uint8).repeat(32, 3)[:, :736].contiguous()  # K = 736: a one-block last step
     scales = torch.arange(256, dtype=torch.uint8).repeat(3)[torch.randperm(768, generator=g)][: 32 * 23].reshape(32, 23)

@@ -60,6 +60,7 @@ _E4M3_NAN_CODE = 0x7F
 _E4M3_VALUES = mxfp8.e4m3_values(torch.arange(256, dtype=torch.uint8)).numpy()
 _E4M3_BF16_BYTES = np.concatenate([(_E4M3_VALUES[:128].view(np.uint32) >> shift).astype(np.uint8)
                                    for shift in (24, 16)])
+_E4M3_BF16_WORDS = (_E4M3_VALUES[:128].view(np.uint32) >> 16).astype(np.int16)
 _E8M0_SCALES = reference.e8m0_scales().numpy()
 # 16-entry tables of every scale byte, (256 * 16,) float32: entry 16 b + nibble. MXFP4: the E2M1 value times
 # the E8M0 scale (one rounding: the reference's weight); HiFloat4: (-1)^s c/4 times the E6M2 scale (exact).
@@ -156,16 +157,17 @@ nibble_logical = _make_logical(NIBBLE_ORDER)
 # ---- 8-bit codes (HiFloat8, FP8 E4M3): 64 codes -> two F32V in CODE8_ORDER -------------------------------
 # An 8-bit weight is dequantized in x's dtype (docs/weight_only.md, 'Weights'), so one row of W holds at
 # most 256 values: each row's are put in a table first (_fill_row_table), then every code is a look-up. The
-# kind of row table is its array type: on a CPU with AVX512-VBMI, 256 bytes, the high and then the low
-# bytes of the 16-bit patterns of codes 0..127 (vpermi2b reads them, the code's sign is XORed in): uint8
-# (256,) for BF16 x, uint16 (128,) for FP16 x; elsewhere float32 (256,): the values of all 256 codes (NaN
-# at 0x80), gathered.
+# kind of row table is its array type (the code's sign is XORed in, except for value tables):
+#   uint8 (256,)    BF16 x, AVX512-VBMI: the high, then the low bytes of the BF16 bits of codes 0..127
+#                   (one vpermi2b each per 64 codes);
+#   int16 (128,)    BF16 x, AVX512-BW: the BF16 bits of codes 0..127 (two vpermi2w and a blend per 32);
+#   uint16 (128,)   FP16 x, AVX512-BW: the FP16 bits, likewise (then vcvtph2ps);
+#   float32 (256,)  elsewhere: the values of all 256 codes (NaN at the NaN code), gathered.
 
 
 def _code8_decode_vbmi(context, builder, codes, table_arg, nan_code):
-    """16-bit patterns (BF16 for a uint8 table, FP16 for a uint16 one) of the code's magnitude from the row's
-    byte tables (vpermi2b, index bits 0-6), the code's sign XORed in, NaN for ``nan_code``; bytes -> words by
-    unpacking, words -> FP32 by unpacking with zeros below (BF16) or vcvtph2ps (FP16), in CODE8_ORDER."""
+    """BF16 bits of the code's magnitude from the row's byte tables (vpermi2b, index bits 0-6), the code's
+    sign XORed in, NaN for ``nan_code``; bytes -> words -> FP32 by unpacking (the order of CODE8_ORDER)."""
     fn = cgutils.get_or_insert_function(
         builder.module, ir.FunctionType(_V8x64, [_V8x64] * 3), "llvm.x86.avx512.vpermi2var.qi.512")
     table_type, table = table_arg
@@ -187,12 +189,6 @@ def _code8_decode_vbmi(context, builder, codes, table_arg, nan_code):
     pieces = []
     for w in words:  # words 0-3 / 4-7 of each 128-bit lane
         for h in (0, 1):
-            if table_type.dtype == types.uint16:  # FP16 bits: vcvtph2ps
-                words_h = [8 * lane + j for lane in range(4) for j in range(4 * h, 4 * h + 4)]
-                chosen = builder.shuffle_vector(w, w, _mask(words_h))
-                pieces.append(builder.fpext(builder.bitcast(chosen, ir.VectorType(ir.HalfType(), 16)),
-                                            ir.VectorType(ir.FloatType(), 16)))
-                continue
             # BF16 bits: unpack{l,h}wd with zero below, dword = word << 16
             pairs = [i for lane in range(4) for j in range(4 * h, 4 * h + 4) for i in (8 * lane + j, 32 + 8 * lane + j)]
             pieces.append(builder.bitcast(builder.shuffle_vector(zero, w, _mask(pairs)),
@@ -224,13 +220,47 @@ def _code8_decode_gather(context, builder, codes, table_arg, nan_code):
     return halves
 
 
+def _code8_decode_words(context, builder, codes, table_arg, nan_code):
+    """The 16-bit patterns (BF16 for an int16 table, FP16 for a uint16 one) of the code's magnitude from the
+    row's 128 words (two vpermi2w on index bits 0-5, a blend on bit 6), the code's sign XORed in, NaN for
+    ``nan_code``; widened to float32 in CODE8_ORDER."""
+    table_type, table = table_arg
+    fn = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(_V16x32, [_V16x32] * 3), "llvm.x86.avx512.vpermi2var.hi.512")
+    data = builder.bitcast(context.make_array(table_type)(context, builder, table).data, _V16x32.as_pointer())
+    quarters = [builder.load(builder.gep(data, [ir.Constant(_I32, q)]), align=1) for q in range(4)]
+    ordered = builder.shuffle_vector(codes, codes, _mask(CODE8_ORDER))
+    nan_word = simd._splat(builder, builder.trunc(nan_code, ir.IntType(16)), _V16x32)
+    words16 = ir.VectorType(ir.IntType(16), HALF)
+    halves = []
+    for part in _halves(builder, ordered):
+        index = builder.zext(part, words16)
+        low = builder.call(fn, [quarters[0], index, quarters[1]])
+        high = builder.call(fn, [quarters[2], index, quarters[3]])
+        upper = builder.icmp_unsigned("!=", builder.and_(index, ir.Constant(words16, [64] * HALF)),
+                                      ir.Constant(words16, [0] * HALF))
+        word = builder.select(upper, high, low)
+        sign = builder.shl(builder.and_(index, ir.Constant(words16, [0x80] * HALF)), ir.Constant(words16, [8] * HALF))
+        word = builder.xor(word, sign)
+        word = builder.select(builder.icmp_unsigned("==", index, nan_word), ir.Constant(words16, [0x7FFF] * HALF), word)
+        if table_type.dtype == types.uint16:  # FP16 bits
+            halves.append(builder.fpext(builder.bitcast(word, ir.VectorType(ir.HalfType(), HALF)), simd._VF32))
+        else:  # BF16 bits
+            widened = builder.shl(builder.zext(word, simd._VI32), ir.Constant(simd._VI32, [16] * HALF))
+            halves.append(builder.bitcast(widened, simd._VF32))
+    return halves
+
+
+_DECODE_BY_TABLE = {types.uint8: _code8_decode_vbmi, types.int16: _code8_decode_words,
+                    types.uint16: _code8_decode_words, types.float32: _code8_decode_gather}
+
+
 @intrinsic
 def code8_decode(typingctx, codes, index, table, nan_code):
     """The row's weights of the 64 codes ``codes[index : index + 64]`` (a 1-D C-contiguous uint8 array) as
-    two F32V in CODE8_ORDER, looked up in the row ``table`` (_fill_row_table): byte tables (uint8 for BF16,
-    uint16 for FP16; vpermi2b: AVX512-VBMI only) or a float32 value table (gathered). ``nan_code`` (int)
-    decodes to a NaN whose payload depends on the table kind (outputs are made canonical)."""
-    lower = _code8_decode_gather if table.dtype == types.float32 else _code8_decode_vbmi
+    two F32V in CODE8_ORDER, looked up in the row ``table`` (_fill_row_table; its kinds above). ``nan_code``
+    (int) decodes to a NaN whose payload depends on the table kind (outputs are made canonical)."""
+    lower = _DECODE_BY_TABLE[table.dtype]
 
     def codegen(context, builder, sig, args):
         ptr = simd._element_ptr(context, builder, sig.args[0], args[0], args[1], _V8x64)
@@ -245,8 +275,8 @@ def _fill_row_table(magnitudes, scale, bf16, nan_code, table):
     dtype (BF16 if ``bf16``, else FP16), negated for c >= 0x80, NaN for ``nan_code``. ``magnitudes`` (128,)
     float32 and the row's ``scale`` (float32) are the format's (HiFloat8: both already rounded to x's dtype,
     so the float32 product is exact; FP8: the code value and the FP32 scale, as fake quant multiplies them).
-    A byte table (uint8: BF16, uint16: FP16) gets the bytes of codes 0..127, a float32 table the values of
-    all 256."""
+    A uint8 table gets the BF16 bytes of codes 0..127, an int16 / uint16 one their BF16 / FP16 bits, a
+    float32 table the values of all 256."""
 
 
 @overload(_fill_row_table, jit_options=NJIT_OPTIONS)
@@ -258,12 +288,18 @@ def _fill_row_table_typed(magnitudes, scale, bf16, nan_code, table):
                 simd.f32v_store_bf16_bytes(table, i, 128 + i, value)
 
         return fill_bf16_bytes
-    if table.dtype == types.uint16:
-        def fill_f16_bytes(magnitudes, scale, bf16, nan_code, table):
+    if table.dtype == types.int16:
+        def fill_bf16_words(magnitudes, scale, bf16, nan_code, table):
             for i in range(0, 128, HALF):
-                simd.f32v_store_f16_bytes(table, i, 128 + i, simd.f32v_mul(simd.f32v_load(magnitudes, i), scale))
+                simd.f32v_store_as_bf16(table, i, simd.f32v_mul(simd.f32v_load(magnitudes, i), scale))
 
-        return fill_f16_bytes
+        return fill_bf16_words
+    if table.dtype == types.uint16:
+        def fill_f16_words(magnitudes, scale, bf16, nan_code, table):
+            for i in range(0, 128, HALF):
+                simd.f32v_store_as_f16(table, i, simd.f32v_mul(simd.f32v_load(magnitudes, i), scale))
+
+        return fill_f16_words
 
     def fill_values(magnitudes, scale, bf16, nan_code, table):
         for i in range(0, 128, HALF):
@@ -851,16 +887,21 @@ class WeightOnlyLinear(Kernel):
         out.copy_(torch.where(out.isnan(), reference.canonical_nan(out.dtype), out))
 
 
+def _default_table_kind(bf16: bool) -> str:
+    if bf16 and simd.HAS_AVX512VBMI:
+        return "bytes"
+    return "words" if simd.HAS_AVX512BW else "values"
+
+
 def _code8_operands(codes, scale, magnitudes, nan_code, k, dtype, table_kind):
-    """The _code8_gemv / _code8_tile operands. ``table_kind``: "bytes" (AVX512-VBMI only) or "values"
-    (gathered); None: bytes on a CPU with AVX512-VBMI."""
+    """The _code8_gemv / _code8_tile operands. ``table_kind`` (see code8_decode): "bytes" (BF16 with
+    AVX512-VBMI), "words" (AVX512-BW) or "values" (gathered); None: the fastest this CPU has."""
     bf16 = dtype == torch.bfloat16
-    if table_kind is None:
-        table_kind = "bytes" if simd.HAS_AVX512VBMI else "values"
-    if table_kind == "bytes":
-        table_like = np.zeros(256, dtype=np.uint8) if bf16 else np.zeros(128, dtype=np.uint16)
-    else:
-        table_like = np.zeros(256, dtype=np.float32)
+    table_kind = table_kind or _default_table_kind(bf16)
+    if table_kind == "bytes" and not bf16:
+        raise ValueError("byte tables hold BF16 weights: FP16 x takes word or value tables")
+    table_like = {"bytes": np.zeros(256, dtype=np.uint8), "values": np.zeros(256, dtype=np.float32),
+                  "words": np.zeros(128, dtype=np.int16 if bf16 else np.uint16)}[table_kind]
     keep = (_CODE8_ELEMENTS < k % LANES).astype(np.int32)  # the lanes of a last, short step
     return as_numpy(codes), as_numpy(scale.contiguous()), bf16, magnitudes, nan_code, table_like, keep
 
@@ -877,10 +918,9 @@ def _float8_operands(codes, scale, k, dtype, table_kind=None):
 
 
 def _mxfp8_operands(codes, scales, k, dtype, table_kind=None):
-    """``table_kind`` as for _code8_operands: "bytes" (AVX512-VBMI) or "values"."""
-    if table_kind is None:
-        table_kind = "bytes" if simd.HAS_AVX512VBMI else "values"
-    table = _E4M3_BF16_BYTES if table_kind == "bytes" else _E4M3_VALUES
+    """``table_kind`` as for _code8_operands (E4M3 values are BF16 values: BF16 tables serve FP16 x too)."""
+    table = {"bytes": _E4M3_BF16_BYTES, "words": _E4M3_BF16_WORDS,
+             "values": _E4M3_VALUES}[table_kind or _default_table_kind(True)]
     return as_numpy(codes), as_numpy(scales), dtype == torch.bfloat16, table
 
 
