@@ -424,21 +424,34 @@ f32v_store_as_bf16.__doc__ = """Each lane rounded to BF16 (ties to even; NaN as 
 f32v_store_as_f16.__doc__ = """The same for FP16 (IEEE rounding, subnormals, overflow to Inf; NaN as 0x7E00)."""
 
 
-@intrinsic
-def f32v_store_bf16_bytes(typingctx, arr, high_offset, low_offset, value):
-    """For BF16-valued lanes: the high and the low byte of each lane's BF16 bits stored into the C-contiguous
-    array ``arr`` (any element type) at byte offsets ``high_offset`` and ``low_offset`` (LANES bytes each)."""
+def _make_store_16bit_bytes(fp16: bool):
+    @intrinsic
+    def store_bytes(typingctx, arr, high_offset, low_offset, value):
+        def codegen(context, builder, sig, args):
+            if fp16:
+                half = builder.fptrunc(args[3], ir.VectorType(ir.HalfType(), LANES))
+                bits = builder.zext(builder.bitcast(half, _VI16), _VI32)
+            else:
+                bits = builder.lshr(builder.bitcast(_round_to_bf16(builder, args[3]), _VI32),
+                                    ir.Constant(_VI32, [16] * LANES))
+            v_bytes = ir.VectorType(_I8, LANES)
+            data = builder.bitcast(context.make_array(sig.args[0])(context, builder, args[0]).data, _I8.as_pointer())
+            for shift, offset in ((8, args[1]), (0, args[2])):
+                part = builder.trunc(builder.lshr(bits, ir.Constant(_VI32, [shift] * LANES)), v_bytes)
+                builder.store(part, builder.bitcast(builder.gep(data, [offset]), v_bytes.as_pointer()), align=1)
+            return context.get_dummy_value()
 
-    def codegen(context, builder, sig, args):
-        bits = builder.lshr(builder.bitcast(args[3], _VI32), ir.Constant(_VI32, [16] * LANES))
-        v_bytes = ir.VectorType(_I8, LANES)
-        data = builder.bitcast(context.make_array(sig.args[0])(context, builder, args[0]).data, _I8.as_pointer())
-        for shift, offset in ((8, args[1]), (0, args[2])):
-            part = builder.trunc(builder.lshr(bits, ir.Constant(_VI32, [shift] * LANES)), v_bytes)
-            builder.store(part, builder.bitcast(builder.gep(data, [offset]), v_bytes.as_pointer()), align=1)
-        return context.get_dummy_value()
+        return types.void(arr, high_offset, low_offset, value), codegen
 
-    return types.void(arr, high_offset, low_offset, value), codegen
+    return store_bytes
+
+
+f32v_store_bf16_bytes = _make_store_16bit_bytes(fp16=False)
+f32v_store_f16_bytes = _make_store_16bit_bytes(fp16=True)
+f32v_store_bf16_bytes.__doc__ = """Each lane rounded to BF16 (ties to even); the high and the low byte of its bits stored into the
+C-contiguous array ``arr`` (any element type) at byte offsets ``high_offset`` and ``low_offset`` (LANES
+bytes each)."""
+f32v_store_f16_bytes.__doc__ = """The same with each lane rounded to FP16 (fptrunc: ties to even) and its FP16 bits."""
 
 
 @intrinsic

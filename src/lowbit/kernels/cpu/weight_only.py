@@ -163,14 +163,16 @@ nibble_logical = _make_logical(NIBBLE_ORDER)
 # kind of row table is its array type (the code's sign is XORed in, except for value tables):
 #   uint8 (256,)    BF16 x, AVX512-VBMI: the high, then the low bytes of the BF16 bits of codes 0..127
 #                   (one vpermi2b each per 64 codes);
+#   uint8 (2, 128)  FP16 x, AVX512-VBMI: the same bytes of the FP16 bits;
 #   int16 (128,)    BF16 x, AVX512-BW: the BF16 bits of codes 0..127 (two vpermi2w and a blend per 32);
 #   uint16 (128,)   FP16 x, AVX512-BW: the FP16 bits, likewise (then vcvtph2ps);
 #   float32 (256,)  elsewhere: the values of all 256 codes (NaN at the NaN code), gathered.
 
 
 def _code8_decode_vbmi(context, builder, codes, table_arg, nan_code):
-    """BF16 bits of the code's magnitude from the row's byte tables (vpermi2b, index bits 0-6), the code's
-    sign XORed in, NaN for ``nan_code``; bytes -> words -> FP32 by unpacking (the order of CODE8_ORDER)."""
+    """16-bit patterns of the code's magnitude from the row's byte tables (vpermi2b, index bits 0-6): BF16
+    for a 1-D table, FP16 for a 2-D one; the code's sign XORed in, NaN for ``nan_code``; bytes -> words by
+    unpacking, words -> FP32 by unpacking with zeros below (BF16) or vcvtph2ps (FP16), in CODE8_ORDER."""
     fn = cgutils.get_or_insert_function(
         builder.module, ir.FunctionType(_V8x64, [_V8x64] * 3), "llvm.x86.avx512.vpermi2var.qi.512")
     table_type, table = table_arg
@@ -192,6 +194,12 @@ def _code8_decode_vbmi(context, builder, codes, table_arg, nan_code):
     pieces = []
     for w in words:  # words 0-3 / 4-7 of each 128-bit lane
         for h in (0, 1):
+            if table_type.ndim == 2:  # FP16 bits: vcvtph2ps
+                chosen = builder.shuffle_vector(w, w, _mask([8 * lane + j for lane in range(4)
+                                                             for j in range(4 * h, 4 * h + 4)]))
+                pieces.append(builder.fpext(builder.bitcast(chosen, ir.VectorType(ir.HalfType(), 16)),
+                                            ir.VectorType(ir.FloatType(), 16)))
+                continue
             # BF16 bits: unpack{l,h}wd with zero below, dword = word << 16
             pairs = [i for lane in range(4) for j in range(4 * h, 4 * h + 4) for i in (8 * lane + j, 32 + 8 * lane + j)]
             pieces.append(builder.bitcast(builder.shuffle_vector(zero, w, _mask(pairs)),
@@ -278,19 +286,20 @@ def _fill_row_table(magnitudes, scale, bf16, nan_code, table):
     dtype (BF16 if ``bf16``, else FP16), negated for c >= 0x80, NaN for ``nan_code``. ``magnitudes`` (128,)
     float32 and the row's ``scale`` (float32) are the format's (HiFloat8: both already rounded to x's dtype,
     so the float32 product is exact; FP8: the code value and the FP32 scale, as fake quant multiplies them).
-    A uint8 table gets the BF16 bytes of codes 0..127, an int16 / uint16 one their BF16 / FP16 bits, a
-    float32 table the values of all 256."""
+    A uint8 table gets the BF16 (1-D) or FP16 (2-D) bytes of codes 0..127, an int16 / uint16 one their BF16
+    / FP16 bits, a float32 table the values of all 256."""
 
 
 @overload(_fill_row_table, jit_options=NJIT_OPTIONS)
 def _fill_row_table_typed(magnitudes, scale, bf16, nan_code, table):
     if table.dtype == types.uint8:
-        def fill_bf16_bytes(magnitudes, scale, bf16, nan_code, table):
-            for i in range(0, 128, HALF):
-                value = simd.f32v_round_to_bf16(simd.f32v_mul(simd.f32v_load(magnitudes, i), scale))
-                simd.f32v_store_bf16_bytes(table, i, 128 + i, value)
+        store = simd.f32v_store_f16_bytes if table.ndim == 2 else simd.f32v_store_bf16_bytes
 
-        return fill_bf16_bytes
+        def fill_bytes(magnitudes, scale, bf16, nan_code, table):
+            for i in range(0, 128, HALF):
+                store(table, i, 128 + i, simd.f32v_mul(simd.f32v_load(magnitudes, i), scale))
+
+        return fill_bytes
     if table.dtype == types.int16:
         def fill_bf16_words(magnitudes, scale, bf16, nan_code, table):
             for i in range(0, 128, HALF):
@@ -893,8 +902,8 @@ class WeightOnlyLinear(Kernel):
         out.copy_(torch.where(out.isnan(), reference.canonical_nan(out.dtype), out))
 
 
-def _default_table_kind(bf16: bool) -> str:
-    if bf16 and simd.HAS_AVX512VBMI:
+def _default_table_kind() -> str:
+    if simd.HAS_AVX512VBMI:
         return "bytes"
     return "words" if simd.HAS_AVX512BW else "values"
 
@@ -903,10 +912,9 @@ def _code8_operands(codes, scale, magnitudes, nan_code, k, dtype, table_kind):
     """The _code8_gemv / _code8_tile operands. ``table_kind`` (see code8_decode): "bytes" (BF16 with
     AVX512-VBMI), "words" (AVX512-BW) or "values" (gathered); None: the fastest this CPU has."""
     bf16 = dtype == torch.bfloat16
-    table_kind = table_kind or _default_table_kind(bf16)
-    if table_kind == "bytes" and not bf16:
-        raise ValueError("byte tables hold BF16 weights: FP16 x takes word or value tables")
-    table_like = {"bytes": np.zeros(256, dtype=np.uint8), "values": np.zeros(256, dtype=np.float32),
+    table_kind = table_kind or _default_table_kind()
+    table_like = {"bytes": np.zeros(256 if bf16 else (2, 128), dtype=np.uint8),
+                  "values": np.zeros(256, dtype=np.float32),
                   "words": np.zeros(128, dtype=np.int16 if bf16 else np.uint16)}[table_kind]
     keep = (_CODE8_ELEMENTS < k % LANES).astype(np.int32)  # the lanes of a last, short step
     return as_numpy(codes), as_numpy(scale.contiguous()), bf16, magnitudes, nan_code, table_like, keep
@@ -926,7 +934,7 @@ def _float8_operands(codes, scale, k, dtype, table_kind=None):
 def _mxfp8_operands(codes, scales, k, dtype, table_kind=None):
     """``table_kind`` as for _code8_operands (E4M3 values are BF16 values: BF16 tables serve FP16 x too)."""
     table = {"bytes": _E4M3_BF16_BYTES, "words": _E4M3_BF16_WORDS,
-             "values": _E4M3_VALUES}[table_kind or _default_table_kind(True)]
+             "values": _E4M3_VALUES}[table_kind or _default_table_kind()]
     return as_numpy(codes), as_numpy(scales), dtype == torch.bfloat16, table
 
 
