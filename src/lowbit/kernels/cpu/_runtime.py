@@ -3,6 +3,7 @@ one-line notice on stderr while a kernel family compiles."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 
@@ -64,6 +65,20 @@ def sync_threads() -> int:
     if numba.get_num_threads() != n:
         numba.set_num_threads(n)
     return n
+
+
+@contextlib.contextmanager
+def kernel_threads(work: int, one_thread_below: int):
+    """:func:`sync_threads` for a kernel call, run on one numba thread when ``work`` (the kernel's own
+    measure of its size) is below ``one_thread_below``: waking numba's threads after a torch op costs tens
+    of microseconds, more than they save on small inputs. The thread count is put back afterwards."""
+    threads = sync_threads()
+    if work < one_thread_below:
+        numba.set_num_threads(1)
+    try:
+        yield
+    finally:
+        numba.set_num_threads(threads)
 
 
 _NUMPY_VIEW = {

@@ -28,7 +28,7 @@ import torch
 from lowbit.errors import DeviceError, DtypeError, ShapeError
 from lowbit.formats import mxfp4 as ref
 from lowbit.kernels import mxfp4_tables as tables
-from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, as_numpy, sync_threads
+from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, as_numpy, kernel_threads, sync_threads
 from lowbit.kernels.mxfp4_last_axis import LastAxisDequantize, LastAxisQuantize
 
 _ABS_MASK = {torch.bfloat16: 0x7FFF, torch.float16: 0x7FFF, torch.float32: 0x7FFFFFFF}
@@ -268,9 +268,18 @@ def fake_quantize(x: torch.Tensor, block_size: int, scale_rule: str, rounding: s
         _launch_quantize(x, block_size, scale_rule, rounding, codes, scales, out)
 
 
+# Inputs of fewer elements are quantized on one thread (a decode step's activation: 2048 elements took 0.09 ms
+# on two threads after a torch op, mostly the threads' wake-up).
+ONE_THREAD_ELEMENTS = 1 << 16
+
+
 def _launch_quantize(xt, block_size, scale_rule, rounding, codes, scales, dequantized=None):
     """Run _quantize_blocks on contiguous ``xt`` (blocks along the last axis) into contiguous outputs."""
-    sync_threads()
+    with kernel_threads(xt.numel(), ONE_THREAD_ELEMENTS):
+        _quantize_blocks_of(xt, block_size, scale_rule, rounding, codes, scales, dequantized)
+
+
+def _quantize_blocks_of(xt, block_size, scale_rule, rounding, codes, scales, dequantized):
     pair_dtype, width = _PAIRS[xt.dtype]
     if dequantized is None:
         table, out_pairs = np.zeros(0, np.uint32), np.zeros(0, np.uint32)

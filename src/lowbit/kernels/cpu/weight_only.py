@@ -38,7 +38,7 @@ from lowbit.backends import Kernel
 from lowbit.formats import hifloat8, mxfp4, mxfp8
 from lowbit.formats import weight_only as reference
 from lowbit.kernels.cpu import _simd as simd
-from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, as_numpy, sync_threads
+from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, as_numpy, kernel_threads
 
 LANES = reference.LANES  # 64 = two F32V
 HALF = simd.LANES  # 32
@@ -838,23 +838,21 @@ class WeightOnlyLinear(Kernel):
         m = out.numel() // n
         x, out = x.reshape(m, k), out.view(m, n)
         operands = self._operands(*weight, k, x.dtype)
-        threads = sync_threads()
-        if m <= GEMV_MAX_M and n * k < GEMV_ONE_THREAD_WEIGHTS:
-            numba.set_num_threads(1)
         # Rows are handed out in chunks on demand (not split evenly up front), so a thread that the OS
         # deschedules on a shared machine does not make the other one wait at the end.
         tasks = -(-(n if m <= GEMV_MAX_M else min(n, GEMM_TILE_ELEMENTS // _padded_k(k))) // _ROWS_PER_TASK)
-        previous_chunksize = numba.set_parallel_chunksize(max(4, tasks // _CHUNKS))
-        try:
-            if m <= GEMV_MAX_M:
-                self._run_gemv(x, operands, bias, out)
-            elif x.dtype == torch.bfloat16 and (bias is None or bias.dtype == torch.bfloat16):
-                self._run_gemm_bf16(x, operands, bias, out)
-            else:
-                self._run_gemm(x, operands, bias, out)
-        finally:
-            numba.set_parallel_chunksize(previous_chunksize)
-            numba.set_num_threads(threads)
+        work = n * k if m <= GEMV_MAX_M else GEMV_ONE_THREAD_WEIGHTS  # the GEMM path always has the threads
+        with kernel_threads(work, GEMV_ONE_THREAD_WEIGHTS):
+            previous_chunksize = numba.set_parallel_chunksize(max(4, tasks // _CHUNKS))
+            try:
+                if m <= GEMV_MAX_M:
+                    self._run_gemv(x, operands, bias, out)
+                elif x.dtype == torch.bfloat16 and (bias is None or bias.dtype == torch.bfloat16):
+                    self._run_gemm_bf16(x, operands, bias, out)
+                else:
+                    self._run_gemm(x, operands, bias, out)
+            finally:
+                numba.set_parallel_chunksize(previous_chunksize)
 
     def _run_gemv(self, x: torch.Tensor, operands: tuple, bias, out: torch.Tensor) -> None:
         """The bit-exact path: x in register order, the lane sums, then the reference's rounding (all in
