@@ -336,21 +336,25 @@ class Operator:
             if t.device != device:
                 raise DeviceError(f"{self.name}: {label} is on {t.device} but the inputs are on {device}")
 
-    def run_into(self, args: Sequence, out: Any, backend: Optional[str] = None) -> None:
+    def run_into(self, args: Sequence, out: Any, backend: Optional[str] = None, fresh: bool = False) -> None:
         """Compute ``args`` into the validated ``out`` with the selected backend, then record it.
 
         Inputs are made contiguous; an output that is not contiguous or may overlap an input is computed
-        into a temporary and copied in, so every backend gives the same result for any ``out``."""
+        into a temporary and copied in, so every backend gives the same result for any ``out``. ``fresh``:
+        ``out`` was just allocated here (contiguous, sharing memory with nothing), so it is not checked."""
         if any(t.numel() == 0 for t in _as_tuple(out)):
             return
         dense = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)
         name, kernel = self.kernel(self.device_of(args), backend, dense)
-        spans = [_memory_span(t) for t in tensors_of(args) if t.numel()]
-        targets = tuple(
-            t if t.is_contiguous() and not _touches(_memory_span(t), spans) else torch.empty_like(
-                t, memory_format=torch.contiguous_format)
-            for t in _as_tuple(out)
-        )
+        if fresh:
+            targets = _as_tuple(out)
+        else:
+            spans = [_memory_span(t) for t in tensors_of(args) if t.numel()]
+            targets = tuple(
+                t if t.is_contiguous() and not _touches(_memory_span(t), spans) else torch.empty_like(
+                    t, memory_format=torch.contiguous_format)
+                for t in _as_tuple(out)
+            )
         kernel.run(*dense, out=targets if isinstance(out, tuple) else targets[0])
         for target, t in zip(targets, _as_tuple(out)):
             if target is not t:
@@ -359,12 +363,13 @@ class Operator:
 
     def __call__(self, *args: Any, out: Any = None, backend: Optional[str] = None) -> Any:
         """Validate ``args``, allocate or check ``out``, run; returns the output(s)."""
-        if out is None:
+        fresh = out is None
+        if fresh:
             out = self.new_outputs(*args)
         else:
             self.check_out(args, out)
             out = tuple(out) if isinstance(out, list) else out
-        self.run_into(args, out, backend)
+        self.run_into(args, out, backend, fresh=fresh)
         return out
 
 
