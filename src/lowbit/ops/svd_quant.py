@@ -63,7 +63,8 @@ def probe_inputs(m: int, n: int, k: int, r: int, seed: int = 0) -> tuple[torch.T
 
 def _probes():
     """Prefill with K % 64 == 0, decode (M = 1) with K % 64 == 32, a single block of K, sizes that are not
-    multiples of the Triton tiles, a 3-D activation, and rows with a zero block, a NaN and an Inf."""
+    multiples of the Triton tiles, a 3-D activation, and rows with a zero block, a NaN and an Inf (on both
+    the prefill and the decode path)."""
     yield probe_inputs(5, 40, 128, 32)
     yield probe_inputs(1, 64, 96, 32, seed=1)
     yield probe_inputs(33, 72, 32, 8, seed=2)
@@ -72,6 +73,9 @@ def _probes():
     x[2, 40] = float("nan")
     x[4, 3] = float("-inf")
     yield x.reshape(2, 3, 64), w, s, d, u
+    x, w, s, d, u = probe_inputs(2, 40, 64, 8, seed=4)  # the decode path with a NaN and an Inf
+    x[0, 7], x[1, 50] = float("nan"), float("inf")
+    yield x, w, s, d, u
 
 
 def _outputs(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, d: torch.Tensor,

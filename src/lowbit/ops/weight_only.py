@@ -82,26 +82,24 @@ def _float8_outputs(x, codes, scale, bias=None) -> tuple[TensorSpec]:
     return _row_scaled_outputs("float8_e4m3fn_linear", x, codes, scale, bias)
 
 
-def _mxfp8_outputs(x, codes, scales, bias=None) -> tuple[TensorSpec]:
-    op = "mxfp8_linear"
-    _check_byte_tensor(op, "codes", codes, 2, "(N, K)")
+def _mx_outputs(op: str, x, codes, scales, bias, codes_per_byte: int) -> tuple[TensorSpec]:
+    """Codes (N, K / codes_per_byte) uint8 with an E8M0 scale byte per 32 along K (N, K/32): MXFP8, MXFP4."""
+    layout = "(N, K)" if codes_per_byte == 1 else f"(N, K/{codes_per_byte})"
+    _check_byte_tensor(op, "codes", codes, 2, layout)
     _check_byte_tensor(op, "scales", scales, 2, "(N, K/32)")
-    n, k = codes.shape
+    n, k = codes.shape[0], codes_per_byte * codes.shape[1]
     if k == 0 or k % MXFP4_BLOCK or tuple(scales.shape) != (n, k // MXFP4_BLOCK):
-        raise ShapeError(f"{op}: codes (N, K) and scales (N, K/32) need a positive K that is a multiple of 32, "
+        raise ShapeError(f"{op}: codes {layout} and scales (N, K/32) need a positive K that is a multiple of 32, "
                          f"got {tuple(codes.shape)} and {tuple(scales.shape)}")
     return _output(op, x, bias, n, k)
+
+
+def _mxfp8_outputs(x, codes, scales, bias=None) -> tuple[TensorSpec]:
+    return _mx_outputs("mxfp8_linear", x, codes, scales, bias, 1)
 
 
 def _mxfp4_outputs(x, codes, scales, bias=None) -> tuple[TensorSpec]:
-    op = "mxfp4_linear"
-    _check_byte_tensor(op, "codes", codes, 2, "(N, K/2)")
-    _check_byte_tensor(op, "scales", scales, 2, "(N, K/32)")
-    n, k = codes.shape[0], 2 * codes.shape[1]
-    if k == 0 or k % MXFP4_BLOCK or tuple(scales.shape) != (n, k // MXFP4_BLOCK):
-        raise ShapeError(f"{op}: codes (N, K/2) and scales (N, K/32) need a positive K that is a multiple of 32, "
-                         f"got {tuple(codes.shape)} and {tuple(scales.shape)}")
-    return _output(op, x, bias, n, k)
+    return _mx_outputs("mxfp4_linear", x, codes, scales, bias, 2)
 
 
 def _hifloat4_outputs(x, scale, value, bias=None) -> tuple[TensorSpec]:

@@ -702,16 +702,15 @@ def low_bytes_load(typingctx, arr, index):
 
 
 @intrinsic
-def i32v_low_byte_range(typingctx, value):
-    """(min, max) over the LANES lanes of ``value & 0xFF`` (int64 each)."""
+def i32v_range(typingctx, value):
+    """(min, max) over the LANES lanes of ``value``, read as unsigned (int64 each)."""
 
     def codegen(context, builder, sig, args):
-        low_bytes = builder.and_(args[0], ir.Constant(_VI32, [0xFF] * LANES))
         ends = []
         for name in ("umin", "umax"):
             fn = cgutils.get_or_insert_function(
                 builder.module, ir.FunctionType(_I32, [_VI32]), f"llvm.vector.reduce.{name}.v{LANES}i32")
-            ends.append(builder.zext(builder.call(fn, [low_bytes]), ir.IntType(64)))
+            ends.append(builder.zext(builder.call(fn, [args[0]]), ir.IntType(64)))
         return context.make_tuple(builder, sig.return_type, ends)
 
     return types.UniTuple(types.int64, 2)(value), codegen

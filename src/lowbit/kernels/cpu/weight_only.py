@@ -452,7 +452,7 @@ def _low_byte_range(flat, start, count):
     low, high = 255, 0
     full = start + count - count % HALF
     for i in range(start, full, HALF):
-        lo, hi = simd.i32v_low_byte_range(simd.low_bytes_load(flat, i))
+        lo, hi = simd.i32v_range(simd.low_bytes_load(flat, i))
         low, high = min(low, lo), max(high, hi)
     for i in range(full, start + count):
         low, high = min(low, np.int64(flat[i]) & 0xFF), max(high, np.int64(flat[i]) & 0xFF)
@@ -599,7 +599,7 @@ def _mxfp8_gemv(x_reg, codes, scales, bf16, table, y32):
 
 
 @numba.njit(**_INLINE)
-def _mxfp4_row_sum(accumulate, x_flat, x0, codes_flat, scales_flat, b0, blocks, scratch):
+def _mxfp4_row_sum(accumulate, x_flat, x0, scales_flat, codes_flat, b0, blocks, scratch):
     """One row of W (its blocks b0 .. b0 + blocks - 1) times x_flat[x0:] (register order), summed with
     ``accumulate`` (_accumulate or _accumulate_fused: a compile-time choice, so each loop is branch-free)."""
     acc0 = simd.f32v_zero()
@@ -649,11 +649,6 @@ def _nibble_rows(row_sum, x_reg, scales, packed, exponents, y32):
 
 
 @numba.njit(**_INLINE)
-def _mxfp4_row(accumulate, x_flat, x0, scales_flat, codes_flat, b0, blocks, scratch):
-    return _mxfp4_row_sum(accumulate, x_flat, x0, codes_flat, scales_flat, b0, blocks, scratch)
-
-
-@numba.njit(**_INLINE)
 def _hifloat4_row(accumulate, x_flat, x0, words_flat, value_flat, b0, blocks, scratch):
     return _hifloat4_row_sum(accumulate, x_flat, x0, words_flat, value_flat, b0, blocks)
 
@@ -661,7 +656,7 @@ def _hifloat4_row(accumulate, x_flat, x0, words_flat, value_flat, b0, blocks, sc
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
 def _mxfp4_gemv(x_reg, scales, codes, y32):
     """scales (N, K/32) uint8 E8M0, codes (N, K/2) uint8; x_reg (M, Kp) register order; y32 (M, N)."""
-    _nibble_rows(_mxfp4_row, x_reg, scales, codes, _MXFP4_EXPONENTS, y32)
+    _nibble_rows(_mxfp4_row_sum, x_reg, scales, codes, _MXFP4_EXPONENTS, y32)
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
