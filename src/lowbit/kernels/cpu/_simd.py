@@ -23,6 +23,10 @@ by 4-bit indices (e.g. the nibbles of bytes from ``bytes_load``); ``f32v_sum_tre
 ``dpbusd(acc, w, a_words, index)``: with ``a = a_words[index]`` (int32), for each int32 lane i,
 ``acc[i] + sum_j u8(w byte 4i+j) * s8(a byte j)``. On a CPU
 with AVX512-VNNI it is the vpdpbusd instruction; elsewhere it is the same sum in portable LLVM IR.
+``dpbusd_rows(acc, w, a_bytes, index)`` is the same with 4 * LANES signed bytes of ``a_bytes`` (one per
+byte of w, not a broadcast word); ``shuffle_bytes`` (vpshufb with AVX512-BW) looks bytes up in 16-entry
+tables; ``spread_bytes4`` and ``f32v_power_of_two`` turn per-block scale bytes into per-lane powers of two
+(the MXFP4 x MXFP4 products of lowbit.kernels.cpu.svd_quant).
 """
 
 from __future__ import annotations
@@ -197,6 +201,103 @@ def _make_dpbusd(lower):
 dpbusd_portable = _make_dpbusd(_dpbusd_portable)
 dpbusd_vnni = _make_dpbusd(_dpbusd_vnni)
 dpbusd = dpbusd_vnni if HAS_VNNI else dpbusd_portable
+
+
+def _make_dpbusd_rows(lower):
+    @intrinsic
+    def dpbusd_rows(typingctx, acc, w, a_bytes, index):
+        """acc[i] + sum_j u8(w byte 4i+j) * s8(a byte 4i+j), the 4 * LANES signed bytes ``a`` read from a
+        1-D C-contiguous int8 array at element ``index`` (any alignment; no bounds check)."""
+
+        def codegen(context, builder, sig, args):
+            acc, w, arr, idx = args
+            a = builder.load(_element_ptr(context, builder, sig.args[2], arr, idx, _VI32), align=1)
+            return lower(builder, acc, w, a)
+
+        return I32V(acc, w, a_bytes, index), codegen
+
+    return dpbusd_rows
+
+
+dpbusd_rows_portable = _make_dpbusd_rows(_dpbusd_portable)
+dpbusd_rows_vnni = _make_dpbusd_rows(_dpbusd_vnni)
+dpbusd_rows = dpbusd_rows_vnni if HAS_VNNI else dpbusd_rows_portable
+
+
+def _shuffle_bytes_avx512(builder, table, index):
+    """vpshufb on each 64-byte piece."""
+    v64 = ir.VectorType(_I8, 64)
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v64, [v64, v64]),
+                                        "llvm.x86.avx512.pshuf.b.512")
+    table, index = (builder.bitcast(v, ir.VectorType(_I8, 4 * LANES)) for v in (table, index))
+    pieces = []
+    for p in range(4 * LANES // 64):
+        lanes = ir.Constant(ir.VectorType(_I32, 64), list(range(64 * p, 64 * p + 64)))
+        pieces.append(builder.call(fn, [builder.shuffle_vector(v, v, lanes) for v in (table, index)]))
+    while len(pieces) > 1:
+        n = pieces[0].type.count
+        pieces = [builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, 2 * n), list(range(2 * n))))
+                  for lo, hi in zip(pieces[0::2], pieces[1::2])]
+    return builder.bitcast(pieces[0], _VI32)
+
+
+def _shuffle_bytes_portable(builder, table, index):
+    """The same, one byte at a time (variable extractelement), in plain LLVM IR."""
+    v_bytes = ir.VectorType(_I8, 4 * LANES)
+    table, index = (builder.bitcast(v, v_bytes) for v in (table, index))
+    result = ir.Constant(v_bytes, None)
+    for p in range(4 * LANES):
+        byte = builder.extract_element(index, ir.Constant(_I32, p))
+        entry = builder.add(builder.zext(builder.and_(byte, ir.Constant(_I8, 15)), _I32),
+                            ir.Constant(_I32, p & ~15))
+        value = builder.extract_element(table, entry)
+        value = builder.select(builder.icmp_signed("<", byte, ir.Constant(_I8, 0)), ir.Constant(_I8, 0), value)
+        result = builder.insert_element(result, value, ir.Constant(_I32, p))
+    return builder.bitcast(result, _VI32)
+
+
+def _make_shuffle_bytes(lower):
+    @intrinsic
+    def shuffle_bytes(typingctx, table, index):
+        """Byte look-up within 16-byte pieces (vpshufb): byte p <- byte ``16 (p // 16) + (index byte p & 15)``
+        of ``table``, or 0 where index byte p has its top bit set."""
+
+        def codegen(context, builder, sig, args):
+            return lower(builder, args[0], args[1])
+
+        return I32V(table, index), codegen
+
+    return shuffle_bytes
+
+
+shuffle_bytes_portable = _make_shuffle_bytes(_shuffle_bytes_portable)
+shuffle_bytes_avx512 = _make_shuffle_bytes(_shuffle_bytes_avx512)
+shuffle_bytes = shuffle_bytes_avx512 if HAS_AVX512BW else shuffle_bytes_portable
+
+
+@intrinsic
+def spread_bytes4(typingctx, arr, index):
+    """I32V whose lane i is byte ``index + i // 4`` of a 1-D C-contiguous uint8 array, zero-extended (LANES / 4
+    bytes read: one per group of 4 lanes)."""
+
+    def codegen(context, builder, sig, args):
+        v_bytes = ir.VectorType(_I8, LANES // 4)
+        ptr = _element_ptr(context, builder, sig.args[0], args[0], args[1], v_bytes)
+        wide = builder.zext(builder.load(ptr, align=1), ir.VectorType(_I32, LANES // 4))
+        return builder.shuffle_vector(wide, wide, ir.Constant(_VI32, [i // 4 for i in range(LANES)]))
+
+    return I32V(arr, index), codegen
+
+
+@intrinsic
+def f32v_power_of_two(typingctx, field):
+    """The float32 with exponent field ``field`` (int32 lanes in 0..254) and zero fraction and sign:
+    2 ** (field - 127), +0.0 for field 0."""
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(builder.shl(args[0], ir.Constant(_VI32, [23] * LANES)), _VF32)
+
+    return F32V(field), codegen
 
 
 @intrinsic

@@ -223,7 +223,7 @@ class Quantize(LastAxisQuantize):
 
     def quantize_last_axis(self, x, block_size, scale_rule, rounding, codes, scales) -> None:
         if x.numel():
-            _launch_quantize(x, block_size, scale_rule, rounding, codes, scales)
+            quantize_into(x, block_size, scale_rule, rounding, codes, scales)
 
 
 class Dequantize(LastAxisDequantize):
@@ -265,7 +265,7 @@ def fake_quantize(x: torch.Tensor, block_size: int, scale_rule: str, rounding: s
     if x.numel():
         codes = torch.empty(codes_shape, dtype=torch.uint8)
         scales = torch.empty(scales_shape, dtype=torch.uint8)
-        _launch_quantize(x, block_size, scale_rule, rounding, codes, scales, out)
+        quantize_into(x, block_size, scale_rule, rounding, codes, scales, out)
 
 
 # Inputs of fewer elements are quantized on one thread (a decode step's activation: 2048 elements took 0.09 ms
@@ -273,29 +273,39 @@ def fake_quantize(x: torch.Tensor, block_size: int, scale_rule: str, rounding: s
 ONE_THREAD_ELEMENTS = 1 << 16
 
 
-def _launch_quantize(xt, block_size, scale_rule, rounding, codes, scales, dequantized=None):
-    """Run _quantize_blocks on contiguous ``xt`` (blocks along the last axis) into contiguous outputs."""
+def quantize_into(xt, block_size, scale_rule, rounding, codes, scales, dequantized=None):
+    """Quantize contiguous ``xt`` (FP16/BF16/FP32 CPU, blocks along the last axis; arguments validated by
+    the caller) into contiguous uint8 ``codes`` and ``scales`` of the reference's shapes, and when given
+    its dequantized values into ``dequantized`` (contiguous, xt's shape, FP16/BF16/FP32)."""
     with kernel_threads(xt.numel(), ONE_THREAD_ELEMENTS):
         _quantize_blocks_of(xt, block_size, scale_rule, rounding, codes, scales, dequantized)
 
 
+@functools.cache
+def _quantize_constants(dtype: torch.dtype, scale_rule: str, rounding: str) -> tuple:
+    """The arguments of _quantize_blocks between the input and ``ppb`` that depend only on the input dtype,
+    the scale rule and the rounding."""
+    pair_dtype, width = _PAIRS[dtype]
+    unsigned = _UNSIGNED[pair_dtype]
+    return (unsigned(width), unsigned(_ABS_MASK[dtype]), np.array([_ABS_MASK[dtype]], dtype=_ELEMENT_UNSIGNED[width]),
+            unsigned(_NONFINITE_BITS[dtype]), _amax_to_fp32_bits(dtype), tables.RULE_ID[scale_rule],
+            _thresholds(dtype, rounding))
+
+
+_NO_DEQUANTIZED = (np.zeros(0, np.uint32), np.zeros(0, np.uint32))  # no table: codes and scales only
+
+
 def _quantize_blocks_of(xt, block_size, scale_rule, rounding, codes, scales, dequantized):
-    pair_dtype, width = _PAIRS[xt.dtype]
+    pair_dtype, _ = _PAIRS[xt.dtype]
     if dequantized is None:
-        table, out_pairs = np.zeros(0, np.uint32), np.zeros(0, np.uint32)
+        table, out_pairs = _NO_DEQUANTIZED
     else:
         out_word = _PAIRS[dequantized.dtype][0]
         table = _dequant_pair_table(dequantized.dtype)
         out_pairs = dequantized.view(-1).view(out_word).numpy().view(_UNSIGNED[out_word])
     _quantize_blocks(
         xt.reshape(-1).view(pair_dtype).numpy().view(_UNSIGNED[pair_dtype]),
-        _UNSIGNED[pair_dtype](width),
-        _UNSIGNED[pair_dtype](_ABS_MASK[xt.dtype]),
-        np.array([_ABS_MASK[xt.dtype]], dtype=_ELEMENT_UNSIGNED[width]),
-        _UNSIGNED[pair_dtype](_NONFINITE_BITS[xt.dtype]),
-        _amax_to_fp32_bits(xt.dtype),
-        tables.RULE_ID[scale_rule],
-        _thresholds(xt.dtype, rounding),
+        *_quantize_constants(xt.dtype, scale_rule, rounding),
         block_size // 2,
         codes.view(-1).numpy(),
         scales.view(-1).numpy(),

@@ -1,26 +1,249 @@
-"""SVDQuant on the CPU: the numba MXFP4 activation quantizer, the fused MXFP4 weight-only kernel, and
-torch's BF16 matmuls (oneDNN) for the low-rank branch.
+"""SVDQuant on the CPU: the numba MXFP4 activation quantizer, numba products with the packed MXFP4 weight,
+and torch's BF16 matmuls (oneDNN) for the low-rank branch.
 
-The quantized activation is exact in BF16 (an E2M1 value times a power of two), so the MX product
-``P = deq(xq) @ deq(w)^T`` is the weight-only linear of that activation with the MXFP4 weight
-(lowbit.kernels.cpu.weight_only: it reads the packed codes and scales directly, never a dense weight;
-float32 sums rounded once to BF16), and L is added in BF16: ``out = bf16(L + bf16(P))`` (docs/svd_quant.md,
-section 'The final add'). At decode (up to GEMV_MAX_M rows) that reads 4.25 bits per weight instead of
-a BF16 copy of the whole weight per call; with more rows the weight is dequantized to BF16 once per call
-and multiplied by torch's BF16 GEMM (faster there than the fused kernel's tiles).
+The quantized activation is exact in BF16 (an E2M1 value times a power of two), and so is every product of
+it with an MXFP4 weight. L is added in BF16: ``out = bf16(L + bf16(P))`` (docs/svd_quant.md, section 'The
+final add'). ``P = deq(xq) @ deq(w)^T``:
 
-Memory: the activation's (M, K) BF16 dequantized copy, the (N, K/32) per-block scales, and with more than
-GEMV_MAX_M rows a temporary (N, K) BF16 weight; nothing is cached between calls.
+* At decode (up to GEMV_MAX_M rows), with AVX512-VNNI: integer dot products over the packed codes of both
+  operands (:func:`product_gemv`, below); the weight rows it cannot take exactly go to the float32
+  weight-only kernel (lowbit.kernels.cpu.weight_only) on the dequantized activation, as does every row
+  on a CPU without VNNI. Float32 sums, rounded once to BF16.
+* With more rows the weight is dequantized to BF16 once per call and multiplied by torch's BF16 GEMM
+  (faster there than the fused kernels).
+
+The integer products: every E2M1 value is an integer over 2 (0, 0.5, 1, 1.5, 2, 3, 4, 6), so a product of
+an activation element and a weight element of blocks with scales 2^ex and 2^ew is
+``(2 cx)(2 cw) * 2^(ex + ew - 2)``. Per step of 256 elements of a weight row (128 code bytes, 8 blocks),
+vpdpbusd sums the integer products of 8 consecutive elements into each of 32 int32 lanes (4 lanes per
+block; |sum| <= 8 * 144), exactly; each lane is converted to float32 and multiplied by its block's power
+of two with a fused multiply-add into float32 lane sums, which are added up at the end (docs/svd_quant.md,
+'Weight handling on the CPU': P may differ from the reference's float32 matmul in its summation order
+only). vpdpbusd multiplies unsigned by signed bytes: the weight is looked up as ``2 cw + 12`` (0..24) and
+the activation as ``2 cx`` (-12..12); each lane starts from ``-12 * sum(2 cx)`` over its 8 elements, which
+cancels the offset. Exactness is checked per pair of (activation row, weight row) from the scale bytes
+(:func:`_safe`).
+
+Memory: the activation's codes, scales, integer operands and (M, K) BF16 dequantized copy, and with more
+than GEMV_MAX_M rows a temporary (N, K) BF16 weight; nothing is cached between calls.
 """
 
 from __future__ import annotations
 
+import math
+
+import numba
+import numpy as np
 import torch
 
 from lowbit.backends import Kernel
+from lowbit.formats import mxfp4 as mxfp4_format
 from lowbit.formats.svd_quant import BLOCK, weight_scales
+from lowbit.kernels.cpu import _simd as simd
 from lowbit.kernels.cpu import mxfp4
-from lowbit.kernels.cpu.weight_only import GEMV_MAX_M, MXFP4_LINEAR
+from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, as_numpy, kernel_threads
+from lowbit.kernels.cpu.weight_only import GEMV_MAX_M, GEMV_ONE_THREAD_WEIGHTS, MXFP4_LINEAR, _low_byte_range
+
+INTEGER_PRODUCTS = simd.HAS_VNNI  # without VNNI, decode runs the float32 weight-only kernel
+STEP = 256  # elements of a row per step: 128 code bytes, 8 blocks, 32 int32 lanes
+_LANE_ELEMENTS = 8  # consecutive elements summed into one int32 lane
+_DOUBLED = (2 * mxfp4_format.e2m1_values()).to(torch.int8).numpy()  # code -> 2 * its value
+_OFFSET = 12  # 2 * the largest E2M1 magnitude: the weight's offset that makes it unsigned
+# vpshufb's table: the 16 weight bytes 2 cw + 12, once per 16-byte piece of an I32V (128 bytes)
+_WEIGHT_BYTES = np.tile((_DOUBLED.astype(np.int16) + _OFFSET).astype(np.uint8), 4 * simd.LANES // 16)
+_ROWS_PER_TASK = 8  # weight rows per prange iteration
+_NAN_SCALE = 0xFF
+_LARGEST_FINITE_SCALE = 252  # 6 * 2^(252 - 127) is finite in float32; 6 * 2^126 is not
+_EXPONENT_BIAS = 2 * 127 + 2 - 127  # field of 2^(ex + ew - 2) = sx + sw - _EXPONENT_BIAS
+
+
+@numba.njit(**NJIT_OPTIONS)
+def activation_operands(codes, scales, kp):
+    """The activation rows' operands: codes (M, K/2) and scales (M, K/32) uint8 from the MXFP4 quantizer
+    (block 32), ``kp`` a multiple of STEP >= K. Returns
+
+    * low, high: (M, kp/2) int8, ``2 cx`` of the even / odd elements (element 2i, 2i + 1 at i), zeros past K;
+    * start: (M, kp/8) int32, each lane's starting value ``-12 * sum(2 cx)`` over its 8 elements;
+    * field: (M, kp/8) int32, ``sx - _EXPONENT_BIAS`` of the lane's block where the block is nonzero, else 0
+      (its products are zero; the power of two stays finite);
+    * bounds: (M, 3) int64: lowest and highest scale byte over the nonzero blocks, and whether the row has
+      a NaN block (scale 0xFF: a NaN or Inf in x); (256, -1, nan) for a row with no nonzero block.
+    """
+    m_rows, half_k = codes.shape
+    blocks = scales.shape[1]
+    low = np.zeros((m_rows, kp // 2), dtype=np.int8)
+    high = np.zeros((m_rows, kp // 2), dtype=np.int8)
+    start = np.zeros((m_rows, kp // _LANE_ELEMENTS), dtype=np.int32)
+    field = np.zeros((m_rows, kp // _LANE_ELEMENTS), dtype=np.int32)
+    bounds = np.empty((m_rows, 3), dtype=np.int64)
+    for m in range(m_rows):
+        lowest, highest, nan = 256, -1, 0
+        for i in range(half_k):
+            byte = codes[m, i]
+            low[m, i] = _DOUBLED[byte & 15]
+            high[m, i] = _DOUBLED[byte >> 4]
+            start[m, i // 4] -= _OFFSET * (np.int32(low[m, i]) + np.int32(high[m, i]))
+        for g in range(blocks):
+            byte = np.int64(scales[m, g])
+            nonzero = False
+            for i in range(16 * g, 16 * g + 16):
+                nonzero |= (codes[m, i] & 0x77) != 0
+            if byte == _NAN_SCALE:
+                nan = 1
+            elif nonzero:
+                lowest, highest = min(lowest, byte), max(highest, byte)
+                field[m, 4 * g : 4 * g + 4] = byte - _EXPONENT_BIAS
+        bounds[m, 0], bounds[m, 1], bounds[m, 2] = lowest, highest, nan
+    return low, high, start, field, bounds
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _safe(bounds, low, high, limit):
+    """Whether an activation row of ``bounds`` (see activation_operands) and a weight row with scale bytes
+    in [low, high] give only normal float32 products (field >= 1) and sums that cannot overflow (the row's
+    largest product times K below 2^127: ``field_max <= limit``), with every weight finite."""
+    if bounds[2] != 0 or high > _LARGEST_FINITE_SCALE:
+        return False
+    if bounds[1] < 0:
+        return True  # x is all zeros and W is finite: every product is zero
+    return bounds[0] + low - _EXPONENT_BIAS >= 1 and bounds[1] + high - _EXPONENT_BIAS <= limit
+
+
+@numba.njit(**{**NJIT_OPTIONS, "inline": "always"})
+def _step(acc, table, codes, c, low, high, x0, start, field, s0, scale_codes, lane0):
+    """acc + one step: 128 code bytes at ``codes[c]`` (their scale bytes at ``scale_codes[s0]``) times the
+    activation's low / high bytes at x0, its lanes' start / field at lane0."""
+    packed = simd.i32v_load(codes, c)
+    sums = simd.i32v_load(start, lane0)
+    sums = simd.dpbusd_rows(sums, simd.shuffle_bytes(table, simd.low_nibbles(packed)), low, x0)
+    sums = simd.dpbusd_rows(sums, simd.shuffle_bytes(table, simd.high_nibbles(packed)), high, x0)
+    exponent = simd.i32v_add(simd.spread_bytes4(scale_codes, s0), simd.i32v_load(field, lane0))
+    return simd.f32v_fma(simd.i32v_to_f32v(sums), simd.f32v_power_of_two(exponent), acc)
+
+
+@numba.njit(**PARALLEL_NJIT_OPTIONS)
+def product_gemv(low, high, start, field, bounds, codes, scales, y32, fallback):
+    """y32 (M, N) float32 <- the activation operands (see activation_operands) times the weight codes
+    (N, K/2) and scales (N, K/32) uint8 (blocks of 32 along K), for each weight row that :func:`_safe`
+    admits for every activation row; ``fallback[n]`` (uint8, zeros on entry) is set to 1 for the others
+    (their y32 is not written)."""
+    n, half_k = codes.shape
+    m_rows, blocks = low.shape[0], scales.shape[1]
+    full = 2 * half_k // STEP  # steps that lie inside the row; a last, short one is copied first
+    limit = 241 - int(np.ceil(np.log2(2 * half_k)))  # then |P| <= K * 36 * 2^(field - 125) < 2^122
+    x_bytes, x_lanes = low.shape[1], start.shape[1]
+    codes_flat, scales_flat = codes.reshape(-1), scales.reshape(-1)
+    low_flat, high_flat = low.reshape(-1), high.reshape(-1)
+    start_flat, field_flat = start.reshape(-1), field.reshape(-1)
+    table = simd.i32v_load(_WEIGHT_BYTES, 0)
+    for task in numba.prange((n + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
+        tail_codes = np.zeros(STEP // 2, dtype=np.uint8)
+        tail_scales = np.zeros(STEP // BLOCK, dtype=np.uint8)
+        for row in range(task * _ROWS_PER_TASK, min(n, (task + 1) * _ROWS_PER_TASK)):
+            c0, s0 = row * half_k, row * blocks
+            smallest, largest = _low_byte_range(scales_flat, s0, blocks)
+            admitted = True
+            for m in range(m_rows):
+                admitted &= _safe(bounds[m], smallest, largest, limit)
+            if not admitted:
+                fallback[row] = 1
+                continue
+            if full * STEP < 2 * half_k:
+                tail_codes[: half_k - full * STEP // 2] = codes_flat[c0 + full * STEP // 2 : c0 + half_k]
+                tail_scales[: blocks - full * STEP // BLOCK] = scales_flat[s0 + full * STEP // BLOCK : s0 + blocks]
+            for m in range(m_rows):
+                x0, lane0 = m * x_bytes, m * x_lanes
+                acc = simd.f32v_zero()
+                for t in range(full):
+                    acc = _step(acc, table, codes_flat, c0 + t * STEP // 2, low_flat, high_flat,
+                                x0 + t * STEP // 2, start_flat, field_flat, s0 + t * STEP // BLOCK, scales_flat,
+                                lane0 + t * STEP // _LANE_ELEMENTS)
+                if full * STEP < 2 * half_k:
+                    acc = _step(acc, table, tail_codes, 0, low_flat, high_flat, x0 + full * STEP // 2,
+                                start_flat, field_flat, 0, tail_scales, lane0 + full * STEP // _LANE_ELEMENTS)
+                y32[m, row] = simd.f32v_sum_tree(acc)
+
+
+# ---- the low-rank branch and the final add at decode ------------------------------------------------------
+# Float32 sums of exact BF16 products, as torch's BF16 matmuls, in another order. Order matters only when
+# a partial sum can overflow or an input is NaN/Inf (which sums then meet +Inf and -Inf depends on it):
+# add_low_rank runs only where neither can happen, and leaves the other calls to torch.
+
+_OVERFLOW_BOUND = 2.0**126  # float32 sums whose terms' magnitudes add up to less never overflow
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _largest_magnitude(bits):
+    """The largest |value| of BF16 bit patterns (a 1-D int16 array) as float64; inf if any is NaN or Inf."""
+    largest = 0
+    for i in range(bits.size):
+        largest = max(largest, np.int32(bits[i]) & 0x7FFF)
+    if largest >= 0x7F80:
+        return np.inf
+    exponent, fraction = largest >> 7, largest & 0x7F
+    return math.ldexp(fraction, -133) if exponent == 0 else math.ldexp(128 + fraction, exponent - 134)
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _vector_matrix(a, bits, y):
+    """y[:cols] (float32, length cols rounded up to LANES) <- sum over i of a[i] * B[i, :] for B (rows, cols)
+    BF16 bit patterns (int16); float32 multiply, then add, in ascending i."""
+    rows, cols = bits.shape
+    lanes = simd.LANES
+    flat = bits.reshape(-1)
+    for c0 in range(0, cols, lanes):
+        source, offset, stride = flat, c0, cols
+        if c0 + lanes > cols:  # the last, narrow columns: copied with zeros after them
+            source = np.zeros(rows * lanes, dtype=np.int16)
+            for i in range(rows):
+                source[i * lanes : i * lanes + cols - c0] = bits[i, c0:]
+            offset, stride = 0, lanes
+        acc = simd.f32v_zero()
+        for i in range(rows):
+            acc = simd.f32v_add(acc, simd.f32v_mul(simd.bf16v_load(source, offset + i * stride), a[i]))
+        simd.f32v_store(y, c0, acc)
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _round_to_bf16(values, count, chunk):
+    """values[:count] (float32, length a multiple of LANES) rounded to BF16 values in place (ties to even)."""
+    for j in range(0, count, simd.LANES):
+        simd.f32v_store_as_bf16(chunk, 0, simd.f32v_load(values, j))
+        simd.f32v_store(values, j, simd.bf16v_load(chunk, 0))
+
+
+@numba.njit(**NJIT_OPTIONS)
+def add_low_rank(x_bits, d_bits, u_bits, out_bits):
+    """out (M, N) BF16 bits holding bf16(P) <- bf16(L + bf16(P)) with L = bf16(bf16(x @ d) @ u): x (M, K),
+    d (K, R), u (R, N) BF16 bit patterns (int16). Returns False, leaving ``out`` as it was, when an input
+    is NaN/Inf or a sum could overflow (:data:`_OVERFLOW_BOUND`)."""
+    m_rows, k = x_bits.shape
+    r, n = u_bits.shape
+    largest_d, largest_u = _largest_magnitude(d_bits.reshape(-1)), _largest_magnitude(u_bits.reshape(-1))
+    lanes = simd.LANES
+    chunk = np.zeros(lanes, dtype=np.int16)
+    one = np.ones(1, dtype=np.float32)
+    x32 = np.zeros(-(-k // lanes) * lanes, dtype=np.float32)
+    t = np.zeros(-(-r // lanes) * lanes, dtype=np.float32)
+    low = np.zeros((m_rows, -(-n // lanes) * lanes), dtype=np.float32)
+    for m in range(m_rows):
+        if not k * _largest_magnitude(x_bits[m]) * largest_d < _OVERFLOW_BOUND:
+            return False
+        _vector_matrix(one, x_bits[m : m + 1], x32)
+        _vector_matrix(x32, d_bits, t)
+        _round_to_bf16(t, r, chunk)
+        if not r * np.abs(t).max() * largest_u < _OVERFLOW_BOUND:
+            return False
+        _vector_matrix(t, u_bits, low[m])
+        _round_to_bf16(low[m], n, chunk)
+    total = np.zeros(low.shape[1], dtype=np.float32)
+    for m in range(m_rows):
+        _vector_matrix(one, out_bits[m : m + 1], total)
+        for j in range(0, n, lanes):
+            value = simd.f32v_add(simd.f32v_load(low[m], j), simd.f32v_load(total, j))
+            simd.f32v_store_as_bf16(chunk, 0, value)
+            out_bits[m, j : min(n, j + lanes)] = chunk[: min(lanes, n - j)]
+    return True
 
 
 class SvdQuant(Kernel):
@@ -29,16 +252,39 @@ class SvdQuant(Kernel):
     def run(self, x, w, s, d, u, *, out) -> None:
         k, n = x.shape[-1], u.shape[1]
         x2d, out2d = x.view(-1, k), out.view(-1, n)
-        x_deq = torch.empty_like(x2d)
-        mxfp4.fake_quantize(x2d, BLOCK, "floor", "ta", out=x_deq)
         scales = weight_scales(s, k).contiguous()
-        if x2d.shape[0] <= GEMV_MAX_M:
+        x_codes = torch.empty(x2d.shape[0], k // 2, dtype=torch.uint8)
+        x_scales = torch.empty(x2d.shape[0], k // BLOCK, dtype=torch.uint8)
+        x_deq = torch.empty_like(x2d)
+        mxfp4.quantize_into(x2d, BLOCK, "floor", "ta", x_codes, x_scales, x_deq)
+        decode = x2d.shape[0] <= GEMV_MAX_M
+        if decode and INTEGER_PRODUCTS:
+            self._product_dot(x_codes, x_scales, x_deq, w, scales, out2d)
+        elif decode:
             MXFP4_LINEAR.run(x_deq, w, scales, None, out=out2d)
         else:
             w_deq = torch.empty((n, k), dtype=torch.bfloat16)
             mxfp4.DEQUANTIZE.run(w, scales, torch.bfloat16, -1, out=w_deq)
             torch.mm(x_deq, w_deq.T, out=out2d)
-        out2d.add_((x2d @ d) @ u)
+        if not (decode and add_low_rank(as_numpy(x2d), as_numpy(d), as_numpy(u), as_numpy(out2d))):
+            out2d.add_((x2d @ d) @ u)
+
+    @staticmethod
+    def _product_dot(x_codes, x_scales, x_deq, w, scales, out2d) -> None:
+        """bf16(P) into out2d with :func:`product_gemv`; the weight rows it leaves to the float32 path
+        (non-finite or extreme scales) are computed by MXFP4_LINEAR."""
+        (m, k), n = x_deq.shape, out2d.shape[1]
+        operands = activation_operands(as_numpy(x_codes), as_numpy(x_scales), -(-k // STEP) * STEP)
+        y32 = np.empty((m, n), dtype=np.float32)
+        fallback = np.zeros(n, dtype=np.uint8)
+        with kernel_threads(n * k, GEMV_ONE_THREAD_WEIGHTS):
+            product_gemv(*operands, as_numpy(w), as_numpy(scales), y32, fallback)
+        out2d.copy_(torch.from_numpy(y32))
+        rows = torch.from_numpy(np.flatnonzero(fallback))
+        if len(rows):
+            products = torch.empty(m, len(rows), dtype=torch.bfloat16)
+            MXFP4_LINEAR.run(x_deq, w[rows], scales[rows], None, out=products)
+            out2d[:, rows] = products
 
 
 SVD_QUANT = SvdQuant()

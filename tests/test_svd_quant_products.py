@@ -1,0 +1,259 @@
+"""svd_quant's MXFP4 x MXFP4 integer-dot GEMV (decode): its SIMD steps, exactness where it runs, the rows
+it leaves to the float32 kernel, tails, threads, and the operator's results through it."""
+
+import numba
+import numpy as np
+import pytest
+import torch
+
+import lowbit.ops.svd_quant as op
+from lowbit.formats import mxfp4
+from lowbit.formats import svd_quant as ref
+from lowbit.kernels.cpu import _simd as simd
+from lowbit.kernels.cpu import svd_quant as cpu_backend
+from lowbit.kernels.cpu.weight_only import MXFP4_LINEAR
+
+needs_vnni = pytest.mark.skipif(not cpu_backend.INTEGER_PRODUCTS, reason="the integer path needs AVX512-VNNI")
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+# ---- SIMD steps -----------------------------------------------------------------------------------------
+
+
+def _binary_with(intrinsic):
+    @numba.njit
+    def run(a, b, out):
+        simd.i32v_store(out, 0, intrinsic(simd.i32v_load(a, 0), simd.i32v_load(b, 0)))
+    return run
+
+
+@pytest.mark.parametrize("lowering", ["portable", "avx512"])
+def test_shuffle_bytes_every_index_in_every_piece(lowering):
+    if lowering == "avx512" and not simd.HAS_AVX512BW:
+        pytest.skip("no AVX512-BW on this CPU")
+    run = _binary_with(simd.shuffle_bytes_avx512 if lowering == "avx512" else simd.shuffle_bytes_portable)
+    table = np.random.default_rng(0).integers(0, 256, 128, dtype=np.uint8)
+    for shift in (0, 1):
+        index = ((np.arange(128) * 5 + shift) % 256).astype(np.uint8)  # top bit set in half of them
+        out = np.empty(32, dtype=np.int32)
+        run(table.view(np.int32), index.view(np.int32), out)
+        piece = np.arange(128) // 16
+        want = np.where(index >= 128, 0, table[16 * piece + (index & 15)])
+        assert np.array_equal(out.view(np.uint8), want)
+
+
+@pytest.mark.parametrize("lowering", ["portable", "vnni"])
+def test_dpbusd_rows_is_the_unsigned_by_signed_dot(lowering):
+    if lowering == "vnni" and not simd.HAS_VNNI:
+        pytest.skip("no AVX512-VNNI on this CPU")
+    dpbusd = simd.dpbusd_rows_vnni if lowering == "vnni" else simd.dpbusd_rows_portable
+
+    @numba.njit
+    def run(acc, w, a, out):
+        simd.i32v_store(out, 0, dpbusd(simd.i32v_load(acc, 0), simd.i32v_load(w, 0), a, 3))
+
+    rng = np.random.default_rng(1)
+    acc = rng.integers(-2**20, 2**20, 32, dtype=np.int32)
+    w = rng.integers(0, 256, 128, dtype=np.uint8)
+    a = rng.integers(-128, 128, 131, dtype=np.int8)
+    out = np.empty(32, dtype=np.int32)
+    run(acc, w.view(np.int32), a, out)
+    want = acc + (w.astype(np.int64) * a[3:].astype(np.int64)).reshape(32, 4).sum(axis=1)
+    assert np.array_equal(out, want)
+
+
+def test_spread_bytes_and_powers_of_two():
+    @numba.njit
+    def run(scales, out):
+        exponent = simd.spread_bytes4(scales, 1)
+        simd.f32v_store(out, 0, simd.f32v_power_of_two(exponent))
+
+    scales = np.array([9, 0, 1, 127, 128, 254, 3, 200, 100, 7], dtype=np.uint8)
+    out = np.empty(32, dtype=np.float32)
+    run(scales, out)
+    fields = np.repeat(scales[1:9].astype(np.int64), 4)
+    assert np.array_equal(out, np.where(fields == 0, 0.0, np.exp2(fields - 127.0)).astype(np.float32))
+
+
+# ---- the GEMV -----------------------------------------------------------------------------------------
+
+
+def quantized(rows, k, g, spread=0):
+    """Uniform data with per-element exponents spread by up to 2^spread, MXFP4-quantized as svd_quant's
+    activation: (codes, scales, exact float64 values)."""
+    values = (torch.rand(rows, k, generator=g, dtype=torch.float64) * 20 - 10)
+    if spread:
+        values = values * torch.exp2(torch.randint(-spread, spread + 1, (rows, k), generator=g).double())
+    codes, scales = ref.quantize_activation(values.to(torch.bfloat16))
+    return codes, scales, mxfp4.dequantize(codes, scales, torch.float64)
+
+
+def run_gemv(x_codes, x_scales, w_codes, w_scales):
+    """(y32, fallback flags) of cpu_backend.product_gemv."""
+    k = 2 * x_codes.shape[1]
+    operands = cpu_backend.activation_operands(x_codes.numpy(), x_scales.numpy(), -(-k // cpu_backend.STEP) * cpu_backend.STEP)
+    y32 = np.full((x_codes.shape[0], w_codes.shape[0]), np.nan, dtype=np.float32)
+    fallback = np.zeros(w_codes.shape[0], dtype=np.uint8)
+    cpu_backend.product_gemv(*operands, w_codes.contiguous().numpy(), w_scales.contiguous().numpy(), y32, fallback)
+    return torch.from_numpy(y32).double(), fallback.astype(bool)
+
+
+@needs_vnni
+@pytest.mark.parametrize("m, n, k", [(1, 1, 32), (1, 13, 96), (2, 9, 256), (3, 17, 288), (4, 40, 544), (1, 24, 2080)])
+def test_exact_when_the_sums_are_exact(m, n, k):
+    """Inputs whose float32 sums are all exact (few significant bits, one exponent range): the same values
+    as the float64 product, at every tail length of K."""
+    g = gen(k)
+    x_codes, x_scales, x = quantized(m, k, g)
+    w_codes, w_scales, w = quantized(n, k, g)
+    y, fallback = run_gemv(x_codes, x_scales, w_codes, w_scales)
+    assert not fallback.any()
+    assert torch.equal(y, x @ w.T)
+
+
+@needs_vnni
+@pytest.mark.parametrize("seed", range(4))
+def test_within_the_summation_bound_for_wide_exponents(seed):
+    """Values spread over 2^-30 .. 2^30: only the float32 summation order may differ from the exact product,
+    |y - P| <= (K/8) 2^-24 sum |products|."""
+    g = gen(100 + seed)
+    m, n, k = 1 + seed % 4, 31, 1024 + 32 * seed
+    x_codes, x_scales, x = quantized(m, k, g, spread=30)
+    w_codes, w_scales, w = quantized(n, k, g, spread=30)
+    y, fallback = run_gemv(x_codes, x_scales, w_codes, w_scales)
+    assert not fallback.any()
+    exact = x @ w.T
+    assert ((y - exact).abs() <= k / 8 * 2.0**-24 * (x.abs() @ w.abs().T)).all()
+
+
+@needs_vnni
+def test_rows_outside_the_safe_range_are_left_to_the_float_kernel():
+    """NaN blocks (0xFF), weights that overflow (0xFD: 6 * 2^126), scales too small for normal products, and
+    sums that could overflow are flagged; the other rows are computed; a NaN/Inf block of x flags every row."""
+    g = gen(7)
+    k = 64
+    x_codes, x_scales, _ = quantized(1, k, g)
+    w_codes, w_scales, _ = quantized(6, k, g)
+    w_codes[:] = 0x22  # every element 1.0: no zero block
+    x_codes[:] = 0x22
+    x_scales[:] = 100  # 2^-27
+    w_scales[0, 1] = 0xFF  # NaN block
+    w_scales[1, 0] = 253  # 6 * 2^126 overflows float32
+    w_scales[2, 0] = 252  # the largest finite weights
+    w_scales[3, 0] = 29  # 2^(-27 + 29 - 127 - 2) = 2^-127: below the normal range
+    w_scales[4, 0] = 30  # 2^-126, the smallest normal power of two
+    _, fallback = run_gemv(x_codes, x_scales, w_codes, w_scales)
+    assert fallback.tolist() == [True, True, False, True, False, False]
+    big = torch.full_like(x_scales, 200)  # with weight byte 252 a sum could overflow, with about 128 not
+    _, fallback = run_gemv(x_codes, big, w_codes, w_scales)
+    assert fallback[2] and not fallback[4] and not fallback[5]
+    nan_block = x_scales.clone()
+    nan_block[0, 1] = 0xFF
+    _, fallback = run_gemv(x_codes, nan_block, w_codes, w_scales)
+    assert fallback.all()
+
+
+@needs_vnni
+def test_zero_activation_needs_only_finite_weights():
+    g = gen(8)
+    w_codes, w_scales, w = quantized(3, 96, g)
+    w_scales[0, 2] = 0  # tiny, but x is zero: every product is zero
+    w_scales[1, 0] = 0xFF
+    zeros = torch.zeros(1, 96, dtype=torch.bfloat16)
+    x_codes, x_scales = ref.quantize_activation(zeros)
+    y, fallback = run_gemv(x_codes, x_scales, w_codes, w_scales)
+    assert fallback.tolist() == [False, True, False]
+    assert (y[0, [0, 2]] == 0).all()
+
+
+@needs_vnni
+def test_thread_count_does_not_change_the_bits():
+    g = gen(9)
+    x_codes, x_scales, _ = quantized(2, 512, g, spread=20)
+    w_codes, w_scales, _ = quantized(300, 512, g, spread=20)
+    previous = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        one, _ = run_gemv(x_codes, x_scales, w_codes, w_scales)
+        numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+        many, _ = run_gemv(x_codes, x_scales, w_codes, w_scales)
+    finally:
+        numba.set_num_threads(previous)
+    assert torch.equal(one, many)
+
+
+# ---- svd_quant through it -------------------------------------------------------------------------------
+
+
+@needs_vnni
+@pytest.mark.parametrize("m, n, k", [(1, 40, 96), (2, 33, 288), (4, 64, 2080)])
+def test_svd_quant_decode_with_flagged_rows_agrees_with_the_reference(m, n, k):
+    """Integer rows and float32 rows in one call: bf16(P) of each row as the float32 weight-only kernel
+    computes it, within the operator's tolerance of the reference."""
+    x, w, s, d, u = op.probe_inputs(m, n, k, 8, seed=k)
+    pairs = s.clone().view(n, -1)
+    pairs[3, 0] = 0xFF  # a NaN block: a flagged row
+    pairs[5, 0] = 1  # tiny: flagged
+    s = pairs.view_as(s)
+    out = torch.empty(m, n, dtype=torch.bfloat16)
+    cpu_backend.SVD_QUANT.run(x, w, s, d, u, out=out)
+    want = ref.svd_quant(x, w, s, d, u)
+    assert op.agrees(out, want)
+    assert out[:, 3].isnan().all()
+    x_deq = mxfp4.dequantize(*ref.quantize_activation(x), torch.bfloat16)
+    product = torch.empty(m, 1, dtype=torch.bfloat16)
+    MXFP4_LINEAR.run(x_deq, w[5:6], ref.weight_scales(s, k)[5:6].contiguous(), None, out=product)
+    assert torch.equal(out[:, 5], product[:, 0] + ((x @ d) @ u)[:, 5])
+
+
+# ---- the low-rank branch and the final add at decode -------------------------------------------------
+
+
+def low_rank_call(x, d, u, products):
+    """(returned flag, out) of add_low_rank on BF16 tensors, ``products`` the BF16 bf16(P) it starts from."""
+    out = products.clone()
+    ok = cpu_backend.add_low_rank(x.view(torch.int16).numpy(), d.view(torch.int16).numpy(),
+                                  u.view(torch.int16).numpy(), out.view(torch.int16).numpy())
+    return ok, out
+
+
+@pytest.mark.parametrize("m, k, r, n", [(1, 64, 8, 40), (2, 96, 32, 33), (4, 2048, 40, 70), (3, 32, 1, 1)])
+def test_low_rank_is_the_bf16_matmuls_where_their_sums_are_exact(m, k, r, n):
+    """Small integers: every float32 sum is exact in any order, so the result is torch's, bit for bit
+    (T and L each rounded to BF16, then bf16(L + P)), at every column tail."""
+    g = gen(k + r)
+
+    def ints(*shape, bound=3):
+        return torch.randint(-bound, bound + 1, shape, generator=g).to(torch.bfloat16)
+
+    x, d, u, products = ints(m, k), ints(k, r), ints(r, n), ints(m, n, bound=100)
+    ok, out = low_rank_call(x, d, u, products)
+    assert ok
+    assert torch.equal(out, products + (x @ d) @ u)
+
+
+def test_low_rank_agrees_with_torch_on_random_data():
+    g = gen(3)
+    x, d, u = (torch.randn(*shape, generator=g).to(torch.bfloat16) for shape in ((2, 512), (512, 32), (32, 96)))
+    products = torch.randn(2, 96, generator=g).to(torch.bfloat16)
+    ok, out = low_rank_call(x, d, u, products)
+    assert ok
+    assert op.agrees(out, products + (x @ d) @ u)
+
+
+@pytest.mark.parametrize("where", ["x", "d", "u"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), 3e38])
+def test_low_rank_leaves_non_finite_or_overflowing_inputs_to_torch(where, value):
+    """NaN/Inf inputs, or sums that could overflow (where the order of the sums decides the result): the
+    kernel declines and leaves out unchanged."""
+    g = gen(4)
+    tensors = {"x": torch.randn(1, 64, generator=g), "d": torch.randn(64, 8, generator=g),
+               "u": torch.randn(8, 16, generator=g)}
+    tensors = {name: t.to(torch.bfloat16) for name, t in tensors.items()}
+    tensors[where][0, 1] = value
+    products = torch.randn(1, 16, generator=g).to(torch.bfloat16)
+    ok, out = low_rank_call(tensors["x"], tensors["d"], tensors["u"], products)
+    assert not ok and torch.equal(out, products)
