@@ -255,25 +255,28 @@ class SvdQuant(Kernel):
         scales = weight_scales(s, k).contiguous()
         x_codes = torch.empty(x2d.shape[0], k // 2, dtype=torch.uint8)
         x_scales = torch.empty(x2d.shape[0], k // BLOCK, dtype=torch.uint8)
-        x_deq = torch.empty_like(x2d)
-        mxfp4.quantize_into(x2d, BLOCK, "floor", "ta", x_codes, x_scales, x_deq)
         decode = x2d.shape[0] <= GEMV_MAX_M
         if decode and INTEGER_PRODUCTS:
-            self._product_dot(x_codes, x_scales, x_deq, w, scales, out2d)
-        elif decode:
-            MXFP4_LINEAR.run(x_deq, w, scales, None, out=out2d)
+            mxfp4.quantize_into(x2d, BLOCK, "floor", "ta", x_codes, x_scales)
+            self._product_dot(x_codes, x_scales, w, scales, out2d)
         else:
-            w_deq = torch.empty((n, k), dtype=torch.bfloat16)
-            mxfp4.DEQUANTIZE.run(w, scales, torch.bfloat16, -1, out=w_deq)
-            torch.mm(x_deq, w_deq.T, out=out2d)
+            x_deq = torch.empty_like(x2d)
+            mxfp4.quantize_into(x2d, BLOCK, "floor", "ta", x_codes, x_scales, x_deq)
+            if decode:
+                MXFP4_LINEAR.run(x_deq, w, scales, None, out=out2d)
+            else:
+                w_deq = torch.empty((n, k), dtype=torch.bfloat16)
+                mxfp4.DEQUANTIZE.run(w, scales, torch.bfloat16, -1, out=w_deq)
+                torch.mm(x_deq, w_deq.T, out=out2d)
         if not (decode and add_low_rank(as_numpy(x2d), as_numpy(d), as_numpy(u), as_numpy(out2d))):
             out2d.add_((x2d @ d) @ u)
 
     @staticmethod
-    def _product_dot(x_codes, x_scales, x_deq, w, scales, out2d) -> None:
+    def _product_dot(x_codes, x_scales, w, scales, out2d) -> None:
         """bf16(P) into out2d with :func:`product_gemv`; the weight rows it leaves to the float32 path
-        (non-finite or extreme scales) are computed by MXFP4_LINEAR."""
-        (m, k), n = x_deq.shape, out2d.shape[1]
+        (non-finite or extreme scales) are computed by MXFP4_LINEAR on the dequantized activation."""
+        (m, half_k), n = x_codes.shape, out2d.shape[1]
+        k = 2 * half_k
         operands = activation_operands(as_numpy(x_codes), as_numpy(x_scales), -(-k // STEP) * STEP)
         y32 = np.empty((m, n), dtype=np.float32)
         fallback = np.zeros(n, dtype=np.uint8)
@@ -282,6 +285,8 @@ class SvdQuant(Kernel):
         out2d.copy_(torch.from_numpy(y32))
         rows = torch.from_numpy(np.flatnonzero(fallback))
         if len(rows):
+            x_deq = torch.empty(m, k, dtype=torch.bfloat16)
+            mxfp4.DEQUANTIZE.run(x_codes, x_scales, torch.bfloat16, -1, out=x_deq)
             products = torch.empty(m, len(rows), dtype=torch.bfloat16)
             MXFP4_LINEAR.run(x_deq, w[rows], scales[rows], None, out=products)
             out2d[:, rows] = products
