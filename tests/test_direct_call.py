@@ -18,24 +18,24 @@ def _layer(dtype=torch.bfloat16):
     return torch.randn(2, K, generator=g).to(dtype), codes, scales, torch.randn(N, generator=g).to(dtype)
 
 
-class _SeenOps(TorchDispatchMode):
+class _Seen:
+    """A mode that records the names of the functions or ops it sees."""
+
     def __init__(self):
         super().__init__()
         self.seen = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def _record(self, func, types, args=(), kwargs=None):
         self.seen.append(str(func))
         return func(*args, **(kwargs or {}))
 
 
-class _SeenFunctions(TorchFunctionMode):
-    def __init__(self):
-        super().__init__()
-        self.seen = []
+class _SeenOps(_Seen, TorchDispatchMode):
+    __torch_dispatch__ = _Seen._record
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.seen.append(str(func))
-        return func(*args, **(kwargs or {}))
+
+class _SeenFunctions(_Seen, TorchFunctionMode):
+    __torch_function__ = _Seen._record
 
 
 def test_a_plain_call_runs_directly_with_the_bits_of_the_custom_op():
