@@ -18,6 +18,10 @@ def _layer(dtype=torch.bfloat16):
     return torch.randn(2, K, generator=g).to(dtype), codes, scales, torch.randn(N, generator=g).to(dtype)
 
 
+class _Subclass(torch.Tensor):
+    pass
+
+
 class _Seen:
     """A mode that records the names of the functions or ops it sees."""
 
@@ -55,7 +59,9 @@ def test_not_plain_arguments_go_through_the_custom_op():
     assert not dispatches_plainly("mxfp4_linear", (x.requires_grad_(),) + plain[1:], None)
     x.requires_grad_(False)
     assert not dispatches_plainly("mxfp4_linear", (x, codes, scales, bias._neg_view()), None)
-    assert not dispatches_plainly("mxfp4_linear", (torch.nn.Parameter(x, requires_grad=False), *plain[1:]), None)
+    assert dispatches_plainly("mxfp4_linear", (*plain[:3], torch.nn.Parameter(bias, requires_grad=False)), None)
+    assert not dispatches_plainly("mxfp4_linear", (*plain[:3], torch.nn.Parameter(bias.float())), None)
+    assert not dispatches_plainly("mxfp4_linear", (x.as_subclass(_Subclass), *plain[1:]), None)
     assert not dispatches_plainly("mxfp4_linear", (x.to("meta"), *plain[1:]), None)
     assert not dispatches_plainly("mxfp4_linear", plain[:3], None)  # fewer arguments than parameters
     assert not dispatches_plainly("mxfp4_linear", (x, codes, scales, [1.0]), None)

@@ -35,6 +35,8 @@ _KEY = torch._C.DispatchKey
 _PLAIN_CPU_KEYS = (torch._C.DispatchKeySet(_KEY.CPU).add(_KEY.ADInplaceOrView).add(_KEY.AutogradCPU)
                    .add(_KEY.AutocastCPU))
 _DEFAULT_INCLUDED = torch._C.DispatchKeySet(_KEY.BackendSelect).add(_KEY.ADInplaceOrView).raw_repr()
+# Tensors the dispatcher treats alike: nn.Parameter disables __torch_function__ (a deploy module's bias).
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 def _complete(name: str, args: tuple, kwargs: dict) -> list:
@@ -111,9 +113,9 @@ def define(
 def dispatches_plainly(name: str, args: Sequence[Any], backend: Optional[str]) -> bool:
     """Whether ``torch.ops.lowbit.<name>(*args, backend)`` would only call the Operator ``name`` with these
     arguments: every parameter of the operator is a tensor (optional ones may be None) and each argument a
-    plain one (type torch.Tensor, dense on the CPU, no conjugate or negative bit, not requiring grad), and
-    nothing intercepts or records the call (torch.compile, torch.jit tracing, the profiler, a
-    TorchFunctionMode or TorchDispatchMode, functorch transforms, functionalization)."""
+    plain one (type torch.Tensor or nn.Parameter, dense on the CPU, no conjugate or negative bit, not
+    requiring grad), and nothing intercepts or records the call (torch.compile, torch.jit tracing, the
+    profiler, a TorchFunctionMode or TorchDispatchMode, functorch transforms, functionalization)."""
     optional = _TENSOR_PARAMETERS.get(name)
     if (optional is None or len(args) != len(optional) or not (backend is None or type(backend) is str)
             or torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled()
@@ -123,7 +125,7 @@ def dispatches_plainly(name: str, args: Sequence[Any], backend: Optional[str]) -
     for arg, can_be_none in zip(args, optional):
         if arg is None and can_be_none:
             continue
-        if type(arg) is not torch.Tensor or arg.requires_grad or torch._C._dispatch_keys(arg) != _PLAIN_CPU_KEYS:
+        if type(arg) not in _PLAIN_TYPES or arg.requires_grad or torch._C._dispatch_keys(arg) != _PLAIN_CPU_KEYS:
             return False
     return True
 
