@@ -846,7 +846,8 @@ class WeightOnlyLinear(Kernel):
         *weight, bias = args
         k, n = x.shape[-1], out.shape[-1]
         m = out.numel() // n
-        x, out = x.reshape(m, k), out.view(m, n)
+        if out.dim() != 2:  # x too: (..., K) -> (M, K)
+            x, out = x.reshape(m, k), out.view(m, n)
         operands = self._operands(*weight, k, x.dtype)
         # Rows are handed out in chunks on demand (not split evenly up front), so a thread that the OS
         # deschedules on a shared machine does not make the other one wait at the end.
