@@ -236,8 +236,8 @@ class Operator:
         supports (every probe when there are none), once per device and signature; a passed check of every
         probe answers for all signatures."""
         device = canonical_device(device)
-        every = (str(device), None)
-        key = (str(device), dtype_signature(args))
+        place = str(device)
+        every, key = (place, None), (place, dtype_signature(args))
         with self._lock:
             if every in self._checked and self._checked[every] is None:
                 return None
@@ -345,7 +345,7 @@ class Operator:
         if any(t.numel() == 0 for t in _as_tuple(out)):
             return
         dense = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)
-        name, kernel = self.kernel(self.device_of(args), backend, dense)
+        name, kernel = self.kernel(_as_tuple(out)[0].device, backend, dense)  # out is on the inputs' device
         if fresh:
             targets = _as_tuple(out)
         else:

@@ -8,7 +8,9 @@ Every operator gets the same two custom ops (the one ``out=`` convention):
   (any strides; one that is not contiguous or shares memory with an input goes through a temporary).
 
 Both have fake implementations (the operator's ``outputs``), so they trace under torch.compile. The
-Python API of each operator calls :func:`call`, which picks one of the two.
+Python API of each operator calls :func:`call`, which picks one of the two, or calls the Operator itself
+where the dispatcher would do nothing else (:func:`dispatches_plainly`: it saves the dispatcher's cost,
+about 15 us a call).
 """
 
 from __future__ import annotations
@@ -24,6 +26,17 @@ from lowbit.backends import Kernel, Operator, same_bits
 _LIB = torch.library.Library("lowbit", "FRAGMENT")
 _ARGUMENTS: dict[str, list] = {}  # custom op name -> its schema's arguments (read once, at definition)
 _OUTPUT_COUNT: dict[str, int] = {}  # operator name -> number of output tensors
+# operator name -> per parameter whether it is optional, for operators whose parameters are all tensors
+_TENSOR_PARAMETERS: dict[str, tuple[bool, ...]] = {}
+_KEY = torch._C.DispatchKey
+# The dispatch keys of a dense CPU tensor with no conjugate / negative bit, and the keys the dispatcher
+# includes by default (BackendSelect: only factory functions have kernels there; ADInplaceOrView: falls
+# through for functional ops): any other key (a mode, functorch, tracing, functionalization) changes a call.
+_PLAIN_CPU_KEYS = (torch._C.DispatchKeySet(_KEY.CPU).add(_KEY.ADInplaceOrView).add(_KEY.AutogradCPU)
+                   .add(_KEY.AutocastCPU))
+_DEFAULT_INCLUDED = torch._C.DispatchKeySet(_KEY.BackendSelect).add(_KEY.ADInplaceOrView).raw_repr()
+# Tensors the dispatcher treats alike: nn.Parameter disables __torch_function__ (a deploy module's bias).
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 def _complete(name: str, args: tuple, kwargs: dict) -> list:
@@ -63,6 +76,9 @@ def define(
     _LIB.define(f"{name}_out({required}, {mutated}, str? backend=None) -> ()")
     for op_name in (name, name + "_out"):
         _ARGUMENTS[op_name] = list(getattr(torch.ops.lowbit, op_name).default._schema.arguments)
+    types = [str(argument.type) for argument in _ARGUMENTS[name][:-1]]  # the parameters, not backend
+    if all(t in ("Tensor", "Optional[Tensor]") for t in types):
+        _TENSOR_PARAMETERS[name] = tuple(t == "Optional[Tensor]" for t in types)
 
     def functional(*args, **kwargs):
         *args, backend = _complete(op.name, args, kwargs)
@@ -94,11 +110,34 @@ def define(
     return op
 
 
+def dispatches_plainly(name: str, args: Sequence[Any], backend: Optional[str]) -> bool:
+    """Whether ``torch.ops.lowbit.<name>(*args, backend)`` would only call the Operator ``name`` with these
+    arguments: every parameter of the operator is a tensor (optional ones may be None) and each argument a
+    plain one (type torch.Tensor or nn.Parameter, dense on the CPU, no conjugate or negative bit, not
+    requiring grad), and nothing intercepts or records the call (torch.compile, torch.jit tracing, the
+    profiler, a TorchFunctionMode or TorchDispatchMode, functorch transforms, functionalization)."""
+    optional = _TENSOR_PARAMETERS.get(name)
+    if (optional is None or len(args) != len(optional) or not (backend is None or type(backend) is str)
+            or torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled()
+            or torch._C._get_tracing_state() is not None or torch._C._autograd._profiler_enabled()
+            or torch._C._dispatch_tls_local_include_set().raw_repr() & ~_DEFAULT_INCLUDED):
+        return False
+    for arg, can_be_none in zip(args, optional):
+        if arg is None and can_be_none:
+            continue
+        if type(arg) not in _PLAIN_TYPES or arg.requires_grad or torch._C._dispatch_keys(arg) != _PLAIN_CPU_KEYS:
+            return False
+    return True
+
+
 def call(op: Operator, args: Sequence[Any], out: Any = None, backend: Optional[str] = None) -> Any:
     """Run ``op`` through its custom op: the functional one, or ``_out`` when ``out`` is given (a tensor,
     or a tuple of tensors for several outputs; the op validates it, then it is returned). TypeError here
-    for an ``out`` of the wrong structure, which the custom op's schema could not name."""
+    for an ``out`` of the wrong structure, which the custom op's schema could not name. Without ``out``,
+    the Operator is called directly where that is all the custom op would do (:func:`dispatches_plainly`)."""
     if out is None:
+        if dispatches_plainly(op.name, args, backend):
+            return op(*args, backend=backend)
         return getattr(torch.ops.lowbit, op.name)(*args, backend)
     n_outs = _OUTPUT_COUNT[op.name]
     outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)

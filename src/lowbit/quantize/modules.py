@@ -152,8 +152,8 @@ class PackedLinear(QuantizedLinearBase):
         if fused is not None:
             op, names = fused
             packed = [self._buffers[name] for name in names]
-            if self.cfg_meta["weight_type"] in _ROW_SCALED:  # a per-tensor scale (1,) as the operator's (N,)
-                packed[1] = packed[1].expand(self.out_features)
+            if self.cfg_meta["weight_type"] in _ROW_SCALED and packed[1].shape[0] == 1:  # a per-tensor scale (1,)
+                packed[1] = packed[1].expand(self.out_features)  # as the operator's (N,)
             return op(x_q, *packed, self.bias)
         return run_layer(self.cfg_meta["geometry"], x_q, self.dequantized_weight(), self.bias)
 

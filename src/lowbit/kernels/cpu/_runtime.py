@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+from typing import Optional
 
 import numba
 import numpy as np
@@ -51,52 +52,63 @@ COMPILE_NOTICE = CompileNotice()
 numba_event.register("numba:compile", COMPILE_NOTICE)
 
 
-def sync_threads() -> int:
-    """Set numba's thread count to torch.get_num_threads() (capped by numba's pool); return it.
+_threads_started = False  # whether _followed_threads started numba's threading layer
+
+
+def _followed_threads() -> int:
+    """torch.get_num_threads() capped by numba's pool: the numba thread count that follows torch's.
 
     Starting numba's OpenMP threading layer (on the first call) resets the process's OpenMP thread
     count, which is torch's too; torch's setting is read first and put back.
     """
+    global _threads_started
     wanted = torch.get_num_threads()
-    numba.get_num_threads()  # launches numba's threading layer if it is not running yet
-    if torch.get_num_threads() != wanted:
-        torch.set_num_threads(wanted)
-    n = max(1, min(wanted, numba.config.NUMBA_NUM_THREADS))
+    if not _threads_started:
+        numba.get_num_threads()  # launches numba's threading layer if it is not running yet
+        if torch.get_num_threads() != wanted:
+            torch.set_num_threads(wanted)
+        _threads_started = True
+    return max(1, min(wanted, numba.config.NUMBA_NUM_THREADS))
+
+
+def sync_threads() -> int:
+    """Set numba's thread count to torch.get_num_threads() (capped by numba's pool); return it."""
+    n = _followed_threads()
     if numba.get_num_threads() != n:
         numba.set_num_threads(n)
     return n
 
 
 @contextlib.contextmanager
-def kernel_threads(work: int, one_thread_below: int):
+def kernel_threads(work: int, one_thread_below: int, chunksize: Optional[int] = None):
     """:func:`sync_threads` for a kernel call, run on one numba thread when ``work`` (the kernel's own
     measure of its size) is below ``one_thread_below``: waking numba's threads after a torch op costs tens
-    of microseconds, more than they save on small inputs. The thread count is put back afterwards."""
-    threads = sync_threads()
+    of microseconds, more than they save on small inputs. ``chunksize``: numba's parallel chunk size for
+    the call when it runs on several threads (None: unchanged). Both are put back afterwards (the thread
+    count to the synced one)."""
     if work < one_thread_below:
+        threads = _followed_threads()
         numba.set_num_threads(1)
+        try:
+            yield
+        finally:
+            numba.set_num_threads(threads)
+        return
+    sync_threads()
+    previous_chunksize = None if chunksize is None else numba.set_parallel_chunksize(chunksize)
     try:
         yield
     finally:
-        numba.set_num_threads(threads)
+        if previous_chunksize is not None:
+            numba.set_parallel_chunksize(previous_chunksize)
 
 
-_NUMPY_VIEW = {
-    torch.float16: (torch.int16, np.int16),
-    torch.bfloat16: (torch.int16, np.int16),
-    torch.float32: (torch.float32, np.float32),
-    torch.float64: (torch.float64, np.float64),
-    torch.uint8: (torch.uint8, np.uint8),
-    torch.int8: (torch.int8, np.int8),
-    torch.int16: (torch.int16, np.int16),
-    torch.int32: (torch.int32, np.int32),
-    torch.int64: (torch.int64, np.int64),
-}
+_BITS_VIEW = {torch.float16: torch.int16, torch.bfloat16: torch.int16}  # dtypes numpy lacks
 
 
 def as_numpy(t: torch.Tensor) -> np.ndarray:
     """A numpy view sharing memory with a CPU tensor; FP16/BF16 are viewed as int16 bit patterns."""
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         raise ValueError(f"numba kernels need CPU tensors, got device {t.device}")
-    view_dtype, _ = _NUMPY_VIEW[t.dtype]
-    return (t.view(view_dtype) if view_dtype != t.dtype else t).numpy()
+    view_dtype = _BITS_VIEW.get(t.dtype)
+    return (t if view_dtype is None else t.view(view_dtype)).numpy()

@@ -757,6 +757,21 @@ def _hifloat4_tile(words, value, r0, w32):
 # ---- the GEMV's input and output, in numba (no torch op between a call's start and its end) ------------------
 
 
+@numba.njit(**_INLINE)
+def _widen(bits, count, bf16, widened, chunk):
+    """widened (float32, a multiple of HALF long) <- the FP16/BF16 bit patterns (int16) bits[:count] widened
+    exactly, zeros past ``count``; ``chunk``: HALF int16 of scratch."""
+    for j in range(0, len(widened), HALF):
+        if j + HALF <= count:
+            source, at = bits, j
+        else:  # the last, short chunk (zeros after it)
+            chunk[:] = 0
+            chunk[: max(0, count - j)] = bits[j:count]
+            source, at = chunk, 0
+        value = simd.bf16v_load(source, at) if bf16 else simd.f16v_load(source, at)
+        simd.f32v_store(widened, j, value)
+
+
 @numba.njit(**NJIT_OPTIONS)
 def _gather_x(x_bits, bf16, order, x_reg):
     """x_reg (M, Kp) float32 <- x (M, K) FP16/BF16 bit patterns (int16) widened exactly, each 64-element step
@@ -766,26 +781,27 @@ def _gather_x(x_bits, bf16, order, x_reg):
     widened = np.zeros(kp, dtype=np.float32)
     chunk = np.zeros(HALF, dtype=np.int16)
     for m in range(m_rows):
-        row = x_bits[m]
-        for j in range(0, kp, HALF):
-            if j + HALF <= k:
-                source, at = row, j
-            else:  # the last, short chunk (zeros after it)
-                chunk[:] = 0
-                chunk[: max(0, k - j)] = row[j:k]
-                source, at = chunk, 0
-            value = simd.bf16v_load(source, at) if bf16 else simd.f16v_load(source, at)
-            simd.f32v_store(widened, j, value)
+        _widen(x_bits[m], k, bf16, widened, chunk)
         for j in range(0, kp, LANES):
             for p in range(LANES):
                 x_reg[m, j + p] = widened[j + order[p]]
 
 
+_NO_BIAS, _BIAS_LIKE_X, _BIAS_FLOAT32 = 0, 1, 2  # _finish's bias kinds
+
+
 @numba.njit(**NJIT_OPTIONS)
-def _finish(y32, bias, has_bias, bf16, out_bits):
+def _finish(y32, bias_bits, bias_kind, bf16, out_bits):
     """The reference's step 4 (lowbit.formats.weight_only.finish) into ``out_bits`` (M, N) int16: fl32(y32 +
-    bias) if ``has_bias`` (bias (N,) float32), rounded once to BF16 (``bf16``) or FP16, NaN canonical."""
+    bias), rounded once to BF16 (``bf16``) or FP16, NaN canonical. The bias as int16 bit patterns, by
+    ``bias_kind``: _NO_BIAS (none), _BIAS_LIKE_X ((N,), x's dtype: widened exactly) or _BIAS_FLOAT32 ((2N,),
+    the float32 values' bits)."""
     m_rows, n = y32.shape
+    bias32 = np.zeros(-(-n // HALF) * HALF, dtype=np.float32)
+    if bias_kind == _BIAS_LIKE_X:
+        _widen(bias_bits, n, bf16, bias32, np.zeros(HALF, dtype=np.int16))
+    elif bias_kind == _BIAS_FLOAT32:
+        bias32[:n] = bias_bits.view(np.float32)
     y_chunk = np.zeros(HALF, dtype=np.float32)
     out_chunk = np.zeros(HALF, dtype=np.int16)
     for m in range(m_rows):
@@ -793,9 +809,8 @@ def _finish(y32, bias, has_bias, bf16, out_bits):
             count = min(HALF, n - j)
             y_chunk[:count] = y32[m, j : j + count]
             value = simd.f32v_load(y_chunk, 0)
-            if has_bias:
-                y_chunk[:count] = bias[j : j + count]
-                value = simd.f32v_add(value, simd.f32v_load(y_chunk, 0))
+            if bias_kind != _NO_BIAS:
+                value = simd.f32v_add(value, simd.f32v_load(bias32, j))
             if bf16:
                 simd.f32v_store_as_bf16(out_chunk, 0, value)
             else:
@@ -806,7 +821,7 @@ def _finish(y32, bias, has_bias, bf16, out_bits):
 # ---- kernels -----------------------------------------------------------------------------------------------
 
 
-_NO_BIAS = np.zeros(0, dtype=np.float32)
+_NO_BIAS_BITS = np.zeros(0, dtype=np.int16)
 
 
 def _padded_k(k: int) -> int:
@@ -831,23 +846,20 @@ class WeightOnlyLinear(Kernel):
         *weight, bias = args
         k, n = x.shape[-1], out.shape[-1]
         m = out.numel() // n
-        x, out = x.reshape(m, k), out.view(m, n)
+        if out.dim() != 2:  # x too: (..., K) -> (M, K)
+            x, out = x.reshape(m, k), out.view(m, n)
         operands = self._operands(*weight, k, x.dtype)
         # Rows are handed out in chunks on demand (not split evenly up front), so a thread that the OS
         # deschedules on a shared machine does not make the other one wait at the end.
         tasks = -(-(n if m <= GEMV_MAX_M else min(n, GEMM_TILE_ELEMENTS // _padded_k(k))) // _ROWS_PER_TASK)
         work = n * k if m <= GEMV_MAX_M else GEMV_ONE_THREAD_WEIGHTS  # the GEMM path always has the threads
-        with kernel_threads(work, GEMV_ONE_THREAD_WEIGHTS):
-            previous_chunksize = numba.set_parallel_chunksize(max(4, tasks // _CHUNKS))
-            try:
-                if m <= GEMV_MAX_M:
-                    self._run_gemv(x, operands, bias, out)
-                elif x.dtype == torch.bfloat16 and (bias is None or bias.dtype == torch.bfloat16):
-                    self._run_gemm_bf16(x, operands, bias, out)
-                else:
-                    self._run_gemm(x, operands, bias, out)
-            finally:
-                numba.set_parallel_chunksize(previous_chunksize)
+        with kernel_threads(work, GEMV_ONE_THREAD_WEIGHTS, chunksize=max(4, tasks // _CHUNKS)):
+            if m <= GEMV_MAX_M:
+                self._run_gemv(x, operands, bias, out)
+            elif x.dtype == torch.bfloat16 and (bias is None or bias.dtype == torch.bfloat16):
+                self._run_gemm_bf16(x, operands, bias, out)
+            else:
+                self._run_gemm(x, operands, bias, out)
 
     def _run_gemv(self, x: torch.Tensor, operands: tuple, bias, out: torch.Tensor) -> None:
         """The bit-exact path: x in register order, the lane sums, then the reference's rounding (all in
@@ -858,8 +870,13 @@ class WeightOnlyLinear(Kernel):
         _gather_x(as_numpy(x), bf16, self.order, x_reg)
         y32 = np.empty((m, n), dtype=np.float32)
         self.gemv(x_reg, *operands, y32)
-        bias32 = _NO_BIAS if bias is None else as_numpy(bias.to(torch.float32))
-        _finish(y32, bias32, bias is not None, bf16, as_numpy(out))
+        if bias is None:
+            bias_bits, bias_kind = _NO_BIAS_BITS, _NO_BIAS
+        elif bias.dtype == torch.float32:
+            bias_bits, bias_kind = as_numpy(bias).view(np.int16), _BIAS_FLOAT32
+        else:
+            bias_bits, bias_kind = as_numpy(bias), _BIAS_LIKE_X
+        _finish(y32, bias_bits, bias_kind, bf16, as_numpy(out))
 
     def _tiles(self, operands: tuple, n: int, k: int, dtype: torch.dtype, width: int):
         """(first row, (rows, width) tile) of W decoded tile by tile into one reused buffer of ``dtype``
@@ -901,16 +918,23 @@ def _default_table_kind() -> str:
     return "words" if simd.HAS_AVX512BW else "values"
 
 
+# Arrays of each row-table kind (see code8_decode) by (kind, BF16 x), and per K % 64 the lanes of a last, short
+# step (int32[64], nonzero to keep): constants the code-8 kernels take.
+_ROW_TABLES_LIKE = {("bytes", True): np.zeros(256, dtype=np.uint8),
+                    ("bytes", False): np.zeros((2, 128), dtype=np.uint8),
+                    ("values", True): np.zeros(256, dtype=np.float32),
+                    ("values", False): np.zeros(256, dtype=np.float32),
+                    ("words", True): np.zeros(128, dtype=np.int16),
+                    ("words", False): np.zeros(128, dtype=np.uint16)}
+_KEEP = (_CODE8_ELEMENTS[None, :] < np.arange(LANES)[:, None]).astype(np.int32)
+
+
 def _code8_operands(codes, scale, magnitudes, nan_code, k, dtype, table_kind):
     """The _code8_gemv / _code8_tile operands. ``table_kind`` (see code8_decode): "bytes" (BF16 with
     AVX512-VBMI), "words" (AVX512-BW) or "values" (gathered); None: the fastest this CPU has."""
     bf16 = dtype == torch.bfloat16
-    table_kind = table_kind or _default_table_kind()
-    table_like = {"bytes": np.zeros(256 if bf16 else (2, 128), dtype=np.uint8),
-                  "values": np.zeros(256, dtype=np.float32),
-                  "words": np.zeros(128, dtype=np.int16 if bf16 else np.uint16)}[table_kind]
-    keep = (_CODE8_ELEMENTS < k % LANES).astype(np.int32)  # the lanes of a last, short step
-    return as_numpy(codes), as_numpy(scale.contiguous()), bf16, magnitudes, nan_code, table_like, keep
+    table_like = _ROW_TABLES_LIKE[table_kind or _default_table_kind(), bf16]
+    return as_numpy(codes), as_numpy(scale.contiguous()), bf16, magnitudes, nan_code, table_like, _KEEP[k % LANES]
 
 
 def _hifloat8_operands(codes, scale, k, dtype, table_kind=None):

@@ -1,0 +1,97 @@
+"""lowbit.ops.library.call runs the Operator itself only where torch.ops.lowbit would do nothing else."""
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import lowbit
+from lowbit.ops import weight_only as ops
+from lowbit.ops.library import dispatches_plainly
+
+N, K = 48, 64
+
+
+def _layer(dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(3)
+    codes, scales = lowbit.mxfp4_quantize(torch.randn(N, K, generator=g))
+    return torch.randn(2, K, generator=g).to(dtype), codes, scales, torch.randn(N, generator=g).to(dtype)
+
+
+class _Subclass(torch.Tensor):
+    pass
+
+
+class _Seen:
+    """A mode that records the names of the functions or ops it sees."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def _record(self, func, types, args=(), kwargs=None):
+        self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+class _SeenOps(_Seen, TorchDispatchMode):
+    __torch_dispatch__ = _Seen._record
+
+
+class _SeenFunctions(_Seen, TorchFunctionMode):
+    __torch_function__ = _Seen._record
+
+
+def test_a_plain_call_runs_directly_with_the_bits_of_the_custom_op():
+    x, codes, scales, bias = _layer()
+    assert dispatches_plainly("mxfp4_linear", (x, codes, scales, bias), None)
+    assert dispatches_plainly("mxfp4_linear", (x, codes, scales, None), "native")
+    for b in (bias, None, bias.float()):
+        got = ops.mxfp4_linear(x, codes, scales, b)
+        want = torch.ops.lowbit.mxfp4_linear(x, codes, scales, b, None)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+        assert lowbit.last_backend("mxfp4_linear") == "native"
+
+
+def test_not_plain_arguments_go_through_the_custom_op():
+    x, codes, scales, bias = _layer()
+    plain = (x, codes, scales, bias)
+    assert not dispatches_plainly("mxfp4_linear", (x.requires_grad_(),) + plain[1:], None)
+    x.requires_grad_(False)
+    assert not dispatches_plainly("mxfp4_linear", (x, codes, scales, bias._neg_view()), None)
+    assert dispatches_plainly("mxfp4_linear", (*plain[:3], torch.nn.Parameter(bias, requires_grad=False)), None)
+    assert not dispatches_plainly("mxfp4_linear", (*plain[:3], torch.nn.Parameter(bias.float())), None)
+    assert not dispatches_plainly("mxfp4_linear", (x.as_subclass(_Subclass), *plain[1:]), None)
+    assert not dispatches_plainly("mxfp4_linear", (x.to("meta"), *plain[1:]), None)
+    assert not dispatches_plainly("mxfp4_linear", plain[:3], None)  # fewer arguments than parameters
+    assert not dispatches_plainly("mxfp4_linear", (x, codes, scales, [1.0]), None)
+    assert not dispatches_plainly("mxfp4_linear", plain, 3)
+    assert not dispatches_plainly("mxfp4_quantize", (x,), None)  # a non-tensor parameter
+    with pytest.raises(RuntimeError):  # the custom op's own error for a non-tensor, as before
+        ops.mxfp4_linear(x, codes, scales, [1.0])
+
+
+def test_gradients_keep_the_custom_ops_autograd_behaviour():
+    x, codes, scales, bias = _layer()
+    y = ops.mxfp4_linear(x.requires_grad_(), codes, scales, bias)
+    assert y.requires_grad  # the dispatcher's autograd fallback: it warns on backward
+    with pytest.warns(UserWarning, match="autograd kernel was not registered"):
+        y.sum().backward()
+
+
+def test_modes_profiler_and_compile_see_the_custom_op():
+    x, codes, scales, bias = _layer()
+    for mode in (_SeenOps(), _SeenFunctions()):
+        with mode:
+            assert not dispatches_plainly("mxfp4_linear", (x, codes, scales, bias), None)
+            ops.mxfp4_linear(x, codes, scales, bias)
+        assert any("lowbit" in name and "mxfp4_linear" in name for name in mode.seen), mode.seen
+    with torch.profiler.profile() as prof:
+        ops.mxfp4_linear(x, codes, scales, bias)
+    assert any(event.name == "lowbit::mxfp4_linear" for event in prof.events())
+    with torch.inference_mode():
+        assert dispatches_plainly("mxfp4_linear", (x, codes, scales, bias), None)
+    assert torch.func.vmap(lambda row: ops.mxfp4_linear(row[None], codes, scales, bias)[0])(x).shape == (2, N)
+    compiled = torch.compile(lambda *a: ops.mxfp4_linear(*a), fullgraph=True, backend="eager")
+    assert torch.equal(compiled(x, codes, scales, bias).view(torch.int16),
+                       ops.mxfp4_linear(x, codes, scales, bias).view(torch.int16))
