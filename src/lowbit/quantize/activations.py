@@ -13,6 +13,7 @@ from typing import Optional
 
 import torch
 
+from lowbit.backends import get_backend
 from lowbit.errors import ShapeError
 from lowbit.formats import mxfp8
 from lowbit.ops.mxfp4 import mxfp4_dequantize, mxfp4_quantize
@@ -56,6 +57,16 @@ def deploy_static_input(x: torch.Tensor, kind: str, scale: torch.Tensor, out_dty
     return (q * scale).to(out_dtype)
 
 
+def _mxfp8_fake_quant(x: torch.Tensor) -> torch.Tensor:
+    """MXFP8 quantize-dequantize of x in its dtype: the numba kernel on the CPU (the same bits, one pass;
+    imported on first use), the reference elsewhere or under the "reference" backend."""
+    if x.device.type == "cpu" and get_backend() != "reference" and x.dtype in mxfp8.FLOAT_DTYPES:
+        from lowbit.kernels.cpu.mxfp8 import fake_quantize
+
+        return fake_quantize(x)
+    return mxfp8.dequantize(*mxfp8.quantize(x), x.dtype)
+
+
 def fake_quant_input(x: torch.Tensor, kind: str, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Quantize-dequantize ``x`` (..., K) by ``kind``; ``scale`` (float32 [1]) for the static kinds."""
     if kind == "none":
@@ -74,7 +85,7 @@ def fake_quant_input(x: torch.Tensor, kind: str, scale: Optional[torch.Tensor] =
     if kind == "fp8_static":
         return (e4m3_values(e4m3_codes(x.to(torch.float32) / scale)) * scale).to(x.dtype)
     if kind == "mxfp8":
-        return mxfp8.dequantize(*mxfp8.quantize(x), x.dtype)
+        return _mxfp8_fake_quant(x)
     if kind == "mxfp4":
         return mxfp4_dequantize(*mxfp4_quantize(x, 32, *MXFP4_ACT_RULE), x.dtype)
     raise ValueError(f"unknown activation quantization kind {kind!r}; expected one of {ACT_KINDS}")
