@@ -257,3 +257,12 @@ def test_low_rank_leaves_non_finite_or_overflowing_inputs_to_torch(where, value)
     products = torch.randn(1, 16, generator=g).to(torch.bfloat16)
     ok, out = low_rank_call(tensors["x"], tensors["d"], tensors["u"], products)
     assert not ok and torch.equal(out, products)
+
+
+@pytest.mark.parametrize("tile_bytes", [1, 3 * 2 * 96, 1 << 30])  # one row, 3 rows (a short last tile), all
+def test_prefill_tiles_of_the_dequantized_weight(monkeypatch, tile_bytes):
+    monkeypatch.setattr(cpu_backend, "_PREFILL_TILE_BYTES", tile_bytes)
+    x, w, s, d, u = op.probe_inputs(9, 10, 96, 8, seed=5)
+    out = torch.empty(9, 10, dtype=torch.bfloat16)
+    cpu_backend.SVD_QUANT.run(x, w, s, d, u, out=out)
+    assert op.agrees(out, ref.svd_quant(x, w, s, d, u))
