@@ -257,6 +257,23 @@ def test_gemm_path_within_the_order_interval(fmt, dtype, bias_dtype):
     assert ((lo.float() <= got) & (got <= hi.float())).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gemm_path_in_several_tiles(monkeypatch, dtype):
+    """Tiles of 3 rows (a short last one), each with its own GEMM into a column slice of out; NaN canonical."""
+    monkeypatch.setattr(cpu, "GEMM_TILE_BYTES", 3 * 4 * 384)
+    g = gen(13)
+    codes, scales = mxfp4_weight(11, 352, g)
+    scales[4, 2] = 0xFF  # a NaN block: row 4 of the output is NaN
+    x = torch.randn(cpu.GEMV_MAX_M + 2, 352, generator=g).to(dtype)
+    bias = torch.randn(11, generator=g).to(dtype)
+    got = lowbit.mxfp4_linear(x, codes, scales, bias, backend="native")
+    lo, hi = reference.gemm_interval(x, reference.mxfp4_weight(codes, scales), bias)
+    finite = torch.ones(11, dtype=torch.bool)
+    finite[4] = False
+    assert ((lo.float() <= got.float()) & (got.float() <= hi.float()))[:, finite].all()
+    assert (bits(got[:, 4]) == reference.NAN_BITS[dtype]).all()
+
+
 def test_gemm_path_with_subnormal_mxfp4_weights():
     g = gen(12)
     codes, scales = mxfp4_weight(24, 128, g)

@@ -43,7 +43,10 @@ from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, as_
 LANES = reference.LANES  # 64 = two F32V
 HALF = simd.LANES  # 32
 GEMV_MAX_M = reference.EXACT_ROWS  # rows of x up to which the bit-exact GEMV path runs
-GEMM_TILE_ELEMENTS = 1 << 22  # weights decoded per GEMM tile (16 MiB in float32)
+# Bytes of one decoded GEMM tile (rows of W in float32 or BF16): large tiles mean fewer, wider GEMM calls
+# (4 tiles of 1024 rows cost 1.5 ms more than one 4096-row F.linear at M = 256, K = 4096); glibc's allocator
+# keeps blocks of up to 32 MiB for reuse after a call, larger ones would have their pages faulted in again.
+GEMM_TILE_BYTES = 16 << 20
 # A GEMV over fewer weights runs on one thread: waking numba's threads costs more than they save there
 # (here, following a torch op: 384^2 MXFP4 38 vs 115 us, 1024^2 92 vs 141 us, 2048^2 equal).
 GEMV_ONE_THREAD_WEIGHTS = 3 << 20
@@ -818,6 +821,17 @@ def _finish(y32, bias_bits, bias_kind, bf16, out_bits):
             out_bits[m, j : j + count] = out_chunk[:count]
 
 
+_BF16_NAN = np.int16(reference.NAN_BITS[torch.bfloat16])
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _canonical_nan_bf16(bits):
+    """Every NaN of BF16 bit patterns (a 1-D int16 array) replaced by the canonical one, in place."""
+    for i in range(bits.size):
+        if (bits[i] & 0x7FFF) > 0x7F80:
+            bits[i] = _BF16_NAN
+
+
 # ---- kernels -----------------------------------------------------------------------------------------------
 
 
@@ -851,7 +865,7 @@ class WeightOnlyLinear(Kernel):
         operands = self._operands(*weight, k, x.dtype)
         # Rows are handed out in chunks on demand (not split evenly up front), so a thread that the OS
         # deschedules on a shared machine does not make the other one wait at the end.
-        tasks = -(-(n if m <= GEMV_MAX_M else min(n, GEMM_TILE_ELEMENTS // _padded_k(k))) // _ROWS_PER_TASK)
+        tasks = -(-(n if m <= GEMV_MAX_M else min(n, GEMM_TILE_BYTES // (2 * _padded_k(k)))) // _ROWS_PER_TASK)
         work = n * k if m <= GEMV_MAX_M else GEMV_ONE_THREAD_WEIGHTS  # the GEMM path always has the threads
         with kernel_threads(work, GEMV_ONE_THREAD_WEIGHTS, chunksize=max(4, tasks // _CHUNKS)):
             if m <= GEMV_MAX_M:
@@ -881,7 +895,7 @@ class WeightOnlyLinear(Kernel):
     def _tiles(self, operands: tuple, n: int, k: int, dtype: torch.dtype, width: int):
         """(first row, (rows, width) tile) of W decoded tile by tile into one reused buffer of ``dtype``
         (float32 or BF16); columns K .. width - 1 hold zeros or are not written."""
-        rows = max(1, min(n, GEMM_TILE_ELEMENTS // width))
+        rows = max(1, min(n, GEMM_TILE_BYTES // (width * dtype.itemsize)))
         buffer = torch.empty(rows, width, dtype=dtype)
         for r0 in range(0, n, rows):
             tile = buffer[: min(rows, n - r0)]
@@ -909,7 +923,7 @@ class WeightOnlyLinear(Kernel):
             if extra:
                 tile[:, k] = bias[r0 : r0 + tile.shape[0]]
             out[:, r0 : r0 + tile.shape[0]] = torch.nn.functional.linear(x, tile[:, : k + extra])
-        out.copy_(torch.where(out.isnan(), reference.canonical_nan(out.dtype), out))
+        _canonical_nan_bf16(as_numpy(out).reshape(-1))
 
 
 def _default_table_kind() -> str:
