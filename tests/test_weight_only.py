@@ -257,6 +257,18 @@ def test_gemm_path_within_the_order_interval(fmt, dtype, bias_dtype):
     assert ((lo.float() <= got) & (got <= hi.float())).all()
 
 
+def test_torch_adds_a_bf16_bias_before_its_one_rounding():
+    """What the BF16 GEMM path relies on: F.linear(x, W, b) in BF16 gives the bits of b as one more column of
+    W (and of x, ones): the bias joins the float32 sums, then one rounding."""
+    g = gen(14)
+    x, w = torch.randn(37, 4096, generator=g).bfloat16(), torch.randn(300, 4096, generator=g).bfloat16()
+    b = (torch.randn(300, generator=g) * 30).bfloat16()
+    ones = torch.ones(37, 1, dtype=torch.bfloat16)
+    extended = torch.nn.functional.linear(torch.cat([x, ones], 1), torch.cat([w, b[:, None]], 1))
+    assert torch.equal(torch.nn.functional.linear(x, w, b), extended)
+    assert not torch.equal(torch.nn.functional.linear(x, w) + b, extended)  # two roundings differ
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gemm_path_in_several_tiles(monkeypatch, dtype):
     """Tiles of 3 rows (a short last one), each with its own GEMM into a column slice of out; NaN canonical."""

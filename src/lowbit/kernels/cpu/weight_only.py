@@ -913,16 +913,14 @@ class WeightOnlyLinear(Kernel):
 
     def _run_gemm_bf16(self, x: torch.Tensor, operands: tuple, bias, out: torch.Tensor) -> None:
         """BF16 x (every decoded weight is a BF16 value): torch's BF16 GEMM (float32 accumulation, one
-        rounding to BF16) on tiles decoded to BF16; a BF16 bias is one more column (x extended by ones)."""
+        rounding to BF16) on tiles decoded to BF16. A BF16 bias goes to F.linear, which adds it to the float32
+        sums before that rounding (the same bits as the bias as one more column of W and of x, a column of
+        ones; tests/test_weight_only.py checks this of torch), without the strided K + 1 columns (0.8 ms at
+        M = 256, N = K = 4096)."""
         (m, k), n = x.shape, out.shape[1]
-        extra = 0 if bias is None else 1
-        if extra:
-            x = torch.cat([x, torch.ones(m, 1, dtype=x.dtype)], dim=1)
-        kp = _padded_k(k)
-        for r0, tile in self._tiles(operands, n, k, torch.bfloat16, kp if kp >= k + extra else kp + LANES):
-            if extra:
-                tile[:, k] = bias[r0 : r0 + tile.shape[0]]
-            out[:, r0 : r0 + tile.shape[0]] = torch.nn.functional.linear(x, tile[:, : k + extra])
+        for r0, tile in self._tiles(operands, n, k, torch.bfloat16, _padded_k(k)):
+            rows = slice(r0, r0 + tile.shape[0])
+            out[:, rows] = torch.nn.functional.linear(x, tile[:, :k], None if bias is None else bias[rows])
         _canonical_nan_bf16(as_numpy(out).reshape(-1))
 
 
