@@ -94,11 +94,27 @@ def quantized(rows, k, g, spread=0):
 def run_gemv(x_codes, x_scales, w_codes, w_scales):
     """(y32, fallback flags) of cpu_backend.product_gemv."""
     k = 2 * x_codes.shape[1]
-    operands = cpu_backend.activation_operands(x_codes.numpy(), x_scales.numpy(), -(-k // cpu_backend.STEP) * cpu_backend.STEP)
+    kp = -(-k // cpu_backend.STEP) * cpu_backend.STEP
+    operands = cpu_backend.activation_operands(x_codes.numpy(), x_scales.numpy(), kp)
     y32 = np.full((x_codes.shape[0], w_codes.shape[0]), np.nan, dtype=np.float32)
     fallback = np.zeros(w_codes.shape[0], dtype=np.uint8)
-    cpu_backend.product_gemv(*operands, w_codes.contiguous().numpy(), w_scales.contiguous().numpy(), y32, fallback)
+    count = cpu_backend.product_gemv(*operands, w_codes.contiguous().numpy(), w_scales.contiguous().numpy(), y32,
+                                     fallback)
+    assert count == fallback.sum()
     return torch.from_numpy(y32).double(), fallback.astype(bool)
+
+
+@pytest.mark.parametrize("m, k", [(1, 32), (3, 96), (4, 2080)])
+def test_quantized_operands_are_the_quantizer_codes_and_their_operands(m, k):
+    x = (torch.randn(m, k, generator=gen(k)) * 9).to(torch.bfloat16)
+    x[0, 1] = float("nan")
+    pairs = x.view(torch.int32).reshape(-1).numpy().view(np.uint32)
+    kp = -(-k // cpu_backend.STEP) * cpu_backend.STEP
+    *operands, codes, scales = cpu_backend.quantized_operands(pairs, m, kp, *cpu_backend._BF16_QUANTIZER)
+    want_codes, want_scales = ref.quantize_activation(x)
+    assert torch.equal(torch.from_numpy(codes), want_codes) and torch.equal(torch.from_numpy(scales), want_scales)
+    for got, want in zip(operands, cpu_backend.activation_operands(want_codes.numpy(), want_scales.numpy(), kp)):
+        assert np.array_equal(got, want)
 
 
 @needs_vnni
@@ -213,10 +229,11 @@ def test_svd_quant_decode_with_flagged_rows_agrees_with_the_reference(m, n, k):
 
 
 def low_rank_call(x, d, u, products):
-    """(returned flag, out) of add_low_rank on BF16 tensors, ``products`` the BF16 bf16(P) it starts from."""
+    """(returned flag, out) of add_low_rank on BF16 tensors, P = ``products`` (BF16 values as float32); out
+    starts as a copy of ``products``."""
     out = products.clone()
     ok = cpu_backend.add_low_rank(x.view(torch.int16).numpy(), d.view(torch.int16).numpy(),
-                                  u.view(torch.int16).numpy(), out.view(torch.int16).numpy())
+                                  u.view(torch.int16).numpy(), products.float().numpy(), out.view(torch.int16).numpy())
     return ok, out
 
 

@@ -80,7 +80,7 @@ def _scale_byte(amax_fp32_bits, rule):
 
 
 @numba.njit(**NJIT_OPTIONS)
-def _quantize_task(
+def quantize_task(
     pairs, width, abs_mask, element_abs_mask, nonfinite_bits, to_fp32, rule, thr, ppb, codes, scales,
     lo, hi, mag,
 ):
@@ -188,7 +188,7 @@ def _quantize_blocks(
         hi = np.empty(size, dtype=thr.dtype)
         mag = np.empty(size, dtype=thr.dtype)
         task_codes = codes[ppb * first : ppb * stop]
-        _quantize_task(
+        quantize_task(
             pairs[ppb * first : ppb * stop], width, abs_mask, element_abs_mask, nonfinite_bits, to_fp32,
             rule, thr, ppb, task_codes, scales[first:stop], lo, hi, mag,
         )
@@ -282,9 +282,9 @@ def quantize_into(xt, block_size, scale_rule, rounding, codes, scales, dequantiz
 
 
 @functools.cache
-def _quantize_constants(dtype: torch.dtype, scale_rule: str, rounding: str) -> tuple:
-    """The arguments of _quantize_blocks between the input and ``ppb`` that depend only on the input dtype,
-    the scale rule and the rounding."""
+def quantize_constants(dtype: torch.dtype, scale_rule: str, rounding: str) -> tuple:
+    """The arguments of _quantize_blocks (and quantize_task) between the input pairs and ``ppb``: they
+    depend only on the input dtype, the scale rule and the rounding."""
     pair_dtype, width = _PAIRS[dtype]
     unsigned = _UNSIGNED[pair_dtype]
     return (unsigned(width), unsigned(_ABS_MASK[dtype]), np.array([_ABS_MASK[dtype]], dtype=_ELEMENT_UNSIGNED[width]),
@@ -305,7 +305,7 @@ def _quantize_blocks_of(xt, block_size, scale_rule, rounding, codes, scales, deq
         out_pairs = dequantized.view(-1).view(out_word).numpy().view(_UNSIGNED[out_word])
     _quantize_blocks(
         xt.reshape(-1).view(pair_dtype).numpy().view(_UNSIGNED[pair_dtype]),
-        *_quantize_constants(xt.dtype, scale_rule, rounding),
+        *quantize_constants(xt.dtype, scale_rule, rounding),
         block_size // 2,
         codes.view(-1).numpy(),
         scales.view(-1).numpy(),

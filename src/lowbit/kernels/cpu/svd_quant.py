@@ -50,6 +50,7 @@ INTEGER_PRODUCTS = simd.HAS_VNNI  # without VNNI, decode runs the float32 weight
 # when they are freed, so a whole 4096 x 4096 weight (32 MiB) had its pages faulted in again on every call
 # (34 ms against 25 ms at M = 256); a 16 MiB buffer is reused by the allocator.
 _PREFILL_TILE_BYTES = 16 << 20
+_BF16_QUANTIZER = mxfp4.quantize_constants(torch.bfloat16, "floor", "ta")  # the activation quantizer's constants
 STEP = 256  # elements of a row per step: 128 code bytes, 8 blocks, 32 int32 lanes
 _LANE_ELEMENTS = 8  # consecutive elements summed into one int32 lane
 _DOUBLED = (2 * mxfp4_format.e2m1_values()).to(torch.int8).numpy()  # code -> 2 * its value
@@ -103,6 +104,24 @@ def activation_operands(codes, scales, kp):
 
 
 @numba.njit(**NJIT_OPTIONS)
+def quantized_operands(x_pairs, m_rows, kp, width, abs_mask, element_abs_mask, nonfinite_bits, to_fp32, rule, thr):
+    """The activation (M, K) BF16 as uint32 pairs of elements, ``x_pairs`` (M * K/2,), quantized by the MXFP4
+    quantizer (lowbit.kernels.cpu.mxfp4.quantize_task; the arguments after ``kp`` are its constants for BF16,
+    floor scale and ties-away elements), then :func:`activation_operands`. Returns its five arrays and the
+    codes (M, K/2) and scales (M, K/32)."""
+    half_k = x_pairs.size // m_rows
+    codes = np.empty((m_rows, half_k), dtype=np.uint8)
+    scales = np.empty((m_rows, 2 * half_k // BLOCK), dtype=np.uint8)
+    lo = np.empty(x_pairs.size, dtype=thr.dtype)
+    hi = np.empty(x_pairs.size, dtype=thr.dtype)
+    mag = np.empty(x_pairs.size, dtype=thr.dtype)
+    mxfp4.quantize_task(x_pairs, width, abs_mask, element_abs_mask, nonfinite_bits, to_fp32, rule, thr, BLOCK // 2,
+                        codes.reshape(-1), scales.reshape(-1), lo, hi, mag)
+    low, high, start, field, bounds = activation_operands(codes, scales, kp)
+    return low, high, start, field, bounds, codes, scales
+
+
+@numba.njit(**NJIT_OPTIONS)
 def _safe(bounds, low, high, limit):
     """Whether an activation row of ``bounds`` (see activation_operands) and a weight row with scale bytes
     in [low, high] give only normal float32 products (field >= 1) and sums that cannot overflow (the row's
@@ -131,7 +150,7 @@ def product_gemv(low, high, start, field, bounds, codes, scales, y32, fallback):
     """y32 (M, N) float32 <- the activation operands (see activation_operands) times the weight codes
     (N, K/2) and scales (N, K/32) uint8 (blocks of 32 along K), for each weight row that :func:`_safe`
     admits for every activation row; ``fallback[n]`` (uint8, zeros on entry) is set to 1 for the others
-    (their y32 is not written)."""
+    (their y32 is not written). Returns how many rows fell back."""
     n, half_k = codes.shape
     m_rows, blocks = low.shape[0], scales.shape[1]
     full = 2 * half_k // STEP  # steps that lie inside the row; a last, short one is copied first
@@ -167,6 +186,7 @@ def product_gemv(low, high, start, field, bounds, codes, scales, y32, fallback):
                     acc = _step(acc, table, tail_codes, 0, low_flat, high_flat, x0 + full * STEP // 2,
                                 start_flat, field_flat, 0, tail_scales, lane0 + full * STEP // _LANE_ELEMENTS)
                 y32[m, row] = simd.f32v_sum_tree(acc)
+    return np.count_nonzero(fallback)
 
 
 # ---- the low-rank branch and the final add at decode ------------------------------------------------------
@@ -218,10 +238,10 @@ def _round_to_bf16(values, count, chunk):
 
 
 @numba.njit(**NJIT_OPTIONS)
-def add_low_rank(x_bits, d_bits, u_bits, out_bits):
-    """out (M, N) BF16 bits holding bf16(P) <- bf16(L + bf16(P)) with L = bf16(bf16(x @ d) @ u): x (M, K),
-    d (K, R), u (R, N) BF16 bit patterns (int16). Returns False, leaving ``out`` as it was, when an input
-    is NaN/Inf or a sum could overflow (:data:`_OVERFLOW_BOUND`)."""
+def add_low_rank(x_bits, d_bits, u_bits, products, out_bits):
+    """out (M, N) BF16 bits <- bf16(L + bf16(P)) with L = bf16(bf16(x @ d) @ u) and P = ``products`` (M, N)
+    float32: x (M, K), d (K, R), u (R, N) BF16 bit patterns (int16). Returns False, leaving ``out`` as it
+    was, when an input is NaN/Inf or a sum could overflow (:data:`_OVERFLOW_BOUND`)."""
     m_rows, k = x_bits.shape
     r, n = u_bits.shape
     largest_d, largest_u = _largest_magnitude(d_bits.reshape(-1)), _largest_magnitude(u_bits.reshape(-1))
@@ -243,7 +263,8 @@ def add_low_rank(x_bits, d_bits, u_bits, out_bits):
         _round_to_bf16(low[m], n, chunk)
     total = np.zeros(low.shape[1], dtype=np.float32)
     for m in range(m_rows):
-        _vector_matrix(one, out_bits[m : m + 1], total)
+        total[:n] = products[m]
+        _round_to_bf16(total, n, chunk)
         for j in range(0, n, lanes):
             value = simd.f32v_add(simd.f32v_load(low[m], j), simd.f32v_load(total, j))
             simd.f32v_store_as_bf16(chunk, 0, value)
@@ -258,21 +279,18 @@ class SvdQuant(Kernel):
         k, n = x.shape[-1], u.shape[1]
         x2d, out2d = x.view(-1, k), out.view(-1, n)
         scales = weight_scales(s, k).contiguous()
+        if x2d.shape[0] <= GEMV_MAX_M and INTEGER_PRODUCTS:
+            self._decode(x2d, w, scales, d, u, out2d)
+            return
         x_codes = torch.empty(x2d.shape[0], k // 2, dtype=torch.uint8)
         x_scales = torch.empty(x2d.shape[0], k // BLOCK, dtype=torch.uint8)
-        decode = x2d.shape[0] <= GEMV_MAX_M
-        if decode and INTEGER_PRODUCTS:
-            mxfp4.quantize_into(x2d, BLOCK, "floor", "ta", x_codes, x_scales)
-            self._product_dot(x_codes, x_scales, w, scales, out2d)
+        x_deq = torch.empty_like(x2d)
+        mxfp4.quantize_into(x2d, BLOCK, "floor", "ta", x_codes, x_scales, x_deq)
+        if x2d.shape[0] <= GEMV_MAX_M:
+            MXFP4_LINEAR.run(x_deq, w, scales, None, out=out2d)
         else:
-            x_deq = torch.empty_like(x2d)
-            mxfp4.quantize_into(x2d, BLOCK, "floor", "ta", x_codes, x_scales, x_deq)
-            if decode:
-                MXFP4_LINEAR.run(x_deq, w, scales, None, out=out2d)
-            else:
-                self._product_mm(x_deq, w, scales, out2d)
-        if not (decode and add_low_rank(as_numpy(x2d), as_numpy(d), as_numpy(u), as_numpy(out2d))):
-            out2d.add_((x2d @ d) @ u)
+            self._product_mm(x_deq, w, scales, out2d)
+        out2d.add_((x2d @ d) @ u)
 
     @staticmethod
     def _product_mm(x_deq, w, scales, out2d) -> None:
@@ -291,24 +309,27 @@ class SvdQuant(Kernel):
                 out2d[:, r0:r1] = torch.mm(x_deq, tile.T)
 
     @staticmethod
-    def _product_dot(x_codes, x_scales, w, scales, out2d) -> None:
-        """bf16(P) into out2d with :func:`product_gemv`; the weight rows it leaves to the float32 path
-        (non-finite or extreme scales) are computed by MXFP4_LINEAR on the dequantized activation."""
-        (m, half_k), n = x_codes.shape, out2d.shape[1]
-        k = 2 * half_k
-        operands = activation_operands(as_numpy(x_codes), as_numpy(x_scales), -(-k // STEP) * STEP)
+    def _decode(x2d, w, scales, d, u, out2d) -> None:
+        """Decode with VNNI: the activation quantized and turned into operands in numba, P by
+        :func:`product_gemv` (the weight rows it leaves to the float32 path, non-finite or extreme scales,
+        by MXFP4_LINEAR on the dequantized activation), then the low-rank branch and the final add."""
+        (m, k), n = x2d.shape, out2d.shape[1]
+        pairs = as_numpy(x2d.view(torch.int32)).reshape(-1).view(np.uint32)
+        *operands, x_codes, x_scales = quantized_operands(pairs, m, -(-k // STEP) * STEP, *_BF16_QUANTIZER)
         y32 = np.empty((m, n), dtype=np.float32)
         fallback = np.zeros(n, dtype=np.uint8)
         with kernel_threads(n * k, GEMV_ONE_THREAD_WEIGHTS):
-            product_gemv(*operands, as_numpy(w), as_numpy(scales), y32, fallback)
-        out2d.copy_(torch.from_numpy(y32))
-        rows = torch.from_numpy(np.flatnonzero(fallback))
-        if len(rows):
+            fell_back = product_gemv(*operands, as_numpy(w), as_numpy(scales), y32, fallback)
+        if fell_back:
+            rows = torch.from_numpy(np.flatnonzero(fallback))
             x_deq = torch.empty(m, k, dtype=torch.bfloat16)
-            mxfp4.DEQUANTIZE.run(x_codes, x_scales, torch.bfloat16, -1, out=x_deq)
+            mxfp4.DEQUANTIZE.run(torch.from_numpy(x_codes), torch.from_numpy(x_scales), torch.bfloat16, -1, out=x_deq)
             products = torch.empty(m, len(rows), dtype=torch.bfloat16)
             MXFP4_LINEAR.run(x_deq, w[rows], scales[rows], None, out=products)
-            out2d[:, rows] = products
+            y32[:, rows.numpy()] = products.float().numpy()
+        if not add_low_rank(as_numpy(x2d), as_numpy(d), as_numpy(u), y32, as_numpy(out2d)):
+            out2d.copy_(torch.from_numpy(y32))
+            out2d.add_((x2d @ d) @ u)
 
 
 SVD_QUANT = SvdQuant()
