@@ -276,6 +276,45 @@ def test_low_rank_leaves_non_finite_or_overflowing_inputs_to_torch(where, value)
     assert not ok and torch.equal(out, products)
 
 
+@pytest.mark.parametrize("where, scale", [("x", 1e-39), ("d", 1e-39), ("u", 1e-39), ("x", 1e-20), ("u", 1e-37)])
+def test_low_rank_leaves_subnormal_values_and_products_to_torch(where, scale):
+    """Subnormal inputs (1e-39), or products that can be subnormal (x d with x ~ d ~ 1e-20; T u with
+    u ~ 1e-37): torch's BF16 GEMM treats those as zero for some shapes, so the kernel declines."""
+    g = gen(5)
+    tensors = {"x": torch.randn(1, 64, generator=g), "d": torch.randn(64, 8, generator=g),
+               "u": torch.randn(8, 16, generator=g)}
+    if scale == 1e-20:
+        tensors["d"] *= scale
+    tensors[where] *= scale
+    tensors = {name: t.to(torch.bfloat16) for name, t in tensors.items()}
+    products = torch.randn(1, 16, generator=g).to(torch.bfloat16)
+    ok, out = low_rank_call(tensors["x"], tensors["d"], tensors["u"], products)
+    assert not ok and torch.equal(out, products)
+
+
+def test_low_rank_of_rank_zero_is_zero():
+    g = gen(6)
+    x, d, u = torch.randn(2, 64, generator=g).to(torch.bfloat16), torch.empty(64, 0, dtype=torch.bfloat16), \
+        torch.empty(0, 9, dtype=torch.bfloat16)
+    products = torch.randn(2, 9, generator=g).to(torch.bfloat16)
+    ok, out = low_rank_call(x, d, u, products)
+    assert ok and torch.equal(out, products + (x @ d) @ u)
+
+
+@pytest.mark.parametrize("case", ["subnormal d", "subnormal products", "rank 0"])
+def test_svd_quant_decode_low_rank_edge_cases_match_the_reference(case):
+    """The operator at decode against the reference where torch's GEMM may flush subnormals (K = 2080, two
+    rows: a shape where it does on CPUs with AVX512-BF16), and with R = 0."""
+    m, n, k, r = 2, 8, 2080, 0 if case == "rank 0" else 8
+    x, w, s, d, u = op.probe_inputs(m, n, k, r, seed=7)
+    if case == "subnormal d":
+        d, u = torch.full_like(d, 1e-39), torch.full_like(u, 3e38)
+    elif case == "subnormal products":
+        x, d, u = (x * 1e-21).to(torch.bfloat16), torch.full_like(d, 1e-20), torch.full_like(u, 3e38)
+    got = op.svd_quant(x, w, s, d, u, backend="native")
+    assert torch.equal(got, op.svd_quant(x, w, s, d, u, backend="reference"))
+
+
 @pytest.mark.parametrize("tile_bytes", [1, 3 * 2 * 96, 1 << 30])  # one row, 3 rows (a short last tile), all
 def test_prefill_tiles_of_the_dequantized_weight(monkeypatch, tile_bytes):
     monkeypatch.setattr(cpu_backend, "_PREFILL_TILE_BYTES", tile_bytes)

@@ -192,21 +192,39 @@ def product_gemv(low, high, start, field, bounds, codes, scales, y32, fallback):
 # ---- the low-rank branch and the final add at decode ------------------------------------------------------
 # Float32 sums of exact BF16 products, as torch's BF16 matmuls, in another order. Order matters only when
 # a partial sum can overflow or an input is NaN/Inf (which sums then meet +Inf and -Inf depends on it):
-# add_low_rank runs only where neither can happen, and leaves the other calls to torch.
+# add_low_rank runs only where neither can happen, and leaves the other calls to torch. Nor may a value,
+# a product or a partial sum be subnormal: torch's BF16 GEMM (vdpbf16ps, AMX) treats subnormal inputs and
+# results as zero for some shapes, and its plain loops do not.
 
 _OVERFLOW_BOUND = 2.0**126  # float32 sums whose terms' magnitudes add up to less never overflow
+# A normal BF16 value with exponent field E is a multiple of 2^(E - 134), so the products of two with fields
+# of at least Ea and Eb, and every float32 sum of them, are multiples of 2^(Ea + Eb - 268): never subnormal
+# (nonzero ones are at least that) when Ea + Eb >= 142.
+_NORMAL_PRODUCT_FIELDS = 142
 
 
 @numba.njit(**NJIT_OPTIONS)
-def _largest_magnitude(bits):
-    """The largest |value| of BF16 bit patterns (a 1-D int16 array) as float64; inf if any is NaN or Inf."""
-    largest = 0
+def _magnitude_range(bits):
+    """(smallest exponent field of the nonzero values: 0 if one is subnormal, 255 if all are zero; largest
+    |value| as float64: inf if one is NaN or Inf) of BF16 bit patterns (a 1-D int16 array)."""
+    largest, smallest = 0, 255
     for i in range(bits.size):
-        largest = max(largest, np.int32(bits[i]) & 0x7FFF)
+        magnitude = np.int32(bits[i]) & 0x7FFF
+        largest = max(largest, magnitude)
+        if magnitude:
+            smallest = min(smallest, magnitude >> 7)
     if largest >= 0x7F80:
-        return np.inf
+        return smallest, np.inf
     exponent, fraction = largest >> 7, largest & 0x7F
-    return math.ldexp(fraction, -133) if exponent == 0 else math.ldexp(128 + fraction, exponent - 134)
+    return smallest, math.ldexp(fraction, -133) if exponent == 0 else math.ldexp(128 + fraction, exponent - 134)
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _sums_are_plain(count, a_range, b_range):
+    """Whether ``count``-term float32 sums of products of values with the (smallest field, largest) ranges
+    a_range and b_range (see _magnitude_range) are finite and never subnormal, in any order."""
+    return (count * a_range[1] * b_range[1] < _OVERFLOW_BOUND
+            and a_range[0] + b_range[0] >= _NORMAL_PRODUCT_FIELDS)
 
 
 @numba.njit(**NJIT_OPTIONS)
@@ -241,10 +259,11 @@ def _round_to_bf16(values, count, chunk):
 def add_low_rank(x_bits, d_bits, u_bits, products, out_bits):
     """out (M, N) BF16 bits <- bf16(L + bf16(P)) with L = bf16(bf16(x @ d) @ u) and P = ``products`` (M, N)
     float32: x (M, K), d (K, R), u (R, N) BF16 bit patterns (int16). Returns False, leaving ``out`` as it
-    was, when an input is NaN/Inf or a sum could overflow (:data:`_OVERFLOW_BOUND`)."""
+    was, when an input is NaN/Inf, a sum could overflow (:data:`_OVERFLOW_BOUND`) or a value, product or
+    sum could be subnormal (:data:`_NORMAL_PRODUCT_FIELDS`)."""
     m_rows, k = x_bits.shape
     r, n = u_bits.shape
-    largest_d, largest_u = _largest_magnitude(d_bits.reshape(-1)), _largest_magnitude(u_bits.reshape(-1))
+    range_d, range_u = _magnitude_range(d_bits.reshape(-1)), _magnitude_range(u_bits.reshape(-1))
     lanes = simd.LANES
     chunk = np.zeros(lanes, dtype=np.int16)
     one = np.ones(1, dtype=np.float32)
@@ -252,12 +271,13 @@ def add_low_rank(x_bits, d_bits, u_bits, products, out_bits):
     t = np.zeros(-(-r // lanes) * lanes, dtype=np.float32)
     low = np.zeros((m_rows, -(-n // lanes) * lanes), dtype=np.float32)
     for m in range(m_rows):
-        if not k * _largest_magnitude(x_bits[m]) * largest_d < _OVERFLOW_BOUND:
+        if not _sums_are_plain(k, _magnitude_range(x_bits[m]), range_d):
             return False
         _vector_matrix(one, x_bits[m : m + 1], x32)
         _vector_matrix(x32, d_bits, t)
         _round_to_bf16(t, r, chunk)
-        if not r * np.abs(t).max() * largest_u < _OVERFLOW_BOUND:
+        t_bits = (t.view(np.int32)[:r] >> 16).astype(np.int16)  # T's BF16 bit patterns
+        if not _sums_are_plain(r, _magnitude_range(t_bits), range_u):
             return False
         _vector_matrix(t, u_bits, low[m])
         _round_to_bf16(low[m], n, chunk)
