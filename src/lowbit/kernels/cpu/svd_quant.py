@@ -50,6 +50,10 @@ INTEGER_PRODUCTS = simd.HAS_VNNI  # without VNNI, decode runs the float32 weight
 # when they are freed, so a whole 4096 x 4096 weight (32 MiB) had its pages faulted in again on every call
 # (34 ms against 25 ms at M = 256); a 16 MiB buffer is reused by the allocator.
 _PREFILL_TILE_BYTES = 16 << 20
+# The integer GEMV runs on one thread below this many weights: it takes half the float32 GEMV's time per weight,
+# so waking the second thread pays off only on about twice the work (N = 2816, K = 2048 at decode: a call
+# of svd_quant 0.26-0.29 ms on one thread, 0.29-0.34 ms on two; 4096 x 4096: two threads are faster).
+_PRODUCT_ONE_THREAD_WEIGHTS = 2 * GEMV_ONE_THREAD_WEIGHTS
 _BF16_QUANTIZER = mxfp4.quantize_constants(torch.bfloat16, "floor", "ta")  # the activation quantizer's constants
 STEP = 256  # elements of a row per step: 128 code bytes, 8 blocks, 32 int32 lanes
 _LANE_ELEMENTS = 8  # consecutive elements summed into one int32 lane
@@ -207,12 +211,12 @@ _NORMAL_PRODUCT_FIELDS = 142
 def _magnitude_range(bits):
     """(smallest exponent field of the nonzero values: 0 if one is subnormal, 255 if all are zero; largest
     |value| as float64: inf if one is NaN or Inf) of BF16 bit patterns (a 1-D int16 array)."""
-    largest, smallest = 0, 255
-    for i in range(bits.size):
+    largest, smallest_nonzero = 0, 0x7FFF
+    for i in range(bits.size):  # branch-free, so that LLVM vectorizes it
         magnitude = np.int32(bits[i]) & 0x7FFF
         largest = max(largest, magnitude)
-        if magnitude:
-            smallest = min(smallest, magnitude >> 7)
+        smallest_nonzero = min(smallest_nonzero, magnitude + (magnitude == 0) * 0x7FFF)
+    smallest = 255 if smallest_nonzero == 0x7FFF else smallest_nonzero >> 7
     if largest >= 0x7F80:
         return smallest, np.inf
     exponent, fraction = largest >> 7, largest & 0x7F
@@ -338,7 +342,7 @@ class SvdQuant(Kernel):
         *operands, x_codes, x_scales = quantized_operands(pairs, m, -(-k // STEP) * STEP, *_BF16_QUANTIZER)
         y32 = np.empty((m, n), dtype=np.float32)
         fallback = np.zeros(n, dtype=np.uint8)
-        with kernel_threads(n * k, GEMV_ONE_THREAD_WEIGHTS):
+        with kernel_threads(n * k, _PRODUCT_ONE_THREAD_WEIGHTS):
             fell_back = product_gemv(*operands, as_numpy(w), as_numpy(scales), y32, fallback)
         if fell_back:
             rows = torch.from_numpy(np.flatnonzero(fallback))
