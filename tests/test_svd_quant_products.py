@@ -322,3 +322,36 @@ def test_prefill_tiles_of_the_dequantized_weight(monkeypatch, tile_bytes):
     out = torch.empty(9, 10, dtype=torch.bfloat16)
     cpu_backend.SVD_QUANT.run(x, w, s, d, u, out=out)
     assert op.agrees(out, ref.svd_quant(x, w, s, d, u))
+
+
+@pytest.mark.parametrize("where", ["x", "w"])
+def test_prefill_with_subnormal_dequantized_values_multiplies_in_float32(where):
+    """Blocks whose values are BF16 subnormals (scale byte 0) times large values of the other operand: torch's
+    BF16 GEMM would treat them as zero, the reference (float32) keeps their normal products."""
+    m, n, k = 8, 16, 256
+    x = torch.full((m, k), 1.0, dtype=torch.bfloat16)
+    w = torch.full((n, k // 2), 0x22, dtype=torch.uint8)  # every element 1.0
+    s = torch.full((n, k // 64, 2), 250, dtype=torch.uint8)
+    if where == "x":
+        x[:, :32] = 2.0**-127  # its block's scale byte is 0, the weights' 250
+        x[:, 32:] = 0
+    else:
+        s[:, 0, 0] = 0  # weight block 0 at 2^-127, x block 0 large
+        x[:, :32] = 2.0**120
+        x[:, 32:] = 0
+    d, u = torch.zeros(k, 4, dtype=torch.bfloat16), torch.zeros(4, n, dtype=torch.bfloat16)
+    want = ref.svd_quant(x, w, s, d, u)
+    assert (want != 0).all()
+    out = torch.empty(m, n, dtype=torch.bfloat16)
+    cpu_backend.SVD_QUANT.run(x, w, s, d, u, out=out)
+    assert op.agrees(out, want)
+
+
+def test_zero_blocks_with_small_scales_keep_the_bf16_gemm():
+    codes = torch.zeros(3, 64, dtype=torch.uint8)
+    scales = torch.zeros(3, 4, dtype=torch.uint8)
+    assert not cpu_backend._has_subnormal_values(codes, scales)
+    codes[1, 20] = 0x08  # -0.0: still no nonzero value
+    assert not cpu_backend._has_subnormal_values(codes, scales)
+    codes[1, 20] = 0x10  # element 41 = 0.5 * 2^-127
+    assert cpu_backend._has_subnormal_values(codes, scales)

@@ -24,9 +24,10 @@ the activation as ``2 cx`` (-12..12); each lane starts from ``-12 * sum(2 cx)`` 
 cancels the offset. Exactness is checked per pair of (activation row, weight row) from the scale bytes
 (:func:`_safe`).
 
-Memory: the activation's codes, scales, integer operands and (M, K) BF16 dequantized copy, and with more
-than GEMV_MAX_M rows a temporary BF16 tile of the weight (at most 16 MiB, or one row); nothing is cached
-between calls.
+Memory: the activation's codes, scales and integer operands (at decode; its (M, K) BF16 dequantized copy
+only for rows that fall back, or at prefill), and with more than GEMV_MAX_M rows a temporary BF16 tile of
+the weight (at most 16 MiB, or one row; a float32 copy of the whole weight where a block's values are BF16
+subnormals); nothing is cached between calls.
 """
 
 from __future__ import annotations
@@ -296,6 +297,20 @@ def add_low_rank(x_bits, d_bits, u_bits, products, out_bits):
     return True
 
 
+_SMALLEST_NORMAL_SCALE = 2  # below this E8M0 byte, an MXFP4 block's nonzero values are BF16 subnormals
+
+
+def _has_subnormal_values(codes: torch.Tensor, scales: torch.Tensor) -> bool:
+    """Whether a block of MXFP4 codes (..., K/2) with scales (..., K/32) holds a nonzero value that is a BF16
+    subnormal (scale byte below 2). torch's BF16 GEMM treats those as zero, so the prefill path multiplies in
+    float32 then, as the reference does (their products with large weights are normal numbers)."""
+    tiny = scales < _SMALLEST_NORMAL_SCALE
+    if not bool(tiny.any()):
+        return False
+    nonzero = (codes.view(*scales.shape, BLOCK // 2) & 0x77).ne(0).any(-1)
+    return bool(nonzero[tiny].any())
+
+
 class SvdQuant(Kernel):
     """svd_quant on the CPU: contiguous x (B..., S, K) BF16 and the other inputs into contiguous BF16 ``out``."""
 
@@ -312,6 +327,10 @@ class SvdQuant(Kernel):
         mxfp4.quantize_into(x2d, BLOCK, "floor", "ta", x_codes, x_scales, x_deq)
         if x2d.shape[0] <= GEMV_MAX_M:
             MXFP4_LINEAR.run(x_deq, w, scales, None, out=out2d)
+        elif _has_subnormal_values(x_codes, x_scales) or _has_subnormal_values(w, scales):
+            w32 = torch.empty(n, k, dtype=torch.float32)
+            mxfp4.DEQUANTIZE.run(w, scales, torch.float32, -1, out=w32)
+            out2d.copy_(x_deq.float() @ w32.T)
         else:
             self._product_mm(x_deq, w, scales, out2d)
         out2d.add_((x2d @ d) @ u)
