@@ -413,6 +413,20 @@ def test_mxfp8_every_code_under_every_scale_byte(dtype, kind):
     assert torch.equal(y32[finite].view(torch.int32), want[finite].view(torch.int32))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_mxfp8_rows_at_the_edges_of_the_exact_scale_range(dtype):
+    """Rows whose scale bytes all lie in the range where the weights need no rounding to x's dtype (the
+    kernel skips the rounding there), at both ends of it and one byte past each end, every finite code in each."""
+    low, high = cpu._MXFP8_EXACT_BYTES_BF16 if dtype == torch.bfloat16 else cpu._MXFP8_EXACT_BYTES_F16
+    row_scales = [(low, high), (low, low), (high, high), (low - 1, high), (low, high + 1), (low - 1, low - 1),
+                  (high + 1, high + 1)]
+    codes = torch.tensor(FINITE_E4M3 + [0, 0], dtype=torch.uint8).repeat(len(row_scales), 1)  # K = 256, no NaN
+    scales = torch.tensor([[a, b] * 4 for a, b in row_scales], dtype=torch.uint8)
+    x = (torch.rand(3, 256, generator=gen(15)) * 2.0**-12).to(dtype)  # small: a rounding to Inf would show
+    for m in (1, 3):
+        native_equals_reference(OPS["mxfp8"], x[:m], codes, scales, None)
+
+
 def _lookup_with(lookup):
     @numba.njit
     def run(table, index, out):

@@ -546,6 +546,20 @@ def _round_f16(value):
 
 
 @numba.njit(**_INLINE)
+def _exact(value):
+    """No rounding: the weights are values of x's dtype already (see _MXFP8_EXACT_BYTES)."""
+    return value
+
+
+# MXFP8: E8M0 bytes b for which every E4M3 value times 2^(b - 127) is a normal value of x's dtype, so that
+# rounding the weight to that dtype changes nothing and a row whose scale bytes all lie in the range skips
+# it (about a third of a step). BF16: 2^-9 * 2^(b - 127) >= 2^-126 and 448 * 2^(b - 127) <= the largest
+# finite BF16; FP16: >= 2^-14 and <= 65504.
+_MXFP8_EXACT_BYTES_BF16 = (10, 246)
+_MXFP8_EXACT_BYTES_F16 = (122, 134)
+
+
+@numba.njit(**_INLINE)
 def _mxfp8_step(round_to, codes, start, table, byte_a, byte_b):
     """MXFP8: 64 codes at ``codes[start]`` (two 32-blocks with E8M0 bytes ``byte_a``, ``byte_b``) as weights:
     the E4M3 value times the block's scale in float32, then ``round_to`` x's dtype (docs/weight_only.md)."""
@@ -592,13 +606,20 @@ def _mxfp8_gemv(x_reg, codes, scales, bf16, table, y32):
     for task in numba.prange((n + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
         scratch = np.zeros(LANES, dtype=np.uint8)
         for row in range(task * _ROWS_PER_TASK, min(n, (task + 1) * _ROWS_PER_TASK)):
+            low, high = _low_byte_range(scales_flat, row * blocks, blocks)
+            exact_range = _MXFP8_EXACT_BYTES_BF16 if bf16 else _MXFP8_EXACT_BYTES_F16
+            exact = exact_range[0] <= low and high <= exact_range[1]
             for m in range(m_rows):
-                if bf16:
-                    y32[m, row] = _mxfp8_row_sum(_round_bf16, x_flat, m * kp, codes_flat, scales_flat, row * k,
-                                                 row * blocks, k, table, scratch)
+                c0, s0 = row * k, row * blocks
+                if exact:
+                    y32[m, row] = _mxfp8_row_sum(_exact, x_flat, m * kp, codes_flat, scales_flat, c0, s0, k, table,
+                                                 scratch)
+                elif bf16:
+                    y32[m, row] = _mxfp8_row_sum(_round_bf16, x_flat, m * kp, codes_flat, scales_flat, c0, s0, k,
+                                                 table, scratch)
                 else:
-                    y32[m, row] = _mxfp8_row_sum(_round_f16, x_flat, m * kp, codes_flat, scales_flat, row * k,
-                                                 row * blocks, k, table, scratch)
+                    y32[m, row] = _mxfp8_row_sum(_round_f16, x_flat, m * kp, codes_flat, scales_flat, c0, s0, k,
+                                                 table, scratch)
 
 
 @numba.njit(**_INLINE)
