@@ -65,3 +65,12 @@ def test_idle_cpus_counts_idle_time_not_the_load_average(monkeypatch):
     monkeypatch.setattr(warm, "_cpu_times", lambda: next(quiet))
     monkeypatch.setattr(warm.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     assert warm.idle_cpus(window=0) == 2
+
+
+def test_a_family_using_another_family_is_warmed_after_it():
+    """svd_quant's kernels call the MXFP4 quantizer and the weight-only GEMV: its worker must start after
+    theirs, so that it loads them from the cache instead of compiling them again."""
+    families = warm.families(operators().values())
+    users = [module for module in families if warm._uses_other_families(module, families)]
+    assert users == ["lowbit.kernels.cpu.svd_quant"]
+    assert not warm._uses_other_families("lowbit.kernels.cpu.svd_quant", ["lowbit.kernels.cpu.hifloat4"])

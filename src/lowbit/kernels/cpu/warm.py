@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import importlib
+import inspect
 import multiprocessing
 import os
 import time
@@ -86,6 +87,18 @@ def idle_cpus(window: float = 0.1) -> int:
     return max(0, round(cpus - load + 0.25))
 
 
+def _uses_other_families(module_name: str, families_: Iterable[str]) -> bool:
+    """Whether kernel module ``module_name`` holds numba kernels, kernel objects or modules of another of
+    ``families_`` (module names), i.e. compiles some of their kernels when it runs."""
+    others = set(families_) - {module_name}
+    for value in vars(importlib.import_module(module_name)).values():
+        source = value.__name__ if inspect.ismodule(value) else getattr(
+            getattr(value, "py_func", value), "__module__", None)
+        if source in others:
+            return True
+    return False
+
+
 def warm_cache(ops: Iterable[Operator], workers: int | None = None) -> list[str]:
     """Compile the CPU kernels of the cold families among ``ops`` in parallel; returns those modules.
 
@@ -93,13 +106,16 @@ def warm_cache(ops: Iterable[Operator], workers: int | None = None) -> list[str]
     when fewer than two families are cold or fewer than two workers would run: on CPUs busy with other
     work, worker processes only add their start-up to the same compile time (benchmarks/
     results_first_run.md). Families are submitted largest kernel module first, so that the longest
-    compile starts first.
+    compile starts first, except that a family using another cold family's kernels (svd_quant uses the
+    MXFP4 quantizer and weight-only GEMV) comes after it: its worker then loads them from the cache rather
+    than compiling them a second time alongside.
     """
     cold = {module: names for module, names in families(ops).items() if is_cold(module)}
     workers = min(idle_cpus() if workers is None else workers, len(cold))
     if workers < 2:
         return []
-    order = sorted(cold, key=lambda m: -os.path.getsize(importlib.import_module(m).__file__))
+    order = sorted(cold, key=lambda m: (_uses_other_families(m, cold),
+                                        -os.path.getsize(importlib.import_module(m).__file__)))
     context = multiprocessing.get_context("spawn")  # no fork of a process that may run OpenMP threads
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
         done = [pool.submit(_warm_family, cold[module]) for module in order]
