@@ -1,5 +1,6 @@
 """SVDQuant on the CPU: the numba MXFP4 activation quantizer, numba products with the packed MXFP4 weight,
-and torch's BF16 matmuls (oneDNN) for the low-rank branch.
+and the low-rank branch in numba at decode (where it gives torch's results; see add_low_rank), torch's
+BF16 matmuls (oneDNN) otherwise.
 
 The quantized activation is exact in BF16 (an E2M1 value times a power of two), and so is every product of
 it with an MXFP4 weight. L is added in BF16: ``out = bf16(L + bf16(P))`` (docs/svd_quant.md, section 'The
