@@ -1,5 +1,7 @@
-"""Helpers shared by the tests: bit views, dtype lists, WeightQuantBatchMatmul operands, running the CLI."""
+"""Helpers shared by the tests: bit views, dtype lists, WeightQuantBatchMatmul operands, SIMD intrinsics run
+from Python, running the CLI."""
 
+import numba
 import torch
 
 from lowbit.dtypes import bit_view
@@ -11,6 +13,17 @@ FLOAT_DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 def bits(t: torch.Tensor) -> torch.Tensor:
     """The bit patterns of ``t`` (same-width integers for floats), contiguous: compare with torch.equal."""
     return bit_view(t.contiguous())
+
+
+def simd_binary(intrinsic, load_a, load_b, store):
+    """A jitted ``run(a, b, out)``: ``store(out, 0, intrinsic(load_a(a, 0), load_b(b, 0)))`` (lowbit's SIMD
+    intrinsics on one register's worth of each array)."""
+
+    @numba.njit
+    def run(a, b, out):
+        store(out, 0, intrinsic(load_a(a, 0), load_b(b, 0)))
+
+    return run
 
 
 def wqbmm_operands(m: int, k: int, n: int, g: int, dtype=torch.float16, seed: int = 0):

@@ -11,7 +11,9 @@ from lowbit.formats import mxfp4
 from lowbit.formats import svd_quant as ref
 from lowbit.kernels.cpu import _simd as simd
 from lowbit.kernels.cpu import svd_quant as cpu_backend
+from lowbit.kernels.cpu import weight_only
 from lowbit.kernels.cpu.weight_only import MXFP4_LINEAR
+from helpers import simd_binary
 
 needs_vnni = pytest.mark.skipif(not cpu_backend.INTEGER_PRODUCTS, reason="the integer path needs AVX512-VNNI")
 
@@ -23,18 +25,12 @@ def gen(seed):
 # ---- SIMD steps -----------------------------------------------------------------------------------------
 
 
-def _binary_with(intrinsic):
-    @numba.njit
-    def run(a, b, out):
-        simd.i32v_store(out, 0, intrinsic(simd.i32v_load(a, 0), simd.i32v_load(b, 0)))
-    return run
-
-
 @pytest.mark.parametrize("lowering", ["portable", "avx512"])
 def test_shuffle_bytes_every_index_in_every_piece(lowering):
     if lowering == "avx512" and not simd.HAS_AVX512BW:
         pytest.skip("no AVX512-BW on this CPU")
-    run = _binary_with(simd.shuffle_bytes_avx512 if lowering == "avx512" else simd.shuffle_bytes_portable)
+    shuffle = simd.shuffle_bytes_avx512 if lowering == "avx512" else simd.shuffle_bytes_portable
+    run = simd_binary(shuffle, simd.i32v_load, simd.i32v_load, simd.i32v_store)
     table = np.random.default_rng(0).integers(0, 256, 128, dtype=np.uint8)
     for shift in (0, 1):
         index = ((np.arange(128) * 5 + shift) % 256).astype(np.uint8)  # top bit set in half of them
@@ -315,9 +311,9 @@ def test_svd_quant_decode_low_rank_edge_cases_match_the_reference(case):
     assert torch.equal(got, op.svd_quant(x, w, s, d, u, backend="reference"))
 
 
-@pytest.mark.parametrize("tile_bytes", [1, 3 * 2 * 96, 1 << 30])  # one row, 3 rows (a short last tile), all
+@pytest.mark.parametrize("tile_bytes", [1, 3 * 2 * 128, 1 << 30])  # one row, 3 rows (a short last tile), all
 def test_prefill_tiles_of_the_dequantized_weight(monkeypatch, tile_bytes):
-    monkeypatch.setattr(cpu_backend, "_PREFILL_TILE_BYTES", tile_bytes)
+    monkeypatch.setattr(weight_only, "GEMM_TILE_BYTES", tile_bytes)
     x, w, s, d, u = op.probe_inputs(9, 10, 96, 8, seed=5)
     out = torch.empty(9, 10, dtype=torch.bfloat16)
     cpu_backend.SVD_QUANT.run(x, w, s, d, u, out=out)

@@ -13,6 +13,7 @@ from lowbit.formats import weight_only as reference
 from lowbit.kernels.cpu import _simd as simd
 from lowbit.kernels.cpu import weight_only as cpu
 from lowbit.ops import weight_only as ops
+from helpers import simd_binary
 
 triton_kernels = pytest.importorskip("lowbit.kernels.triton.weight_only", reason="triton is not installed")
 
@@ -427,18 +428,12 @@ def test_mxfp8_rows_at_the_edges_of_the_exact_scale_range(dtype):
         native_equals_reference(OPS["mxfp8"], x[:m], codes, scales, None)
 
 
-def _lookup_with(lookup):
-    @numba.njit
-    def run(table, index, out):
-        simd.f32v_store(out, 0, lookup(simd.f32v_load(table, 0), simd.i32v_load(index, 0)))
-    return run
-
-
 @pytest.mark.parametrize("lowering", ["portable", "avx512"])
 def test_lookup16_every_index_in_both_pieces(lowering):
     if lowering == "avx512" and not simd.HAS_AVX512F:
         pytest.skip("no AVX-512 on this CPU")
-    run = _lookup_with(simd.lookup16_avx512 if lowering == "avx512" else simd.lookup16_portable)
+    lookup = simd.lookup16_avx512 if lowering == "avx512" else simd.lookup16_portable
+    run = simd_binary(lookup, simd.f32v_load, simd.i32v_load, simd.f32v_store)
     table = np.arange(32, dtype=np.float32) * 0.5 - 3
     for high_bits in (0, 0x30, 0xFFFFFF00):  # bits above the low 4 are ignored
         index = ((np.arange(32) * 7) % 16 | high_bits).astype(np.uint32).view(np.int32)

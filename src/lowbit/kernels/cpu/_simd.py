@@ -95,6 +95,29 @@ def _splat(builder, scalar, vector_type):
     return builder.shuffle_vector(first, undef, zeros)
 
 
+def _concatenated(builder, pieces):
+    """One vector of the equally long vectors ``pieces`` (a power of two of them), in order."""
+    while len(pieces) > 1:
+        n = pieces[0].type.count
+        pieces = [builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, 2 * n), list(range(2 * n))))
+                  for lo, hi in zip(pieces[0::2], pieces[1::2])]
+    return pieces[0]
+
+
+def _make_binary(lower, result, doc):
+    """An @intrinsic ``f(a, b)`` of result type ``result`` (I32V or F32V) lowered by ``lower(builder, a, b)``."""
+
+    @intrinsic
+    def binary(typingctx, a, b):
+        def codegen(context, builder, sig, args):
+            return lower(builder, args[0], args[1])
+
+        return result(a, b), codegen
+
+    binary.__doc__ = doc
+    return binary
+
+
 # ---- integer tiles -------------------------------------------------------------------------------------
 
 
@@ -172,13 +195,7 @@ def _dpbusd_vnni(builder, acc, w, a_splat):
         lanes = ir.Constant(ir.VectorType(_I32, 16), list(range(16 * p, 16 * p + 16)))
         acc_p, w_p = (builder.shuffle_vector(v, undef, lanes) for v in (acc, w))
         pieces.append(builder.call(fn, [acc_p, w_p, builder.shuffle_vector(a_splat, undef, lanes)]))
-    while len(pieces) > 1:  # concatenate pairwise back to LANES lanes
-        merged = []
-        for lo, hi in zip(pieces[0::2], pieces[1::2]):
-            n = lo.type.count
-            merged.append(builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, 2 * n), list(range(2 * n)))))
-        pieces = merged
-    return pieces[0]
+    return _concatenated(builder, pieces)
 
 
 def _make_dpbusd(lower):
@@ -234,11 +251,7 @@ def _shuffle_bytes_avx512(builder, table, index):
     for p in range(4 * LANES // 64):
         lanes = ir.Constant(ir.VectorType(_I32, 64), list(range(64 * p, 64 * p + 64)))
         pieces.append(builder.call(fn, [builder.shuffle_vector(v, v, lanes) for v in (table, index)]))
-    while len(pieces) > 1:
-        n = pieces[0].type.count
-        pieces = [builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, 2 * n), list(range(2 * n))))
-                  for lo, hi in zip(pieces[0::2], pieces[1::2])]
-    return builder.bitcast(pieces[0], _VI32)
+    return builder.bitcast(_concatenated(builder, pieces), _VI32)
 
 
 def _shuffle_bytes_portable(builder, table, index):
@@ -256,22 +269,10 @@ def _shuffle_bytes_portable(builder, table, index):
     return builder.bitcast(result, _VI32)
 
 
-def _make_shuffle_bytes(lower):
-    @intrinsic
-    def shuffle_bytes(typingctx, table, index):
-        """Byte look-up within 16-byte pieces (vpshufb): byte p <- byte ``16 (p // 16) + (index byte p & 15)``
-        of ``table``, or 0 where index byte p has its top bit set."""
-
-        def codegen(context, builder, sig, args):
-            return lower(builder, args[0], args[1])
-
-        return I32V(table, index), codegen
-
-    return shuffle_bytes
-
-
-shuffle_bytes_portable = _make_shuffle_bytes(_shuffle_bytes_portable)
-shuffle_bytes_avx512 = _make_shuffle_bytes(_shuffle_bytes_avx512)
+_SHUFFLE_BYTES_DOC = """Byte look-up within 16-byte pieces (vpshufb): byte p <- byte ``16 (p // 16) + (index byte p & 15)``
+of ``table``, or 0 where index byte p has its top bit set."""
+shuffle_bytes_portable = _make_binary(_shuffle_bytes_portable, I32V, _SHUFFLE_BYTES_DOC)
+shuffle_bytes_avx512 = _make_binary(_shuffle_bytes_avx512, I32V, _SHUFFLE_BYTES_DOC)
 shuffle_bytes = shuffle_bytes_avx512 if HAS_AVX512BW else shuffle_bytes_portable
 
 
@@ -629,11 +630,7 @@ def _lookup16_avx512(builder, table, index):
         piece = ir.Constant(v16i, list(range(16 * p, 16 * p + 16)))
         entries = builder.shuffle_vector(table, table, piece)
         pieces.append(builder.call(fn, [entries, builder.shuffle_vector(index, index, piece)]))
-    while len(pieces) > 1:
-        n = pieces[0].type.count
-        pieces = [builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, 2 * n), list(range(2 * n))))
-                  for lo, hi in zip(pieces[0::2], pieces[1::2])]
-    return pieces[0]
+    return _concatenated(builder, pieces)
 
 
 def _lookup16_portable(builder, table, index):
@@ -647,22 +644,10 @@ def _lookup16_portable(builder, table, index):
     return result
 
 
-def _make_lookup16(lower):
-    @intrinsic
-    def lookup16(typingctx, table, index):
-        """Per 16-lane piece p: lane i <- table lane ``16 p + (index[i] & 15)`` (each piece of ``table``
-        holds that piece's 16 entries; the index bits above the low 4 are ignored)."""
-
-        def codegen(context, builder, sig, args):
-            return lower(builder, args[0], args[1])
-
-        return F32V(table, index), codegen
-
-    return lookup16
-
-
-lookup16_portable = _make_lookup16(_lookup16_portable)
-lookup16_avx512 = _make_lookup16(_lookup16_avx512)
+_LOOKUP16_DOC = """Per 16-lane piece p: lane i <- table lane ``16 p + (index[i] & 15)`` (each piece of ``table`` holds
+that piece's 16 entries; the index bits above the low 4 are ignored)."""
+lookup16_portable = _make_binary(_lookup16_portable, F32V, _LOOKUP16_DOC)
+lookup16_avx512 = _make_binary(_lookup16_avx512, F32V, _LOOKUP16_DOC)
 lookup16 = lookup16_avx512 if HAS_AVX512F else lookup16_portable
 
 

@@ -10,8 +10,9 @@ final add'). ``P = deq(xq) @ deq(w)^T``:
   operands (:func:`product_gemv`, below); the weight rows it cannot take exactly go to the float32
   weight-only kernel (lowbit.kernels.cpu.weight_only) on the dequantized activation, as does every row
   on a CPU without VNNI. Float32 sums, rounded once to BF16.
-* With more rows the weight is dequantized to BF16, up to _PREFILL_TILE_BYTES of rows at a time, and
-  multiplied by torch's BF16 GEMM (faster there than the fused kernels).
+* With more rows, the weight-only kernel's GEMM path: the weight decoded to BF16 in tiles of rows and
+  multiplied by torch's BF16 GEMM (faster there than the fused kernels); in float32 where a block's values
+  are BF16 subnormals (:func:`_has_subnormal_values`).
 
 The integer products: every E2M1 value is an integer over 2 (0, 0.5, 1, 1.5, 2, 3, 4, 6), so a product of
 an activation element and a weight element of blocks with scales 2^ex and 2^ew is
@@ -27,8 +28,8 @@ cancels the offset. Exactness is checked per pair of (activation row, weight row
 
 Memory: the activation's codes, scales and integer operands (at decode; its (M, K) BF16 dequantized copy
 only for rows that fall back, or at prefill), and with more than GEMV_MAX_M rows a temporary BF16 tile of
-the weight (at most 16 MiB, or one row; a float32 copy of the whole weight where a block's values are BF16
-subnormals); nothing is cached between calls.
+the weight (the weight-only kernel's, at most 16 MiB; a float32 copy of the whole weight where a block's
+values are BF16 subnormals); nothing is cached between calls.
 """
 
 from __future__ import annotations
@@ -48,10 +49,6 @@ from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, as_
 from lowbit.kernels.cpu.weight_only import GEMV_MAX_M, GEMV_ONE_THREAD_WEIGHTS, MXFP4_LINEAR, _low_byte_range
 
 INTEGER_PRODUCTS = simd.HAS_VNNI  # without VNNI, decode runs the float32 weight-only kernel
-# Prefill: BF16 weight rows dequantized at a time. glibc's allocator gives blocks over 32 MiB back to the OS
-# when they are freed, so a whole 4096 x 4096 weight (32 MiB) had its pages faulted in again on every call
-# (34 ms against 25 ms at M = 256); a 16 MiB buffer is reused by the allocator.
-_PREFILL_TILE_BYTES = 16 << 20
 # The integer GEMV runs on one thread below this many weights: it takes half the float32 GEMV's time per weight,
 # so waking the second thread pays off only on about twice the work (N = 2816, K = 2048 at decode: a call
 # of svd_quant 0.26-0.29 ms on one thread, 0.29-0.34 ms on two; 4096 x 4096: two threads are faster).
@@ -328,31 +325,14 @@ class SvdQuant(Kernel):
         x_scales = torch.empty(x2d.shape[0], k // BLOCK, dtype=torch.uint8)
         x_deq = torch.empty_like(x2d)
         mxfp4.quantize_into(x2d, BLOCK, "floor", "ta", x_codes, x_scales, x_deq)
-        if x2d.shape[0] <= GEMV_MAX_M:
-            MXFP4_LINEAR.run(x_deq, w, scales, None, out=out2d)
-        elif _has_subnormal_values(x_codes, x_scales) or _has_subnormal_values(w, scales):
+        prefill = x2d.shape[0] > GEMV_MAX_M
+        if prefill and (_has_subnormal_values(x_codes, x_scales) or _has_subnormal_values(w, scales)):
             w32 = torch.empty(n, k, dtype=torch.float32)
             mxfp4.DEQUANTIZE.run(w, scales, torch.float32, -1, out=w32)
             out2d.copy_(x_deq.float() @ w32.T)
-        else:
-            self._product_mm(x_deq, w, scales, out2d)
+        else:  # the weight-only kernel: its float32 GEMV, or BF16 tiles and torch's BF16 GEMM (prefill)
+            MXFP4_LINEAR.run(x_deq, w, scales, None, out=out2d)
         out2d.add_((x2d @ d) @ u)
-
-    @staticmethod
-    def _product_mm(x_deq, w, scales, out2d) -> None:
-        """bf16(P) into out2d by torch's BF16 GEMM on the weight dequantized to BF16, _PREFILL_TILE_BYTES of
-        rows at a time."""
-        (m, k), n = x_deq.shape, out2d.shape[1]
-        rows = max(1, min(n, _PREFILL_TILE_BYTES // (2 * k)))
-        buffer = torch.empty(rows, k, dtype=torch.bfloat16)
-        for r0 in range(0, n, rows):
-            r1 = min(n, r0 + rows)
-            tile = buffer[: r1 - r0]
-            mxfp4.DEQUANTIZE.run(w[r0:r1], scales[r0:r1], torch.bfloat16, -1, out=tile)
-            if r1 - r0 == n:
-                torch.mm(x_deq, tile.T, out=out2d)
-            else:
-                out2d[:, r0:r1] = torch.mm(x_deq, tile.T)
 
     @staticmethod
     def _decode(x2d, w, scales, d, u, out2d) -> None:
