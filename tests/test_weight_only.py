@@ -180,6 +180,34 @@ def test_products_below_the_normal_range_are_rounded_before_the_sum(fmt):
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
+@pytest.mark.parametrize("fmt, k", [(fmt, k) for fmt in FUSING for k in (128, 192)] + [("mxfp4", 160), ("hifloat8", 160)])
+def test_blocks_of_rows_with_some_rows_not_fused(fmt, k):
+    """The GEMV sums rows cpu.ROW_BLOCK at a time; a block with a row that must not be fused goes row by row.
+    21 rows: blocks in both 8-row tasks, a short third task. Rows 2 and 9 hold +-2^17, whose products with x
+    row 1 overflow float32: Inf as the reference sums them, finite if fused (see the test below); with the
+    other x rows their blocks are fused. K = 160: no row blocks (an odd number of MXFP4 blocks, a short
+    8-bit step)."""
+    g = gen(k)
+    op, quantize, weight_of = FUSING[fmt]
+    w = torch.randn(21, k, generator=g)
+    w[[2, 9]] = 0.0
+    w[[2, 9], 0], w[[2, 9], 64] = -(2.0**17), 2.0**17
+    weight = quantize(w)
+    v = float(weight_of(weight)[2, 64])
+    x = torch.randn(4, k, generator=g)
+    x[1, 64] = 2.0 ** (128 - np.floor(np.log2(v)))
+    x[1, 0] = x[1, 64] / 2
+    x = x.bfloat16()
+    w32 = weight_of(weight)
+    want = reference.lane_sums(x.float(), w32)
+    assert want[1, [2, 9]].isinf().all() and want.isfinite().sum() == want.numel() - 2
+    for m in (1, 2, 4):
+        if k % 64 == 0:
+            got = gemv_lane_sums(fmt, x[:m], weight)
+            assert torch.equal(got.view(torch.int32), want[:m].view(torch.int32))
+        native_equals_reference(op, x[:m], *weight, None)
+
+
 @pytest.mark.parametrize("fmt", FUSING)
 def test_a_product_beyond_the_float32_range_overflows_before_the_sum(fmt):
     op, quantize, weight_of = FUSING[fmt]
@@ -441,6 +469,20 @@ def test_lookup16_every_index_in_both_pieces(lowering):
         run(table, index, out)
         piece = np.arange(32) // 16
         assert np.array_equal(out, table[16 * piece + (index & 15)])
+
+
+def test_double_where_doubles_the_lanes_of_the_set_bits():
+    @numba.njit
+    def run(values, mask, out):
+        simd.f32v_store(out, 0, simd.f32v_double_where(simd.f32v_load(values, 0), mask))
+
+    values = (np.arange(32, dtype=np.float32) - 7) * 0.75
+    values[3], values[4] = np.inf, np.nan
+    for mask in (0, 1, 0x80000000, 0xA5A55A5A, 0xFFFFFFFF):
+        out = np.empty(32, dtype=np.float32)
+        run(values, np.uint32(mask), out)
+        chosen = np.array([(mask >> i) & 1 for i in range(32)], dtype=bool)
+        assert np.array_equal(out, np.where(chosen, values * 2, values), equal_nan=True)
 
 
 def test_sum_tree_folds_in_the_reference_order():

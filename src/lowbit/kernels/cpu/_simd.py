@@ -598,6 +598,22 @@ def f32v_select(typingctx, keep, value):
 
 
 @intrinsic
+def f32v_double_where(typingctx, value, bits):
+    """``value`` times 2 in the lanes whose bit of the integer ``bits`` is set (lane i: bit i of its low 32
+    bits), unchanged elsewhere: a multiply under a mask register with AVX-512."""
+
+    def codegen(context, builder, sig, args):
+        word = args[1]
+        if word.type.width != 32:
+            word = builder.trunc(word, _I32) if word.type.width > 32 else builder.zext(word, _I32)
+        mask = builder.bitcast(word, ir.VectorType(ir.IntType(1), LANES))
+        doubled = builder.fmul(args[0], ir.Constant(_VF32, [2.0] * LANES))
+        return builder.select(mask, doubled, args[0])
+
+    return F32V(value, bits), codegen
+
+
+@intrinsic
 def bytes_load(typingctx, arr, index):
     """LANES bytes of a 1-D C-contiguous uint8 array at element ``index``, zero-extended to int32 lanes."""
 

@@ -7,8 +7,8 @@ Two paths, chosen by the number of rows M of x (``GEMV_MAX_M``):
   64t + 63) into float32 exactly as the reference does, multiplies them by x and adds them to the lanes
   (mul and add; for MXFP4 and HiFloat4 a fused multiply-add where every product of the row is exact, so
   that it gives the same bits, see _fused_bytes); then :func:`f32v_sum_tree` folds the lanes in the
-  reference's order. Rows are
-  split across threads; each row's sum is one thread's, so the result does not depend on the thread count.
+  reference's order. Rows are split across threads and summed four at a time (_block_sums); each row's
+  sum is one thread's, in its own lanes, so the result does not depend on the thread count.
 * **GEMM** (larger M, prefill): tiles of rows are decoded with the same step functions into a float32 (or,
   for weights that are BF16 values and BF16 x, BF16) buffer, and torch multiplies x by each tile (its
   order: docs/weight_only.md, 'Tolerance of the GEMM path'); only one tile is ever decoded.
@@ -21,7 +21,7 @@ Decoding (docs/weight_only.md, 'Weights'):
 * MXFP4: the block's 16-entry table (the E2M1 values times its E8M0 scale, the reference's products,
   precomputed for all 256 scale bytes) indexed by the nibbles (vpermps with AVX-512).
 * HiFloat4: the block's 16-entry table (signed c/4 times the E6M2 scale: exact) indexed by the nibbles,
-  doubled per lane where the e2 or e3 flag is set (exact).
+  doubled per lane where the e2 or e3 flag is set (exact; a masked add under the flags' lane mask).
 """
 
 from __future__ import annotations
@@ -330,28 +330,21 @@ def _fill_row_table_typed(magnitudes, scale, bf16, nan_code, table):
 # ---- HiFloat4 multipliers: 2^(e2 + e3) per lane ------------------------------------------------------------
 # In NIBBLE_ORDER register lane i of either register holds element 2i or 2i + 1: 8-group i // 4, 4-group
 # i // 2. Their flags in the block's little-endian scale word [E6M2, e2, e3 (groups 0-7), e3 (8-15)], flag
-# bytes MSB first (docs/weight_only.md, 'Weights'): e2 of group g at bit 15 - g, e3 of group g at bit
-# 23 - g (g < 8) or 39 - g.
-_E2_BITS = [15 - i // 4 for i in range(HALF)]
-_E3_BITS = [23 - i // 2 if i // 2 < 8 else 39 - i // 2 for i in range(HALF)]
+# bytes MSB first (docs/weight_only.md, 'Weights'): e2 of group g is bit 7 - g of byte 1, e3 of group g bit
+# 7 - g of byte 2 (g < 8) or 15 - g of byte 3. A flag byte is turned into the lanes it doubles (bit i: lane
+# i) by a table: _E2_LANES (byte 1: lanes 0..31) and _E3_LANES (byte 2: lanes 0..15; byte 3 shifted by 16).
+_E2_LANES = np.array([sum(((v >> (7 - i // 4)) & 1) << i for i in range(HALF)) for v in range(256)], dtype=np.uint32)
+_E3_LANES = np.array([sum(((v >> (7 - i // 2)) & 1) << i for i in range(HALF // 2)) for v in range(256)],
+                     dtype=np.uint32)
 
 
-@intrinsic
-def hifloat4_levels(typingctx, weights, word):
-    """``weights`` (F32V, register lanes 0..31 of either register of a block) times 2^(e2 flag + e3 flag),
-    the flags from the block's scale bytes as the int32 ``word``: doubled where a flag is set (exact)."""
-
-    def codegen(context, builder, sig, args):
-        word = builder.trunc(args[1], _I32) if args[1].type.width > 32 else args[1]
-        splat = simd._splat(builder, word, simd._VI32)
-        w = args[0]
-        for bits in (_E2_BITS, _E3_BITS):
-            flag = builder.and_(splat, _mask([1 << b for b in bits]))
-            set_ = builder.icmp_unsigned("!=", flag, ir.Constant(simd._VI32, [0] * HALF))
-            w = builder.select(set_, builder.fmul(w, ir.Constant(simd._VF32, [2.0] * HALF)), w)
-        return w
-
-    return simd.F32V(weights, word), codegen
+@numba.njit(**_INLINE)
+def _hifloat4_levels(w0, w1, word):
+    """Both registers of a block times 2^(e2 flag + e3 flag) (doubled under the flags' lane masks: exact)."""
+    e2 = _E2_LANES[(word >> 8) & 0xFF]
+    e3 = _E3_LANES[(word >> 16) & 0xFF] | (_E3_LANES[(word >> 24) & 0xFF] << 16)
+    return (simd.f32v_double_where(simd.f32v_double_where(w0, e2), e3),
+            simd.f32v_double_where(simd.f32v_double_where(w1, e2), e3))
 
 
 # ---- one step: the 64 weights k0 .. k0 + 63 of a row, as two F32V in the format's register order ----------
@@ -375,10 +368,10 @@ def _mxfp4_step(codes, start, scale_a, scale_b):
 @numba.njit(**_INLINE)
 def _hifloat4_step(words, value, block):
     """HiFloat4: block ``block`` (flat index): scale word ``words[block]``, 32 value bytes at 32 * block."""
-    word = words[np.uint64(block)]
+    word = np.uint32(words[np.uint64(block)])
     table = 16 * np.int64(word & 0xFF)
     w0, w1 = _nibble_step(simd.f32v_load_halves(_HIFLOAT4_TABLES, table, table), value, 32 * block)
-    return hifloat4_levels(w0, word), hifloat4_levels(w1, word)
+    return _hifloat4_levels(w0, w1, word)
 
 
 @numba.njit(**_INLINE)
@@ -485,6 +478,49 @@ def _mxfp4_last_block(codes, start, scale, scratch):
 
 
 # ---- GEMV kernels: y32 (M, N) <- x (M, Kp, register order) @ W.T in the lane order -------------------------
+# Rows of W are summed ROW_BLOCK at a time where they can be (_block_sums): x is loaded once for all of them
+# and their weights are read as ROW_BLOCK streams at once, which this VM's memory serves faster than one (at
+# N = 12288, K = 8192 on one thread: MXFP4 15 -> 19-21 G weights/s, HiFloat8 9 -> 13). Each row keeps its own
+# lanes, so its sum is the one-row sum, bit for bit.
+ROW_BLOCK = 4
+
+
+@numba.njit(**_INLINE)
+def _block_sums(step, accumulate, fold, x_flat, x0, steps, operands, starts):
+    """The folded lane sums of the ROW_BLOCK rows of W whose weights start at ``starts`` (a tuple) times
+    x_flat[x0:] (register order): step ``t`` of row ``r`` is ``step(operands, starts[r], r, t)`` (two F32V),
+    summed with ``accumulate`` (_add_products or _fma_products) and folded with ``fold`` (the format's
+    logical order)."""
+    a0, a1, b0, b1 = simd.f32v_zero(), simd.f32v_zero(), simd.f32v_zero(), simd.f32v_zero()
+    c0, c1, d0, d1 = simd.f32v_zero(), simd.f32v_zero(), simd.f32v_zero(), simd.f32v_zero()
+    for t in range(steps):
+        x_low, x_high = simd.f32v_load(x_flat, x0 + LANES * t), simd.f32v_load(x_flat, x0 + LANES * t + HALF)
+        w0, w1 = step(operands, starts[0], 0, t)
+        a0, a1 = accumulate(a0, a1, x_low, x_high, w0, w1)
+        w0, w1 = step(operands, starts[1], 1, t)
+        b0, b1 = accumulate(b0, b1, x_low, x_high, w0, w1)
+        w0, w1 = step(operands, starts[2], 2, t)
+        c0, c1 = accumulate(c0, c1, x_low, x_high, w0, w1)
+        w0, w1 = step(operands, starts[3], 3, t)
+        d0, d1 = accumulate(d0, d1, x_low, x_high, w0, w1)
+    return fold(a0, a1), fold(b0, b1), fold(c0, c1), fold(d0, d1)
+
+
+@numba.njit(**_INLINE)
+def _add_products(acc0, acc1, x_low, x_high, w0, w1):
+    return simd.f32v_add(acc0, simd.f32v_mul(x_low, w0)), simd.f32v_add(acc1, simd.f32v_mul(x_high, w1))
+
+
+@numba.njit(**_INLINE)
+def _fma_products(acc0, acc1, x_low, x_high, w0, w1):
+    return simd.f32v_fma(x_low, w0, acc0), simd.f32v_fma(x_high, w1, acc1)
+
+
+@numba.njit(**_INLINE)
+def _store_block(y32, m, row, sums):
+    y32[m, row], y32[m, row + 1], y32[m, row + 2], y32[m, row + 3] = sums
+
+
 
 
 @numba.njit(**_INLINE)
@@ -516,23 +552,48 @@ def _code8_row_sum(x_flat, x0, codes_flat, c0, k, table, nan_code, keep, scratch
     return _row_sum_code8(acc0, acc1)
 
 
+@numba.njit(**_INLINE)
+def _code8_block_step(operands, start, r, t):
+    """Step t of block row r (codes from ``start``), with that row's table: operands (codes, tables, nan)."""
+    codes_flat, tables, nan_code = operands
+    return code8_decode(codes_flat, start + LANES * t, tables[r], nan_code)
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _code8_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, row, end, y32):
+    """Rows row .. end - 1 of _code8_gemv (one task; a function of its own, so that numba's parallel
+    passes do not analyse its body)."""
+    k = codes.shape[1]
+    m_rows, kp = x_reg.shape
+    codes_flat, x_flat = codes.reshape(-1), x_reg.reshape(-1)
+    tables = (np.empty_like(table_like), np.empty_like(table_like), np.empty_like(table_like),
+              np.empty_like(table_like))
+    if k % LANES == 0:  # blocks of rows (no short last step)
+        while row + ROW_BLOCK <= end:
+            for r in range(ROW_BLOCK):
+                _fill_row_table(magnitudes, scale[row + r], bf16, nan_code, tables[r])
+            starts = (row * k, (row + 1) * k, (row + 2) * k, (row + 3) * k)
+            for m in range(m_rows):
+                _store_block(y32, m, row, _block_sums(_code8_block_step, _add_products, _row_sum_code8, x_flat, m * kp,
+                                                      k // LANES, (codes_flat, tables, nan_code), starts))
+            row += ROW_BLOCK
+    scratch = np.zeros(LANES, dtype=np.uint8)
+    for row in range(row, end):
+        _fill_row_table(magnitudes, scale[row], bf16, nan_code, tables[0])
+        for m in range(m_rows):
+            y32[m, row] = _code8_row_sum(x_flat, m * kp, codes_flat, row * k, k, tables[0], nan_code, keep, scratch)
+
+
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
 def _code8_gemv(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, y32):
     """codes (N, K) uint8; scale (N,) float32 and magnitudes (128,) float32 as _fill_row_table takes them;
     bf16: x is BF16 (else FP16); nan_code: the code that decodes to NaN; table_like: an array of the
     row-table kind (see code8_decode); keep int32[64] (the tail's lanes); x_reg (M, Kp) float32 (register
     order, zero-padded); y32 (M, N) float32."""
-    n, k = codes.shape
-    m_rows, kp = x_reg.shape
-    codes_flat, x_flat = codes.reshape(-1), x_reg.reshape(-1)
+    n = codes.shape[0]
     for task in numba.prange((n + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
-        scratch = np.zeros(LANES, dtype=np.uint8)
-        table = np.empty_like(table_like)
-        for row in range(task * _ROWS_PER_TASK, min(n, (task + 1) * _ROWS_PER_TASK)):
-            _fill_row_table(magnitudes, scale[row], bf16, nan_code, table)
-            for m in range(m_rows):
-                y32[m, row] = _code8_row_sum(x_flat, m * kp, codes_flat, row * k, k, table, nan_code, keep,
-                                             scratch)
+        _code8_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, task * _ROWS_PER_TASK,
+                    min(n, (task + 1) * _ROWS_PER_TASK), y32)
 
 
 @numba.njit(**_INLINE)
@@ -651,25 +712,55 @@ def _hifloat4_row_sum(accumulate, x_flat, x0, words_flat, value_flat, b0, blocks
 
 
 @numba.njit(**_INLINE)
-def _nibble_rows(row_sum, x_reg, scales, packed, exponents, y32):
-    """The 4-bit GEMV (inlined into each format's kernel, whose ``row_sum`` and exponent bounds it takes):
-    x_reg (M, Kp) register order, scales / packed the format's two weight arrays (N, ...), y32 (M, N)."""
-    n, blocks = scales.shape
+def _mxfp4_block_step(operands, start, r, t):
+    """MXFP4 step t of the row whose blocks start at ``start``: operands (scales, codes), flat."""
+    scales_flat, codes_flat = operands
+    b = np.uint64(start + 2 * t)  # unsigned: no negative-index wraparound code
+    return _mxfp4_step(codes_flat, 16 * b, scales_flat[b], scales_flat[b + np.uint64(1)])
+
+
+@numba.njit(**_INLINE)
+def _hifloat4_block_step(operands, start, r, t):
+    """HiFloat4 step t (= block t) of the row whose blocks start at ``start``: operands (words, value), flat."""
+    words_flat, value_flat = operands
+    return _hifloat4_step(words_flat, value_flat, start + t)
+
+
+@numba.njit(**_INLINE)
+def _nibble_rows(row_sum, block_step, block_steps, x_reg, scales, packed, fused, row, end, y32):
+    """Rows row .. end - 1 of a 4-bit GEMV (inlined into _mxfp4_rows / _hifloat4_rows, which pass their
+    format's ``row_sum`` and ``block_step``): x_reg (M, Kp) register order, scales / packed the format's two
+    weight arrays (N, ...), fused (M, 256) from _fused_bytes, y32 (M, N). ``block_steps``: steps of a row for
+    _block_sums, or 0 where rows cannot be blocked (an MXFP4 row of an odd number of blocks). A block of
+    rows is summed with fused multiply-adds where every one of its rows may be, else row by row."""
+    blocks = scales.shape[1]
     m_rows, kp = x_reg.shape
     x_flat, scales_flat, packed_flat = x_reg.reshape(-1), scales.reshape(-1), packed.reshape(-1)
-    fused = _fused_bytes(x_reg, exponents)
-    for task in numba.prange((n + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
-        scratch = np.zeros(HALF, dtype=np.uint8)
-        for row in range(task * _ROWS_PER_TASK, min(n, (task + 1) * _ROWS_PER_TASK)):
-            b0 = row * blocks
-            low, high = _low_byte_range(scales_flat, b0, blocks)
-            for m in range(m_rows):
-                if fused[m, low] and fused[m, high]:
-                    y32[m, row] = row_sum(_accumulate_fused, x_flat, m * kp, scales_flat, packed_flat, b0, blocks,
-                                          scratch)
+    scratch = np.zeros(HALF, dtype=np.uint8)
+    lows = np.empty(ROW_BLOCK, dtype=np.int64)
+    highs = np.empty(ROW_BLOCK, dtype=np.int64)
+    while row < end:
+        count = ROW_BLOCK if block_steps > 0 and row + ROW_BLOCK <= end else 1
+        for r in range(count):
+            lows[r], highs[r] = _low_byte_range(scales_flat, (row + r) * blocks, blocks)
+        for m in range(m_rows):
+            all_fused = True
+            for r in range(count):
+                all_fused = all_fused and fused[m, lows[r]] and fused[m, highs[r]]
+            if count == ROW_BLOCK and all_fused:
+                starts = (row * blocks, (row + 1) * blocks, (row + 2) * blocks, (row + 3) * blocks)
+                _store_block(y32, m, row, _block_sums(block_step, _fma_products, _row_sum_nibbles, x_flat, m * kp,
+                                                      block_steps, (scales_flat, packed_flat), starts))
+                continue
+            for r in range(count):
+                b0 = (row + r) * blocks
+                if fused[m, lows[r]] and fused[m, highs[r]]:
+                    y32[m, row + r] = row_sum(_accumulate_fused, x_flat, m * kp, scales_flat, packed_flat, b0, blocks,
+                                              scratch)
                 else:
-                    y32[m, row] = row_sum(_accumulate, x_flat, m * kp, scales_flat, packed_flat, b0, blocks,
-                                          scratch)
+                    y32[m, row + r] = row_sum(_accumulate, x_flat, m * kp, scales_flat, packed_flat, b0, blocks,
+                                              scratch)
+        row += count
 
 
 @numba.njit(**_INLINE)
@@ -677,16 +768,36 @@ def _hifloat4_row(accumulate, x_flat, x0, words_flat, value_flat, b0, blocks, sc
     return _hifloat4_row_sum(accumulate, x_flat, x0, words_flat, value_flat, b0, blocks)
 
 
+@numba.njit(**NJIT_OPTIONS)
+def _mxfp4_rows(x_reg, scales, codes, fused, row, end, y32):
+    """One task of _mxfp4_gemv (a function of its own, so that numba's parallel passes do not analyse it)."""
+    blocks = scales.shape[1]
+    _nibble_rows(_mxfp4_row_sum, _mxfp4_block_step, blocks // 2 if blocks % 2 == 0 else 0, x_reg, scales, codes,
+                 fused, row, end, y32)
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _hifloat4_rows(x_reg, words, value, fused, row, end, y32):
+    """One task of _hifloat4_gemv."""
+    _nibble_rows(_hifloat4_row, _hifloat4_block_step, words.shape[1], x_reg, words, value, fused, row, end, y32)
+
+
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
 def _mxfp4_gemv(x_reg, scales, codes, y32):
     """scales (N, K/32) uint8 E8M0, codes (N, K/2) uint8; x_reg (M, Kp) register order; y32 (M, N)."""
-    _nibble_rows(_mxfp4_row_sum, x_reg, scales, codes, _MXFP4_EXPONENTS, y32)
+    n = scales.shape[0]
+    fused = _fused_bytes(x_reg, _MXFP4_EXPONENTS)
+    for task in numba.prange((n + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
+        _mxfp4_rows(x_reg, scales, codes, fused, task * _ROWS_PER_TASK, min(n, (task + 1) * _ROWS_PER_TASK), y32)
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
 def _hifloat4_gemv(x_reg, words, value, y32):
     """words (N, K/64) int32 (the scale bytes), value (N, K/2) uint8; x_reg (M, Kp) register order."""
-    _nibble_rows(_hifloat4_row, x_reg, words, value, _HIFLOAT4_EXPONENTS, y32)
+    n = words.shape[0]
+    fused = _fused_bytes(x_reg, _HIFLOAT4_EXPONENTS)
+    for task in numba.prange((n + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
+        _hifloat4_rows(x_reg, words, value, fused, task * _ROWS_PER_TASK, min(n, (task + 1) * _ROWS_PER_TASK), y32)
 
 
 # ---- GEMM tiles: rows r0 .. r0 + R - 1 of W decoded into w32 (R, >= Kp), logical order, float32 or BF16 ---------
