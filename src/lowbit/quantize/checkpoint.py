@@ -216,6 +216,7 @@ def load_quantized(directory: PathLike, model: nn.Module) -> nn.Module:
         setattr(model.get_submodule(parent_name), child, module)
     model.load_state_dict(tensors, strict=True, assign=True)
     for module in built.values():
+        module.use_huge_pages()
         if isinstance(module, Int4Linear):
             module.prepack()
     return model

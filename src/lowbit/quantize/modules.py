@@ -16,11 +16,13 @@ vs the dequantized weight; docs/quantize.md, "Fake quant vs deploy").
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
+from lowbit.kernels.cpu.memory import huge_page_copy
 from lowbit.nn.svd_quant import svd_quant_decompose
 from lowbit.ops.svd_quant import svd_quant
 from lowbit.ops.weight_only import float8_e4m3fn_linear, hifloat4_linear, hifloat8_linear, mxfp4_linear, mxfp8_linear
@@ -54,6 +56,14 @@ class QuantizedLinearBase(nn.Module):
         for key, value in tensors.items():
             self.register_buffer(key, value)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.use_huge_pages()
+
+    def use_huge_pages(self) -> None:
+        """Move the packed buffers of at least 2 MiB on the CPU into memory backed by huge pages where the
+        OS offers them (lowbit.kernels.cpu.memory): the decode kernels stream them faster. Done at
+        construction and by load_quantized after it assigns the checkpoint's tensors."""
+        for key, value in self.packed_tensors().items():
+            self._buffers[key] = huge_page_copy(value)
 
     def packed_tensors(self) -> dict[str, torch.Tensor]:
         return dict(self.named_buffers(recurse=False))
@@ -174,8 +184,10 @@ class Int4Linear(PackedLinear):
             dtype=self.antiquant_scale.dtype, prepacked=True)
 
     def prepack(self) -> None:
-        """(Re)build the kernel-layout PackedWeight from the ``weight`` buffer on its device."""
-        self._packed = self._plan(1, self.weight.device).pack_weight(self.weight)
+        """(Re)build the kernel-layout PackedWeight from the ``weight`` buffer on its device (in huge pages on
+        the CPU, as the buffers)."""
+        packed = self._plan(1, self.weight.device).pack_weight(self.weight)
+        self._packed = dataclasses.replace(packed, data=huge_page_copy(packed.data))
 
     def compute(self, x_q):
         if self._packed is None or self._packed.device != self.weight.device or self._packed.shape != tuple(

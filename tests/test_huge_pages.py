@@ -1,0 +1,62 @@
+"""Packed weights in memory advised for huge pages (lowbit.kernels.cpu.memory): same values, 2 MiB aligned,
+independent of the source, alive as long as any view; deploy modules put their large buffers there at
+convert and at load, and compute the same bits."""
+
+import gc
+
+import pytest
+import torch
+from torch import nn
+
+import lowbit
+from lowbit.kernels.cpu.memory import HUGE_PAGE, huge_page_copy
+
+MIB3 = 3 << 20
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int32, torch.bfloat16, torch.float16, torch.float32, torch.bool])
+def test_copy_has_the_values_shape_and_a_2mib_aligned_start(dtype):
+    elements = MIB3 // torch.tensor([], dtype=dtype).element_size()
+    source = torch.randint(0, 2, (elements // 64, 64)).to(dtype) if dtype == torch.bool else \
+        torch.randn(elements // 64, 64).mul(100).to(dtype)
+    copy = huge_page_copy(source[:, :48])  # a non-contiguous source
+    assert copy.shape == (elements // 64, 48) and copy.dtype == dtype and copy.is_contiguous()
+    assert copy.data_ptr() % HUGE_PAGE == 0
+    assert torch.equal(copy, source[:, :48])
+    source.zero_()
+    assert copy.any()  # a copy, not a view of the source
+
+
+def test_a_view_keeps_the_mapping_alive():
+    copy = huge_page_copy(torch.arange(MIB3 // 4, dtype=torch.int32))
+    tail = copy[-5:]
+    del copy
+    gc.collect()
+    assert tail.tolist() == list(range(MIB3 // 4 - 5, MIB3 // 4))
+
+
+def test_small_and_non_cpu_tensors_are_returned_as_they_are():
+    small = torch.ones(HUGE_PAGE // 4 - 1)
+    assert huge_page_copy(small) is small
+    meta = torch.empty(MIB3, dtype=torch.uint8, device="meta")
+    assert huge_page_copy(meta) is meta
+
+
+@pytest.mark.parametrize("scheme", ["mxfp4-wo", "hif8-wo", "int4-a16w4", "svdquant-r32"])
+def test_deploy_modules_hold_large_buffers_in_huge_page_memory(scheme, tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2048, 4096, dtype=torch.bfloat16))  # 8M weights: packed >= 2 MiB
+    lowbit.quantize(model, scheme)
+    x = torch.randn(2, 2048, dtype=torch.bfloat16)
+    model(x)
+    lowbit.convert(model)
+    layer = model[0]
+    large = {k: t for k, t in layer.packed_tensors().items() if t.numel() * t.element_size() >= HUGE_PAGE}
+    assert large and all(t.data_ptr() % HUGE_PAGE == 0 for t in large.values())
+    if scheme == "int4-a16w4":  # the kernel-layout copy the decode reads
+        assert layer._packed.data.data_ptr() % HUGE_PAGE == 0
+    before = model(x)
+    lowbit.save_quantized(model, tmp_path / "ckpt")
+    loaded = lowbit.load_quantized(tmp_path / "ckpt", nn.Sequential(nn.Linear(2048, 4096, dtype=torch.bfloat16)))
+    assert all(loaded[0].packed_tensors()[k].data_ptr() % HUGE_PAGE == 0 for k in large)
+    assert torch.equal(loaded(x), before)
