@@ -3,6 +3,8 @@ independent of the source, alive as long as any view; deploy modules put their l
 convert and at load, and compute the same bits."""
 
 import gc
+import importlib
+import mmap
 
 import pytest
 import torch
@@ -12,8 +14,11 @@ import lowbit
 from lowbit.kernels.cpu.memory import HUGE_PAGE, huge_page_copy
 
 MIB3 = 3 << 20
+advised = pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no MADV_HUGEPAGE on this platform")
+modules = importlib.import_module("lowbit.quantize.modules")  # lowbit.quantize is also a function
 
 
+@advised
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.int32, torch.bfloat16, torch.float16, torch.float32, torch.bool])
 def test_copy_has_the_values_shape_and_a_2mib_aligned_start(dtype):
     elements = MIB3 // torch.tensor([], dtype=dtype).element_size()
@@ -22,6 +27,7 @@ def test_copy_has_the_values_shape_and_a_2mib_aligned_start(dtype):
     copy = huge_page_copy(source[:, :48])  # a non-contiguous source
     assert copy.shape == (elements // 64, 48) and copy.dtype == dtype and copy.is_contiguous()
     assert copy.data_ptr() % HUGE_PAGE == 0
+    assert copy.untyped_storage().nbytes() == copy.numel() * copy.element_size()  # torch.save writes no more
     assert torch.equal(copy, source[:, :48])
     source.zero_()
     assert copy.any()  # a copy, not a view of the source
@@ -42,8 +48,9 @@ def test_small_and_non_cpu_tensors_are_returned_as_they_are():
     assert huge_page_copy(meta) is meta
 
 
+@advised
 @pytest.mark.parametrize("scheme", ["mxfp4-wo", "hif8-wo", "int4-a16w4", "svdquant-r32"])
-def test_deploy_modules_hold_large_buffers_in_huge_page_memory(scheme, tmp_path):
+def test_deploy_modules_hold_large_buffers_in_huge_page_memory(scheme, tmp_path, monkeypatch):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(2048, 4096, dtype=torch.bfloat16))  # 8M weights: packed >= 2 MiB
     lowbit.quantize(model, scheme)
@@ -57,6 +64,10 @@ def test_deploy_modules_hold_large_buffers_in_huge_page_memory(scheme, tmp_path)
         assert layer._packed.data.data_ptr() % HUGE_PAGE == 0
     before = model(x)
     lowbit.save_quantized(model, tmp_path / "ckpt")
+    copied = []
+    monkeypatch.setattr(modules, "huge_page_copy", lambda t: copied.append(t.shape) or huge_page_copy(t))
     loaded = lowbit.load_quantized(tmp_path / "ckpt", nn.Sequential(nn.Linear(2048, 4096, dtype=torch.bfloat16)))
     assert all(loaded[0].packed_tensors()[k].data_ptr() % HUGE_PAGE == 0 for k in large)
+    # one copy per buffer and the int4 kernel layout: none of the placeholders the loaded tensors replace
+    assert len(copied) == len(layer.packed_tensors()) + (scheme == "int4-a16w4")
     assert torch.equal(loaded(x), before)

@@ -407,17 +407,19 @@ def test_row_table_decodes_every_8bit_code(fmt, dtype, kind, scale):
 @pytest.mark.parametrize("fmt", CODE8)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kind", ["words", "values"])
-def test_8bit_gemv_with_other_tables_equals_the_reference(fmt, dtype, kind):
-    """The table kinds of CPUs without AVX512-VBMI (or BW), on this one: codes, a K tail, M up to 4."""
+@pytest.mark.parametrize("k", [189, 192])
+def test_8bit_gemv_with_other_tables_equals_the_reference(fmt, dtype, kind, k):
+    """The table kinds of CPUs without AVX512-VBMI (or BW), on this one: codes, M up to 4, a K tail (rows
+    one by one) or none (blocks of cpu.ROW_BLOCK rows, 23 rows: a short last block)."""
     skip_without_the_instructions_of(kind, dtype)
     g = gen(13)
     operands, weight = CODE8[fmt]
-    codes, scale = hif8_weight(24, 189, g, FINITE_HIF8 if fmt == "hifloat8" else FINITE_E4M3)
-    x = torch.randn(3, 189, generator=g).to(dtype)
+    codes, scale = hif8_weight(23, k, g, FINITE_HIF8 if fmt == "hifloat8" else FINITE_E4M3)
+    x = torch.randn(3, k, generator=g).to(dtype)
     x_reg = torch.zeros(3, 192)
-    x_reg[:, :189] = x.float()
-    y32 = torch.empty(3, 24)
-    cpu._code8_gemv(cpu._reorder(x_reg, *cpu.CODE8_SPLIT).numpy(), *operands(codes, scale, 189, dtype, kind),
+    x_reg[:, :k] = x.float()
+    y32 = torch.empty(3, 23)
+    cpu._code8_gemv(cpu._reorder(x_reg, *cpu.CODE8_SPLIT).numpy(), *operands(codes, scale, k, dtype, kind),
                     y32.numpy())
     want = reference.lane_sums(x.float(), weight(codes, scale, dtype))
     assert torch.equal(y32.view(torch.int32), want.view(torch.int32))

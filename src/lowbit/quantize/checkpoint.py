@@ -215,7 +215,9 @@ def load_quantized(directory: PathLike, model: nn.Module) -> nn.Module:
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, module)
     model.load_state_dict(tensors, strict=True, assign=True)
-    for module in built.values():
+    for name, module in built.items():
+        for key in [k for k in tensors if k.startswith(f"{name}.")]:
+            del tensors[key]  # the module holds them: its copies replace the last reference, layer by layer
         module.use_huge_pages()
         if isinstance(module, Int4Linear):
             module.prepack()

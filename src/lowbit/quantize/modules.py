@@ -49,19 +49,22 @@ class QuantizedLinearBase(nn.Module):
     kind = ""
 
     def __init__(self, name: str, in_features: int, out_features: int, weight_dtype: torch.dtype,
-                 cfg_meta: dict, tensors: dict[str, torch.Tensor], bias: Optional[torch.Tensor]):
+                 cfg_meta: dict, tensors: dict[str, torch.Tensor], bias: Optional[torch.Tensor],
+                 huge_pages: bool = True):
         super().__init__()
         self.layer_name, self.in_features, self.out_features = name, in_features, out_features
         self.weight_dtype, self.cfg_meta = weight_dtype, dict(cfg_meta)
         for key, value in tensors.items():
             self.register_buffer(key, value)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-        self.use_huge_pages()
+        if huge_pages:
+            self.use_huge_pages()
 
     def use_huge_pages(self) -> None:
         """Move the packed buffers of at least 2 MiB on the CPU into memory backed by huge pages where the
         OS offers them (lowbit.kernels.cpu.memory): the decode kernels stream them faster. Done at
-        construction and by load_quantized after it assigns the checkpoint's tensors."""
+        construction (unless ``huge_pages=False``: :meth:`from_meta`'s placeholders) and by load_quantized
+        after it assigns the checkpoint's tensors."""
         for key, value in self.packed_tensors().items():
             self._buffers[key] = huge_page_copy(value)
 
@@ -82,13 +85,14 @@ class QuantizedLinearBase(nn.Module):
 
     @classmethod
     def from_meta(cls, name: str, meta: dict) -> "QuantizedLinearBase":
-        """An empty module (uninitialised buffers on the CPU) of the layout ``meta`` describes."""
+        """An empty module (uninitialised buffers on the CPU, in ordinary memory: placeholders that
+        load_quantized replaces) of the layout ``meta`` describes."""
         tensors = {k: torch.empty(v["shape"], dtype=getattr(torch, v["dtype"])) for k, v in meta["tensors"].items()}
         dtype = DTYPES[meta["weight_dtype"]]
         bias = torch.empty(meta["out_features"], dtype=dtype) if meta["bias"] else None
         cfg_meta = {k: v for k, v in meta.items()
                     if k not in ("kind", "in_features", "out_features", "weight_dtype", "bias", "tensors")}
-        return cls(name, meta["in_features"], meta["out_features"], dtype, cfg_meta, tensors, bias)
+        return cls(name, meta["in_features"], meta["out_features"], dtype, cfg_meta, tensors, bias, huge_pages=False)
 
     def quantize_input(self, x: torch.Tensor, deploy: bool = True) -> torch.Tensor:
         """Smoothing then activation fake quant; result in x's dtype. Fake quant divides by sigma and s_d;

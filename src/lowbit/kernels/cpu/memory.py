@@ -20,18 +20,19 @@ def huge_page_copy(t: torch.Tensor) -> torch.Tensor:
     ``madvise``). The mapping lives as long as the returned tensor (or a view of it).
 
     Returns ``t`` itself where this does not apply: a tensor that is not on the CPU, is smaller than one
-    huge page, or a platform without ``MADV_HUGEPAGE``."""
+    huge page, or a platform without ``MADV_HUGEPAGE``. The copy never requires grad."""
     nbytes = t.numel() * t.element_size()
     if t.device.type != "cpu" or nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
         return t
     # private: a shared anonymous mapping is shmem, which has no transparent huge pages by default
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    whole = torch.frombuffer(region, dtype=torch.uint8)  # holds a reference to the mapping
-    offset = -whole.data_ptr() % HUGE_PAGE  # a multiple of the 4 KiB page size
+    offset = -torch.frombuffer(region, dtype=torch.uint8, count=1).data_ptr() % HUGE_PAGE  # a multiple of 4 KiB
     try:
         region.madvise(mmap.MADV_HUGEPAGE, offset, nbytes)
     except OSError:  # a kernel without transparent huge pages: ordinary pages
         pass
-    copy = whole[offset : offset + nbytes].view(t.dtype).view(t.shape)
-    copy.copy_(t)
+    # storage of exactly nbytes (torch.save and deepcopy copy whole storages), holding a reference to region
+    copy = torch.frombuffer(region, dtype=torch.uint8, offset=offset, count=nbytes).view(t.dtype).view(t.shape)
+    with torch.no_grad():
+        copy.copy_(t)
     return copy

@@ -7,8 +7,9 @@ Two paths, chosen by the number of rows M of x (``GEMV_MAX_M``):
   64t + 63) into float32 exactly as the reference does, multiplies them by x and adds them to the lanes
   (mul and add; for MXFP4 and HiFloat4 a fused multiply-add where every product of the row is exact, so
   that it gives the same bits, see _fused_bytes); then :func:`f32v_sum_tree` folds the lanes in the
-  reference's order. Rows are split across threads and summed four at a time (_block_sums); each row's
-  sum is one thread's, in its own lanes, so the result does not depend on the thread count.
+  reference's order. Rows are split across threads, and (but for MXFP8) summed four at a time
+  (_block_sums); each row's sum is one thread's, in its own lanes, so the result does not depend on the
+  thread count.
 * **GEMM** (larger M, prefill): tiles of rows are decoded with the same step functions into a float32 (or,
   for weights that are BF16 values and BF16 x, BF16) buffer, and torch multiplies x by each tile (its
   order: docs/weight_only.md, 'Tolerance of the GEMM path'); only one tile is ever decoded.
@@ -21,7 +22,7 @@ Decoding (docs/weight_only.md, 'Weights'):
 * MXFP4: the block's 16-entry table (the E2M1 values times its E8M0 scale, the reference's products,
   precomputed for all 256 scale bytes) indexed by the nibbles (vpermps with AVX-512).
 * HiFloat4: the block's 16-entry table (signed c/4 times the E6M2 scale: exact) indexed by the nibbles,
-  doubled per lane where the e2 or e3 flag is set (exact; a masked add under the flags' lane mask).
+  doubled per lane where the e2 or e3 flag is set (exact; a multiply by 2 under the flags' lane mask).
 """
 
 from __future__ import annotations
@@ -482,7 +483,7 @@ def _mxfp4_last_block(codes, start, scale, scratch):
 # and their weights are read as ROW_BLOCK streams at once, which this VM's memory serves faster than one (at
 # N = 12288, K = 8192 on one thread: MXFP4 15 -> 19-21 G weights/s, HiFloat8 9 -> 13). Each row keeps its own
 # lanes, so its sum is the one-row sum, bit for bit.
-ROW_BLOCK = 4
+ROW_BLOCK = 4  # _block_sums, _store_block and the callers' ``starts`` are written out for four rows
 
 
 @numba.njit(**_INLINE)
@@ -519,8 +520,6 @@ def _fma_products(acc0, acc1, x_low, x_high, w0, w1):
 @numba.njit(**_INLINE)
 def _store_block(y32, m, row, sums):
     y32[m, row], y32[m, row + 1], y32[m, row + 2], y32[m, row + 3] = sums
-
-
 
 
 @numba.njit(**_INLINE)
