@@ -473,6 +473,25 @@ def test_lookup16_every_index_in_both_pieces(lowering):
         assert np.array_equal(out, table[16 * piece + (index & 15)])
 
 
+def test_flat_is_a_view_of_every_element_in_order():
+    @numba.njit
+    def through_flat(a, i, value):
+        view = simd.flat(a)
+        view[i] = value
+        return view.size, view.sum()
+
+    for shape in ((3, 4), (2, 3, 5), (7,)):
+        a = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+        size, total = through_flat(a, a.size - 1, -1.0)
+        assert size == a.size and a.reshape(-1)[-1] == -1.0 and total == a.sum()
+
+    @numba.njit
+    def flat_size(a):
+        return simd.flat(a).size
+
+    assert flat_size(np.zeros((4, 0), dtype=np.float32)) == 0
+
+
 def test_double_where_doubles_the_lanes_of_the_set_bits():
     @numba.njit
     def run(values, mask, out):

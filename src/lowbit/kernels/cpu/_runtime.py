@@ -18,6 +18,15 @@ NJIT_OPTIONS = dict(nogil=True, cache=True, boundscheck=False)
 PARALLEL_NJIT_OPTIONS = dict(NJIT_OPTIONS, parallel=True)
 
 
+@numba.njit(nogil=True, boundscheck=False, inline="always")  # inlined into its callers: nothing of its own to cache
+def copy_elements(dst, at, src, start, count):
+    """dst[at : at + count] = src[start : start + count] for 1-D arrays, element by element: a slice
+    assignment makes numba compile its shape-mismatch error formatting, seconds per process (the caller
+    keeps both ranges in bounds)."""
+    for i in range(count):
+        dst[at + i] = src[start + i]
+
+
 KERNEL_PACKAGE = __name__.rpartition(".")[0]  # "lowbit.kernels.cpu"
 
 

@@ -36,7 +36,9 @@ from llvmlite import ir
 from numba import types
 from numba.core import config as numba_config
 from numba.core import cgutils
+from numba.core.imputils import impl_ret_borrowed
 from numba.extending import intrinsic, models, register_model
+from numba.np.arrayobj import populate_array
 
 LANES = 32
 _I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
@@ -86,6 +88,27 @@ def _element_ptr(context, builder, arrty, arr, index, vector_type):
     """Pointer to arr[index] (a C-contiguous 1-D array) cast to a pointer to ``vector_type``."""
     data = context.make_array(arrty)(context, builder, arr).data
     return builder.bitcast(builder.gep(data, [index]), vector_type.as_pointer())
+
+
+@intrinsic
+def flat(typingctx, arr):
+    """A 1-D view of all elements of the C-contiguous array ``arr`` (what ``arr.reshape(-1)`` gives, without
+    the reshape's size check, which numba compiles with its error formatting: seconds per process)."""
+    if not isinstance(arr, types.Array) or arr.layout != "C":
+        return None
+    result = arr.copy(ndim=1)
+
+    def codegen(context, builder, sig, args):
+        source = context.make_array(sig.args[0])(context, builder, args[0])
+        view = context.make_array(sig.return_type)(context, builder)
+        size = ir.Constant(ir.IntType(64), 1)
+        for extent in cgutils.unpack_tuple(builder, source.shape):
+            size = builder.mul(size, extent)
+        populate_array(view, data=source.data, shape=[size], strides=[source.itemsize], itemsize=source.itemsize,
+                       meminfo=source.meminfo, parent=source.parent)
+        return impl_ret_borrowed(context, builder, sig.return_type, view._getvalue())
+
+    return result(arr), codegen
 
 
 def _splat(builder, scalar, vector_type):

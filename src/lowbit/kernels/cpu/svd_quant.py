@@ -45,7 +45,7 @@ from lowbit.formats import mxfp4 as mxfp4_format
 from lowbit.formats.svd_quant import BLOCK, weight_scales
 from lowbit.kernels.cpu import _simd as simd
 from lowbit.kernels.cpu import mxfp4
-from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, as_numpy, kernel_threads
+from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, as_numpy, copy_elements, kernel_threads
 from lowbit.kernels.cpu.weight_only import GEMV_MAX_M, GEMV_ONE_THREAD_WEIGHTS, MXFP4_LINEAR, _low_byte_range
 
 INTEGER_PRODUCTS = simd.HAS_VNNI  # without VNNI, decode runs the float32 weight-only kernel
@@ -119,7 +119,7 @@ def quantized_operands(x_pairs, m_rows, kp, width, abs_mask, element_abs_mask, n
     hi = np.empty(x_pairs.size, dtype=thr.dtype)
     mag = np.empty(x_pairs.size, dtype=thr.dtype)
     mxfp4.quantize_task(x_pairs, width, abs_mask, element_abs_mask, nonfinite_bits, to_fp32, rule, thr, BLOCK // 2,
-                        codes.reshape(-1), scales.reshape(-1), lo, hi, mag)
+                        simd.flat(codes), simd.flat(scales), lo, hi, mag)
     low, high, start, field, bounds = activation_operands(codes, scales, kp)
     return low, high, start, field, bounds, codes, scales
 
@@ -159,9 +159,9 @@ def product_gemv(low, high, start, field, bounds, codes, scales, y32, fallback):
     full = 2 * half_k // STEP  # steps that lie inside the row; a last, short one is copied first
     limit = 241 - int(np.ceil(np.log2(2 * half_k)))  # then |P| <= K * 36 * 2^(field - 125) < 2^122
     x_bytes, x_lanes = low.shape[1], start.shape[1]
-    codes_flat, scales_flat = codes.reshape(-1), scales.reshape(-1)
-    low_flat, high_flat = low.reshape(-1), high.reshape(-1)
-    start_flat, field_flat = start.reshape(-1), field.reshape(-1)
+    codes_flat, scales_flat = simd.flat(codes), simd.flat(scales)
+    low_flat, high_flat = simd.flat(low), simd.flat(high)
+    start_flat, field_flat = simd.flat(start), simd.flat(field)
     table = simd.i32v_load(_WEIGHT_BYTES, 0)
     for task in numba.prange((n + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
         tail_codes = np.zeros(STEP // 2, dtype=np.uint8)
@@ -176,8 +176,8 @@ def product_gemv(low, high, start, field, bounds, codes, scales, y32, fallback):
                 fallback[row] = 1
                 continue
             if full * STEP < 2 * half_k:
-                tail_codes[: half_k - full * STEP // 2] = codes_flat[c0 + full * STEP // 2 : c0 + half_k]
-                tail_scales[: blocks - full * STEP // BLOCK] = scales_flat[s0 + full * STEP // BLOCK : s0 + blocks]
+                copy_elements(tail_codes, 0, codes_flat, c0 + full * STEP // 2, half_k - full * STEP // 2)
+                copy_elements(tail_scales, 0, scales_flat, s0 + full * STEP // BLOCK, blocks - full * STEP // BLOCK)
             for m in range(m_rows):
                 x0, lane0 = m * x_bytes, m * x_lanes
                 acc = simd.f32v_zero()
@@ -236,13 +236,13 @@ def _vector_matrix(a, bits, y):
     BF16 bit patterns (int16); float32 multiply, then add, in ascending i."""
     rows, cols = bits.shape
     lanes = simd.LANES
-    flat = bits.reshape(-1)
+    flat = simd.flat(bits)
     for c0 in range(0, cols, lanes):
         source, offset, stride = flat, c0, cols
         if c0 + lanes > cols:  # the last, narrow columns: copied with zeros after them
             source = np.zeros(rows * lanes, dtype=np.int16)
             for i in range(rows):
-                source[i * lanes : i * lanes + cols - c0] = bits[i, c0:]
+                copy_elements(source, i * lanes, bits[i], c0, cols - c0)
             offset, stride = 0, lanes
         acc = simd.f32v_zero()
         for i in range(rows):
@@ -266,7 +266,7 @@ def add_low_rank(x_bits, d_bits, u_bits, products, out_bits):
     sum could be subnormal (:data:`_NORMAL_PRODUCT_FIELDS`)."""
     m_rows, k = x_bits.shape
     r, n = u_bits.shape
-    range_d, range_u = _magnitude_range(d_bits.reshape(-1)), _magnitude_range(u_bits.reshape(-1))
+    range_d, range_u = _magnitude_range(simd.flat(d_bits)), _magnitude_range(simd.flat(u_bits))
     lanes = simd.LANES
     chunk = np.zeros(lanes, dtype=np.int16)
     one = np.ones(1, dtype=np.float32)
@@ -286,12 +286,12 @@ def add_low_rank(x_bits, d_bits, u_bits, products, out_bits):
         _round_to_bf16(low[m], n, chunk)
     total = np.zeros(low.shape[1], dtype=np.float32)
     for m in range(m_rows):
-        total[:n] = products[m]
+        copy_elements(total, 0, products[m], 0, n)
         _round_to_bf16(total, n, chunk)
         for j in range(0, n, lanes):
             value = simd.f32v_add(simd.f32v_load(low[m], j), simd.f32v_load(total, j))
             simd.f32v_store_as_bf16(chunk, 0, value)
-            out_bits[m, j : min(n, j + lanes)] = chunk[: min(lanes, n - j)]
+            copy_elements(out_bits[m], j, chunk, 0, min(lanes, n - j))
     return True
 
 

@@ -39,7 +39,7 @@ from lowbit.backends import Kernel
 from lowbit.formats import hifloat8, mxfp4, mxfp8
 from lowbit.formats import weight_only as reference
 from lowbit.kernels.cpu import _simd as simd
-from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, as_numpy, kernel_threads
+from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, as_numpy, copy_elements, kernel_threads
 
 LANES = reference.LANES  # 64 = two F32V
 HALF = simd.LANES  # 32
@@ -422,7 +422,7 @@ def _x_bounds(x_reg):
     """(M, 2) int64: _x_exponents of each row of x_reg (M, Kp)."""
     m_rows, kp = x_reg.shape
     bounds = np.empty((m_rows, 2), dtype=np.int64)
-    x_flat = x_reg.reshape(-1)
+    x_flat = simd.flat(x_reg)
     for m in range(m_rows):
         bounds[m, 0], bounds[m, 1] = _x_exponents(x_flat, m * kp, kp)
     return bounds
@@ -465,7 +465,7 @@ def _code8_tail(codes, start, count, table, nan_code, keep, scratch):
     are +0.0 (``keep``: int32[64], nonzero for the lanes to keep). The codes are copied into ``scratch``
     (64 bytes) so that nothing past the row is read."""
     scratch[:] = 0
-    scratch[:count] = codes[start : start + count]
+    copy_elements(scratch, 0, codes, start, count)
     w0, w1 = code8_decode(scratch, 0, table, nan_code)
     return simd.f32v_select(simd.i32v_load(keep, 0), w0), simd.f32v_select(simd.i32v_load(keep, HALF), w1)
 
@@ -474,7 +474,7 @@ def _code8_tail(codes, start, count, table, nan_code, keep, scratch):
 def _mxfp4_last_block(codes, start, scale, scratch):
     """An odd last MXFP4 block (16 code bytes at ``codes[start]``) as a step whose second block is zeros."""
     scratch[:] = 0
-    scratch[:16] = codes[start : start + 16]
+    copy_elements(scratch, 0, codes, start, 16)
     return _mxfp4_step(scratch, 0, scale, np.uint8(127))
 
 
@@ -564,7 +564,7 @@ def _code8_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, kee
     passes do not analyse its body)."""
     k = codes.shape[1]
     m_rows, kp = x_reg.shape
-    codes_flat, x_flat = codes.reshape(-1), x_reg.reshape(-1)
+    codes_flat, x_flat = simd.flat(codes), simd.flat(x_reg)
     tables = (np.empty_like(table_like), np.empty_like(table_like), np.empty_like(table_like),
               np.empty_like(table_like))
     if k % LANES == 0:  # blocks of rows (no short last step)
@@ -638,7 +638,7 @@ def _mxfp8_row_step(round_to, codes_flat, scales_flat, c0, s0, t, k, table, scra
         return _mxfp8_step(round_to, codes_flat, c0 + LANES * t, table, scales_flat[s0 + 2 * t],
                            scales_flat[s0 + 2 * t + 1])
     scratch[:] = 0
-    scratch[:HALF] = codes_flat[c0 + LANES * t : c0 + LANES * t + HALF]
+    copy_elements(scratch, 0, codes_flat, c0 + LANES * t, HALF)
     w0, w1 = _mxfp8_step(round_to, scratch, 0, table, scales_flat[s0 + 2 * t], np.uint8(127))
     return (simd.f32v_select(simd.i32v_load(_FIRST_BLOCK, 0), w0),
             simd.f32v_select(simd.i32v_load(_FIRST_BLOCK, HALF), w1))
@@ -662,7 +662,7 @@ def _mxfp8_gemv(x_reg, codes, scales, bf16, table, y32):
     n, k = codes.shape
     blocks = scales.shape[1]
     m_rows, kp = x_reg.shape
-    x_flat, codes_flat, scales_flat = x_reg.reshape(-1), codes.reshape(-1), scales.reshape(-1)
+    x_flat, codes_flat, scales_flat = simd.flat(x_reg), simd.flat(codes), simd.flat(scales)
     for task in numba.prange((n + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
         scratch = np.zeros(LANES, dtype=np.uint8)
         for row in range(task * _ROWS_PER_TASK, min(n, (task + 1) * _ROWS_PER_TASK)):
@@ -734,7 +734,7 @@ def _nibble_rows(row_sum, block_step, block_steps, x_reg, scales, packed, fused,
     rows is summed with fused multiply-adds where every one of its rows may be, else row by row."""
     blocks = scales.shape[1]
     m_rows, kp = x_reg.shape
-    x_flat, scales_flat, packed_flat = x_reg.reshape(-1), scales.reshape(-1), packed.reshape(-1)
+    x_flat, scales_flat, packed_flat = simd.flat(x_reg), simd.flat(scales), simd.flat(packed)
     scratch = np.zeros(HALF, dtype=np.uint8)
     lows = np.empty(ROW_BLOCK, dtype=np.int64)
     highs = np.empty(ROW_BLOCK, dtype=np.int64)
@@ -824,7 +824,7 @@ def _code8_tile(codes, scale, bf16, magnitudes, nan_code, table_like, keep, r0, 
     kp = w32.shape[1]
     full = k // LANES
     tail = k - full * LANES
-    codes_flat, w_flat = codes.reshape(-1), w32.reshape(-1)
+    codes_flat, w_flat = simd.flat(codes), simd.flat(w32)
     for task in numba.prange((w32.shape[0] + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
         scratch = np.zeros(LANES, dtype=np.uint8)
         table = np.empty_like(table_like)
@@ -850,7 +850,7 @@ def _mxfp8_tile_row(round_to, codes_flat, scales_flat, row, k, blocks, table, w_
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
 def _mxfp8_tile(codes, scales, bf16, table, r0, w32):
     k, blocks, kp = codes.shape[1], scales.shape[1], w32.shape[1]
-    codes_flat, scales_flat, w_flat = codes.reshape(-1), scales.reshape(-1), w32.reshape(-1)
+    codes_flat, scales_flat, w_flat = simd.flat(codes), simd.flat(scales), simd.flat(w32)
     for i in numba.prange(w32.shape[0]):
         if bf16:
             _mxfp8_tile_row(_round_bf16, codes_flat, scales_flat, r0 + i, k, blocks, table, w_flat, i * kp)
@@ -862,7 +862,7 @@ def _mxfp8_tile(codes, scales, bf16, table, r0, w32):
 def _mxfp4_tile(scales, codes, r0, w32):
     blocks = scales.shape[1]
     kp = w32.shape[1]
-    w_flat, codes_flat, scales_flat = w32.reshape(-1), codes.reshape(-1), scales.reshape(-1)
+    w_flat, codes_flat, scales_flat = simd.flat(w32), simd.flat(codes), simd.flat(scales)
     for task in numba.prange((w32.shape[0] + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
         scratch = np.zeros(HALF, dtype=np.uint8)
         for i in range(task * _ROWS_PER_TASK, min(w32.shape[0], (task + 1) * _ROWS_PER_TASK)):
@@ -881,7 +881,7 @@ def _mxfp4_tile(scales, codes, r0, w32):
 def _hifloat4_tile(words, value, r0, w32):
     blocks = words.shape[1]
     kp = w32.shape[1]
-    w_flat, words_flat, value_flat = w32.reshape(-1), words.reshape(-1), value.reshape(-1)
+    w_flat, words_flat, value_flat = simd.flat(w32), simd.flat(words), simd.flat(value)
     for i in numba.prange(w32.shape[0]):
         for b in range(blocks):
             w0, w1 = _hifloat4_step(words_flat, value_flat, (r0 + i) * blocks + b)
@@ -900,7 +900,7 @@ def _widen(bits, count, bf16, widened, chunk):
             source, at = bits, j
         else:  # the last, short chunk (zeros after it)
             chunk[:] = 0
-            chunk[: max(0, count - j)] = bits[j:count]
+            copy_elements(chunk, 0, bits, j, max(0, count - j))
             source, at = chunk, 0
         value = simd.bf16v_load(source, at) if bf16 else simd.f16v_load(source, at)
         simd.f32v_store(widened, j, value)
@@ -935,13 +935,13 @@ def _finish(y32, bias_bits, bias_kind, bf16, out_bits):
     if bias_kind == _BIAS_LIKE_X:
         _widen(bias_bits, n, bf16, bias32, np.zeros(HALF, dtype=np.int16))
     elif bias_kind == _BIAS_FLOAT32:
-        bias32[:n] = bias_bits.view(np.float32)
+        copy_elements(bias32, 0, bias_bits.view(np.float32), 0, n)
     y_chunk = np.zeros(HALF, dtype=np.float32)
     out_chunk = np.zeros(HALF, dtype=np.int16)
     for m in range(m_rows):
         for j in range(0, n, HALF):
             count = min(HALF, n - j)
-            y_chunk[:count] = y32[m, j : j + count]
+            copy_elements(y_chunk, 0, y32[m], j, count)
             value = simd.f32v_load(y_chunk, 0)
             if bias_kind != _NO_BIAS:
                 value = simd.f32v_add(value, simd.f32v_load(bias32, j))
@@ -949,7 +949,7 @@ def _finish(y32, bias_bits, bias_kind, bf16, out_bits):
                 simd.f32v_store_as_bf16(out_chunk, 0, value)
             else:
                 simd.f32v_store_as_f16(out_chunk, 0, value)
-            out_bits[m, j : j + count] = out_chunk[:count]
+            copy_elements(out_bits[m], j, out_chunk, 0, count)
 
 
 _BF16_NAN = np.int16(reference.NAN_BITS[torch.bfloat16])
