@@ -41,6 +41,15 @@ def test_a_view_keeps_the_mapping_alive():
     assert tail.tolist() == list(range(MIB3 // 4 - 5, MIB3 // 4))
 
 
+def test_a_refused_mapping_keeps_the_tensor_where_it_is(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(mmap, "mmap", refuse)
+    t = torch.ones(MIB3 // 4)
+    assert huge_page_copy(t) is t
+
+
 def test_small_and_non_cpu_tensors_are_returned_as_they_are():
     small = torch.ones(HUGE_PAGE // 4 - 1)
     assert huge_page_copy(small) is small

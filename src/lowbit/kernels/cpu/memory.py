@@ -20,12 +20,15 @@ def huge_page_copy(t: torch.Tensor) -> torch.Tensor:
     ``madvise``). The mapping lives as long as the returned tensor (or a view of it).
 
     Returns ``t`` itself where this does not apply: a tensor that is not on the CPU, is smaller than one
-    huge page, or a platform without ``MADV_HUGEPAGE``. The copy never requires grad."""
+    huge page, a platform without ``MADV_HUGEPAGE``, or a mapping the OS refuses (out of memory). The copy
+    never requires grad."""
     nbytes = t.numel() * t.element_size()
     if t.device.type != "cpu" or nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
         return t
-    # private: a shared anonymous mapping is shmem, which has no transparent huge pages by default
-    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:  # private: a shared anonymous mapping is shmem, which has no transparent huge pages by default
+        region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError:  # no address space or memory for a second copy now: keep the tensor where it is
+        return t
     offset = -torch.frombuffer(region, dtype=torch.uint8, count=1).data_ptr() % HUGE_PAGE  # a multiple of 4 KiB
     try:
         region.madvise(mmap.MADV_HUGEPAGE, offset, nbytes)
