@@ -1,9 +1,9 @@
 """Weight-only linear layers on this CPU against BF16 F.linear, measured in one run (interleaved rounds).
 
-For each (N, K) and M: F.linear with a BF16 weight, and lowbit's hifloat8_linear, mxfp4_linear and
-hifloat4_linear (backend "native") with BF16 x. As in a model's forward pass, every timed call follows
-a torch op (SiLU of an (M, 4K) activation) and cycles through enough copies of its weight ("layers") that
-they do not all fit in the last-level cache (at least 64 MiB per case). Per call; medians and minima over
+For each (N, K) and M: F.linear with a BF16 weight, and lowbit's hifloat8_linear, mxfp4_linear,
+hifloat4_linear and mxfp8_linear (backend "native") with BF16 x. As in a model's forward pass, every timed
+call follows a torch op (SiLU of an (M, 4K) activation) and cycles through enough copies of its weight
+("layers") that they do not all fit in the last-level cache (at least 64 MiB per case). Per call; medians and minima over
 --rounds rounds, the cases of a round interleaved; ratios are F.linear's median over the case's median.
 Clocks: ``wall`` (perf_counter, torch.get_num_threads() threads for torch and numba) or ``cpu1`` (one
 thread for everyone, CPU time of the calling thread: not inflated when a shared machine deschedules it).
@@ -26,7 +26,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from lowbit.formats import hifloat4, mxfp4
+from lowbit.formats import hifloat4, mxfp4, mxfp8
 
 SHAPES = ((4096, 4096), (12288, 8192))  # (N, K)
 CACHE_BYTES = 64 << 20
@@ -49,6 +49,7 @@ def _weights(n: int, k: int, gen: torch.Generator) -> dict[str, tuple]:
         "hifloat8_linear": (lowbit.encode_to_hifloat8((w / row_scale[:, None]).bfloat16()), row_scale),
         "mxfp4_linear": mxfp4.quantize(w),
         "hifloat4_linear": hifloat4.pack(w),
+        "mxfp8_linear": mxfp8.quantize(w),
     }
 
 

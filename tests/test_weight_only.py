@@ -447,15 +447,19 @@ def test_mxfp8_every_code_under_every_scale_byte(dtype, kind):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_mxfp8_rows_at_the_edges_of_the_exact_scale_range(dtype):
     """Rows whose scale bytes all lie in the range where the weights need no rounding to x's dtype (the
-    kernel skips the rounding there), at both ends of it and one byte past each end, every finite code in each."""
+    kernel skips the rounding there), at both ends of it and one byte past each end, every finite code in each.
+    Rows 0-3 are a block of exact rows (summed together), rows 4-7 a block of rows past the range (one by one,
+    rounded), row 8 a last row on its own."""
     low, high = cpu._MXFP8_EXACT_BYTES_BF16 if dtype == torch.bfloat16 else cpu._MXFP8_EXACT_BYTES_F16
-    row_scales = [(low, high), (low, low), (high, high), (low - 1, high), (low, high + 1), (low - 1, low - 1),
-                  (high + 1, high + 1)]
+    row_scales = [(low, high), (low, low), (high, high), (high, low), (low - 1, high), (low, high + 1),
+                  (low - 1, low - 1), (high + 1, high + 1), (low, high)]
     codes = torch.tensor(FINITE_E4M3 + [0, 0], dtype=torch.uint8).repeat(len(row_scales), 1)  # K = 256, no NaN
     scales = torch.tensor([[a, b] * 4 for a, b in row_scales], dtype=torch.uint8)
     x = (torch.rand(3, 256, generator=gen(15)) * 2.0**-12).to(dtype)  # small: a rounding to Inf would show
     for m in (1, 3):
         native_equals_reference(OPS["mxfp8"], x[:m], codes, scales, None)
+        for order in ([4, 0, 1, 2, 3, 5, 6, 7, 8], [0, 1, 2, 5, 3, 4, 6, 7, 8]):  # a past-range row first or
+            native_equals_reference(OPS["mxfp8"], x[:m], codes[order], scales[order], None)  # last in a block
 
 
 @pytest.mark.parametrize("lowering", ["portable", "avx512"])

@@ -7,7 +7,7 @@ Two paths, chosen by the number of rows M of x (``GEMV_MAX_M``):
   64t + 63) into float32 exactly as the reference does, multiplies them by x and adds them to the lanes
   (mul and add; for MXFP4 and HiFloat4 a fused multiply-add where every product of the row is exact, so
   that it gives the same bits, see _fused_bytes); then :func:`f32v_sum_tree` folds the lanes in the
-  reference's order. Rows are split across threads, and (but for MXFP8) summed four at a time
+  reference's order. Rows are split across threads and summed four at a time where they can be
   (_block_sums); each row's sum is one thread's, in its own lanes, so the result does not depend on the
   thread count.
 * **GEMM** (larger M, prefill): tiles of rows are decoded with the same step functions into a float32 (or,
@@ -654,32 +654,63 @@ def _mxfp8_row_sum(round_to, x_flat, x0, codes_flat, scales_flat, c0, s0, k, tab
     return _row_sum_code8(acc0, acc1)
 
 
+@numba.njit(**_INLINE)
+def _mxfp8_block_step(operands, start, r, t):
+    """Step t of the MXFP8 row whose codes start at ``start`` (its E8M0 bytes at start // 32), for rows whose
+    weights need no rounding (_MXFP8_EXACT_BYTES): operands (codes, scales, table), flat."""
+    codes_flat, scales_flat, table = operands
+    s = start // 32 + 2 * t
+    return _mxfp8_step(_exact, codes_flat, start + LANES * t, table, scales_flat[s], scales_flat[s + 1])
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _mxfp8_rows(x_reg, codes, scales, bf16, table, row, end, y32):
+    """Rows row .. end - 1 of _mxfp8_gemv (one task). Blocks of ROW_BLOCK rows whose scale bytes all lie in
+    the exact range (and K a multiple of 64) go through _block_sums; other rows one by one."""
+    k = codes.shape[1]
+    blocks = scales.shape[1]
+    m_rows, kp = x_reg.shape
+    x_flat, codes_flat, scales_flat = simd.flat(x_reg), simd.flat(codes), simd.flat(scales)
+    exact_range = _MXFP8_EXACT_BYTES_BF16 if bf16 else _MXFP8_EXACT_BYTES_F16
+    scratch = np.zeros(LANES, dtype=np.uint8)
+    while row < end:
+        count, exact = 1, False
+        if k % LANES == 0 and row + ROW_BLOCK <= end:
+            low, high = _low_byte_range(scales_flat, row * blocks, ROW_BLOCK * blocks)  # four consecutive rows
+            if exact_range[0] <= low and high <= exact_range[1]:
+                count = ROW_BLOCK
+        if count == ROW_BLOCK:
+            starts = (row * k, (row + 1) * k, (row + 2) * k, (row + 3) * k)
+            for m in range(m_rows):
+                _store_block(y32, m, row, _block_sums(_mxfp8_block_step, _add_products, _row_sum_code8, x_flat,
+                                                      m * kp, k // LANES, (codes_flat, scales_flat, table), starts))
+            row += ROW_BLOCK
+            continue
+        low, high = _low_byte_range(scales_flat, row * blocks, blocks)
+        exact = exact_range[0] <= low and high <= exact_range[1]
+        c0, s0 = row * k, row * blocks
+        for m in range(m_rows):
+            if exact:
+                y32[m, row] = _mxfp8_row_sum(_exact, x_flat, m * kp, codes_flat, scales_flat, c0, s0, k, table,
+                                             scratch)
+            elif bf16:
+                y32[m, row] = _mxfp8_row_sum(_round_bf16, x_flat, m * kp, codes_flat, scales_flat, c0, s0, k, table,
+                                             scratch)
+            else:
+                y32[m, row] = _mxfp8_row_sum(_round_f16, x_flat, m * kp, codes_flat, scales_flat, c0, s0, k, table,
+                                             scratch)
+        row += 1
+
+
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
 def _mxfp8_gemv(x_reg, codes, scales, bf16, table, y32):
     """codes (N, K) uint8 E4M3, scales (N, K/32) uint8 E8M0; bf16: x is BF16 (else FP16); table: the E4M3
     code table of the kind code8_decode reads; x_reg (M, Kp) float32 (CODE8_ORDER, zero-padded); y32 (M, N)
     float32."""
-    n, k = codes.shape
-    blocks = scales.shape[1]
-    m_rows, kp = x_reg.shape
-    x_flat, codes_flat, scales_flat = simd.flat(x_reg), simd.flat(codes), simd.flat(scales)
+    n = codes.shape[0]
     for task in numba.prange((n + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
-        scratch = np.zeros(LANES, dtype=np.uint8)
-        for row in range(task * _ROWS_PER_TASK, min(n, (task + 1) * _ROWS_PER_TASK)):
-            low, high = _low_byte_range(scales_flat, row * blocks, blocks)
-            exact_range = _MXFP8_EXACT_BYTES_BF16 if bf16 else _MXFP8_EXACT_BYTES_F16
-            exact = exact_range[0] <= low and high <= exact_range[1]
-            for m in range(m_rows):
-                c0, s0 = row * k, row * blocks
-                if exact:
-                    y32[m, row] = _mxfp8_row_sum(_exact, x_flat, m * kp, codes_flat, scales_flat, c0, s0, k, table,
-                                                 scratch)
-                elif bf16:
-                    y32[m, row] = _mxfp8_row_sum(_round_bf16, x_flat, m * kp, codes_flat, scales_flat, c0, s0, k,
-                                                 table, scratch)
-                else:
-                    y32[m, row] = _mxfp8_row_sum(_round_f16, x_flat, m * kp, codes_flat, scales_flat, c0, s0, k,
-                                                 table, scratch)
+        _mxfp8_rows(x_reg, codes, scales, bf16, table, task * _ROWS_PER_TASK, min(n, (task + 1) * _ROWS_PER_TASK),
+                    y32)
 
 
 @numba.njit(**_INLINE)
