@@ -611,12 +611,14 @@ def _exact(value):
     return value
 
 
-# MXFP8: E8M0 bytes b for which every E4M3 value times 2^(b - 127) is a normal value of x's dtype, so that
+# MXFP8: E8M0 bytes b for which every E4M3 value times 2^(b - 127) is exactly a value of x's dtype, so that
 # rounding the weight to that dtype changes nothing and a row whose scale bytes all lie in the range skips
-# it (about a third of a step). BF16: 2^-9 * 2^(b - 127) >= 2^-126 and 448 * 2^(b - 127) <= the largest
-# finite BF16; FP16: >= 2^-14 and <= 65504.
+# it (about a third of a step). E4M3 values are multiples of 2^-9 with 4 significant bits. BF16: normal,
+# 2^-9 * 2^(b - 127) >= 2^-126, and 448 * 2^(b - 127) <= the largest finite BF16. FP16: multiples of its
+# smallest subnormal, 2^-9 * 2^(b - 127) >= 2^-24, and 448 * 2^(b - 127) <= 65504 (weights of FP16 models
+# have bytes of about 113-121, below the normal range's 122).
 _MXFP8_EXACT_BYTES_BF16 = (10, 246)
-_MXFP8_EXACT_BYTES_F16 = (122, 134)
+_MXFP8_EXACT_BYTES_F16 = (112, 134)
 
 
 @numba.njit(**_INLINE)
@@ -674,7 +676,7 @@ def _mxfp8_rows(x_reg, codes, scales, bf16, table, row, end, y32):
     exact_range = _MXFP8_EXACT_BYTES_BF16 if bf16 else _MXFP8_EXACT_BYTES_F16
     scratch = np.zeros(LANES, dtype=np.uint8)
     while row < end:
-        count, exact = 1, False
+        count = 1
         if k % LANES == 0 and row + ROW_BLOCK <= end:
             low, high = _low_byte_range(scales_flat, row * blocks, ROW_BLOCK * blocks)  # four consecutive rows
             if exact_range[0] <= low and high <= exact_range[1]:
