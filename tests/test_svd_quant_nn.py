@@ -26,6 +26,7 @@ def test_decompose_shapes_and_reconstruction():
     assert w.shape == (192, 128) and w.dtype == torch.uint8
     assert s.shape == (192, 4, 2) and s.dtype == torch.uint8
     assert d.shape == (256, 32) and u.shape == (32, 192) and d.dtype == u.dtype == torch.bfloat16
+    assert all(t.is_contiguous() for t in (w, s, d, u))  # the operator would copy the factors on every call
     residual = mxfp4.dequantize(w, ref.weight_scales(s, 256), torch.float64)
     rebuilt = (d.double() @ u.double()).T + residual
     plain = mxfp4.dequantize(*mxfp4.quantize(weight), torch.float64)

@@ -26,7 +26,8 @@ def svd_quant_decompose(weight: torch.Tensor, rank: int = 32) -> tuple[torch.Ten
     """Split ``weight`` (N, K) float into ``(w, s, d, u)`` for :func:`lowbit.ops.svd_quant.svd_quant`.
 
     d (K, rank) and u (rank, N) are BF16; the residual W - (d @ u)^T (with the BF16-rounded factors) is
-    quantized with floor scales and ties-away elements. Returns tensors on weight's device.
+    quantized with floor scales and ties-away elements. Returns contiguous tensors on weight's device (the
+    operator would copy non-contiguous factors on every call).
     Errors: DtypeError unless weight is a floating tensor; ShapeError unless it is 2-D with K a positive
     multiple of 32 and 1 <= rank <= min(N, K); TypeError naming ``rank`` unless it is an int; ValueError
     (stating how many) if weight holds NaN or Inf, whose SVD would be NaN or fail (docs/svd_quant.md,
@@ -49,8 +50,8 @@ def svd_quant_decompose(weight: torch.Tensor, rank: int = 32) -> tuple[torch.Ten
                          f"element(s) of {w64.numel()}; it has no SVD")
     left, singular, right_t = torch.linalg.svd(w64.T, full_matrices=False)  # W^T = left diag(S) right_t
     root = singular[:rank].sqrt()
-    d = (left[:, :rank] * root).to(torch.bfloat16)
-    u = (root[:, None] * right_t[:rank]).to(torch.bfloat16)
+    d = (left[:, :rank] * root).to(torch.bfloat16).contiguous()  # LAPACK's factors are column-major
+    u = (root[:, None] * right_t[:rank]).to(torch.bfloat16).contiguous()
     residual = w64 - (d.to(torch.float64) @ u.to(torch.float64)).T
     w, s = dynamic_mx_quant(residual.to(torch.float32), BLOCK, "round")
     return w, s, d, u
