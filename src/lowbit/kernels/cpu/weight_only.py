@@ -376,20 +376,28 @@ def _hifloat4_step(words, value, block):
 
 
 @numba.njit(**_INLINE)
+def _add_products(acc0, acc1, x_low, x_high, w0, w1):
+    """Lanes += (x_low, x_high) * (w0, w1): a multiply, then an add."""
+    return simd.f32v_add(acc0, simd.f32v_mul(x_low, w0)), simd.f32v_add(acc1, simd.f32v_mul(x_high, w1))
+
+
+@numba.njit(**_INLINE)
+def _fma_products(acc0, acc1, x_low, x_high, w0, w1):
+    """The same with fused multiply-adds: the same bits where every product x * w is exact in float32
+    (then fma(x, w, acc) = fl(acc + x * w)); see _fused_bytes."""
+    return simd.f32v_fma(x_low, w0, acc0), simd.f32v_fma(x_high, w1, acc1)
+
+
+@numba.njit(**_INLINE)
 def _accumulate(acc0, acc1, x_flat, x0, w0, w1):
-    """Lanes += x[x0 .. x0 + 63] * (w0, w1) (x in the same register order)."""
-    acc0 = simd.f32v_add(acc0, simd.f32v_mul(simd.f32v_load(x_flat, x0), w0))
-    acc1 = simd.f32v_add(acc1, simd.f32v_mul(simd.f32v_load(x_flat, x0 + HALF), w1))
-    return acc0, acc1
+    """Lanes += x[x0 .. x0 + 63] * (w0, w1) (x in the same register order), by _add_products."""
+    return _add_products(acc0, acc1, simd.f32v_load(x_flat, x0), simd.f32v_load(x_flat, x0 + HALF), w0, w1)
 
 
 @numba.njit(**_INLINE)
 def _accumulate_fused(acc0, acc1, x_flat, x0, w0, w1):
-    """The same with fused multiply-adds: the same bits where every product x * w is exact in float32
-    (then fma(x, w, acc) = fl(acc + x * w)); see _fused_bytes."""
-    acc0 = simd.f32v_fma(simd.f32v_load(x_flat, x0), w0, acc0)
-    acc1 = simd.f32v_fma(simd.f32v_load(x_flat, x0 + HALF), w1, acc1)
-    return acc0, acc1
+    """The same by _fma_products."""
+    return _fma_products(acc0, acc1, simd.f32v_load(x_flat, x0), simd.f32v_load(x_flat, x0 + HALF), w0, w1)
 
 
 # ---- where a fused multiply-add gives the reference's bits --------------------------------------------------
@@ -505,16 +513,6 @@ def _block_sums(step, accumulate, fold, x_flat, x0, steps, operands, starts):
         w0, w1 = step(operands, starts[3], 3, t)
         d0, d1 = accumulate(d0, d1, x_low, x_high, w0, w1)
     return fold(a0, a1), fold(b0, b1), fold(c0, c1), fold(d0, d1)
-
-
-@numba.njit(**_INLINE)
-def _add_products(acc0, acc1, x_low, x_high, w0, w1):
-    return simd.f32v_add(acc0, simd.f32v_mul(x_low, w0)), simd.f32v_add(acc1, simd.f32v_mul(x_high, w1))
-
-
-@numba.njit(**_INLINE)
-def _fma_products(acc0, acc1, x_low, x_high, w0, w1):
-    return simd.f32v_fma(x_low, w0, acc0), simd.f32v_fma(x_high, w1, acc1)
 
 
 @numba.njit(**_INLINE)
@@ -658,10 +656,10 @@ def _mxfp8_row_sum(round_to, x_flat, x0, codes_flat, scales_flat, c0, s0, k, tab
 
 @numba.njit(**_INLINE)
 def _mxfp8_block_step(operands, start, r, t):
-    """Step t of the MXFP8 row whose codes start at ``start`` (its E8M0 bytes at start // 32), for rows whose
-    weights need no rounding (_MXFP8_EXACT_BYTES): operands (codes, scales, table), flat."""
+    """Step t of the MXFP8 row whose codes start at ``start`` (its E8M0 bytes at start // mxfp8.BLOCK), for
+    rows whose weights need no rounding (_MXFP8_EXACT_BYTES): operands (codes, scales, table), flat."""
     codes_flat, scales_flat, table = operands
-    s = start // 32 + 2 * t
+    s = start // mxfp8.BLOCK + 2 * t
     return _mxfp8_step(_exact, codes_flat, start + LANES * t, table, scales_flat[s], scales_flat[s + 1])
 
 
