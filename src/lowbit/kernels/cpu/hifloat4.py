@@ -19,10 +19,13 @@ order), in loops that LLVM vectorizes:
    to nearest even), the half-up code as floor, ``code * 2^level * sf / 4`` (exact in fp32) turned into
    the output dtype's bits (FP16 rounds to nearest even); a poisoned block is then overwritten with NaN.
 
-Performance notes (numba/LLVM specifics behind the shape of the code): helpers are inlined at numba IR
-level; blocks are rows of 2-D views and per-task scratch is one small array, because every array view
-created or passed per block costs atomic reference counting; integer lanes are kept at 32 bits with
-explicit ``np.uint32`` casts (numba widens integer arithmetic to 64 bits).
+Performance notes (numba/LLVM specifics behind the shape of the code): the per-block helpers that take
+arrays are inlined at numba IR level, blocks are rows of 2-D views and per-task scratch is one small
+array, because every array view created or passed per block costs atomic reference counting; scalar
+helpers are ordinary compiled functions, which LLVM inlines (numba's IR-level inlining copies the callee's
+IR at every call site, and did so for most of this module's compile time); the block code exists once per
+input width, in _fake_quant_rows, which the tile path calls per tile; integer lanes are kept at 32 bits
+with explicit ``np.uint32`` casts (numba widens integer arithmetic to 64 bits).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from lowbit.dtypes import SAME_WIDTH_INT
 from lowbit.formats import hifloat4 as ref
 from lowbit.formats.hifloat4 import BLOCK
 from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, as_numpy, sync_threads
+from lowbit.kernels.cpu._simd import flat
 
 _BLOCKS_PER_TASK = 256  # blocks per parallel task
 _BLOCKS_PER_TILE = 32  # blocks side by side in a tile when the quant dim is not the last
@@ -54,8 +58,9 @@ _SCALE_MAX = np.float32(ref.SCALE_MAX)
 _F16_MIN_NORMAL = np.float32(2.0**-14)
 _F16_OVERFLOW = np.float32(65520.0)  # the smallest fp32 that rounds to +inf in fp16
 
-# Per-block helpers are inlined into their callers in numba IR: a call of a compiled function that takes
-# arrays costs atomic reference-count updates per array, more than the block's arithmetic.
+# Per-block helpers that take arrays are inlined into their callers in numba IR: a call of a compiled
+# function that takes arrays costs atomic reference-count updates per array, more than the block's
+# arithmetic. Scalar helpers need not be: LLVM inlines them.
 _INLINE = dict(NJIT_OPTIONS, inline="always")
 
 # Output kinds (how the fp32 result becomes the output's bits).
@@ -140,7 +145,7 @@ def _f16_bits(y):
     return overflow if y >= _F16_OVERFLOW else subnormal if y < _F16_MIN_NORMAL else normal
 
 
-@numba.njit(**_INLINE)
+@numba.njit(**NJIT_OPTIONS)
 def _magnitude(raw, mag_mask, shift, widen):
     """fp32 |x| of one input bit pattern (exact; Inf and NaN give Inf and NaN). ``shift & 31`` tells LLVM
     that a 32-bit shift suffices (numba widens integer arithmetic to 64 bits, halving the vector lanes)."""
@@ -165,7 +170,7 @@ def _group_maxima(src, n, work, mag_mask, inf_mag, shift, widen):
     return block_max, any_max >= inf_mag
 
 
-@numba.njit(**_INLINE)
+@numba.njit(**NJIT_OPTIONS)
 def _block_scale(block_max):
     """(E6M2 byte, r = bf16(1 / sf)) of a block whose largest finite magnitude is ``block_max`` (fp32)."""
     sf1 = min(max(_bf16(block_max * _C7), _SCALE_MIN), _SCALE_MAX)
@@ -175,7 +180,7 @@ def _block_scale(block_max):
     return byte, _reciprocal(byte)
 
 
-@numba.njit(**_INLINE)
+@numba.njit(**NJIT_OPTIONS)
 def _group_flags(m8, m4, r):
     """(e2, e3) as fp32 0 / 1 of a 4-group whose maximum is ``m4`` inside an 8-group whose maximum is
     ``m8`` (fp32); arithmetic instead of branches, so that the 16 groups vectorize."""
@@ -193,14 +198,14 @@ def _group_shifts(work, r, quarter_sf):
         work[_DOWN + k], work[_UP + k] = _level_factors(m8, work[_M4 + k], r, quarter_sf)
 
 
-@numba.njit(**_INLINE)
+@numba.njit(**NJIT_OPTIONS)
 def _level_factors(m8, m4, r, quarter_sf):
     """(2^-level, 2^level * sf / 4) of a 4-group, level = e2 + e3 (see _group_flags), branch-free."""
     e2, e3 = _group_flags(m8, m4, r)
     return (_F1 - _F_HALF * e2) * (_F1 - _F_HALF * e3), quarter_sf * (_F1 + e2) * (_F1 + e3)
 
 
-@numba.njit(**_INLINE)
+@numba.njit(**NJIT_OPTIONS)
 def _code(w):
     """Element code (0..7, as fp32) of the scaled magnitude ``w = fp32(a * r) * 2^-(e2 + e3)``:
     ``min(floor(4 * bf16(w) + 0.5), 7)``. Clamping w to 1.75 first gives the same codes (bf16(w) >= 1.75
@@ -232,19 +237,19 @@ def _quantize_block(src, dst, n, work, mag_mask, inf_mag, shift, widen, to_bits,
             dst[n, i] = nan_bits
 
 
-@numba.njit(**_INLINE)
+@numba.njit(**NJIT_OPTIONS)
 def _bf16_out(y, negative):
     """BF16 bits of an exact fp32 result ``y >= 0`` (at most 6 significant bits) with the sign."""
     return (_bits(y) >> np.uint32(16)) | (np.uint32(negative) << np.uint32(15))
 
 
-@numba.njit(**_INLINE)
+@numba.njit(**NJIT_OPTIONS)
 def _f16_out(y, negative):
     """FP16 bits (round to nearest even) of an fp32 result ``y >= 0`` with the sign."""
     return _f16_bits(y) | (np.uint32(negative) << np.uint32(15))
 
 
-@numba.njit(**_INLINE)
+@numba.njit(**NJIT_OPTIONS)
 def _f32_out(y, negative):
     """FP32 bits of ``y >= 0`` with the sign."""
     return _bits(y) | (np.uint32(negative) << np.uint32(31))
@@ -274,9 +279,9 @@ def _scratch():
 
 
 @numba.njit(**NJIT_OPTIONS)
-def _fake_quant_rows(src, dst, first, last, mag_mask, inf_mag, shift, widen, kind, nan_bits):
-    """Fake-quant blocks first..last-1 of ``src`` ((blocks, 64) bits, quant dim last) into ``dst``."""
-    work = _scratch()
+def _fake_quant_rows(src, dst, first, last, work, mag_mask, inf_mag, shift, widen, kind, nan_bits):
+    """Fake-quant blocks first..last-1 of ``src`` ((blocks, 64) bits) into ``dst``; ``work`` is _scratch().
+    The one copy of the block code per specialization: the quant-dim-last tasks and each tile call it."""
     for n in range(first, last):
         _fake_quant_block(src, dst, n, work, mag_mask, inf_mag, shift, widen, kind, nan_bits)
 
@@ -302,9 +307,9 @@ def _fake_quant_tiles(src, dst, first, last, inner, mag_mask, inf_mag, shift, wi
             row = src[base + i * inner:base + i * inner + width]
             for c in range(width):
                 tile_in[c, i] = row[c]
-        for c in range(width):
-            _fake_quant_block(tile_in, tile_out, c, work, mag_mask, inf_mag, shift, widen, kind,
-                              nan_bits)
+        # np.int64(0), not 0: a literal argument would compile a second specialization of _fake_quant_rows
+        _fake_quant_rows(tile_in, tile_out, np.int64(0), width, work, mag_mask, inf_mag, shift, widen, kind,
+                         nan_bits)
         for i in range(BLOCK):
             row = dst[base + i * inner:base + i * inner + width]
             for c in range(width):
@@ -313,30 +318,26 @@ def _fake_quant_tiles(src, dst, first, last, inner, mag_mask, inf_mag, shift, wi
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
 def _fake_quant_kernel(src, dst, n_blocks, inner, mag_mask, inf_mag, shift, widen, kind, nan_bits):
-    """Fake-quant all blocks of flat (outer, L, inner) bit patterns ``src`` into ``dst`` in parallel tasks
-    of about _BLOCKS_PER_TASK blocks."""
-    if inner == 1:
-        src_blocks = src.reshape(n_blocks, BLOCK)
-        dst_blocks = dst.reshape(n_blocks, BLOCK)
-        n_tasks = (n_blocks + _BLOCKS_PER_TASK - 1) // _BLOCKS_PER_TASK
-        for task in numba.prange(n_tasks):
-            first = task * _BLOCKS_PER_TASK
-            _fake_quant_rows(src_blocks, dst_blocks, first, min(n_blocks, first + _BLOCKS_PER_TASK), mag_mask,
-                             inf_mag, shift, widen, kind, nan_bits)
-    else:
-        n_tiles = (n_blocks // inner) * ((inner + _BLOCKS_PER_TILE - 1) // _BLOCKS_PER_TILE)
-        tiles_per_task = max(1, _BLOCKS_PER_TASK // _BLOCKS_PER_TILE)
-        n_tasks = (n_tiles + tiles_per_task - 1) // tiles_per_task
-        for task in numba.prange(n_tasks):
-            first = task * tiles_per_task
-            _fake_quant_tiles(src, dst, first, min(n_tiles, first + tiles_per_task), inner, mag_mask, inf_mag,
-                              shift, widen, kind, nan_bits)
+    """Fake-quant all blocks of (outer, L, inner) bit patterns ``src`` ((n_blocks, 64), C-contiguous) into
+    ``dst`` (the same) in parallel tasks of about _BLOCKS_PER_TASK blocks (one parallel loop for both
+    layouts: each parallel loop is a function numba compiles)."""
+    tiles_per_row = (inner + _BLOCKS_PER_TILE - 1) // _BLOCKS_PER_TILE
+    units = n_blocks if inner == 1 else (n_blocks // inner) * tiles_per_row  # blocks or tiles
+    per_task = _BLOCKS_PER_TASK if inner == 1 else max(1, _BLOCKS_PER_TASK // _BLOCKS_PER_TILE)
+    for task in numba.prange((units + per_task - 1) // per_task):
+        first = task * per_task
+        last = min(units, first + per_task)
+        if inner == 1:
+            _fake_quant_rows(src, dst, first, last, _scratch(), mag_mask, inf_mag, shift, widen, kind, nan_bits)
+        else:
+            _fake_quant_tiles(flat(src), flat(dst), first, last, inner, mag_mask, inf_mag, shift, widen, kind,
+                              nan_bits)
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
 def _pack_kernel(src, scale, value, n_blocks, mag_mask, inf_mag, shift, widen):
-    """Pack contiguous blocks of ``src`` into ``scale`` (4 bytes per block) and ``value`` (32 per block)."""
-    src = src.reshape(n_blocks, BLOCK)
+    """Pack the blocks of ``src`` ((n_blocks, 64) bits) into ``scale`` (4 bytes per block) and ``value`` (32
+    per block)."""
     n_tasks = (n_blocks + _BLOCKS_PER_TASK - 1) // _BLOCKS_PER_TASK
     for task in numba.prange(n_tasks):
         work = _scratch()
@@ -368,7 +369,7 @@ def _pack_kernel(src, scale, value, n_blocks, mag_mask, inf_mag, shift, widen):
                 value[BLOCK // 2 * n + i] = nibbles
 
 
-@numba.njit(**_INLINE)
+@numba.njit(**NJIT_OPTIONS)
 def _out_bits(y, negative, kind):
     """Output bits of the exact fp32 result ``y >= 0`` with its sign for the output kind."""
     if kind == _KIND_BF16:
@@ -404,6 +405,11 @@ def _bit_view(t: torch.Tensor) -> np.ndarray:
     return as_numpy(t.view(SAME_WIDTH_INT[t.dtype])).reshape(-1)
 
 
+def _block_view(t: torch.Tensor) -> np.ndarray:
+    """(blocks, 64) numpy view of a contiguous CPU float tensor's bit patterns (numel a multiple of 64)."""
+    return _bit_view(t).reshape(-1, BLOCK)
+
+
 class FakeQuant(Kernel):
     """hifloat4_fake_quant on the CPU: contiguous FP16/BF16/FP32 ``x`` along ``qdim`` into contiguous
     ``out`` of the same shape and dtype (the operator validated them); equals the reference bit for bit."""
@@ -414,7 +420,7 @@ class FakeQuant(Kernel):
         inner = int(np.prod(x.shape[qdim + 1:], dtype=np.int64))
         sync_threads()
         with numba.parallel_chunksize(1):  # tasks go to whichever thread is free (robust to a busy core)
-            _fake_quant_kernel(_bit_view(x), _bit_view(out), x.numel() // BLOCK, inner, np.uint32(fmt.mag_mask),
+            _fake_quant_kernel(_block_view(x), _block_view(out), x.numel() // BLOCK, inner, np.uint32(fmt.mag_mask),
                                np.uint32(fmt.inf_mag), np.uint32(fmt.shift), np.float32(fmt.widen), fmt.kind,
                                ref.NAN_BITS[x.dtype])
 
@@ -428,7 +434,7 @@ class Pack(Kernel):
         fmt = _FORMATS[x.dtype]
         sync_threads()
         with numba.parallel_chunksize(1):
-            _pack_kernel(_bit_view(x), as_numpy(scale).reshape(-1), as_numpy(value).reshape(-1),
+            _pack_kernel(_block_view(x), as_numpy(scale).reshape(-1), as_numpy(value).reshape(-1),
                          x.numel() // BLOCK, np.uint32(fmt.mag_mask), np.uint32(fmt.inf_mag),
                          np.uint32(fmt.shift), np.float32(fmt.widen))
 
