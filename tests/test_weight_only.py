@@ -160,7 +160,8 @@ def gemv_lane_sums(fmt, x, weight):
     kernel = {"hifloat8": cpu.HIFLOAT8_LINEAR, "mxfp4": cpu.MXFP4_LINEAR, "hifloat4": cpu.HIFLOAT4_LINEAR}[fmt]
     m, k = x.shape
     y32 = torch.empty(m, weight[0].shape[0])
-    kernel.gemv(cpu._reorder(x.float(), *kernel.split).numpy(), *kernel._operands(*weight, k, x.dtype), y32.numpy())
+    kernel.gemv(cpu._reorder(x.float(), *kernel.split).numpy(), *kernel._operands(*weight, k, x.dtype), False,
+                y32.numpy())
     return y32
 
 
@@ -242,7 +243,10 @@ def test_odd_sizes_and_non_contiguous_x(fmt, size):
 
 @pytest.mark.parametrize("fmt", WEIGHTS)
 @pytest.mark.parametrize("m", [1, 3, 9])
-def test_result_does_not_depend_on_the_thread_count(fmt, m):
+def test_result_does_not_depend_on_the_thread_count(fmt, m, monkeypatch):
+    """One thread runs the GEMV's rows on the calling thread, two the parallel loop (forced here for a
+    small weight): the same bits."""
+    monkeypatch.setattr(cpu, "GEMV_ONE_THREAD_WEIGHTS", 0)
     g = gen(m)
     weight = WEIGHTS[fmt](67, 256, g)
     x = torch.randn(m, 256, generator=g).bfloat16()
@@ -419,7 +423,7 @@ def test_8bit_gemv_with_other_tables_equals_the_reference(fmt, dtype, kind, k):
     x_reg = torch.zeros(3, 192)
     x_reg[:, :k] = x.float()
     y32 = torch.empty(3, 23)
-    cpu._code8_gemv(cpu._reorder(x_reg, *cpu.CODE8_SPLIT).numpy(), *operands(codes, scale, k, dtype, kind),
+    cpu._code8_gemv(cpu._reorder(x_reg, *cpu.CODE8_SPLIT).numpy(), *operands(codes, scale, k, dtype, kind), False,
                     y32.numpy())
     want = reference.lane_sums(x.float(), weight(codes, scale, dtype))
     assert torch.equal(y32.view(torch.int32), want.view(torch.int32))
@@ -437,7 +441,7 @@ def test_mxfp8_every_code_under_every_scale_byte(dtype, kind):
     x_reg[:, :736] = x.float()
     y32 = torch.empty(2, 32)
     cpu._mxfp8_gemv(cpu._reorder(x_reg, *cpu.CODE8_SPLIT).numpy(),
-                    *cpu._mxfp8_operands(codes, scales, 736, dtype, kind), y32.numpy())
+                    *cpu._mxfp8_operands(codes, scales, 736, dtype, kind), False, y32.numpy())
     want = reference.lane_sums(x.float(), reference.mxfp8_weight(codes, scales, dtype))
     assert torch.equal(y32.isnan(), want.isnan())
     finite = ~want.isnan()
