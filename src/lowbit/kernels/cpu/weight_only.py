@@ -588,8 +588,8 @@ def _code8_gemv(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, kee
     row-table kind (see code8_decode); keep int32[64] (the tail's lanes); x_reg (M, Kp) float32 (register
     order, zero-padded); serial: run on the calling thread (see _run_gemv); y32 (M, N) float32."""
     n = codes.shape[0]
-    if serial:
-        _code8_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, 0, n, y32)
+    if serial:  # np.int64(0), not 0: a literal argument would compile a second specialization of the rows
+        _code8_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, np.int64(0), n, y32)
         return
     for task in numba.prange((n + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
         _code8_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, task * _ROWS_PER_TASK,
@@ -712,7 +712,7 @@ def _mxfp8_gemv(x_reg, codes, scales, bf16, table, serial, y32):
     _code8_gemv; y32 (M, N) float32."""
     n = codes.shape[0]
     if serial:
-        _mxfp8_rows(x_reg, codes, scales, bf16, table, 0, n, y32)
+        _mxfp8_rows(x_reg, codes, scales, bf16, table, np.int64(0), n, y32)
         return
     for task in numba.prange((n + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
         _mxfp8_rows(x_reg, codes, scales, bf16, table, task * _ROWS_PER_TASK, min(n, (task + 1) * _ROWS_PER_TASK),
@@ -825,7 +825,7 @@ def _mxfp4_gemv(x_reg, scales, codes, serial, y32):
     n = scales.shape[0]
     fused = _fused_bytes(x_reg, _MXFP4_EXPONENTS)
     if serial:
-        _mxfp4_rows(x_reg, scales, codes, fused, 0, n, y32)
+        _mxfp4_rows(x_reg, scales, codes, fused, np.int64(0), n, y32)
         return
     for task in numba.prange((n + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
         _mxfp4_rows(x_reg, scales, codes, fused, task * _ROWS_PER_TASK, min(n, (task + 1) * _ROWS_PER_TASK), y32)
@@ -838,7 +838,7 @@ def _hifloat4_gemv(x_reg, words, value, serial, y32):
     n = words.shape[0]
     fused = _fused_bytes(x_reg, _HIFLOAT4_EXPONENTS)
     if serial:
-        _hifloat4_rows(x_reg, words, value, fused, 0, n, y32)
+        _hifloat4_rows(x_reg, words, value, fused, np.int64(0), n, y32)
         return
     for task in numba.prange((n + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
         _hifloat4_rows(x_reg, words, value, fused, task * _ROWS_PER_TASK, min(n, (task + 1) * _ROWS_PER_TASK), y32)
