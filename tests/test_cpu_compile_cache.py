@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import numba
+
 import lowbit  # noqa: F401  (registers every operator)
 from lowbit.backends import operators
 from lowbit.kernels.cpu import warm
@@ -74,3 +76,20 @@ def test_a_family_using_another_family_is_warmed_after_it():
     users = [module for module in families if warm._uses_other_families(module, families)]
     assert users == ["lowbit.kernels.cpu.svd_quant"]
     assert not warm._uses_other_families("lowbit.kernels.cpu.svd_quant", ["lowbit.kernels.cpu.hifloat4"])
+
+
+def test_no_kernel_is_compiled_for_a_literal_argument():
+    """A literal argument in numba code (``f(x, 0)``) compiles a specialization of ``f`` of its own, next to
+    the one for int64 (seconds each for a kernel's rows): after every operator's CPU self-check, no
+    compiled kernel signature holds a literal type."""
+    for names in warm.families(operators().values()).values():
+        for name in names:
+            operators()[name].auto_check_error("cpu")
+    literal = []
+    for module_name in warm.families(operators().values()):
+        module = sys.modules[module_name]
+        for value in vars(module).values():
+            if isinstance(value, numba.core.dispatcher.Dispatcher) and value.py_func.__module__ == module_name:
+                literal += [f"{module_name}.{value.__name__}{sig}" for sig in value.signatures
+                            if any(isinstance(t, numba.core.types.Literal) for t in sig)]
+    assert not literal, literal

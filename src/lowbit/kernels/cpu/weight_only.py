@@ -454,7 +454,7 @@ def _fused_bytes(x_reg, exponents):
 def _low_byte_range(flat, start, count):
     """(min, max) of the low bytes of ``flat[start : start + count]``: a uint8 array (MXFP4's E8M0 bytes of a
     row) or an int32 one (HiFloat4's scale words, whose low byte is the E6M2 scale)."""
-    low, high = 255, 0
+    low, high = np.int64(255), np.int64(0)  # not literals: callers would compile a specialization for them
     full = start + count - count % HALF
     for i in range(start, full, HALF):
         lo, hi = simd.i32v_range(simd.low_bytes_load(flat, i))
