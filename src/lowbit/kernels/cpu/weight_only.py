@@ -1039,29 +1039,34 @@ class WeightOnlyLinear(Kernel):
         if out.dim() != 2:  # x too: (..., K) -> (M, K)
             x, out = x.reshape(m, k), out.view(m, n)
         operands = self._operands(*weight, k, x.dtype)
+        if m <= GEMV_MAX_M and n * k < GEMV_ONE_THREAD_WEIGHTS:
+            # One thread, the calling one: waking numba's threads after a torch op would cost more than they
+            # save here, and the rows run without the parallel loop's launch (about 13 us of a 1536 x 384
+            # MXFP4 GEMV's 54 us); numba's thread count is left as it is.
+            self._run_gemv(x, operands, bias, out, serial=True)
+            return
         # Rows are handed out in chunks on demand (not split evenly up front), so a thread that the OS
         # deschedules on a shared machine does not make the other one wait at the end.
         tasks = -(-(n if m <= GEMV_MAX_M else min(n, GEMM_TILE_BYTES // (2 * _padded_k(k)))) // _ROWS_PER_TASK)
         work = n * k if m <= GEMV_MAX_M else GEMV_ONE_THREAD_WEIGHTS  # the GEMM path always has the threads
         with kernel_threads(work, GEMV_ONE_THREAD_WEIGHTS, chunksize=max(4, tasks // _CHUNKS)):
             if m <= GEMV_MAX_M:
-                self._run_gemv(x, operands, bias, out)
+                self._run_gemv(x, operands, bias, out, serial=numba.get_num_threads() == 1)
             elif x.dtype == torch.bfloat16 and (bias is None or bias.dtype == torch.bfloat16):
                 self._run_gemm_bf16(x, operands, bias, out)
             else:
                 self._run_gemm(x, operands, bias, out)
 
-    def _run_gemv(self, x: torch.Tensor, operands: tuple, bias, out: torch.Tensor) -> None:
+    def _run_gemv(self, x: torch.Tensor, operands: tuple, bias, out: torch.Tensor, serial: bool) -> None:
         """The bit-exact path: x in register order, the lane sums, then the reference's rounding (all in
-        numba: a torch op between them would cost more than they do, see benchmarks/results_weight_only.md)."""
+        numba: a torch op between them would cost more than they do, see benchmarks/results_weight_only.md).
+        ``serial``: the rows run on the calling thread, else in numba's parallel loop."""
         (m, k), n = x.shape, out.shape[1]
         bf16 = x.dtype == torch.bfloat16
         x_reg = np.empty((m, _padded_k(k)), dtype=np.float32)
         _gather_x(as_numpy(x), bf16, self.order, x_reg)
         y32 = np.empty((m, n), dtype=np.float32)
-        # serial: one numba thread (kernel_threads chose it): the rows run on this thread directly, without
-        # the parallel loop's launch (about 13 us of a 1536 x 384 MXFP4 GEMV's 54 us)
-        self.gemv(x_reg, *operands, numba.get_num_threads() == 1, y32)
+        self.gemv(x_reg, *operands, serial, y32)
         if bias is None:
             bias_bits, bias_kind = _NO_BIAS_BITS, _NO_BIAS
         elif bias.dtype == torch.float32:
