@@ -319,6 +319,19 @@ def test_gemm_path_in_several_tiles(monkeypatch, dtype):
     assert (bits(got[:, 4]) == reference.NAN_BITS[dtype]).all()
 
 
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemm_path_in_one_tile_is_f_linear_of_the_decoded_weight(with_bias):
+    """BF16 x and a weight that fits one tile: torch's GEMM writes straight into out (mm / addmm, what
+    F.linear runs), so the result is F.linear's on the decoded BF16 weight, bit for bit."""
+    g = gen(15)
+    codes, scales = mxfp4_weight(40, 352, g)
+    x = torch.randn(cpu.GEMV_MAX_M + 5, 352, generator=g).bfloat16()
+    bias = torch.randn(40, generator=g).bfloat16() if with_bias else None
+    got = lowbit.mxfp4_linear(x, codes, scales, bias, backend="native")
+    want = torch.nn.functional.linear(x, reference.mxfp4_weight(codes, scales).bfloat16(), bias)
+    assert_bits(got, want)
+
+
 def test_gemm_path_with_subnormal_mxfp4_weights():
     g = gen(12)
     codes, scales = mxfp4_weight(24, 128, g)
