@@ -241,6 +241,21 @@ def test_odd_sizes_and_non_contiguous_x(fmt, size):
         native_equals_reference(OPS[fmt], x, *weight, None)
 
 
+@pytest.mark.parametrize("fmt", FUSING)
+def test_rows_of_x_in_pairs_with_one_that_may_not_fuse(fmt):
+    """Four rows of x, the second of them tiny (its products with W are not exact, so it may not use fused
+    multiply-adds): rows 0 and 1 go one at a time, rows 2 and 3 as a pair (each step of W decoded once for
+    both, where the format does that); every lane sum is the reference's, bit for bit."""
+    g = gen(16)
+    _, quantize, weight_of = FUSING[fmt]
+    weight = quantize(torch.randn(12, 512, generator=g))
+    x = torch.randn(4, 512, generator=g).bfloat16()
+    x[1] *= 2.0**-128  # products below float32's normal range
+    got = gemv_lane_sums(fmt, x, weight)
+    want = reference.lane_sums(x.float(), weight_of(weight))
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
 @pytest.mark.parametrize("fmt", WEIGHTS)
 @pytest.mark.parametrize("m", [1, 3, 9])
 def test_result_does_not_depend_on_the_thread_count(fmt, m, monkeypatch):
