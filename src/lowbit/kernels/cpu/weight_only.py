@@ -718,9 +718,15 @@ def _mxfp8_rows(x_reg, codes, scales, bf16, table, row, end, y32):
                 count = ROW_BLOCK
         if count == ROW_BLOCK:
             starts = (row * k, (row + 1) * k, (row + 2) * k, (row + 3) * k)
-            for m in range(m_rows):
-                _store_block(y32, m, row, _block_sums(_mxfp8_block_step, _add_products, _row_sum_code8, x_flat,
-                                                      m * kp, k // LANES, (codes_flat, scales_flat, table), starts))
+            operands = (codes_flat, scales_flat, table)
+            for m in range(0, m_rows - 1, 2):  # rows of x in pairs (each step decoded once), then the last one
+                first, second = _block_sums_pair(_mxfp8_block_step, _add_products, _row_sum_code8, x_flat, m * kp,
+                                                 (m + 1) * kp, k // LANES, operands, starts)
+                _store_block(y32, m, row, first)
+                _store_block(y32, m + 1, row, second)
+            if m_rows % 2:
+                _store_block(y32, m_rows - 1, row, _block_sums(_mxfp8_block_step, _add_products, _row_sum_code8, x_flat,
+                                                               (m_rows - 1) * kp, k // LANES, operands, starts))
             row += ROW_BLOCK
             continue
         low, high = _low_byte_range(scales_flat, row * blocks, blocks)
