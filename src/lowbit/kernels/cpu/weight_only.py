@@ -549,6 +549,22 @@ def _store_block(y32, m, row, sums):
 
 
 @numba.njit(**_INLINE)
+def _code8_block_rows(step, x_flat, kp, steps, operands, starts, row, y32):
+    """y32[:, row : row + ROW_BLOCK] of an 8-bit format's block of W rows (``step``, ``operands``, ``starts`` as
+    for _block_sums; mul + add products): rows of x (M = y32.shape[0], Kp = ``kp`` apart in x_flat) in pairs,
+    each step decoded once for both, then a last, odd one."""
+    m_rows = y32.shape[0]
+    for m in range(0, m_rows - 1, 2):
+        first, second = _block_sums_pair(step, _add_products, _row_sum_code8, x_flat, m * kp, (m + 1) * kp, steps,
+                                         operands, starts)
+        _store_block(y32, m, row, first)
+        _store_block(y32, m + 1, row, second)
+    if m_rows % 2:
+        _store_block(y32, m_rows - 1, row, _block_sums(step, _add_products, _row_sum_code8, x_flat, (m_rows - 1) * kp,
+                                                       steps, operands, starts))
+
+
+@numba.njit(**_INLINE)
 def _row_sum_code8(acc0, acc1):
     low, high = code8_logical(acc0, acc1)
     return simd.f32v_sum_tree(simd.f32v_add(low, high))
@@ -599,14 +615,7 @@ def _code8_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, kee
                 _fill_row_table(magnitudes, scale[row + r], bf16, nan_code, tables[r])
             starts = (row * k, (row + 1) * k, (row + 2) * k, (row + 3) * k)
             operands = (codes_flat, tables, nan_code)
-            for m in range(0, m_rows - 1, 2):  # rows of x in pairs (each step decoded once), then the last one
-                first, second = _block_sums_pair(_code8_block_step, _add_products, _row_sum_code8, x_flat, m * kp,
-                                                 (m + 1) * kp, k // LANES, operands, starts)
-                _store_block(y32, m, row, first)
-                _store_block(y32, m + 1, row, second)
-            if m_rows % 2:
-                _store_block(y32, m_rows - 1, row, _block_sums(_code8_block_step, _add_products, _row_sum_code8, x_flat,
-                                                               (m_rows - 1) * kp, k // LANES, operands, starts))
+            _code8_block_rows(_code8_block_step, x_flat, kp, k // LANES, operands, starts, row, y32)
             row += ROW_BLOCK
     scratch = np.zeros(LANES, dtype=np.uint8)
     for row in range(row, end):
@@ -719,14 +728,7 @@ def _mxfp8_rows(x_reg, codes, scales, bf16, table, row, end, y32):
         if count == ROW_BLOCK:
             starts = (row * k, (row + 1) * k, (row + 2) * k, (row + 3) * k)
             operands = (codes_flat, scales_flat, table)
-            for m in range(0, m_rows - 1, 2):  # rows of x in pairs (each step decoded once), then the last one
-                first, second = _block_sums_pair(_mxfp8_block_step, _add_products, _row_sum_code8, x_flat, m * kp,
-                                                 (m + 1) * kp, k // LANES, operands, starts)
-                _store_block(y32, m, row, first)
-                _store_block(y32, m + 1, row, second)
-            if m_rows % 2:
-                _store_block(y32, m_rows - 1, row, _block_sums(_mxfp8_block_step, _add_products, _row_sum_code8, x_flat,
-                                                               (m_rows - 1) * kp, k // LANES, operands, starts))
+            _code8_block_rows(_mxfp8_block_step, x_flat, kp, k // LANES, operands, starts, row, y32)
             row += ROW_BLOCK
             continue
         low, high = _low_byte_range(scales_flat, row * blocks, blocks)
