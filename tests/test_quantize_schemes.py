@@ -10,7 +10,7 @@ import lowbit
 from lowbit.formats import hifloat8 as hif8_reference
 from lowbit.formats.int4 import quantize_int4_per_group
 from lowbit.formats.wqbmm import dequantize_weight
-from lowbit.quantize.modules import CalibrationModule, Int4Linear, SVDQuantLinearDeploy
+from lowbit.quantize.modules import INT4_MSD_MAX_ROWS, CalibrationModule, Int4Linear, SVDQuantLinearDeploy
 
 # Accuracy floors, derived from the formats rather than fitted: an element format whose top band keeps p
 # significant bits (8-bit floats: 3 mantissa bits, round-to-nearest -> relative error <= 2^-4, p = 4; the
@@ -131,14 +131,22 @@ def test_weight_only_deploy_weights_equal_lowbit_operators(dtype):
     assert torch.equal(layer.dequantized_weight(), dequantize_weight(packed, scale, None, 128).T.to(dtype))
 
 
-def test_int4_deploy_runs_weight_quant_batch_matmul_with_a_prepacked_weight():
-    model = mlp(torch.float16)
-    x = inputs(torch.float16)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_int4_deploy_runs_msd_up_to_its_row_limit_and_dequant_above(dtype):
+    """Up to INT4_MSD_MAX_ROWS rows of x: MSD with the prepacked weight; one more: the "dequant" algorithm on
+    the raw weight (docs/quantize.md, 'Packed layouts')."""
+    model = mlp(dtype)
     lowbit.quantize_(model, "int4-a16w4")
     layer = model[0]
     assert isinstance(layer._packed, lowbit.PackedWeight)
-    expected = lowbit.weight_quant_batch_matmul(x, layer.weight, layer.antiquant_scale, group_size=128) + layer.bias
-    assert torch.equal(layer(x), expected)
+    for rows, algorithm in ((INT4_MSD_MAX_ROWS, "msd"), (INT4_MSD_MAX_ROWS + 1, "dequant")):
+        x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows)).to(dtype)
+        expected = lowbit.weight_quant_batch_matmul(x, layer.weight, layer.antiquant_scale, group_size=128,
+                                                    algorithm=algorithm) + layer.bias
+        assert torch.equal(layer(x), expected), algorithm
+        other = "dequant" if algorithm == "msd" else "msd"
+        assert not torch.equal(layer(x), lowbit.weight_quant_batch_matmul(
+            x, layer.weight, layer.antiquant_scale, group_size=128, algorithm=other) + layer.bias), other
 
 
 def test_svdquant_deploy_is_the_svd_quant_operator():

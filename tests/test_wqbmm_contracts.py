@@ -1,6 +1,6 @@
 """weight_quant_batch_matmul's kernel interface: malformed packed weights and workspaces are clear errors
 (never a crash or a wrong read), workspace overlap, per-call kernel limits (Triton group sizes) with the
-self-check's probes, last_backend only after execution, deterministic dequant, finite int4 scales and
+self-check's probes, last_backend only after execution, deterministic reference dequant, finite int4 scales and
 argument type errors."""
 
 import dataclasses
@@ -189,8 +189,9 @@ def test_supports_declares_the_kernels_limits():
     for g in (96, 160):
         assert "power-of-two" in triton_wqbmm.MATMUL.supports(*_args(g))
         assert cpu.MATMUL.supports(*_args(g)) is None
-    for kernel in (cpu.MATMUL, triton_wqbmm.MATMUL):
-        assert "reference" in kernel.supports(*_args(64, algorithm="dequant"))
+    assert "reference" in triton_wqbmm.MATMUL.supports(*_args(64, algorithm="dequant"))
+    assert cpu.MATMUL.supports(*_args(96, algorithm="dequant")) is None  # the raw weight
+    assert "PackedWeight" in cpu.MATMUL.supports(*_args(64, algorithm="dequant"), prepacked=True)
     assert wq.MATMUL.reference.supports(*_args(96, algorithm="dequant")) is None
 
 
@@ -255,14 +256,14 @@ def test_planning_and_failed_runs_do_not_record_a_backend():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_dequant_bits_do_not_depend_on_threads(dtype):
+def test_reference_dequant_bits_do_not_depend_on_threads(dtype):
     x, weight, scale = _operands(m=33, k=256, n=1024, g=64, dtype=dtype, seed=5)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = wq.weight_quant_batch_matmul(x, weight, scale, group_size=64, algorithm="dequant")
+        one = wq.weight_quant_batch_matmul(x, weight, scale, group_size=64, algorithm="dequant", backend="reference")
         torch.set_num_threads(2)
-        two = wq.weight_quant_batch_matmul(x, weight, scale, group_size=64, algorithm="dequant")
+        two = wq.weight_quant_batch_matmul(x, weight, scale, group_size=64, algorithm="dequant", backend="reference")
     finally:
         torch.set_num_threads(before)
     assert torch.equal(bits(one), bits(two))

@@ -158,6 +158,8 @@ def test_last_backend_records_every_path():
     wq.weight_quant_batch_matmul(x, weight, scale, group_size=G, backend="native")
     assert backends.last_backend(op) == "native"
     wq.weight_quant_batch_matmul(x, weight, scale, group_size=G, algorithm="dequant")
+    assert backends.last_backend(op) == "native"
+    wq.weight_quant_batch_matmul(x, weight, scale, group_size=G, algorithm="dequant", backend="reference")
     assert backends.last_backend(op) == "reference"
     plan = wq.plan_weight_quant_batch_matmul(M, K, N, group_size=G, backend="native")
     wq.weight_quant_batch_matmul(x, weight, scale, group_size=G, backend="reference")

@@ -44,12 +44,17 @@ def test_non_contiguous_x_and_empty_rows():
     assert empty.shape == (0, 96)
 
 
-def test_dequant_is_reference_only():
+def test_dequant_runs_natively_on_a_raw_weight_only():
     x, weight, scale = _operands()
-    y = wq.weight_quant_batch_matmul(x, weight, scale, group_size=64, algorithm="dequant")
+    y = wq.weight_quant_batch_matmul(x, weight, scale, group_size=64, algorithm="dequant", backend="reference")
     assert torch.equal(bits(y), bits(ref.wqbmm_dequant(x, weight, scale, None, 64)))
-    with pytest.raises(backends.BackendUnavailable, match="dequant"):
-        wq.weight_quant_batch_matmul(x, weight, scale, group_size=64, algorithm="dequant", backend="native")
+    wq.weight_quant_batch_matmul(x, weight, scale, group_size=64, algorithm="dequant", backend="native")
+    plan = wq.plan_weight_quant_batch_matmul(*x.shape, scale.shape[1], group_size=64, algorithm="dequant",
+                                             dtype=x.dtype, prepacked=True, backend="auto")
+    assert plan.backend == "reference"  # the CPU kernel declines a PackedWeight for dequant
+    with pytest.raises(backends.BackendUnavailable, match="PackedWeight"):
+        wq.plan_weight_quant_batch_matmul(*x.shape, scale.shape[1], group_size=64, algorithm="dequant",
+                                          dtype=x.dtype, prepacked=True, backend="native")
 
 
 @pytest.mark.parametrize(

@@ -151,13 +151,21 @@ def gemm_interval(
         s = s + b64.abs()
         r = (r.to(torch.float32) + bias.to(torch.float32)).to(torch.float64)
     flushed = x64.abs().sum(-1, keepdim=True) + w64.abs().sum(-1) + (k + 2)
-    delta = ((_gamma(k + 1) + _gamma(math.ceil(k / LANES) + 7)) * s + k * _FP32_MIN_SUBNORMAL
-             + _FP32_MIN_NORMAL * flushed)
+    lo, hi = order_interval(r, s, flushed, k, math.ceil(k / LANES) + 7, x.dtype)
     shape = (*x.shape[:-1], w32.shape[0])
-    bounds = []
-    for edge in (r - delta, r + delta):
-        bounds.append(finish(edge.to(torch.float32), None, x.dtype).reshape(shape))
-    return bounds[0], bounds[1]
+    return lo.reshape(shape), hi.reshape(shape)
+
+
+def order_interval(r: torch.Tensor, s: torch.Tensor, flushed: torch.Tensor, k: int, reference_terms: int,
+                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lo, hi) in ``dtype``: the bounds of every float32 summation of K products and a bias (any order)
+    rounded once to ``dtype``, given a reference order's float32 result ``r``, ``S`` = the sum of the
+    absolute products and bias ``s``, ``flushed`` = sum |x| + sum |w| + K + 2 (all float64), and the number
+    of rounded operations a term passes through in the reference order (``reference_terms``)."""
+    delta = ((_gamma(k + 1) + _gamma(reference_terms)) * s + k * _FP32_MIN_SUBNORMAL
+             + _FP32_MIN_NORMAL * flushed)
+    lo, hi = (finish(edge.to(torch.float32), None, dtype) for edge in (r - delta, r + delta))
+    return lo, hi
 
 
 def meets_contract(y: torch.Tensor, want: torch.Tensor, x: torch.Tensor, w32: torch.Tensor,

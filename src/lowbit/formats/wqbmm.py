@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 
 from lowbit.formats.int4 import unpack_int4
+from lowbit.formats.weight_only import order_interval
 
 
 def _float32(value: torch.Tensor | float) -> float:
@@ -108,13 +109,32 @@ def dequantize_weight(
     return (w * antiquant_scale.to(torch.float32).repeat_interleave(group_size, dim=0)).to(antiquant_scale.dtype)
 
 
+def _dequant_sums(x: torch.Tensor, w32: torch.Tensor) -> torch.Tensor:
+    """(M, N) float32: products of x (M, K) and the dequantized w32 (K, N) summed in ascending k."""
+    x32 = x.to(torch.float32)
+    acc = torch.zeros(x.shape[0], w32.shape[1], dtype=torch.float32, device=x.device)
+    for k in range(x.shape[1]):  # elementwise mul, then add: never fused, never reordered
+        acc.add_(x32[:, k : k + 1] * w32[k])
+    return acc
+
+
 def wqbmm_dequant(x: torch.Tensor, weight: torch.Tensor, antiquant_scale: torch.Tensor,
                   antiquant_offset: torch.Tensor | None, group_size: int) -> torch.Tensor:
     """``x @ dequantize_weight(...)``: float32 products summed in ascending k (one fixed order, so the
     bits do not depend on the thread count or the machine); (M, N) in x's dtype."""
-    w = dequantize_weight(weight, antiquant_scale, antiquant_offset, group_size).to(torch.float32)
-    x32 = x.to(torch.float32)
-    acc = torch.zeros(x.shape[0], w.shape[1], dtype=torch.float32, device=x.device)
-    for k in range(x.shape[1]):  # elementwise mul, then add: never fused, never reordered
-        acc.add_(x32[:, k : k + 1] * w[k])
-    return canonicalize_nan(acc).to(x.dtype)
+    w32 = dequantize_weight(weight, antiquant_scale, antiquant_offset, group_size).to(torch.float32)
+    return canonicalize_nan(_dequant_sums(x, w32)).to(x.dtype)
+
+
+def dequant_interval(x: torch.Tensor, weight: torch.Tensor, antiquant_scale: torch.Tensor,
+                     antiquant_offset: torch.Tensor | None, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lo, hi), (M, N) in x's dtype: where any float32 summation of the dequant products (any order, with
+    or without fused multiply-adds or flushed subnormals) rounded once to x's dtype lies, around
+    :func:`wqbmm_dequant` (a term passes through at most K rounded operations there). Meaningful where the
+    absolute products sum to a finite value below the FP32 range (docs/wqbmm.md, 'Dequant numerics')."""
+    w32 = dequantize_weight(weight, antiquant_scale, antiquant_offset, group_size).to(torch.float32)
+    x64, w64 = x.to(torch.float64), w32.to(torch.float64)
+    r = _dequant_sums(x, w32).to(torch.float64)
+    s = x64.abs() @ w64.abs()
+    flushed = x64.abs().sum(-1, keepdim=True) + w64.abs().sum(0) + (x.shape[-1] + 2)
+    return order_interval(r, s, flushed, x.shape[-1], x.shape[-1], x.dtype)

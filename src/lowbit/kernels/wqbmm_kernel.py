@@ -65,7 +65,8 @@ class WqbmmKernel(Kernel):
             return f"algorithm {algorithm!r} has only the reference implementation"
         return None
 
-    def workspace_nbytes(self, m: int, k: int, n: int, group_size: int, template: str, prepacked: bool) -> int:
+    def workspace_nbytes(self, m: int, k: int, n: int, group_size: int, template: str, prepacked: bool,
+                         algorithm: str = MSD) -> int:
         """Bytes of the uint8 workspace ``run`` needs for an (M, K) x (K, N) product (``prepacked``: the
         weight comes from :meth:`pack_weight`, else it is the raw (K, N/2) weight)."""
         raise NotImplementedError
@@ -97,7 +98,7 @@ class WqbmmKernel(Kernel):
             raise ShapeError(f"{self.name}: out must be contiguous, got strides {out.stride()}")
         self._check_weight(weight, x.device, self.packed_shape(k, n, group_size) if prepacked else (k, n // 2),
                            "packed weight" if prepacked else "weight")
-        nbytes = self.workspace_nbytes(m, k, n, group_size, template, prepacked)
+        nbytes = self.workspace_nbytes(m, k, n, group_size, template, prepacked, algorithm)
         if workspace is None:
             workspace = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
         else:

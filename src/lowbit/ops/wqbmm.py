@@ -6,9 +6,10 @@
 (K/G, N) in x's dtype; y (..., N) in x's dtype on x's device.
 
 One operator, :data:`MATMUL`, with an ``algorithm`` argument: ``"msd"`` (the Ascend MSD decomposition,
-bit-exact on every backend) or ``"dequant"`` (dequantize, then a float32 sum in ascending k). The native
-kernels compute "msd" only: their ``supports`` declines "dequant", so ``auto`` runs it on the reference and
-``native`` raises BackendUnavailable. ``template`` ("basic" staged, "preload" fused) selects the MSD
+bit-exact on every backend) or ``"dequant"`` (dequantize, then a float32 sum: in ascending k in the
+reference; the CPU kernel decodes the weight tile by tile and lets torch's GEMM sum, within the summation
+interval of docs/wqbmm.md, 'Dequant numerics', for a raw weight only). The Triton kernel declines "dequant",
+so ``auto`` runs it on the reference there and ``native`` raises BackendUnavailable. ``template`` ("basic" staged, "preload" fused) selects the MSD
 pipeline; both give the same bits.
 
 Registered as ``torch.ops.lowbit.weight_quant_batch_matmul`` and ``..._out`` (see lowbit.ops.library).
@@ -107,7 +108,8 @@ class _Reference(WqbmmKernel):
     def supports(self, *args) -> None:
         return None
 
-    def workspace_nbytes(self, m: int, k: int, n: int, group_size: int, template: str, prepacked: bool) -> int:
+    def workspace_nbytes(self, m: int, k: int, n: int, group_size: int, template: str, prepacked: bool,
+                         algorithm: str = MSD) -> int:
         return 0
 
     def _compute(self, x, weight, antiquant_scale, antiquant_offset, group_size, algorithm, template, workspace,
@@ -164,7 +166,8 @@ def weight_quant_batch_matmul(
     x (..., K) FP16/BF16; weight (K, N/2) uint8 packed int4 (column 2j in the low nibble of byte j);
     antiquant_scale, antiquant_offset (K/G, N) in x's dtype; group_size G a multiple of 32 dividing K.
     Returns (..., N) in x's dtype on x's device (written into ``out`` when given: any strides, may overlap
-    the inputs). ``algorithm``: "msd" (bit-exact Ascend MSD numerics) or "dequant" (reference only);
+    the inputs). ``algorithm``: "msd" (bit-exact Ascend MSD numerics) or "dequant" (the dequantized weight times x;
+    CPU native: torch's GEMM on decoded tiles, a raw weight only);
     ``template``: "basic" or "preload" (same bits); ``backend``: "native", "reference" or "auto".
     """
     check_int("group_size", group_size)
@@ -322,8 +325,8 @@ def plan_weight_quant_batch_matmul(
     meta = torch.empty(0, device="meta")
     groups = k // group_size if group_size > 0 else 0
     args = (meta.new_empty(m, k, dtype=dtype), meta.new_empty(k, n // 2, dtype=torch.uint8),
-            meta.new_empty(groups, n, dtype=dtype), None, group_size, algorithm, template)
+            meta.new_empty(groups, n, dtype=dtype), None, group_size, algorithm, template, None, prepacked)
     MATMUL.outputs(*args)
     name, kernel = MATMUL.kernel(device, backend, args)
-    nbytes = kernel.workspace_nbytes(m, k, n, group_size, template, prepacked)
+    nbytes = kernel.workspace_nbytes(m, k, n, group_size, template, prepacked, algorithm)
     return WqbmmPlan(m, k, n, group_size, algorithm, template, device, dtype, name, nbytes, prepacked, kernel)

@@ -26,7 +26,7 @@ from lowbit.kernels.cpu.memory import huge_page_copy
 from lowbit.nn.svd_quant import svd_quant_decompose
 from lowbit.ops.svd_quant import svd_quant
 from lowbit.ops.weight_only import float8_e4m3fn_linear, hifloat4_linear, hifloat8_linear, mxfp4_linear, mxfp8_linear
-from lowbit.ops.wqbmm import PackedWeight, plan_weight_quant_batch_matmul
+from lowbit.ops.wqbmm import PackedWeight, plan_weight_quant_batch_matmul, weight_quant_batch_matmul
 from lowbit.quantize.activations import STATIC_KINDS, deploy_static_input, fake_quant_input
 from lowbit.quantize.calibration import QuantParams, fake_act_kind, layer_act_kind, make_calibrator, smoothed_weight
 from lowbit.quantize.config import LayerConfig
@@ -172,9 +172,15 @@ class PackedLinear(QuantizedLinearBase):
         return run_layer(self.cfg_meta["geometry"], x_q, self.dequantized_weight(), self.bias)
 
 
+# Int4Linear on the CPU: rows of x up to which it runs MSD; above, the "dequant" algorithm (the weight decoded
+# tile by tile, torch's GEMM), faster from about 64 rows on (docs/quantize.md, 'Packed layouts').
+INT4_MSD_MAX_ROWS = 48
+
+
 class Int4Linear(PackedLinear):
-    """Deploy module for int4 per-group weights: ``weight_quant_batch_matmul`` (MSD) with a PackedWeight made
-    once (at convert / load, again after a device move). x is cast to the 16-bit compute dtype and back."""
+    """Deploy module for int4 per-group weights: ``weight_quant_batch_matmul`` with MSD (a PackedWeight made
+    once, at convert / load, again after a device move), or on the CPU for more than INT4_MSD_MAX_ROWS rows
+    of x its "dequant" algorithm on the raw weight. x is cast to the 16-bit compute dtype and back."""
 
     kind = "int4"
 
@@ -198,8 +204,12 @@ class Int4Linear(PackedLinear):
                 self.weight.shape):
             self.prepack()
         x2 = x_q.reshape(-1, self.in_features).to(self.antiquant_scale.dtype)
-        plan = self._plan(x2.shape[0], self.weight.device)
-        y = plan.run(x2, self._packed, self.antiquant_scale, self._buffers.get("antiquant_offset"))
+        offset = self._buffers.get("antiquant_offset")
+        if x2.shape[0] > INT4_MSD_MAX_ROWS and x2.device.type == "cpu":
+            y = weight_quant_batch_matmul(x2, self.weight, self.antiquant_scale, antiquant_offset=offset,
+                                          group_size=self.cfg_meta["group_size"], algorithm="dequant")
+        else:
+            y = self._plan(x2.shape[0], self.weight.device).run(x2, self._packed, self.antiquant_scale, offset)
         y = y.reshape(*x_q.shape[:-1], self.out_features).to(x_q.dtype)
         return y if self.bias is None else y + self.bias
 

@@ -649,6 +649,27 @@ def bytes_load(typingctx, arr, index):
 
 
 @intrinsic
+def int4_columns(typingctx, arr, index):
+    """I32V of the LANES signed int4 values in LANES / 2 bytes of a 1-D C-contiguous uint8 array at element
+    ``index``, in column order: lane 2j is byte j's low nibble, lane 2j + 1 its high nibble (two's complement,
+    -8 .. 7; the packed int4 layout of docs/wqbmm.md)."""
+
+    def codegen(context, builder, sig, args):
+        half = LANES // 2
+        v_bytes = ir.VectorType(_I8, half)
+        wide = builder.zext(builder.load(_element_ptr(context, builder, sig.args[0], args[0], args[1], v_bytes),
+                                         align=1), ir.VectorType(_I32, half))
+        low = builder.and_(wide, ir.Constant(ir.VectorType(_I32, half), [0x0F] * half))
+        high = builder.lshr(wide, ir.Constant(ir.VectorType(_I32, half), [4] * half))
+        order = [lane for j in range(half) for lane in (j, half + j)]
+        nibbles = builder.shuffle_vector(low, high, ir.Constant(_VI32, order))
+        eight = ir.Constant(_VI32, [8] * LANES)
+        return builder.sub(builder.xor(nibbles, eight), eight)  # two's complement nibble -> -8 .. 7
+
+    return I32V(arr, index), codegen
+
+
+@intrinsic
 def i32v_shift_right(typingctx, value, count):
     """Logical right shift of every int32 lane by ``count`` bits (a constant-size int)."""
 

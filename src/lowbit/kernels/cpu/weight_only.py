@@ -1064,7 +1064,7 @@ _BF16_NAN = np.int16(reference.NAN_BITS[torch.bfloat16])
 
 
 @numba.njit(**NJIT_OPTIONS)
-def _canonical_nan_bf16(bits):
+def canonical_nan_bf16(bits):
     """Every NaN of BF16 bit patterns (a 1-D int16 array) replaced by the canonical one, in place."""
     for i in range(bits.size):
         if (bits[i] & 0x7FFF) > 0x7F80:
@@ -1173,7 +1173,7 @@ class WeightOnlyLinear(Kernel):
                 break
             rows = slice(r0, r0 + tile.shape[0])
             out[:, rows] = torch.nn.functional.linear(x, tile[:, :k], None if bias is None else bias[rows])
-        _canonical_nan_bf16(as_numpy(out).reshape(-1))
+        canonical_nan_bf16(as_numpy(out).reshape(-1))
 
 
 def _default_table_kind() -> str:

@@ -38,6 +38,7 @@ Raw-weight path (:func:`_raw_preload`; docs/wqbmm.md, section 'Raw-weight path')
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import numba
@@ -46,8 +47,9 @@ import torch
 
 from lowbit.formats import wqbmm as reference
 from lowbit.kernels.cpu import _simd as simd
+from lowbit.kernels.cpu import wqbmm_dequant as dequant
 from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, as_numpy, sync_threads
-from lowbit.kernels.wqbmm_kernel import WqbmmKernel, aligned_offsets
+from lowbit.kernels.wqbmm_kernel import MSD, WqbmmKernel, aligned_offsets
 
 TILE_N = simd.LANES  # columns per register tile (32)
 CHUNK_BYTES = 4 * TILE_N  # one weight chunk: TILE_N int32 lanes
@@ -139,10 +141,14 @@ class WorkspaceLayout:
 
     @staticmethod
     @functools.lru_cache(maxsize=64)
-    def build(m: int, k: int, n: int, group_size: int, template: str, prepacked: bool = False) -> "WorkspaceLayout":
+    def build(m: int, k: int, n: int, group_size: int, template: str, prepacked: bool = False,
+              algorithm: str = MSD) -> "WorkspaceLayout":
         """``prepacked``: the caller passes tiles from ``MATMUL.pack_weight``; otherwise the weight is raw and
         either read as it is (:func:`reads_raw_weight`: room for the block sums) or repacked into tiles in the
-        workspace on every call."""
+        workspace on every call. ``algorithm`` "dequant": the buffers of lowbit.kernels.cpu.wqbmm_dequant."""
+        if algorithm != MSD:
+            offsets, total = aligned_offsets(dequant.workspace_sizes(m, k, n, group_size))
+            return WorkspaceLayout(m, k, n, group_size, template, False, offsets, total)
         groups, npad = k // group_size, padded_n(n)
         raw = reads_raw_weight(m, template, prepacked)
         if raw:
@@ -165,7 +171,12 @@ class WorkspaceLayout:
         return WorkspaceLayout(m, k, n, group_size, template, raw, offsets, total)
 
     def view(self, workspace: torch.Tensor, name: str, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
+        """The first bytes of buffer ``name`` as a contiguous tensor of ``dtype`` and ``shape`` (-1 allowed:
+        the whole buffer)."""
         start, size = self.offsets[name]
+        if -1 not in shape:
+            size = dtype.itemsize * math.prod(shape)
+            assert size <= self.offsets[name][1], (name, shape)
         return workspace[start : start + size].view(dtype).view(shape)
 
 
@@ -594,8 +605,16 @@ class WeightQuantBatchMatmul(WqbmmKernel):
 
     name = "weight_quant_batch_matmul (CPU)"
 
-    def workspace_nbytes(self, m: int, k: int, n: int, group_size: int, template: str, prepacked: bool) -> int:
-        return WorkspaceLayout.build(m, k, n, group_size, template, prepacked).nbytes
+    def supports(self, x, weight, antiquant_scale, antiquant_offset, group_size, algorithm, template,
+                 workspace=None, prepacked=False):
+        """MSD; "dequant" with the raw (K, N/2) weight (docs/wqbmm.md, 'Dequant numerics')."""
+        if algorithm != MSD and prepacked:
+            return f"algorithm {algorithm!r} reads the raw (K, N/2) weight, not a PackedWeight"
+        return None
+
+    def workspace_nbytes(self, m: int, k: int, n: int, group_size: int, template: str, prepacked: bool,
+                         algorithm: str = MSD) -> int:
+        return WorkspaceLayout.build(m, k, n, group_size, template, prepacked, algorithm).nbytes
 
     def packed_shape(self, k: int, n: int, group_size: int) -> tuple[int, ...]:
         return (tiles_nbytes(k, n),)
@@ -610,7 +629,11 @@ class WeightQuantBatchMatmul(WqbmmKernel):
                  out, prepacked) -> None:
         m, k = x.shape
         n = out.shape[1]
-        layout = WorkspaceLayout.build(m, k, n, group_size, template, prepacked)
+        layout = WorkspaceLayout.build(m, k, n, group_size, template, prepacked, algorithm)
+        if algorithm != MSD:
+            dequant.dequant_into(x, weight, antiquant_scale, antiquant_offset, group_size,
+                                 lambda name, dtype, shape: layout.view(workspace, name, dtype, shape), out)
+            return
         if not prepacked and not layout.raw:
             tiles = layout.view(workspace, "tiles", torch.uint8, (tiles_nbytes(k, n),))
             _pack_into(weight, group_size, tiles)

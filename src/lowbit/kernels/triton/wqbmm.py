@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from lowbit.formats import wqbmm as reference
-from lowbit.kernels.wqbmm_kernel import WqbmmKernel, aligned_offsets
+from lowbit.kernels.wqbmm_kernel import MSD, WqbmmKernel, aligned_offsets
 
 # Tile per program: (16, 64) on a GPU (tl.dot needs 16 rows there). The interpreter (TRITON_INTERPRET=1)
 # runs each program in Python with numpy's (BLAS-less) integer matmul, so it gets row tiles no taller than
@@ -215,7 +215,8 @@ class WeightQuantBatchMatmul(WqbmmKernel):
             reason = f"group_size {group_size}: the Triton kernels take power-of-two group sizes only"
         return reason
 
-    def workspace_nbytes(self, m: int, k: int, n: int, group_size: int, template: str, prepacked: bool) -> int:
+    def workspace_nbytes(self, m: int, k: int, n: int, group_size: int, template: str, prepacked: bool,
+                         algorithm: str = MSD) -> int:
         return _workspace_layout(m, k, n, group_size, template)[1]
 
     def _compute(self, x, weight, antiquant_scale, antiquant_offset, group_size, algorithm, template, workspace,

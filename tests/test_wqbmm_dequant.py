@@ -1,0 +1,146 @@
+"""The CPU kernel of weight_quant_batch_matmul's "dequant" algorithm (lowbit.kernels.cpu.wqbmm_dequant): its
+tiles are the reference's dequantized weight bit for bit, and its products lie in the summation interval
+around the reference (docs/wqbmm.md, 'Dequant numerics'), for random and edge inputs, tiles of any width,
+FP16 / BF16, with and without offsets, on 1 and 2 threads."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from helpers import bits, wqbmm_spread_operands
+from lowbit.formats import wqbmm as ref
+from lowbit.kernels.cpu import wqbmm_dequant as dequant
+from lowbit.kernels.cpu._runtime import as_numpy
+from lowbit.ops import wqbmm as wq
+
+
+def _operands(seed, m, k, n, g, dtype, with_offset, specials):
+    x, weight, scale, offset = wqbmm_spread_operands(torch.Generator().manual_seed(seed), m, k, n, g, dtype,
+                                                     with_offset)
+    if specials:
+        info = torch.finfo(dtype)
+        scale[0, n - 1] = info.max  # W * max overflows to Inf unless W is 0 or +-1
+        scale[-1, 0] = info.tiny / 4  # subnormal weights
+        scale[0, 0] = float("nan")
+        scale[-1, n // 2] = -float("inf")
+        x[m - 1, :g] = 0
+        x[0, k - 1] = info.max
+        if m > 1:
+            x[1, 0] = float("nan")
+    return x, weight, scale, offset
+
+
+def _decoded(weight, scale, offset, g, dtype, c0, width):
+    """The kernel's tile of columns c0 .. c0 + width, as values of ``dtype``."""
+    k, n = weight.shape[0], 2 * weight.shape[1]
+    np_ = dequant.padded_columns(n)
+    scale32 = torch.zeros(k // g, np_)
+    scale32[:, :n] = scale.float()
+    offset32 = torch.zeros(k // g, np_)
+    if offset is not None:
+        offset32[:, :n] = offset.float()
+    args = (as_numpy(weight), scale32.numpy(), offset32.numpy(), offset is not None, g, c0)
+    if dtype == torch.bfloat16:
+        tile = torch.full((k, width), -1, dtype=torch.int16)
+        dequant._decode_tile_bf16(*args, tile.numpy())
+        return tile.view(torch.bfloat16)
+    tile = torch.full((k, width), -1.0)
+    dequant._decode_tile_f16(*args, tile.numpy())
+    return tile
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), g=st.sampled_from([32, 64, 96, 128]), groups=st.integers(1, 3),
+       n=st.sampled_from([2, 34, 64, 130, 200]), first_step=st.integers(0, 6), bf16=st.booleans(),
+       with_offset=st.booleans(), specials=st.booleans())
+def test_tiles_are_the_reference_dequantized_weight(seed, g, groups, n, first_step, bf16, with_offset, specials):
+    """Any tile (starting at any decode step, a short last step included) holds round_D((W + offset) * scale)
+    exactly; NaN where the reference has NaN."""
+    dtype = torch.bfloat16 if bf16 else torch.float16
+    k = g * groups
+    _, weight, scale, offset = _operands(seed, 2, k, n, g, dtype, with_offset, specials)
+    c0 = min(first_step * 32, dequant.padded_columns(n) - 32)
+    width = n - c0
+    tile = _decoded(weight, scale, offset, g, dtype, c0, width)
+    want = ref.dequantize_weight(weight, scale, offset, g)[:, c0:].to(tile.dtype)
+    assert torch.equal(tile.isnan(), want.isnan())
+    keep = ~want.isnan()
+    assert torch.equal(bits(tile[keep]), bits(want[keep]))
+
+
+def _within_interval(y, x, weight, scale, offset, g):
+    """Every element of y inside ref.dequant_interval, or NaN where the reference is NaN, or anything where the
+    absolute products sum beyond float32's range (the order decides whether an intermediate overflows)."""
+    lo, hi = (t.float() for t in ref.dequant_interval(x, weight, scale, offset, g))
+    want = ref.wqbmm_dequant(x, weight, scale, offset, g).float()
+    w64 = ref.dequantize_weight(weight, scale, offset, g).double()
+    s = x.double().abs() @ w64.abs()
+    unbounded = ~torch.isfinite(s) | (s > torch.finfo(torch.float32).max)
+    y32 = y.float()
+    inside = (y32 >= lo) & (y32 <= hi)
+    both_nan = y32.isnan() & want.isnan()
+    return bool((inside | both_nan | unbounded).all())
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), m=st.sampled_from([1, 5, 49, 70]), g=st.sampled_from([32, 64, 96, 128]),
+       groups=st.integers(1, 3), n=st.sampled_from([2, 34, 64, 130, 200]), bf16=st.booleans(),
+       with_offset=st.booleans(), specials=st.booleans(), threads=st.sampled_from([1, 2]),
+       tile_columns=st.sampled_from([32, 64, None]))
+def test_products_lie_in_the_summation_interval(seed, m, g, groups, n, bf16, with_offset, specials, threads,
+                                                 tile_columns):
+    """The native product, one tile or several (a tile budget of 32 or 64 columns), against the interval
+    around the reference's ascending-k sum; NaN outputs are canonical."""
+    dtype = torch.bfloat16 if bf16 else torch.float16
+    k = g * groups
+    x, weight, scale, offset = _operands(seed, m, k, n, g, dtype, with_offset, specials)
+    before_threads, before_budget = torch.get_num_threads(), dequant.TILE_BYTES
+    torch.set_num_threads(threads)
+    if tile_columns is not None:  # room for exactly this many float32 columns
+        dequant.TILE_BYTES = k * tile_columns * 4
+    try:
+        y = wq.weight_quant_batch_matmul(x, weight, scale, antiquant_offset=offset, group_size=g,
+                                         algorithm="dequant", backend="native")
+    finally:
+        torch.set_num_threads(before_threads)
+        dequant.TILE_BYTES = before_budget
+    assert y.dtype == dtype and y.shape == (m, n)
+    assert _within_interval(y, x, weight, scale, offset, g)
+    nan_bits = 0x7FC0 if bf16 else 0x7E00
+    assert (bits(y)[y.isnan()] == nan_bits).all()
+
+
+def test_tile_widths_follow_the_budget():
+    assert dequant.tile_columns(4096, 4096, 2) == 2048  # 16 MiB of BF16
+    assert dequant.tile_columns(4096, 4096, 4) == 1024
+    assert dequant.tile_columns(64, 100, 2) == 100  # all of N
+    assert dequant.tile_columns(1 << 20, 4096, 4) == 32  # at least one decode step
+    sizes = dequant.workspace_sizes(8, 4096, 4096, 128)
+    assert sizes["tile"] == 16 << 20 and sizes["y32"] == 4 * 8 * 1024
+
+
+def test_a_reused_workspace_and_out_give_the_same_result():
+    x, weight, scale, offset = _operands(3, 70, 256, 130, 64, torch.bfloat16, True, False)
+    plan = wq.plan_weight_quant_batch_matmul(70, 256, 130, group_size=64, algorithm="dequant",
+                                             dtype=torch.bfloat16, backend="native")
+    assert plan.workspace_nbytes >= sum(dequant.workspace_sizes(70, 256, 130, 64).values())
+    workspace, out = plan.new_workspace(), torch.empty(70, 130, dtype=torch.bfloat16)
+    first = plan.run(x, weight, scale, offset, workspace=workspace, out=out).clone()
+    workspace.fill_(0xFF)
+    second = plan.run(x, weight, scale, offset, workspace=workspace, out=out)
+    assert second.data_ptr() == out.data_ptr() and torch.equal(bits(first), bits(second))
+    one_shot = wq.weight_quant_batch_matmul(x, weight, scale, antiquant_offset=offset, group_size=64,
+                                            algorithm="dequant", backend="native")
+    assert torch.equal(bits(first), bits(one_shot))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_identity_rows_give_the_dequantized_weight(dtype):
+    """x = I (K rows): every output is one product plus zeros, exact in any order: y is the weight itself
+    (up to the sign of a zero)."""
+    k, n, g = 128, 96, 32
+    _, weight, scale, offset = _operands(11, 1, k, n, g, dtype, True, False)
+    y = wq.weight_quant_batch_matmul(torch.eye(k, dtype=dtype), weight, scale, antiquant_offset=offset,
+                                     group_size=g, algorithm="dequant", backend="native")
+    assert torch.equal(y, ref.dequantize_weight(weight, scale, offset, g))
