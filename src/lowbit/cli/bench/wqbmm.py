@@ -1,5 +1,6 @@
 """Benchmark of weight_quant_batch_matmul (MSD, both templates, through a reused plan with the weight
-packed once by plan.pack_weight, as torch's baseline packs with _convert_weight_to_int4pack) against torch's
+packed once by plan.pack_weight, as torch's baseline packs with _convert_weight_to_int4pack; on the CPU also
+the ``dequant`` algorithm with BF16 x on the raw weight, as Int4Linear runs it for prefill) against torch's
 dense BF16 ``F.linear`` with the dequantized weight and, on CPU, ``aten._weight_int4pack_mm_for_cpu``
 with BF16 activations (same group size), all measured in the same run.
 
@@ -49,7 +50,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     gen = torch.Generator().manual_seed(0)
     weight = torch.randint(0, 256, (k, n // 2), generator=gen, dtype=torch.uint8).to(device)
     scale = (torch.rand(k // g, n, generator=gen) * 0.02).to(torch.float16).to(device)
-    dense_bf16 = reference.dequantize_weight(weight, scale.to(torch.bfloat16), None, g).t().contiguous()
+    scale_bf16 = scale.to(torch.bfloat16)
+    dense_bf16 = reference.dequantize_weight(weight, scale_bf16, None, g).t().contiguous()
     int4_bytes, dense_bytes = k * n // 2 + 2 * scale.numel(), 2 * k * n
     int4mm = int4pack_baseline(weight.cpu(), scale.cpu(), g) if device.type == "cpu" else None
     rows = []
@@ -68,5 +70,12 @@ def run(args: argparse.Namespace) -> list[dict]:
             run_plan = lambda: plan.run(x, packed, scale, out=out, workspace=workspace)
             run_plan()  # compile, self-check
             case.time(f"wqbmm msd {template} ({plan.backend})", run_plan, int4_bytes)
+        if device.type == "cpu":  # the dequant algorithm's kernel (CPU only): BF16, the raw weight
+            plan = plan_weight_quant_batch_matmul(m, k, n, group_size=g, algorithm="dequant", device=device,
+                                                  dtype=torch.bfloat16, backend=args.backend)
+            out, workspace = torch.empty(m, n, dtype=torch.bfloat16), plan.new_workspace()
+            run_dequant = lambda: plan.run(x_bf16, weight, scale_bf16, out=out, workspace=workspace)
+            run_dequant()  # compile
+            case.time(f"wqbmm dequant bf16 ({plan.backend})", run_dequant, int4_bytes)
         rows += case.ratio_to_baseline("speedup vs F.linear", "ms", higher_is_better=False)
     return rows
