@@ -79,6 +79,33 @@ def test_gradients_keep_the_custom_ops_autograd_behaviour():
         y.sum().backward()
 
 
+def _grad_cases():
+    """(name, function of (x, bias), x, bias) for paths that run a torch GEMM into an output buffer."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(70, K, generator=g).to(torch.bfloat16)  # more rows than any exact path takes
+    bias = torch.randn(N, generator=g).to(torch.bfloat16)
+    codes, scales = lowbit.mxfp4_quantize(torch.randn(N, K, generator=g))
+    weight = torch.randint(0, 256, (K, N // 2), generator=g, dtype=torch.uint8)
+    scale = torch.rand(K // 32, N, generator=g).to(torch.bfloat16)
+    w, s, d, u = lowbit.svd_quant_decompose(torch.randn(N, K, generator=g).to(torch.bfloat16), 8)
+    return [
+        ("mxfp4_linear", lambda x, b: ops.mxfp4_linear(x, codes, scales, b), x, bias),
+        ("weight_quant_batch_matmul dequant", lambda x, b: lowbit.weight_quant_batch_matmul(
+            x, weight, scale, group_size=32, algorithm="dequant") + b, x, bias),
+        ("svd_quant", lambda x, b: lowbit.svd_quant(x, w, s, d, u) + b, x, bias),
+    ]
+
+
+@pytest.mark.parametrize("case", _grad_cases(), ids=lambda c: c[0])
+def test_inputs_that_require_grad_give_the_same_values(case):
+    """Kernels run without autograd: a GEMM written into an output buffer must not meet a tensor that
+    requires grad (torch refuses out= there)."""
+    _, fn, x, bias = case
+    want = fn(x, bias)
+    got = fn(x.clone().requires_grad_(), torch.nn.Parameter(bias.clone()))
+    assert got.requires_grad and torch.equal(got.detach(), want)
+
+
 def test_modes_profiler_and_compile_see_the_custom_op():
     x, codes, scales, bias = _layer()
     for mode in (_SeenOps(), _SeenFunctions()):

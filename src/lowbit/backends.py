@@ -341,7 +341,8 @@ class Operator:
 
         Inputs are made contiguous; an output that is not contiguous or may overlap an input is computed
         into a temporary and copied in, so every backend gives the same result for any ``out``. ``fresh``:
-        ``out`` was just allocated here (contiguous, sharing memory with nothing), so it is not checked."""
+        ``out`` was just allocated here (contiguous, sharing memory with nothing), so it is not checked.
+        Kernels run under ``torch.no_grad()``."""
         if any(t.numel() == 0 for t in _as_tuple(out)):
             return
         dense = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)
@@ -355,10 +356,12 @@ class Operator:
                     t, memory_format=torch.contiguous_format)
                 for t in _as_tuple(out)
             )
-        kernel.run(*dense, out=targets if isinstance(out, tuple) else targets[0])
-        for target, t in zip(targets, _as_tuple(out)):
-            if target is not t:
-                t.copy_(target)
+        with torch.no_grad():  # kernels compute values only: torch ops inside them (a GEMM into ``out``) must not
+            # see inputs that require grad (torch refuses out= there); the custom op's own autograd stays
+            kernel.run(*dense, out=targets if isinstance(out, tuple) else targets[0])
+            for target, t in zip(targets, _as_tuple(out)):
+                if target is not t:
+                    t.copy_(target)
         self.record(name)
 
     def __call__(self, *args: Any, out: Any = None, backend: Optional[str] = None) -> Any:
