@@ -149,6 +149,22 @@ def test_int4_deploy_runs_msd_up_to_its_row_limit_and_dequant_above(dtype):
             x, layer.weight, layer.antiquant_scale, group_size=128, algorithm=other) + layer.bias), other
 
 
+def test_int4_deploy_follows_the_backend_setting_with_the_same_bits():
+    """A converted int4 layer under use_backend("reference") packs for that backend (it used to refuse the
+    native PackedWeight) and gives MSD's bits; its plans are kept per row count and backend setting."""
+    model = mlp(torch.bfloat16)
+    lowbit.quantize_(model, "int4-a16w4")
+    layer, x = model[0], inputs(torch.bfloat16)[:5]
+    native = layer(x)
+    assert layer._packed.backend == "native" and layer._plan(5, x.device) is layer._plan(5, x.device)
+    with lowbit.use_backend("reference"):
+        reference = layer(x)
+        assert lowbit.last_backend("weight_quant_batch_matmul") == "reference"
+        assert layer._packed.backend == "reference"
+    assert torch.equal(native, reference)
+    assert torch.equal(layer(x), native) and layer._packed.backend == "native"
+
+
 def test_svdquant_deploy_is_the_svd_quant_operator():
     model = mlp(torch.bfloat16)
     x = inputs(torch.bfloat16)

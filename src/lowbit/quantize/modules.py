@@ -22,6 +22,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from lowbit.backends import get_backend
 from lowbit.kernels.cpu.memory import huge_page_copy
 from lowbit.nn.svd_quant import svd_quant_decompose
 from lowbit.ops.svd_quant import svd_quant
@@ -184,32 +185,46 @@ class Int4Linear(PackedLinear):
 
     kind = "int4"
 
+    _PLANS_KEPT = 64  # plans (one per row count and device) kept between calls
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._packed: Optional[PackedWeight] = None
+        self._plans: dict = {}
 
     def _plan(self, m: int, device: torch.device):
-        return plan_weight_quant_batch_matmul(
-            m, self.in_features, self.out_features, group_size=self.cfg_meta["group_size"], device=device,
-            dtype=self.antiquant_scale.dtype, prepacked=True)
+        """The MSD plan for m rows of x (kept per row count, device, dtype and backend setting: planning
+        validates and selects the kernel, about 80 us, more than a small layer's product)."""
+        key = (m, device, self.antiquant_scale.dtype, get_backend())
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) >= self._PLANS_KEPT:
+                self._plans.clear()
+            plan = self._plans[key] = plan_weight_quant_batch_matmul(
+                m, self.in_features, self.out_features, group_size=self.cfg_meta["group_size"], device=device,
+                dtype=self.antiquant_scale.dtype, prepacked=True)
+        return plan
 
-    def prepack(self) -> None:
-        """(Re)build the kernel-layout PackedWeight from the ``weight`` buffer on its device (in huge pages on
-        the CPU, as the buffers)."""
-        packed = self._plan(1, self.weight.device).pack_weight(self.weight)
+    def prepack(self, plan=None) -> None:
+        """(Re)build the kernel-layout PackedWeight from the ``weight`` buffer on its device with ``plan`` (by
+        default the plan of one row under the current backend setting), in huge pages on the CPU as the
+        buffers."""
+        packed = (plan or self._plan(1, self.weight.device)).pack_weight(self.weight)
         self._packed = dataclasses.replace(packed, data=huge_page_copy(packed.data))
 
     def compute(self, x_q):
-        if self._packed is None or self._packed.device != self.weight.device or self._packed.shape != tuple(
-                self.weight.shape):
-            self.prepack()
         x2 = x_q.reshape(-1, self.in_features).to(self.antiquant_scale.dtype)
         offset = self._buffers.get("antiquant_offset")
         if x2.shape[0] > INT4_MSD_MAX_ROWS and x2.device.type == "cpu":
             y = weight_quant_batch_matmul(x2, self.weight, self.antiquant_scale, antiquant_offset=offset,
                                           group_size=self.cfg_meta["group_size"], algorithm="dequant")
         else:
-            y = self._plan(x2.shape[0], self.weight.device).run(x2, self._packed, self.antiquant_scale, offset)
+            plan = self._plan(x2.shape[0], self.weight.device)
+            packed = self._packed
+            if packed is None or (packed.device, packed.shape, packed.backend) != (
+                    self.weight.device, tuple(self.weight.shape), plan.backend):
+                self.prepack(plan)  # first call, a device move, or another backend setting
+            y = plan.run(x2, self._packed, self.antiquant_scale, offset)
         y = y.reshape(*x_q.shape[:-1], self.out_features).to(x_q.dtype)
         return y if self.bias is None else y + self.bias
 
