@@ -180,8 +180,9 @@ INT4_MSD_MAX_ROWS = 48
 
 class Int4Linear(PackedLinear):
     """Deploy module for int4 per-group weights: ``weight_quant_batch_matmul`` with MSD (a PackedWeight made
-    once, at convert / load, again after a device move or a change of backend setting), or on the CPU for more than INT4_MSD_MAX_ROWS rows
-    of x its "dequant" algorithm on the raw weight. x is cast to the 16-bit compute dtype and back."""
+    once, at convert / load, again after a device move or a change of backend setting), or on the CPU for
+    more than INT4_MSD_MAX_ROWS rows of x its "dequant" algorithm on the raw weight. x is cast to the 16-bit
+    compute dtype and back."""
 
     kind = "int4"
 
