@@ -260,7 +260,7 @@ def test_rows_of_x_in_pairs_with_one_that_may_not_fuse(fmt):
 @pytest.mark.parametrize("m", [1, 3, 9])
 def test_result_does_not_depend_on_the_thread_count(fmt, m, monkeypatch):
     """One thread runs the GEMV's rows on the calling thread, two the parallel loop (forced here for a
-    small weight): the same bits."""
+    small weight): the same bits; so do the batched kernel's tasks (m = 9, BF16)."""
     monkeypatch.setattr(cpu, "GEMV_ONE_THREAD_WEIGHTS", 0)
     g = gen(m)
     weight = WEIGHTS[fmt](67, 256, g)
@@ -277,7 +277,11 @@ def test_result_does_not_depend_on_the_thread_count(fmt, m, monkeypatch):
     assert_bits(results[0], results[1])
 
 
-# --- the GEMM path (M > GEMV_MAX_M): within the interval of any summation order ---------------------------
+# --- the batched kernel and the GEMM path (M > GEMV_MAX_M): within the interval of any summation order -----
+# BF16 x with GEMV_MAX_M < M <= BATCH_MAX_M runs the batched kernel on AVX512-BF16 CPUs (BATCHED below), the
+# GEMM path otherwise; GEMM_M is past both.
+BATCHED = cpu.GEMV_MAX_M + 5
+GEMM_M = cpu.BATCH_MAX_M + 3
 
 def _dense(fmt, weight, dtype):
     if fmt == "hifloat8":
@@ -292,10 +296,11 @@ def _dense(fmt, weight, dtype):
 @pytest.mark.parametrize("fmt", WEIGHTS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bias_dtype", [None, "x", torch.float32])
-def test_gemm_path_within_the_order_interval(fmt, dtype, bias_dtype):
-    """float32 GEMM, and (BF16 x, MXFP4 / HiFloat4, bias None or BF16) torch's BF16 GEMM."""
+@pytest.mark.parametrize("m", [BATCHED, GEMM_M])
+def test_gemm_path_within_the_order_interval(fmt, dtype, bias_dtype, m):
+    """float32 GEMM, (BF16 x, bias None or BF16) torch's BF16 GEMM, and the batched kernel (BF16 x)."""
     g = gen(5)
-    m, n, k = cpu.GEMV_MAX_M + 5, 40, {"hifloat8": 319, "float8": 319, "mxfp8": 352, "mxfp4": 352, "hifloat4": 320}[fmt]
+    n, k = 40, {"hifloat8": 319, "float8": 319, "mxfp8": 352, "mxfp4": 352, "hifloat4": 320}[fmt]
     weight = WEIGHTS[fmt](n, k, g)
     x = torch.randn(m, k, generator=g).to(dtype)
     x[0, :8] = 2.0**-130  # BF16 subnormals (flushed by a BF16 GEMM), FP16 zeros
@@ -324,7 +329,7 @@ def test_gemm_path_in_several_tiles(monkeypatch, dtype):
     g = gen(13)
     codes, scales = mxfp4_weight(11, 352, g)
     scales[4, 2] = 0xFF  # a NaN block: row 4 of the output is NaN
-    x = torch.randn(cpu.GEMV_MAX_M + 2, 352, generator=g).to(dtype)
+    x = torch.randn(GEMM_M, 352, generator=g).to(dtype)
     bias = torch.randn(11, generator=g).to(dtype)
     got = lowbit.mxfp4_linear(x, codes, scales, bias, backend="native")
     lo, hi = reference.gemm_interval(x, reference.mxfp4_weight(codes, scales), bias)
@@ -340,18 +345,19 @@ def test_gemm_path_in_one_tile_is_f_linear_of_the_decoded_weight(with_bias):
     F.linear runs), so the result is F.linear's on the decoded BF16 weight, bit for bit."""
     g = gen(15)
     codes, scales = mxfp4_weight(40, 352, g)
-    x = torch.randn(cpu.GEMV_MAX_M + 5, 352, generator=g).bfloat16()
+    x = torch.randn(GEMM_M, 352, generator=g).bfloat16()
     bias = torch.randn(40, generator=g).bfloat16() if with_bias else None
     got = lowbit.mxfp4_linear(x, codes, scales, bias, backend="native")
     want = torch.nn.functional.linear(x, reference.mxfp4_weight(codes, scales).bfloat16(), bias)
     assert_bits(got, want)
 
 
-def test_gemm_path_with_subnormal_mxfp4_weights():
+@pytest.mark.parametrize("m", [BATCHED, GEMM_M])
+def test_gemm_path_with_subnormal_mxfp4_weights(m):
     g = gen(12)
     codes, scales = mxfp4_weight(24, 128, g)
     scales[:8] = 0  # 2^-127: subnormal weights
-    x = (torch.randn(cpu.GEMV_MAX_M + 3, 128, generator=g) * 2.0**100).bfloat16()
+    x = (torch.randn(m, 128, generator=g) * 2.0**100).bfloat16()
     got = lowbit.mxfp4_linear(x, codes, scales, backend="native").float()
     lo, hi = reference.gemm_interval(x, reference.mxfp4_weight(codes, scales))
     assert ((lo.float() <= got) & (got <= hi.float())).all()
@@ -369,13 +375,46 @@ def test_gemm_interval_contains_the_reference_and_excludes_an_ulp_away():
     assert ((bits(hi).int() - bits(lo).int()).abs() <= 1).float().mean() > 0.9
 
 
-def test_gemm_path_keeps_nan_and_inf():
+@pytest.mark.parametrize("m", [cpu.GEMV_MAX_M + 1, GEMM_M])
+def test_gemm_path_keeps_nan_and_inf(m):
     g = gen(7)
     codes, scale = hif8_weight(6, 96, g)
     codes[0, 3], codes[1, 5] = 0x80, 0x6F
-    got = lowbit.hifloat8_linear(torch.randn(cpu.GEMV_MAX_M + 1, 96, generator=g).bfloat16(), codes, scale,
-                                 backend="native")
+    got = lowbit.hifloat8_linear(torch.randn(m, 96, generator=g).bfloat16(), codes, scale, backend="native")
     assert got[:, 0].isnan().all() and got[:, 1].isinf().all() and got[:, 2:].isfinite().all()
+
+
+@pytest.mark.skipif(not simd.HAS_AVX512BF16, reason="the batched kernel runs on AVX512-BF16 CPUs")
+@pytest.mark.parametrize("fmt", WEIGHTS)
+@pytest.mark.parametrize("m", [cpu.GEMV_MAX_M + 1, 6, cpu.BATCH_MAX_M])
+def test_batched_kernel_within_the_order_interval(fmt, m, monkeypatch):
+    """BF16 x, GEMV_MAX_M < M <= BATCH_MAX_M: the batched kernel runs (odd and even M; N = 131: several
+    tasks and a last block of 3 rows; K with a short last step or an odd 32-block; a chunk boundary of K
+    inside a row), with NaN / Inf weights, x with Inf / NaN and BF16 subnormals (flushed by vdpbf16ps), a
+    BF16 bias; every output within the interval or NaN where the reference is; NaN canonical."""
+    calls = []
+    kernel = {"hifloat8": cpu.HIFLOAT8_LINEAR, "float8": cpu.FLOAT8_E4M3FN_LINEAR, "mxfp8": cpu.MXFP8_LINEAR,
+              "mxfp4": cpu.MXFP4_LINEAR, "hifloat4": cpu.HIFLOAT4_LINEAR}[fmt]
+    batched = kernel.batched
+    monkeypatch.setattr(kernel, "batched", lambda *args: calls.append(1) or batched(*args))
+    g = gen(40 + m)
+    k = cpu._BATCH_CHUNK + {"hifloat8": 319, "float8": 319, "mxfp8": 352, "mxfp4": 352, "hifloat4": 320}[fmt]
+    weight = WEIGHTS[fmt](131, k, g)
+    if fmt in ("hifloat8", "float8"):
+        weight[0][5, 7], weight[0][9, 0] = (0x80, 0x6F) if fmt == "hifloat8" else (0x7F, 0x7E)
+    elif fmt in ("mxfp8", "mxfp4"):
+        weight[1][5, 2] = 0xFF  # a NaN block
+    x = torch.randn(m, k, generator=g).bfloat16()
+    x[0, :8] = 2.0**-130  # BF16 subnormals
+    x[m - 1, 3] = float("inf")
+    x[1, 100] = float("nan")
+    bias = torch.randn(131, generator=g).bfloat16()
+    got = OPS[fmt](x, *weight, bias, backend="native")
+    assert calls == [1]
+    dense = _dense(fmt, weight, torch.bfloat16)
+    want = reference.linear(x, dense, bias)
+    assert reference.meets_contract(got, want, x, dense, bias)
+    assert (bits(got)[got.isnan()] == reference.NAN_BITS[torch.bfloat16]).all()
 
 
 # --- Triton (interpreted on the CPU): bit-exact for every M ---------------------------------------------------

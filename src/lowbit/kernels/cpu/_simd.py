@@ -59,6 +59,7 @@ def _host_has(*names: str) -> bool:
 
 
 HAS_VNNI = _host_has("avx512vnni", "avx512bw", "avx512f")
+HAS_AVX512BF16 = _host_has("avx512bf16", "avx512bw", "avx512f")
 HAS_AVX512BW = _host_has("avx512bw", "avx512f")
 HAS_AVX512F = _host_has("avx512f")
 HAS_AVX512VBMI = _host_has("avx512vbmi", "avx512bw", "avx512f")
@@ -646,6 +647,41 @@ def bytes_load(typingctx, arr, index):
                                           align=1), _VI32)
 
     return I32V(arr, index), codegen
+
+
+class _BFloat(ir.Type):
+    """LLVM's ``bfloat`` (llvmlite has no class for it): the element type of the AVX512-BF16 intrinsics."""
+
+    def _to_string(self):
+        return "bfloat"
+
+    def __eq__(self, other):
+        return isinstance(other, _BFloat)
+
+    def __hash__(self):
+        return hash("bfloat")
+
+
+@intrinsic
+def f32v_dot_bf16(typingctx, acc, a, b):
+    """``acc`` (F32V) plus, per lane i, ``a_lo * b_lo + a_hi * b_hi`` where lane i of the I32V ``a`` and ``b``
+    holds two BF16 values (vdpbf16ps on each half: AVX512-BF16 CPUs only, see HAS_AVX512BF16; subnormal
+    inputs and results are flushed to zero, the sum rounded to nearest even)."""
+
+    def codegen(context, builder, sig, args):
+        half = LANES // 2
+        v_bf16 = ir.VectorType(_BFloat(), 2 * half)
+        v_f32 = ir.VectorType(ir.FloatType(), half)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v_f32, [v_f32, v_bf16, v_bf16]),
+                                            "llvm.x86.avx512bf16.dpbf16ps.512")
+        halves = []
+        for h in range(2):
+            lanes = ir.Constant(ir.VectorType(_I32, half), list(range(h * half, (h + 1) * half)))
+            acc_h, a_h, b_h = (builder.shuffle_vector(v, v, lanes) for v in args)
+            halves.append(builder.call(fn, [acc_h, builder.bitcast(a_h, v_bf16), builder.bitcast(b_h, v_bf16)]))
+        return builder.shuffle_vector(halves[0], halves[1], ir.Constant(_VI32, list(range(LANES))))
+
+    return F32V(acc, a, b), codegen
 
 
 @intrinsic

@@ -629,7 +629,7 @@ def _code8_gemv(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, kee
     """codes (N, K) uint8; scale (N,) float32 and magnitudes (128,) float32 as _fill_row_table takes them;
     bf16: x is BF16 (else FP16); nan_code: the code that decodes to NaN; table_like: an array of the
     row-table kind (see code8_decode); keep int32[64] (the tail's lanes); x_reg (M, Kp) float32 (register
-    order, zero-padded); serial: run on the calling thread (see _run_gemv); y32 (M, N) float32."""
+    order, zero-padded); serial: run on the calling thread (see WeightOnlyLinear._run_gemv); y32 (M, N) float32."""
     n = codes.shape[0]
     if serial:  # np.int64(0), not 0: a literal argument would compile a second specialization of the rows
         _code8_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, np.int64(0), n, y32)
@@ -926,33 +926,37 @@ def _store_nibbles(w_flat, at, w0, w1):
     simd.f32v_store_any(w_flat, at + HALF, high)
 
 
+@numba.njit(**_INLINE)
+def _code8_tile_row(store, codes_flat, k, row, table, nan_code, keep, scratch, w_flat, at):
+    """Row ``row`` of an 8-bit row-table weight (its ``table`` filled) into w_flat[at:] by ``store``."""
+    full = k // LANES
+    for t in range(full):
+        w0, w1 = code8_decode(codes_flat, row * k + LANES * t, table, nan_code)
+        store(w_flat, at + LANES * t, w0, w1)
+    if k % LANES:
+        w0, w1 = _code8_tail(codes_flat, row * k + LANES * full, k % LANES, table, nan_code, keep, scratch)
+        store(w_flat, at + LANES * full, w0, w1)
+
+
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
 def _code8_tile(codes, scale, bf16, magnitudes, nan_code, table_like, keep, r0, w32):
-    n, k = codes.shape
+    k = codes.shape[1]
     kp = w32.shape[1]
-    full = k // LANES
-    tail = k - full * LANES
     codes_flat, w_flat = simd.flat(codes), simd.flat(w32)
     for task in numba.prange((w32.shape[0] + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
         scratch = np.zeros(LANES, dtype=np.uint8)
         table = np.empty_like(table_like)
         for i in range(task * _ROWS_PER_TASK, min(w32.shape[0], (task + 1) * _ROWS_PER_TASK)):
-            row = r0 + i
-            _fill_row_table(magnitudes, scale[row], bf16, nan_code, table)
-            for t in range(full):
-                w0, w1 = code8_decode(codes_flat, row * k + LANES * t, table, nan_code)
-                _store_code8(w_flat, i * kp + LANES * t, w0, w1)
-            if tail:
-                w0, w1 = _code8_tail(codes_flat, row * k + LANES * full, tail, table, nan_code, keep, scratch)
-                _store_code8(w_flat, i * kp + LANES * full, w0, w1)
+            _fill_row_table(magnitudes, scale[r0 + i], bf16, nan_code, table)
+            _code8_tile_row(_store_code8, codes_flat, k, r0 + i, table, nan_code, keep, scratch, w_flat, i * kp)
 
 
 @numba.njit(**_INLINE)
-def _mxfp8_tile_row(round_to, codes_flat, scales_flat, row, k, blocks, table, w_flat, at):
+def _mxfp8_tile_row(round_to, store, codes_flat, scales_flat, row, k, blocks, table, w_flat, at):
     scratch = np.zeros(LANES, dtype=np.uint8)
     for t in range(-(-k // LANES)):
         w0, w1 = _mxfp8_row_step(round_to, codes_flat, scales_flat, row * k, row * blocks, t, k, table, scratch)
-        _store_code8(w_flat, at + LANES * t, w0, w1)
+        store(w_flat, at + LANES * t, w0, w1)
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
@@ -961,9 +965,24 @@ def _mxfp8_tile(codes, scales, bf16, table, r0, w32):
     codes_flat, scales_flat, w_flat = simd.flat(codes), simd.flat(scales), simd.flat(w32)
     for i in numba.prange(w32.shape[0]):
         if bf16:
-            _mxfp8_tile_row(_round_bf16, codes_flat, scales_flat, r0 + i, k, blocks, table, w_flat, i * kp)
+            _mxfp8_tile_row(_round_bf16, _store_code8, codes_flat, scales_flat, r0 + i, k, blocks, table, w_flat,
+                            i * kp)
         else:
-            _mxfp8_tile_row(_round_f16, codes_flat, scales_flat, r0 + i, k, blocks, table, w_flat, i * kp)
+            _mxfp8_tile_row(_round_f16, _store_code8, codes_flat, scales_flat, r0 + i, k, blocks, table, w_flat,
+                            i * kp)
+
+
+@numba.njit(**_INLINE)
+def _mxfp4_tile_row(store, scales_flat, codes_flat, row, blocks, scratch, w_flat, at):
+    b0 = row * blocks
+    for t in range(blocks // 2):
+        b = np.uint64(b0 + 2 * t)
+        w0, w1 = _mxfp4_step(codes_flat, 16 * b, scales_flat[b], scales_flat[b + 1])
+        store(w_flat, at + LANES * t, w0, w1)
+    if blocks % 2:
+        b = b0 + blocks - 1
+        w0, w1 = _mxfp4_last_block(codes_flat, 16 * b, scales_flat[b], scratch)
+        store(w_flat, at + LANES * (blocks // 2), w0, w1)
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
@@ -974,15 +993,14 @@ def _mxfp4_tile(scales, codes, r0, w32):
     for task in numba.prange((w32.shape[0] + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
         scratch = np.zeros(HALF, dtype=np.uint8)
         for i in range(task * _ROWS_PER_TASK, min(w32.shape[0], (task + 1) * _ROWS_PER_TASK)):
-            b0 = (r0 + i) * blocks
-            for t in range(blocks // 2):
-                b = np.uint64(b0 + 2 * t)
-                w0, w1 = _mxfp4_step(codes_flat, 16 * b, scales_flat[b], scales_flat[b + 1])
-                _store_nibbles(w_flat, i * kp + LANES * t, w0, w1)
-            if blocks % 2:
-                b = b0 + blocks - 1
-                w0, w1 = _mxfp4_last_block(codes_flat, 16 * b, scales_flat[b], scratch)
-                _store_nibbles(w_flat, i * kp + LANES * (blocks // 2), w0, w1)
+            _mxfp4_tile_row(_store_nibbles, scales_flat, codes_flat, r0 + i, blocks, scratch, w_flat, i * kp)
+
+
+@numba.njit(**_INLINE)
+def _hifloat4_tile_row(store, words_flat, value_flat, row, blocks, w_flat, at):
+    for b in range(blocks):
+        w0, w1 = _hifloat4_step(words_flat, value_flat, row * blocks + b)
+        store(w_flat, at + LANES * b, w0, w1)
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
@@ -991,9 +1009,151 @@ def _hifloat4_tile(words, value, r0, w32):
     kp = w32.shape[1]
     w_flat, words_flat, value_flat = simd.flat(w32), simd.flat(words), simd.flat(value)
     for i in numba.prange(w32.shape[0]):
-        for b in range(blocks):
-            w0, w1 = _hifloat4_step(words_flat, value_flat, (r0 + i) * blocks + b)
-            _store_nibbles(w_flat, i * kp + LANES * b, w0, w1)
+        _hifloat4_tile_row(_store_nibbles, words_flat, value_flat, r0 + i, blocks, w_flat, i * kp)
+
+
+# ---- batched kernels (BF16 x, GEMV_MAX_M < M <= BATCH_MAX_M, AVX512-BF16 CPUs) ------------------------------
+# y32 (M, N) <- x (M, Kp) BF16 bits @ W.T. Per task, blocks of ROW_BLOCK rows of W are decoded once into a small
+# BF16 buffer (the format's register order, as x) and multiplied with every row of x, two at a time, by BF16 dot
+# products (vdpbf16ps: 32 multiply-adds per instruction, twice a float32 FMA's), in chunks of K that keep the
+# four rows' chunk in the L1 cache. Every weight is a BF16 value for BF16 x, so nothing is rounded on the way
+# in; the order of the sums is not the reference's (the GEMM path's tolerance, docs/weight_only.md). No torch
+# GEMM and no dense copy of W.
+BATCH_MAX_M = 32
+_BATCH_ROWS_PER_TASK = 64  # rows of W per prange iteration (16 blocks: one buffer allocation each)
+_BATCH_CHUNK = 1024  # elements of K per pass over the rows of x (four rows of W: 8 KiB of BF16)
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _batch_block(x_flat, kp, m_rows, w_flat, rows, row, y32):
+    """y32[:, row .. row + rows - 1] <- x (M rows of Kp BF16 bits, flat int16) times the ``rows`` <= ROW_BLOCK
+    rows of W in w_flat (ROW_BLOCK * Kp BF16 bits; rows past ``rows`` finite)."""
+    for c0 in range(0, kp, _BATCH_CHUNK):
+        c1 = min(kp, c0 + _BATCH_CHUNK)
+        for m in range(0, m_rows, 2):
+            m1 = min(m + 1, m_rows - 1)  # an odd last row of x is taken twice
+            a0 = b0 = a1 = b1 = a2 = b2 = a3 = b3 = simd.f32v_zero()
+            for t in range(c0, c1, LANES):  # 64 BF16 = 32 pairs per load
+                xa = simd.i32v_load(x_flat, m * kp + t)
+                xb = simd.i32v_load(x_flat, m1 * kp + t)
+                w = simd.i32v_load(w_flat, t)
+                a0, b0 = simd.f32v_dot_bf16(a0, xa, w), simd.f32v_dot_bf16(b0, xb, w)
+                w = simd.i32v_load(w_flat, kp + t)
+                a1, b1 = simd.f32v_dot_bf16(a1, xa, w), simd.f32v_dot_bf16(b1, xb, w)
+                w = simd.i32v_load(w_flat, 2 * kp + t)
+                a2, b2 = simd.f32v_dot_bf16(a2, xa, w), simd.f32v_dot_bf16(b2, xb, w)
+                w = simd.i32v_load(w_flat, 3 * kp + t)
+                a3, b3 = simd.f32v_dot_bf16(a3, xa, w), simd.f32v_dot_bf16(b3, xb, w)
+            sums_a = (simd.f32v_sum_tree(a0), simd.f32v_sum_tree(a1), simd.f32v_sum_tree(a2),
+                      simd.f32v_sum_tree(a3))
+            sums_b = (simd.f32v_sum_tree(b0), simd.f32v_sum_tree(b1), simd.f32v_sum_tree(b2),
+                      simd.f32v_sum_tree(b3))
+            for r in range(rows):
+                if c0 == 0:
+                    y32[m, row + r] = sums_a[r]
+                    y32[m1, row + r] = sums_b[r]
+                else:
+                    y32[m1, row + r] += sums_b[r]
+                    if m1 != m:
+                        y32[m, row + r] += sums_a[r]
+
+
+@numba.njit(**_INLINE)
+def _store_steps(w_flat, at, w0, w1):
+    """A step's BF16 bits (int16, by truncation: exact for BF16 values) in the format's register order."""
+    simd.f32v_store_any(w_flat, at, w0)
+    simd.f32v_store_any(w_flat, at + HALF, w1)
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _gather_x_bits(x_bits, order, x_reg):
+    """x_reg (M, Kp) int16 <- the BF16 bits of x (M, K), each 64-element step in the register order ``order``
+    (int32[64]), zeros past K."""
+    m_rows, k = x_bits.shape
+    kp = x_reg.shape[1]
+    for m in range(m_rows):
+        for j in range(0, kp, LANES):
+            for p in range(LANES):
+                e = j + order[p]
+                x_reg[m, j + p] = x_bits[m, e] if e < k else 0
+
+
+@numba.njit(**_INLINE)
+def _batch_buffer(kp, rows):
+    """A ROW_BLOCK * Kp BF16 (int16) row buffer whose rows from ``rows`` on are zeros."""
+    w = np.empty(ROW_BLOCK * kp, dtype=np.int16)
+    w[rows * kp :] = 0
+    return w
+
+
+@numba.njit(**PARALLEL_NJIT_OPTIONS)
+def _code8_batched(x_bits, codes, scale, bf16, magnitudes, nan_code, table_like, keep, y32):
+    n, k = codes.shape
+    m_rows, kp = x_bits.shape
+    x_flat, codes_flat = simd.flat(x_bits), simd.flat(codes)
+    for task in numba.prange(-(-n // _BATCH_ROWS_PER_TASK)):
+        scratch = np.zeros(LANES, dtype=np.uint8)
+        table = np.empty_like(table_like)
+        w = _batch_buffer(kp, ROW_BLOCK)
+        for row in range(task * _BATCH_ROWS_PER_TASK, min(n, (task + 1) * _BATCH_ROWS_PER_TASK), ROW_BLOCK):
+            rows = min(ROW_BLOCK, n - row)
+            if rows < ROW_BLOCK:
+                w = _batch_buffer(kp, rows)
+            for r in range(rows):
+                _fill_row_table(magnitudes, scale[row + r], bf16, nan_code, table)
+                _code8_tile_row(_store_steps, codes_flat, k, row + r, table, nan_code, keep, scratch, w, r * kp)
+            _batch_block(x_flat, kp, m_rows, w, rows, row, y32)
+
+
+@numba.njit(**PARALLEL_NJIT_OPTIONS)
+def _mxfp8_batched(x_bits, codes, scales, bf16, table, y32):
+    n, k = codes.shape
+    blocks = scales.shape[1]
+    m_rows, kp = x_bits.shape
+    x_flat, codes_flat, scales_flat = simd.flat(x_bits), simd.flat(codes), simd.flat(scales)
+    for task in numba.prange(-(-n // _BATCH_ROWS_PER_TASK)):
+        w = _batch_buffer(kp, ROW_BLOCK)
+        for row in range(task * _BATCH_ROWS_PER_TASK, min(n, (task + 1) * _BATCH_ROWS_PER_TASK), ROW_BLOCK):
+            rows = min(ROW_BLOCK, n - row)
+            if rows < ROW_BLOCK:
+                w = _batch_buffer(kp, rows)
+            for r in range(rows):
+                _mxfp8_tile_row(_round_bf16, _store_steps, codes_flat, scales_flat, row + r, k, blocks, table, w,
+                                r * kp)
+            _batch_block(x_flat, kp, m_rows, w, rows, row, y32)
+
+
+@numba.njit(**PARALLEL_NJIT_OPTIONS)
+def _mxfp4_batched(x_bits, scales, codes, y32):
+    n, blocks = scales.shape
+    m_rows, kp = x_bits.shape
+    x_flat, codes_flat, scales_flat = simd.flat(x_bits), simd.flat(codes), simd.flat(scales)
+    for task in numba.prange(-(-n // _BATCH_ROWS_PER_TASK)):
+        scratch = np.zeros(HALF, dtype=np.uint8)
+        w = _batch_buffer(kp, ROW_BLOCK)
+        for row in range(task * _BATCH_ROWS_PER_TASK, min(n, (task + 1) * _BATCH_ROWS_PER_TASK), ROW_BLOCK):
+            rows = min(ROW_BLOCK, n - row)
+            if rows < ROW_BLOCK:
+                w = _batch_buffer(kp, rows)
+            for r in range(rows):
+                _mxfp4_tile_row(_store_steps, scales_flat, codes_flat, row + r, blocks, scratch, w, r * kp)
+            _batch_block(x_flat, kp, m_rows, w, rows, row, y32)
+
+
+@numba.njit(**PARALLEL_NJIT_OPTIONS)
+def _hifloat4_batched(x_bits, words, value, y32):
+    n, blocks = words.shape
+    m_rows, kp = x_bits.shape
+    x_flat, words_flat, value_flat = simd.flat(x_bits), simd.flat(words), simd.flat(value)
+    for task in numba.prange(-(-n // _BATCH_ROWS_PER_TASK)):
+        w = _batch_buffer(kp, ROW_BLOCK)
+        for row in range(task * _BATCH_ROWS_PER_TASK, min(n, (task + 1) * _BATCH_ROWS_PER_TASK), ROW_BLOCK):
+            rows = min(ROW_BLOCK, n - row)
+            if rows < ROW_BLOCK:
+                w = _batch_buffer(kp, rows)
+            for r in range(rows):
+                _hifloat4_tile_row(_store_steps, words_flat, value_flat, row + r, blocks, w, r * kp)
+            _batch_block(x_flat, kp, m_rows, w, rows, row, y32)
 
 
 # ---- the GEMV's input and output, in numba (no torch op between a call's start and its end) ------------------
@@ -1077,6 +1237,17 @@ def canonical_nan_bf16(bits):
 _NO_BIAS_BITS = np.zeros(0, dtype=np.int16)
 
 
+def _round_into(y32: np.ndarray, bias, bf16: bool, out: torch.Tensor) -> None:
+    """out <- fl32(y32 + bias) rounded to BF16 (``bf16``) or FP16, NaN canonical (_finish)."""
+    if bias is None:
+        bias_bits, bias_kind = _NO_BIAS_BITS, _NO_BIAS
+    elif bias.dtype == torch.float32:
+        bias_bits, bias_kind = as_numpy(bias).view(np.int16), _BIAS_FLOAT32
+    else:
+        bias_bits, bias_kind = as_numpy(bias), _BIAS_LIKE_X
+    _finish(y32, bias_bits, bias_kind, bf16, as_numpy(out))
+
+
 def _padded_k(k: int) -> int:
     return -(-k // LANES) * LANES
 
@@ -1085,14 +1256,16 @@ class WeightOnlyLinear(Kernel):
     """One format's kernel: ``run(x, a, b, bias, out=)`` with x (..., K) FP16/BF16, the format's two weight
     tensors (validated by lowbit.ops.weight_only), bias (N,) or None, out (..., N) in x's dtype.
 
-    ``gemv(x_reg, *operands, serial, y32)`` and ``tile(*operands, r0, w32)``: the format's numba kernels;
+    ``gemv(x_reg, *operands, serial, y32)``, ``batched(x_bits, *operands, y32)`` and ``tile(*operands, r0,
+    w32)``: the format's numba kernels (M <= GEMV_MAX_M; BF16 x with M <= BATCH_MAX_M on AVX512-BF16 CPUs;
+    the GEMM path);
     ``split``: its register order (see _reorder); ``operands(a, b, k, dtype)``: the numba kernels' weight
     operands for x of ``dtype``. With BF16 x every format's decoded weight is a BF16 value (the GEMM path
     uses torch's BF16 GEMM).
     """
 
-    def __init__(self, gemv, tile, split: tuple, operands):
-        self.gemv, self.tile, self.split, self._operands = gemv, tile, split, operands
+    def __init__(self, gemv, batched, tile, split: tuple, operands):
+        self.gemv, self.batched, self.tile, self.split, self._operands = gemv, batched, tile, split, operands
         self.order = np.array(_order(*split), dtype=np.int32)
 
     def run(self, x: torch.Tensor, *args, out: torch.Tensor) -> None:
@@ -1110,11 +1283,19 @@ class WeightOnlyLinear(Kernel):
             return
         # Rows are handed out in chunks on demand (not split evenly up front), so a thread that the OS
         # deschedules on a shared machine does not make the other one wait at the end.
-        tasks = -(-(n if m <= GEMV_MAX_M else min(n, GEMM_TILE_BYTES // (2 * _padded_k(k)))) // _ROWS_PER_TASK)
-        work = n * k if m <= GEMV_MAX_M else GEMV_ONE_THREAD_WEIGHTS  # the GEMM path always has the threads
-        with kernel_threads(work, GEMV_ONE_THREAD_WEIGHTS, chunksize=max(4, tasks // _CHUNKS)):
+        batched = m <= BATCH_MAX_M and x.dtype == torch.bfloat16 and simd.HAS_AVX512BF16
+        if m <= GEMV_MAX_M:
+            work, chunksize = n * k, max(4, -(-n // _ROWS_PER_TASK) // _CHUNKS)
+        elif batched:  # tasks of _BATCH_ROWS_PER_TASK rows, handed out one at a time
+            work, chunksize = m * n * k, 1
+        else:  # the GEMM path always has the threads
+            tile_rows = min(n, GEMM_TILE_BYTES // (2 * _padded_k(k)))
+            work, chunksize = GEMV_ONE_THREAD_WEIGHTS, max(4, -(-tile_rows // _ROWS_PER_TASK) // _CHUNKS)
+        with kernel_threads(work, GEMV_ONE_THREAD_WEIGHTS, chunksize=chunksize):
             if m <= GEMV_MAX_M:
                 self._run_gemv(x, operands, bias, out, serial=numba.get_num_threads() == 1)
+            elif batched:
+                self._run_batched(x, operands, bias, out)
             elif x.dtype == torch.bfloat16 and (bias is None or bias.dtype == torch.bfloat16):
                 self._run_gemm_bf16(x, operands, bias, out)
             else:
@@ -1130,13 +1311,17 @@ class WeightOnlyLinear(Kernel):
         _gather_x(as_numpy(x), bf16, self.order, x_reg)
         y32 = np.empty((m, n), dtype=np.float32)
         self.gemv(x_reg, *operands, serial, y32)
-        if bias is None:
-            bias_bits, bias_kind = _NO_BIAS_BITS, _NO_BIAS
-        elif bias.dtype == torch.float32:
-            bias_bits, bias_kind = as_numpy(bias).view(np.int16), _BIAS_FLOAT32
-        else:
-            bias_bits, bias_kind = as_numpy(bias), _BIAS_LIKE_X
-        _finish(y32, bias_bits, bias_kind, bf16, as_numpy(out))
+        _round_into(y32, bias, bf16, out)
+
+    def _run_batched(self, x: torch.Tensor, operands: tuple, bias, out: torch.Tensor) -> None:
+        """BF16 x on an AVX512-BF16 CPU, GEMV_MAX_M < M <= BATCH_MAX_M: the batched kernel on x's bits in the
+        register order (zero-padded to Kp), then the reference's rounding."""
+        (m, k), n = x.shape, out.shape[1]
+        x_reg = np.empty((m, _padded_k(k)), dtype=np.int16)
+        _gather_x_bits(as_numpy(x), self.order, x_reg)
+        y32 = np.empty((m, n), dtype=np.float32)
+        self.batched(x_reg, *operands, y32)
+        _round_into(y32, bias, True, out)
 
     def _tiles(self, operands: tuple, n: int, k: int, dtype: torch.dtype, width: int):
         """(first row, (rows, width) tile) of W decoded tile by tile into one reused buffer of ``dtype``
@@ -1228,8 +1413,9 @@ def _hifloat4_operands(scale, value, k, dtype):
     return words, as_numpy(value)
 
 
-HIFLOAT8_LINEAR = WeightOnlyLinear(_code8_gemv, _code8_tile, CODE8_SPLIT, _hifloat8_operands)
-FLOAT8_E4M3FN_LINEAR = WeightOnlyLinear(_code8_gemv, _code8_tile, CODE8_SPLIT, _float8_operands)
-MXFP8_LINEAR = WeightOnlyLinear(_mxfp8_gemv, _mxfp8_tile, CODE8_SPLIT, _mxfp8_operands)
-MXFP4_LINEAR = WeightOnlyLinear(_mxfp4_gemv, _mxfp4_tile, NIBBLE_SPLIT, _mxfp4_operands)
-HIFLOAT4_LINEAR = WeightOnlyLinear(_hifloat4_gemv, _hifloat4_tile, NIBBLE_SPLIT, _hifloat4_operands)
+HIFLOAT8_LINEAR = WeightOnlyLinear(_code8_gemv, _code8_batched, _code8_tile, CODE8_SPLIT, _hifloat8_operands)
+FLOAT8_E4M3FN_LINEAR = WeightOnlyLinear(_code8_gemv, _code8_batched, _code8_tile, CODE8_SPLIT, _float8_operands)
+MXFP8_LINEAR = WeightOnlyLinear(_mxfp8_gemv, _mxfp8_batched, _mxfp8_tile, CODE8_SPLIT, _mxfp8_operands)
+MXFP4_LINEAR = WeightOnlyLinear(_mxfp4_gemv, _mxfp4_batched, _mxfp4_tile, NIBBLE_SPLIT, _mxfp4_operands)
+HIFLOAT4_LINEAR = WeightOnlyLinear(_hifloat4_gemv, _hifloat4_batched, _hifloat4_tile, NIBBLE_SPLIT,
+                                   _hifloat4_operands)
