@@ -174,6 +174,20 @@ def same_bits(got: torch.Tensor, want: torch.Tensor, args: Sequence = ()) -> boo
     return bits_equal(got, want)
 
 
+_ALIGNMENT = 16  # bytes: kernels view their tensors as wider words (two BF16 as one int32, float32 pairs, ...)
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    """Whether ``t`` starts ALIGNMENT bytes into its storage or a multiple of it (storage itself is aligned)."""
+    return t.storage_offset() * t.element_size() % _ALIGNMENT == 0
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous and aligned (a copy where it is not: a view at an odd offset of a larger buffer)."""
+    t = t.contiguous()
+    return t if _aligned(t) else t.clone()
+
+
 def _as_tuple(out: Any) -> tuple[torch.Tensor, ...]:
     return out if isinstance(out, tuple) else (out,)
 
@@ -203,6 +217,8 @@ class Operator:
       ``agrees``, for an operator whose kernels may sum in another order).
     * ``agrees(got, want, args) -> bool``: whether a kernel's output ``got`` meets the contract given the
       reference's ``want`` for the arguments ``args`` (default :func:`same_bits`: bit equality).
+    * ``scratch``: positions of arguments handed to the kernels as they are, not made contiguous or copied
+      (workspaces, which the kernels check themselves).
     """
 
     name: str
@@ -211,6 +227,7 @@ class Operator:
     native: Mapping[str, Callable[[], Kernel]]
     probes: Callable[[], Iterable[tuple]]
     agrees: Callable[[torch.Tensor, torch.Tensor, Sequence], bool] = same_bits
+    scratch: tuple[int, ...] = ()
     # (device, dtype signature or None for every probe) -> None or error
     _checked: dict[tuple, Optional[str]] = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -335,24 +352,29 @@ class Operator:
                 raise ShapeError(f"{self.name}: {label} must have shape {tuple(spec.shape)}, got {tuple(t.shape)}")
             if t.device != device:
                 raise DeviceError(f"{self.name}: {label} is on {t.device} but the inputs are on {device}")
+            if any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride())):
+                raise ShapeError(f"{self.name}: {label} has elements that share memory (stride 0, e.g. from "
+                                 f"expand): strides {t.stride()}; pass a tensor with its own memory per element")
 
     def run_into(self, args: Sequence, out: Any, backend: Optional[str] = None, fresh: bool = False) -> None:
         """Compute ``args`` into the validated ``out`` with the selected backend, then record it.
 
-        Inputs are made contiguous; an output that is not contiguous or may overlap an input is computed
-        into a temporary and copied in, so every backend gives the same result for any ``out``. ``fresh``:
-        ``out`` was just allocated here (contiguous, sharing memory with nothing), so it is not checked.
+        Inputs are made contiguous and aligned (see _dense); an output that is not contiguous or aligned or
+        may overlap an input is computed into a temporary and copied in, so every backend gives the same
+        result for any ``out``. ``fresh``: ``out`` was just allocated here (contiguous, sharing memory with
+        nothing), so it is not checked.
         Kernels run under ``torch.no_grad()``."""
         if any(t.numel() == 0 for t in _as_tuple(out)):
             return
-        dense = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)
+        dense = tuple(_dense(a) if isinstance(a, torch.Tensor) and i not in self.scratch else a
+                      for i, a in enumerate(args))
         name, kernel = self.kernel(_as_tuple(out)[0].device, backend, dense)  # out is on the inputs' device
         if fresh:
             targets = _as_tuple(out)
         else:
             spans = [_memory_span(t) for t in tensors_of(args) if t.numel()]
             targets = tuple(
-                t if t.is_contiguous() and not _touches(_memory_span(t), spans) else torch.empty_like(
+                t if t.is_contiguous() and _aligned(t) and not _touches(_memory_span(t), spans) else torch.empty_like(
                     t, memory_format=torch.contiguous_format)
                 for t in _as_tuple(out)
             )

@@ -58,6 +58,7 @@ def define(
     output_names: Sequence[str] = ("out",),
     differentiable: bool = True,
     agrees: Callable[[torch.Tensor, torch.Tensor, Sequence], bool] = same_bits,
+    scratch: tuple[int, ...] = (),
 ) -> Operator:
     """Create and register the :class:`Operator` ``name`` (the other arguments are its fields), and register
     it as the custom ops ``lowbit::<name>`` and ``lowbit::<name>_out``.
@@ -67,7 +68,7 @@ def define(
     gradient (quantizers with no straight-through estimator); otherwise backward is an error.
     """
     op = backends.register(Operator(name=name, outputs=outputs, reference=reference, native=native,
-                                    probes=probes, agrees=agrees))
+                                    probes=probes, agrees=agrees, scratch=scratch))
     n_outs = _OUTPUT_COUNT[name] = len(output_names)
     returns = "Tensor" if n_outs == 1 else "(" + ", ".join(["Tensor"] * n_outs) + ")"
     mutated = ", ".join(f"Tensor({chr(ord('a') + i)}!) {out}" for i, out in enumerate(output_names))

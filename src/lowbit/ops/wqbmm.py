@@ -146,7 +146,8 @@ def _probes():
 
 MATMUL = define(_OP, "Tensor x, Tensor weight, Tensor antiquant_scale, Tensor? antiquant_offset=None, "
                      "int group_size=128, str algorithm='msd', str template='preload'",
-                _outputs, _Reference(), _probes, kernels.native("wqbmm", "MATMUL", ("cpu", "cuda")))
+                _outputs, _Reference(), _probes, kernels.native("wqbmm", "MATMUL", ("cpu", "cuda")),
+                scratch=(7,))  # the workspace (plan.run), checked by the kernel
 
 
 def weight_quant_batch_matmul(

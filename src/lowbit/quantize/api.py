@@ -11,8 +11,9 @@ from typing import Any, Callable, Mapping, Optional, Union
 
 from torch import nn
 
+from lowbit.errors import DeviceError
 from lowbit.quantize.config import QuantConfig
-from lowbit.quantize.modules import CalibrationModule, QuantizedLinearBase
+from lowbit.quantize.modules import CalibrationModule, QuantizedLinearBase, replace_layer
 from lowbit.quantize.report import LayerReport, QuantizeReport
 from lowbit.quantize.schemes import AMCT_DEFAULT_CONFIG, get_scheme, thaw
 from lowbit.quantize.selection import select_layers, weight_nbytes
@@ -40,14 +41,14 @@ def resolve_config(config: ConfigLike, amct_compat: bool) -> tuple[QuantConfig, 
     return QuantConfig.from_dict(config, amct_compat=amct_compat), ""
 
 
-def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent_name), child, new)
-
-
 def _prepare(model: nn.Module, config: ConfigLike, amct_compat: bool, stage: str):
     cfg, scheme = resolve_config(config, amct_compat)
     selection = select_layers(model, cfg, scheme)
+    on_meta = [name for name, layer, _ in selection.chosen if layer.weight.device.type == "meta"]
+    if on_meta:
+        raise DeviceError(f"{stage}: layers on the meta device hold no weights to quantize: {on_meta}; "
+                          "materialize them first (lowbit.load_quantized loads a quantized checkpoint into such a "
+                          "skeleton)")
     modules = [(name, CalibrationModule(name, layer, layer_cfg), layer)
                for name, layer, layer_cfg in selection.chosen]
     report = QuantizeReport(stage, scheme, cfg.amct_compat)
@@ -65,7 +66,7 @@ def quantize(model: nn.Module, config: ConfigLike = None, *, amct_compat: bool =
     _check_model("quantize", model)
     modules, selection, report = _prepare(model, config, amct_compat, "quantize")
     for name, module, linear in modules:
-        _replace(model, name, module)
+        replace_layer(model, name, module)
         status = "quantized" if module.calibrated else "calibrating"
         report.add(LayerReport(name, type(linear).__name__, status, module.layer_config.describe(),
                                bytes_before=weight_nbytes(linear)))
@@ -98,7 +99,7 @@ def convert(model: nn.Module, *, progress: Optional[Callable[[str], object]] = N
     deployed = _deploy_modules(pending, progress)
     report = QuantizeReport("convert", "", any(m.layer_config.amct_compat for _, m in pending))
     for name, calib, deploy in deployed:
-        _replace(model, name, deploy)
+        replace_layer(model, name, deploy)
         report.add(_deployed_report(name, calib, deploy))
     return report
 
@@ -122,7 +123,7 @@ def quantize_(model: nn.Module, config: ConfigLike, *,
                          "forward passes, then convert()")
     deployed = _deploy_modules([(name, module) for name, module, _ in modules], progress)
     for name, calib, deploy in deployed:
-        _replace(model, name, deploy)
+        replace_layer(model, name, deploy)
         report.add(_deployed_report(name, calib, deploy))
     for skipped in selection.skipped:
         report.add(skipped)

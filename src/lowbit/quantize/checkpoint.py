@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from lowbit.quantize.layer_ops import geometry_mismatch
-from lowbit.quantize.modules import DEPLOY_CLASSES, CalibrationModule, Int4Linear, QuantizedLinearBase
+from lowbit.quantize.modules import (DEPLOY_CLASSES, CalibrationModule, Int4Linear, QuantizedLinearBase,
+                                     replace_layer)
 
 FORMAT_VERSION = 1
 TENSORS_FILE = "model.safetensors"
@@ -212,8 +213,7 @@ def load_quantized(directory: PathLike, model: nn.Module) -> nn.Module:
     _check_tensors(expected, tensors, tensor_path)
     _check_no_meta_left(model, expected, built)
     for name, module in built.items():
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, module)
+        replace_layer(model, name, module)
     model.load_state_dict(tensors, strict=True, assign=True)
     for name, module in built.items():
         for key in [k for k in tensors if k.startswith(f"{name}.")]:

@@ -250,6 +250,22 @@ class SVDQuantLinearDeploy(QuantizedLinearBase):
 DEPLOY_CLASSES = {c.kind: c for c in (PackedLinear, Int4Linear, SVDQuantLinearDeploy)}
 
 
+def _call_the_module(module, args):
+    """A forward pre-hook that changes nothing (see :func:`replace_layer`)."""
+    return None
+
+
+def replace_layer(model: nn.Module, name: str, new: nn.Module) -> None:
+    """Put ``new`` at ``name`` in ``model``. Inside an ``nn.TransformerEncoderLayer`` it gets a forward pre-hook
+    that does nothing: torch's fused encoder path (eval mode) reads ``linear1.weight`` and the like directly
+    and is not taken for a layer with hooks, so the quantized module's own forward runs."""
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    if isinstance(parent, nn.TransformerEncoderLayer):
+        new.register_forward_pre_hook(_call_the_module)
+    setattr(parent, child, new)
+
+
 def build_deploy(name: str, geometry: dict, weight: torch.Tensor, bias: Optional[torch.Tensor], cfg: LayerConfig,
                  params: QuantParams) -> QuantizedLinearBase:
     """Pack ``weight`` with the calibrated ``params`` into the deploy module of ``cfg``."""

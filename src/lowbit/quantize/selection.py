@@ -107,8 +107,17 @@ def select_layers(model: nn.Module, config: QuantConfig, scheme: str = "") -> Se
         check_combination(config.weights, config.inputs, algorithm, compat)
         check_implemented(config.weights, config.inputs, algorithm, "config")
     chosen, skipped = [], []
+    # nn.MultiheadAttention multiplies by out_proj.weight itself: a replaced out_proj would never be called.
+    read_directly = {id(m.out_proj): n for n, m in model.named_modules() if isinstance(m, nn.MultiheadAttention)}
     for name, module in model.named_modules():
         if not _is_candidate(module, compat):
+            continue
+        if id(module) in read_directly:
+            skipped.append(_skip(name, module, f"nn.MultiheadAttention {read_directly[id(module)]!r} reads its "
+                                               "weight directly (its forward never calls this layer)"))
+            continue
+        if 0 in module.weight.shape:
+            skipped.append(_skip(name, module, f"empty weight {tuple(module.weight.shape)}"))
             continue
         if type(module).__name__ == "FP8Linear":
             skipped.append(_skip(name, module, "already quantized (FP8Linear)"))

@@ -1,0 +1,86 @@
+"""Inputs that used to crash or break a model: tensors at odd offsets of a larger buffer, an ``out`` whose
+elements share memory, attention layers whose weights torch reads directly, layers on the meta device or
+with empty weights."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import lowbit
+from lowbit.errors import DeviceError, ShapeError
+
+
+def _at_odd_offset(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``t`` that starts one element into a larger buffer."""
+    buffer = torch.empty(t.numel() + 1, dtype=t.dtype)
+    view = buffer[1:].view(t.shape)
+    view.copy_(t)
+    return view
+
+
+def test_operands_and_outputs_at_odd_offsets_give_the_aligned_result():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 64, generator=g)
+    codes, scales = lowbit.mxfp4_quantize(x)
+    got_codes, got_scales = lowbit.mxfp4_quantize(_at_odd_offset(x))
+    assert torch.equal(got_codes, codes) and torch.equal(got_scales, scales)
+    out = _at_odd_offset(torch.zeros(4, 64))
+    lowbit.mxfp4_dequantize(codes, scales, out=out)
+    assert torch.equal(out, lowbit.mxfp4_dequantize(codes, scales))
+    w, s, d, u = lowbit.svd_quant_decompose(torch.randn(64, 128, generator=g).bfloat16(), 8)
+    xb = torch.randn(3, 128, generator=g).bfloat16()
+    assert torch.equal(lowbit.svd_quant(_at_odd_offset(xb), w, s, d, u), lowbit.svd_quant(xb, w, s, d, u))
+    half = torch.randn(5, 64, generator=g).half()
+    assert torch.equal(lowbit.encode_to_hifloat8(_at_odd_offset(half)), lowbit.encode_to_hifloat8(half))
+
+
+def test_an_out_whose_elements_share_memory_is_a_shape_error():
+    x = torch.randn(4, 64).half()
+    with pytest.raises(ShapeError, match="stride 0"):
+        lowbit.encode_to_hifloat8(x, out=torch.empty(1, dtype=torch.uint8).expand(4, 64))
+
+
+@pytest.mark.parametrize("scheme", ["hif8-wo", "mxfp4-wo"])
+def test_a_transformer_encoder_layer_keeps_working(scheme, tmp_path):
+    """nn.MultiheadAttention multiplies by out_proj.weight itself (out_proj is skipped, with the reason), and
+    the encoder's fused eval path, which reads linear1.weight directly, is not taken: the quantized
+    modules' forward runs. Saved and loaded, the model gives the same output."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.TransformerEncoderLayer(64, 4, 128, batch_first=True)).eval()
+    x = torch.randn(2, 5, 64)
+    model = copy.deepcopy(base)
+    report = lowbit.quantize_(model, scheme)
+    assert "MultiheadAttention" in report.skipped["0.self_attn.out_proj"]
+    assert report.quantized == ["0.linear1", "0.linear2"]
+    with torch.no_grad():
+        got, want = model(x), base(x)
+        assert (got - want).abs().max() < 0.2 * want.abs().max()
+        lowbit.save_quantized(model, tmp_path / "q")
+        assert torch.equal(lowbit.load_quantized(tmp_path / "q", copy.deepcopy(base))(x), got)
+
+
+def test_a_calibrated_transformer_encoder_layer_converts():
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.TransformerEncoderLayer(64, 4, 128, batch_first=True)).eval()
+    x = torch.randn(2, 5, 64)
+    lowbit.quantize(model, "hif8-w8a8-ofmr")
+    with torch.no_grad():
+        model(x)
+        lowbit.convert(model)
+        assert model(x).isfinite().all()
+
+
+def test_a_layer_on_the_meta_device_is_a_device_error_and_the_model_is_unchanged():
+    model = nn.Sequential(nn.Linear(128, 128, device="meta"), nn.Linear(128, 64))
+    with pytest.raises(DeviceError, match="meta"):
+        lowbit.quantize_(model, "hif8-wo")
+    assert type(model[0]) is nn.Linear and type(model[1]) is nn.Linear
+
+
+@pytest.mark.parametrize("shape", [(64, 0), (0, 64)])
+def test_a_layer_with_an_empty_weight_is_skipped(shape):
+    model = nn.Sequential(nn.Linear(*shape), nn.Linear(64, 64) if shape[1] == 64 else nn.Identity())
+    report = lowbit.quantize_(model, "hif8-wo")
+    assert report.skipped["0"].startswith("empty weight")
