@@ -84,3 +84,41 @@ def test_a_layer_with_an_empty_weight_is_skipped(shape):
     model = nn.Sequential(nn.Linear(*shape), nn.Linear(64, 64) if shape[1] == 64 else nn.Identity())
     report = lowbit.quantize_(model, "hif8-wo")
     assert report.skipped["0"].startswith("empty weight")
+
+
+def test_arguments_of_the_wrong_kind_are_named():
+    x, w = torch.randn(2, 256).half(), torch.randint(0, 256, (256, 32), dtype=torch.uint8)
+    with pytest.raises(TypeError, match="antiquant_scale must be a tensor"):
+        lowbit.weight_quant_batch_matmul(x, w, None)
+    with pytest.raises(TypeError, match="antiquant_scale must be a tensor"):
+        lowbit.plan_weight_quant_batch_matmul(2, 256, 64, dtype=torch.float16).run(x, w, None)
+    with pytest.raises(TypeError, match="codes must be a tensor, got list"):
+        lowbit.mxfp4_dequantize([1, 2], torch.zeros(1, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="qdim = .* int64"):
+        lowbit.hifloat4_fake_quant(torch.randn(4, 64).bfloat16(), 2**70)
+
+
+def test_mxfp4_linear_takes_the_float4_and_e8m0_views_too():
+    codes, scales = lowbit.mxfp4_quantize(torch.randn(8, 64))
+    x = torch.randn(2, 64).bfloat16()
+    views = (codes.view(torch.float4_e2m1fn_x2), scales.view(torch.float8_e8m0fnu))
+    assert torch.equal(lowbit.mxfp4_linear(x, *views), lowbit.mxfp4_linear(x, codes, scales))
+
+
+@pytest.mark.parametrize("field, value", [("weight_type", "nope"), ("act_kind", [1]), ("weight_dtype", 3),
+                                          ("tensors", "x"), ("out_features", "a")])
+def test_a_corrupted_layer_description_is_a_checkpoint_error(field, value, tmp_path):
+    import json
+
+    from lowbit.quantize.checkpoint import CheckpointError
+
+    base = nn.Sequential(nn.Linear(64, 64))
+    model = copy.deepcopy(base)
+    lowbit.quantize_(model, "hif8-wo")
+    lowbit.save_quantized(model, tmp_path)
+    path = tmp_path / "quantization.json"
+    meta = json.loads(path.read_text())
+    meta["layers"]["0"][field] = value
+    path.write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="quantization.json: layer '0'"):
+        lowbit.load_quantized(tmp_path, copy.deepcopy(base))

@@ -224,8 +224,8 @@ def dequantize(
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:
     """uint8 view of a float4_e2m1fn_x2 / float8_e8m0fnu tensor; any other tensor unchanged (an operator's
-    validation then names it if its dtype is wrong)."""
-    return t.view(torch.uint8) if t.dtype in BYTE_VIEW_DTYPES else t
+    validation then names it if its dtype is wrong, and a non-tensor too)."""
+    return t.view(torch.uint8) if isinstance(t, torch.Tensor) and t.dtype in BYTE_VIEW_DTYPES else t
 
 
 def as_uint8(t: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,7 @@ from lowbit.backends import Kernel, Operator, same_bits
 _LIB = torch.library.Library("lowbit", "FRAGMENT")
 _ARGUMENTS: dict[str, list] = {}  # custom op name -> its schema's arguments (read once, at definition)
 _OUTPUT_COUNT: dict[str, int] = {}  # operator name -> number of output tensors
+_KINDS: dict[str, tuple[tuple[str, str], ...]] = {}  # operator name -> (argument name, schema type) each
 # operator name -> per parameter whether it is optional, for operators whose parameters are all tensors
 _TENSOR_PARAMETERS: dict[str, tuple[bool, ...]] = {}
 _KEY = torch._C.DispatchKey
@@ -77,6 +78,7 @@ def define(
     _LIB.define(f"{name}_out({required}, {mutated}, str? backend=None) -> ()")
     for op_name in (name, name + "_out"):
         _ARGUMENTS[op_name] = list(getattr(torch.ops.lowbit, op_name).default._schema.arguments)
+    _KINDS[name] = tuple((argument.name, str(argument.type)) for argument in _ARGUMENTS[name])
     types = [str(argument.type) for argument in _ARGUMENTS[name][:-1]]  # the parameters, not backend
     if all(t in ("Tensor", "Optional[Tensor]") for t in types):
         _TENSOR_PARAMETERS[name] = tuple(t == "Optional[Tensor]" for t in types)
@@ -131,11 +133,27 @@ def dispatches_plainly(name: str, args: Sequence[Any], backend: Optional[str]) -
     return True
 
 
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+def check_argument_types(name: str, args: Sequence[Any]) -> None:
+    """TypeError naming the argument of ``lowbit::<name>`` that is not a tensor where the schema takes one
+    (None allowed for an optional one); ValueError for an int outside int64 (what the schema can carry)."""
+    for (argument, kind), value in zip(_KINDS[name], args):
+        if kind in ("Tensor", "Optional[Tensor]") and not isinstance(value, torch.Tensor) and not (
+                value is None and kind == "Optional[Tensor]"):
+            raise TypeError(f"{name}: {argument} must be a tensor, got {type(value).__name__}")
+        if kind == "int" and isinstance(value, int) and not _INT64[0] <= value <= _INT64[1]:
+            raise ValueError(f"{name}: {argument} = {value} is outside the int64 range")
+
+
 def call(op: Operator, args: Sequence[Any], out: Any = None, backend: Optional[str] = None) -> Any:
     """Run ``op`` through its custom op: the functional one, or ``_out`` when ``out`` is given (a tensor,
     or a tuple of tensors for several outputs; the op validates it, then it is returned). TypeError here
     for an ``out`` of the wrong structure, which the custom op's schema could not name. Without ``out``,
-    the Operator is called directly where that is all the custom op would do (:func:`dispatches_plainly`)."""
+    the Operator is called directly where that is all the custom op would do (:func:`dispatches_plainly`).
+    Arguments of the wrong kind are a TypeError / ValueError naming them (:func:`check_argument_types`)."""
+    check_argument_types(op.name, args)
     if out is None:
         if dispatches_plainly(op.name, args, backend):
             return op(*args, backend=backend)

@@ -23,7 +23,7 @@ import torch
 from lowbit import backends, kernels
 from lowbit.backends import Kernel, TensorSpec
 from lowbit.errors import DtypeError, ShapeError
-from lowbit.formats import hifloat4, hifloat8, mxfp8
+from lowbit.formats import hifloat4, hifloat8, mxfp4, mxfp8
 from lowbit.formats import weight_only as reference
 from lowbit.ops.library import call, define
 
@@ -352,10 +352,11 @@ def mxfp4_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bia
         out: Optional[torch.Tensor] = None, backend: Optional[str] = None) -> torch.Tensor:
     """``x @ W.T + bias`` with W (N, K) MXFP4: ``codes, scales = lowbit.mxfp4_quantize(W)`` (axis -1, block 32).
 
-    codes (N, K/2) uint8 (element 2i in the low nibble), scales (N, K/32) uint8 E8M0 (0xFF: a NaN block).
+    codes (N, K/2) uint8 (element 2i in the low nibble), scales (N, K/32) uint8 E8M0 (0xFF: a NaN block); the
+    float4_e2m1fn_x2 / float8_e8m0fnu views of them are accepted too.
     x (..., K) FP16/BF16 -> (..., N) in x's dtype (module docstring).
     """
-    return call(MXFP4_LINEAR, (x, codes, scales, bias), out, backend)
+    return call(MXFP4_LINEAR, (x, mxfp4.byte_view(codes), mxfp4.byte_view(scales), bias), out, backend)
 
 
 def hifloat4_linear(x: torch.Tensor, scale: torch.Tensor, value: torch.Tensor, bias: Optional[torch.Tensor] = None, *,

@@ -280,6 +280,10 @@ class WqbmmPlan:
         ``prepacked`` plan) or this plan's :class:`PackedWeight` (no
         repack). ``out`` / ``workspace``: reused tensors (allocated when None); the workspace must share no
         memory with the operands (ShapeError); an ``out`` that overlaps it goes through a temporary."""
+        for name, t in (("antiquant_scale", antiquant_scale), ("antiquant_offset", antiquant_offset),
+                        ("workspace", workspace), ("out", out)):
+            if t is not None and not isinstance(t, torch.Tensor) or t is None and name == "antiquant_scale":
+                raise TypeError(f"{_OP}: {name} must be a tensor, got {type(t).__name__}")
         prepacked = isinstance(weight, PackedWeight)
         data = self._weight_data(weight)
         self._check_on_plan("x", x, self.dtype)

@@ -101,8 +101,8 @@ def _read_meta(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"load_quantized: missing file {path}")
     try:
         meta = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"load_quantized: {path} is not valid JSON ({exc})") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise CheckpointError(f"load_quantized: {path} is not valid JSON ({type(exc).__name__}: {exc})") from None
     if not isinstance(meta, dict) or "format_version" not in meta or not isinstance(meta.get("layers"), dict):
         raise CheckpointError(f"load_quantized: {path} is not a lowbit quantization file")
     if meta["format_version"] != FORMAT_VERSION:
@@ -154,7 +154,11 @@ def _deploy_modules(model: nn.Module, layers: dict, meta_path: Path) -> dict[str
         problem = "is missing" if target is None else geometry_mismatch(geometry, target, has_bias)
         if problem:
             raise CheckpointError(f"load_quantized: {meta_path} lists layer {name!r}, which in the model {problem}")
-        built[name] = cls.from_meta(name, layer)
+        try:
+            built[name] = cls.from_meta(name, layer)
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError, RecursionError) as exc:
+            raise CheckpointError(f"load_quantized: {meta_path}: layer {name!r} has an invalid description "
+                                  f"({type(exc).__name__}: {exc})") from None
     return built
 
 

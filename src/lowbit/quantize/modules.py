@@ -28,7 +28,7 @@ from lowbit.nn.svd_quant import svd_quant_decompose
 from lowbit.ops.svd_quant import svd_quant
 from lowbit.ops.weight_only import float8_e4m3fn_linear, hifloat4_linear, hifloat8_linear, mxfp4_linear, mxfp8_linear
 from lowbit.ops.wqbmm import PackedWeight, plan_weight_quant_batch_matmul, weight_quant_batch_matmul
-from lowbit.quantize.activations import STATIC_KINDS, deploy_static_input, fake_quant_input
+from lowbit.quantize.activations import ACT_KINDS, STATIC_KINDS, deploy_static_input, fake_quant_input
 from lowbit.quantize.calibration import QuantParams, fake_act_kind, layer_act_kind, make_calibrator, smoothed_weight
 from lowbit.quantize.config import LayerConfig
 from lowbit.quantize.layer_ops import check_layer_input, layer_geometry, run_layer
@@ -87,7 +87,13 @@ class QuantizedLinearBase(nn.Module):
     @classmethod
     def from_meta(cls, name: str, meta: dict) -> "QuantizedLinearBase":
         """An empty module (uninitialised buffers on the CPU, in ordinary memory: placeholders that
-        load_quantized replaces) of the layout ``meta`` describes."""
+        load_quantized replaces) of the layout ``meta`` describes. ValueError for an unknown weight format or
+        activation kind (the caller names the file)."""
+        if meta.get("weight_type") not in WEIGHT_FORMATS:
+            raise ValueError(f"weight_type {meta.get('weight_type')!r} is not one of {sorted(WEIGHT_FORMATS)}")
+        for key in ("act_kind", "fake_act_kind"):
+            if key in meta and meta[key] not in ACT_KINDS:
+                raise ValueError(f"{key} {meta[key]!r} is not one of {ACT_KINDS}")
         tensors = {k: torch.empty(v["shape"], dtype=getattr(torch, v["dtype"])) for k, v in meta["tensors"].items()}
         dtype = DTYPES[meta["weight_dtype"]]
         bias = torch.empty(meta["out_features"], dtype=dtype) if meta["bias"] else None
