@@ -122,3 +122,36 @@ def test_a_corrupted_layer_description_is_a_checkpoint_error(field, value, tmp_p
     path.write_text(json.dumps(meta))
     with pytest.raises(CheckpointError, match="quantization.json: layer '0'"):
         lowbit.load_quantized(tmp_path, copy.deepcopy(base))
+
+
+def test_a_layer_registered_under_two_names_is_skipped_with_both_names():
+    shared = nn.Linear(64, 64)
+    model = nn.Sequential(shared, nn.ReLU(), shared, nn.Linear(64, 32))
+    report = lowbit.quantize_(model, "hif8-wo")
+    assert "['0', '2']" in report.skipped["0"] and report.quantized == ["3"]
+    assert model[0] is shared and model[2] is shared
+
+
+def test_other_wrong_arguments_are_named():
+    with pytest.raises(DeviceError, match="npu"):
+        lowbit.plan_weight_quant_batch_matmul(2, 256, 64, device="npu")
+    with pytest.raises(TypeError, match="nn.Module"):
+        lowbit.save_quantized("x", "somewhere")
+    with pytest.raises(TypeError, match="nn.Linear"):
+        lowbit.SVDQuantLinear.from_linear(nn.Conv2d(3, 3, 1))
+    with pytest.raises(TypeError, match="dense"):
+        lowbit.encode_to_hifloat8(torch.randn(4, 64).half().to_sparse())
+
+
+def test_verify_with_infinite_tolerances_or_a_directory(tmp_path, capsys):
+    import numpy as np
+
+    from lowbit.cli.main import main
+
+    np.asarray([1.0, 0.0, 2.0], dtype=np.float16).tofile(tmp_path / "out.bin")
+    np.asarray([1.0, 0.0, 3.0], dtype=np.float16).tofile(tmp_path / "golden.bin")
+    for option in ("--atol", "--rtol"):
+        assert main(["verify", str(tmp_path / "out.bin"), str(tmp_path / "golden.bin"), option, "inf"]) == 0
+        assert capsys.readouterr().err == ""  # no numpy warnings
+    assert main(["verify", str(tmp_path), str(tmp_path / "golden.bin")]) == 2
+    assert "is a directory" in capsys.readouterr().err

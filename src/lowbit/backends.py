@@ -91,8 +91,14 @@ def last_backend(op: str) -> Optional[str]:
 
 
 def canonical_device(device: torch.device | str) -> torch.device:
-    """The device as tensors on it report it: 'cpu:0' -> cpu, 'cuda' -> cuda:<current index>."""
-    device = torch.device(device)
+    """The device as tensors on it report it: 'cpu:0' -> cpu, 'cuda' -> cuda:<current index>. DeviceError for
+    a string torch does not know as a device, TypeError for another type."""
+    if not isinstance(device, (torch.device, str)):
+        raise TypeError(f"device must be a torch.device or a str, got {type(device).__name__}")
+    try:
+        device = torch.device(device)
+    except RuntimeError as exc:
+        raise DeviceError(f"unknown device {device!r} ({exc})") from None
     if device.type == "cpu":
         return torch.device("cpu")
     module = getattr(torch, device.type, None)

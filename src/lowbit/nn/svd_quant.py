@@ -87,7 +87,10 @@ class SVDQuantLinear(nn.Module):
     def from_linear(
         cls, linear: nn.Linear, rank: int = 32, backend: Optional[str] = None
     ) -> "SVDQuantLinear":
-        """Build from an ``nn.Linear`` (its weight decomposed by :func:`svd_quant_decompose`)."""
+        """Build from an ``nn.Linear`` (its weight decomposed by :func:`svd_quant_decompose`); TypeError for
+        another module."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"SVDQuantLinear.from_linear: expected an nn.Linear, got {type(linear).__name__}")
         weight = linear.weight
         has_bias = linear.bias is not None
         module = cls(linear.in_features, linear.out_features, rank, has_bias, weight.device, backend)

@@ -138,11 +138,14 @@ _INT64 = (-(2**63), 2**63 - 1)
 
 def check_argument_types(name: str, args: Sequence[Any]) -> None:
     """TypeError naming the argument of ``lowbit::<name>`` that is not a tensor where the schema takes one
-    (None allowed for an optional one); ValueError for an int outside int64 (what the schema can carry)."""
+    (None allowed for an optional one) or a sparse one; ValueError for an int outside int64 (what the schema
+    can carry)."""
     for (argument, kind), value in zip(_KINDS[name], args):
         if kind in ("Tensor", "Optional[Tensor]") and not isinstance(value, torch.Tensor) and not (
                 value is None and kind == "Optional[Tensor]"):
             raise TypeError(f"{name}: {argument} must be a tensor, got {type(value).__name__}")
+        if isinstance(value, torch.Tensor) and value.layout != torch.strided:
+            raise TypeError(f"{name}: {argument} must be a dense (strided) tensor, got layout {value.layout}")
         if kind == "int" and isinstance(value, int) and not _INT64[0] <= value <= _INT64[1]:
             raise ValueError(f"{name}: {argument} = {value} is outside the int64 range")
 

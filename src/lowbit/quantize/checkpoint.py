@@ -68,6 +68,8 @@ def save_quantized(model: nn.Module, directory: PathLike) -> Path:
     temporary directory beside it, then renamed into place; an existing checkpoint directory is replaced).
 
     The model must be converted (RuntimeError naming the layers still calibrating). Returns the path."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"save_quantized: model must be an nn.Module, got {type(model).__name__}")
     st = _safetensors_torch()
     calibrating = [n for n, m in model.named_modules() if isinstance(m, CalibrationModule)]
     if calibrating:

@@ -109,12 +109,19 @@ def select_layers(model: nn.Module, config: QuantConfig, scheme: str = "") -> Se
     chosen, skipped = [], []
     # nn.MultiheadAttention multiplies by out_proj.weight itself: a replaced out_proj would never be called.
     read_directly = {id(m.out_proj): n for n, m in model.named_modules() if isinstance(m, nn.MultiheadAttention)}
+    names_of: dict[int, list[str]] = {}  # a module registered under several names is replaced under none
+    for n, m in model.named_modules(remove_duplicate=False):
+        names_of.setdefault(id(m), []).append(n)
     for name, module in model.named_modules():
         if not _is_candidate(module, compat):
             continue
         if id(module) in read_directly:
             skipped.append(_skip(name, module, f"nn.MultiheadAttention {read_directly[id(module)]!r} reads its "
                                                "weight directly (its forward never calls this layer)"))
+            continue
+        if len(names_of[id(module)]) > 1:
+            skipped.append(_skip(name, module, f"the same module is registered as {names_of[id(module)]}: "
+                                               "replacing it under one name would leave the others float"))
             continue
         if 0 in module.weight.shape:
             skipped.append(_skip(name, module, f"empty weight {tuple(module.weight.shape)}"))
