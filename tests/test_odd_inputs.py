@@ -155,3 +155,60 @@ def test_verify_with_infinite_tolerances_or_a_directory(tmp_path, capsys):
         assert capsys.readouterr().err == ""  # no numpy warnings
     assert main(["verify", str(tmp_path), str(tmp_path / "golden.bin")]) == 2
     assert "is a directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("scheme", ["mxfp4-wo", "int4-a16w4"])
+def test_a_transformer_encoder_stack_with_a_padding_mask(scheme):
+    """nn.TransformerEncoder's own nested-tensor path (eval, a padding mask) read layers[0].linear1.weight."""
+    torch.manual_seed(2)
+    layer = nn.TransformerEncoderLayer(128, 4, 256, batch_first=True)
+    base = nn.Sequential(nn.TransformerEncoder(layer, 2, enable_nested_tensor=True)).eval()
+    model = copy.deepcopy(base)
+    lowbit.quantize_(model, scheme)
+    x = torch.randn(2, 6, 128)
+    mask = torch.tensor([[False] * 6, [False] * 4 + [True] * 2])
+    with torch.no_grad():
+        got, want = model[0](x, src_key_padding_mask=mask), base[0](x, src_key_padding_mask=mask)
+    keep = ~mask
+    assert (got[keep] - want[keep]).abs().max() < 0.2 * want[keep].abs().max()
+
+
+def test_an_int4_layer_follows_a_loaded_weight_at_every_batch_size():
+    """The MSD PackedWeight is rebuilt when the weight buffer changes (load_state_dict copies in place), so
+    decode (MSD) and prefill (dequant) use the same weight."""
+    torch.manual_seed(3)
+    a, b = nn.Sequential(nn.Linear(256, 64)), nn.Sequential(nn.Linear(256, 64))
+    lowbit.quantize_(a, "int4-a16w4")
+    lowbit.quantize_(b, "int4-a16w4")
+    x = torch.randn(1, 256)
+    a(x)  # packs a's weight
+    a.load_state_dict(b.state_dict())
+    assert torch.equal(a(x), b(x))
+    many = torch.randn(64, 256)
+    assert torch.equal(a(many), b(many))
+
+
+def test_a_native_dequant_plan_does_not_pack():
+    plan = lowbit.plan_weight_quant_batch_matmul(70, 256, 64, algorithm="dequant", dtype=torch.bfloat16,
+                                                 backend="native")
+    with pytest.raises(ValueError, match="raw"):
+        plan.pack_weight(torch.zeros(256, 32, dtype=torch.uint8))
+
+
+def test_the_dequant_workspace_follows_the_tile_budget(monkeypatch):
+    """A call under a small tile budget, then the same sizes under the default one (the workspace layout
+    used to be cached from the first: a too-small tile buffer)."""
+    from lowbit.formats import wqbmm as ref
+    from lowbit.kernels.cpu import wqbmm_dequant
+
+    g = torch.Generator().manual_seed(9)
+    x, w = torch.randn(70, 256, generator=g).bfloat16(), torch.randint(0, 256, (256, 101), generator=g,
+                                                                         dtype=torch.uint8)
+    s = torch.rand(2, 202, generator=g).bfloat16()
+    lo, hi = (t.float() for t in ref.dequant_interval(x, w, s, None, 128))
+    monkeypatch.setattr(wqbmm_dequant, "TILE_BYTES", 256 * 64 * 4)
+    results = [lowbit.weight_quant_batch_matmul(x, w, s, algorithm="dequant", backend="native")]
+    monkeypatch.undo()
+    results.append(lowbit.weight_quant_batch_matmul(x, w, s, algorithm="dequant", backend="native"))
+    for y in results:
+        assert ((lo <= y.float()) & (y.float() <= hi)).all()

@@ -228,6 +228,9 @@ class WqbmmPlan:
     def pack_weight(self, weight: torch.Tensor) -> PackedWeight:
         """The (K, N/2) uint8 weight on the plan's device in this plan's kernel layout: a snapshot copy
         (see :class:`PackedWeight`). TypeError / DtypeError / DeviceError / ShapeError for another weight."""
+        if self.algorithm != MSD and self.backend == "native":
+            raise ValueError(f"{_OP}: a native {self.algorithm!r} plan reads the raw (K, N/2) weight: pass it to "
+                             "run as it is (pack_weight is for 'msd' plans)")
         expected = (self.k, self.n // 2)
         self._check_on_plan("weight", weight, torch.uint8)
         if tuple(weight.shape) != expected:

@@ -186,9 +186,9 @@ INT4_MSD_MAX_ROWS = 48
 
 class Int4Linear(PackedLinear):
     """Deploy module for int4 per-group weights: ``weight_quant_batch_matmul`` with MSD (a PackedWeight made
-    once, at convert / load, again after a device move or a change of backend setting), or on the CPU for
-    more than INT4_MSD_MAX_ROWS rows of x its "dequant" algorithm on the raw weight. x is cast to the 16-bit
-    compute dtype and back."""
+    once, at convert / load, again after a change of the weight, a device move or another backend setting),
+    or on the CPU for more than INT4_MSD_MAX_ROWS rows of x its "dequant" algorithm on the raw weight. x is
+    cast to the 16-bit compute dtype and back."""
 
     kind = "int4"
 
@@ -197,6 +197,7 @@ class Int4Linear(PackedLinear):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._packed: Optional[PackedWeight] = None
+        self._packed_from: tuple = ()
         self._plans: dict = {}
 
     def _plan(self, m: int, device: torch.device):
@@ -212,12 +213,20 @@ class Int4Linear(PackedLinear):
                 dtype=self.antiquant_scale.dtype, prepacked=True)
         return plan
 
-    def prepack(self, plan=None) -> None:
+    def prepack(self, plan=None) -> PackedWeight:
         """(Re)build the kernel-layout PackedWeight from the ``weight`` buffer on its device with ``plan`` (by
         default the plan of one row under the current backend setting), in huge pages on the CPU as the
-        buffers."""
+        buffers; returns it."""
         packed = (plan or self._plan(1, self.weight.device)).pack_weight(self.weight)
         self._packed = dataclasses.replace(packed, data=huge_page_copy(packed.data))
+        self._packed_from = self._weight_state()
+        return self._packed
+
+    def _weight_state(self) -> tuple:
+        """What a PackedWeight was made from: the ``weight`` buffer's storage, version (bumped by in-place
+        writes such as load_state_dict's copy; inference tensors have none), device and shape."""
+        w = self.weight
+        return w.data_ptr(), None if w.is_inference() else w._version, w.device, tuple(w.shape)
 
     def compute(self, x_q):
         x2 = x_q.reshape(-1, self.in_features).to(self.antiquant_scale.dtype)
@@ -228,10 +237,9 @@ class Int4Linear(PackedLinear):
         else:
             plan = self._plan(x2.shape[0], self.weight.device)
             packed = self._packed
-            if packed is None or (packed.device, packed.shape, packed.backend) != (
-                    self.weight.device, tuple(self.weight.shape), plan.backend):
-                self.prepack(plan)  # first call, a device move, or another backend setting
-            y = plan.run(x2, self._packed, self.antiquant_scale, offset)
+            if packed is None or packed.backend != plan.backend or self._packed_from != self._weight_state():
+                packed = self.prepack(plan)  # first call, a changed or moved weight, another backend setting
+            y = plan.run(x2, packed, self.antiquant_scale, offset)
         y = y.reshape(*x_q.shape[:-1], self.out_features).to(x_q.dtype)
         return y if self.bias is None else y + self.bias
 
@@ -264,11 +272,17 @@ def _call_the_module(module, args):
 def replace_layer(model: nn.Module, name: str, new: nn.Module) -> None:
     """Put ``new`` at ``name`` in ``model``. Inside an ``nn.TransformerEncoderLayer`` it gets a forward pre-hook
     that does nothing: torch's fused encoder path (eval mode) reads ``linear1.weight`` and the like directly
-    and is not taken for a layer with hooks, so the quantized module's own forward runs."""
+    and is not taken for a layer with hooks, so the quantized module's own forward runs; an enclosing
+    ``nn.TransformerEncoder`` gets ``use_nested_tensor = False`` for the same reason (its padding-mask path)."""
     parent_name, _, child = name.rpartition(".")
     parent = model.get_submodule(parent_name)
     if isinstance(parent, nn.TransformerEncoderLayer):
         new.register_forward_pre_hook(_call_the_module)
+    parts = name.split(".")
+    for depth in range(len(parts)):  # an encoder stack's nested-tensor path reads layers[0].linear1.weight too
+        ancestor = model.get_submodule(".".join(parts[:depth]))
+        if isinstance(ancestor, nn.TransformerEncoder):
+            ancestor.use_nested_tensor = False
     setattr(parent, child, new)
 
 

@@ -59,7 +59,8 @@ def _host_has(*names: str) -> bool:
 
 
 HAS_VNNI = _host_has("avx512vnni", "avx512bw", "avx512f")
-HAS_AVX512BF16 = _host_has("avx512bf16", "avx512bw", "avx512f")
+# f32v_dot_bf16 declares the intrinsic with bfloat vectors, its signature from LLVM 16 on (numba >= 0.62).
+HAS_AVX512BF16 = _host_has("avx512bf16", "avx512bw", "avx512f") and llvm_binding.llvm_version_info >= (16,)
 HAS_AVX512BW = _host_has("avx512bw", "avx512f")
 HAS_AVX512F = _host_has("avx512f")
 HAS_AVX512VBMI = _host_has("avx512vbmi", "avx512bw", "avx512f")

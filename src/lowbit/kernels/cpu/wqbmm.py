@@ -45,6 +45,7 @@ import numba
 import numpy as np
 import torch
 
+from lowbit.errors import ShapeError
 from lowbit.formats import wqbmm as reference
 from lowbit.kernels.cpu import _simd as simd
 from lowbit.kernels.cpu import wqbmm_dequant as dequant
@@ -140,15 +141,20 @@ class WorkspaceLayout:
     nbytes: int
 
     @staticmethod
-    @functools.lru_cache(maxsize=64)
     def build(m: int, k: int, n: int, group_size: int, template: str, prepacked: bool = False,
               algorithm: str = MSD) -> "WorkspaceLayout":
         """``prepacked``: the caller passes tiles from ``MATMUL.pack_weight``; otherwise the weight is raw and
         either read as it is (:func:`reads_raw_weight`: room for the block sums) or repacked into tiles in the
-        workspace on every call. ``algorithm`` "dequant": the buffers of lowbit.kernels.cpu.wqbmm_dequant."""
+        workspace on every call. ``algorithm`` "dequant": the buffers of lowbit.kernels.cpu.wqbmm_dequant
+        (sized from its tile budget at this call: not cached)."""
         if algorithm != MSD:
             offsets, total = aligned_offsets(dequant.workspace_sizes(m, k, n, group_size))
             return WorkspaceLayout(m, k, n, group_size, template, False, offsets, total)
+        return WorkspaceLayout._msd(m, k, n, group_size, template, prepacked)
+
+    @staticmethod
+    @functools.lru_cache(maxsize=64)
+    def _msd(m: int, k: int, n: int, group_size: int, template: str, prepacked: bool) -> "WorkspaceLayout":
         groups, npad = k // group_size, padded_n(n)
         raw = reads_raw_weight(m, template, prepacked)
         if raw:
@@ -176,7 +182,9 @@ class WorkspaceLayout:
         start, size = self.offsets[name]
         if -1 not in shape:
             size = dtype.itemsize * math.prod(shape)
-            assert size <= self.offsets[name][1], (name, shape)
+            if size > self.offsets[name][1]:
+                raise ShapeError(f"weight_quant_batch_matmul (CPU): workspace buffer {name!r} has "
+                                 f"{self.offsets[name][1]} bytes, {tuple(shape)} {dtype} needs {size}")
         return workspace[start : start + size].view(dtype).view(shape)
 
 
