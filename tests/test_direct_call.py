@@ -71,6 +71,18 @@ def test_not_plain_arguments_go_through_the_custom_op():
         ops.mxfp4_linear(x, codes, scales, [1.0])
 
 
+def test_inference_tensors_are_plain():
+    """Tensors made under torch.inference_mode (how models usually run inference) lack the autograd keys;
+    they are called directly too, with the same result."""
+    x, codes, scales, bias = _layer()
+    want = ops.mxfp4_linear(x, codes, scales, bias)
+    with torch.inference_mode():
+        args = tuple(t.clone() for t in (x, codes, scales, bias))
+        assert torch._C._dispatch_keys(args[0]) != torch._C._dispatch_keys(x)
+        assert dispatches_plainly("mxfp4_linear", args, None)
+        assert torch.equal(ops.mxfp4_linear(*args), want)
+
+
 def test_gradients_keep_the_custom_ops_autograd_behaviour():
     x, codes, scales, bias = _layer()
     y = ops.mxfp4_linear(x.requires_grad_(), codes, scales, bias)

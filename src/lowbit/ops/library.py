@@ -35,6 +35,7 @@ _KEY = torch._C.DispatchKey
 # through for functional ops): any other key (a mode, functorch, tracing, functionalization) changes a call.
 _PLAIN_CPU_KEYS = (torch._C.DispatchKeySet(_KEY.CPU).add(_KEY.ADInplaceOrView).add(_KEY.AutogradCPU)
                    .add(_KEY.AutocastCPU))
+_INFERENCE_CPU_KEYS = torch._C.DispatchKeySet(_KEY.CPU).add(_KEY.AutocastCPU)  # made under inference_mode
 _DEFAULT_INCLUDED = torch._C.DispatchKeySet(_KEY.BackendSelect).add(_KEY.ADInplaceOrView).raw_repr()
 # Tensors the dispatcher treats alike: nn.Parameter disables __torch_function__ (a deploy module's bias).
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
@@ -117,8 +118,9 @@ def dispatches_plainly(name: str, args: Sequence[Any], backend: Optional[str]) -
     """Whether ``torch.ops.lowbit.<name>(*args, backend)`` would only call the Operator ``name`` with these
     arguments: every parameter of the operator is a tensor (optional ones may be None) and each argument a
     plain one (type torch.Tensor or nn.Parameter, dense on the CPU, no conjugate or negative bit, not
-    requiring grad), and nothing intercepts or records the call (torch.compile, torch.jit tracing, the
-    profiler, a TorchFunctionMode or TorchDispatchMode, functorch transforms, functionalization)."""
+    requiring grad; an inference tensor is plain too), and nothing intercepts or records the call
+    (torch.compile, torch.jit tracing, the profiler, a TorchFunctionMode or TorchDispatchMode, functorch
+    transforms, functionalization)."""
     optional = _TENSOR_PARAMETERS.get(name)
     if (optional is None or len(args) != len(optional) or not (backend is None or type(backend) is str)
             or torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled()
@@ -128,7 +130,10 @@ def dispatches_plainly(name: str, args: Sequence[Any], backend: Optional[str]) -
     for arg, can_be_none in zip(args, optional):
         if arg is None and can_be_none:
             continue
-        if type(arg) not in _PLAIN_TYPES or arg.requires_grad or torch._C._dispatch_keys(arg) != _PLAIN_CPU_KEYS:
+        if type(arg) not in _PLAIN_TYPES or arg.requires_grad:
+            return False
+        keys = torch._C._dispatch_keys(arg)
+        if keys != _PLAIN_CPU_KEYS and keys != _INFERENCE_CPU_KEYS:
             return False
     return True
 

@@ -1206,18 +1206,24 @@ def _finish(y32, bias_bits, bias_kind, bf16, out_bits):
         copy_elements(bias32, 0, bias_bits.view(np.float32), 0, n)
     y_chunk = np.zeros(HALF, dtype=np.float32)
     out_chunk = np.zeros(HALF, dtype=np.int16)
+    y_flat, out_flat = simd.flat(y32), simd.flat(out_bits)
     for m in range(m_rows):
         for j in range(0, n, HALF):
             count = min(HALF, n - j)
-            copy_elements(y_chunk, 0, y32[m], j, count)
-            value = simd.f32v_load(y_chunk, 0)
+            if count == HALF:  # read and written in place; a short last chunk goes through the scratch chunks
+                value = simd.f32v_load(y_flat, m * n + j)
+            else:
+                copy_elements(y_chunk, 0, y32[m], j, count)
+                value = simd.f32v_load(y_chunk, 0)
             if bias_kind != _NO_BIAS:
                 value = simd.f32v_add(value, simd.f32v_load(bias32, j))
+            target, at = (out_flat, m * n + j) if count == HALF else (out_chunk, 0)
             if bf16:
-                simd.f32v_store_as_bf16(out_chunk, 0, value)
+                simd.f32v_store_as_bf16(target, at, value)
             else:
-                simd.f32v_store_as_f16(out_chunk, 0, value)
-            copy_elements(out_bits[m], j, out_chunk, 0, count)
+                simd.f32v_store_as_f16(target, at, value)
+            if count < HALF:
+                copy_elements(out_bits[m], j, out_chunk, 0, count)
 
 
 _BF16_NAN = np.int16(reference.NAN_BITS[torch.bfloat16])
