@@ -1071,8 +1071,12 @@ def _gather_x_bits(x_bits, order, x_reg):
     (int32[64]), zeros past K."""
     m_rows, k = x_bits.shape
     kp = x_reg.shape[1]
+    full = k // LANES * LANES
     for m in range(m_rows):
-        for j in range(0, kp, LANES):
+        for j in range(0, full, LANES):
+            for p in range(LANES):
+                x_reg[m, j + p] = x_bits[m, j + order[p]]
+        for j in range(full, kp, LANES):  # the short last step: zeros past K
             for p in range(LANES):
                 e = j + order[p]
                 x_reg[m, j + p] = x_bits[m, e] if e < k else 0
