@@ -475,8 +475,68 @@ def _f32_binary(op_name):
 
 f32v_add = _f32_binary("fadd")
 f32v_mul = _f32_binary("fmul")
+f32v_sub = _f32_binary("fsub")
+f32v_div = _f32_binary("fdiv")
 f32v_add.__doc__ = "IEEE float32 a + b per lane (b: F32V or float32 scalar)."
 f32v_mul.__doc__ = "IEEE float32 a * b per lane (b: F32V or float32 scalar)."
+f32v_sub.__doc__ = "IEEE float32 a - b per lane (b: F32V or float32 scalar)."
+f32v_div.__doc__ = "IEEE float32 a / b per lane (b: F32V or float32 scalar)."
+
+
+def _f32_unary(name, doc):
+    @intrinsic
+    def op(typingctx, value):
+        def codegen(context, builder, sig, args):
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF32, [_VF32]),
+                                                f"llvm.{name}.v{LANES}f32")
+            return builder.call(fn, list(args))
+
+        return F32V(value), codegen
+
+    op.__doc__ = doc
+    return op
+
+
+f32v_rint = _f32_unary("rint", "Each lane rounded to an integer, ties to even (np.rint; vroundps).")
+f32v_abs = _f32_unary("fabs", "|value| per lane (the sign bit cleared, NaN stays NaN).")
+
+
+@intrinsic
+def f32v_maximum(typingctx, a, b):
+    """The larger of a and b per lane, NaN if either is NaN (IEEE 754-2019 maximum)."""
+
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF32, [_VF32, _VF32]),
+                                            f"llvm.maximum.v{LANES}f32")
+        return builder.call(fn, list(args))
+
+    return F32V(a, b), codegen
+
+
+@intrinsic
+def f32v_max_lane(typingctx, value):
+    """The largest lane, NaN if any lane is NaN (a float32 scalar)."""
+
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.FloatType(), [_VF32]),
+                                            f"llvm.vector.reduce.fmaximum.v{LANES}f32")
+        return builder.call(fn, list(args))
+
+    return types.float32(value), codegen
+
+
+@intrinsic
+def f32v_store_as_i8(typingctx, arr, index, value):
+    """Each lane converted to int8 (truncated toward zero; lanes must hold integers in [-128, 127]) and
+    stored at element ``index`` of a 1-D C-contiguous int8 array."""
+
+    def codegen(context, builder, sig, args):
+        v_i8 = ir.VectorType(_I8, LANES)
+        bytes_ = builder.fptosi(args[2], v_i8)
+        builder.store(bytes_, _element_ptr(context, builder, sig.args[0], args[0], args[1], v_i8), align=1)
+        return context.get_dummy_value()
+
+    return types.void(arr, index, value), codegen
 
 
 @intrinsic
