@@ -515,12 +515,22 @@ def f32v_maximum(typingctx, a, b):
 
 @intrinsic
 def f32v_max_lane(typingctx, value):
-    """The largest lane, NaN if any lane is NaN (a float32 scalar)."""
+    """The largest lane, NaN if any lane is NaN (a float32 scalar): halves compared by llvm.maximum down to one
+    lane (llvm.vector.reduce.fmaximum needs LLVM 17)."""
 
     def codegen(context, builder, sig, args):
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.FloatType(), [_VF32]),
-                                            f"llvm.vector.reduce.fmaximum.v{LANES}f32")
-        return builder.call(fn, list(args))
+        v = args[0]
+        width = LANES
+        while width > 1:
+            width //= 2
+            half = ir.VectorType(ir.FloatType(), width)
+            low = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, width), list(range(width))))
+            high = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, width),
+                                                            list(range(width, 2 * width))))
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(half, [half, half]),
+                                                f"llvm.maximum.v{width}f32")
+            v = builder.call(fn, [low, high])
+        return builder.extract_element(v, ir.Constant(_I32, 0))
 
     return types.float32(value), codegen
 
