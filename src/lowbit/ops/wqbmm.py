@@ -39,7 +39,7 @@ from lowbit.backends import TensorSpec
 from lowbit.errors import DeviceError, DtypeError, ShapeError, check_int
 from lowbit.formats import wqbmm as reference
 from lowbit.kernels.wqbmm_kernel import MSD, WqbmmKernel
-from lowbit.ops.library import call, define
+from lowbit.ops.library import call, check_argument_types, define
 
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16)
 ALGORITHMS = (MSD, "dequant")
@@ -283,9 +283,8 @@ class WqbmmPlan:
         ``prepacked`` plan) or this plan's :class:`PackedWeight` (no
         repack). ``out`` / ``workspace``: reused tensors (allocated when None); the workspace must share no
         memory with the operands (ShapeError); an ``out`` that overlaps it goes through a temporary."""
-        for name, t in (("antiquant_scale", antiquant_scale), ("antiquant_offset", antiquant_offset),
-                        ("workspace", workspace), ("out", out)):
-            if t is not None and not isinstance(t, torch.Tensor) or t is None and name == "antiquant_scale":
+        for name, t in (("workspace", workspace), ("out", out)):
+            if t is not None and not isinstance(t, torch.Tensor):
                 raise TypeError(f"{_OP}: {name} must be a tensor, got {type(t).__name__}")
         prepacked = isinstance(weight, PackedWeight)
         data = self._weight_data(weight)
@@ -294,6 +293,7 @@ class WqbmmPlan:
             workspace = self.new_workspace()
         args = (x, data, antiquant_scale, antiquant_offset, self.group_size, self.algorithm, self.template,
                 workspace, prepacked)
+        check_argument_types(MATMUL.name, args)  # the schema's arguments (the first seven)
         (spec,) = MATMUL.outputs(*args)
         sizes = (math.prod(x.shape[:-1]), x.shape[-1], spec.shape[-1])
         if sizes != (self.m, self.k, self.n):

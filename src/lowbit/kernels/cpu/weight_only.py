@@ -1090,74 +1090,80 @@ def _batch_buffer(kp, rows):
     return w
 
 
+@numba.njit(**_INLINE)
+def _batch_task(decode_row, operands, n, task, x_flat, kp, m_rows, y32):
+    """The rows of W of prange task ``task``: each block of ROW_BLOCK rows decoded by ``decode_row(operands,
+    row, w, at)`` into one buffer, then multiplied with every row of x (_batch_block)."""
+    w = _batch_buffer(kp, ROW_BLOCK)
+    for row in range(task * _BATCH_ROWS_PER_TASK, min(n, (task + 1) * _BATCH_ROWS_PER_TASK), ROW_BLOCK):
+        rows = min(ROW_BLOCK, n - row)
+        if rows < ROW_BLOCK:
+            w = _batch_buffer(kp, rows)
+        for r in range(rows):
+            decode_row(operands, row + r, w, r * kp)
+        _batch_block(x_flat, kp, m_rows, w, rows, row, y32)
+
+
+@numba.njit(**_INLINE)
+def _code8_batch_row(operands, row, w, at):
+    codes_flat, k, scale, bf16, magnitudes, nan_code, table, keep, scratch = operands
+    _fill_row_table(magnitudes, scale[row], bf16, nan_code, table)
+    _code8_tile_row(_store_steps, codes_flat, k, row, table, nan_code, keep, scratch, w, at)
+
+
+@numba.njit(**_INLINE)
+def _mxfp8_batch_row(operands, row, w, at):
+    codes_flat, scales_flat, k, blocks, table = operands
+    _mxfp8_tile_row(_round_bf16, _store_steps, codes_flat, scales_flat, row, k, blocks, table, w, at)
+
+
+@numba.njit(**_INLINE)
+def _mxfp4_batch_row(operands, row, w, at):
+    scales_flat, codes_flat, blocks, scratch = operands
+    _mxfp4_tile_row(_store_steps, scales_flat, codes_flat, row, blocks, scratch, w, at)
+
+
+@numba.njit(**_INLINE)
+def _hifloat4_batch_row(operands, row, w, at):
+    words_flat, value_flat, blocks = operands
+    _hifloat4_tile_row(_store_steps, words_flat, value_flat, row, blocks, w, at)
+
+
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
 def _code8_batched(x_bits, codes, scale, bf16, magnitudes, nan_code, table_like, keep, y32):
     n, k = codes.shape
     m_rows, kp = x_bits.shape
-    x_flat, codes_flat = simd.flat(x_bits), simd.flat(codes)
     for task in numba.prange(-(-n // _BATCH_ROWS_PER_TASK)):
-        scratch = np.zeros(LANES, dtype=np.uint8)
-        table = np.empty_like(table_like)
-        w = _batch_buffer(kp, ROW_BLOCK)
-        for row in range(task * _BATCH_ROWS_PER_TASK, min(n, (task + 1) * _BATCH_ROWS_PER_TASK), ROW_BLOCK):
-            rows = min(ROW_BLOCK, n - row)
-            if rows < ROW_BLOCK:
-                w = _batch_buffer(kp, rows)
-            for r in range(rows):
-                _fill_row_table(magnitudes, scale[row + r], bf16, nan_code, table)
-                _code8_tile_row(_store_steps, codes_flat, k, row + r, table, nan_code, keep, scratch, w, r * kp)
-            _batch_block(x_flat, kp, m_rows, w, rows, row, y32)
+        operands = (simd.flat(codes), k, scale, bf16, magnitudes, nan_code, np.empty_like(table_like), keep,
+                    np.zeros(LANES, dtype=np.uint8))
+        _batch_task(_code8_batch_row, operands, n, task, simd.flat(x_bits), kp, m_rows, y32)
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
 def _mxfp8_batched(x_bits, codes, scales, bf16, table, y32):
     n, k = codes.shape
-    blocks = scales.shape[1]
     m_rows, kp = x_bits.shape
-    x_flat, codes_flat, scales_flat = simd.flat(x_bits), simd.flat(codes), simd.flat(scales)
     for task in numba.prange(-(-n // _BATCH_ROWS_PER_TASK)):
-        w = _batch_buffer(kp, ROW_BLOCK)
-        for row in range(task * _BATCH_ROWS_PER_TASK, min(n, (task + 1) * _BATCH_ROWS_PER_TASK), ROW_BLOCK):
-            rows = min(ROW_BLOCK, n - row)
-            if rows < ROW_BLOCK:
-                w = _batch_buffer(kp, rows)
-            for r in range(rows):
-                _mxfp8_tile_row(_round_bf16, _store_steps, codes_flat, scales_flat, row + r, k, blocks, table, w,
-                                r * kp)
-            _batch_block(x_flat, kp, m_rows, w, rows, row, y32)
+        operands = (simd.flat(codes), simd.flat(scales), k, scales.shape[1], table)
+        _batch_task(_mxfp8_batch_row, operands, n, task, simd.flat(x_bits), kp, m_rows, y32)
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
 def _mxfp4_batched(x_bits, scales, codes, y32):
     n, blocks = scales.shape
     m_rows, kp = x_bits.shape
-    x_flat, codes_flat, scales_flat = simd.flat(x_bits), simd.flat(codes), simd.flat(scales)
     for task in numba.prange(-(-n // _BATCH_ROWS_PER_TASK)):
-        scratch = np.zeros(HALF, dtype=np.uint8)
-        w = _batch_buffer(kp, ROW_BLOCK)
-        for row in range(task * _BATCH_ROWS_PER_TASK, min(n, (task + 1) * _BATCH_ROWS_PER_TASK), ROW_BLOCK):
-            rows = min(ROW_BLOCK, n - row)
-            if rows < ROW_BLOCK:
-                w = _batch_buffer(kp, rows)
-            for r in range(rows):
-                _mxfp4_tile_row(_store_steps, scales_flat, codes_flat, row + r, blocks, scratch, w, r * kp)
-            _batch_block(x_flat, kp, m_rows, w, rows, row, y32)
+        operands = (simd.flat(scales), simd.flat(codes), blocks, np.zeros(HALF, dtype=np.uint8))
+        _batch_task(_mxfp4_batch_row, operands, n, task, simd.flat(x_bits), kp, m_rows, y32)
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
 def _hifloat4_batched(x_bits, words, value, y32):
     n, blocks = words.shape
     m_rows, kp = x_bits.shape
-    x_flat, words_flat, value_flat = simd.flat(x_bits), simd.flat(words), simd.flat(value)
     for task in numba.prange(-(-n // _BATCH_ROWS_PER_TASK)):
-        w = _batch_buffer(kp, ROW_BLOCK)
-        for row in range(task * _BATCH_ROWS_PER_TASK, min(n, (task + 1) * _BATCH_ROWS_PER_TASK), ROW_BLOCK):
-            rows = min(ROW_BLOCK, n - row)
-            if rows < ROW_BLOCK:
-                w = _batch_buffer(kp, rows)
-            for r in range(rows):
-                _hifloat4_tile_row(_store_steps, words_flat, value_flat, row + r, blocks, w, r * kp)
-            _batch_block(x_flat, kp, m_rows, w, rows, row, y32)
+        operands = (simd.flat(words), simd.flat(value), blocks)
+        _batch_task(_hifloat4_batch_row, operands, n, task, simd.flat(x_bits), kp, m_rows, y32)
 
 
 # ---- the GEMV's input and output, in numba (no torch op between a call's start and its end) ------------------
