@@ -93,3 +93,48 @@ def test_no_kernel_is_compiled_for_a_literal_argument():
                 literal += [f"{module_name}.{value.__name__}{sig}" for sig in value.signatures
                             if any(isinstance(t, numba.core.types.Literal) for t in sig)]
     assert not literal, literal
+
+
+def test_operators_are_warmed_after_those_whose_kernels_they_share(monkeypatch):
+    """One task per operator: each starts only after the first operator of its own family (the family's
+    shared helpers) and after every operator of a family whose kernels it calls (svd_quant after the MXFP4
+    quantizer and the weight-only GEMV), whatever order the tasks end in."""
+    cold = warm.families(operators().values())
+    needs = warm._prerequisites(cold)
+    assert needs["mxfp4_quantize"] == set() and needs["mxfp4_dequantize"] == {"mxfp4_quantize"}
+    assert needs["svd_quant"] == set(cold["lowbit.kernels.cpu.mxfp4"]) | set(cold["lowbit.kernels.cpu.weight_only"])
+
+    started, ended, names = [], set(), {}
+
+    class FakePool:  # records submissions; tasks end only when the scheduler waits (FakeWait)
+        def __init__(self, workers, mp_context=None):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def submit(self, fn, name):
+            assert needs[name] <= ended, (name, needs[name] - ended)
+            started.append(name)
+            future = warm.concurrent.futures.Future()
+            names[future] = name
+            return future
+
+    def fake_wait(futures, return_when):  # the task submitted last ends first; one of them fails
+        future = max(futures, key=lambda f: started.index(names[f]))
+        if names[future] == "weight_quant_batch_matmul":
+            future.set_exception(RuntimeError("a failed worker"))
+        else:
+            future.set_result(None)
+        ended.add(names[future])
+        return {future}, set(futures) - {future}
+
+    monkeypatch.setattr(warm, "is_cold", lambda module: True)
+    monkeypatch.setattr(warm.concurrent.futures, "ProcessPoolExecutor", FakePool)
+    monkeypatch.setattr(warm.concurrent.futures, "wait", fake_wait)
+    modules = warm.warm_cache(operators().values(), workers=2)
+    assert sorted(started) == sorted(needs) and sorted(modules) == sorted(cold)
+    assert modules.index("lowbit.kernels.cpu.mxfp4") < modules.index("lowbit.kernels.cpu.svd_quant")

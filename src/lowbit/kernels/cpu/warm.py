@@ -1,12 +1,13 @@
-"""Fill numba's on-disk cache for several CPU kernel families at once, one worker process per family.
+"""Fill numba's on-disk cache for several CPU kernel families at once, in worker processes.
 
 numba compiles under a process-wide lock, so one process compiles one kernel at a time. When the cache of
 several families is cold (nothing of the family was ever cached), :func:`warm_cache` compiles them in
-parallel worker processes, each running the self-check of its family's operators (which compiles every
-specialization the probes need); the calling process then loads the kernels from the cache. A family
-counts as cold only when none of its cached kernels has an index file in numba's cache, so a warm
-cache costs no worker process. Warming is an optimization only: a worker that fails changes nothing, as
-the calling process compiles whatever is still missing itself.
+parallel worker processes, one task per operator running its self-check (which compiles every
+specialization the probes need), an operator after those whose kernels it shares; the calling process
+then loads the kernels from the cache. A family counts as cold only when none of its cached kernels has
+an index file in numba's cache, so a warm cache costs no worker process. Warming is an optimization
+only: a worker that fails changes nothing, as the calling process compiles whatever is still missing
+itself.
 """
 
 from __future__ import annotations
@@ -49,13 +50,12 @@ def is_cold(module_name: str) -> bool:
     return bool(index_paths) and not any(os.path.exists(path) for path in index_paths)
 
 
-def _warm_family(operator_names: list[str]) -> None:
-    """Worker: run the CPU self-check of each operator (compiling and caching its kernels)."""
+def _warm_operator(name: str) -> None:
+    """Worker: run the CPU self-check of operator ``name`` (compiling and caching its kernels)."""
     import lowbit  # noqa: F401  (registers every operator)
     from lowbit.backends import operators
 
-    for name in operator_names:
-        operators()[name].auto_check_error(DEVICE_TYPE)
+    operators()[name].auto_check_error(DEVICE_TYPE)
 
 
 def _cpu_times() -> tuple[int, int] | None:
@@ -99,29 +99,51 @@ def _uses_other_families(module_name: str, families_: Iterable[str]) -> bool:
     return False
 
 
+def _prerequisites(cold: dict[str, list[str]]) -> dict[str, set[str]]:
+    """``{operator: operators whose warm-up must end before its own starts}`` for the operators of the cold
+    families ``cold`` ({kernel module: [operator names]}): the first operator of its own family (which
+    compiles the helpers the family's operators share), and every operator of a cold family whose kernels
+    its kernel module uses. Either way its worker then loads those kernels from the cache instead of
+    compiling them a second time alongside."""
+    needs = {}
+    for module, names in cold.items():
+        used = {name for other in cold if _uses_other_families(module, [other]) for name in cold[other]}
+        for i, name in enumerate(names):
+            needs[name] = used | ({names[0]} if i else set())
+    return needs
+
+
 def warm_cache(ops: Iterable[Operator], workers: int | None = None) -> list[str]:
     """Compile the CPU kernels of the cold families among ``ops`` in parallel; returns those modules.
 
-    ``workers``: processes (default: :func:`idle_cpus`, at most one per cold family). Nothing is started
-    when fewer than two families are cold or fewer than two workers would run: on CPUs busy with other
-    work, worker processes only add their start-up to the same compile time (benchmarks/
-    results_first_run.md). Families are submitted largest kernel module first, so that the longest
-    compile starts first, except that a family using another cold family's kernels (svd_quant uses the
-    MXFP4 quantizer and weight-only GEMV) comes after it: its worker then loads them from the cache rather
-    than compiling them a second time alongside.
+    One task per operator (its self-check), run in ``workers`` processes (default: :func:`idle_cpus`);
+    nothing is started when fewer than two would run: on CPUs busy with other work, worker processes only
+    add their start-up to the same compile time (benchmarks/results_first_run.md). A task starts once its
+    :func:`_prerequisites` have ended; among those ready, the families that others use come first, then
+    the larger kernel modules (the longer compiles), each family's operators in their order.
     """
     cold = {module: names for module, names in families(ops).items() if is_cold(module)}
-    workers = min(idle_cpus() if workers is None else workers, len(cold))
+    needs = _prerequisites(cold)
+    workers = min(idle_cpus() if workers is None else workers, len(needs))
     if workers < 2:
         return []
-    order = sorted(cold, key=lambda m: (_uses_other_families(m, cold),
+    order = sorted(cold, key=lambda m: (not any(_uses_other_families(user, [m]) for user in cold if user != m),
                                         -os.path.getsize(importlib.import_module(m).__file__)))
+    pending = [name for module in order for name in cold[module]]
+    ended: set[str] = set()
+    running: dict[concurrent.futures.Future, str] = {}
     context = multiprocessing.get_context("spawn")  # no fork of a process that may run OpenMP threads
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
-        done = [pool.submit(_warm_family, cold[module]) for module in order]
-        for future in done:
-            try:
-                future.result()
-            except Exception:  # the caller compiles what a failed worker left out
-                pass
+        while pending or running:
+            ready = [name for name in pending if needs[name] <= ended] or (pending[:1] if not running else [])
+            for name in ready[:workers - len(running)]:  # (a cycle of prerequisites runs in list order)
+                pending.remove(name)
+                running[pool.submit(_warm_operator, name)] = name
+            finished, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
+            for future in finished:
+                ended.add(running.pop(future))
+                try:
+                    future.result()
+                except Exception:  # the caller compiles what a failed worker left out
+                    pass
     return order
