@@ -129,6 +129,32 @@ def test_hifloat4_every_scale_byte_and_flag_pattern():
         native_equals_reference(ops.HIFLOAT4_LINEAR, torch.randn(m, 1024, generator=g).half(), scale, value, None)
 
 
+@numba.njit
+def _hifloat4_steps(step, words, value, out):
+    for block in range(words.size):
+        w0, w1 = step(words, value, block)
+        simd.f32v_store(out, 64 * block, w0)
+        simd.f32v_store(out, 64 * block + 32, w1)
+
+
+def test_hifloat4_word_tables_decode_every_block_as_the_flag_doublings():
+    """The AVX512-BW decode (64-word tables, one look-up per weight) gives the 64 weights of the portable
+    one (float32 tables, then the e2 / e3 doublings under lane masks), bit for bit, for every E6M2 byte (the
+    poisoned 0xFF included) under every e2 byte and every e3 byte in both halves, with random value bytes."""
+    if not simd.HAS_AVX512BW:
+        pytest.skip("no AVX512-BW on this CPU")
+    rng = np.random.default_rng(5)
+    flags = np.arange(256, dtype=np.uint32)
+    words = np.concatenate([b | rng.permutation(flags) << 8 | rng.permutation(flags) << 16 | rng.permutation(flags) << 24
+                            for b in range(256)]).astype(np.uint32).view(np.int32)
+    value = rng.integers(0, 256, 32 * words.size, dtype=np.uint8)
+    by_words, by_flags = (np.empty(64 * words.size, dtype=np.float32) for _ in range(2))
+    _hifloat4_steps(cpu._hifloat4_step_words, words, value, by_words)
+    _hifloat4_steps(cpu._hifloat4_step_flags, words, value, by_flags)
+    assert np.isnan(by_flags).sum() == 256 * 64  # the 256 blocks of the poisoned byte, all of their weights
+    assert np.array_equal(by_words.view(np.uint32), by_flags.view(np.uint32))
+
+
 def test_hifloat4_packed_weights_with_poisoned_and_zero_blocks():
     g = gen(4)
     w = torch.randn(6, 192, generator=g) * 100

@@ -31,6 +31,7 @@ tables; ``spread_bytes4`` and ``f32v_power_of_two`` turn per-block scale bytes i
 
 from __future__ import annotations
 
+import numpy as np
 from llvmlite import binding as llvm_binding
 from llvmlite import ir
 from numba import types
@@ -111,6 +112,19 @@ def flat(typingctx, arr):
         return impl_ret_borrowed(context, builder, sig.return_type, view._getvalue())
 
     return result(arr), codegen
+
+
+def aligned_constant(builder, name: str, array: np.ndarray, align: int = 64):
+    """An i8 pointer to the bytes of ``array`` as a constant of the module being built (global ``name``, made
+    once per module), starting on an ``align``-byte boundary: numba's own array constants are aligned to
+    their element only, so a table's 64-byte rows would straddle two cache lines."""
+    try:
+        table = builder.module.get_global(name)
+    except KeyError:
+        data = ir.Constant(ir.ArrayType(_I8, array.nbytes), bytearray(np.ascontiguousarray(array).tobytes()))
+        table = ir.GlobalVariable(builder.module, data.type, name=name)
+        table.linkage, table.global_constant, table.initializer, table.align = "internal", True, data, align
+    return builder.bitcast(table, _I8.as_pointer())
 
 
 def _splat(builder, scalar, vector_type):

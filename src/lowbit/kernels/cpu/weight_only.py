@@ -338,14 +338,103 @@ _E2_LANES = np.array([sum(((v >> (7 - i // 4)) & 1) << i for i in range(HALF)) f
 _E3_LANES = np.array([sum(((v >> (7 - i // 2)) & 1) << i for i in range(HALF // 2)) for v in range(256)],
                      dtype=np.uint32)
 
+_E2_MULTIPLIERS = np.array([[2.0 if (v >> (7 - i // 4)) & 1 else 1.0 for i in range(HALF)] for v in range(256)],
+                           dtype=np.float32).reshape(-1)
+_E3_MULTIPLIERS = np.array([[2.0 if (v >> (7 - i // 2)) & 1 else 1.0 for i in range(HALF // 2)] for v in range(256)],
+                           dtype=np.float32).reshape(-1)
+
 
 @numba.njit(**_INLINE)
 def _hifloat4_levels(w0, w1, word):
     """Both registers of a block times 2^(e2 flag + e3 flag) (doubled under the flags' lane masks: exact)."""
-    e2 = _E2_LANES[(word >> 8) & 0xFF]
-    e3 = _E3_LANES[(word >> 16) & 0xFF] | (_E3_LANES[(word >> 24) & 0xFF] << 16)
-    return (simd.f32v_double_where(simd.f32v_double_where(w0, e2), e3),
-            simd.f32v_double_where(simd.f32v_double_where(w1, e2), e3))
+    e2 = simd.f32v_load(_E2_MULTIPLIERS, HALF * np.int64((word >> 8) & 0xFF))
+    e3 = simd.f32v_load_halves(_E3_MULTIPLIERS, 16 * np.int64((word >> 16) & 0xFF), 16 * np.int64((word >> 24) & 0xFF))
+    multiplier = simd.f32v_mul(e2, e3)
+    return simd.f32v_mul(w0, multiplier), simd.f32v_mul(w1, multiplier)
+
+
+
+# ---- HiFloat4 with AVX512-BW: every weight of a block from one 64-word table, no multiplier -----------------
+# A block's weight is (-1)^s c/4 times the E6M2 scale times 2^(e2 + e3): at most six significant bits inside
+# float32's normal range, so a BF16 value (checked below). Table row b (64 words) holds, at index
+# nibble | e2 << 4 | e3 << 5, the BF16 bits of that weight for E6M2 byte b (NaN for the poisoned byte 0xFF).
+# The 32 value bytes are zero-extended to words in the order [b0, b16, b1, b17, ..]; one vpermi2w per nibble
+# (low, high) looks up 32 weights, whose even words (bytes 0-15) and odd words (bytes 16-31) are the two
+# float32 registers of NIBBLE_ORDER. The flag bits of each word lane come from three tables of 32 words
+# (by byte 1, byte 2, byte 3 of the scale word): word lane 2j holds byte j (8-group j // 4, 4-group j // 2),
+# lane 2j + 1 byte j + 16 (8-group 4 + j // 4, 4-group 8 + j // 2); bit layout as for _E2_LANES.
+
+
+def _hifloat4_word_tables() -> np.ndarray:
+    """(256 * 64,) int16: the BF16 bits of every (E6M2 byte, flags, nibble) weight; ValueError if one of
+    them is not a BF16 value (the tables would not be exact)."""
+    levels = np.array([1.0, 2.0, 2.0, 4.0], dtype=np.float32)  # flags e2 | e3 << 1
+    values = (_HIFLOAT4_TABLES.reshape(256, 1, 16) * levels[None, :, None]).reshape(-1)
+    bits = values.view(np.uint32)
+    exact = np.isnan(values) | (bits & 0xFFFF == 0)
+    if not exact.all():
+        raise ValueError("a HiFloat4 weight is not a BF16 value")
+    return np.where(np.isnan(values), 0x7FC0, bits >> 16).astype(np.uint16).view(np.int16)
+
+
+def _flag_words(bit: int, group_of_lane) -> np.ndarray:
+    """(256 * 32,) int16: for every flag byte v, ``bit`` in the word lanes whose flag (bit 7 - g of v for the
+    lane's group g = group_of_lane(lane); None: the lane has no flag in this byte) is set."""
+    words = np.zeros((256, HALF), dtype=np.int16)
+    for v in range(256):
+        for lane in range(HALF):
+            group = group_of_lane(lane)
+            if group is not None and (v >> (7 - group)) & 1:
+                words[v, lane] = bit
+    return words.reshape(-1)
+
+
+_HIFLOAT4_WORDS = _hifloat4_word_tables()
+# rows 0-255: by byte 1 (e2), 256-511: byte 2 (e3 of groups 0-7), 512-767: byte 3 (e3 of groups 8-15)
+_FLAG_WORDS = np.concatenate([_flag_words(16, lambda lane: lane // 8 if lane % 2 == 0 else 4 + lane // 8),
+                              _flag_words(32, lambda lane: lane // 4 if lane % 2 == 0 else None),
+                              _flag_words(32, lambda lane: lane // 4 if lane % 2 == 1 else None)])
+_BYTE_PAIRS = [i for j in range(16) for i in (j, 32, j + 16, 32)]  # [b0, 0, b16, 0, b1, 0, ..]: words
+
+
+@intrinsic
+def hifloat4_words_decode(typingctx, value, start, row, e2_row, e3_low_row, e3_high_row):
+    """The 64 weights of the HiFloat4 block whose 32 value bytes are at ``value[start]`` (1-D uint8) as two
+    F32V in NIBBLE_ORDER, from _HIFLOAT4_WORDS[row:] (row = 64 * E6M2 byte) and the flag words
+    _FLAG_WORDS[e2_row:], [e3_low_row:], [e3_high_row:] (both tables built into the code, 64-byte aligned).
+    AVX512-BW (vpermi2w)."""
+    v16f = ir.VectorType(ir.FloatType(), 16)
+
+    def codegen(context, builder, sig, args):
+        vperm = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(_V16x32, [_V16x32] * 3), "llvm.x86.avx512.vpermi2var.hi.512")
+        v8x32 = ir.VectorType(ir.IntType(8), HALF)
+        raw = builder.load(simd._element_ptr(context, builder, sig.args[0], args[0], args[1], v8x32), align=1)
+        words = builder.bitcast(builder.shuffle_vector(raw, ir.Constant(v8x32, [0] * HALF), _mask(_BYTE_PAIRS)),
+                                _V16x32)
+        tables = {name: builder.bitcast(simd.aligned_constant(builder, f"lowbit.hifloat4.{name}", array),
+                                        ir.IntType(16).as_pointer())
+                  for name, array in (("words", _HIFLOAT4_WORDS), ("flags", _FLAG_WORDS))}
+
+        def words_at(table, index):  # 32 words at an element index that is a multiple of 32: 64-byte aligned
+            pointer = builder.bitcast(builder.gep(tables[table], [index]), _V16x32.as_pointer())
+            return builder.load(pointer, align=64)
+
+        flags = builder.or_(builder.or_(words_at("flags", args[3]), words_at("flags", args[4])),
+                            words_at("flags", args[5]))
+        low_table = words_at("words", args[2])
+        high_table = words_at("words", builder.add(args[2], ir.Constant(args[2].type, HALF)))
+        registers = []
+        for nibble in (builder.and_(words, ir.Constant(_V16x32, [15] * HALF)),
+                       builder.lshr(words, ir.Constant(_V16x32, [4] * HALF))):
+            looked_up = builder.bitcast(builder.call(vperm, [low_table, builder.or_(nibble, flags), high_table]),
+                                        _V32x16)
+            even = builder.bitcast(builder.shl(looked_up, ir.Constant(_V32x16, [16] * 16)), v16f)
+            odd = builder.bitcast(builder.and_(looked_up, ir.Constant(_V32x16, [-65536] * 16)), v16f)
+            registers.append(builder.shuffle_vector(even, odd, _mask(range(HALF))))
+        return context.make_tuple(builder, sig.return_type, registers)
+
+    return types.UniTuple(simd.F32V, 2)(value, start, row, e2_row, e3_low_row, e3_high_row), codegen
 
 
 # ---- one step: the 64 weights k0 .. k0 + 63 of a row, as two F32V in the format's register order ----------
@@ -367,12 +456,24 @@ def _mxfp4_step(codes, start, scale_a, scale_b):
 
 
 @numba.njit(**_INLINE)
-def _hifloat4_step(words, value, block):
-    """HiFloat4: block ``block`` (flat index): scale word ``words[block]``, 32 value bytes at 32 * block."""
+def _hifloat4_step_flags(words, value, block):
+    """HiFloat4: block ``block`` (flat index): scale word ``words[block]``, 32 value bytes at 32 * block;
+    16-entry float32 tables, then the flags' doublings (any CPU)."""
     word = np.uint32(words[np.uint64(block)])
     table = 16 * np.int64(word & 0xFF)
     w0, w1 = _nibble_step(simd.f32v_load_halves(_HIFLOAT4_TABLES, table, table), value, 32 * block)
     return _hifloat4_levels(w0, w1, word)
+
+
+@numba.njit(**_INLINE)
+def _hifloat4_step_words(words, value, block):
+    """The same from the 64-word tables (AVX512-BW): no float work besides the look-up."""
+    word = np.uint32(words[np.uint64(block)])
+    return hifloat4_words_decode(value, 32 * block, 64 * np.int64(word & 0xFF), HALF * np.int64((word >> 8) & 0xFF),
+                                 HALF * np.int64(256 + ((word >> 16) & 0xFF)), HALF * np.int64(512 + (word >> 24)))
+
+
+_hifloat4_step = _hifloat4_step_words if simd.HAS_AVX512BW else _hifloat4_step_flags
 
 
 @numba.njit(**_INLINE)
