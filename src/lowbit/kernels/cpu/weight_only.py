@@ -338,20 +338,14 @@ _E2_LANES = np.array([sum(((v >> (7 - i // 4)) & 1) << i for i in range(HALF)) f
 _E3_LANES = np.array([sum(((v >> (7 - i // 2)) & 1) << i for i in range(HALF // 2)) for v in range(256)],
                      dtype=np.uint32)
 
-_E2_MULTIPLIERS = np.array([[2.0 if (v >> (7 - i // 4)) & 1 else 1.0 for i in range(HALF)] for v in range(256)],
-                           dtype=np.float32).reshape(-1)
-_E3_MULTIPLIERS = np.array([[2.0 if (v >> (7 - i // 2)) & 1 else 1.0 for i in range(HALF // 2)] for v in range(256)],
-                           dtype=np.float32).reshape(-1)
-
 
 @numba.njit(**_INLINE)
 def _hifloat4_levels(w0, w1, word):
     """Both registers of a block times 2^(e2 flag + e3 flag) (doubled under the flags' lane masks: exact)."""
-    e2 = simd.f32v_load(_E2_MULTIPLIERS, HALF * np.int64((word >> 8) & 0xFF))
-    e3 = simd.f32v_load_halves(_E3_MULTIPLIERS, 16 * np.int64((word >> 16) & 0xFF), 16 * np.int64((word >> 24) & 0xFF))
-    multiplier = simd.f32v_mul(e2, e3)
-    return simd.f32v_mul(w0, multiplier), simd.f32v_mul(w1, multiplier)
-
+    e2 = _E2_LANES[(word >> 8) & 0xFF]
+    e3 = _E3_LANES[(word >> 16) & 0xFF] | (_E3_LANES[(word >> 24) & 0xFF] << 16)
+    return (simd.f32v_double_where(simd.f32v_double_where(w0, e2), e3),
+            simd.f32v_double_where(simd.f32v_double_where(w1, e2), e3))
 
 
 # ---- HiFloat4 with AVX512-BW: every weight of a block from one 64-word table, no multiplier -----------------
