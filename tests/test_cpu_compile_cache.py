@@ -138,3 +138,39 @@ def test_operators_are_warmed_after_those_whose_kernels_they_share(monkeypatch):
     modules = warm.warm_cache(operators().values(), workers=2)
     assert sorted(started) == sorted(needs) and sorted(modules) == sorted(cold)
     assert modules.index("lowbit.kernels.cpu.mxfp4") < modules.index("lowbit.kernels.cpu.svd_quant")
+
+
+def test_a_worker_that_dies_ends_the_warm_up_without_an_error(monkeypatch):
+    """A worker killed (out of memory, a crash) breaks the process pool: the warm-up stops submitting and
+    returns, and the calling process compiles what is left itself."""
+    submitted = []
+
+    class BreakingPool:
+        def __init__(self, workers, mp_context=None):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def submit(self, fn, name):
+            if submitted:  # the first task's worker died: the pool refuses the rest
+                raise warm.concurrent.futures.process.BrokenProcessPool("a worker died")
+            submitted.append(name)
+            future = warm.concurrent.futures.Future()
+            future.set_exception(warm.concurrent.futures.process.BrokenProcessPool("a worker died"))
+            return future
+
+    monkeypatch.setattr(warm, "is_cold", lambda module: True)
+    monkeypatch.setattr(warm.concurrent.futures, "ProcessPoolExecutor", BreakingPool)
+    assert warm.warm_cache(operators().values(), workers=2)  # returns the cold modules, raises nothing
+    assert len(submitted) == 1
+
+
+def test_one_cold_family_starts_no_worker(monkeypatch):
+    """A single cold family's operators wait for its first one: workers would only add their start-up."""
+    monkeypatch.setattr(warm, "is_cold", lambda module: module == "lowbit.kernels.cpu.weight_only")
+    monkeypatch.setattr(warm.concurrent.futures, "ProcessPoolExecutor", None)  # would fail if used
+    assert warm.warm_cache(operators().values(), workers=2) == []

@@ -116,15 +116,16 @@ def _prerequisites(cold: dict[str, list[str]]) -> dict[str, set[str]]:
 def warm_cache(ops: Iterable[Operator], workers: int | None = None) -> list[str]:
     """Compile the CPU kernels of the cold families among ``ops`` in parallel; returns those modules.
 
-    One task per operator (its self-check), run in ``workers`` processes (default: :func:`idle_cpus`);
-    nothing is started when fewer than two would run: on CPUs busy with other work, worker processes only
-    add their start-up to the same compile time (benchmarks/results_first_run.md). A task starts once its
+    One task per operator (its self-check), run in ``workers`` processes (default: :func:`idle_cpus`, at
+    most one per cold family); nothing is started when fewer than two would run: on CPUs busy with other
+    work, worker processes only add their start-up to the same compile time (benchmarks/
+    results_first_run.md). A worker that dies ends the warm-up (the pool takes no more tasks). A task starts once its
     :func:`_prerequisites` have ended; among those ready, the families that others use come first, then
     the larger kernel modules (the longer compiles), each family's operators in their order.
     """
     cold = {module: names for module, names in families(ops).items() if is_cold(module)}
     needs = _prerequisites(cold)
-    workers = min(idle_cpus() if workers is None else workers, len(needs))
+    workers = min(idle_cpus() if workers is None else workers, len(cold))  # a family's tasks wait for its first
     if workers < 2:
         return []
     order = sorted(cold, key=lambda m: (not any(_uses_other_families(user, [m]) for user in cold if user != m),
@@ -136,9 +137,12 @@ def warm_cache(ops: Iterable[Operator], workers: int | None = None) -> list[str]
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
         while pending or running:
             ready = [name for name in pending if needs[name] <= ended] or (pending[:1] if not running else [])
-            for name in ready[:workers - len(running)]:  # (a cycle of prerequisites runs in list order)
-                pending.remove(name)
-                running[pool.submit(_warm_operator, name)] = name
+            try:
+                for name in ready[:workers - len(running)]:  # (a cycle of prerequisites runs in list order)
+                    running[pool.submit(_warm_operator, name)] = name
+                    pending.remove(name)
+            except concurrent.futures.BrokenExecutor:  # a worker died (memory, a crash): the pool takes no more
+                break
             finished, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
             for future in finished:
                 ended.add(running.pop(future))
