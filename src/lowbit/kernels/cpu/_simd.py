@@ -31,6 +31,7 @@ tables; ``spread_bytes4`` and ``f32v_power_of_two`` turn per-block scale bytes i
 
 from __future__ import annotations
 
+import functools
 import numpy as np
 from llvmlite import binding as llvm_binding
 from llvmlite import ir
@@ -65,6 +66,10 @@ HAS_AVX512BF16 = _host_has("avx512bf16", "avx512bw", "avx512f") and llvm_binding
 HAS_AVX512BW = _host_has("avx512bw", "avx512f")
 HAS_AVX512F = _host_has("avx512f")
 HAS_AVX512VBMI = _host_has("avx512vbmi", "avx512bw", "avx512f")
+# FP16 <-> float32 conversions: vcvtps2ph / vcvtph2ps (F16C). Without them (a "generic" target, see _host_has)
+# LLVM lowers fptrunc / fpext of half to library calls that numba's JIT leaves unresolved (a call to address
+# 0): f16_bits / f16_to_f32 then do the rounding in integer arithmetic.
+HAS_F16C = _host_has("f16c")
 
 
 class _VectorType(types.Type):
@@ -596,14 +601,80 @@ def f32v_round_to_bf16(typingctx, value):
     return F32V(value), codegen
 
 
+def _vector_constant(vector_type, value):
+    return ir.Constant(vector_type, [value] * vector_type.count)
+
+
+def f16_bits(builder, value):
+    """The FP16 bits (an i16 vector) of the float32 vector ``value`` rounded to FP16: ties to even,
+    subnormals, overflow to Inf, a NaN quieted (fptrunc with F16C, else f16_bits_portable: the same bits)."""
+    if HAS_F16C:
+        return builder.bitcast(builder.fptrunc(value, ir.VectorType(ir.HalfType(), value.type.count)),
+                               ir.VectorType(_I16, value.type.count))
+    return f16_bits_portable(builder, value)
+
+
+def f16_bits_portable(builder, value):
+    """f16_bits in integer arithmetic (a NaN keeps its sign and top payload bits, quieted)."""
+    v_i16 = ir.VectorType(_I16, value.type.count)
+    v_i32 = ir.VectorType(_I32, value.type.count)
+    const = functools.partial(_vector_constant, v_i32)
+    bits = builder.bitcast(value, v_i32)
+    sign = builder.and_(bits, const(-0x80000000))
+    magnitude = builder.xor(bits, sign)
+    # normal results: rebias the exponent, add half an FP16 ulp minus one plus the kept lowest bit, shift
+    odd = builder.and_(builder.lshr(magnitude, const(13)), const(1))
+    normal = builder.lshr(builder.add(builder.add(magnitude, const(((15 - 127) << 23) + 0xFFF)), odd), const(13))
+    # subnormal results (|value| < 2^-14): the float add rounds |value| + 0.5 to a multiple of 2^-24 (RNE)
+    half_one = ir.Constant(value.type, [0.5] * value.type.count)
+    summed = builder.fadd(builder.bitcast(magnitude, value.type), half_one)
+    subnormal = builder.sub(builder.bitcast(summed, v_i32), const(0x3F000000))
+    result = builder.select(builder.icmp_unsigned("<", magnitude, const(0x38800000)), subnormal, normal)
+    result = builder.select(builder.icmp_unsigned(">=", magnitude, const(0x47800000)), const(0x7C00), result)
+    quiet_nan = builder.or_(builder.and_(builder.lshr(magnitude, const(13)), const(0x3FF)), const(0x7E00))
+    result = builder.select(builder.icmp_unsigned(">", magnitude, const(0x7F800000)), quiet_nan, result)
+    return builder.trunc(builder.or_(result, builder.lshr(sign, const(16))), v_i16)
+
+
+def f16_to_f32(builder, bits):
+    """The float32 vector of the FP16 bit patterns ``bits`` (an i16 vector), exactly, NaN payloads kept and
+    quieted (fpext with F16C, else f16_to_f32_portable: the same bits)."""
+    if HAS_F16C:
+        return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), bits.type.count)),
+                             ir.VectorType(ir.FloatType(), bits.type.count))
+    return f16_to_f32_portable(builder, bits)
+
+
+def f16_to_f32_portable(builder, bits):
+    """f16_to_f32 in integer arithmetic and one exact float subtraction (subnormals)."""
+    count = bits.type.count
+    v_f32 = ir.VectorType(ir.FloatType(), count)
+    v_i32 = ir.VectorType(_I32, count)
+    const = functools.partial(_vector_constant, v_i32)
+    h = builder.zext(bits, v_i32)
+    sign = builder.shl(builder.and_(h, const(0x8000)), const(16))
+    shifted = builder.shl(builder.and_(h, const(0x7FFF)), const(13))
+    exponent = builder.and_(shifted, const(0x7C00 << 13))
+    normal = builder.add(shifted, const((127 - 15) << 23))
+    widened = builder.add(normal, const((128 - 16) << 23))  # exponent 31 -> 255: Inf, NaN
+    widened = builder.select(builder.icmp_unsigned(">", shifted, const(0x7C00 << 13)),
+                             builder.or_(widened, const(0x400000)), widened)  # a NaN comes out quiet
+    # subnormal: 2^-14 * (1 + m / 1024) - 2^-14 = m * 2^-24, exact
+    magic = ir.Constant(v_f32, [2.0 ** -14] * count)
+    subnormal = builder.bitcast(builder.fsub(builder.bitcast(builder.add(normal, const(1 << 23)), v_f32), magic),
+                                v_i32)
+    result = builder.select(builder.icmp_unsigned("==", exponent, const(0x7C00 << 13)), widened, normal)
+    result = builder.select(builder.icmp_unsigned("==", exponent, const(0)), subnormal, result)
+    return builder.bitcast(builder.or_(result, sign), v_f32)
+
+
 @intrinsic
 def f32v_round_to_f16(typingctx, value):
     """Each lane rounded to the nearest FP16 value (IEEE: ties to even, subnormals, overflow to Inf), as
     float32 (vcvtps2ph / vcvtph2ps on x86)."""
 
     def codegen(context, builder, sig, args):
-        half = builder.fptrunc(args[0], ir.VectorType(ir.HalfType(), LANES))
-        return builder.fpext(half, _VF32)
+        return f16_to_f32(builder, f16_bits(builder, args[0]))
 
     return F32V(value), codegen
 
@@ -616,7 +687,7 @@ def _make_store_rounded(fp16: bool):
             is_nan = builder.fcmp_unordered("uno", value, value)
             value = builder.select(is_nan, ir.Constant(_VF32, [float("nan")] * LANES), value)  # 0x7FC00000
             if fp16:
-                bits = builder.bitcast(builder.fptrunc(value, ir.VectorType(ir.HalfType(), LANES)), _VI16)
+                bits = f16_bits(builder, value)
             else:
                 rounded = builder.bitcast(_round_to_bf16(builder, value), _VI32)
                 bits = builder.trunc(builder.lshr(rounded, ir.Constant(_VI32, [16] * LANES)), _VI16)
@@ -640,8 +711,7 @@ def _make_store_16bit_bytes(fp16: bool):
     def store_bytes(typingctx, arr, high_offset, low_offset, value):
         def codegen(context, builder, sig, args):
             if fp16:
-                half = builder.fptrunc(args[3], ir.VectorType(ir.HalfType(), LANES))
-                bits = builder.zext(builder.bitcast(half, _VI16), _VI32)
+                bits = builder.zext(f16_bits(builder, args[3]), _VI32)
             else:
                 bits = builder.lshr(builder.bitcast(_round_to_bf16(builder, args[3]), _VI32),
                                     ir.Constant(_VI32, [16] * LANES))

@@ -201,8 +201,7 @@ def _code8_decode_vbmi(context, builder, codes, table_arg, nan_code):
             if table_type.ndim == 2:  # FP16 bits: vcvtph2ps
                 chosen = builder.shuffle_vector(w, w, _mask([8 * lane + j for lane in range(4)
                                                              for j in range(4 * h, 4 * h + 4)]))
-                pieces.append(builder.fpext(builder.bitcast(chosen, ir.VectorType(ir.HalfType(), 16)),
-                                            ir.VectorType(ir.FloatType(), 16)))
+                pieces.append(simd.f16_to_f32(builder, chosen))
                 continue
             # BF16 bits: unpack{l,h}wd with zero below, dword = word << 16
             pairs = [i for lane in range(4) for j in range(4 * h, 4 * h + 4) for i in (8 * lane + j, 32 + 8 * lane + j)]
@@ -259,7 +258,7 @@ def _code8_decode_words(context, builder, codes, table_arg, nan_code):
         word = builder.xor(word, sign)
         word = builder.select(builder.icmp_unsigned("==", index, nan_word), ir.Constant(words16, [0x7FFF] * HALF), word)
         if table_type.dtype == types.uint16:  # FP16 bits
-            halves.append(builder.fpext(builder.bitcast(word, ir.VectorType(ir.HalfType(), HALF)), simd._VF32))
+            halves.append(simd.f16_to_f32(builder, word))
         else:  # BF16 bits
             widened = builder.shl(builder.zext(word, simd._VI32), ir.Constant(simd._VI32, [16] * HALF))
             halves.append(builder.bitcast(widened, simd._VF32))
