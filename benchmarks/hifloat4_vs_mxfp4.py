@@ -12,16 +12,11 @@ import lowbit  # noqa: I001  (first: sets the OpenMP wait policy before torch lo
 
 import argparse
 import statistics
-import time
-
 import torch
 import torch.nn.functional as F
 
-
-def _seconds(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+from lowbit.cli.smoke._common import device_name
+from lowbit.toolchain.timing import median_seconds
 
 
 def main() -> None:
@@ -39,6 +34,7 @@ def main() -> None:
         "mxfp4": lambda: lowbit.mxfp4_linear(x, codes, scales, backend="native"),
         "F.linear": lambda: F.linear(x, w),
     }
+    print(f"CPU: {device_name(torch.device('cpu'))}, torch {torch.__version__}")
     for threads in args.threads:
         torch.set_num_threads(threads)
         times = {name: [] for name in cases}
@@ -47,7 +43,7 @@ def main() -> None:
                 fn()
             for _ in range(args.rounds):
                 for name, fn in cases.items():
-                    times[name].append(_seconds(fn))
+                    times[name].append(median_seconds(fn, repeats=1, warmup=0))
         med = {name: statistics.median(t) for name, t in times.items()}
         ratio = statistics.median(h / m for h, m in zip(times["hifloat4"], times["mxfp4"]))
         print(f"threads {threads}: hifloat4 {med['hifloat4'] * 1e3:.2f} ms, mxfp4 {med['mxfp4'] * 1e3:.2f} ms, "

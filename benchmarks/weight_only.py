@@ -18,26 +18,17 @@ import lowbit  # noqa: I001  (first: sets the OpenMP wait policy before torch lo
 import argparse
 import math
 import os
-import platform
 import statistics
-import subprocess
 import time
 
 import torch
 import torch.nn.functional as F
 
+from lowbit.cli.smoke._common import device_name
 from lowbit.formats import hifloat4, mxfp4, mxfp8
 
 SHAPES = ((4096, 4096), (12288, 8192))  # (N, K)
 CACHE_BYTES = 64 << 20
-
-
-def _cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, subprocess.CalledProcessError, StopIteration):
-        return platform.processor() or "unknown"
 
 
 def _weights(n: int, k: int, gen: torch.Generator) -> dict[str, tuple]:
@@ -95,7 +86,7 @@ def main() -> None:
     if args.clock == "cpu1":
         torch.set_num_threads(1)
     clock = time.perf_counter if args.clock == "wall" else time.thread_time
-    print(f"CPU: {_cpu_model()}, {os.cpu_count()} logical CPUs, torch {torch.__version__}, "
+    print(f"CPU: {device_name(torch.device('cpu'))}, {os.cpu_count()} logical CPUs, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, clock {args.clock}; load average at start: {os.getloadavg()}")
     print("| M | N | K | case | median ms | min ms | F.linear / case |")
     print("|---|---|---|---|---|---|---|")

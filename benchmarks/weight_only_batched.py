@@ -12,14 +12,14 @@ from __future__ import annotations
 import lowbit  # noqa: I001  (first: sets the OpenMP wait policy before torch loads)
 
 import argparse
-import platform
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
+from lowbit.cli.smoke._common import device_name
 from lowbit.kernels.cpu import weight_only as cpu
+from lowbit.toolchain.timing import median_seconds
 
 SHAPES = ((4096, 4096), (12288, 8192))
 
@@ -34,10 +34,8 @@ def _operators(w: torch.Tensor) -> dict:
     }
 
 
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+def _one_call(fn) -> float:
+    return median_seconds(fn, repeats=1, warmup=0)
 
 
 def main() -> None:
@@ -45,7 +43,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--ms", type=int, nargs="+", default=[8, 16, 32])
     args = parser.parse_args()
-    print(f"CPU: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
+    print(f"CPU: {device_name(torch.device('cpu'))}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, AVX512-BF16: {cpu.simd.HAS_AVX512BF16}")
     print("| N x K | M | F.linear ms | format | batched x F.linear | GEMM path x F.linear |")
     print("|---|---|---|---|---|---|")
@@ -61,11 +59,11 @@ def main() -> None:
                 fn(x, *weight)  # compile / load the kernels outside the timing
             try:
                 for _ in range(args.rounds):
-                    times.setdefault("F.linear", []).append(_timed(lambda: F.linear(x, dense)))
+                    times.setdefault("F.linear", []).append(_one_call(lambda: F.linear(x, dense)))
                     for name, (fn, weight) in operators.items():
                         for path, limit in (("batched", batch_max), ("gemm", cpu.GEMV_MAX_M)):
                             cpu.BATCH_MAX_M = limit
-                            times.setdefault((name, path), []).append(_timed(lambda: fn(x, *weight)))
+                            times.setdefault((name, path), []).append(_one_call(lambda: fn(x, *weight)))
             finally:
                 cpu.BATCH_MAX_M = batch_max
             base = statistics.median(times["F.linear"])

@@ -95,6 +95,19 @@ def test_no_kernel_is_compiled_for_a_literal_argument():
     assert not literal, literal
 
 
+class _PoolStub:
+    """A stand-in for ProcessPoolExecutor (subclasses define submit)."""
+
+    def __init__(self, workers, mp_context=None):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
 def test_operators_are_warmed_after_those_whose_kernels_they_share(monkeypatch):
     """One task per operator: each starts only after the first operator of its own family (the family's
     shared helpers) and after every operator of a family whose kernels it calls (svd_quant after the MXFP4
@@ -106,16 +119,7 @@ def test_operators_are_warmed_after_those_whose_kernels_they_share(monkeypatch):
 
     started, ended, names = [], set(), {}
 
-    class FakePool:  # records submissions; tasks end only when the scheduler waits (FakeWait)
-        def __init__(self, workers, mp_context=None):
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
+    class FakePool(_PoolStub):  # records submissions; tasks end only when the scheduler waits (fake_wait)
         def submit(self, fn, name):
             assert needs[name] <= ended, (name, needs[name] - ended)
             started.append(name)
@@ -145,16 +149,7 @@ def test_a_worker_that_dies_ends_the_warm_up_without_an_error(monkeypatch):
     returns, and the calling process compiles what is left itself."""
     submitted = []
 
-    class BreakingPool:
-        def __init__(self, workers, mp_context=None):
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
+    class BreakingPool(_PoolStub):
         def submit(self, fn, name):
             if submitted:  # the first task's worker died: the pool refuses the rest
                 raise warm.concurrent.futures.process.BrokenProcessPool("a worker died")
