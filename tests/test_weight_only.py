@@ -186,8 +186,8 @@ def gemv_lane_sums(fmt, x, weight):
     kernel = {"hifloat8": cpu.HIFLOAT8_LINEAR, "mxfp4": cpu.MXFP4_LINEAR, "hifloat4": cpu.HIFLOAT4_LINEAR}[fmt]
     m, k = x.shape
     y32 = torch.empty(m, weight[0].shape[0])
-    kernel.gemv(cpu._reorder(x.float(), *kernel.split).numpy(), *kernel._operands(*weight, k, x.dtype), False,
-                y32.numpy())
+    kernel.gemv_sums(cpu._reorder(x.float(), *kernel.split).numpy(), kernel._operands(*weight, k, x.dtype),
+                     y32.numpy(), serial=False)
     return y32
 
 
@@ -301,6 +301,27 @@ def test_result_does_not_depend_on_the_thread_count(fmt, m, monkeypatch):
     finally:
         torch.set_num_threads(previous)
     assert_bits(results[0], results[1])
+
+
+@pytest.mark.parametrize("fmt", WEIGHTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemm_tile_decode_does_not_depend_on_the_thread_count(fmt, dtype):
+    """The GEMM path's tiles (rows 5 .. 71 of W) decoded on the calling thread and in the parallel loop on two
+    threads: the same bits."""
+    kernel = {"hifloat8": cpu.HIFLOAT8_LINEAR, "float8": cpu.FLOAT8_E4M3FN_LINEAR, "mxfp8": cpu.MXFP8_LINEAR,
+              "mxfp4": cpu.MXFP4_LINEAR, "hifloat4": cpu.HIFLOAT4_LINEAR}[fmt]
+    weight = WEIGHTS[fmt](72, 256, gen(17))
+    operands = kernel._operands(*weight, 256, torch.bfloat16 if dtype == torch.bfloat16 else torch.float16)
+    tiles = [torch.zeros(67, 256, dtype=dtype) for _ in range(2)]
+    previous = numba.get_num_threads()
+    try:
+        numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+        for tile, serial in zip(tiles, (True, False)):
+            kernel._launch(kernel.tile, (*operands, 5), 67, cpu.as_numpy(tile), serial)
+    finally:
+        numba.set_num_threads(previous)
+    assert_bits(tiles[0], tiles[1])
+    assert tiles[0].abs().sum() > 0
 
 
 # --- the batched kernel and the GEMM path (M > GEMV_MAX_M): within the interval of any summation order -----
@@ -421,8 +442,8 @@ def test_batched_kernel_within_the_order_interval(fmt, m, monkeypatch):
     calls = []
     kernel = {"hifloat8": cpu.HIFLOAT8_LINEAR, "float8": cpu.FLOAT8_E4M3FN_LINEAR, "mxfp8": cpu.MXFP8_LINEAR,
               "mxfp4": cpu.MXFP4_LINEAR, "hifloat4": cpu.HIFLOAT4_LINEAR}[fmt]
-    batched = kernel.batched
-    monkeypatch.setattr(kernel, "batched", lambda *args: calls.append(1) or batched(*args))
+    monkeypatch.setattr(kernel, "batched", tuple(lambda *args, run=run: calls.append(1) or run(*args)
+                                                 for run in kernel.batched))  # (serial, parallel)
     g = gen(40 + m)
     k = cpu._BATCH_CHUNK + {"hifloat8": 319, "float8": 319, "mxfp8": 352, "mxfp4": 352, "hifloat4": 320}[fmt]
     weight = WEIGHTS[fmt](131, k, g)
@@ -516,8 +537,7 @@ def test_8bit_gemv_with_other_tables_equals_the_reference(fmt, dtype, kind, k):
     x_reg = torch.zeros(3, 192)
     x_reg[:, :k] = x.float()
     y32 = torch.empty(3, 23)
-    cpu._code8_gemv(cpu._reorder(x_reg, *cpu.CODE8_SPLIT).numpy(), *operands(codes, scale, k, dtype, kind), False,
-                    y32.numpy())
+    cpu._code8_gemv(cpu._reorder(x_reg, *cpu.CODE8_SPLIT).numpy(), *operands(codes, scale, k, dtype, kind), y32.numpy())
     want = reference.lane_sums(x.float(), weight(codes, scale, dtype))
     assert torch.equal(y32.view(torch.int32), want.view(torch.int32))
 
@@ -534,7 +554,7 @@ def test_mxfp8_every_code_under_every_scale_byte(dtype, kind):
     x_reg[:, :736] = x.float()
     y32 = torch.empty(2, 32)
     cpu._mxfp8_gemv(cpu._reorder(x_reg, *cpu.CODE8_SPLIT).numpy(),
-                    *cpu._mxfp8_operands(codes, scales, 736, dtype, kind), False, y32.numpy())
+                    *cpu._mxfp8_operands(codes, scales, 736, dtype, kind), y32.numpy())
     want = reference.lane_sums(x.float(), reference.mxfp8_weight(codes, scales, dtype))
     assert torch.equal(y32.isnan(), want.isnan())
     finite = ~want.isnan()

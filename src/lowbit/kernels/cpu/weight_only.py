@@ -719,15 +719,13 @@ def _code8_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, kee
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _code8_gemv(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, serial, y32):
+def _code8_gemv(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, y32):
     """codes (N, K) uint8; scale (N,) float32 and magnitudes (128,) float32 as _fill_row_table takes them;
     bf16: x is BF16 (else FP16); nan_code: the code that decodes to NaN; table_like: an array of the
     row-table kind (see code8_decode); keep int32[64] (the tail's lanes); x_reg (M, Kp) float32 (register
-    order, zero-padded); serial: run on the calling thread (see WeightOnlyLinear._run_gemv); y32 (M, N) float32."""
+    order, zero-padded); y32 (M, N) float32. Every row, in numba's parallel loop (_code8_rows: some rows on
+    the calling thread)."""
     n = codes.shape[0]
-    if serial:  # np.int64(0), not 0: a literal argument would compile a second specialization of the rows
-        _code8_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, np.int64(0), n, y32)
-        return
     for task in numba.prange((n + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
         _code8_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, task * _ROWS_PER_TASK,
                     min(n, (task + 1) * _ROWS_PER_TASK), y32)
@@ -842,14 +840,11 @@ def _mxfp8_rows(x_reg, codes, scales, bf16, table, row, end, y32):
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _mxfp8_gemv(x_reg, codes, scales, bf16, table, serial, y32):
+def _mxfp8_gemv(x_reg, codes, scales, bf16, table, y32):
     """codes (N, K) uint8 E4M3, scales (N, K/32) uint8 E8M0; bf16: x is BF16 (else FP16); table: the E4M3
-    code table of the kind code8_decode reads; x_reg (M, Kp) float32 (CODE8_ORDER, zero-padded); serial: as
-    _code8_gemv; y32 (M, N) float32."""
+    code table of the kind code8_decode reads; x_reg (M, Kp) float32 (CODE8_ORDER, zero-padded); y32 (M, N)
+    float32. Every row, as _code8_gemv."""
     n = codes.shape[0]
-    if serial:
-        _mxfp8_rows(x_reg, codes, scales, bf16, table, np.int64(0), n, y32)
-        return
     for task in numba.prange((n + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
         _mxfp8_rows(x_reg, codes, scales, bf16, table, task * _ROWS_PER_TASK, min(n, (task + 1) * _ROWS_PER_TASK),
                     y32)
@@ -976,27 +971,19 @@ def _hifloat4_rows(x_reg, words, value, fused, row, end, y32):
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _mxfp4_gemv(x_reg, scales, codes, serial, y32):
-    """scales (N, K/32) uint8 E8M0, codes (N, K/2) uint8; x_reg (M, Kp) register order; serial: as
-    _code8_gemv; y32 (M, N)."""
+def _mxfp4_gemv(x_reg, scales, codes, fused, y32):
+    """scales (N, K/32) uint8 E8M0, codes (N, K/2) uint8; x_reg (M, Kp) register order; fused:
+    _fused_bytes(x_reg, _MXFP4_EXPONENTS); y32 (M, N). Every row, as _code8_gemv."""
     n = scales.shape[0]
-    fused = _fused_bytes(x_reg, _MXFP4_EXPONENTS)
-    if serial:
-        _mxfp4_rows(x_reg, scales, codes, fused, np.int64(0), n, y32)
-        return
     for task in numba.prange((n + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
         _mxfp4_rows(x_reg, scales, codes, fused, task * _ROWS_PER_TASK, min(n, (task + 1) * _ROWS_PER_TASK), y32)
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _hifloat4_gemv(x_reg, words, value, serial, y32):
-    """words (N, K/64) int32 (the scale bytes), value (N, K/2) uint8; x_reg (M, Kp) register order; serial:
-    as _code8_gemv."""
+def _hifloat4_gemv(x_reg, words, value, fused, y32):
+    """words (N, K/64) int32 (the scale bytes), value (N, K/2) uint8; x_reg (M, Kp) register order; fused:
+    _fused_bytes(x_reg, _HIFLOAT4_EXPONENTS); y32 (M, N). Every row, as _code8_gemv."""
     n = words.shape[0]
-    fused = _fused_bytes(x_reg, _HIFLOAT4_EXPONENTS)
-    if serial:
-        _hifloat4_rows(x_reg, words, value, fused, np.int64(0), n, y32)
-        return
     for task in numba.prange((n + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
         _hifloat4_rows(x_reg, words, value, fused, task * _ROWS_PER_TASK, min(n, (task + 1) * _ROWS_PER_TASK), y32)
 
@@ -1032,17 +1019,25 @@ def _code8_tile_row(store, codes_flat, k, row, table, nan_code, keep, scratch, w
         store(w_flat, at + LANES * full, w0, w1)
 
 
-@numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _code8_tile(codes, scale, bf16, magnitudes, nan_code, table_like, keep, r0, w32):
+@numba.njit(**NJIT_OPTIONS)
+def _code8_tile_rows(codes, scale, bf16, magnitudes, nan_code, table_like, keep, r0, row, end, w32):
+    """Rows row .. end - 1 of the tile (W's rows r0 + row ...): the serial part of _code8_tile."""
     k = codes.shape[1]
     kp = w32.shape[1]
     codes_flat, w_flat = simd.flat(codes), simd.flat(w32)
-    for task in numba.prange((w32.shape[0] + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
-        scratch = np.zeros(LANES, dtype=np.uint8)
-        table = np.empty_like(table_like)
-        for i in range(task * _ROWS_PER_TASK, min(w32.shape[0], (task + 1) * _ROWS_PER_TASK)):
-            _fill_row_table(magnitudes, scale[r0 + i], bf16, nan_code, table)
-            _code8_tile_row(_store_code8, codes_flat, k, r0 + i, table, nan_code, keep, scratch, w_flat, i * kp)
+    scratch = np.zeros(LANES, dtype=np.uint8)
+    table = np.empty_like(table_like)
+    for i in range(row, end):
+        _fill_row_table(magnitudes, scale[r0 + i], bf16, nan_code, table)
+        _code8_tile_row(_store_code8, codes_flat, k, r0 + i, table, nan_code, keep, scratch, w_flat, i * kp)
+
+
+@numba.njit(**PARALLEL_NJIT_OPTIONS)
+def _code8_tile(codes, scale, bf16, magnitudes, nan_code, table_like, keep, r0, w32):
+    rows = w32.shape[0]
+    for task in numba.prange((rows + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
+        _code8_tile_rows(codes, scale, bf16, magnitudes, nan_code, table_like, keep, r0, task * _ROWS_PER_TASK,
+                         min(rows, (task + 1) * _ROWS_PER_TASK), w32)
 
 
 @numba.njit(**_INLINE)
@@ -1053,17 +1048,26 @@ def _mxfp8_tile_row(round_to, store, codes_flat, scales_flat, row, k, blocks, ta
         store(w_flat, at + LANES * t, w0, w1)
 
 
-@numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _mxfp8_tile(codes, scales, bf16, table, r0, w32):
+@numba.njit(**NJIT_OPTIONS)
+def _mxfp8_tile_rows(codes, scales, bf16, table, r0, row, end, w32):
+    """Rows row .. end - 1 of the tile: the serial part of _mxfp8_tile."""
     k, blocks, kp = codes.shape[1], scales.shape[1], w32.shape[1]
     codes_flat, scales_flat, w_flat = simd.flat(codes), simd.flat(scales), simd.flat(w32)
-    for i in numba.prange(w32.shape[0]):
+    for i in range(row, end):
         if bf16:
             _mxfp8_tile_row(_round_bf16, _store_code8, codes_flat, scales_flat, r0 + i, k, blocks, table, w_flat,
                             i * kp)
         else:
             _mxfp8_tile_row(_round_f16, _store_code8, codes_flat, scales_flat, r0 + i, k, blocks, table, w_flat,
                             i * kp)
+
+
+@numba.njit(**PARALLEL_NJIT_OPTIONS)
+def _mxfp8_tile(codes, scales, bf16, table, r0, w32):
+    rows = w32.shape[0]
+    for task in numba.prange((rows + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
+        _mxfp8_tile_rows(codes, scales, bf16, table, r0, task * _ROWS_PER_TASK, min(rows, (task + 1) * _ROWS_PER_TASK),
+                         w32)
 
 
 @numba.njit(**_INLINE)
@@ -1079,15 +1083,22 @@ def _mxfp4_tile_row(store, scales_flat, codes_flat, row, blocks, scratch, w_flat
         store(w_flat, at + LANES * (blocks // 2), w0, w1)
 
 
-@numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _mxfp4_tile(scales, codes, r0, w32):
+@numba.njit(**NJIT_OPTIONS)
+def _mxfp4_tile_rows(scales, codes, r0, row, end, w32):
+    """Rows row .. end - 1 of the tile: the serial part of _mxfp4_tile."""
     blocks = scales.shape[1]
     kp = w32.shape[1]
     w_flat, codes_flat, scales_flat = simd.flat(w32), simd.flat(codes), simd.flat(scales)
-    for task in numba.prange((w32.shape[0] + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
-        scratch = np.zeros(HALF, dtype=np.uint8)
-        for i in range(task * _ROWS_PER_TASK, min(w32.shape[0], (task + 1) * _ROWS_PER_TASK)):
-            _mxfp4_tile_row(_store_nibbles, scales_flat, codes_flat, r0 + i, blocks, scratch, w_flat, i * kp)
+    scratch = np.zeros(HALF, dtype=np.uint8)
+    for i in range(row, end):
+        _mxfp4_tile_row(_store_nibbles, scales_flat, codes_flat, r0 + i, blocks, scratch, w_flat, i * kp)
+
+
+@numba.njit(**PARALLEL_NJIT_OPTIONS)
+def _mxfp4_tile(scales, codes, r0, w32):
+    rows = w32.shape[0]
+    for task in numba.prange((rows + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
+        _mxfp4_tile_rows(scales, codes, r0, task * _ROWS_PER_TASK, min(rows, (task + 1) * _ROWS_PER_TASK), w32)
 
 
 @numba.njit(**_INLINE)
@@ -1097,13 +1108,21 @@ def _hifloat4_tile_row(store, words_flat, value_flat, row, blocks, w_flat, at):
         store(w_flat, at + LANES * b, w0, w1)
 
 
-@numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _hifloat4_tile(words, value, r0, w32):
+@numba.njit(**NJIT_OPTIONS)
+def _hifloat4_tile_rows(words, value, r0, row, end, w32):
+    """Rows row .. end - 1 of the tile: the serial part of _hifloat4_tile."""
     blocks = words.shape[1]
     kp = w32.shape[1]
     w_flat, words_flat, value_flat = simd.flat(w32), simd.flat(words), simd.flat(value)
-    for i in numba.prange(w32.shape[0]):
+    for i in range(row, end):
         _hifloat4_tile_row(_store_nibbles, words_flat, value_flat, r0 + i, blocks, w_flat, i * kp)
+
+
+@numba.njit(**PARALLEL_NJIT_OPTIONS)
+def _hifloat4_tile(words, value, r0, w32):
+    rows = w32.shape[0]
+    for task in numba.prange((rows + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
+        _hifloat4_tile_rows(words, value, r0, task * _ROWS_PER_TASK, min(rows, (task + 1) * _ROWS_PER_TASK), w32)
 
 
 # ---- batched kernels (BF16 x, GEMV_MAX_M < M <= BATCH_MAX_M, AVX512-BF16 CPUs) ------------------------------
@@ -1185,12 +1204,12 @@ def _batch_buffer(kp, rows):
 
 
 @numba.njit(**_INLINE)
-def _batch_task(decode_row, operands, n, task, x_flat, kp, m_rows, y32):
-    """The rows of W of prange task ``task``: each block of ROW_BLOCK rows decoded by ``decode_row(operands,
+def _batch_rows(decode_row, operands, first, end, x_flat, kp, m_rows, y32):
+    """Rows first .. end - 1 of W: each block of ROW_BLOCK rows (from ``first``) decoded by ``decode_row(operands,
     row, w, at)`` into one buffer, then multiplied with every row of x (_batch_block)."""
     w = _batch_buffer(kp, ROW_BLOCK)
-    for row in range(task * _BATCH_ROWS_PER_TASK, min(n, (task + 1) * _BATCH_ROWS_PER_TASK), ROW_BLOCK):
-        rows = min(ROW_BLOCK, n - row)
+    for row in range(first, end, ROW_BLOCK):
+        rows = min(ROW_BLOCK, end - row)
         if rows < ROW_BLOCK:
             w = _batch_buffer(kp, rows)
         for r in range(rows):
@@ -1223,41 +1242,71 @@ def _hifloat4_batch_row(operands, row, w, at):
     _hifloat4_tile_row(_store_steps, words_flat, value_flat, row, blocks, w, at)
 
 
+@numba.njit(**NJIT_OPTIONS)
+def _code8_batched_rows(x_bits, codes, scale, bf16, magnitudes, nan_code, table_like, keep, row, end, y32):
+    """Rows row .. end - 1 of W: the serial part of _code8_batched."""
+    k = codes.shape[1]
+    m_rows, kp = x_bits.shape
+    operands = (simd.flat(codes), k, scale, bf16, magnitudes, nan_code, np.empty_like(table_like), keep,
+                np.zeros(LANES, dtype=np.uint8))
+    _batch_rows(_code8_batch_row, operands, row, end, simd.flat(x_bits), kp, m_rows, y32)
+
+
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
 def _code8_batched(x_bits, codes, scale, bf16, magnitudes, nan_code, table_like, keep, y32):
-    n, k = codes.shape
-    m_rows, kp = x_bits.shape
+    n = codes.shape[0]
     for task in numba.prange(-(-n // _BATCH_ROWS_PER_TASK)):
-        operands = (simd.flat(codes), k, scale, bf16, magnitudes, nan_code, np.empty_like(table_like), keep,
-                    np.zeros(LANES, dtype=np.uint8))
-        _batch_task(_code8_batch_row, operands, n, task, simd.flat(x_bits), kp, m_rows, y32)
+        _code8_batched_rows(x_bits, codes, scale, bf16, magnitudes, nan_code, table_like, keep,
+                            task * _BATCH_ROWS_PER_TASK, min(n, (task + 1) * _BATCH_ROWS_PER_TASK), y32)
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _mxfp8_batched_rows(x_bits, codes, scales, bf16, table, row, end, y32):
+    """Rows row .. end - 1 of W: the serial part of _mxfp8_batched."""
+    k = codes.shape[1]
+    m_rows, kp = x_bits.shape
+    operands = (simd.flat(codes), simd.flat(scales), k, scales.shape[1], table)
+    _batch_rows(_mxfp8_batch_row, operands, row, end, simd.flat(x_bits), kp, m_rows, y32)
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
 def _mxfp8_batched(x_bits, codes, scales, bf16, table, y32):
-    n, k = codes.shape
-    m_rows, kp = x_bits.shape
+    n = codes.shape[0]
     for task in numba.prange(-(-n // _BATCH_ROWS_PER_TASK)):
-        operands = (simd.flat(codes), simd.flat(scales), k, scales.shape[1], table)
-        _batch_task(_mxfp8_batch_row, operands, n, task, simd.flat(x_bits), kp, m_rows, y32)
+        _mxfp8_batched_rows(x_bits, codes, scales, bf16, table, task * _BATCH_ROWS_PER_TASK,
+                            min(n, (task + 1) * _BATCH_ROWS_PER_TASK), y32)
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _mxfp4_batched_rows(x_bits, scales, codes, row, end, y32):
+    """Rows row .. end - 1 of W: the serial part of _mxfp4_batched."""
+    m_rows, kp = x_bits.shape
+    operands = (simd.flat(scales), simd.flat(codes), scales.shape[1], np.zeros(HALF, dtype=np.uint8))
+    _batch_rows(_mxfp4_batch_row, operands, row, end, simd.flat(x_bits), kp, m_rows, y32)
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
 def _mxfp4_batched(x_bits, scales, codes, y32):
-    n, blocks = scales.shape
-    m_rows, kp = x_bits.shape
+    n = scales.shape[0]
     for task in numba.prange(-(-n // _BATCH_ROWS_PER_TASK)):
-        operands = (simd.flat(scales), simd.flat(codes), blocks, np.zeros(HALF, dtype=np.uint8))
-        _batch_task(_mxfp4_batch_row, operands, n, task, simd.flat(x_bits), kp, m_rows, y32)
+        _mxfp4_batched_rows(x_bits, scales, codes, task * _BATCH_ROWS_PER_TASK,
+                            min(n, (task + 1) * _BATCH_ROWS_PER_TASK), y32)
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _hifloat4_batched_rows(x_bits, words, value, row, end, y32):
+    """Rows row .. end - 1 of W: the serial part of _hifloat4_batched."""
+    m_rows, kp = x_bits.shape
+    operands = (simd.flat(words), simd.flat(value), words.shape[1])
+    _batch_rows(_hifloat4_batch_row, operands, row, end, simd.flat(x_bits), kp, m_rows, y32)
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
 def _hifloat4_batched(x_bits, words, value, y32):
-    n, blocks = words.shape
-    m_rows, kp = x_bits.shape
+    n = words.shape[0]
     for task in numba.prange(-(-n // _BATCH_ROWS_PER_TASK)):
-        operands = (simd.flat(words), simd.flat(value), blocks)
-        _batch_task(_hifloat4_batch_row, operands, n, task, simd.flat(x_bits), kp, m_rows, y32)
+        _hifloat4_batched_rows(x_bits, words, value, task * _BATCH_ROWS_PER_TASK,
+                               min(n, (task + 1) * _BATCH_ROWS_PER_TASK), y32)
 
 
 # ---- the GEMV's input and output, in numba (no torch op between a call's start and its end) ------------------
@@ -1366,16 +1415,21 @@ class WeightOnlyLinear(Kernel):
     """One format's kernel: ``run(x, a, b, bias, out=)`` with x (..., K) FP16/BF16, the format's two weight
     tensors (validated by lowbit.ops.weight_only), bias (N,) or None, out (..., N) in x's dtype.
 
-    ``gemv(x_reg, *operands, serial, y32)``, ``batched(x_bits, *operands, y32)`` and ``tile(*operands, r0,
-    w32)``: the format's numba kernels (M <= GEMV_MAX_M; BF16 x with M <= BATCH_MAX_M on AVX512-BF16 CPUs;
-    the GEMM path);
-    ``split``: its register order (see _reorder); ``operands(a, b, k, dtype)``: the numba kernels' weight
-    operands for x of ``dtype``. With BF16 x every format's decoded weight is a BF16 value (the GEMM path
-    uses torch's BF16 GEMM).
+    ``gemv``, ``batched`` and ``tile``: the format's numba kernels (M <= GEMV_MAX_M; BF16 x with M <=
+    BATCH_MAX_M on AVX512-BF16 CPUs; the GEMM path), each a pair (serial, parallel): ``serial(*args, row,
+    end, out)`` computes output rows row .. end - 1 on the calling thread, ``parallel(*args, out)`` all of
+    them in numba's parallel loop (compiled on its first call only: a process that never runs a kernel on
+    several threads, such as ``lowbit smoke``, never compiles it). args: (x_reg, *operands[, fused]) for the
+    GEMV, (x_bits, *operands) batched, (*operands, r0) for a tile of rows r0 ... of W.
+    ``split``: the register order (see _reorder); ``operands(a, b, k, dtype)``: the numba kernels' weight
+    operands for x of ``dtype``; ``exponents``: a 4-bit format's table for _fused_bytes, whose result the
+    GEMV kernels take after the operands (None: an 8-bit format, no such argument). With BF16 x every
+    format's decoded weight is a BF16 value (the GEMM path uses torch's BF16 GEMM).
     """
 
-    def __init__(self, gemv, batched, tile, split: tuple, operands):
+    def __init__(self, gemv: tuple, batched: tuple, tile: tuple, split: tuple, operands, exponents=None):
         self.gemv, self.batched, self.tile, self.split, self._operands = gemv, batched, tile, split, operands
+        self.exponents = exponents
         self.order = np.array(_order(*split), dtype=np.int32)
 
     def run(self, x: torch.Tensor, *args, out: torch.Tensor) -> None:
@@ -1385,81 +1439,90 @@ class WeightOnlyLinear(Kernel):
         if out.dim() != 2:  # x too: (..., K) -> (M, K)
             x, out = x.reshape(m, k), out.view(m, n)
         operands = self._operands(*weight, k, x.dtype)
-        if m <= GEMV_MAX_M and n * k < GEMV_ONE_THREAD_WEIGHTS:
+        # Rows are handed out in chunks on demand (not split evenly up front), so a thread that the OS
+        # deschedules on a shared machine does not make the other one wait at the end.
+        if m <= GEMV_MAX_M:
+            path, work, chunksize = self._run_gemv, n * k, max(4, -(-n // _ROWS_PER_TASK) // _CHUNKS)
+        elif m <= BATCH_MAX_M and x.dtype == torch.bfloat16 and simd.HAS_AVX512BF16:
+            path, work, chunksize = self._run_batched, m * n * k, 1  # tasks of _BATCH_ROWS_PER_TASK rows
+        else:  # the GEMM path: the decoded tile's rows (torch's GEMM takes torch's threads)
+            tile_rows = min(n, GEMM_TILE_BYTES // (2 * _padded_k(k)))
+            bf16_gemm = x.dtype == torch.bfloat16 and (bias is None or bias.dtype == torch.bfloat16)
+            path, work = self._run_gemm_bf16 if bf16_gemm else self._run_gemm, n * k
+            chunksize = max(4, -(-tile_rows // _ROWS_PER_TASK) // _CHUNKS)
+        if work < GEMV_ONE_THREAD_WEIGHTS:
             # One thread, the calling one: waking numba's threads after a torch op would cost more than they
             # save here, and the rows run without the parallel loop's launch (about 13 us of a 1536 x 384
             # MXFP4 GEMV's 54 us); numba's thread count is left as it is.
-            self._run_gemv(x, operands, bias, out, serial=True)
+            path(x, operands, bias, out, serial=True)
             return
-        # Rows are handed out in chunks on demand (not split evenly up front), so a thread that the OS
-        # deschedules on a shared machine does not make the other one wait at the end.
-        batched = m <= BATCH_MAX_M and x.dtype == torch.bfloat16 and simd.HAS_AVX512BF16
-        if m <= GEMV_MAX_M:
-            work, chunksize = n * k, max(4, -(-n // _ROWS_PER_TASK) // _CHUNKS)
-        elif batched:  # tasks of _BATCH_ROWS_PER_TASK rows, handed out one at a time
-            work, chunksize = m * n * k, 1
-        else:  # the GEMM path always has the threads
-            tile_rows = min(n, GEMM_TILE_BYTES // (2 * _padded_k(k)))
-            work, chunksize = GEMV_ONE_THREAD_WEIGHTS, max(4, -(-tile_rows // _ROWS_PER_TASK) // _CHUNKS)
         with kernel_threads(work, GEMV_ONE_THREAD_WEIGHTS, chunksize=chunksize):
-            if m <= GEMV_MAX_M:
-                self._run_gemv(x, operands, bias, out, serial=numba.get_num_threads() == 1)
-            elif batched:
-                self._run_batched(x, operands, bias, out)
-            elif x.dtype == torch.bfloat16 and (bias is None or bias.dtype == torch.bfloat16):
-                self._run_gemm_bf16(x, operands, bias, out)
-            else:
-                self._run_gemm(x, operands, bias, out)
+            path(x, operands, bias, out, serial=numba.get_num_threads() == 1)
+
+    @staticmethod
+    def _launch(kernels: tuple, args: tuple, rows: int, out: np.ndarray, serial: bool) -> None:
+        """Output rows 0 .. rows - 1 of ``kernels`` (serial, parallel) on ``args``: on the calling thread when
+        ``serial``, else in numba's parallel loop."""
+        serial_kernel, parallel_kernel = kernels
+        if serial:
+            serial_kernel(*args, 0, rows, out)
+        else:
+            parallel_kernel(*args, out)
 
     def _run_gemv(self, x: torch.Tensor, operands: tuple, bias, out: torch.Tensor, serial: bool) -> None:
         """The bit-exact path: x in register order, the lane sums, then the reference's rounding (all in
-        numba: a torch op between them would cost more than they do, see benchmarks/results_weight_only.md).
-        ``serial``: the rows run on the calling thread, else in numba's parallel loop."""
+        numba: a torch op between them would cost more than they do, see benchmarks/results_weight_only.md)."""
         (m, k), n = x.shape, out.shape[1]
         bf16 = x.dtype == torch.bfloat16
         x_reg = np.empty((m, _padded_k(k)), dtype=np.float32)
         _gather_x(as_numpy(x), bf16, self.order, x_reg)
         y32 = np.empty((m, n), dtype=np.float32)
-        self.gemv(x_reg, *operands, serial, y32)
+        self.gemv_sums(x_reg, operands, y32, serial)
         _round_into(y32, bias, bf16, out)
 
-    def _run_batched(self, x: torch.Tensor, operands: tuple, bias, out: torch.Tensor) -> None:
+    def gemv_sums(self, x_reg: np.ndarray, operands: tuple, y32: np.ndarray, serial: bool) -> None:
+        """y32 (M, N) float32 <- the GEMV's float32 sums of x_reg (M, Kp) float32 (x in the register order,
+        zero-padded) with the weight ``operands``, before the rounding to x's dtype."""
+        fused = () if self.exponents is None else (_fused_bytes(x_reg, self.exponents),)
+        self._launch(self.gemv, (x_reg, *operands, *fused), y32.shape[1], y32, serial)
+
+    def _run_batched(self, x: torch.Tensor, operands: tuple, bias, out: torch.Tensor, serial: bool) -> None:
         """BF16 x on an AVX512-BF16 CPU, GEMV_MAX_M < M <= BATCH_MAX_M: the batched kernel on x's bits in the
         register order (zero-padded to Kp), then the reference's rounding."""
         (m, k), n = x.shape, out.shape[1]
         x_reg = np.empty((m, _padded_k(k)), dtype=np.int16)
         _gather_x_bits(as_numpy(x), self.order, x_reg)
         y32 = np.empty((m, n), dtype=np.float32)
-        self.batched(x_reg, *operands, y32)
+        self._launch(self.batched, (x_reg, *operands), n, y32, serial)
         _round_into(y32, bias, True, out)
 
-    def _tiles(self, operands: tuple, n: int, k: int, dtype: torch.dtype, width: int):
+    def _tiles(self, operands: tuple, n: int, k: int, dtype: torch.dtype, width: int, serial: bool):
         """(first row, (rows, width) tile) of W decoded tile by tile into one reused buffer of ``dtype``
         (float32 or BF16); columns K .. width - 1 hold zeros or are not written."""
         rows = max(1, min(n, GEMM_TILE_BYTES // (width * dtype.itemsize)))
         buffer = torch.empty(rows, width, dtype=dtype)
         for r0 in range(0, n, rows):
             tile = buffer[: min(rows, n - r0)]
-            self.tile(*operands, r0, as_numpy(tile))
+            self._launch(self.tile, (*operands, r0), tile.shape[0], as_numpy(tile), serial)
             yield r0, tile
 
-    def _run_gemm(self, x: torch.Tensor, operands: tuple, bias, out: torch.Tensor) -> None:
+    def _run_gemm(self, x: torch.Tensor, operands: tuple, bias, out: torch.Tensor, serial: bool) -> None:
         """float32 GEMM on decoded tiles (torch's order), then the reference's rounding."""
         (m, k), n = x.shape, out.shape[1]
         x32 = x.to(torch.float32)
         y32 = torch.empty(m, n, dtype=torch.float32)
-        for r0, tile in self._tiles(operands, n, k, torch.float32, _padded_k(k)):
+        for r0, tile in self._tiles(operands, n, k, torch.float32, _padded_k(k), serial):
             y32[:, r0 : r0 + tile.shape[0]] = x32 @ tile[:, :k].T
         out.copy_(reference.finish(y32, bias, out.dtype))
 
-    def _run_gemm_bf16(self, x: torch.Tensor, operands: tuple, bias, out: torch.Tensor) -> None:
+    def _run_gemm_bf16(self, x: torch.Tensor, operands: tuple, bias, out: torch.Tensor, serial: bool) -> None:
         """BF16 x (every decoded weight is a BF16 value): torch's BF16 GEMM (float32 accumulation, one
         rounding to BF16) on tiles decoded to BF16. A BF16 bias goes to F.linear, which adds it to the float32
         sums before that rounding (the same bits as the bias as one more column of W and of x, a column of
         ones; tests/test_weight_only.py checks this of torch), without the strided K + 1 columns (0.8 ms at
         M = 256, N = K = 4096)."""
         (m, k), n = x.shape, out.shape[1]
-        for r0, tile in self._tiles(operands, n, k, torch.bfloat16, _padded_k(k)):
+        for r0, tile in self._tiles(operands, n, k, torch.bfloat16, _padded_k(k), serial):
             if tile.shape[0] == n:  # one tile: written straight into out (addmm and mm are what F.linear runs)
                 if bias is None:
                     torch.mm(x, tile[:, :k].t(), out=out)
@@ -1523,9 +1586,13 @@ def _hifloat4_operands(scale, value, k, dtype):
     return words, as_numpy(value)
 
 
-HIFLOAT8_LINEAR = WeightOnlyLinear(_code8_gemv, _code8_batched, _code8_tile, CODE8_SPLIT, _hifloat8_operands)
-FLOAT8_E4M3FN_LINEAR = WeightOnlyLinear(_code8_gemv, _code8_batched, _code8_tile, CODE8_SPLIT, _float8_operands)
-MXFP8_LINEAR = WeightOnlyLinear(_mxfp8_gemv, _mxfp8_batched, _mxfp8_tile, CODE8_SPLIT, _mxfp8_operands)
-MXFP4_LINEAR = WeightOnlyLinear(_mxfp4_gemv, _mxfp4_batched, _mxfp4_tile, NIBBLE_SPLIT, _mxfp4_operands)
-HIFLOAT4_LINEAR = WeightOnlyLinear(_hifloat4_gemv, _hifloat4_batched, _hifloat4_tile, NIBBLE_SPLIT,
-                                   _hifloat4_operands)
+_CODE8 = ((_code8_rows, _code8_gemv), (_code8_batched_rows, _code8_batched), (_code8_tile_rows, _code8_tile))
+HIFLOAT8_LINEAR = WeightOnlyLinear(*_CODE8, CODE8_SPLIT, _hifloat8_operands)
+FLOAT8_E4M3FN_LINEAR = WeightOnlyLinear(*_CODE8, CODE8_SPLIT, _float8_operands)
+MXFP8_LINEAR = WeightOnlyLinear((_mxfp8_rows, _mxfp8_gemv), (_mxfp8_batched_rows, _mxfp8_batched),
+                                (_mxfp8_tile_rows, _mxfp8_tile), CODE8_SPLIT, _mxfp8_operands)
+MXFP4_LINEAR = WeightOnlyLinear((_mxfp4_rows, _mxfp4_gemv), (_mxfp4_batched_rows, _mxfp4_batched),
+                                (_mxfp4_tile_rows, _mxfp4_tile), NIBBLE_SPLIT, _mxfp4_operands, _MXFP4_EXPONENTS)
+HIFLOAT4_LINEAR = WeightOnlyLinear((_hifloat4_rows, _hifloat4_gemv), (_hifloat4_batched_rows, _hifloat4_batched),
+                                   (_hifloat4_tile_rows, _hifloat4_tile), NIBBLE_SPLIT, _hifloat4_operands,
+                                   _HIFLOAT4_EXPONENTS)
