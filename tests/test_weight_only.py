@@ -317,7 +317,7 @@ def test_gemm_tile_decode_does_not_depend_on_the_thread_count(fmt, dtype):
     try:
         numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
         for tile, serial in zip(tiles, (True, False)):
-            kernel._launch(kernel.tile, (*operands, 5), 67, cpu.as_numpy(tile), serial)
+            cpu.run_tasks(kernel.tile, (*operands, 5), 67, cpu.as_numpy(tile), serial)
     finally:
         numba.set_num_threads(previous)
     assert_bits(tiles[0], tiles[1])

@@ -27,6 +27,20 @@ def copy_elements(dst, at, src, start, count):
         dst[at + i] = src[start + i]
 
 
+def run_tasks(kernels: tuple, args: tuple, count: int, out: np.ndarray, serial: bool) -> None:
+    """Items 0 .. count - 1 (rows, blocks, column tiles: the kernel's unit) of a kernel written as a pair
+    (serial, parallel) of numba functions: ``serial(*args, first, end, out)`` computes items first .. end - 1
+    on the calling thread, ``parallel(*args, out)`` all of them in numba's parallel loop (a thin loop over
+    ``serial``, a task of one or more items per iteration). ``serial``: the calling thread computes them all,
+    without the parallel loop's launch; a process that only ever does that never compiles the parallel
+    function (numba compiles a function on its first call)."""
+    serial_kernel, parallel_kernel = kernels
+    if serial:
+        serial_kernel(*args, 0, count, out)
+    else:
+        parallel_kernel(*args, out)
+
+
 KERNEL_PACKAGE = __name__.rpartition(".")[0]  # "lowbit.kernels.cpu"
 
 

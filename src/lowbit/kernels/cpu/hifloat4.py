@@ -440,8 +440,8 @@ class FakeQuant(Kernel):
         inner = int(np.prod(x.shape[qdim + 1:], dtype=np.int64))
         n_blocks = x.numel() // BLOCK
         src, dst = _block_view(x), _block_view(out)
-        params = (np.uint32(fmt.mag_mask), np.uint32(fmt.inf_mag), np.uint32(fmt.shift), np.float32(fmt.widen), fmt.kind,
-                  ref.NAN_BITS[x.dtype])
+        params = (np.uint32(fmt.mag_mask), np.uint32(fmt.inf_mag), np.uint32(fmt.shift), np.float32(fmt.widen),
+                  fmt.kind, ref.NAN_BITS[x.dtype])
         if n_blocks < _ONE_THREAD_BLOCKS:  # the calling thread runs what one task of the parallel loop would
             units = _fake_quant_units(n_blocks, inner)
             if inner == 1:

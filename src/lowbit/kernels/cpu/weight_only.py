@@ -39,7 +39,8 @@ from lowbit.backends import Kernel
 from lowbit.formats import hifloat8, mxfp4, mxfp8
 from lowbit.formats import weight_only as reference
 from lowbit.kernels.cpu import _simd as simd
-from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, as_numpy, copy_elements, kernel_threads
+from lowbit.kernels.cpu._runtime import (NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, as_numpy, copy_elements, kernel_threads,
+                                         run_tasks)
 
 LANES = reference.LANES  # 64 = two F32V
 HALF = simd.LANES  # 32
@@ -1459,16 +1460,6 @@ class WeightOnlyLinear(Kernel):
         with kernel_threads(work, GEMV_ONE_THREAD_WEIGHTS, chunksize=chunksize):
             path(x, operands, bias, out, serial=numba.get_num_threads() == 1)
 
-    @staticmethod
-    def _launch(kernels: tuple, args: tuple, rows: int, out: np.ndarray, serial: bool) -> None:
-        """Output rows 0 .. rows - 1 of ``kernels`` (serial, parallel) on ``args``: on the calling thread when
-        ``serial``, else in numba's parallel loop."""
-        serial_kernel, parallel_kernel = kernels
-        if serial:
-            serial_kernel(*args, 0, rows, out)
-        else:
-            parallel_kernel(*args, out)
-
     def _run_gemv(self, x: torch.Tensor, operands: tuple, bias, out: torch.Tensor, serial: bool) -> None:
         """The bit-exact path: x in register order, the lane sums, then the reference's rounding (all in
         numba: a torch op between them would cost more than they do, see benchmarks/results_weight_only.md)."""
@@ -1484,7 +1475,7 @@ class WeightOnlyLinear(Kernel):
         """y32 (M, N) float32 <- the GEMV's float32 sums of x_reg (M, Kp) float32 (x in the register order,
         zero-padded) with the weight ``operands``, before the rounding to x's dtype."""
         fused = () if self.exponents is None else (_fused_bytes(x_reg, self.exponents),)
-        self._launch(self.gemv, (x_reg, *operands, *fused), y32.shape[1], y32, serial)
+        run_tasks(self.gemv, (x_reg, *operands, *fused), y32.shape[1], y32, serial)
 
     def _run_batched(self, x: torch.Tensor, operands: tuple, bias, out: torch.Tensor, serial: bool) -> None:
         """BF16 x on an AVX512-BF16 CPU, GEMV_MAX_M < M <= BATCH_MAX_M: the batched kernel on x's bits in the
@@ -1493,7 +1484,7 @@ class WeightOnlyLinear(Kernel):
         x_reg = np.empty((m, _padded_k(k)), dtype=np.int16)
         _gather_x_bits(as_numpy(x), self.order, x_reg)
         y32 = np.empty((m, n), dtype=np.float32)
-        self._launch(self.batched, (x_reg, *operands), n, y32, serial)
+        run_tasks(self.batched, (x_reg, *operands), n, y32, serial)
         _round_into(y32, bias, True, out)
 
     def _tiles(self, operands: tuple, n: int, k: int, dtype: torch.dtype, width: int, serial: bool):
@@ -1503,7 +1494,7 @@ class WeightOnlyLinear(Kernel):
         buffer = torch.empty(rows, width, dtype=dtype)
         for r0 in range(0, n, rows):
             tile = buffer[: min(rows, n - r0)]
-            self._launch(self.tile, (*operands, r0), tile.shape[0], as_numpy(tile), serial)
+            run_tasks(self.tile, (*operands, r0), tile.shape[0], as_numpy(tile), serial)
             yield r0, tile
 
     def _run_gemm(self, x: torch.Tensor, operands: tuple, bias, out: torch.Tensor, serial: bool) -> None:
