@@ -120,16 +120,20 @@ def test_odd_shapes_axes_and_views(kernel):
 
 
 def test_numba_thread_counts_agree():
+    """One thread runs every block on the calling thread, two the parallel loops: the same quantized and
+    dequantized bits."""
     x = torch.randn(1024, 256, dtype=torch.bfloat16) * 100
     threads = torch.get_num_threads()
     try:
         results = []
         for n in (1, 2):
             torch.set_num_threads(n)
-            results.append(quantize_with(cpu_kernels, x, 32, "ceil", "rne"))
+            codes, scales = quantize_with(cpu_kernels, x, 32, "ceil", "rne")
+            results.append([codes, scales, dequantize_with(cpu_kernels, codes, scales, torch.float32)])
     finally:
         torch.set_num_threads(threads)
     assert_same(results[0], results[1])
+    assert_same(results[0][2:], [mxfp4.dequantize(results[0][0], results[0][1], torch.float32)])
 
 
 # --- ops --------------------------------------------------------------------------------------------

@@ -28,7 +28,8 @@ import torch
 from lowbit.errors import DeviceError, DtypeError, ShapeError
 from lowbit.formats import mxfp4 as ref
 from lowbit.kernels import mxfp4_tables as tables
-from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, as_numpy, kernel_threads, sync_threads
+from lowbit.kernels.cpu._runtime import (NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, as_numpy, kernel_threads, run_tasks,
+                                         sync_threads)
 from lowbit.kernels.mxfp4_last_axis import LastAxisDequantize, LastAxisQuantize
 
 _ABS_MASK = {torch.bfloat16: 0x7FFF, torch.float16: 0x7FFF, torch.float32: 0x7FFFFFFF}
@@ -168,21 +169,18 @@ def _encode_block(lo, hi, codes, start, stop, thr, byte, mask):
         codes[i] = c_lo | (c_hi << 4)
 
 
-@numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _quantize_blocks(
+@numba.njit(**NJIT_OPTIONS)
+def _quantize_range(
     pairs, width, abs_mask, element_abs_mask, nonfinite_bits, to_fp32, rule, thr, ppb, codes, scales,
-    table, out_pairs,
+    table, first_block, end_block, out_pairs,
 ):
-    """Quantize all blocks (``ppb`` pairs each), in parallel tasks of _BLOCKS_PER_TASK blocks.
+    """Quantize blocks first_block .. end_block - 1 (``ppb`` pairs each), _BLOCKS_PER_TASK at a time.
 
     With a non-empty ``table`` (see _dequantize_task) each task also decodes its blocks into
     ``out_pairs``: quantize-dequantize in one pass over memory.
     """
-    n_blocks = scales.size
-    n_tasks = (n_blocks + _BLOCKS_PER_TASK - 1) // _BLOCKS_PER_TASK
-    for task in numba.prange(n_tasks):
-        first = task * _BLOCKS_PER_TASK
-        stop = min(n_blocks, first + _BLOCKS_PER_TASK)
+    for first in range(first_block, end_block, _BLOCKS_PER_TASK):
+        stop = min(end_block, first + _BLOCKS_PER_TASK)
         size = ppb * (stop - first)
         lo = np.empty(size, dtype=thr.dtype)
         hi = np.empty(size, dtype=thr.dtype)
@@ -196,6 +194,19 @@ def _quantize_blocks(
             _dequantize_task(task_codes, scales[first:stop], table, ppb, out_pairs[ppb * first : ppb * stop])
 
 
+@numba.njit(**PARALLEL_NJIT_OPTIONS)
+def _quantize_blocks(
+    pairs, width, abs_mask, element_abs_mask, nonfinite_bits, to_fp32, rule, thr, ppb, codes, scales,
+    table, out_pairs,
+):
+    """Every block, as _quantize_range, in parallel tasks of _BLOCKS_PER_TASK blocks."""
+    n_blocks = scales.size
+    for task in numba.prange((n_blocks + _BLOCKS_PER_TASK - 1) // _BLOCKS_PER_TASK):
+        _quantize_range(pairs, width, abs_mask, element_abs_mask, nonfinite_bits, to_fp32, rule, thr, ppb, codes,
+                        scales, table, task * _BLOCKS_PER_TASK, min(n_blocks, (task + 1) * _BLOCKS_PER_TASK),
+                        out_pairs)
+
+
 @numba.njit(**NJIT_OPTIONS)
 def _dequantize_task(codes, scales, table, ppb, out_pairs):
     """out_pairs[i] = table[256 * scale of i's block + codes[i]]: two decoded elements per code byte."""
@@ -206,16 +217,20 @@ def _dequantize_task(codes, scales, table, ppb, out_pairs):
             out_pairs[i] = table[row + np.uint64(codes[i])]
 
 
+@numba.njit(**NJIT_OPTIONS)
+def _dequantize_range(codes, scales, table, ppb, first, stop, out_pairs):
+    """Decode blocks first .. stop - 1 (see _dequantize_task)."""
+    span = slice(ppb * first, ppb * stop)
+    _dequantize_task(codes[span], scales[first:stop], table, ppb, out_pairs[span])
+
+
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
 def _dequantize_blocks(codes, scales, table, ppb, out_pairs):
-    """Decode all blocks, in parallel tasks of _BLOCKS_PER_TASK blocks (see _dequantize_task)."""
+    """Decode all blocks, in parallel tasks of _BLOCKS_PER_TASK blocks."""
     n_blocks = scales.size
-    n_tasks = (n_blocks + _BLOCKS_PER_TASK - 1) // _BLOCKS_PER_TASK
-    for task in numba.prange(n_tasks):
-        first = task * _BLOCKS_PER_TASK
-        stop = min(n_blocks, first + _BLOCKS_PER_TASK)
-        span = slice(ppb * first, ppb * stop)
-        _dequantize_task(codes[span], scales[first:stop], table, ppb, out_pairs[span])
+    for task in numba.prange((n_blocks + _BLOCKS_PER_TASK - 1) // _BLOCKS_PER_TASK):
+        _dequantize_range(codes, scales, table, ppb, task * _BLOCKS_PER_TASK,
+                          min(n_blocks, (task + 1) * _BLOCKS_PER_TASK), out_pairs)
 
 
 class Quantize(LastAxisQuantize):
@@ -236,15 +251,12 @@ class Dequantize(LastAxisDequantize):
     def dequantize_last_axis(self, codes, scales, out) -> None:
         if not out.numel():
             return
-        sync_threads()
         pair_dtype, _ = _PAIRS[out.dtype]
-        _dequantize_blocks(
-            as_numpy(codes).reshape(-1),
-            as_numpy(scales).reshape(-1),
-            _dequant_pair_table(out.dtype),
-            codes.numel() // scales.numel(),  # pairs per block
-            out.view(-1).view(pair_dtype).numpy().view(_UNSIGNED[pair_dtype]),
-        )
+        operands = (as_numpy(codes).reshape(-1), as_numpy(scales).reshape(-1), _dequant_pair_table(out.dtype),
+                    codes.numel() // scales.numel())  # pairs per block
+        serial = out.numel() < ONE_THREAD_ELEMENTS or sync_threads() == 1
+        run_tasks((_dequantize_range, _dequantize_blocks), operands, scales.numel(),
+                  out.view(-1).view(pair_dtype).numpy().view(_UNSIGNED[pair_dtype]), serial)
 
 
 def fake_quantize(x: torch.Tensor, block_size: int, scale_rule: str, rounding: str, *, out: torch.Tensor) -> None:
@@ -277,8 +289,12 @@ def quantize_into(xt, block_size, scale_rule, rounding, codes, scales, dequantiz
     """Quantize contiguous ``xt`` (FP16/BF16/FP32 CPU, blocks along the last axis; arguments validated by
     the caller) into contiguous uint8 ``codes`` and ``scales`` of the reference's shapes, and when given
     its dequantized values into ``dequantized`` (contiguous, xt's shape, FP16/BF16/FP32)."""
+    if xt.numel() < ONE_THREAD_ELEMENTS:
+        _quantize_blocks_of(xt, block_size, scale_rule, rounding, codes, scales, dequantized, serial=True)
+        return
     with kernel_threads(xt.numel(), ONE_THREAD_ELEMENTS):
-        _quantize_blocks_of(xt, block_size, scale_rule, rounding, codes, scales, dequantized)
+        _quantize_blocks_of(xt, block_size, scale_rule, rounding, codes, scales, dequantized,
+                            serial=numba.get_num_threads() == 1)
 
 
 @functools.cache
@@ -295,7 +311,7 @@ def quantize_constants(dtype: torch.dtype, scale_rule: str, rounding: str) -> tu
 _NO_DEQUANTIZED = (np.zeros(0, np.uint32), np.zeros(0, np.uint32))  # no table: codes and scales only
 
 
-def _quantize_blocks_of(xt, block_size, scale_rule, rounding, codes, scales, dequantized):
+def _quantize_blocks_of(xt, block_size, scale_rule, rounding, codes, scales, dequantized, serial: bool):
     pair_dtype, _ = _PAIRS[xt.dtype]
     if dequantized is None:
         table, out_pairs = _NO_DEQUANTIZED
@@ -303,15 +319,10 @@ def _quantize_blocks_of(xt, block_size, scale_rule, rounding, codes, scales, deq
         out_word = _PAIRS[dequantized.dtype][0]
         table = _dequant_pair_table(dequantized.dtype)
         out_pairs = dequantized.view(-1).view(out_word).numpy().view(_UNSIGNED[out_word])
-    _quantize_blocks(
-        xt.reshape(-1).view(pair_dtype).numpy().view(_UNSIGNED[pair_dtype]),
-        *quantize_constants(xt.dtype, scale_rule, rounding),
-        block_size // 2,
-        codes.view(-1).numpy(),
-        scales.view(-1).numpy(),
-        table,
-        out_pairs,
-    )
+    operands = (xt.reshape(-1).view(pair_dtype).numpy().view(_UNSIGNED[pair_dtype]),
+                *quantize_constants(xt.dtype, scale_rule, rounding), block_size // 2, codes.view(-1).numpy(),
+                scales.view(-1).numpy(), table)
+    run_tasks((_quantize_range, _quantize_blocks), operands, scales.numel(), out_pairs, serial)
 
 
 QUANTIZE = Quantize()
