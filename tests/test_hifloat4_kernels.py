@@ -182,26 +182,3 @@ def test_numba_pack_unpack_round_trip_is_fake_quant():
         x = probe_input(dtype)
         scale, value = numba_pack(x)
         assert torch.equal(bits(numba_unpack(scale, value, dtype)), bits(hifloat4.fake_quant(x)))
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_numba_calling_thread_and_parallel_loop_agree(dtype, monkeypatch):
-    """Inputs below _ONE_THREAD_BLOCKS run on the calling thread, larger ones in the parallel loop (each
-    forced here on the same 640-block input, both layouts of fake quant, pack and unpack): the same bits."""
-    g = torch.Generator().manual_seed(21)
-    x = (torch.randn(128, 320, generator=g) * torch.exp2(torch.randn(128, 1, generator=g) * 8)).to(dtype)
-    x[3, 70] = float("nan")
-    results = []
-    previous = numba.get_num_threads()
-    try:
-        numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
-        for below in (1 << 40, 0):  # every input on the calling thread, then none
-            monkeypatch.setattr(cpu_kernels, "_ONE_THREAD_BLOCKS", below)
-            scale, value = numba_pack(x)
-            results.append((run_kernel(cpu_kernels.FAKE_QUANT, x, -1), run_kernel(cpu_kernels.FAKE_QUANT, x, 0),
-                            scale, value, numba_unpack(scale, value, dtype)))
-    finally:
-        numba.set_num_threads(previous)
-    for serial, parallel in zip(*results):
-        assert torch.equal(bits(serial), bits(parallel))
-    assert torch.equal(bits(results[0][0]), bits(hifloat4.fake_quant(x, -1)))

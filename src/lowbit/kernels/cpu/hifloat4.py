@@ -42,9 +42,6 @@ from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, as_
 from lowbit.kernels.cpu._simd import flat
 
 _BLOCKS_PER_TASK = 256  # blocks per parallel task
-# Inputs of fewer blocks run on the calling thread, without numba's parallel loop: waking its threads costs more
-# than they save there, and a process that never runs a larger input never compiles the loops.
-_ONE_THREAD_BLOCKS = 1 << 10
 _BLOCKS_PER_TILE = 32  # blocks side by side in a tile when the quant dim is not the last
 
 _F0 = np.float32(0.0)
@@ -319,18 +316,13 @@ def _fake_quant_tiles(src, dst, first, last, inner, mag_mask, inf_mag, shift, wi
                 row[c] = tile_out[c, i]
 
 
-@numba.njit(**NJIT_OPTIONS)
-def _fake_quant_units(n_blocks, inner):
-    """The units of work of _fake_quant_kernel: blocks (inner == 1) or tiles of _BLOCKS_PER_TILE columns."""
-    return n_blocks if inner == 1 else (n_blocks // inner) * ((inner + _BLOCKS_PER_TILE - 1) // _BLOCKS_PER_TILE)
-
-
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
 def _fake_quant_kernel(src, dst, n_blocks, inner, mag_mask, inf_mag, shift, widen, kind, nan_bits):
     """Fake-quant all blocks of (outer, L, inner) bit patterns ``src`` ((n_blocks, 64), C-contiguous) into
     ``dst`` (the same) in parallel tasks of about _BLOCKS_PER_TASK blocks (one parallel loop for both
     layouts: each parallel loop is a function numba compiles)."""
-    units = _fake_quant_units(n_blocks, inner)
+    tiles_per_row = (inner + _BLOCKS_PER_TILE - 1) // _BLOCKS_PER_TILE
+    units = n_blocks if inner == 1 else (n_blocks // inner) * tiles_per_row  # blocks or tiles
     per_task = _BLOCKS_PER_TASK if inner == 1 else max(1, _BLOCKS_PER_TASK // _BLOCKS_PER_TILE)
     for task in numba.prange((units + per_task - 1) // per_task):
         first = task * per_task
@@ -342,45 +334,39 @@ def _fake_quant_kernel(src, dst, n_blocks, inner, mag_mask, inf_mag, shift, wide
                               nan_bits)
 
 
-@numba.njit(**NJIT_OPTIONS)
-def _pack_blocks(src, scale, value, first, last, mag_mask, inf_mag, shift, widen):
-    """Pack blocks first .. last - 1 of ``src`` (as _pack_kernel, on the calling thread)."""
-    work = _scratch()
-    for n in range(first, last):
-        block_max, poisoned = _group_maxima(src, n, work, mag_mask, inf_mag, shift, widen)
-        byte, r = _block_scale(_magnitude(block_max, mag_mask, shift, widen))
-        _group_shifts(work, r, _F1)
-        e2_flags = 0
-        e3_flags = 0
-        for j in range(8):
-            low = work[_M4 + 2 * j]
-            high = work[_M4 + 2 * j + 1]
-            e2, e3_low = _group_flags(max(low, high), low, r)
-            e3_high = _group_flags(max(low, high), high, r)[1]
-            e2_flags = (e2_flags << 1) | np.int64(e2)
-            e3_flags = (e3_flags << 2) | (np.int64(e3_low) << 1) | np.int64(e3_high)
-        scale[4 * n] = ref.POISON_BYTE if poisoned else byte
-        scale[4 * n + 1] = e2_flags
-        scale[4 * n + 2] = e3_flags >> 8
-        scale[4 * n + 3] = e3_flags & 0xFF
-        for i in range(BLOCK // 2):
-            nibbles = 0
-            for h in range(2):
-                raw = src[n, 2 * i + h]
-                finite = (np.uint32(raw) & mag_mask) < inf_mag  # non-finite: code 0, sign 0
-                a = _magnitude(raw, mag_mask, shift, widen) if finite else _F0
-                code = np.int64(_code((a * r) * work[_DOWN + (2 * i + h) // 4]))
-                nibbles |= (code | (np.int64((raw < 0) & (a != _F0)) << 3)) << (4 * h)
-            value[BLOCK // 2 * n + i] = nibbles
-
-
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
 def _pack_kernel(src, scale, value, n_blocks, mag_mask, inf_mag, shift, widen):
     """Pack the blocks of ``src`` ((n_blocks, 64) bits) into ``scale`` (4 bytes per block) and ``value`` (32
-    per block), in parallel tasks of _BLOCKS_PER_TASK blocks."""
-    for task in numba.prange((n_blocks + _BLOCKS_PER_TASK - 1) // _BLOCKS_PER_TASK):
-        _pack_blocks(src, scale, value, task * _BLOCKS_PER_TASK, min(n_blocks, (task + 1) * _BLOCKS_PER_TASK),
-                     mag_mask, inf_mag, shift, widen)
+    per block)."""
+    n_tasks = (n_blocks + _BLOCKS_PER_TASK - 1) // _BLOCKS_PER_TASK
+    for task in numba.prange(n_tasks):
+        work = _scratch()
+        for n in range(task * _BLOCKS_PER_TASK, min(n_blocks, (task + 1) * _BLOCKS_PER_TASK)):
+            block_max, poisoned = _group_maxima(src, n, work, mag_mask, inf_mag, shift, widen)
+            byte, r = _block_scale(_magnitude(block_max, mag_mask, shift, widen))
+            _group_shifts(work, r, _F1)
+            e2_flags = 0
+            e3_flags = 0
+            for j in range(8):
+                low = work[_M4 + 2 * j]
+                high = work[_M4 + 2 * j + 1]
+                e2, e3_low = _group_flags(max(low, high), low, r)
+                e3_high = _group_flags(max(low, high), high, r)[1]
+                e2_flags = (e2_flags << 1) | np.int64(e2)
+                e3_flags = (e3_flags << 2) | (np.int64(e3_low) << 1) | np.int64(e3_high)
+            scale[4 * n] = ref.POISON_BYTE if poisoned else byte
+            scale[4 * n + 1] = e2_flags
+            scale[4 * n + 2] = e3_flags >> 8
+            scale[4 * n + 3] = e3_flags & 0xFF
+            for i in range(BLOCK // 2):
+                nibbles = 0
+                for h in range(2):
+                    raw = src[n, 2 * i + h]
+                    finite = (np.uint32(raw) & mag_mask) < inf_mag  # non-finite: code 0, sign 0
+                    a = _magnitude(raw, mag_mask, shift, widen) if finite else _F0
+                    code = np.int64(_code((a * r) * work[_DOWN + (2 * i + h) // 4]))
+                    nibbles |= (code | (np.int64((raw < 0) & (a != _F0)) << 3)) << (4 * h)
+                value[BLOCK // 2 * n + i] = nibbles
 
 
 @numba.njit(**NJIT_OPTIONS)
@@ -393,31 +379,25 @@ def _out_bits(y, negative, kind):
     return _f32_out(y, negative)
 
 
-@numba.njit(**NJIT_OPTIONS)
-def _unpack_blocks(scale, value, dst, first, last, kind, nan_bits):
-    """Decode packed blocks first .. last - 1 into output bit patterns ``dst`` (64 per block)."""
-    for n in range(first, last):
-        byte = np.int64(scale[4 * n])
-        if byte == ref.POISON_BYTE:
-            for i in range(BLOCK):
-                dst[BLOCK * n + i] = nan_bits
-            continue
-        quarter_sf = _scale_value(byte) * _F_QUARTER
-        e2_flags = np.int64(scale[4 * n + 1])
-        e3_flags = (np.int64(scale[4 * n + 2]) << 8) | np.int64(scale[4 * n + 3])
-        for i in range(BLOCK):
-            level = ((e2_flags >> (7 - i // 8)) & 1) + ((e3_flags >> (15 - i // 4)) & 1)
-            nibble = (np.int64(value[BLOCK // 2 * n + i // 2]) >> (4 * (i % 2))) & 0xF
-            y = np.float32(nibble & 7) * _pow2(np.int32(level))[0] * quarter_sf  # exact
-            dst[BLOCK * n + i] = _out_bits(y, nibble >= 8, kind)
-
-
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
 def _unpack_kernel(scale, value, dst, n_blocks, kind, nan_bits):
-    """Decode all packed blocks (as _unpack_blocks) in parallel tasks of _BLOCKS_PER_TASK blocks."""
-    for task in numba.prange((n_blocks + _BLOCKS_PER_TASK - 1) // _BLOCKS_PER_TASK):
-        _unpack_blocks(scale, value, dst, task * _BLOCKS_PER_TASK, min(n_blocks, (task + 1) * _BLOCKS_PER_TASK), kind,
-                       nan_bits)
+    """Decode packed blocks into output bit patterns ``dst`` (64 per block)."""
+    n_tasks = (n_blocks + _BLOCKS_PER_TASK - 1) // _BLOCKS_PER_TASK
+    for task in numba.prange(n_tasks):
+        for n in range(task * _BLOCKS_PER_TASK, min(n_blocks, (task + 1) * _BLOCKS_PER_TASK)):
+            byte = np.int64(scale[4 * n])
+            if byte == ref.POISON_BYTE:
+                for i in range(BLOCK):
+                    dst[BLOCK * n + i] = nan_bits
+                continue
+            quarter_sf = _scale_value(byte) * _F_QUARTER
+            e2_flags = np.int64(scale[4 * n + 1])
+            e3_flags = (np.int64(scale[4 * n + 2]) << 8) | np.int64(scale[4 * n + 3])
+            for i in range(BLOCK):
+                level = ((e2_flags >> (7 - i // 8)) & 1) + ((e3_flags >> (15 - i // 4)) & 1)
+                nibble = (np.int64(value[BLOCK // 2 * n + i // 2]) >> (4 * (i % 2))) & 0xF
+                y = np.float32(nibble & 7) * _pow2(np.int32(level))[0] * quarter_sf  # exact
+                dst[BLOCK * n + i] = _out_bits(y, nibble >= 8, kind)
 
 
 def _bit_view(t: torch.Tensor) -> np.ndarray:
@@ -438,20 +418,11 @@ class FakeQuant(Kernel):
         qdim %= x.dim()
         fmt = _FORMATS[x.dtype]
         inner = int(np.prod(x.shape[qdim + 1:], dtype=np.int64))
-        n_blocks = x.numel() // BLOCK
-        src, dst = _block_view(x), _block_view(out)
-        params = (np.uint32(fmt.mag_mask), np.uint32(fmt.inf_mag), np.uint32(fmt.shift), np.float32(fmt.widen),
-                  fmt.kind, ref.NAN_BITS[x.dtype])
-        if n_blocks < _ONE_THREAD_BLOCKS:  # the calling thread runs what one task of the parallel loop would
-            units = _fake_quant_units(n_blocks, inner)
-            if inner == 1:
-                _fake_quant_rows(src, dst, 0, units, _scratch(), *params)
-            else:
-                _fake_quant_tiles(src.reshape(-1), dst.reshape(-1), 0, units, inner, *params)
-            return
         sync_threads()
         with numba.parallel_chunksize(1):  # tasks go to whichever thread is free (robust to a busy core)
-            _fake_quant_kernel(src, dst, n_blocks, inner, *params)
+            _fake_quant_kernel(_block_view(x), _block_view(out), x.numel() // BLOCK, inner, np.uint32(fmt.mag_mask),
+                               np.uint32(fmt.inf_mag), np.uint32(fmt.shift), np.float32(fmt.widen), fmt.kind,
+                               ref.NAN_BITS[x.dtype])
 
 
 class Pack(Kernel):
@@ -461,15 +432,11 @@ class Pack(Kernel):
     def run(self, x: torch.Tensor, *, out: tuple[torch.Tensor, torch.Tensor]) -> None:
         scale, value = out
         fmt = _FORMATS[x.dtype]
-        n_blocks = x.numel() // BLOCK
-        arrays = (_block_view(x), as_numpy(scale).reshape(-1), as_numpy(value).reshape(-1))
-        params = (np.uint32(fmt.mag_mask), np.uint32(fmt.inf_mag), np.uint32(fmt.shift), np.float32(fmt.widen))
-        if n_blocks < _ONE_THREAD_BLOCKS:
-            _pack_blocks(*arrays, 0, n_blocks, *params)
-            return
         sync_threads()
         with numba.parallel_chunksize(1):
-            _pack_kernel(*arrays, n_blocks, *params)
+            _pack_kernel(_block_view(x), as_numpy(scale).reshape(-1), as_numpy(value).reshape(-1),
+                         x.numel() // BLOCK, np.uint32(fmt.mag_mask), np.uint32(fmt.inf_mag),
+                         np.uint32(fmt.shift), np.float32(fmt.widen))
 
 
 class Unpack(Kernel):
@@ -479,14 +446,10 @@ class Unpack(Kernel):
 
     def run(self, scale: torch.Tensor, value: torch.Tensor, dtype: torch.dtype | None, *,
             out: torch.Tensor) -> None:
-        arrays = (as_numpy(scale).reshape(-1), as_numpy(value).reshape(-1), _bit_view(out))
-        n_blocks, params = out.numel() // BLOCK, (_FORMATS[out.dtype].kind, ref.NAN_BITS[out.dtype])
-        if n_blocks < _ONE_THREAD_BLOCKS:
-            _unpack_blocks(*arrays, 0, n_blocks, *params)
-            return
         sync_threads()
         with numba.parallel_chunksize(1):
-            _unpack_kernel(*arrays, n_blocks, *params)
+            _unpack_kernel(as_numpy(scale).reshape(-1), as_numpy(value).reshape(-1), _bit_view(out),
+                           out.numel() // BLOCK, _FORMATS[out.dtype].kind, ref.NAN_BITS[out.dtype])
 
 
 FAKE_QUANT = FakeQuant()

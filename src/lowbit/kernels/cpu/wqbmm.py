@@ -49,7 +49,7 @@ from lowbit.errors import ShapeError
 from lowbit.formats import wqbmm as reference
 from lowbit.kernels.cpu import _simd as simd
 from lowbit.kernels.cpu import wqbmm_dequant as dequant
-from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, as_numpy, run_tasks, sync_threads
+from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, as_numpy, sync_threads
 from lowbit.kernels.wqbmm_kernel import MSD, WqbmmKernel, aligned_offsets
 
 TILE_N = simd.LANES  # columns per register tile (32)
@@ -77,14 +77,19 @@ def _unsigned_nibble(weight, kk, col, n):
     return nibble ^ 0x08  # two's-complement nibble + 8 == nibble xor 8
 
 
-@numba.njit(**NJIT_OPTIONS)
-def _pack_groups(weight, group_size, first, end, tiles):
-    """Groups first .. end - 1 of _pack_tiles."""
+@numba.njit(**PARALLEL_NJIT_OPTIONS)
+def _pack_tiles(weight, group_size, tiles):
+    """tiles (flat uint8, K * padded N / 2 bytes) <- the (K, N/2) uint8 weight (any strides).
+
+    Per (group, chunk p, column tile nb) one 128-byte chunk; the weight rows k0 .. k0 + 7 are read in order.
+    In a tile without padding, weight byte b of rows k0 + j and k0 + 4 + j gives lanes 2b (low nibbles)
+    and 2b + 1 (high nibbles); u = W + 8 is nibble xor 8, so a byte of two u is the byte xor 0x88.
+    """
     k, half = weight.shape
     n = 2 * half
     groups, chunks = k // group_size, group_size // 8
     n_tiles, full_tiles = tiles.size // (k * TILE_N // 2), half // (TILE_N // 2)
-    for g in range(first, end):
+    for g in numba.prange(groups):
         for p in range(chunks):
             k0 = g * group_size + 8 * p
             for nb in range(n_tiles):
@@ -105,18 +110,6 @@ def _pack_groups(weight, group_size, first, end, tiles):
                             tiles[base + 4 * lane + j] = np.uint8(low | (high << 4))
 
 
-@numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _pack_tiles(weight, group_size, tiles):
-    """tiles (flat uint8, K * padded N / 2 bytes) <- the (K, N/2) uint8 weight (any strides).
-
-    Per (group, chunk p, column tile nb) one 128-byte chunk; the weight rows k0 .. k0 + 7 are read in order.
-    In a tile without padding, weight byte b of rows k0 + j and k0 + 4 + j gives lanes 2b (low nibbles)
-    and 2b + 1 (high nibbles); u = W + 8 is nibble xor 8, so a byte of two u is the byte xor 0x88.
-    """
-    for g in numba.prange(weight.shape[0] // group_size):
-        _pack_groups(weight, group_size, g, g + 1, tiles)
-
-
 def tiles_nbytes(k: int, n: int) -> int:
     """Bytes of the kernel tiles of a (K, N/2) weight."""
     return k * padded_n(n) // 2
@@ -124,9 +117,8 @@ def tiles_nbytes(k: int, n: int) -> int:
 
 def _pack_into(weight: torch.Tensor, group_size: int, tiles: torch.Tensor) -> None:
     """tiles (flat uint8, :func:`tiles_nbytes` bytes) <- the (K, N/2) uint8 CPU weight; allocates nothing."""
-    serial = 2 * weight.numel() < _ONE_THREAD_WORK or sync_threads() == 1
-    run_tasks((_pack_groups, _pack_tiles), (as_numpy(weight), group_size), weight.shape[0] // group_size,
-              as_numpy(tiles), serial)
+    sync_threads()
+    _pack_tiles(as_numpy(weight), group_size, as_numpy(tiles))
 
 
 def reads_raw_weight(m: int, template: str, prepacked: bool) -> bool:
@@ -250,10 +242,6 @@ def _msd_preprocess_serial(x32, group_size, a_i8, a_max, a_sum):
 
 
 _SERIAL_PREPROCESS_MAX = 1 << 16  # elements of x
-# Products (rows of x times weights; packing: weights) below which a call runs on the calling thread, without
-# numba's parallel loops: waking their threads costs more than they save there, and a process that never
-# runs a larger call never compiles them.
-_ONE_THREAD_WORK = 1 << 19
 _PARALLEL_CHUNK = 4  # prange iterations (32-column tiles) a thread takes at a time (raw-weight blocks: 1)
 
 
@@ -344,16 +332,15 @@ def _accumulate_row(y_flat, at, m, g, y1, y2, y3, a_max, a_sum, scale_bits, offs
         simd.f32v_store(y_flat, at, acc)
 
 
-@numba.njit(**NJIT_OPTIONS)
-def _preload_tiles(tiles, a_quads, a_max, a_sum, scale_bits, offset_bits, group_size, is_bf16, has_offset, first, end,
-                   y32):
-    """Column tiles first .. end - 1 of _preload."""
+@numba.njit(**PARALLEL_NJIT_OPTIONS)
+def _preload(tiles, a_quads, a_max, a_sum, scale_bits, offset_bits, group_size, is_bf16, has_offset, y32):
+    """Fused integer matmul + post-process; y32 (M, padded N) float32 is overwritten."""
     m_rows, groups = a_max.shape
     npad = y32.shape[1]
     quads = groups * group_size // 4
     chunks = group_size // 8
     y_flat = y32.reshape(-1)
-    for nb in range(first, end):
+    for nb in numba.prange(npad // TILE_N):
         for m in range(m_rows):
             simd.f32v_store(y_flat, m * npad + TILE_N * nb, simd.f32v_zero())
         for g in range(groups):
@@ -389,14 +376,6 @@ def _preload_tiles(tiles, a_quads, a_max, a_sum, scale_bits, offset_bits, group_
         for m in range(m_rows):
             row = m * npad + TILE_N * nb
             simd.f32v_store(y_flat, row, simd.f32v_canonical_nan(simd.f32v_load(y_flat, row)))
-
-
-@numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _preload(tiles, a_quads, a_max, a_sum, scale_bits, offset_bits, group_size, is_bf16, has_offset, y32):
-    """Fused integer matmul + post-process; y32 (M, padded N) float32 is overwritten."""
-    for nb in numba.prange(y32.shape[1] // TILE_N):
-        _preload_tiles(tiles, a_quads, a_max, a_sum, scale_bits, offset_bits, group_size, is_bf16, has_offset, nb,
-                       nb + 1, y32)
 
 
 RAW_BLOCK_N = 64 * TILE_N  # columns per parallel task of the raw-weight path (a multiple of TILE_N)
@@ -458,10 +437,13 @@ def _add_at(ysum, at, y):
     simd.i32v_store(ysum, at, simd.i32v_add(simd.i32v_load(ysum, at), y))
 
 
-@numba.njit(**NJIT_OPTIONS)
-def _raw_preload_blocks(weight, a_i8, a_max, a_sum, scale_bits, offset_bits, group_size, is_bf16, has_offset, ysum,
-                        first, end, y32):
-    """Column blocks first .. end - 1 of _raw_preload."""
+@numba.njit(**PARALLEL_NJIT_OPTIONS)
+def _raw_preload(weight, a_i8, a_max, a_sum, scale_bits, offset_bits, group_size, is_bf16, has_offset, ysum,
+                 y32):
+    """The fused MSD matmul reading the flat raw (K * N/2) weight (rows <= RAW_MAX_ROWS); y32 (M, padded N)
+    float32 is overwritten. Per RAW_BLOCK_N-column block and group: the group's sums ``sum_k A_i[k] * u[k, n]``
+    (:func:`_raw_span`, into ``ysum``: 3 * M * RAW_BLOCK_N int32 per block), then :func:`_accumulate_row` per
+    TILE_N columns, exactly as :func:`_preload` post-processes its tiles."""
     half = weight.size // a_i8.shape[2]
     m_rows, groups = a_max.shape
     npad = y32.shape[1]
@@ -469,7 +451,7 @@ def _raw_preload_blocks(weight, a_i8, a_max, a_sum, scale_bits, offset_bits, gro
     a_words = a_i8.reshape(-1).view(np.int16)
     block_size = 3 * m_rows * RAW_BLOCK_N
     y_flat = y32.reshape(-1)
-    for block in range(first, end):
+    for block in numba.prange(-(-npad // RAW_BLOCK_N)):
         col0 = block * RAW_BLOCK_N
         byte0 = col0 // 2
         nbytes = min(width, half - byte0)
@@ -499,25 +481,14 @@ def _raw_preload_blocks(weight, a_i8, a_max, a_sum, scale_bits, offset_bits, gro
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _raw_preload(weight, a_i8, a_max, a_sum, scale_bits, offset_bits, group_size, is_bf16, has_offset, ysum, y32):
-    """The fused MSD matmul reading the flat raw (K * N/2) weight (rows <= RAW_MAX_ROWS); y32 (M, padded N)
-    float32 is overwritten. Per RAW_BLOCK_N-column block and group: the group's sums ``sum_k A_i[k] * u[k, n]``
-    (:func:`_raw_span`, into ``ysum``: 3 * M * RAW_BLOCK_N int32 per block), then :func:`_accumulate_row` per
-    TILE_N columns, exactly as :func:`_preload` post-processes its tiles."""
-    for block in numba.prange(-(-y32.shape[1] // RAW_BLOCK_N)):
-        _raw_preload_blocks(weight, a_i8, a_max, a_sum, scale_bits, offset_bits, group_size, is_bf16, has_offset, ysum,
-                            block, block + 1, y32)
-
-
-@numba.njit(**NJIT_OPTIONS)
-def _basic_matmul_tiles(tiles, a_quads, group_size, first, end, y_int):
-    """Column tiles first .. end - 1 of _basic_matmul."""
+def _basic_matmul(tiles, a_quads, group_size, y_int):
+    """Stage 2 of ``basic``: y_int (3, M, K/G, padded N) int32 = dpbusd sums of every group."""
     _, m_rows, groups, npad = y_int.shape
     quads = groups * group_size // 4
     chunks = group_size // 8
     y_flat = y_int.reshape(-1)
     plane = m_rows * groups * npad
-    for nb in range(first, end):
+    for nb in numba.prange(npad // TILE_N):
         for g in range(groups):
             chunk0 = (nb * groups + g) * chunks * CHUNK_BYTES
             for m in range(0, m_rows - 3, 4):  # rows by fours, then one by one
@@ -535,13 +506,6 @@ def _basic_matmul_tiles(tiles, a_quads, group_size, first, end, y_int):
                 _store_y_int(y_flat, (m * groups + g) * npad + TILE_N * nb, plane, y1, y2, y3)
 
 
-@numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _basic_matmul(tiles, a_quads, group_size, y_int):
-    """Stage 2 of ``basic``: y_int (3, M, K/G, padded N) int32 = dpbusd sums of every group."""
-    for nb in numba.prange(y_int.shape[3] // TILE_N):
-        _basic_matmul_tiles(tiles, a_quads, group_size, nb, nb + 1, y_int)
-
-
 @numba.njit(**_INLINE_OPTIONS)
 def _store_y_int(y_flat, at, plane, y1, y2, y3):
     simd.i32v_store(y_flat, at, y1)
@@ -549,13 +513,13 @@ def _store_y_int(y_flat, at, plane, y1, y2, y3):
     simd.i32v_store(y_flat, 2 * plane + at, y3)
 
 
-@numba.njit(**NJIT_OPTIONS)
-def _basic_post_process_tasks(y_int, a_max, a_sum, scale_bits, offset_bits, is_bf16, has_offset, first, end, y32):
-    """Tasks (row, column tile) first .. end - 1 of _basic_post_process."""
+@numba.njit(**PARALLEL_NJIT_OPTIONS)
+def _basic_post_process(y_int, a_max, a_sum, scale_bits, offset_bits, is_bf16, has_offset, y32):
+    """Stage 3 of ``basic``: y32 (M, padded N) float32 from y_int, group by group in order."""
     _, m_rows, groups, npad = y_int.shape
     y_flat = y_int.reshape(-1)
     plane = m_rows * groups * npad
-    for task in range(first, end):
+    for task in numba.prange(m_rows * (npad // TILE_N)):
         m, nb = task // (npad // TILE_N), task % (npad // TILE_N)
         acc = simd.f32v_zero()
         for g in range(groups):
@@ -571,14 +535,6 @@ def _basic_post_process_tasks(y_int, a_max, a_sum, scale_bits, offset_bits, is_b
                 scale_bits, offset_bits, g * npad + TILE_N * nb, is_bf16, has_offset,
             )
         simd.f32v_store(y32[m], TILE_N * nb, simd.f32v_canonical_nan(acc))
-
-
-@numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _basic_post_process(y_int, a_max, a_sum, scale_bits, offset_bits, is_bf16, has_offset, y32):
-    """Stage 3 of ``basic``: y32 (M, padded N) float32 from y_int, group by group in order."""
-    for task in numba.prange(y_int.shape[1] * (y_int.shape[3] // TILE_N)):
-        _basic_post_process_tasks(y_int, a_max, a_sum, scale_bits, offset_bits, is_bf16, has_offset, task, task + 1,
-                                  y32)
 
 
 def _padded_bits(t: torch.Tensor, layout: WorkspaceLayout, workspace: torch.Tensor, name: str) -> np.ndarray:
@@ -620,45 +576,38 @@ def _msd_into(
     has_offset = antiquant_offset is not None
     offset_bits = _padded_bits(antiquant_offset, layout, workspace, "offset") if has_offset else scale_bits
     is_bf16 = x.dtype == torch.bfloat16
-    stages = (x32, a_i8, a_max, a_sum, y32, weight, scale_bits, offset_bits, is_bf16, has_offset, layout, workspace)
-    if m * k * layout.n < _ONE_THREAD_WORK or sync_threads() == 1:
-        _run_stages(*stages, serial=True)
-    else:
-        # Column tiles are handed out in small chunks on demand (not split evenly up front), so a thread
-        # that the OS deschedules on a shared machine does not make the other one wait at the end.
-        previous_chunksize = numba.set_parallel_chunksize(1 if layout.raw else _PARALLEL_CHUNK)
-        try:
-            _run_stages(*stages, serial=False)
-        finally:
-            numba.set_parallel_chunksize(previous_chunksize)
+    sync_threads()
+    # Column tiles are handed out in small chunks on demand (not split evenly up front), so a thread
+    # that the OS deschedules on a shared machine does not make the other one wait at the end.
+    previous_chunksize = numba.set_parallel_chunksize(1 if layout.raw else _PARALLEL_CHUNK)
+    try:
+        _run_stages(
+            x32, a_i8, a_max, a_sum, y32, weight, scale_bits, offset_bits, is_bf16, has_offset, layout, workspace
+        )
+    finally:
+        numba.set_parallel_chunksize(previous_chunksize)
     out.copy_(y32[:, : layout.n])
 
 
-def _run_stages(x32, a_i8, a_max, a_sum, y32, weight, scale_bits, offset_bits, is_bf16, has_offset, layout, workspace,
-                serial: bool):
-    """Pre-process, then the stages of the layout's template (numba kernels on workspace views); ``serial``:
-    all on the calling thread (see run_tasks)."""
+def _run_stages(x32, a_i8, a_max, a_sum, y32, weight, scale_bits, offset_bits, is_bf16, has_offset, layout, workspace):
+    """Pre-process, then the stages of the layout's template (numba kernels on workspace views)."""
     m, k, g = layout.m, layout.k, layout.group_size
-    groups, tiles = k // g, padded_n(layout.n) // TILE_N
+    groups = k // g
     a_np, amax_np, asum_np, y_np = as_numpy(a_i8), as_numpy(a_max), as_numpy(a_sum), as_numpy(y32)
-    preprocess = _msd_preprocess_serial if serial or m * k <= _SERIAL_PREPROCESS_MAX else _msd_preprocess
+    preprocess = _msd_preprocess_serial if m * k <= _SERIAL_PREPROCESS_MAX else _msd_preprocess
     preprocess(as_numpy(x32), g, a_np, amax_np, asum_np)
     a_quads = a_np.reshape(-1).view(np.int32)
     weight_np = as_numpy(weight)
-    scaling = (amax_np, asum_np, scale_bits, offset_bits)
     if layout.raw:
         ysum = as_numpy(layout.view(workspace, "ysum", torch.int32, (-1,)))
-        blocks = -(-tiles * TILE_N // RAW_BLOCK_N)
-        operands = (weight_np.reshape(-1), a_np, *scaling, g, is_bf16, has_offset, ysum)
-        run_tasks((_raw_preload_blocks, _raw_preload), operands, blocks, y_np, serial)
+        _raw_preload(weight_np.reshape(-1), a_np, amax_np, asum_np, scale_bits, offset_bits, g, is_bf16, has_offset,
+                     ysum, y_np)
     elif layout.template == "preload":
-        run_tasks((_preload_tiles, _preload), (weight_np, a_quads, *scaling, g, is_bf16, has_offset), tiles, y_np,
-                  serial)
+        _preload(weight_np, a_quads, amax_np, asum_np, scale_bits, offset_bits, g, is_bf16, has_offset, y_np)
     else:
         y_int = as_numpy(layout.view(workspace, "y_int", torch.int32, (3, m, groups, padded_n(layout.n))))
-        run_tasks((_basic_matmul_tiles, _basic_matmul), (weight_np, a_quads, g), tiles, y_int, serial)
-        run_tasks((_basic_post_process_tasks, _basic_post_process), (y_int, *scaling, is_bf16, has_offset), m * tiles,
-                  y_np, serial)
+        _basic_matmul(weight_np, a_quads, g, y_int)
+        _basic_post_process(y_int, amax_np, asum_np, scale_bits, offset_bits, is_bf16, has_offset, y_np)
 
 
 class WeightQuantBatchMatmul(WqbmmKernel):
