@@ -169,3 +169,31 @@ def test_one_cold_family_starts_no_worker(monkeypatch):
     monkeypatch.setattr(warm, "is_cold", lambda module: module == "lowbit.kernels.cpu.weight_only")
     monkeypatch.setattr(warm.concurrent.futures, "ProcessPoolExecutor", None)  # would fail if used
     assert warm.warm_cache(operators().values(), workers=2) == []
+
+
+def test_serial_or_parallel_kernels_are_two_dispatchers_with_cache_entries_of_their_own():
+    from lowbit.kernels.cpu import wqbmm
+
+    serial, parallel = wqbmm._preload.serial, wqbmm._preload.parallel
+    assert serial.py_func.__qualname__ == "_preload_serial" and parallel.py_func.__qualname__ == "_preload"
+    assert serial.py_func.__code__ is parallel.py_func.__code__
+    assert not serial.targetoptions.get("parallel") and parallel.targetoptions["parallel"]
+    assert serial._cache._cache_file._index_path != parallel._cache._cache_file._index_path
+    assert {serial, parallel} <= set(warm._dispatchers(wqbmm))
+
+
+SMALL_MATMUL = (
+    "import torch, lowbit; from lowbit.kernels.cpu import warm, wqbmm; cold = warm.is_cold('lowbit.kernels.cpu.wqbmm'); "
+    "lowbit.weight_quant_batch_matmul(torch.ones(1, 64, dtype=torch.float16), torch.zeros(64, 16, dtype=torch.uint8), "
+    "torch.ones(1, 32, dtype=torch.float16), group_size=64, backend='native'); "
+    "kernels = [k for k in vars(wqbmm).values() if isinstance(k, wqbmm.SerialOrParallel)]; "
+    "print(cold, warm.is_cold('lowbit.kernels.cpu.wqbmm'), any(k.serial.signatures for k in kernels), "
+    "any(k.parallel.signatures for k in kernels))"
+)
+
+
+def test_a_small_call_compiles_only_serial_versions_and_the_family_is_warm_after_it(tmp_path):
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", SMALL_MATMUL], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True", "False", "True", "False"]  # cold, then warm; no parallel loop compiled

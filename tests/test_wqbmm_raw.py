@@ -146,3 +146,22 @@ def test_nibble_pairs_and_maddubs_agree_with_numpy(high, lowering):
             row0, row1 = u[index : index + simd.LANES], u[index + stride : index + stride + simd.LANES]
             expected = np.repeat(a0 * row0 + a1 * row1, 2)
             assert np.array_equal(_MADD[lowering](w, index, stride, word, high), expected)
+
+
+@pytest.mark.parametrize("template, prepacked", [("preload", False), ("preload", True), ("basic", False)])
+@pytest.mark.parametrize("m", [1, 5])
+def test_calling_thread_and_parallel_loops_agree(template, prepacked, m, monkeypatch):
+    """Calls below _ONE_THREAD_WORK run the kernels' serial versions (the weight packing too), larger ones their
+    parallel loops (each forced here on the same problem, on two threads): the same bits, the reference's."""
+    x, weight, scale, offset = _operands(40 + m, m, 256, 2 * cpu.RAW_BLOCK_N + 66, 64, torch.bfloat16, True, True)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        results = []
+        for below in (1 << 62, 0):  # every call on the calling thread, then none
+            monkeypatch.setattr(cpu, "_ONE_THREAD_WORK", below)
+            results.append(_run(x, weight, scale, offset, 64, template, prepacked))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(results[0], results[1])
+    assert torch.equal(results[0], bits(ref.wqbmm_msd(x, weight, scale, offset, 64)))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+import types
 from typing import Optional
 
 import numba
@@ -39,6 +40,27 @@ def run_tasks(kernels: tuple, args: tuple, count: int, out: np.ndarray, serial: 
         serial_kernel(*args, 0, count, out)
     else:
         parallel_kernel(*args, out)
+
+
+class SerialOrParallel:
+    """A numba kernel whose loops are ``numba.prange``, as two dispatchers of the one Python function:
+    ``parallel`` (compiled with parallel=True: numba's parallel loops) and ``serial`` (without: the same loops
+    as plain ranges on the calling thread). numba compiles each on its first call, so a process that only
+    runs inputs too small to be worth waking threads for never compiles the parallel loops. ``serial`` has a
+    name of its own (the function's + "_serial") and so its own entry in numba's on-disk cache. Called from
+    Python only: ``kernel(*args, serial=...)``."""
+
+    def __init__(self, py_func):
+        twin = types.FunctionType(py_func.__code__, py_func.__globals__, py_func.__name__ + "_serial",
+                                  py_func.__defaults__, py_func.__closure__)
+        twin.__qualname__ = py_func.__qualname__ + "_serial"
+        twin.__doc__ = py_func.__doc__
+        self.serial = numba.njit(**NJIT_OPTIONS)(twin)
+        self.parallel = numba.njit(**PARALLEL_NJIT_OPTIONS)(py_func)
+        self.__doc__ = py_func.__doc__
+
+    def __call__(self, *args, serial: bool):
+        return (self.serial if serial else self.parallel)(*args)
 
 
 KERNEL_PACKAGE = __name__.rpartition(".")[0]  # "lowbit.kernels.cpu"

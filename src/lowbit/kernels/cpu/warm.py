@@ -23,6 +23,7 @@ from typing import Iterable
 import numba
 
 from lowbit.backends import Operator
+from lowbit.kernels.cpu._runtime import SerialOrParallel
 
 DEVICE_TYPE = "cpu"
 
@@ -43,11 +44,22 @@ def is_cold(module_name: str) -> bool:
     module = importlib.import_module(module_name)
     index_paths = [
         getattr(getattr(getattr(value, "_cache", None), "_cache_file", None), "_index_path", None)
-        for value in vars(module).values()
-        if isinstance(value, numba.core.dispatcher.Dispatcher) and value.py_func.__module__ == module_name
+        for value in _dispatchers(module)
+        if value.py_func.__module__ == module_name
     ]
     index_paths = [path for path in index_paths if path]  # kernels compiled with cache=True
     return bool(index_paths) and not any(os.path.exists(path) for path in index_paths)
+
+
+def _dispatchers(module) -> list:
+    """The numba dispatchers among a module's names (both of each SerialOrParallel kernel)."""
+    found = []
+    for value in vars(module).values():
+        if isinstance(value, SerialOrParallel):
+            found += [value.serial, value.parallel]
+        elif isinstance(value, numba.core.dispatcher.Dispatcher):
+            found.append(value)
+    return found
 
 
 def _warm_operator(name: str) -> None:

@@ -49,7 +49,7 @@ from lowbit.errors import ShapeError
 from lowbit.formats import wqbmm as reference
 from lowbit.kernels.cpu import _simd as simd
 from lowbit.kernels.cpu import wqbmm_dequant as dequant
-from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, as_numpy, sync_threads
+from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, SerialOrParallel, as_numpy, sync_threads
 from lowbit.kernels.wqbmm_kernel import MSD, WqbmmKernel, aligned_offsets
 
 TILE_N = simd.LANES  # columns per register tile (32)
@@ -77,7 +77,7 @@ def _unsigned_nibble(weight, kk, col, n):
     return nibble ^ 0x08  # two's-complement nibble + 8 == nibble xor 8
 
 
-@numba.njit(**PARALLEL_NJIT_OPTIONS)
+@SerialOrParallel
 def _pack_tiles(weight, group_size, tiles):
     """tiles (flat uint8, K * padded N / 2 bytes) <- the (K, N/2) uint8 weight (any strides).
 
@@ -117,8 +117,8 @@ def tiles_nbytes(k: int, n: int) -> int:
 
 def _pack_into(weight: torch.Tensor, group_size: int, tiles: torch.Tensor) -> None:
     """tiles (flat uint8, :func:`tiles_nbytes` bytes) <- the (K, N/2) uint8 CPU weight; allocates nothing."""
-    sync_threads()
-    _pack_tiles(as_numpy(weight), group_size, as_numpy(tiles))
+    serial = 2 * weight.numel() < _ONE_THREAD_WORK or sync_threads() == 1
+    _pack_tiles(as_numpy(weight), group_size, as_numpy(tiles), serial=serial)
 
 
 def reads_raw_weight(m: int, template: str, prepacked: bool) -> bool:
@@ -225,7 +225,7 @@ def _msd_preprocess_group(x32, m, g, group_size, a_i8, a_max, a_sum):
     a_sum[m, 0, g], a_sum[m, 1, g], a_sum[m, 2, g] = np.int32(s1), np.int32(s2), np.int32(s3)
 
 
-@numba.njit(**PARALLEL_NJIT_OPTIONS)
+@SerialOrParallel
 def _msd_preprocess(x32, group_size, a_i8, a_max, a_sum):
     """x32 (M, K) float32 -> a_i8 (M, 3, K) int8, a_max (M, K/G) float32, a_sum (M, 3, K/G) int32."""
     groups = a_max.shape[1]
@@ -233,15 +233,10 @@ def _msd_preprocess(x32, group_size, a_i8, a_max, a_sum):
         _msd_preprocess_group(x32, task // groups, task % groups, group_size, a_i8, a_max, a_sum)
 
 
-@numba.njit(**NJIT_OPTIONS)
-def _msd_preprocess_serial(x32, group_size, a_i8, a_max, a_sum):
-    """:func:`_msd_preprocess` on one thread (small inputs: a parallel launch costs more than the work)."""
-    for m in range(x32.shape[0]):
-        for g in range(a_max.shape[1]):
-            _msd_preprocess_group(x32, m, g, group_size, a_i8, a_max, a_sum)
-
-
-_SERIAL_PREPROCESS_MAX = 1 << 16  # elements of x
+_SERIAL_PREPROCESS_MAX = 1 << 16  # elements of x up to which the pre-process runs on the calling thread
+# Products (rows of x times weights; packing: weights) below which a whole call runs on the calling thread (the
+# kernels' serial versions, see SerialOrParallel): waking numba's threads costs more than they save there.
+_ONE_THREAD_WORK = 1 << 19
 _PARALLEL_CHUNK = 4  # prange iterations (32-column tiles) a thread takes at a time (raw-weight blocks: 1)
 
 
@@ -332,7 +327,7 @@ def _accumulate_row(y_flat, at, m, g, y1, y2, y3, a_max, a_sum, scale_bits, offs
         simd.f32v_store(y_flat, at, acc)
 
 
-@numba.njit(**PARALLEL_NJIT_OPTIONS)
+@SerialOrParallel
 def _preload(tiles, a_quads, a_max, a_sum, scale_bits, offset_bits, group_size, is_bf16, has_offset, y32):
     """Fused integer matmul + post-process; y32 (M, padded N) float32 is overwritten."""
     m_rows, groups = a_max.shape
@@ -437,7 +432,7 @@ def _add_at(ysum, at, y):
     simd.i32v_store(ysum, at, simd.i32v_add(simd.i32v_load(ysum, at), y))
 
 
-@numba.njit(**PARALLEL_NJIT_OPTIONS)
+@SerialOrParallel
 def _raw_preload(weight, a_i8, a_max, a_sum, scale_bits, offset_bits, group_size, is_bf16, has_offset, ysum,
                  y32):
     """The fused MSD matmul reading the flat raw (K * N/2) weight (rows <= RAW_MAX_ROWS); y32 (M, padded N)
@@ -480,7 +475,7 @@ def _raw_preload(weight, a_i8, a_max, a_sum, scale_bits, offset_bits, group_size
                 simd.f32v_store(y_flat, row, simd.f32v_canonical_nan(simd.f32v_load(y_flat, row)))
 
 
-@numba.njit(**PARALLEL_NJIT_OPTIONS)
+@SerialOrParallel
 def _basic_matmul(tiles, a_quads, group_size, y_int):
     """Stage 2 of ``basic``: y_int (3, M, K/G, padded N) int32 = dpbusd sums of every group."""
     _, m_rows, groups, npad = y_int.shape
@@ -513,7 +508,7 @@ def _store_y_int(y_flat, at, plane, y1, y2, y3):
     simd.i32v_store(y_flat, 2 * plane + at, y3)
 
 
-@numba.njit(**PARALLEL_NJIT_OPTIONS)
+@SerialOrParallel
 def _basic_post_process(y_int, a_max, a_sum, scale_bits, offset_bits, is_bf16, has_offset, y32):
     """Stage 3 of ``basic``: y32 (M, padded N) float32 from y_int, group by group in order."""
     _, m_rows, groups, npad = y_int.shape
@@ -576,38 +571,41 @@ def _msd_into(
     has_offset = antiquant_offset is not None
     offset_bits = _padded_bits(antiquant_offset, layout, workspace, "offset") if has_offset else scale_bits
     is_bf16 = x.dtype == torch.bfloat16
-    sync_threads()
-    # Column tiles are handed out in small chunks on demand (not split evenly up front), so a thread
-    # that the OS deschedules on a shared machine does not make the other one wait at the end.
-    previous_chunksize = numba.set_parallel_chunksize(1 if layout.raw else _PARALLEL_CHUNK)
-    try:
-        _run_stages(
-            x32, a_i8, a_max, a_sum, y32, weight, scale_bits, offset_bits, is_bf16, has_offset, layout, workspace
-        )
-    finally:
-        numba.set_parallel_chunksize(previous_chunksize)
+    stages = (x32, a_i8, a_max, a_sum, y32, weight, scale_bits, offset_bits, is_bf16, has_offset, layout, workspace)
+    if m * k * layout.n < _ONE_THREAD_WORK or sync_threads() == 1:
+        _run_stages(*stages, serial=True)
+    else:
+        # Column tiles are handed out in small chunks on demand (not split evenly up front), so a thread
+        # that the OS deschedules on a shared machine does not make the other one wait at the end.
+        previous_chunksize = numba.set_parallel_chunksize(1 if layout.raw else _PARALLEL_CHUNK)
+        try:
+            _run_stages(*stages, serial=False)
+        finally:
+            numba.set_parallel_chunksize(previous_chunksize)
     out.copy_(y32[:, : layout.n])
 
 
-def _run_stages(x32, a_i8, a_max, a_sum, y32, weight, scale_bits, offset_bits, is_bf16, has_offset, layout, workspace):
-    """Pre-process, then the stages of the layout's template (numba kernels on workspace views)."""
+def _run_stages(x32, a_i8, a_max, a_sum, y32, weight, scale_bits, offset_bits, is_bf16, has_offset, layout, workspace,
+                serial: bool):
+    """Pre-process, then the stages of the layout's template (numba kernels on workspace views); ``serial``:
+    the kernels' serial versions, on the calling thread."""
     m, k, g = layout.m, layout.k, layout.group_size
     groups = k // g
     a_np, amax_np, asum_np, y_np = as_numpy(a_i8), as_numpy(a_max), as_numpy(a_sum), as_numpy(y32)
-    preprocess = _msd_preprocess_serial if m * k <= _SERIAL_PREPROCESS_MAX else _msd_preprocess
-    preprocess(as_numpy(x32), g, a_np, amax_np, asum_np)
+    _msd_preprocess(as_numpy(x32), g, a_np, amax_np, asum_np, serial=serial or m * k <= _SERIAL_PREPROCESS_MAX)
     a_quads = a_np.reshape(-1).view(np.int32)
     weight_np = as_numpy(weight)
     if layout.raw:
         ysum = as_numpy(layout.view(workspace, "ysum", torch.int32, (-1,)))
         _raw_preload(weight_np.reshape(-1), a_np, amax_np, asum_np, scale_bits, offset_bits, g, is_bf16, has_offset,
-                     ysum, y_np)
+                     ysum, y_np, serial=serial)
     elif layout.template == "preload":
-        _preload(weight_np, a_quads, amax_np, asum_np, scale_bits, offset_bits, g, is_bf16, has_offset, y_np)
+        _preload(weight_np, a_quads, amax_np, asum_np, scale_bits, offset_bits, g, is_bf16, has_offset, y_np,
+                 serial=serial)
     else:
         y_int = as_numpy(layout.view(workspace, "y_int", torch.int32, (3, m, groups, padded_n(layout.n))))
-        _basic_matmul(weight_np, a_quads, g, y_int)
-        _basic_post_process(y_int, amax_np, asum_np, scale_bits, offset_bits, is_bf16, has_offset, y_np)
+        _basic_matmul(weight_np, a_quads, g, y_int, serial=serial)
+        _basic_post_process(y_int, amax_np, asum_np, scale_bits, offset_bits, is_bf16, has_offset, y_np, serial=serial)
 
 
 class WeightQuantBatchMatmul(WqbmmKernel):
