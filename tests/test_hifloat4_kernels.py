@@ -182,3 +182,25 @@ def test_numba_pack_unpack_round_trip_is_fake_quant():
         x = probe_input(dtype)
         scale, value = numba_pack(x)
         assert torch.equal(bits(numba_unpack(scale, value, dtype)), bits(hifloat4.fake_quant(x)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_numba_pack_and_unpack_serial_and_parallel_versions_agree(dtype, monkeypatch):
+    """Inputs below _ONE_THREAD_BLOCKS run the serial versions on the calling thread, larger ones the parallel
+    loops (each forced here on the same 640-block input, on two threads): the same bytes and bits."""
+    g = torch.Generator().manual_seed(21)
+    x = (torch.randn(128, 320, generator=g) * torch.exp2(torch.randn(128, 1, generator=g) * 8)).to(dtype)
+    x[3, 70] = float("nan")
+    results = []
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        for below in (1 << 40, 0):  # every input on the calling thread, then none
+            monkeypatch.setattr(cpu_kernels, "_ONE_THREAD_BLOCKS", below)
+            scale, value = numba_pack(x)
+            results.append((scale, value, numba_unpack(scale, value, dtype)))
+    finally:
+        torch.set_num_threads(previous)
+    for serial, parallel in zip(*results):
+        assert torch.equal(bits(serial), bits(parallel))
+    assert torch.equal(results[0][0], hifloat4.pack(x)[0]) and torch.equal(results[0][1], hifloat4.pack(x)[1])

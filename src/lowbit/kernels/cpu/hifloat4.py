@@ -38,10 +38,13 @@ from lowbit.backends import Kernel
 from lowbit.dtypes import SAME_WIDTH_INT
 from lowbit.formats import hifloat4 as ref
 from lowbit.formats.hifloat4 import BLOCK
-from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, as_numpy, sync_threads
+from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, SerialOrParallel, as_numpy, sync_threads
 from lowbit.kernels.cpu._simd import flat
 
 _BLOCKS_PER_TASK = 256  # blocks per parallel task
+# Inputs of fewer blocks run the kernels' serial versions on the calling thread (see SerialOrParallel): waking
+# numba's threads costs more than they save there.
+_ONE_THREAD_BLOCKS = 1 << 10
 _BLOCKS_PER_TILE = 32  # blocks side by side in a tile when the quant dim is not the last
 
 _F0 = np.float32(0.0)
@@ -334,7 +337,7 @@ def _fake_quant_kernel(src, dst, n_blocks, inner, mag_mask, inf_mag, shift, wide
                               nan_bits)
 
 
-@numba.njit(**PARALLEL_NJIT_OPTIONS)
+@SerialOrParallel
 def _pack_kernel(src, scale, value, n_blocks, mag_mask, inf_mag, shift, widen):
     """Pack the blocks of ``src`` ((n_blocks, 64) bits) into ``scale`` (4 bytes per block) and ``value`` (32
     per block)."""
@@ -379,7 +382,7 @@ def _out_bits(y, negative, kind):
     return _f32_out(y, negative)
 
 
-@numba.njit(**PARALLEL_NJIT_OPTIONS)
+@SerialOrParallel
 def _unpack_kernel(scale, value, dst, n_blocks, kind, nan_bits):
     """Decode packed blocks into output bit patterns ``dst`` (64 per block)."""
     n_tasks = (n_blocks + _BLOCKS_PER_TASK - 1) // _BLOCKS_PER_TASK
@@ -410,6 +413,16 @@ def _block_view(t: torch.Tensor) -> np.ndarray:
     return _bit_view(t).reshape(-1, BLOCK)
 
 
+def _run(kernel: SerialOrParallel, args: tuple, n_blocks: int) -> None:
+    """``kernel(*args)`` on the calling thread for fewer than _ONE_THREAD_BLOCKS blocks (or one thread), else in
+    numba's parallel loop, its tasks going to whichever thread is free (robust to a busy core)."""
+    if n_blocks < _ONE_THREAD_BLOCKS or sync_threads() == 1:
+        kernel(*args, serial=True)
+        return
+    with numba.parallel_chunksize(1):
+        kernel(*args, serial=False)
+
+
 class FakeQuant(Kernel):
     """hifloat4_fake_quant on the CPU: contiguous FP16/BF16/FP32 ``x`` along ``qdim`` into contiguous
     ``out`` of the same shape and dtype (the operator validated them); equals the reference bit for bit."""
@@ -418,6 +431,7 @@ class FakeQuant(Kernel):
         qdim %= x.dim()
         fmt = _FORMATS[x.dtype]
         inner = int(np.prod(x.shape[qdim + 1:], dtype=np.int64))
+        # Always the parallel loop: with a serial version beside it, 64M took 8 % longer (benchmarks/results_first_run.md)
         sync_threads()
         with numba.parallel_chunksize(1):  # tasks go to whichever thread is free (robust to a busy core)
             _fake_quant_kernel(_block_view(x), _block_view(out), x.numel() // BLOCK, inner, np.uint32(fmt.mag_mask),
@@ -432,11 +446,9 @@ class Pack(Kernel):
     def run(self, x: torch.Tensor, *, out: tuple[torch.Tensor, torch.Tensor]) -> None:
         scale, value = out
         fmt = _FORMATS[x.dtype]
-        sync_threads()
-        with numba.parallel_chunksize(1):
-            _pack_kernel(_block_view(x), as_numpy(scale).reshape(-1), as_numpy(value).reshape(-1),
-                         x.numel() // BLOCK, np.uint32(fmt.mag_mask), np.uint32(fmt.inf_mag),
-                         np.uint32(fmt.shift), np.float32(fmt.widen))
+        args = (_block_view(x), as_numpy(scale).reshape(-1), as_numpy(value).reshape(-1), x.numel() // BLOCK,
+                np.uint32(fmt.mag_mask), np.uint32(fmt.inf_mag), np.uint32(fmt.shift), np.float32(fmt.widen))
+        _run(_pack_kernel, args, x.numel() // BLOCK)
 
 
 class Unpack(Kernel):
@@ -446,10 +458,9 @@ class Unpack(Kernel):
 
     def run(self, scale: torch.Tensor, value: torch.Tensor, dtype: torch.dtype | None, *,
             out: torch.Tensor) -> None:
-        sync_threads()
-        with numba.parallel_chunksize(1):
-            _unpack_kernel(as_numpy(scale).reshape(-1), as_numpy(value).reshape(-1), _bit_view(out),
-                           out.numel() // BLOCK, _FORMATS[out.dtype].kind, ref.NAN_BITS[out.dtype])
+        args = (as_numpy(scale).reshape(-1), as_numpy(value).reshape(-1), _bit_view(out), out.numel() // BLOCK,
+                _FORMATS[out.dtype].kind, ref.NAN_BITS[out.dtype])
+        _run(_unpack_kernel, args, out.numel() // BLOCK)
 
 
 FAKE_QUANT = FakeQuant()
