@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from lowbit.backends import Kernel
-from lowbit.kernels.cpu._runtime import PARALLEL_NJIT_OPTIONS, as_numpy, sync_threads
+from lowbit.kernels.cpu._runtime import SerialOrParallel, as_numpy, sync_threads
 
 _i16 = np.int16
 
@@ -51,6 +51,9 @@ _BANDS = np.uint16(sum(band << (2 * q) for q, band in enumerate((0, 1, 2, 2, 3, 
 _BF16_INF = _i16(0x7F80)
 _FP16_INF = _i16(0x7C00)
 _FP16_BLOCK = 1024  # elements per parallel step of the FP16 encoder
+# Inputs of fewer elements run the kernels' serial versions on the calling thread (see SerialOrParallel): waking
+# numba's threads costs more than they save there.
+_ONE_THREAD_ELEMENTS = 1 << 16
 
 
 @numba.njit(inline="always")
@@ -132,7 +135,7 @@ def _has_fp16_subnormal(src, start, stop):
     return found
 
 
-@numba.njit(**PARALLEL_NJIT_OPTIONS)
+@SerialOrParallel
 def _encode_bf16(src, dst):
     # src: int16[n] BF16 bit patterns, dst: uint8[n]
     for i in numba.prange(src.size):
@@ -141,7 +144,7 @@ def _encode_bf16(src, dst):
         dst[i] = _signed_code(bits, magnitude, _magnitude_code(magnitude), _BF16_INF)
 
 
-@numba.njit(**PARALLEL_NJIT_OPTIONS)
+@SerialOrParallel
 def _encode_fp16(src, dst):
     # src: int16[n] FP16 bit patterns, dst: uint8[n]. Blocks without subnormals skip the FP32 cast.
     n = src.size
@@ -181,7 +184,7 @@ def _with_sign_and_nan(code, bits):
     return _i16(0x7FFF) if code == _i16(0x80) else signed
 
 
-@numba.njit(**PARALLEL_NJIT_OPTIONS)
+@SerialOrParallel
 def _decode_bf16(src, dst):
     # src: uint8[n] codes, dst: int16[n] BF16 bit patterns
     for i in numba.prange(src.size):
@@ -194,7 +197,7 @@ def _decode_bf16(src, dst):
         dst[i] = _with_sign_and_nan(code, bits)
 
 
-@numba.njit(**PARALLEL_NJIT_OPTIONS)
+@SerialOrParallel
 def _decode_fp16(src, dst):
     # src: uint8[n] codes, dst: int16[n] FP16 bit patterns
     for i in numba.prange(src.size):
@@ -219,16 +222,16 @@ class Encode(Kernel):
     """encode_to_hifloat8 on the CPU: contiguous FP16/BF16 ``x`` into contiguous uint8 ``out``."""
 
     def run(self, x: torch.Tensor, *, out: torch.Tensor) -> None:
-        sync_threads()
-        _ENCODERS[x.dtype](as_numpy(x).reshape(-1), as_numpy(out).reshape(-1))
+        serial = x.numel() < _ONE_THREAD_ELEMENTS or sync_threads() == 1
+        _ENCODERS[x.dtype](as_numpy(x).reshape(-1), as_numpy(out).reshape(-1), serial=serial)
 
 
 class Decode(Kernel):
     """decode_from_hifloat8 on the CPU: contiguous uint8 ``codes`` into contiguous FP16/BF16 ``out``."""
 
     def run(self, codes: torch.Tensor, dtype: torch.dtype | None, *, out: torch.Tensor) -> None:
-        sync_threads()
-        _DECODERS[out.dtype](as_numpy(codes).reshape(-1), as_numpy(out).reshape(-1))
+        serial = codes.numel() < _ONE_THREAD_ELEMENTS or sync_threads() == 1
+        _DECODERS[out.dtype](as_numpy(codes).reshape(-1), as_numpy(out).reshape(-1), serial=serial)
 
 
 ENCODE = Encode()
