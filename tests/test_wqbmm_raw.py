@@ -150,7 +150,7 @@ def test_nibble_pairs_and_maddubs_agree_with_numpy(high, lowering):
 
 @pytest.mark.parametrize("template, prepacked", [("preload", False), ("preload", True), ("basic", False)])
 @pytest.mark.parametrize("m", [1, 5])
-def test_calling_thread_and_parallel_loops_agree(template, prepacked, m, monkeypatch):
+def test_serial_and_parallel_versions_agree(template, prepacked, m, monkeypatch):
     """Calls below _ONE_THREAD_WORK run the kernels' serial versions (the weight packing too), larger ones their
     parallel loops (each forced here on the same problem, on two threads): the same bits, the reference's."""
     x, weight, scale, offset = _operands(40 + m, m, 256, 2 * cpu.RAW_BLOCK_N + 66, 64, torch.bfloat16, True, True)
