@@ -87,15 +87,15 @@ def quantized(rows, k, g, spread=0):
     return codes, scales, mxfp4.dequantize(codes, scales, torch.float64)
 
 
-def run_gemv(x_codes, x_scales, w_codes, w_scales):
-    """(y32, fallback flags) of cpu_backend.product_gemv."""
+def run_gemv(x_codes, x_scales, w_codes, w_scales, serial=False):
+    """(y32, fallback flags) of cpu_backend.product_gemv (its parallel loop, or its serial version)."""
     k = 2 * x_codes.shape[1]
     kp = -(-k // cpu_backend.STEP) * cpu_backend.STEP
     operands = cpu_backend.activation_operands(x_codes.numpy(), x_scales.numpy(), kp)
     y32 = np.full((x_codes.shape[0], w_codes.shape[0]), np.nan, dtype=np.float32)
     fallback = np.zeros(w_codes.shape[0], dtype=np.uint8)
     count = cpu_backend.product_gemv(*operands, w_codes.contiguous().numpy(), w_scales.contiguous().numpy(), y32,
-                                     fallback)
+                                     fallback, serial=serial)
     assert count == fallback.sum()
     return torch.from_numpy(y32).double(), fallback.astype(bool)
 
@@ -183,18 +183,20 @@ def test_zero_activation_needs_only_finite_weights():
 
 @needs_vnni
 def test_thread_count_does_not_change_the_bits():
+    """The serial version, and the parallel loop on one thread and on all: the same bits."""
     g = gen(9)
     x_codes, x_scales, _ = quantized(2, 512, g, spread=20)
     w_codes, w_scales, _ = quantized(300, 512, g, spread=20)
     previous = numba.get_num_threads()
     try:
+        serial, _ = run_gemv(x_codes, x_scales, w_codes, w_scales, serial=True)
         numba.set_num_threads(1)
         one, _ = run_gemv(x_codes, x_scales, w_codes, w_scales)
         numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
         many, _ = run_gemv(x_codes, x_scales, w_codes, w_scales)
     finally:
         numba.set_num_threads(previous)
-    assert torch.equal(one, many)
+    assert torch.equal(serial, one) and torch.equal(one, many)
 
 
 # ---- svd_quant through it -------------------------------------------------------------------------------

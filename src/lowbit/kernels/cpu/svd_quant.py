@@ -45,7 +45,7 @@ from lowbit.formats import mxfp4 as mxfp4_format
 from lowbit.formats.svd_quant import BLOCK, weight_scales
 from lowbit.kernels.cpu import _simd as simd
 from lowbit.kernels.cpu import mxfp4
-from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, as_numpy, copy_elements, kernel_threads
+from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, SerialOrParallel, as_numpy, copy_elements, kernel_threads
 from lowbit.kernels.cpu.weight_only import GEMV_MAX_M, GEMV_ONE_THREAD_WEIGHTS, MXFP4_LINEAR, _low_byte_range
 
 INTEGER_PRODUCTS = simd.HAS_VNNI  # without VNNI, decode runs the float32 weight-only kernel
@@ -53,6 +53,10 @@ INTEGER_PRODUCTS = simd.HAS_VNNI  # without VNNI, decode runs the float32 weight
 # so waking the second thread pays off only on about twice the work (N = 2816, K = 2048 at decode: a call
 # of svd_quant 0.26-0.29 ms on one thread, 0.29-0.34 ms on two; 4096 x 4096: two threads are faster).
 _PRODUCT_ONE_THREAD_WEIGHTS = 2 * GEMV_ONE_THREAD_WEIGHTS
+# Weights below which product_gemv runs its serial version (see SerialOrParallel); from there to
+# _PRODUCT_ONE_THREAD_WEIGHTS its parallel loop on one thread, which is faster there (the serial version took
+# 0.29 ms at N = 2816, K = 2048 against 0.27 ms: benchmarks/results_first_run.md).
+_PRODUCT_SERIAL_WEIGHTS = 1 << 16
 _BF16_QUANTIZER = mxfp4.quantize_constants(torch.bfloat16, "floor", "ta")  # the activation quantizer's constants
 STEP = 256  # elements of a row per step: 128 code bytes, 8 blocks, 32 int32 lanes
 _LANE_ELEMENTS = 8  # consecutive elements summed into one int32 lane
@@ -148,7 +152,7 @@ def _step(acc, table, codes, c, low, high, x0, start, field, s0, scale_codes, la
     return simd.f32v_fma(simd.i32v_to_f32v(sums), simd.f32v_power_of_two(exponent), acc)
 
 
-@numba.njit(**PARALLEL_NJIT_OPTIONS)
+@SerialOrParallel
 def product_gemv(low, high, start, field, bounds, codes, scales, y32, fallback):
     """y32 (M, N) float32 <- the activation operands (see activation_operands) times the weight codes
     (N, K/2) and scales (N, K/32) uint8 (blocks of 32 along K), for each weight row that :func:`_safe`
@@ -344,8 +348,12 @@ class SvdQuant(Kernel):
         *operands, x_codes, x_scales = quantized_operands(pairs, m, -(-k // STEP) * STEP, *_BF16_QUANTIZER)
         y32 = np.empty((m, n), dtype=np.float32)
         fallback = np.zeros(n, dtype=np.uint8)
-        with kernel_threads(n * k, _PRODUCT_ONE_THREAD_WEIGHTS):
-            fell_back = product_gemv(*operands, as_numpy(w), as_numpy(scales), y32, fallback)
+        args = (*operands, as_numpy(w), as_numpy(scales), y32, fallback)
+        if n * k < _PRODUCT_SERIAL_WEIGHTS:
+            fell_back = product_gemv(*args, serial=True)
+        else:
+            with kernel_threads(n * k, _PRODUCT_ONE_THREAD_WEIGHTS):
+                fell_back = product_gemv(*args, serial=False)
         if fell_back:
             rows = torch.from_numpy(np.flatnonzero(fallback))
             x_deq = torch.empty(m, k, dtype=torch.bfloat16)
