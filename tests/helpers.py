@@ -1,5 +1,5 @@
 """Helpers shared by the tests: bit views, dtype lists, WeightQuantBatchMatmul operands, SIMD intrinsics run
-from Python, running the CLI."""
+from Python, a CPU kernel's serial and parallel forms, running the CLI."""
 
 import numba
 import torch
@@ -43,6 +43,21 @@ def wqbmm_spread_operands(gen: torch.Generator, m: int, k: int, n: int, g: int, 
     scale = ((torch.rand(k // g, n, generator=gen) * 2 - 1) * 4).to(dtype)
     offset = torch.randint(-8, 8, (k // g, n), generator=gen).to(dtype) if with_offset else None
     return x, weight, scale, offset
+
+
+def serial_then_parallel(monkeypatch, module, threshold: str, run) -> list:
+    """[``run()`` with ``module.<threshold>`` (a one-thread bound) above every input: the kernels' serial forms,
+    ``run()`` with it 0: their parallel loops], on two torch threads."""
+    results = []
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        for below in (1 << 62, 0):
+            monkeypatch.setattr(module, threshold, below)
+            results.append(run())
+    finally:
+        torch.set_num_threads(previous)
+    return results
 
 
 def run_cli(capsys, *argv):

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import FLOAT_DTYPES
+from helpers import FLOAT_DTYPES, serial_then_parallel
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -191,16 +191,14 @@ def test_numba_pack_and_unpack_serial_and_parallel_versions_agree(dtype, monkeyp
     g = torch.Generator().manual_seed(21)
     x = (torch.randn(128, 320, generator=g) * torch.exp2(torch.randn(128, 1, generator=g) * 8)).to(dtype)
     x[3, 70] = float("nan")
-    results = []
-    previous = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        for below in (1 << 40, 0):  # every input on the calling thread, then none
-            monkeypatch.setattr(cpu_kernels, "_ONE_THREAD_BLOCKS", below)
-            scale, value = numba_pack(x)
-            results.append((scale, value, numba_unpack(scale, value, dtype)))
-    finally:
-        torch.set_num_threads(previous)
+
+    def run():
+        scale, value = numba_pack(x)
+        return scale, value, numba_unpack(scale, value, dtype)
+
+    results = serial_then_parallel(monkeypatch, cpu_kernels, "_ONE_THREAD_BLOCKS", run)
     for serial, parallel in zip(*results):
         assert torch.equal(bits(serial), bits(parallel))
-    assert torch.equal(results[0][0], hifloat4.pack(x)[0]) and torch.equal(results[0][1], hifloat4.pack(x)[1])
+    scale, value = hifloat4.pack(x)
+    assert torch.equal(results[0][0], scale) and torch.equal(results[0][1], value)
+    assert torch.equal(bits(results[0][2]), bits(hifloat4.unpack(scale, value, dtype)))

@@ -4,6 +4,7 @@ versions (small inputs) and the parallel loops give the same bits."""
 import pytest
 import torch
 
+from helpers import serial_then_parallel
 from lowbit.formats import hifloat8
 from lowbit.kernels.cpu import hifloat8 as cpu_kernels
 
@@ -44,19 +45,15 @@ def test_serial_and_parallel_versions_agree(dtype, monkeypatch):
     and by the parallel loops on two threads (each forced here): the same bits, the reference's."""
     bits = all_fp16_patterns()[torch.randperm(65536, generator=torch.Generator().manual_seed(1))][:65536 - 77]
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(300)
-    results = []
-    previous = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        for below in (1 << 62, 0):  # every input on the calling thread, then none
-            monkeypatch.setattr(cpu_kernels, "_ONE_THREAD_ELEMENTS", below)
-            encoded = torch.empty(bits.numel(), dtype=torch.uint8)
-            cpu_kernels.ENCODE.run(bits.view(dtype), out=encoded)
-            decoded = torch.empty(codes.numel(), dtype=dtype)
-            cpu_kernels.DECODE.run(codes, dtype, out=decoded)
-            results.append((encoded, decoded.view(torch.int16)))
-    finally:
-        torch.set_num_threads(previous)
+
+    def run():
+        encoded = torch.empty(bits.numel(), dtype=torch.uint8)
+        cpu_kernels.ENCODE.run(bits.view(dtype), out=encoded)
+        decoded = torch.empty(codes.numel(), dtype=dtype)
+        cpu_kernels.DECODE.run(codes, dtype, out=decoded)
+        return encoded, decoded.view(torch.int16)
+
+    results = serial_then_parallel(monkeypatch, cpu_kernels, "_ONE_THREAD_ELEMENTS", run)
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
     assert torch.equal(results[0][0], hifloat8.encode(bits.view(dtype)))
     assert torch.equal(results[0][1], hifloat8.decode(codes, dtype).view(torch.int16))

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import bits, wqbmm_spread_operands
+from helpers import bits, serial_then_parallel, wqbmm_spread_operands
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -154,14 +154,7 @@ def test_serial_and_parallel_versions_agree(template, prepacked, m, monkeypatch)
     """Calls below _ONE_THREAD_WORK run the kernels' serial versions (the weight packing too), larger ones their
     parallel loops (each forced here on the same problem, on two threads): the same bits, the reference's."""
     x, weight, scale, offset = _operands(40 + m, m, 256, 2 * cpu.RAW_BLOCK_N + 66, 64, torch.bfloat16, True, True)
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        results = []
-        for below in (1 << 62, 0):  # every call on the calling thread, then none
-            monkeypatch.setattr(cpu, "_ONE_THREAD_WORK", below)
-            results.append(_run(x, weight, scale, offset, 64, template, prepacked))
-    finally:
-        torch.set_num_threads(before)
+    results = serial_then_parallel(monkeypatch, cpu, "_ONE_THREAD_WORK",
+                                   lambda: _run(x, weight, scale, offset, 64, template, prepacked))
     assert torch.equal(results[0], results[1])
     assert torch.equal(results[0], bits(ref.wqbmm_msd(x, weight, scale, offset, 64)))

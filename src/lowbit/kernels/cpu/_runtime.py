@@ -124,6 +124,13 @@ def sync_threads() -> int:
     return n
 
 
+def runs_serially(work: int, one_thread_below: int) -> bool:
+    """Whether a kernel call of ``work`` (the kernel's own measure of its size) runs its serial form on the
+    calling thread: below ``one_thread_below``, or when torch has one thread; otherwise numba's thread count
+    is synced to torch's (:func:`sync_threads`) for the parallel loop."""
+    return work < one_thread_below or sync_threads() == 1
+
+
 @contextlib.contextmanager
 def kernel_threads(work: int, one_thread_below: int, chunksize: Optional[int] = None):
     """:func:`sync_threads` for a kernel call, run on one numba thread when ``work`` (the kernel's own

@@ -38,7 +38,8 @@ from lowbit.backends import Kernel
 from lowbit.dtypes import SAME_WIDTH_INT
 from lowbit.formats import hifloat4 as ref
 from lowbit.formats.hifloat4 import BLOCK
-from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, SerialOrParallel, as_numpy, sync_threads
+from lowbit.kernels.cpu._runtime import (NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, SerialOrParallel, as_numpy, runs_serially,
+                                         sync_threads)
 from lowbit.kernels.cpu._simd import flat
 
 _BLOCKS_PER_TASK = 256  # blocks per parallel task
@@ -416,7 +417,7 @@ def _block_view(t: torch.Tensor) -> np.ndarray:
 def _run(kernel: SerialOrParallel, args: tuple, n_blocks: int) -> None:
     """``kernel(*args)`` on the calling thread for fewer than _ONE_THREAD_BLOCKS blocks (or one thread), else in
     numba's parallel loop, its tasks going to whichever thread is free (robust to a busy core)."""
-    if n_blocks < _ONE_THREAD_BLOCKS or sync_threads() == 1:
+    if runs_serially(n_blocks, _ONE_THREAD_BLOCKS):
         kernel(*args, serial=True)
         return
     with numba.parallel_chunksize(1):

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from lowbit.backends import Kernel
-from lowbit.kernels.cpu._runtime import SerialOrParallel, as_numpy, sync_threads
+from lowbit.kernels.cpu._runtime import SerialOrParallel, as_numpy, runs_serially
 
 _i16 = np.int16
 
@@ -222,7 +222,7 @@ class Encode(Kernel):
     """encode_to_hifloat8 on the CPU: contiguous FP16/BF16 ``x`` into contiguous uint8 ``out``."""
 
     def run(self, x: torch.Tensor, *, out: torch.Tensor) -> None:
-        serial = x.numel() < _ONE_THREAD_ELEMENTS or sync_threads() == 1
+        serial = runs_serially(x.numel(), _ONE_THREAD_ELEMENTS)
         _ENCODERS[x.dtype](as_numpy(x).reshape(-1), as_numpy(out).reshape(-1), serial=serial)
 
 
@@ -230,7 +230,7 @@ class Decode(Kernel):
     """decode_from_hifloat8 on the CPU: contiguous uint8 ``codes`` into contiguous FP16/BF16 ``out``."""
 
     def run(self, codes: torch.Tensor, dtype: torch.dtype | None, *, out: torch.Tensor) -> None:
-        serial = codes.numel() < _ONE_THREAD_ELEMENTS or sync_threads() == 1
+        serial = runs_serially(codes.numel(), _ONE_THREAD_ELEMENTS)
         _DECODERS[out.dtype](as_numpy(codes).reshape(-1), as_numpy(out).reshape(-1), serial=serial)
 
 

@@ -28,8 +28,7 @@ import torch
 from lowbit.errors import DeviceError, DtypeError, ShapeError
 from lowbit.formats import mxfp4 as ref
 from lowbit.kernels import mxfp4_tables as tables
-from lowbit.kernels.cpu._runtime import (NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, as_numpy, kernel_threads, run_tasks,
-                                         sync_threads)
+from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, as_numpy, run_tasks, runs_serially
 from lowbit.kernels.mxfp4_last_axis import LastAxisDequantize, LastAxisQuantize
 
 _ABS_MASK = {torch.bfloat16: 0x7FFF, torch.float16: 0x7FFF, torch.float32: 0x7FFFFFFF}
@@ -254,7 +253,7 @@ class Dequantize(LastAxisDequantize):
         pair_dtype, _ = _PAIRS[out.dtype]
         operands = (as_numpy(codes).reshape(-1), as_numpy(scales).reshape(-1), _dequant_pair_table(out.dtype),
                     codes.numel() // scales.numel())  # pairs per block
-        serial = out.numel() < ONE_THREAD_ELEMENTS or sync_threads() == 1
+        serial = runs_serially(out.numel(), ONE_THREAD_ELEMENTS)
         run_tasks((_dequantize_range, _dequantize_blocks), operands, scales.numel(),
                   out.view(-1).view(pair_dtype).numpy().view(_UNSIGNED[pair_dtype]), serial)
 
@@ -289,12 +288,8 @@ def quantize_into(xt, block_size, scale_rule, rounding, codes, scales, dequantiz
     """Quantize contiguous ``xt`` (FP16/BF16/FP32 CPU, blocks along the last axis; arguments validated by
     the caller) into contiguous uint8 ``codes`` and ``scales`` of the reference's shapes, and when given
     its dequantized values into ``dequantized`` (contiguous, xt's shape, FP16/BF16/FP32)."""
-    if xt.numel() < ONE_THREAD_ELEMENTS:
-        _quantize_blocks_of(xt, block_size, scale_rule, rounding, codes, scales, dequantized, serial=True)
-        return
-    with kernel_threads(xt.numel(), ONE_THREAD_ELEMENTS):
-        _quantize_blocks_of(xt, block_size, scale_rule, rounding, codes, scales, dequantized,
-                            serial=numba.get_num_threads() == 1)
+    serial = runs_serially(xt.numel(), ONE_THREAD_ELEMENTS)
+    _quantize_blocks_of(xt, block_size, scale_rule, rounding, codes, scales, dequantized, serial)
 
 
 @functools.cache

@@ -39,8 +39,8 @@ from lowbit.backends import Kernel
 from lowbit.formats import hifloat8, mxfp4, mxfp8
 from lowbit.formats import weight_only as reference
 from lowbit.kernels.cpu import _simd as simd
-from lowbit.kernels.cpu._runtime import (NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, as_numpy, copy_elements, kernel_threads,
-                                         run_tasks)
+from lowbit.kernels.cpu._runtime import (NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, as_numpy, copy_elements, run_tasks,
+                                         runs_serially)
 
 LANES = reference.LANES  # 64 = two F32V
 HALF = simd.LANES  # 32
@@ -1451,14 +1451,14 @@ class WeightOnlyLinear(Kernel):
             bf16_gemm = x.dtype == torch.bfloat16 and (bias is None or bias.dtype == torch.bfloat16)
             path, work = self._run_gemm_bf16 if bf16_gemm else self._run_gemm, n * k
             chunksize = max(4, -(-tile_rows // _ROWS_PER_TASK) // _CHUNKS)
-        if work < GEMV_ONE_THREAD_WEIGHTS:
-            # One thread, the calling one: waking numba's threads after a torch op would cost more than they
-            # save here, and the rows run without the parallel loop's launch (about 13 us of a 1536 x 384
-            # MXFP4 GEMV's 54 us); numba's thread count is left as it is.
+        # Below GEMV_ONE_THREAD_WEIGHTS the calling thread: waking numba's threads after a torch op would cost
+        # more than they save there, and the rows run without the parallel loop's launch (about 13 us of a
+        # 1536 x 384 MXFP4 GEMV's 54 us); numba's thread count is left as it is.
+        if runs_serially(work, GEMV_ONE_THREAD_WEIGHTS):
             path(x, operands, bias, out, serial=True)
             return
-        with kernel_threads(work, GEMV_ONE_THREAD_WEIGHTS, chunksize=chunksize):
-            path(x, operands, bias, out, serial=numba.get_num_threads() == 1)
+        with numba.parallel_chunksize(chunksize):
+            path(x, operands, bias, out, serial=False)
 
     def _run_gemv(self, x: torch.Tensor, operands: tuple, bias, out: torch.Tensor, serial: bool) -> None:
         """The bit-exact path: x in register order, the lane sums, then the reference's rounding (all in

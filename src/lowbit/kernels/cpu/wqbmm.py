@@ -49,7 +49,7 @@ from lowbit.errors import ShapeError
 from lowbit.formats import wqbmm as reference
 from lowbit.kernels.cpu import _simd as simd
 from lowbit.kernels.cpu import wqbmm_dequant as dequant
-from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, SerialOrParallel, as_numpy, sync_threads
+from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, SerialOrParallel, as_numpy, runs_serially
 from lowbit.kernels.wqbmm_kernel import MSD, WqbmmKernel, aligned_offsets
 
 TILE_N = simd.LANES  # columns per register tile (32)
@@ -117,7 +117,7 @@ def tiles_nbytes(k: int, n: int) -> int:
 
 def _pack_into(weight: torch.Tensor, group_size: int, tiles: torch.Tensor) -> None:
     """tiles (flat uint8, :func:`tiles_nbytes` bytes) <- the (K, N/2) uint8 CPU weight; allocates nothing."""
-    serial = 2 * weight.numel() < _ONE_THREAD_WORK or sync_threads() == 1
+    serial = runs_serially(2 * weight.numel(), _ONE_THREAD_WORK)
     _pack_tiles(as_numpy(weight), group_size, as_numpy(tiles), serial=serial)
 
 
@@ -572,7 +572,7 @@ def _msd_into(
     offset_bits = _padded_bits(antiquant_offset, layout, workspace, "offset") if has_offset else scale_bits
     is_bf16 = x.dtype == torch.bfloat16
     stages = (x32, a_i8, a_max, a_sum, y32, weight, scale_bits, offset_bits, is_bf16, has_offset, layout, workspace)
-    if m * k * layout.n < _ONE_THREAD_WORK or sync_threads() == 1:
+    if runs_serially(m * k * layout.n, _ONE_THREAD_WORK):
         _run_stages(*stages, serial=True)
     else:
         # Column tiles are handed out in small chunks on demand (not split evenly up front), so a thread
