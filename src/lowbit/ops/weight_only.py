@@ -257,7 +257,7 @@ def _mxfp4_probes():
     x = torch.randn(3, 128, generator=g).half()
     x[2, :3] = torch.tensor([float("inf"), float("nan"), -0.0])
     probes.append((x, c, s, None))
-    probes.append((_small_integers((6, 64), g, torch.bfloat16), codes(3, 64), _block_scales(g, 3, 64, 126, 129),
+    probes.append((_small_integers((6, 64), g, torch.float16), codes(3, 64), _block_scales(g, 3, 64, 126, 129),
                    _small_integers((3,), g, torch.float32)))
     probes.append((_small_integers((6, 64), g, torch.bfloat16), codes(3, 64), _block_scales(g, 3, 64, 126, 129),
                    _small_integers((3,), g, torch.bfloat16)))

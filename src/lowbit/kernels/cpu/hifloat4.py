@@ -24,7 +24,8 @@ arrays are inlined at numba IR level, blocks are rows of 2-D views and per-task 
 array, because every array view created or passed per block costs atomic reference counting; scalar
 helpers are ordinary compiled functions, which LLVM inlines (numba's IR-level inlining copies the callee's
 IR at every call site, and did so for most of this module's compile time); the block code exists once per
-input width, in _fake_quant_rows, which the tile path calls per tile; integer lanes are kept at 32 bits
+output kind (FP32 for 32-bit inputs, BF16 and FP16 for 16-bit ones), in _fake_quant_rows, which the tile
+path calls per tile; integer lanes are kept at 32 bits
 with explicit ``np.uint32`` casts (numba widens integer arithmetic to 64 bits).
 """
 
@@ -33,6 +34,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 import torch
+from numba.extending import overload
 
 from lowbit.backends import Kernel
 from lowbit.dtypes import SAME_WIDTH_INT
@@ -259,17 +261,6 @@ def _f32_out(y, negative):
     return _bits(y) | (np.uint32(negative) << np.uint32(31))
 
 
-@numba.njit(**_INLINE)
-def _fake_quant_block(src, dst, n, work, mag_mask, inf_mag, shift, widen, kind, nan_bits):
-    """Fake-quant block ``src[n]`` into ``dst[n]`` ((blocks, 64) bit patterns) as the output kind's bits."""
-    if kind == _KIND_BF16:
-        _quantize_block(src, dst, n, work, mag_mask, inf_mag, shift, widen, _bf16_out, nan_bits)
-    elif kind == _KIND_F16:
-        _quantize_block(src, dst, n, work, mag_mask, inf_mag, shift, widen, _f16_out, nan_bits)
-    else:
-        _quantize_block(src, dst, n, work, mag_mask, inf_mag, shift, widen, _f32_out, nan_bits)
-
-
 # Per-task scratch, one float32 array (one base pointer lets LLVM see that the parts never overlap, so
 # the 16-group loops vectorize without runtime alias checks): per 4-group k the maximum, 2^-level and
 # 2^level * sf / 4 at _M4 + k, _DOWN + k, _UP + k.
@@ -282,12 +273,29 @@ def _scratch():
     return np.empty(48, np.float32)
 
 
-@numba.njit(**NJIT_OPTIONS)
 def _fake_quant_rows(src, dst, first, last, work, mag_mask, inf_mag, shift, widen, kind, nan_bits):
-    """Fake-quant blocks first..last-1 of ``src`` ((blocks, 64) bits) into ``dst``; ``work`` is _scratch().
-    The one copy of the block code per specialization: the quant-dim-last tasks and each tile call it."""
-    for n in range(first, last):
-        _fake_quant_block(src, dst, n, work, mag_mask, inf_mag, shift, widen, kind, nan_bits)
+    """Fake-quant blocks first..last-1 of ``src`` ((blocks, 64) bits) into ``dst`` as the output kind's bits;
+    ``work`` is _scratch(). The one copy of the block code per output kind: the quant-dim-last tasks and
+    each tile call it."""
+
+
+@overload(_fake_quant_rows, jit_options=NJIT_OPTIONS)
+def _fake_quant_rows_typed(src, dst, first, last, work, mag_mask, inf_mag, shift, widen, kind, nan_bits):
+    # Only the output kinds of the input's width are compiled (each is a copy of the block code, about a
+    # second of compiling): FP32 for 32-bit patterns, BF16 and FP16 for 16-bit ones.
+    if src.dtype.bitwidth == 32:
+        def rows_f32(src, dst, first, last, work, mag_mask, inf_mag, shift, widen, kind, nan_bits):
+            for n in range(first, last):
+                _quantize_block(src, dst, n, work, mag_mask, inf_mag, shift, widen, _f32_out, nan_bits)
+        return rows_f32
+
+    def rows_16(src, dst, first, last, work, mag_mask, inf_mag, shift, widen, kind, nan_bits):
+        for n in range(first, last):
+            if kind == _KIND_BF16:
+                _quantize_block(src, dst, n, work, mag_mask, inf_mag, shift, widen, _bf16_out, nan_bits)
+            else:
+                _quantize_block(src, dst, n, work, mag_mask, inf_mag, shift, widen, _f16_out, nan_bits)
+    return rows_16
 
 
 @numba.njit(**NJIT_OPTIONS)

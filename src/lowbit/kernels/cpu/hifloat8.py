@@ -52,8 +52,10 @@ _BF16_INF = _i16(0x7F80)
 _FP16_INF = _i16(0x7C00)
 _FP16_BLOCK = 1024  # elements per parallel step of the FP16 encoder
 # Inputs of fewer elements run the kernels' serial versions on the calling thread (see SerialOrParallel): waking
-# numba's threads costs more than they save there.
-_ONE_THREAD_ELEMENTS = 1 << 16
+# numba's threads costs more than they save there (after a torch op, AMD EPYC Zen 4, 2 threads: 256K FP16
+# elements encode in 95 us serially, 97 us in parallel; benchmarks/results_first_run.md). The self-check's
+# exhaustive probe (2^16 patterns) runs serially too, so a cold start compiles no parallel loop.
+_ONE_THREAD_ELEMENTS = 1 << 18
 
 
 @numba.njit(inline="always")
