@@ -5,6 +5,8 @@
   pattern for one that rounds down under RNE). An element's magnitude code is the number of thresholds
   its magnitude bits reach.
 * :func:`dequant_pairs`: for each (scale byte, code byte), both decoded elements packed in one word.
+* :func:`scale_bytes`: for each magnitude bit pattern of a 16-bit dtype, the scale byte of a block whose
+  largest magnitude it is.
 """
 
 from __future__ import annotations
@@ -55,3 +57,13 @@ def dequant_pairs(dtype: torch.dtype) -> torch.Tensor:
     scale_bytes = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat_interleave(256).unsqueeze(1)
     values = ref.dequantize(code_bytes, scale_bytes, dtype)
     return values.contiguous().view(PAIR_WORD[dtype][0]).reshape(-1)
+
+
+@functools.cache
+def scale_bytes(dtype: torch.dtype, scale_rule: str) -> torch.Tensor:
+    """(32768,) uint8: [magnitude bits m] -> the E8M0 scale byte of a block of FP16 / BF16 ``dtype`` whose
+    largest magnitude has the bit pattern m (0xFF where m is Inf or NaN), by the reference's rule."""
+    magnitudes = torch.arange(0x8000, dtype=torch.int32).to(SAME_WIDTH_INT[dtype]).view(dtype)
+    finite = torch.isfinite(magnitudes)
+    shared = ref.shared_exponent(torch.where(finite, magnitudes, 0).to(torch.float64), scale_rule)
+    return torch.where(finite, shared + ref.E8M0_BIAS, 0xFF).to(torch.uint8)

@@ -24,6 +24,9 @@ import functools
 import numba
 import numpy as np
 import torch
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
 
 from lowbit.errors import DeviceError, DtypeError, ShapeError
 from lowbit.formats import mxfp4 as ref
@@ -52,6 +55,12 @@ def _amax_to_fp32_bits(dtype: torch.dtype) -> np.ndarray:
 def _thresholds(dtype: torch.dtype, rounding: str) -> np.ndarray:
     """tables.thresholds as unsigned words of the element width (uint16 for FP16/BF16, uint32 for FP32)."""
     return tables.thresholds(dtype, rounding).numpy().astype(_ELEMENT_UNSIGNED[_PAIRS[dtype][1]])
+
+
+@functools.cache
+def _scale_bytes(dtype: torch.dtype, scale_rule: str) -> np.ndarray:
+    """tables.scale_bytes as a numpy array."""
+    return tables.scale_bytes(dtype, scale_rule).numpy()
 
 
 @functools.cache
@@ -206,6 +215,118 @@ def _quantize_blocks(
                         out_pairs)
 
 
+# ---- FP16 / BF16 in blocks of 32 (MX's block size): one 32-lane vector per block ----------------------------
+_BLOCK32 = 32
+_I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
+_V32xI16 = ir.VectorType(_I16, _BLOCK32)
+_V16xI32 = ir.VectorType(_I32, _BLOCK32 // 2)
+
+
+def _splat(builder, scalar, vector_type):
+    undef = ir.Constant(vector_type, None)
+    first = builder.insert_element(undef, scalar, ir.Constant(_I32, 0))
+    lanes = ir.VectorType(_I32, vector_type.count)
+    return builder.shuffle_vector(first, undef, ir.Constant(lanes, [0] * vector_type.count))
+
+
+def _is_c_array(value, dtype, ndim: int) -> bool:
+    return isinstance(value, types.Array) and value.dtype == dtype and value.ndim == ndim and value.layout == "C"
+
+
+def _load_block16(context, builder, sig, args):
+    """(the 32 elements at ``elems[index]``, their magnitudes ``& mask``) as <32 x i16>; args (elems, index,
+    mask, ...)."""
+    data = context.make_array(sig.args[0])(context, builder, args[0]).data
+    index = context.cast(builder, args[1], sig.args[1], types.intp)
+    elements = builder.load(builder.bitcast(builder.gep(data, [index]), _V32xI16.as_pointer()), align=2)
+    return elements, builder.and_(elements, _splat(builder, args[2], _V32xI16))
+
+
+@intrinsic
+def _block_amax16(typingctx, elems, index, mask):
+    """max over i < 32 of ``elems[index + i] & mask`` (uint16; ``elems`` 1-D C-contiguous uint16, no bounds
+    check): the block's largest magnitude as bits."""
+    if not (_is_c_array(elems, types.uint16, 1) and isinstance(index, types.Integer) and mask == types.uint16):
+        return None
+
+    def codegen(context, builder, sig, args):
+        _, v = _load_block16(context, builder, sig, args)
+        width = _BLOCK32
+        while width > 1:  # halves compared lane by lane, down to one lane
+            width //= 2
+            half = ir.VectorType(_I16, width)
+            lanes = ir.VectorType(_I32, width)
+            low = builder.shuffle_vector(v, v, ir.Constant(lanes, list(range(width))))
+            high = builder.shuffle_vector(v, v, ir.Constant(lanes, list(range(width, 2 * width))))
+            umax = builder.module.declare_intrinsic(f"llvm.umax.v{width}i16", fnty=ir.FunctionType(half, [half, half]))
+            v = builder.call(umax, [low, high])
+        return builder.extract_element(v, ir.Constant(_I32, 0))
+
+    return types.uint16(elems, index, mask), codegen
+
+
+@intrinsic
+def _store_block_codes16(typingctx, elems, index, mask, thr, byte, codes, code_index):
+    """The 16 code bytes of the finite block ``elems[index : index + 32]`` under scale byte ``byte``, stored
+    at ``codes[code_index]`` (no bounds checks): per element the number of thresholds ``thr[byte, :]``
+    ((256, 7) uint16, C-contiguous) its magnitude reaches, plus 8 for a set sign bit; element 2i in the
+    low nibble."""
+    if not (_is_c_array(elems, types.uint16, 1) and mask == types.uint16 and _is_c_array(thr, types.uint16, 2)
+            and isinstance(byte, types.Integer) and _is_c_array(codes, types.uint8, 1)):
+        return None
+    midpoints = len(ref.E2M1_MIDPOINTS)
+
+    def codegen(context, builder, sig, args):
+        elements, magnitudes = _load_block16(context, builder, sig, args)
+        table = context.make_array(sig.args[3])(context, builder, args[3]).data
+        row = builder.mul(context.cast(builder, args[4], sig.args[4], types.intp), ir.Constant(ir.IntType(64), midpoints))
+        count = ir.Constant(_V32xI16, [0] * _BLOCK32)
+        for j in range(midpoints):
+            threshold = builder.load(builder.gep(table, [builder.add(row, ir.Constant(ir.IntType(64), j))]))
+            reached = builder.icmp_unsigned(">=", magnitudes, _splat(builder, threshold, _V32xI16))
+            count = builder.add(count, builder.zext(reached, _V32xI16))
+        sign = builder.shl(builder.lshr(elements, ir.Constant(_V32xI16, [15] * _BLOCK32)),
+                           ir.Constant(_V32xI16, [3] * _BLOCK32))
+        pairs = builder.bitcast(builder.or_(count, sign), _V16xI32)  # element 2i in the low half
+        packed = builder.or_(builder.and_(pairs, ir.Constant(_V16xI32, [0xF] * 16)),
+                             builder.shl(builder.lshr(pairs, ir.Constant(_V16xI32, [16] * 16)),
+                                         ir.Constant(_V16xI32, [4] * 16)))
+        out = context.make_array(sig.args[5])(context, builder, args[5]).data
+        at = builder.gep(out, [context.cast(builder, args[6], sig.args[6], types.intp)])
+        byte_vector = ir.VectorType(_I8, 16)
+        builder.store(builder.trunc(packed, byte_vector), builder.bitcast(at, byte_vector.as_pointer()), align=1)
+        return context.get_dummy_value()
+
+    return types.void(elems, index, mask, thr, byte, codes, code_index), codegen
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _quantize_range16(elems, mask, scale_of, thr, codes, scales, table, first_block, end_block, out_pairs):
+    """Quantize blocks first_block .. end_block - 1 of 32 FP16 / BF16 elements: ``elems`` (32 * blocks,)
+    uint16 bit patterns, ``mask`` their magnitude mask (uint16), ``scale_of`` tables.scale_bytes, ``thr``
+    _thresholds; codes (16 * blocks,) and scales (blocks,) uint8; with a non-empty ``table`` also their
+    decoded pairs into ``out_pairs`` (see _quantize_range). The bits of quantize_task, a block per vector."""
+    for b in range(first_block, end_block):
+        byte = scale_of[_block_amax16(elems, _BLOCK32 * b, mask)]
+        scales[b] = byte
+        if byte == 0xFF:  # a NaN or Inf in the block
+            for i in range(16 * b, 16 * b + 16):
+                codes[i] = 0
+        else:
+            _store_block_codes16(elems, _BLOCK32 * b, mask, thr, byte, codes, 16 * b)
+    if table.size:
+        _dequantize_range(codes, scales, table, 16, first_block, end_block, out_pairs)
+
+
+@numba.njit(**PARALLEL_NJIT_OPTIONS)
+def _quantize_blocks16(elems, mask, scale_of, thr, codes, scales, table, out_pairs):
+    """Every block, as _quantize_range16, in parallel tasks of _BLOCKS_PER_TASK blocks."""
+    n_blocks = scales.size
+    for task in numba.prange((n_blocks + _BLOCKS_PER_TASK - 1) // _BLOCKS_PER_TASK):
+        _quantize_range16(elems, mask, scale_of, thr, codes, scales, table, task * _BLOCKS_PER_TASK,
+                          min(n_blocks, (task + 1) * _BLOCKS_PER_TASK), out_pairs)
+
+
 @numba.njit(**NJIT_OPTIONS)
 def _dequantize_task(codes, scales, table, ppb, out_pairs):
     """out_pairs[i] = table[256 * scale of i's block + codes[i]]: two decoded elements per code byte."""
@@ -314,6 +435,12 @@ def _quantize_blocks_of(xt, block_size, scale_rule, rounding, codes, scales, deq
         out_word = _PAIRS[dequantized.dtype][0]
         table = _dequant_pair_table(dequantized.dtype)
         out_pairs = dequantized.view(-1).view(out_word).numpy().view(_UNSIGNED[out_word])
+    if block_size == _BLOCK32 and xt.element_size() == 2:  # MX's blocks of FP16 / BF16: the vector path
+        operands = (xt.reshape(-1).view(torch.int16).numpy().view(np.uint16), np.uint16(_ABS_MASK[xt.dtype]),
+                    _scale_bytes(xt.dtype, scale_rule), _thresholds(xt.dtype, rounding), codes.view(-1).numpy(),
+                    scales.view(-1).numpy(), table)
+        run_tasks((_quantize_range16, _quantize_blocks16), operands, scales.numel(), out_pairs, serial)
+        return
     operands = (xt.reshape(-1).view(pair_dtype).numpy().view(_UNSIGNED[pair_dtype]),
                 *quantize_constants(xt.dtype, scale_rule, rounding), block_size // 2, codes.view(-1).numpy(),
                 scales.view(-1).numpy(), table)
