@@ -185,16 +185,18 @@ def test_numba_pack_unpack_round_trip_is_fake_quant():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_numba_pack_and_unpack_serial_and_parallel_versions_agree(dtype, monkeypatch):
+def test_numba_serial_and_parallel_versions_agree(dtype, monkeypatch):
     """Inputs below _ONE_THREAD_BLOCKS run the serial versions on the calling thread, larger ones the parallel
-    loops (each forced here on the same 640-block input, on two threads): the same bytes and bits."""
+    loops (each forced here on the same 640-block input, on two threads): the same bytes and bits, for pack,
+    unpack and fake quant along the last dim and along dim 0 (the tile path)."""
     g = torch.Generator().manual_seed(21)
     x = (torch.randn(128, 320, generator=g) * torch.exp2(torch.randn(128, 1, generator=g) * 8)).to(dtype)
     x[3, 70] = float("nan")
 
     def run():
         scale, value = numba_pack(x)
-        return scale, value, numba_unpack(scale, value, dtype)
+        return (scale, value, numba_unpack(scale, value, dtype), run_kernel(cpu_kernels.FAKE_QUANT, x, -1),
+                run_kernel(cpu_kernels.FAKE_QUANT, x, 0))
 
     results = serial_then_parallel(monkeypatch, cpu_kernels, "_ONE_THREAD_BLOCKS", run)
     for serial, parallel in zip(*results):
@@ -202,3 +204,5 @@ def test_numba_pack_and_unpack_serial_and_parallel_versions_agree(dtype, monkeyp
     scale, value = hifloat4.pack(x)
     assert torch.equal(results[0][0], scale) and torch.equal(results[0][1], value)
     assert torch.equal(bits(results[0][2]), bits(hifloat4.unpack(scale, value, dtype)))
+    for qdim, got in ((-1, results[0][3]), (0, results[0][4])):
+        assert torch.equal(bits(got), bits(hifloat4.fake_quant(x, qdim)))

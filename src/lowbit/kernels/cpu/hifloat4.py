@@ -40,8 +40,7 @@ from lowbit.backends import Kernel
 from lowbit.dtypes import SAME_WIDTH_INT
 from lowbit.formats import hifloat4 as ref
 from lowbit.formats.hifloat4 import BLOCK
-from lowbit.kernels.cpu._runtime import (NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, SerialOrParallel, as_numpy, runs_serially,
-                                         sync_threads)
+from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, SerialOrParallel, as_numpy, runs_serially
 from lowbit.kernels.cpu._simd import flat
 
 _BLOCKS_PER_TASK = 256  # blocks per parallel task
@@ -328,7 +327,7 @@ def _fake_quant_tiles(src, dst, first, last, inner, mag_mask, inf_mag, shift, wi
                 row[c] = tile_out[c, i]
 
 
-@numba.njit(**PARALLEL_NJIT_OPTIONS)
+@SerialOrParallel
 def _fake_quant_kernel(src, dst, n_blocks, inner, mag_mask, inf_mag, shift, widen, kind, nan_bits):
     """Fake-quant all blocks of (outer, L, inner) bit patterns ``src`` ((n_blocks, 64), C-contiguous) into
     ``dst`` (the same) in parallel tasks of about _BLOCKS_PER_TASK blocks (one parallel loop for both
@@ -440,12 +439,9 @@ class FakeQuant(Kernel):
         qdim %= x.dim()
         fmt = _FORMATS[x.dtype]
         inner = int(np.prod(x.shape[qdim + 1:], dtype=np.int64))
-        # Always the parallel loop: with a serial version beside it, 64M took 8 % longer (benchmarks/results_first_run.md)
-        sync_threads()
-        with numba.parallel_chunksize(1):  # tasks go to whichever thread is free (robust to a busy core)
-            _fake_quant_kernel(_block_view(x), _block_view(out), x.numel() // BLOCK, inner, np.uint32(fmt.mag_mask),
-                               np.uint32(fmt.inf_mag), np.uint32(fmt.shift), np.float32(fmt.widen), fmt.kind,
-                               ref.NAN_BITS[x.dtype])
+        args = (_block_view(x), _block_view(out), x.numel() // BLOCK, inner, np.uint32(fmt.mag_mask),
+                np.uint32(fmt.inf_mag), np.uint32(fmt.shift), np.float32(fmt.widen), fmt.kind, ref.NAN_BITS[x.dtype])
+        _run(_fake_quant_kernel, args, x.numel() // BLOCK)
 
 
 class Pack(Kernel):
