@@ -317,7 +317,8 @@ def _quantize_range16(elems, mask, scale_of, thr, codes, scales, table, first_bl
         else:
             _store_block_codes16(elems, _BLOCK32 * b, mask, thr, byte, codes, 16 * b)
     if table.size:
-        _dequantize_range(codes, scales, table, 16, first_block, end_block, out_pairs)
+        # np.int64: a literal 16 would compile a specialization of _dequantize_range of its own
+        _dequantize_range(codes, scales, table, np.int64(_BLOCK32 // 2), first_block, end_block, out_pairs)
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
