@@ -1,5 +1,7 @@
 """MXFP4 kernels (numba, Triton under the interpreter) and ops: bit-exact with the reference, contracts."""
 
+import numba
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -10,6 +12,7 @@ import lowbit.ops.mxfp4 as ops
 from lowbit import backends
 from lowbit.errors import DeviceError, DtypeError, ShapeError
 from lowbit.formats import mxfp4
+from lowbit.kernels.cpu import _simd as simd
 from lowbit.kernels.cpu import mxfp4 as cpu_kernels
 from lowbit.ops.mxfp4 import DEQUANTIZE, QUANTIZE
 
@@ -224,6 +227,38 @@ def test_every_16bit_pattern_bit_exact(dtype):
         assert_same(quantize_with(cpu_kernels, x, 32, rule, rounding), mxfp4.quantize(x, 32, rule, rounding))
     for rule, rounding in (("floor", "ta"), ("rceil", "rne")):
         assert_same(quantize_with(triton_kernels, x, 32, rule, rounding), mxfp4.quantize(x, 32, rule, rounding))
+
+
+@numba.njit
+def _codes_by_compares(elems, mask, thr, blocks_bytes, codes):
+    for b in range(blocks_bytes.size):
+        cpu_kernels._store_block_codes16_compares(elems, 32 * b, mask, thr, blocks_bytes[b], codes, 16 * b)
+
+
+@numba.njit
+def _codes_by_search(elems, mask, thr, blocks_bytes, codes):
+    for b in range(blocks_bytes.size):
+        cpu_kernels._store_block_codes16_search(elems, 32 * b, mask, thr, blocks_bytes[b], codes, 16 * b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rounding", mxfp4.ROUNDINGS)
+def test_block_code_search_equals_the_compares(dtype, rounding):
+    """The AVX512-BW block codes (a binary search over the thresholds with vpermw) equal the portable ones
+    (seven compares) for every 16-bit pattern under every scale byte but 0xFF (which never reaches them),
+    whichever of the two this CPU's kernels use."""
+    if not simd.HAS_AVX512BW:
+        pytest.skip("no AVX512-BW on this CPU")
+    patterns = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    thr = cpu_kernels._padded_thresholds(dtype, rounding)
+    mask = np.uint16(0x7FFF)
+    for byte in range(255):
+        elems = np.random.default_rng(byte).permutation(patterns)
+        blocks_bytes = np.full(elems.size // 32, byte, dtype=np.int64)
+        by_compares, by_search = (np.empty(elems.size // 2, dtype=np.uint8) for _ in range(2))
+        _codes_by_compares(elems, mask, thr, blocks_bytes, by_compares)
+        _codes_by_search(elems, mask, thr, blocks_bytes, by_search)
+        assert np.array_equal(by_compares, by_search), byte
 
 
 @settings(max_examples=10)

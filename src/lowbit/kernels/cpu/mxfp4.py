@@ -33,6 +33,7 @@ from numba.extending import intrinsic
 from lowbit.errors import DeviceError, DtypeError, ShapeError
 from lowbit.formats import mxfp4 as ref
 from lowbit.kernels import mxfp4_tables as tables
+from lowbit.kernels.cpu import _simd as simd
 from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, as_numpy, run_tasks, runs_serially
 from lowbit.kernels.mxfp4_last_axis import LastAxisDequantize, LastAxisQuantize
 
@@ -57,6 +58,13 @@ def _amax_to_fp32_bits(dtype: torch.dtype) -> np.ndarray:
 def _thresholds(dtype: torch.dtype, rounding: str) -> np.ndarray:
     """tables.thresholds as unsigned words of the element width (uint16 for FP16/BF16, uint32 for FP32)."""
     return tables.thresholds(dtype, rounding).numpy().astype(_ELEMENT_UNSIGNED[_PAIRS[dtype][1]])
+
+
+@functools.cache
+def _padded_thresholds(dtype: torch.dtype, rounding: str) -> np.ndarray:
+    """(256, 8) uint16: _thresholds of an FP16 / BF16 dtype and a last column 0xFFFF, which no magnitude
+    (at most 0x7FFF) reaches: rows of eight words, one vector load each."""
+    return np.pad(_thresholds(dtype, rounding), ((0, 0), (0, 1)), constant_values=0xFFFF)
 
 
 @functools.cache
@@ -267,55 +275,96 @@ def _block_amax16(typingctx, elems, index, mask):
     return types.uint16(elems, index, mask), codegen
 
 
-@intrinsic
-def _store_block_codes16(typingctx, elems, index, mask, thr, byte, codes, code_index):
-    """The 16 code bytes of the finite block ``elems[index : index + 32]`` under scale byte ``byte``, stored
-    at ``codes[code_index]`` (no bounds checks): per element the number of thresholds ``thr[byte, :]``
-    ((256, 7) uint16, C-contiguous) its magnitude reaches, plus 8 for a set sign bit; element 2i in the
-    low nibble."""
-    if not (_is_c_array(elems, types.uint16, 1) and mask == types.uint16 and _is_c_array(thr, types.uint16, 2)
-            and isinstance(byte, types.Integer) and _is_c_array(codes, types.uint8, 1)):
-        return None
-    midpoints = len(ref.E2M1_MIDPOINTS)
+_ROW = 8  # words per row of _padded_thresholds: the seven thresholds and a sentinel no magnitude reaches
 
-    def codegen(context, builder, sig, args):
-        elements, magnitudes = _load_block16(context, builder, sig, args)
-        table = context.make_array(sig.args[3])(context, builder, args[3]).data
-        row = builder.mul(context.cast(builder, args[4], sig.args[4], types.intp), ir.Constant(ir.IntType(64), midpoints))
-        count = ir.Constant(_V32xI16, [0] * _BLOCK32)
-        for j in range(midpoints):
-            threshold = builder.load(builder.gep(table, [builder.add(row, ir.Constant(ir.IntType(64), j))]))
-            reached = builder.icmp_unsigned(">=", magnitudes, _splat(builder, threshold, _V32xI16))
-            count = builder.add(count, builder.zext(reached, _V32xI16))
-        sign = builder.shl(builder.lshr(elements, ir.Constant(_V32xI16, [15] * _BLOCK32)),
-                           ir.Constant(_V32xI16, [3] * _BLOCK32))
-        pairs = builder.bitcast(builder.or_(count, sign), _V16xI32)  # element 2i in the low half
-        packed = builder.or_(builder.and_(pairs, ir.Constant(_V16xI32, [0xF] * 16)),
-                             builder.shl(builder.lshr(pairs, ir.Constant(_V16xI32, [16] * 16)),
-                                         ir.Constant(_V16xI32, [4] * 16)))
-        out = context.make_array(sig.args[5])(context, builder, args[5]).data
-        at = builder.gep(out, [context.cast(builder, args[6], sig.args[6], types.intp)])
-        byte_vector = ir.VectorType(_I8, 16)
-        builder.store(builder.trunc(packed, byte_vector), builder.bitcast(at, byte_vector.as_pointer()), align=1)
-        return context.get_dummy_value()
 
-    return types.void(elems, index, mask, thr, byte, codes, code_index), codegen
+def _count_by_compares(builder, magnitudes, row_words):
+    """Per lane, the number of the seven thresholds (``row_words``, <8 x i16>) that ``magnitudes`` reach:
+    seven compares and adds (any CPU)."""
+    count = ir.Constant(_V32xI16, [0] * _BLOCK32)
+    for j in range(len(ref.E2M1_MIDPOINTS)):
+        threshold = builder.shuffle_vector(row_words, row_words, ir.Constant(ir.VectorType(_I32, _BLOCK32), [j] * _BLOCK32))
+        count = builder.add(count, builder.zext(builder.icmp_unsigned(">=", magnitudes, threshold), _V32xI16))
+    return count
+
+
+def _count_by_search(builder, magnitudes, row_words):
+    """The same count as _count_by_compares by a binary search over the sorted thresholds: per lane, steps of
+    4, 2 and 1 compare against the threshold that vpermw picks for the lane (AVX512-BW)."""
+    vpermw = builder.module.declare_intrinsic(
+        "llvm.x86.avx512.permvar.hi.512", fnty=ir.FunctionType(_V32xI16, [_V32xI16, _V32xI16]))
+    lanes = ir.VectorType(_I32, _BLOCK32)
+    thresholds = builder.shuffle_vector(row_words, row_words, ir.Constant(lanes, [i % _ROW for i in range(_BLOCK32)]))
+    zero = ir.Constant(_V32xI16, [0] * _BLOCK32)
+
+    def splat(value):
+        return ir.Constant(_V32xI16, [value] * _BLOCK32)
+
+    third = builder.shuffle_vector(row_words, row_words, ir.Constant(lanes, [3] * _BLOCK32))
+    count = builder.select(builder.icmp_unsigned(">=", magnitudes, third), splat(4), zero)
+    for step in (2, 1):  # compare with threshold count + step - 1: passed means at least count + step passed
+        threshold = builder.call(vpermw, [thresholds, builder.add(count, splat(step - 1))])
+        count = builder.add(count, builder.select(builder.icmp_unsigned(">=", magnitudes, threshold), splat(step), zero))
+    return count
+
+
+def _make_store_block_codes16(count_reached):
+    """The intrinsic _store_block_codes16 with its per-element threshold count from ``count_reached``."""
+
+    @intrinsic
+    def store_block_codes16(typingctx, elems, index, mask, thr, byte, codes, code_index):
+        if not (_is_c_array(elems, types.uint16, 1) and mask == types.uint16 and _is_c_array(thr, types.uint16, 2)
+                and isinstance(byte, types.Integer) and _is_c_array(codes, types.uint8, 1)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            elements, magnitudes = _load_block16(context, builder, sig, args)
+            table = context.make_array(sig.args[3])(context, builder, args[3]).data
+            row = builder.mul(context.cast(builder, args[4], sig.args[4], types.intp), ir.Constant(ir.IntType(64), _ROW))
+            row_type = ir.VectorType(_I16, _ROW)
+            row_words = builder.load(builder.bitcast(builder.gep(table, [row]), row_type.as_pointer()), align=2)
+            count = count_reached(builder, magnitudes, row_words)
+            sign = builder.shl(builder.lshr(elements, ir.Constant(_V32xI16, [15] * _BLOCK32)),
+                               ir.Constant(_V32xI16, [3] * _BLOCK32))
+            pairs = builder.bitcast(builder.or_(count, sign), _V16xI32)  # element 2i in the low half
+            packed = builder.or_(builder.and_(pairs, ir.Constant(_V16xI32, [0xF] * 16)),
+                                 builder.shl(builder.lshr(pairs, ir.Constant(_V16xI32, [16] * 16)),
+                                             ir.Constant(_V16xI32, [4] * 16)))
+            out = context.make_array(sig.args[5])(context, builder, args[5]).data
+            at = builder.gep(out, [context.cast(builder, args[6], sig.args[6], types.intp)])
+            byte_vector = ir.VectorType(_I8, 16)
+            builder.store(builder.trunc(packed, byte_vector), builder.bitcast(at, byte_vector.as_pointer()), align=1)
+            return context.get_dummy_value()
+
+        return types.void(elems, index, mask, thr, byte, codes, code_index), codegen
+
+    store_block_codes16.__doc__ = """The 16 code bytes of the finite block ``elems[index : index + 32]`` under scale
+    byte ``byte``, stored at ``codes[code_index]`` (no bounds checks): per element the number of thresholds
+    ``thr[byte, :7]`` (_padded_thresholds: (256, 8) uint16, C-contiguous) its magnitude reaches, plus 8 for a
+    set sign bit; element 2i in the low nibble."""
+    return store_block_codes16
+
+
+_store_block_codes16_compares = _make_store_block_codes16(_count_by_compares)
+_store_block_codes16_search = _make_store_block_codes16(_count_by_search)
+_store_block_codes16 = _store_block_codes16_search if simd.HAS_AVX512BW else _store_block_codes16_compares
 
 
 @numba.njit(**NJIT_OPTIONS)
 def _quantize_range16(elems, mask, scale_of, thr, codes, scales, table, first_block, end_block, out_pairs):
     """Quantize blocks first_block .. end_block - 1 of 32 FP16 / BF16 elements: ``elems`` (32 * blocks,)
     uint16 bit patterns, ``mask`` their magnitude mask (uint16), ``scale_of`` tables.scale_bytes, ``thr``
-    _thresholds; codes (16 * blocks,) and scales (blocks,) uint8; with a non-empty ``table`` also their
+    _padded_thresholds; codes (16 * blocks,) and scales (blocks,) uint8; with a non-empty ``table`` also their
     decoded pairs into ``out_pairs`` (see _quantize_range). The bits of quantize_task, a block per vector."""
-    for b in range(first_block, end_block):
-        byte = scale_of[_block_amax16(elems, _BLOCK32 * b, mask)]
+    for b in range(np.uint64(first_block), np.uint64(end_block)):  # unsigned: no negative-index wrapping
+        start = np.uint64(_BLOCK32) * b
+        byte = scale_of[_block_amax16(elems, start, mask)]
         scales[b] = byte
         if byte == 0xFF:  # a NaN or Inf in the block
-            for i in range(16 * b, 16 * b + 16):
+            for i in range(start // np.uint64(2), start // np.uint64(2) + np.uint64(16)):
                 codes[i] = 0
         else:
-            _store_block_codes16(elems, _BLOCK32 * b, mask, thr, byte, codes, 16 * b)
+            _store_block_codes16(elems, start, mask, thr, byte, codes, start // np.uint64(2))
     if table.size:
         # np.int64: a literal 16 would compile a specialization of _dequantize_range of its own
         _dequantize_range(codes, scales, table, np.int64(_BLOCK32 // 2), first_block, end_block, out_pairs)
@@ -440,7 +489,7 @@ def _quantize_blocks_of(xt, block_size, scale_rule, rounding, codes, scales, deq
         out_pairs = dequantized.view(-1).view(out_word).numpy().view(_UNSIGNED[out_word])
     if block_size == _BLOCK32 and xt.element_size() == 2:  # MX's blocks of FP16 / BF16: the vector path
         operands = (xt.reshape(-1).view(torch.int16).numpy().view(np.uint16), np.uint16(_ABS_MASK[xt.dtype]),
-                    _scale_bytes(xt.dtype, scale_rule), _thresholds(xt.dtype, rounding), codes.view(-1).numpy(),
+                    _scale_bytes(xt.dtype, scale_rule), _padded_thresholds(xt.dtype, rounding), codes.view(-1).numpy(),
                     scales.view(-1).numpy(), table)
         run_tasks((_quantize_range16, _quantize_blocks16), operands, scales.numel(), out_pairs, serial)
         return
