@@ -232,13 +232,6 @@ _V32xI16 = ir.VectorType(_I16, _BLOCK32)
 _V16xI32 = ir.VectorType(_I32, _BLOCK32 // 2)
 
 
-def _splat(builder, scalar, vector_type):
-    undef = ir.Constant(vector_type, None)
-    first = builder.insert_element(undef, scalar, ir.Constant(_I32, 0))
-    lanes = ir.VectorType(_I32, vector_type.count)
-    return builder.shuffle_vector(first, undef, ir.Constant(lanes, [0] * vector_type.count))
-
-
 def _is_c_array(value, dtype, ndim: int) -> bool:
     return isinstance(value, types.Array) and value.dtype == dtype and value.ndim == ndim and value.layout == "C"
 
@@ -246,10 +239,9 @@ def _is_c_array(value, dtype, ndim: int) -> bool:
 def _load_block16(context, builder, sig, args):
     """(the 32 elements at ``elems[index]``, their magnitudes ``& mask``) as <32 x i16>; args (elems, index,
     mask, ...)."""
-    data = context.make_array(sig.args[0])(context, builder, args[0]).data
     index = context.cast(builder, args[1], sig.args[1], types.intp)
-    elements = builder.load(builder.bitcast(builder.gep(data, [index]), _V32xI16.as_pointer()), align=2)
-    return elements, builder.and_(elements, _splat(builder, args[2], _V32xI16))
+    elements = builder.load(simd._element_ptr(context, builder, sig.args[0], args[0], index, _V32xI16), align=2)
+    return elements, builder.and_(elements, simd._splat(builder, args[2], _V32xI16))
 
 
 @intrinsic
@@ -309,7 +301,11 @@ def _count_by_search(builder, magnitudes, row_words):
 
 
 def _make_store_block_codes16(count_reached):
-    """The intrinsic _store_block_codes16 with its per-element threshold count from ``count_reached``."""
+    """An intrinsic ``(elems, index, mask, thr, byte, codes, code_index)`` that stores the 16 code bytes of the
+    finite block ``elems[index : index + 32]`` under scale byte ``byte`` at ``codes[code_index]`` (no bounds
+    checks): per element the number of thresholds ``thr[byte, :7]`` (_padded_thresholds: (256, 8) uint16,
+    C-contiguous) its magnitude reaches, counted by ``count_reached``, plus 8 for a set sign bit; element 2i
+    in the low nibble."""
 
     @intrinsic
     def store_block_codes16(typingctx, elems, index, mask, thr, byte, codes, code_index):
@@ -330,18 +326,14 @@ def _make_store_block_codes16(count_reached):
             packed = builder.or_(builder.and_(pairs, ir.Constant(_V16xI32, [0xF] * 16)),
                                  builder.shl(builder.lshr(pairs, ir.Constant(_V16xI32, [16] * 16)),
                                              ir.Constant(_V16xI32, [4] * 16)))
-            out = context.make_array(sig.args[5])(context, builder, args[5]).data
-            at = builder.gep(out, [context.cast(builder, args[6], sig.args[6], types.intp)])
             byte_vector = ir.VectorType(_I8, 16)
-            builder.store(builder.trunc(packed, byte_vector), builder.bitcast(at, byte_vector.as_pointer()), align=1)
+            at = simd._element_ptr(context, builder, sig.args[5], args[5],
+                                   context.cast(builder, args[6], sig.args[6], types.intp), byte_vector)
+            builder.store(builder.trunc(packed, byte_vector), at, align=1)
             return context.get_dummy_value()
 
         return types.void(elems, index, mask, thr, byte, codes, code_index), codegen
 
-    store_block_codes16.__doc__ = """The 16 code bytes of the finite block ``elems[index : index + 32]`` under scale
-    byte ``byte``, stored at ``codes[code_index]`` (no bounds checks): per element the number of thresholds
-    ``thr[byte, :7]`` (_padded_thresholds: (256, 8) uint16, C-contiguous) its magnitude reaches, plus 8 for a
-    set sign bit; element 2i in the low nibble."""
     return store_block_codes16
 
 
