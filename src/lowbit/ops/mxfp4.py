@@ -91,11 +91,14 @@ def _quantize_probes():
 
 
 def _dequantize_probes():
-    """Every (scale byte, code byte) pair into every kernel output dtype; another axis and block size."""
+    """Every (scale byte, code byte) pair into every kernel output dtype, a quarter of the scale bytes per
+    probe (32768 elements: the CPU kernel's serial form, so that a self-check compiles no parallel loop);
+    another axis and block size."""
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(256).reshape(256, 256)
     scales = torch.arange(256, dtype=torch.int32).to(torch.uint8).unsqueeze(1).repeat(1, 16)
     for dtype in KERNEL_OUTPUT_DTYPES:
-        yield codes, scales, dtype, -1
+        for first in range(0, 256, 64):
+            yield codes[first : first + 64], scales[first : first + 64], dtype, -1
     varied = (torch.arange(20, dtype=torch.int32) * 13 % 256).to(torch.uint8).reshape(4, 5)
     yield codes[100:105, :24].T.contiguous(), varied, torch.float32, 0  # blocks of 12 along axis 0
 
