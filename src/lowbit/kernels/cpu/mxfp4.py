@@ -10,11 +10,13 @@ Quantize works on the integer bit patterns of the input, never on rounded floats
   ``thr[byte, j]`` is the smallest magnitude (as bits of the input type) that rounds past midpoint j at
   that scale (lowbit.kernels.mxfp4_tables, exact per input dtype and rounding mode), plus the sign.
 
-FP16 / BF16 in blocks of 32 (MX's block size) take a vector path: one block is one 32-lane vector of
-bit patterns, its scale byte a table entry indexed by its amax bits (tables.scale_bytes), its codes
-seven vector compares and a packing of lane pairs (_quantize_range16). Otherwise the input is read as
-words of two elements (element 2i in the low half), which is exactly one output code byte. Work is split into tasks of _BLOCKS_PER_TASK blocks, each running a few passes over
-L1/L2-resident scratch (see _quantize_task). Dequantize gathers both elements of a code byte at once from
+FP16 / BF16 in blocks of 32 (MX's block size) take a vector path (_quantize_range16): one block is one
+32-lane vector of bit patterns, its scale byte a table entry indexed by its amax bits
+(tables.scale_bytes), each element's threshold count a binary search with vpermw on AVX512-BW CPUs (else
+seven vector compares), and lane pairs packed into code bytes. Otherwise the input is read as words of
+two elements (element 2i in the low half), which is exactly one output code byte. Work is split into
+tasks of _BLOCKS_PER_TASK blocks, each running a few passes over L1/L2-resident scratch (see
+quantize_task). Dequantize gathers both elements of a code byte at once from
 a (scale byte, code byte) table built by the reference; :func:`fake_quantize` does both in one pass.
 Scale rules and element rounding: docs/mxfp4.md, sections 'Scale rules' and 'Element rounding'.
 """
@@ -172,7 +174,7 @@ def quantize_task(
 def _encode_block(lo, hi, codes, start, stop, thr, byte, mask):
     """codes[i] for i in [start, stop) from the threshold row of ``byte`` (0xFF: NaN/Inf block, codes 0).
 
-    The general path (any block size); blocks of 32 take the vector path in _quantize_task.
+    The general path (any block size); blocks of 32 (FP32 input here) take the unrolled loop in quantize_task.
     """
     if byte == 0xFF:
         for i in range(start, stop):
