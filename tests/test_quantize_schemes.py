@@ -1,6 +1,8 @@
 """Every scheme end to end on a small MLP: accuracy floor, fake quant vs deploy, packed sizes, operators."""
 
+import copy
 import math
+import pickle
 
 import pytest
 import torch
@@ -129,6 +131,56 @@ def test_weight_only_deploy_weights_equal_lowbit_operators(dtype):
     layer = deployed("int4-a16w4")
     assert torch.equal(layer.weight, packed) and torch.equal(layer.antiquant_scale, scale)
     assert torch.equal(layer.dequantized_weight(), dequantize_weight(packed, scale, None, 128).T.to(dtype))
+
+
+@pytest.mark.parametrize("scheme", ["hif8-wo", "fp8-wo", "mxfp4-wo", "hif4-wo", "mxfp8-w8a8"])
+def test_fused_deploy_layers_follow_every_change_of_their_buffers(scheme):
+    """A deploy layer binds its fused operator to its packed buffers once (PreparedLinear) and binds it
+    again when a buffer is replaced (load_state_dict of another layer's, a copy) or written in place: the
+    result is always the operator's on the current buffers; copies and pickles leave the binding out."""
+    models = [mlp(torch.bfloat16, seed) for seed in range(2)]
+    for model in models:
+        lowbit.quantize_(model, scheme)
+    layer, other = models[0][0], models[1][0]
+    _check_binding_follows(layer, other)
+
+
+@pytest.mark.parametrize("scheme", ["hif8-wo", "hif4-wo"])
+def test_fused_deploy_layers_of_inference_tensors_follow_load_state_dict(scheme):
+    """Quantized under torch.inference_mode, a layer's buffers are inference tensors, which have no version
+    counter; load_state_dict still binds the operator again."""
+    with torch.inference_mode():
+        models = [mlp(torch.bfloat16, seed) for seed in range(2)]
+        for model in models:
+            lowbit.quantize_(model, scheme)
+        layer, other = models[0][0], models[1][0]
+        x = inputs(torch.bfloat16)[:3]
+        before = layer(x)
+        layer.load_state_dict(other.state_dict())
+        assert torch.equal(layer(x), other(x)) and not torch.equal(layer(x), before)
+
+
+def _check_binding_follows(layer, other):
+    op, names = layer.fused_kernel(torch.bfloat16)
+    x = inputs(torch.bfloat16)[:3]
+
+    def operator_result(module):
+        y = op(module.quantize_input(x), *[module._buffers[name] for name in names], module.bias)
+        return y.view(torch.int16)  # bits: NaN compares equal to itself
+
+    assert torch.equal(layer(x).view(torch.int16), operator_result(layer))
+    prepared = layer._prepared[0]
+    assert layer(x) is not None and layer._prepared[0] is prepared  # kept between calls
+    layer.load_state_dict(other.state_dict())  # writes the buffers in place
+    assert torch.equal(layer(x).view(torch.int16), operator_result(other)) and layer._prepared[0] is not prepared
+    scale = layer._buffers[names[1]]  # scales, or HiFloat4's value bytes
+    with torch.no_grad():
+        scale.copy_(scale ^ 1 if scale.dtype == torch.uint8 else scale * 2)
+    assert torch.equal(layer(x).view(torch.int16), operator_result(layer))
+    assert not torch.equal(layer(x).view(torch.int16), operator_result(other))
+    copied = copy.deepcopy(layer)
+    assert copied._prepared is None and torch.equal(copied(x), layer(x))
+    assert pickle.loads(pickle.dumps(layer))._prepared is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)

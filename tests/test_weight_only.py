@@ -641,6 +641,57 @@ def test_sum_tree_folds_in_the_reference_order():
         assert np.float32(tree(values)).view(np.int32) == acc.numpy().view(np.int32)[0]
 
 
+# --- the prepared call of a fixed weight ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", WEIGHTS)
+def test_prepared_linear_equals_the_operator(fmt):
+    """PreparedLinear(op, weight)(x, bias) is op(x, *weight, bias), bit for bit, on every path (GEMV, batched,
+    GEMM), both x dtypes and every bias kind, with operands made once per x dtype."""
+    g = gen(11)
+    weight = WEIGHTS[fmt](40, 128, g)
+    prepared = ops.PreparedLinear(OPS[fmt], weight)
+    for dtype in (torch.bfloat16, torch.float16):
+        for m in (1, 3, 9, 40):
+            for bias in (None, torch.randn(40, generator=g).to(dtype), torch.randn(40, generator=g)):
+                x = torch.randn(2, m, 128, generator=g).to(dtype)
+                assert_bits(prepared(x, bias), OPS[fmt](x, *weight, bias))
+    assert set(prepared._operands) == {torch.bfloat16, torch.float16}
+
+
+def test_prepared_linear_takes_the_operator_path_where_the_call_is_not_plain():
+    """x requiring grad, a non-contiguous x, a bad dtype or shape, the reference backend, an empty x: the
+    operator's results and errors."""
+    g = gen(12)
+    weight = hif4_weight(24, 128, g)
+    prepared = ops.PreparedLinear(ops.HIFLOAT4_LINEAR, weight)
+    x = torch.randn(3, 256, generator=g).bfloat16()[:, ::2]
+    want = ops.HIFLOAT4_LINEAR(x, *weight, None)
+    assert_bits(prepared(x), want)
+    assert_bits(prepared(x.clone().requires_grad_()), want)
+    with lowbit.use_backend("reference"):
+        assert_bits(prepared(x), want)
+        assert lowbit.last_backend("hifloat4_linear") == "reference"
+    assert_bits(prepared(x), want) and lowbit.last_backend("hifloat4_linear") == "native"
+    assert prepared(x[:0]).shape == (0, 24)
+    with pytest.raises(DtypeError, match="float16 or bfloat16"):
+        prepared(x.float())
+    with pytest.raises(ShapeError, match="K = 128"):
+        prepared(x[:, :64])
+    with pytest.raises(ShapeError, match="bias"):
+        prepared(x, torch.zeros(5, dtype=torch.bfloat16))
+
+
+def test_prepared_linear_copies_a_non_contiguous_weight():
+    g = gen(13)
+    scale, value = hif4_weight(24, 128, g)
+    wide = torch.zeros(24, 128, dtype=torch.uint8)
+    wide[:, ::2] = value  # a strided view of the same values
+    prepared = ops.PreparedLinear(ops.HIFLOAT4_LINEAR, (scale, wide[:, ::2]))
+    assert prepared.weight[1].is_contiguous()
+    x = torch.randn(1, 128, generator=g).bfloat16()
+    assert_bits(prepared(x), ops.HIFLOAT4_LINEAR(x, scale, value, None))
+
+
 # --- contracts and errors -------------------------------------------------------------------------------------
 
 def test_public_functions_shapes_out_and_backend():

@@ -188,7 +188,7 @@ def _aligned(t: torch.Tensor) -> bool:
     return t.storage_offset() * t.element_size() % _ALIGNMENT == 0
 
 
-def _dense(t: torch.Tensor) -> torch.Tensor:
+def dense_aligned(t: torch.Tensor) -> torch.Tensor:
     """``t`` contiguous and aligned (a copy where it is not: a view at an odd offset of a larger buffer)."""
     t = t.contiguous()
     return t if _aligned(t) else t.clone()
@@ -365,14 +365,14 @@ class Operator:
     def run_into(self, args: Sequence, out: Any, backend: Optional[str] = None, fresh: bool = False) -> None:
         """Compute ``args`` into the validated ``out`` with the selected backend, then record it.
 
-        Inputs are made contiguous and aligned (see _dense); an output that is not contiguous or aligned or
+        Inputs are made contiguous and aligned (see dense_aligned); an output that is not contiguous or aligned or
         may overlap an input is computed into a temporary and copied in, so every backend gives the same
         result for any ``out``. ``fresh``: ``out`` was just allocated here (contiguous, sharing memory with
         nothing), so it is not checked.
         Kernels run under ``torch.no_grad()``."""
         if any(t.numel() == 0 for t in _as_tuple(out)):
             return
-        dense = tuple(_dense(a) if isinstance(a, torch.Tensor) and i not in self.scratch else a
+        dense = tuple(dense_aligned(a) if isinstance(a, torch.Tensor) and i not in self.scratch else a
                       for i, a in enumerate(args))
         name, kernel = self.kernel(_as_tuple(out)[0].device, backend, dense)  # out is on the inputs' device
         if fresh:

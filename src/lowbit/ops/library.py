@@ -116,26 +116,30 @@ def define(
 
 def dispatches_plainly(name: str, args: Sequence[Any], backend: Optional[str]) -> bool:
     """Whether ``torch.ops.lowbit.<name>(*args, backend)`` would only call the Operator ``name`` with these
-    arguments: every parameter of the operator is a tensor (optional ones may be None) and each argument a
-    plain one (type torch.Tensor or nn.Parameter, dense on the CPU, no conjugate or negative bit, not
-    requiring grad; an inference tensor is plain too), and nothing intercepts or records the call
-    (torch.compile, torch.jit tracing, the profiler, a TorchFunctionMode or TorchDispatchMode, functorch
-    transforms, functionalization)."""
+    arguments: every parameter of the operator is a tensor (optional ones may be None), each argument a
+    plain one (:func:`plain_tensor`), and nothing intercepts or records the call (:func:`plain_context`)."""
     optional = _TENSOR_PARAMETERS.get(name)
     if (optional is None or len(args) != len(optional) or not (backend is None or type(backend) is str)
-            or torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled()
-            or torch._C._get_tracing_state() is not None or torch._C._autograd._profiler_enabled()
-            or torch._C._dispatch_tls_local_include_set().raw_repr() & ~_DEFAULT_INCLUDED):
+            or not plain_context()):
         return False
-    for arg, can_be_none in zip(args, optional):
-        if arg is None and can_be_none:
-            continue
-        if type(arg) not in _PLAIN_TYPES or arg.requires_grad:
-            return False
-        keys = torch._C._dispatch_keys(arg)
-        if keys != _PLAIN_CPU_KEYS and keys != _INFERENCE_CPU_KEYS:
-            return False
-    return True
+    return all(plain_tensor(arg) or (arg is None and can_be_none) for arg, can_be_none in zip(args, optional))
+
+
+def plain_context() -> bool:
+    """Whether nothing would intercept or record a custom op's call here: torch.compile, torch.jit tracing,
+    the profiler, a TorchFunctionMode or TorchDispatchMode, functorch transforms, functionalization."""
+    return not (torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled()
+                or torch._C._get_tracing_state() is not None or torch._C._autograd._profiler_enabled()
+                or torch._C._dispatch_tls_local_include_set().raw_repr() & ~_DEFAULT_INCLUDED)
+
+
+def plain_tensor(arg: Any) -> bool:
+    """Whether ``arg`` is a plain tensor: type torch.Tensor or nn.Parameter, dense on the CPU, no conjugate
+    or negative bit, not requiring grad (an inference tensor is plain too)."""
+    if type(arg) not in _PLAIN_TYPES or arg.requires_grad:
+        return False
+    keys = torch._C._dispatch_keys(arg)
+    return keys == _PLAIN_CPU_KEYS or keys == _INFERENCE_CPU_KEYS
 
 
 _INT64 = (-(2**63), 2**63 - 1)

@@ -26,7 +26,7 @@ from lowbit.backends import get_backend
 from lowbit.kernels.cpu.memory import huge_page_copy
 from lowbit.nn.svd_quant import svd_quant_decompose
 from lowbit.ops.svd_quant import svd_quant
-from lowbit.ops.weight_only import float8_e4m3fn_linear, hifloat4_linear, hifloat8_linear, mxfp4_linear, mxfp8_linear
+from lowbit.ops import weight_only
 from lowbit.ops.wqbmm import PackedWeight, plan_weight_quant_batch_matmul, weight_quant_batch_matmul
 from lowbit.quantize.activations import ACT_KINDS, STATIC_KINDS, deploy_static_input, fake_quant_input
 from lowbit.quantize.calibration import QuantParams, fake_act_kind, layer_act_kind, make_calibrator, smoothed_weight
@@ -105,11 +105,13 @@ class QuantizedLinearBase(nn.Module):
         """Smoothing then activation fake quant; result in x's dtype. Fake quant divides by sigma and s_d;
         the deploy path of an ``amct_compat`` layer multiplies by their reciprocals rounded to the weight /
         output dtype, as AMCT's deploy ops (docs/quantize.md, "Fake quant vs deploy")."""
+        kind = self.cfg_meta["act_kind"] if deploy else self.cfg_meta.get("fake_act_kind", self.cfg_meta["act_kind"])
+        if kind == "none" and "smooth" not in self._buffers:  # weight-only: x as it is
+            return x
         npu_rounding = deploy and self.cfg_meta.get("amct_compat", False)
         xs = x
         if "smooth" in self._buffers:
             xs = x * (1 / self.smooth) if npu_rounding else x / self.smooth
-        kind = self.cfg_meta["act_kind"] if deploy else self.cfg_meta.get("fake_act_kind", self.cfg_meta["act_kind"])
         scale = self._buffers.get("act_scale")
         if npu_rounding and kind in STATIC_KINDS:
             return deploy_static_input(xs, kind, scale, x.dtype)
@@ -127,14 +129,21 @@ class QuantizedLinearBase(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.cfg_meta.get('format', '')}"
 
 
-# Weight formats with a fused weight-only kernel (lowbit.ops.weight_only): the op and its packed buffers.
+# Weight formats with a fused weight-only kernel (lowbit.ops.weight_only): the operator and its packed buffers.
 FUSED_LINEAR = {
-    "hifloat8": (hifloat8_linear, ("codes", "scale")),
-    "float8_e4m3fn": (float8_e4m3fn_linear, ("codes", "scale")),
-    "mxfp8_e4m3fn": (mxfp8_linear, ("codes", "scales")),
-    "mxfp4_e2m1": (mxfp4_linear, ("codes", "scales")),
-    "hifloat4": (hifloat4_linear, ("block_scale", "value")),
+    "hifloat8": (weight_only.HIFLOAT8_LINEAR, ("codes", "scale")),
+    "float8_e4m3fn": (weight_only.FLOAT8_E4M3FN_LINEAR, ("codes", "scale")),
+    "mxfp8_e4m3fn": (weight_only.MXFP8_LINEAR, ("codes", "scales")),
+    "mxfp4_e2m1": (weight_only.MXFP4_LINEAR, ("codes", "scales")),
+    "hifloat4": (weight_only.HIFLOAT4_LINEAR, ("block_scale", "value")),
 }
+
+
+def _contents_key(tensors) -> tuple:
+    """The memory and version counter (bumped by every in-place write) of each tensor. An inference tensor
+    has no version counter: a write in place to one, possible only under torch.inference_mode, is not seen
+    here (load_state_dict drops a deploy module's binding itself)."""
+    return tuple((t.data_ptr(), 0 if t.is_inference() else t._version) for t in tensors)
 
 
 _ROW_SCALED = ("hifloat8", "float8_e4m3fn")  # 8-bit codes with a per-row (or per-tensor) FP32 scale
@@ -150,6 +159,10 @@ class PackedLinear(QuantizedLinearBase):
     (docs/weight_only.md; docs/quantize.md, "Fake quant vs deploy")."""
 
     kind = "packed"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._prepared: Optional[tuple] = None  # (PreparedLinear, the buffers it was made from, _contents_key)
 
     def fused_kernel(self, dtype: torch.dtype) -> Optional[tuple]:
         """(operator, names of its packed buffers) of the fused kernel for inputs of ``dtype``, or None where
@@ -171,12 +184,31 @@ class PackedLinear(QuantizedLinearBase):
     def compute(self, x_q):
         fused = self.fused_kernel(x_q.dtype)
         if fused is not None:
-            op, names = fused
-            packed = [self._buffers[name] for name in names]
-            if self.cfg_meta["weight_type"] in _ROW_SCALED and packed[1].shape[0] == 1:  # a per-tensor scale (1,)
-                packed[1] = packed[1].expand(self.out_features)  # as the operator's (N,)
-            return op(x_q, *packed, self.bias)
+            return self._prepared_linear(*fused)(x_q, self.bias)
         return run_layer(self.cfg_meta["geometry"], x_q, self.dequantized_weight(), self.bias)
+
+    def _prepared_linear(self, op, names: tuple[str, ...]) -> weight_only.PreparedLinear:
+        """The fused operator bound to this layer's packed buffers, made again after any of them is replaced
+        or written (load_quantized, huge pages, a device move, load_state_dict)."""
+        buffers = tuple(self._buffers[name] for name in names)
+        if self._prepared is not None:
+            prepared, made_from, key = self._prepared
+            if prepared.op is op and all(a is b for a, b in zip(made_from, buffers)) and key == _contents_key(buffers):
+                return prepared
+        weight = list(buffers)
+        if self.cfg_meta["weight_type"] in _ROW_SCALED and weight[1].shape[0] == 1:  # a per-tensor scale (1,)
+            weight[1] = weight[1].expand(self.out_features)  # as the operator's (N,)
+        prepared = weight_only.PreparedLinear(op, [w.contiguous() for w in weight])
+        self._prepared = (prepared, buffers, _contents_key(buffers))
+        return prepared
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._prepared = None  # the buffers are written in place (seen by _contents_key but for inference tensors)
+        super()._load_from_state_dict(*args, **kwargs)
+
+    def __getstate__(self) -> dict:
+        """Pickling and copying leave out the prepared operator (views of this module's buffers)."""
+        return {**self.__dict__, "_prepared": None}
 
 
 # Int4Linear on the CPU: rows of x up to which it runs MSD; above, the "dequant" algorithm (the weight decoded

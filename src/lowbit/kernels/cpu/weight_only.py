@@ -1435,11 +1435,20 @@ class WeightOnlyLinear(Kernel):
 
     def run(self, x: torch.Tensor, *args, out: torch.Tensor) -> None:
         *weight, bias = args
+        self.run_prepared(x, self.prepare(*weight, k=x.shape[-1], dtype=x.dtype), bias, out=out)
+
+    def prepare(self, *weight: torch.Tensor, k: int, dtype: torch.dtype) -> tuple:
+        """The numba operands of a validated, contiguous packed weight of K = ``k`` for x of ``dtype``:
+        views of the weight's tensors (and, for HiFloat8, its scales rounded to ``dtype``), valid while the
+        weight's tensors keep their memory and values (lowbit.ops.weight_only.PreparedLinear)."""
+        return self._operands(*weight, k, dtype)
+
+    def run_prepared(self, x: torch.Tensor, operands: tuple, bias, *, out: torch.Tensor) -> None:
+        """:meth:`run` with the weight's operands from :meth:`prepare` (same ``dtype`` as x)."""
         k, n = x.shape[-1], out.shape[-1]
         m = out.numel() // n
         if out.dim() != 2:  # x too: (..., K) -> (M, K)
             x, out = x.reshape(m, k), out.view(m, n)
-        operands = self._operands(*weight, k, x.dtype)
         # Rows are handed out in chunks on demand (not split evenly up front), so a thread that the OS
         # deschedules on a shared machine does not make the other one wait at the end.
         if m <= GEMV_MAX_M:
