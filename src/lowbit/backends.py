@@ -237,6 +237,9 @@ class Operator:
     # (device, dtype signature or None for every probe) -> None or error
     _checked: dict[tuple, Optional[str]] = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    # (device, backend name, dtype signature) -> the kernel that name means there before ``supports``: what
+    # the self-check decided and the loaded native kernel, looked up once (not copied by dataclasses.replace)
+    _candidates: dict[tuple, tuple[str, Kernel]] = field(default_factory=dict, init=False, repr=False)
 
     # ---- kernels and backends ----------------------------------------------------------------------
 
@@ -307,9 +310,17 @@ class Operator:
     def kernel(self, device: torch.device | str, backend: Optional[str] = None, args: Sequence = ()) -> tuple[str, Kernel]:
         """(backend name, Kernel) that runs ``args`` on ``device``: see the module docstring."""
         name = check_backend_name(backend if backend is not None else get_backend())
-        if name == "reference" or (name == "auto" and self.auto_check_error(device, args) is not None):
-            return "reference", self.reference
-        kernel = self.native_kernel(device)
+        key = (device, name, dtype_signature(args))
+        candidate = self._candidates.get(key)
+        if candidate is None:
+            if name == "reference" or (name == "auto" and self.auto_check_error(device, args) is not None):
+                candidate = ("reference", self.reference)
+            else:
+                candidate = ("native", self.native_kernel(device))
+            self._candidates[key] = candidate
+        if candidate[0] == "reference":
+            return candidate
+        kernel = candidate[1]
         reason = kernel.supports(*args) if args else None
         if reason is None:
             return "native", kernel
