@@ -160,6 +160,16 @@ def test_fused_deploy_layers_of_inference_tensors_follow_load_state_dict(scheme)
         assert torch.equal(layer(x), other(x)) and not torch.equal(layer(x), before)
 
 
+@pytest.mark.parametrize("scheme", ["hif8-wo", "hif4-wo"])
+def test_compiled_deploy_model_gives_the_same_bits(scheme):
+    """Under torch.compile a deploy layer's call goes through the custom op (PreparedLinear's fast path is
+    for plain calls only); the bits are the eager model's."""
+    model = mlp(torch.bfloat16)
+    lowbit.quantize_(model, scheme)
+    x = inputs(torch.bfloat16)[:3]
+    assert torch.equal(torch.compile(model, backend="eager")(x), model(x))
+
+
 def _check_binding_follows(layer, other):
     op, names = layer.fused_kernel(torch.bfloat16)
     x = inputs(torch.bfloat16)[:3]
