@@ -145,10 +145,10 @@ def test_fused_deploy_layers_follow_every_change_of_their_buffers(scheme):
     _check_binding_follows(layer, other)
 
 
-@pytest.mark.parametrize("scheme", ["hif8-wo", "hif4-wo"])
+@pytest.mark.parametrize("scheme", ["hif8-wo", "hif4-wo", "int4-a16w4"])
 def test_fused_deploy_layers_of_inference_tensors_follow_load_state_dict(scheme):
     """Quantized under torch.inference_mode, a layer's buffers are inference tensors, which have no version
-    counter; load_state_dict still binds the operator again."""
+    counter; load_state_dict still binds the operator (int4: makes the PackedWeight) again."""
     with torch.inference_mode():
         models = [mlp(torch.bfloat16, seed) for seed in range(2)]
         for model in models:

@@ -139,11 +139,12 @@ FUSED_LINEAR = {
 }
 
 
-def _contents_key(tensors) -> tuple:
-    """The memory and version counter (bumped by every in-place write) of each tensor. An inference tensor
-    has no version counter: a write in place to one, possible only under torch.inference_mode, is not seen
-    here (load_state_dict drops a deploy module's binding itself)."""
-    return tuple((t.data_ptr(), 0 if t.is_inference() else t._version) for t in tensors)
+def tensor_state(t: torch.Tensor) -> tuple:
+    """What a cache made from ``t`` depends on: its memory, version counter (bumped by every in-place write,
+    such as load_state_dict's copy), device and shape. An inference tensor has no version counter: a write
+    in place to one, possible only under torch.inference_mode, is not seen here (load_state_dict drops the
+    deploy modules' caches itself)."""
+    return t.data_ptr(), None if t.is_inference() else t._version, t.device, tuple(t.shape)
 
 
 _ROW_SCALED = ("hifloat8", "float8_e4m3fn")  # 8-bit codes with a per-row (or per-tensor) FP32 scale
@@ -162,7 +163,7 @@ class PackedLinear(QuantizedLinearBase):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._prepared: Optional[tuple] = None  # (PreparedLinear, the buffers it was made from, _contents_key)
+        self._prepared: Optional[tuple] = None  # (PreparedLinear, the buffers it was made from, their tensor_state)
 
     def fused_kernel(self, dtype: torch.dtype) -> Optional[tuple]:
         """(operator, names of its packed buffers) of the fused kernel for inputs of ``dtype``, or None where
@@ -191,19 +192,20 @@ class PackedLinear(QuantizedLinearBase):
         """The fused operator bound to this layer's packed buffers, made again after any of them is replaced
         or written (load_quantized, huge pages, a device move, load_state_dict)."""
         buffers = tuple(self._buffers[name] for name in names)
+        state = tuple(map(tensor_state, buffers))
         if self._prepared is not None:
-            prepared, made_from, key = self._prepared
-            if prepared.op is op and all(a is b for a, b in zip(made_from, buffers)) and key == _contents_key(buffers):
+            prepared, made_from, made_state = self._prepared
+            if prepared.op is op and all(a is b for a, b in zip(made_from, buffers)) and made_state == state:
                 return prepared
         weight = list(buffers)
         if self.cfg_meta["weight_type"] in _ROW_SCALED and weight[1].shape[0] == 1:  # a per-tensor scale (1,)
             weight[1] = weight[1].expand(self.out_features)  # as the operator's (N,)
         prepared = weight_only.PreparedLinear(op, [w.contiguous() for w in weight])
-        self._prepared = (prepared, buffers, _contents_key(buffers))
+        self._prepared = (prepared, buffers, state)
         return prepared
 
     def _load_from_state_dict(self, *args, **kwargs):
-        self._prepared = None  # the buffers are written in place (seen by _contents_key but for inference tensors)
+        self._prepared = None  # the buffers are written in place (tensor_state misses it for inference tensors)
         super()._load_from_state_dict(*args, **kwargs)
 
     def __getstate__(self) -> dict:
@@ -254,11 +256,13 @@ class Int4Linear(PackedLinear):
         self._packed_from = self._weight_state()
         return self._packed
 
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._packed = None  # as PackedLinear's binding: the weight is written in place
+        super()._load_from_state_dict(*args, **kwargs)
+
     def _weight_state(self) -> tuple:
-        """What a PackedWeight was made from: the ``weight`` buffer's storage, version (bumped by in-place
-        writes such as load_state_dict's copy; inference tensors have none), device and shape."""
-        w = self.weight
-        return w.data_ptr(), None if w.is_inference() else w._version, w.device, tuple(w.shape)
+        """What a PackedWeight was made from: the ``weight`` buffer's tensor_state."""
+        return tensor_state(self.weight)
 
     def compute(self, x_q):
         x2 = x_q.reshape(-1, self.in_features).to(self.antiquant_scale.dtype)
