@@ -372,10 +372,10 @@ def hifloat4_linear(x: torch.Tensor, scale: torch.Tensor, value: torch.Tensor, b
 class PreparedLinear:
     """A weight-only operator bound to one packed weight that stays as it is (a deploy module's):
     ``prepared(x, bias)`` is ``op(x, *weight, bias)``, the same result, with less work per call: on a plain
-    CPU call (lowbit.ops.library.plain_context and plain_tensor) the weight is validated once, the kernel
-    chosen once per backend setting and dtypes, and the native kernel's operands of the weight (views of it;
-    for HiFloat8 also the scales rounded to x's dtype) made once per x dtype instead of per call, which
-    saves tens of microseconds on every call of a small layer. Any other call goes through the operator.
+    CPU call (lowbit.ops.library.plain_context and plain_tensor) the weight is validated once and the native
+    kernel's operands of the weight (views of it; for HiFloat8 also the scales rounded to x's dtype) are
+    made once per x dtype instead of per call, which saves tens of microseconds on every call of a small
+    layer. Any other call goes through the operator.
 
     ``weight``: the operator's weight tensors, used as they are if contiguous and aligned, else copied. The
     caller must make a new PreparedLinear whenever one of them is replaced or written; lowbit.quantize's
@@ -386,7 +386,6 @@ class PreparedLinear:
         self.op, self.weight = op, tuple(backends.dense_aligned(t) for t in weight)
         self._plain = all(plain_tensor(t) for t in self.weight)
         self._sizes: Optional[tuple[int, int]] = None  # (N, K) once the weight has been validated
-        self._kernels: dict[tuple, tuple[str, Kernel]] = {}  # (backend setting, x dtype, bias dtype): choice
         self._operands: dict[torch.dtype, tuple] = {}
 
     def __call__(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -401,11 +400,7 @@ class PreparedLinear:
         if out.numel() == 0:
             return out
         x, bias = backends.dense_aligned(x), None if bias is None else backends.dense_aligned(bias)
-        key = (backends.get_backend(), x.dtype, None if bias is None else bias.dtype)
-        choice = self._kernels.get(key)
-        if choice is None:  # which kernel runs depends on nothing else here (the weight is fixed)
-            choice = self._kernels[key] = self.op.kernel(out.device, None, (x, *self.weight, bias))
-        name, kernel = choice
+        name, kernel = self.op.kernel(out.device, None, (x, *self.weight, bias))
         with torch.no_grad():
             if hasattr(kernel, "run_prepared"):
                 operands = self._operands.get(x.dtype)
