@@ -135,7 +135,7 @@ def test_weight_only_deploy_weights_equal_lowbit_operators(dtype):
 
 @pytest.mark.parametrize("scheme", ["hif8-wo", "fp8-wo", "mxfp4-wo", "hif4-wo", "mxfp8-w8a8"])
 def test_fused_deploy_layers_follow_every_change_of_their_buffers(scheme):
-    """A deploy layer binds its fused operator to its packed buffers once (PreparedLinear) and binds it
+    """A deploy layer binds its fused operator to its packed buffers once (PreparedCall) and binds it
     again when a buffer is replaced (load_state_dict of another layer's, a copy) or written in place: the
     result is always the operator's on the current buffers; copies and pickles leave the binding out."""
     models = [mlp(torch.bfloat16, seed) for seed in range(2)]
@@ -145,7 +145,25 @@ def test_fused_deploy_layers_follow_every_change_of_their_buffers(scheme):
     _check_binding_follows(layer, other)
 
 
-@pytest.mark.parametrize("scheme", ["hif8-wo", "hif4-wo", "int4-a16w4"])
+def test_svdquant_deploy_layer_follows_its_tensors():
+    """The SVDQuant deploy layer binds svd_quant to its packed weight and factors once (PreparedCall); a
+    load_state_dict of another layer's tensors, or a write in place, binds it again (a copy, which has no
+    binding, gives the bits of the current tensors)."""
+    models = [mlp(torch.bfloat16, seed) for seed in range(2)]
+    for model in models:
+        lowbit.quantize_(model, "svdquant-r32")
+    layer, other = models[0][0], models[1][0]
+    x = inputs(torch.bfloat16)[:3]
+    before = layer(x)
+    assert torch.equal(before, lowbit.svd_quant(x, layer.w, layer.s, layer.down, layer.up) + layer.bias)
+    layer.load_state_dict(other.state_dict())
+    assert torch.equal(layer(x), other(x)) and not torch.equal(layer(x), before)
+    with torch.no_grad():
+        layer.s.copy_(layer.s ^ 1)  # every E8M0 scale byte one step away
+    assert torch.equal(layer(x), copy.deepcopy(layer)(x)) and not torch.equal(layer(x), other(x))
+
+
+@pytest.mark.parametrize("scheme", ["hif8-wo", "hif4-wo", "int4-a16w4", "svdquant-r32"])
 def test_fused_deploy_layers_of_inference_tensors_follow_load_state_dict(scheme):
     """Quantized under torch.inference_mode, a layer's buffers are inference tensors, which have no version
     counter; load_state_dict still binds the operator (int4: makes the PackedWeight) again."""
@@ -162,7 +180,7 @@ def test_fused_deploy_layers_of_inference_tensors_follow_load_state_dict(scheme)
 
 @pytest.mark.parametrize("scheme", ["hif8-wo", "hif4-wo"])
 def test_compiled_deploy_model_gives_the_same_bits(scheme):
-    """Under torch.compile a deploy layer's call goes through the custom op (PreparedLinear's fast path is
+    """Under torch.compile a deploy layer's call goes through the custom op (PreparedCall's fast path is
     for plain calls only); the bits are the eager model's."""
     model = mlp(torch.bfloat16)
     lowbit.quantize_(model, scheme)

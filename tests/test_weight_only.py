@@ -13,6 +13,7 @@ from lowbit.formats import weight_only as reference
 from lowbit.kernels.cpu import _simd as simd
 from lowbit.kernels.cpu import weight_only as cpu
 from lowbit.ops import weight_only as ops
+from lowbit.ops.library import PreparedCall
 from helpers import simd_binary
 
 triton_kernels = pytest.importorskip("lowbit.kernels.triton.weight_only", reason="triton is not installed")
@@ -644,26 +645,29 @@ def test_sum_tree_folds_in_the_reference_order():
 # --- the prepared call of a fixed weight ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("fmt", WEIGHTS)
-def test_prepared_linear_equals_the_operator(fmt):
-    """PreparedLinear(op, weight)(x, bias) is op(x, *weight, bias), bit for bit, on every path (GEMV, batched,
-    GEMM), both x dtypes and every bias kind, with operands made once per x dtype."""
+def test_prepared_call_equals_the_operator(fmt):
+    """PreparedCall(op, (*weight, bias))(x) is op(x, *weight, bias), bit for bit, on every path (GEMV, batched,
+    GEMM), both x dtypes and every bias kind, with the kernel's operands made once per x dtype."""
     g = gen(11)
     weight = WEIGHTS[fmt](40, 128, g)
-    prepared = ops.PreparedLinear(OPS[fmt], weight)
-    for dtype in (torch.bfloat16, torch.float16):
-        for m in (1, 3, 9, 40):
-            for bias in (None, torch.randn(40, generator=g).to(dtype), torch.randn(40, generator=g)):
+    for bias_dtype in (None, torch.bfloat16, torch.float16, torch.float32):
+        bias = None if bias_dtype is None else torch.randn(40, generator=g).to(bias_dtype)
+        prepared = PreparedCall(OPS[fmt], (*weight, bias))
+        for dtype in (torch.bfloat16, torch.float16):
+            if bias is not None and bias.dtype not in (dtype, torch.float32):
+                continue
+            for m in (1, 3, 9, 40):
                 x = torch.randn(2, m, 128, generator=g).to(dtype)
-                assert_bits(prepared(x, bias), OPS[fmt](x, *weight, bias))
-    assert set(prepared._operands) == {torch.bfloat16, torch.float16}
+                assert_bits(prepared(x), OPS[fmt](x, *weight, bias))
+        assert len(prepared._prepared) == (2 if bias_dtype in (None, torch.float32) else 1)
 
 
-def test_prepared_linear_takes_the_operator_path_where_the_call_is_not_plain():
+def test_prepared_call_takes_the_operator_path_where_the_call_is_not_plain():
     """x requiring grad, a non-contiguous x, a bad dtype or shape, the reference backend, an empty x: the
     operator's results and errors."""
     g = gen(12)
     weight = hif4_weight(24, 128, g)
-    prepared = ops.PreparedLinear(ops.HIFLOAT4_LINEAR, weight)
+    prepared = PreparedCall(ops.HIFLOAT4_LINEAR, (*weight, None))
     x = torch.randn(3, 256, generator=g).bfloat16()[:, ::2]
     want = ops.HIFLOAT4_LINEAR(x, *weight, None)
     assert_bits(prepared(x), want)
@@ -678,16 +682,16 @@ def test_prepared_linear_takes_the_operator_path_where_the_call_is_not_plain():
     with pytest.raises(ShapeError, match="K = 128"):
         prepared(x[:, :64])
     with pytest.raises(ShapeError, match="bias"):
-        prepared(x, torch.zeros(5, dtype=torch.bfloat16))
+        PreparedCall(ops.HIFLOAT4_LINEAR, (*weight, torch.zeros(5, dtype=torch.bfloat16)))(x)
 
 
-def test_prepared_linear_copies_a_non_contiguous_weight():
+def test_prepared_call_copies_a_non_contiguous_weight():
     g = gen(13)
     scale, value = hif4_weight(24, 128, g)
     wide = torch.zeros(24, 128, dtype=torch.uint8)
     wide[:, ::2] = value  # a strided view of the same values
-    prepared = ops.PreparedLinear(ops.HIFLOAT4_LINEAR, (scale, wide[:, ::2]))
-    assert prepared.weight[1].is_contiguous()
+    prepared = PreparedCall(ops.HIFLOAT4_LINEAR, (scale, wide[:, ::2], None))
+    assert prepared.fixed[1].is_contiguous()
     x = torch.randn(1, 128, generator=g).bfloat16()
     assert_bits(prepared(x), ops.HIFLOAT4_LINEAR(x, scale, value, None))
 

@@ -25,7 +25,7 @@ from lowbit.backends import Kernel, TensorSpec
 from lowbit.errors import DtypeError, ShapeError
 from lowbit.formats import hifloat4, hifloat8, mxfp4, mxfp8
 from lowbit.formats import weight_only as reference
-from lowbit.ops.library import call, define, plain_context, plain_tensor
+from lowbit.ops.library import call, define
 
 X_DTYPES = (torch.float16, torch.bfloat16)
 MXFP4_BLOCK = 32
@@ -368,46 +368,3 @@ def hifloat4_linear(x: torch.Tensor, scale: torch.Tensor, value: torch.Tensor, b
     """
     return call(HIFLOAT4_LINEAR, (x, scale, value, bias), out, backend)
 
-
-class PreparedLinear:
-    """A weight-only operator bound to one packed weight that stays as it is (a deploy module's):
-    ``prepared(x, bias)`` is ``op(x, *weight, bias)``, the same result, with less work per call: on a plain
-    CPU call (lowbit.ops.library.plain_context and plain_tensor) the weight is validated once and the native
-    kernel's operands of the weight (views of it; for HiFloat8 also the scales rounded to x's dtype) are
-    made once per x dtype instead of per call, which saves tens of microseconds on every call of a small
-    layer. Any other call goes through the operator.
-
-    ``weight``: the operator's weight tensors, used as they are if contiguous and aligned, else copied. The
-    caller must make a new PreparedLinear whenever one of them is replaced or written; lowbit.quantize's
-    deploy modules do that.
-    """
-
-    def __init__(self, op: backends.Operator, weight) -> None:
-        self.op, self.weight = op, tuple(backends.dense_aligned(t) for t in weight)
-        self._plain = all(plain_tensor(t) for t in self.weight)
-        self._sizes: Optional[tuple[int, int]] = None  # (N, K) once the weight has been validated
-        self._operands: dict[torch.dtype, tuple] = {}
-
-    def __call__(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        args = (x, *self.weight, bias)
-        if not (self._plain and plain_context() and plain_tensor(x) and (bias is None or plain_tensor(bias))):
-            return call(self.op, args)
-        if self._sizes is None:
-            (spec,) = self.op.outputs(*args)  # validates the weight too
-            self._sizes = (spec.shape[-1], x.shape[-1])
-        (spec,) = _output(self.op.name, x, bias, *self._sizes)
-        out = torch.empty(spec.shape, dtype=spec.dtype)
-        if out.numel() == 0:
-            return out
-        x, bias = backends.dense_aligned(x), None if bias is None else backends.dense_aligned(bias)
-        name, kernel = self.op.kernel(out.device, None, (x, *self.weight, bias))
-        with torch.no_grad():
-            if hasattr(kernel, "run_prepared"):
-                operands = self._operands.get(x.dtype)
-                if operands is None:
-                    operands = self._operands[x.dtype] = kernel.prepare(*self.weight, k=x.shape[-1], dtype=x.dtype)
-                kernel.run_prepared(x, operands, bias, out=out)
-            else:
-                kernel.run(x, *self.weight, bias, out=out)
-        self.op.record(name)
-        return out

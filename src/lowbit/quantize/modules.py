@@ -25,8 +25,9 @@ from torch import nn
 from lowbit.backends import get_backend
 from lowbit.kernels.cpu.memory import huge_page_copy
 from lowbit.nn.svd_quant import svd_quant_decompose
-from lowbit.ops.svd_quant import svd_quant
 from lowbit.ops import weight_only
+from lowbit.ops.library import PreparedCall
+from lowbit.ops.svd_quant import SVD_QUANT
 from lowbit.ops.wqbmm import PackedWeight, plan_weight_quant_batch_matmul, weight_quant_batch_matmul
 from lowbit.quantize.activations import ACT_KINDS, STATIC_KINDS, deploy_static_input, fake_quant_input
 from lowbit.quantize.calibration import QuantParams, fake_act_kind, layer_act_kind, make_calibrator, smoothed_weight
@@ -71,6 +72,28 @@ class QuantizedLinearBase(nn.Module):
 
     def packed_tensors(self) -> dict[str, torch.Tensor]:
         return dict(self.named_buffers(recurse=False))
+
+    def prepared_call(self, op, sources: tuple, arguments=None) -> PreparedCall:
+        """``op`` bound to its arguments after x, made from ``sources`` (this module's tensors or None) by
+        ``arguments(*sources)`` (default: the sources themselves): kept between calls, made again after any
+        source is replaced or written (load_state_dict, a device move, huge pages)."""
+        state = tuple(None if t is None else tensor_state(t) for t in sources)
+        kept = self.__dict__.get("_prepared")  # not an nn.Module attribute: absent from older pickled modules
+        if kept is not None:
+            prepared, made_from, made_state = kept
+            if prepared.op is op and made_state == state and all(a is b for a, b in zip(made_from, sources)):
+                return prepared
+        prepared = PreparedCall(op, sources if arguments is None else arguments(*sources))
+        self.__dict__["_prepared"] = (prepared, sources, state)
+        return prepared
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self.__dict__["_prepared"] = None  # written in place: tensor_state misses it for inference tensors
+        super()._load_from_state_dict(*args, **kwargs)
+
+    def __getstate__(self) -> dict:
+        """Pickling and copying leave out the prepared call (views of this module's tensors)."""
+        return {**self.__dict__, "_prepared": None}
 
     def packed_nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.packed_tensors().values())
@@ -161,10 +184,6 @@ class PackedLinear(QuantizedLinearBase):
 
     kind = "packed"
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._prepared: Optional[tuple] = None  # (PreparedLinear, the buffers it was made from, their tensor_state)
-
     def fused_kernel(self, dtype: torch.dtype) -> Optional[tuple]:
         """(operator, names of its packed buffers) of the fused kernel for inputs of ``dtype``, or None where
         this layer has none (see the class docstring)."""
@@ -185,32 +204,17 @@ class PackedLinear(QuantizedLinearBase):
     def compute(self, x_q):
         fused = self.fused_kernel(x_q.dtype)
         if fused is not None:
-            return self._prepared_linear(*fused)(x_q, self.bias)
+            op, names = fused
+            buffers = tuple(self._buffers[name] for name in names)
+            return self.prepared_call(op, (*buffers, self.bias), self._fused_arguments)(x_q)
         return run_layer(self.cfg_meta["geometry"], x_q, self.dequantized_weight(), self.bias)
 
-    def _prepared_linear(self, op, names: tuple[str, ...]) -> weight_only.PreparedLinear:
-        """The fused operator bound to this layer's packed buffers, made again after any of them is replaced
-        or written (load_quantized, huge pages, a device move, load_state_dict)."""
-        buffers = tuple(self._buffers[name] for name in names)
-        state = tuple(map(tensor_state, buffers))
-        if self._prepared is not None:
-            prepared, made_from, made_state = self._prepared
-            if prepared.op is op and all(a is b for a, b in zip(made_from, buffers)) and made_state == state:
-                return prepared
-        weight = list(buffers)
-        if self.cfg_meta["weight_type"] in _ROW_SCALED and weight[1].shape[0] == 1:  # a per-tensor scale (1,)
-            weight[1] = weight[1].expand(self.out_features)  # as the operator's (N,)
-        prepared = weight_only.PreparedLinear(op, [w.contiguous() for w in weight])
-        self._prepared = (prepared, buffers, state)
-        return prepared
-
-    def _load_from_state_dict(self, *args, **kwargs):
-        self._prepared = None  # the buffers are written in place (tensor_state misses it for inference tensors)
-        super()._load_from_state_dict(*args, **kwargs)
-
-    def __getstate__(self) -> dict:
-        """Pickling and copying leave out the prepared operator (views of this module's buffers)."""
-        return {**self.__dict__, "_prepared": None}
+    def _fused_arguments(self, codes, scale, bias) -> tuple:
+        """The fused operator's arguments after x from the packed buffers and the bias: a per-tensor scale (1,)
+        of HiFloat8 / FP8 expanded to the operator's (N,)."""
+        if self.cfg_meta["weight_type"] in _ROW_SCALED and scale.shape[0] == 1:
+            scale = scale.expand(self.out_features)
+        return codes, scale, bias
 
 
 # Int4Linear on the CPU: rows of x up to which it runs MSD; above, the "dequant" algorithm (the weight decoded
@@ -292,7 +296,8 @@ class SVDQuantLinearDeploy(QuantizedLinearBase):
     def compute(self, x_q):
         xb = x_q.to(torch.bfloat16)
         x3 = xb.reshape(-1, self.in_features) if xb.dim() == 1 else xb
-        y = svd_quant(x3, self.w, self.s, self.down, self.up).reshape(*x_q.shape[:-1], self.out_features)
+        y = self.prepared_call(SVD_QUANT, (self.w, self.s, self.down, self.up))(x3)
+        y = y.reshape(*x_q.shape[:-1], self.out_features)
         y = y.to(x_q.dtype)
         return y if self.bias is None else y + self.bias
 

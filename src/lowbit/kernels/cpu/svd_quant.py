@@ -319,9 +319,19 @@ class SvdQuant(Kernel):
     """svd_quant on the CPU: contiguous x (B..., S, K) BF16 and the other inputs into contiguous BF16 ``out``."""
 
     def run(self, x, w, s, d, u, *, out) -> None:
+        self.run_prepared(x, self.prepare(x.dtype, x.shape[-1], w, s, d, u), out=out)
+
+    @staticmethod
+    def prepare(dtype, k, w, s, d, u) -> tuple:
+        """(w, per-block scales (N, K/32), d, u) of validated, contiguous inputs of K = ``k``: the scales are
+        made once where the weight stays as it is (lowbit.ops.library.PreparedCall)."""
+        return w, weight_scales(s, k).contiguous(), d, u
+
+    def run_prepared(self, x, prepared, *, out) -> None:
+        """:meth:`run` with the weight's part from :meth:`prepare`."""
+        w, scales, d, u = prepared
         k, n = x.shape[-1], u.shape[1]
         x2d, out2d = x.view(-1, k), out.view(-1, n)
-        scales = weight_scales(s, k).contiguous()
         if x2d.shape[0] <= GEMV_MAX_M and INTEGER_PRODUCTS:
             self._decode(x2d, w, scales, d, u, out2d)
             return

@@ -1434,17 +1434,18 @@ class WeightOnlyLinear(Kernel):
         self.order = np.array(_order(*split), dtype=np.int32)
 
     def run(self, x: torch.Tensor, *args, out: torch.Tensor) -> None:
+        self.run_prepared(x, self.prepare(x.dtype, x.shape[-1], *args), out=out)
+
+    def prepare(self, dtype: torch.dtype, k: int, *args) -> tuple:
+        """(numba operands, bias) of a validated, contiguous packed weight of K = ``k`` and its bias, for x of
+        ``dtype``: the operands are views of the weight's tensors (and, for HiFloat8, its scales rounded to
+        ``dtype``), valid while those keep their memory and values (lowbit.ops.library.PreparedCall)."""
         *weight, bias = args
-        self.run_prepared(x, self.prepare(*weight, k=x.shape[-1], dtype=x.dtype), bias, out=out)
+        return self._operands(*weight, k, dtype), bias
 
-    def prepare(self, *weight: torch.Tensor, k: int, dtype: torch.dtype) -> tuple:
-        """The numba operands of a validated, contiguous packed weight of K = ``k`` for x of ``dtype``:
-        views of the weight's tensors (and, for HiFloat8, its scales rounded to ``dtype``), valid while the
-        weight's tensors keep their memory and values (lowbit.ops.weight_only.PreparedLinear)."""
-        return self._operands(*weight, k, dtype)
-
-    def run_prepared(self, x: torch.Tensor, operands: tuple, bias, *, out: torch.Tensor) -> None:
-        """:meth:`run` with the weight's operands from :meth:`prepare` (same ``dtype`` as x)."""
+    def run_prepared(self, x: torch.Tensor, prepared: tuple, *, out: torch.Tensor) -> None:
+        """:meth:`run` with the weight's operands and the bias from :meth:`prepare` (for x's dtype)."""
+        operands, bias = prepared
         k, n = x.shape[-1], out.shape[-1]
         m = out.numel() // n
         if out.dim() != 2:  # x too: (..., K) -> (M, K)
