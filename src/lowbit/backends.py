@@ -118,7 +118,8 @@ class Kernel:
     ``supports(*args)`` returns None when this kernel computes these (already validated) arguments, else a
     short reason ("group_size 96: this kernel takes 32, 64 or 128"); ``auto`` then runs the reference for
     that call and ``native`` raises BackendUnavailable with the reason. Operators may declare extra
-    methods for their kernels (the matmul's workspace size and weight prepacking).
+    methods for their kernels (the matmul's workspace size and weight prepacking; ``prepare`` and
+    ``run_prepared`` for lowbit.ops.library.PreparedCall).
     """
 
     def supports(self, *args: Any) -> Optional[str]:
