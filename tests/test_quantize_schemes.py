@@ -156,6 +156,8 @@ def test_svdquant_deploy_layer_follows_its_tensors():
     x = inputs(torch.bfloat16)[:3]
     before = layer(x)
     assert torch.equal(before, lowbit.svd_quant(x, layer.w, layer.s, layer.down, layer.up) + layer.bias)
+    xs = inputs(torch.bfloat16)  # 32 rows: the prefill path with the same prepared scales
+    assert torch.equal(layer(xs), lowbit.svd_quant(xs, layer.w, layer.s, layer.down, layer.up) + layer.bias)
     layer.load_state_dict(other.state_dict())
     assert torch.equal(layer(x), other(x)) and not torch.equal(layer(x), before)
     with torch.no_grad():

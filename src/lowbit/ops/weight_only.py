@@ -367,4 +367,3 @@ def hifloat4_linear(x: torch.Tensor, scale: torch.Tensor, value: torch.Tensor, b
     (N, K/2) uint8. x (..., K) FP16/BF16 -> (..., N) in x's dtype (module docstring).
     """
     return call(HIFLOAT4_LINEAR, (x, scale, value, bias), out, backend)
-

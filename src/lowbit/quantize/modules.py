@@ -261,7 +261,7 @@ class Int4Linear(PackedLinear):
         return self._packed
 
     def _load_from_state_dict(self, *args, **kwargs):
-        self._packed = None  # as PackedLinear's binding: the weight is written in place
+        self._packed = None  # written in place, as prepared_call's sources (see QuantizedLinearBase)
         super()._load_from_state_dict(*args, **kwargs)
 
     def _weight_state(self) -> tuple:
