@@ -1,17 +1,19 @@
-"""Packed weights in memory advised for huge pages (lowbit.kernels.cpu.memory): same values, 2 MiB aligned,
+"""lowbit.kernels.cpu.memory. Packed weights in memory advised for huge pages: same values, 2 MiB aligned,
 independent of the source, alive as long as any view; deploy modules put their large buffers there at
-convert and at load, and compute the same bits."""
+convert and at load, and compute the same bits. The per-thread scratch buffer: kept between calls, grown on
+demand, one per thread."""
 
 import gc
 import importlib
 import mmap
+import threading
 
 import pytest
 import torch
 from torch import nn
 
 import lowbit
-from lowbit.kernels.cpu.memory import HUGE_PAGE, huge_page_copy
+from lowbit.kernels.cpu.memory import HUGE_PAGE, huge_page_copy, thread_scratch
 
 MIB3 = 3 << 20
 advised = pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no MADV_HUGEPAGE on this platform")
@@ -80,3 +82,23 @@ def test_deploy_modules_hold_large_buffers_in_huge_page_memory(scheme, tmp_path,
     # one copy per buffer and the int4 kernel layout: none of the placeholders the loaded tensors replace
     assert len(copied) == len(layer.packed_tensors()) + (scheme == "int4-a16w4")
     assert torch.equal(loaded(x), before)
+
+
+def test_thread_scratch_is_kept_grown_on_demand_and_per_thread():
+    first = thread_scratch(1000)
+    assert first.shape == (1000,) and first.dtype == torch.uint8 and first.device.type == "cpu"
+    smaller = thread_scratch(10)
+    assert smaller.data_ptr() == first.data_ptr() and smaller.shape == (10,)  # the same memory, no new allocation
+    larger = thread_scratch(1 << 20)
+    assert larger.shape == (1 << 20,)
+    assert thread_scratch(1000).data_ptr() == larger.data_ptr()  # kept at the larger size
+    others = []
+    worker = threading.Thread(target=lambda: others.append(thread_scratch(1000).data_ptr()))
+    worker.start()
+    worker.join()
+    assert others[0] != larger.data_ptr()  # another thread has its own buffer
+
+
+def test_thread_scratch_rejects_a_negative_size():
+    with pytest.raises(ValueError, match="nbytes must be >= 0, got -1"):
+        thread_scratch(-1)

@@ -12,6 +12,7 @@ from lowbit.formats import hifloat4, hifloat8, mxfp4, mxfp8
 from lowbit.formats import weight_only as reference
 from lowbit.kernels.cpu import _simd as simd
 from lowbit.kernels.cpu import weight_only as cpu
+from lowbit.kernels.cpu.memory import thread_scratch
 from lowbit.ops import weight_only as ops
 from lowbit.ops.library import PreparedCall
 from helpers import simd_binary
@@ -385,6 +386,17 @@ def test_gemm_path_in_several_tiles(monkeypatch, dtype):
     finite[4] = False
     assert ((lo.float() <= got.float()) & (got.float() <= hi.float()))[:, finite].all()
     assert (bits(got[:, 4]) == reference.NAN_BITS[dtype]).all()
+
+
+def test_gemm_path_ignores_what_the_scratch_buffer_held():
+    """The tiles are decoded into the thread's scratch buffer, kept between calls: columns past K (K = 352
+    is padded to 384) and rows left over from a larger earlier tile must not reach the result."""
+    g = gen(16)
+    codes, scales = mxfp4_weight(40, 352, g)
+    x = torch.randn(GEMM_M, 352, generator=g).bfloat16()
+    want = torch.nn.functional.linear(x, reference.mxfp4_weight(codes, scales).bfloat16())
+    thread_scratch(1 << 20).fill_(0xFF)  # NaN in BF16 and in float32 everywhere
+    assert_bits(lowbit.mxfp4_linear(x, codes, scales, backend="native"), want)
 
 
 @pytest.mark.parametrize("with_bias", [False, True])

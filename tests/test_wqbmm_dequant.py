@@ -112,12 +112,13 @@ def test_products_lie_in_the_summation_interval(seed, m, g, groups, n, bf16, wit
 
 
 def test_tile_widths_follow_the_budget():
-    assert dequant.tile_columns(4096, 4096, 2) == 2048  # 16 MiB of BF16
-    assert dequant.tile_columns(4096, 4096, 4) == 1024
+    assert dequant.tile_columns(4096, 4096, 2) == 4096  # 32 MiB of BF16: the whole weight
+    assert dequant.tile_columns(4096, 12288, 2) == 8192  # 64 MiB
+    assert dequant.tile_columns(4096, 12288, 4) == 4096
     assert dequant.tile_columns(64, 100, 2) == 100  # all of N
-    assert dequant.tile_columns(1 << 20, 4096, 4) == 32  # at least one decode step
-    sizes = dequant.workspace_sizes(8, 4096, 4096, 128)
-    assert sizes["tile"] == 16 << 20 and sizes["y32"] == 4 * 8 * 1024
+    assert dequant.tile_columns(1 << 22, 4096, 4) == 32  # at least one decode step
+    sizes = dequant.workspace_sizes(8, 4096, 12288, 128)
+    assert sizes["tile"] == 64 << 20 and sizes["y32"] == 4 * 8 * 4096
 
 
 def test_a_reused_workspace_and_out_give_the_same_result():

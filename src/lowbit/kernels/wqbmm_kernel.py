@@ -25,6 +25,7 @@ import torch
 
 from lowbit.backends import Kernel, overlaps
 from lowbit.errors import DeviceError, DtypeError, ShapeError
+from lowbit.kernels.cpu.memory import thread_scratch
 
 WORKSPACE_ALIGNMENT = 64  # bytes; torch's allocators align every allocation at least this much
 MSD = "msd"
@@ -89,7 +90,8 @@ class WqbmmKernel(Kernel):
     def run(self, x, weight, antiquant_scale, antiquant_offset, group_size, algorithm, template, workspace=None,
             prepacked=False, *, out) -> None:
         """``out`` (..., N) <- the product, for operands validated by the operator (see the module
-        docstring); the weight and the workspace are checked here. Allocates a workspace when None."""
+        docstring); the weight and the workspace are checked here. Without a workspace: the calling thread's
+        scratch buffer on the CPU (lowbit.kernels.cpu.memory.thread_scratch), a new one elsewhere."""
         k, n = x.shape[-1], out.shape[-1]
         m = out.numel() // n if n else 0
         if m == 0:
@@ -99,8 +101,9 @@ class WqbmmKernel(Kernel):
         self._check_weight(weight, x.device, self.packed_shape(k, n, group_size) if prepacked else (k, n // 2),
                            "packed weight" if prepacked else "weight")
         nbytes = self.workspace_nbytes(m, k, n, group_size, template, prepacked, algorithm)
-        if workspace is None:
-            workspace = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
+        if workspace is None:  # on the CPU the thread's scratch buffer: kept between calls, no page faults
+            workspace = thread_scratch(nbytes) if x.device.type == "cpu" else \
+                torch.empty(nbytes, dtype=torch.uint8, device=x.device)
         else:
             operands = {"x": x, "weight": weight, "antiquant_scale": antiquant_scale,
                         "antiquant_offset": antiquant_offset, "out": out}

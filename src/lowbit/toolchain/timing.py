@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -56,3 +57,22 @@ def median_seconds(
 def gbps(nbytes: int, seconds: float) -> float:
     """Bytes moved (read + written) per second, in GB/s (1e9)."""
     return nbytes / seconds / 1e9
+
+
+def last_level_cache_bytes(cache_dir: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
+    """Size in bytes of the CPU's last-level cache as Linux reports it (the highest ``level`` under
+    ``cache_dir``); 0 where that is not readable (another OS, a container without /sys). Benchmarks that
+    stream weights cycle through more than this, so that they are read from memory as in a model."""
+    sizes = {}
+    for index in Path(cache_dir).glob("index*"):
+        try:
+            level = int((index / "level").read_text())
+            size = (index / "size").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        if size[-1:] in units and size[:-1].isdigit():
+            sizes[level] = max(sizes.get(level, 0), int(size[:-1]) * units[size[-1]])
+        elif size.isdigit():
+            sizes[level] = max(sizes.get(level, 0), int(size))
+    return sizes[max(sizes)] if sizes else 0

@@ -119,6 +119,26 @@ def flat(typingctx, arr):
     return result(arr), codegen
 
 
+PREFER_512_BIT = '"prefer-vector-width"="512"'  # the LLVM function attribute (what clang -mprefer-vector-width sets)
+
+
+@intrinsic
+def prefer_512_bit_vectors(typingctx):
+    """Marks the function being compiled (for a ``numba.prange`` body: the parallel loop's own function) so
+    that LLVM's auto-vectorizer uses 512-bit vectors where the CPU has them. LLVM prefers 256-bit vectors
+    on Intel CPUs with AVX-512 (not on AMD Zen 4), which halves the lanes of element-wise loops that only
+    the auto-vectorizer vectorizes (HiFloat8 encode / decode: 20-30 % more time on an Intel Xeon,
+    benchmarks/results_hifloat8.md). Not for functions that build 512-bit vectors themselves: there the
+    preference changes LLVM's lowering of their shuffles for the worse. Compiles to nothing."""
+
+    def codegen(context, builder, sig, args):
+        # llvmlite's FunctionAttributes admits only its known keywords; a string attribute is written as is
+        set.add(builder.function.attributes, PREFER_512_BIT)
+        return context.get_dummy_value()
+
+    return types.none(), codegen
+
+
 def aligned_constant(builder, name: str, array: np.ndarray, align: int = 64):
     """An i8 pointer to the bytes of ``array`` as a constant of the module being built (global ``name``, made
     once per module), starting on an ``align``-byte boundary: numba's own array constants are aligned to

@@ -41,7 +41,7 @@ from lowbit.dtypes import SAME_WIDTH_INT
 from lowbit.formats import hifloat4 as ref
 from lowbit.formats.hifloat4 import BLOCK
 from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, SerialOrParallel, as_numpy, runs_serially
-from lowbit.kernels.cpu._simd import flat
+from lowbit.kernels.cpu._simd import flat, prefer_512_bit_vectors
 
 _BLOCKS_PER_TASK = 256  # blocks per parallel task
 # Inputs of fewer blocks run the kernels' serial versions on the calling thread (see SerialOrParallel): waking
@@ -284,11 +284,13 @@ def _fake_quant_rows_typed(src, dst, first, last, work, mag_mask, inf_mag, shift
     # second of compiling): FP32 for 32-bit patterns, BF16 and FP16 for 16-bit ones.
     if src.dtype.bitwidth == 32:
         def rows_f32(src, dst, first, last, work, mag_mask, inf_mag, shift, widen, kind, nan_bits):
+            prefer_512_bit_vectors()
             for n in range(first, last):
                 _quantize_block(src, dst, n, work, mag_mask, inf_mag, shift, widen, _f32_out, nan_bits)
         return rows_f32
 
     def rows_16(src, dst, first, last, work, mag_mask, inf_mag, shift, widen, kind, nan_bits):
+        prefer_512_bit_vectors()
         for n in range(first, last):
             if kind == _KIND_BF16:
                 _quantize_block(src, dst, n, work, mag_mask, inf_mag, shift, widen, _bf16_out, nan_bits)
@@ -310,6 +312,7 @@ def _fake_quant_tiles(src, dst, first, last, inner, mag_mask, inf_mag, shift, wi
     tile_in = np.empty((_BLOCKS_PER_TILE, BLOCK), src.dtype)
     tile_out = np.empty((_BLOCKS_PER_TILE, BLOCK), dst.dtype)
     tiles_per_row = (inner + _BLOCKS_PER_TILE - 1) // _BLOCKS_PER_TILE
+    prefer_512_bit_vectors()
     for t in range(first, last):
         column = (t % tiles_per_row) * _BLOCKS_PER_TILE
         width = min(_BLOCKS_PER_TILE, inner - column)
@@ -336,6 +339,7 @@ def _fake_quant_kernel(src, dst, n_blocks, inner, mag_mask, inf_mag, shift, wide
     units = n_blocks if inner == 1 else (n_blocks // inner) * tiles_per_row  # blocks or tiles
     per_task = _BLOCKS_PER_TASK if inner == 1 else max(1, _BLOCKS_PER_TASK // _BLOCKS_PER_TILE)
     for task in numba.prange((units + per_task - 1) // per_task):
+        prefer_512_bit_vectors()  # the block code is inlined here too
         first = task * per_task
         last = min(units, first + per_task)
         if inner == 1:

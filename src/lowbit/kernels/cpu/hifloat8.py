@@ -42,6 +42,7 @@ import torch
 
 from lowbit.backends import Kernel
 from lowbit.kernels.cpu._runtime import SerialOrParallel, as_numpy, runs_serially
+from lowbit.kernels.cpu._simd import prefer_512_bit_vectors
 
 _i16 = np.int16
 
@@ -141,6 +142,7 @@ def _has_fp16_subnormal(src, start, stop):
 def _encode_bf16(src, dst):
     # src: int16[n] BF16 bit patterns, dst: uint8[n]
     for i in numba.prange(src.size):
+        prefer_512_bit_vectors()
         bits = src[i]
         magnitude = _i16(bits & _i16(0x7FFF))
         dst[i] = _signed_code(bits, magnitude, _magnitude_code(magnitude), _BF16_INF)
@@ -151,6 +153,7 @@ def _encode_fp16(src, dst):
     # src: int16[n] FP16 bit patterns, dst: uint8[n]. Blocks without subnormals skip the FP32 cast.
     n = src.size
     for block in numba.prange((n + _FP16_BLOCK - 1) // _FP16_BLOCK):
+        prefer_512_bit_vectors()
         start = np.uint64(block * _FP16_BLOCK)
         stop = np.uint64(min(block * _FP16_BLOCK + _FP16_BLOCK, n))
         if _has_fp16_subnormal(src, start, stop):
@@ -190,6 +193,7 @@ def _with_sign_and_nan(code, bits):
 def _decode_bf16(src, dst):
     # src: uint8[n] codes, dst: int16[n] BF16 bit patterns
     for i in numba.prange(src.size):
+        prefer_512_bit_vectors()
         code = _i16(src[i])
         magnitude = _i16(code & _i16(0x7F))
         bits = _normal_bits(magnitude, _i16(0x3F80), _i16(7))
@@ -203,6 +207,7 @@ def _decode_bf16(src, dst):
 def _decode_fp16(src, dst):
     # src: uint8[n] codes, dst: int16[n] FP16 bit patterns
     for i in numba.prange(src.size):
+        prefer_512_bit_vectors()
         code = _i16(src[i])
         magnitude = _i16(code & _i16(0x7F))
         bits = _normal_bits(magnitude, _i16(0x3C00), _i16(10))

@@ -1,4 +1,6 @@
-"""CPU tensors in memory advised for transparent huge pages: for weights that the decode kernels stream.
+"""CPU memory for the kernels: tensors advised for transparent huge pages, for weights that the decode
+kernels stream, and a per-thread scratch buffer kept between calls, for temporaries too large to allocate
+afresh on every call.
 
 A GEMV reads every byte of its weight once per call; with 4 KiB pages that is a TLB miss every 4 KiB per
 stream. Backed by 2 MiB pages the same read is faster (benchmarks/results_weight_only.md, 'Huge pages').
@@ -7,6 +9,7 @@ stream. Backed by 2 MiB pages the same read is faster (benchmarks/results_weight
 from __future__ import annotations
 
 import mmap
+import threading
 
 import torch
 
@@ -39,3 +42,28 @@ def huge_page_copy(t: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         copy.copy_(t)
     return copy
+
+
+class _ThreadScratch(threading.local):
+    buffer: torch.Tensor | None = None  # per thread: a 1-D uint8 CPU tensor, grown on demand
+
+
+_SCRATCH = _ThreadScratch()
+
+
+def thread_scratch(nbytes: int) -> torch.Tensor:
+    """The calling thread's scratch buffer as a 1-D uint8 CPU tensor of ``nbytes`` bytes, contents undefined.
+
+    The buffer is kept between calls and only grown (to exactly what a call asks for), so a kernel that
+    decodes into a large temporary on every call does not pay the page faults of a fresh allocation each
+    time: glibc maps every allocation of 32 MiB or more anew, and a page fault costs about 1 us per 4 KiB
+    on a virtual machine (8 ms for 32 MiB; benchmarks/results_weight_only.md, 'Decoded tiles kept'). The
+    memory stays with the thread until it ends. The tensor is valid until the next call on the same thread:
+    one user at a time (the caller must not hold it across another kernel that uses it)."""
+    if nbytes < 0:
+        raise ValueError(f"thread_scratch: nbytes must be >= 0, got {nbytes}")
+    buffer = _SCRATCH.buffer
+    if buffer is None or buffer.numel() < nbytes:
+        _SCRATCH.buffer = None  # the old buffer is freed before the larger one is allocated
+        buffer = _SCRATCH.buffer = torch.empty(nbytes, dtype=torch.uint8)
+    return buffer[:nbytes]

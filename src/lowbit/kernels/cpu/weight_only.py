@@ -41,14 +41,18 @@ from lowbit.formats import weight_only as reference
 from lowbit.kernels.cpu import _simd as simd
 from lowbit.kernels.cpu._runtime import (NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, as_numpy, copy_elements, run_tasks,
                                          runs_serially)
+from lowbit.kernels.cpu.memory import thread_scratch
 
 LANES = reference.LANES  # 64 = two F32V
 HALF = simd.LANES  # 32
 GEMV_MAX_M = reference.EXACT_ROWS  # rows of x up to which the bit-exact GEMV path runs
-# Bytes of one decoded GEMM tile (rows of W in float32 or BF16): large tiles mean fewer, wider GEMM calls
-# (4 tiles of 1024 rows cost 1.5 ms more than one 4096-row F.linear at M = 256, K = 4096); glibc's allocator
-# keeps blocks of up to 32 MiB for reuse after a call, larger ones would have their pages faulted in again.
-GEMM_TILE_BYTES = 16 << 20
+# Bytes of one decoded GEMM tile (rows of W in float32 or BF16), decoded into the calling thread's scratch
+# buffer (memory.thread_scratch: kept between calls, no page faults). Large tiles mean fewer, wider GEMM calls
+# and fewer strided copies of their results: at M = 256, 4 tiles of 1024 rows cost 1.5 ms more than one
+# 4096-row F.linear at K = 4096 (AMD EPYC Zen 4); on an Intel Xeon with AMX, where torch's BF16 GEMM is 7x
+# faster, 64 MiB tiles take 1.05-1.25x F.linear's time against 1.35-1.55x for 16 MiB ones
+# (benchmarks/results_weight_only.md, 'Decoded tiles kept').
+GEMM_TILE_BYTES = 64 << 20
 # A GEMV over fewer weights runs on one thread: waking numba's threads costs more than they save there
 # (here, following a torch op: 384^2 MXFP4 38 vs 115 us, 1024^2 92 vs 141 us, 2048^2 equal).
 GEMV_ONE_THREAD_WEIGHTS = 3 << 20
@@ -1498,10 +1502,11 @@ class WeightOnlyLinear(Kernel):
         _round_into(y32, bias, True, out)
 
     def _tiles(self, operands: tuple, n: int, k: int, dtype: torch.dtype, width: int, serial: bool):
-        """(first row, (rows, width) tile) of W decoded tile by tile into one reused buffer of ``dtype``
-        (float32 or BF16); columns K .. width - 1 hold zeros or are not written."""
+        """(first row, (rows, width) tile) of W decoded tile by tile into the calling thread's scratch buffer,
+        viewed as ``dtype`` (float32 or BF16); columns K .. width - 1 hold zeros or are not written. Each tile
+        is valid until the next one is yielded."""
         rows = max(1, min(n, GEMM_TILE_BYTES // (width * dtype.itemsize)))
-        buffer = torch.empty(rows, width, dtype=dtype)
+        buffer = thread_scratch(rows * width * dtype.itemsize).view(dtype).view(rows, width)
         for r0 in range(0, n, rows):
             tile = buffer[: min(rows, n - r0)]
             run_tasks(self.tile, (*operands, r0), tile.shape[0], as_numpy(tile), serial)

@@ -24,7 +24,7 @@ from lowbit.kernels.cpu import _simd as simd
 from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, as_numpy, copy_elements, sync_threads
 from lowbit.kernels.cpu.weight_only import canonical_nan_bf16
 
-TILE_BYTES = 16 << 20  # the dense tile's budget (a whole 4096 x 4096 BF16 weight is 32 MiB)
+TILE_BYTES = 64 << 20  # the dense tile's budget: a whole 4096 x 4096 BF16 weight (32 MiB) is one tile
 _COLUMNS = simd.LANES  # columns decoded per step (16 weight bytes)
 _ROWS_PER_TASK = 64  # tile rows per parallel iteration
 
