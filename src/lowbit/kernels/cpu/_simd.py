@@ -64,6 +64,8 @@ HAS_VNNI = _host_has("avx512vnni", "avx512bw", "avx512f")
 # f32v_dot_bf16 declares the intrinsic with bfloat vectors, its signature from LLVM 16 on (numba >= 0.62).
 HAS_AVX512BF16 = _host_has("avx512bf16", "avx512bw", "avx512f") and llvm_binding.llvm_version_info >= (16,)
 HAS_AVX512BW = _host_has("avx512bw", "avx512f")
+# AMX tiles with BF16 products (Intel Xeon since Sapphire Rapids): torch's BF16 GEMM (oneDNN) runs on them.
+HAS_AMX_BF16 = _host_has("amx-bf16", "amx-tile")
 HAS_AVX512F = _host_has("avx512f")
 HAS_AVX512VBMI = _host_has("avx512vbmi", "avx512bw", "avx512f")
 # FP16 <-> float32 conversions: vcvtps2ph / vcvtph2ps (F16C). Without them (a "generic" target, see _host_has)

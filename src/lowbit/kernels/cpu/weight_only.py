@@ -1137,7 +1137,12 @@ def _hifloat4_tile(words, value, r0, w32):
 # four rows' chunk in the L1 cache. Every weight is a BF16 value for BF16 x, so nothing is rounded on the way
 # in; the order of the sums is not the reference's (the GEMM path's tolerance, docs/weight_only.md). No torch
 # GEMM and no dense copy of W.
-BATCH_MAX_M = 32
+# Above this many rows of x, the GEMM path: its decode costs about 1 ms at 4096^2 whatever M is, and a BF16 GEMM
+# on AMX tiles costs little more at M = 32 than at M = 1, so there it wins from about 12 rows on (Intel Xeon,
+# 4096^2, MXFP4 / HiFloat4: batched 2.5 / 2.4 ms at M = 10, 2.7 / 2.8 ms at M = 12, 6.5 / 6.3 ms at M = 32 against
+# 3.2 / 2.4, 2.6 / 2.2 and 2.7 / 2.6 ms; benchmarks/results_weight_only.md, 'Intel Xeon'); elsewhere the
+# batched kernel is the faster up to 32 rows.
+BATCH_MAX_M = 11 if simd.HAS_AMX_BF16 else 32
 _BATCH_ROWS_PER_TASK = 64  # rows of W per prange iteration (16 blocks: one buffer allocation each)
 _BATCH_CHUNK = 1024  # elements of K per pass over the rows of x (four rows of W: 8 KiB of BF16)
 
