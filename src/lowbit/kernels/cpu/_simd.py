@@ -826,6 +826,21 @@ def bytes_load(typingctx, arr, index):
     return I32V(arr, index), codegen
 
 
+@intrinsic
+def prefetch(typingctx, arr, index):
+    """Hint that arr[index] (a 1-D C-contiguous array; ``index`` in bounds) is read soon: ``prefetcht0``
+    (LLVM's llvm.prefetch, read, into all cache levels). Changes no value."""
+
+    def codegen(context, builder, sig, args):
+        fnty = ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+        pointer = _element_ptr(context, builder, sig.args[0], args[0], args[1], _I8)
+        builder.call(fn, [pointer, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+        return context.get_dummy_value()
+
+    return types.none(arr, index), codegen
+
+
 class _BFloat(ir.Type):
     """LLVM's ``bfloat`` (llvmlite has no class for it): the element type of the AVX512-BF16 intrinsics."""
 
