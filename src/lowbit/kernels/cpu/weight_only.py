@@ -595,11 +595,11 @@ ROW_BLOCK = 4  # _block_sums, _store_block and the callers' ``starts`` are writt
 
 @numba.njit(**_INLINE)
 def _prefetch_ahead(flat, at, ahead):
-    """Prefetch ``flat[at + ahead]`` (at most its last element): a block step asks for its own position in the
-    row ROW_BLOCK rows on (``ahead`` elements: ROW_BLOCK rows of the array), which the next block of rows
-    reads. With the weight streamed from memory this takes 25-30 % off a 4096 x 4096 GEMV on an Intel Xeon,
-    whose hardware prefetchers start anew on every 4 KiB page (benchmarks/results_weight_only.md, 'Intel
-    Xeon'); unsigned indices, as the callers'."""
+    """Prefetch ``flat[at + ahead]`` (at most its last element; unsigned indices, as the callers'): a GEMV
+    step asks for its own position in the weight row a few rows on (``ahead`` elements; the block steps
+    here: ROW_BLOCK rows, which the next block of rows reads). With the weight streamed from memory this
+    takes 25-30 % off a 4096 x 4096 GEMV on an Intel Xeon, whose hardware prefetchers start anew on every
+    4 KiB page (benchmarks/results_weight_only.md, 'Intel Xeon')."""
     simd.prefetch(flat, min(at + ahead, np.uint64(flat.size - 1)))
 
 
