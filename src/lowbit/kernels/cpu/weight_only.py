@@ -1037,6 +1037,7 @@ def _code8_tile_row(store, codes_flat, k, row, table, nan_code, keep, scratch, w
     """Row ``row`` of an 8-bit row-table weight (its ``table`` filled) into w_flat[at:] by ``store``."""
     full = k // LANES
     for t in range(full):
+        _prefetch_ahead(codes_flat, np.uint64(row * k + LANES * t), np.uint64(ROW_BLOCK * k))
         w0, w1 = code8_decode(codes_flat, row * k + LANES * t, table, nan_code)
         store(w_flat, at + LANES * t, w0, w1)
     if k % LANES:
@@ -1069,6 +1070,7 @@ def _code8_tile(codes, scale, bf16, magnitudes, nan_code, table_like, keep, r0, 
 def _mxfp8_tile_row(round_to, store, codes_flat, scales_flat, row, k, blocks, table, w_flat, at):
     scratch = np.zeros(LANES, dtype=np.uint8)
     for t in range(-(-k // LANES)):
+        _prefetch_ahead(codes_flat, np.uint64(row * k + LANES * t), np.uint64(ROW_BLOCK * k))
         w0, w1 = _mxfp8_row_step(round_to, codes_flat, scales_flat, row * k, row * blocks, t, k, table, scratch)
         store(w_flat, at + LANES * t, w0, w1)
 
@@ -1100,6 +1102,8 @@ def _mxfp4_tile_row(store, scales_flat, codes_flat, row, blocks, scratch, w_flat
     b0 = row * blocks
     for t in range(blocks // 2):
         b = np.uint64(b0 + 2 * t)
+        if t % 2 == 0:
+            _prefetch_ahead(codes_flat, np.uint64(16) * b, np.uint64(ROW_BLOCK * 16 * blocks))
         w0, w1 = _mxfp4_step(codes_flat, 16 * b, scales_flat[b], scales_flat[b + 1])
         store(w_flat, at + LANES * t, w0, w1)
     if blocks % 2:
@@ -1129,6 +1133,8 @@ def _mxfp4_tile(scales, codes, r0, w32):
 @numba.njit(**_INLINE)
 def _hifloat4_tile_row(store, words_flat, value_flat, row, blocks, w_flat, at):
     for b in range(blocks):
+        if b % 2 == 0:
+            _prefetch_ahead(value_flat, np.uint64(32 * (row * blocks + b)), np.uint64(ROW_BLOCK * 32 * blocks))
         w0, w1 = _hifloat4_step(words_flat, value_flat, row * blocks + b)
         store(w_flat, at + LANES * b, w0, w1)
 
