@@ -477,6 +477,25 @@ def test_batched_kernel_within_the_order_interval(fmt, m, monkeypatch):
     assert (bits(got)[got.isnan()] == reference.NAN_BITS[torch.bfloat16]).all()
 
 
+@pytest.mark.skipif(not simd.HAS_AVX512BF16, reason="the batched kernel runs on AVX512-BF16 CPUs")
+@pytest.mark.parametrize("amx", [False, True])
+@pytest.mark.parametrize("n, m, batched", [(64, 32, True), (2048, 11, True), (2048, 12, False)])
+def test_rows_of_x_choose_the_batched_kernel_or_the_gemm_path(monkeypatch, amx, n, m, batched):
+    """BF16 x with 5-32 rows runs the batched kernel, except on CPUs with AMX-BF16 for weights of at least
+    AMX_GEMM_WEIGHTS (here 2048 x 1024) above AMX_BATCH_MAX_M rows: torch's AMX GEMM on decoded tiles."""
+    monkeypatch.setattr(simd, "HAS_AMX_BF16", amx)
+    paths = []
+    kernel = cpu.MXFP4_LINEAR
+    for name in ("batched", "tile"):
+        monkeypatch.setattr(kernel, name, tuple(lambda *args, run=run, name=name: paths.append(name) or run(*args)
+                                                for run in getattr(kernel, name)))
+    k = cpu.AMX_GEMM_WEIGHTS // 2048
+    g = gen(n + m)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    lowbit.mxfp4_linear(x, *mxfp4_weight(n, k, g), backend="native")
+    assert set(paths) == {"batched" if batched or not amx else "tile"}
+
+
 # --- Triton (interpreted on the CPU): bit-exact for every M ---------------------------------------------------
 
 @pytest.mark.parametrize("fmt", WEIGHTS)

@@ -1163,12 +1163,15 @@ def _hifloat4_tile(words, value, r0, w32):
 # four rows' chunk in the L1 cache. Every weight is a BF16 value for BF16 x, so nothing is rounded on the way
 # in; the order of the sums is not the reference's (the GEMM path's tolerance, docs/weight_only.md). No torch
 # GEMM and no dense copy of W.
-# Above this many rows of x, the GEMM path: its decode costs about 1 ms at 4096^2 whatever M is, and a BF16 GEMM
-# on AMX tiles costs little more at M = 32 than at M = 1, so there it wins from about 12 rows on (Intel Xeon,
-# 4096^2, MXFP4 / HiFloat4: batched 2.5 / 2.4 ms at M = 10, 2.7 / 2.8 ms at M = 12, 6.5 / 6.3 ms at M = 32 against
-# 3.2 / 2.4, 2.6 / 2.2 and 2.7 / 2.6 ms; benchmarks/results_weight_only.md, 'Intel Xeon'); elsewhere the
-# batched kernel is the faster up to 32 rows.
-BATCH_MAX_M = 11 if simd.HAS_AMX_BF16 else 32
+BATCH_MAX_M = 32
+# On CPUs with AMX-BF16, weights of at least AMX_GEMM_WEIGHTS take the GEMM path above AMX_BATCH_MAX_M rows of x:
+# its decode costs the same whatever M is, and a BF16 GEMM on AMX tiles costs little more at M = 32 than at
+# M = 1 (Intel Xeon, 4096^2, MXFP4 / HiFloat4: batched 2.5 / 2.4 ms at M = 10, 2.7 / 2.8 ms at M = 12, 6.5 / 6.3 ms
+# at M = 32 against 3.2 / 2.4, 2.6 / 2.2 and 2.7 / 2.6 ms). Smaller weights keep the batched kernel: there torch's
+# GEMM call and its threads' hand-over cost more than the batched kernel's products (1536 x 384 at M = 31:
+# 0.37 ms against 0.47 ms; 2048^2: 1.60 against 0.96 ms; benchmarks/results_weight_only.md, 'Intel Xeon').
+AMX_BATCH_MAX_M = 11
+AMX_GEMM_WEIGHTS = 2 << 20
 _BATCH_ROWS_PER_TASK = 64  # rows of W per prange iteration (16 blocks: one buffer allocation each)
 _BATCH_CHUNK = 1024  # elements of K per pass over the rows of x (four rows of W: 8 KiB of BF16)
 
@@ -1443,6 +1446,13 @@ def _round_into(y32: np.ndarray, bias, bf16: bool, out: torch.Tensor) -> None:
     _finish(y32, bias_bits, bias_kind, bf16, as_numpy(out))
 
 
+def _batch_max_m(n: int, k: int) -> int:
+    """Rows of x up to which an (N, K) weight runs the batched kernel (BF16 x, AVX512-BF16 CPUs)."""
+    if simd.HAS_AMX_BF16 and n * k >= AMX_GEMM_WEIGHTS:
+        return AMX_BATCH_MAX_M
+    return BATCH_MAX_M
+
+
 def _padded_k(k: int) -> int:
     return -(-k // LANES) * LANES
 
@@ -1489,7 +1499,7 @@ class WeightOnlyLinear(Kernel):
         # deschedules on a shared machine does not make the other one wait at the end.
         if m <= GEMV_MAX_M:
             path, work, chunksize = self._run_gemv, n * k, max(4, -(-n // _ROWS_PER_TASK) // _CHUNKS)
-        elif m <= BATCH_MAX_M and x.dtype == torch.bfloat16 and simd.HAS_AVX512BF16:
+        elif x.dtype == torch.bfloat16 and simd.HAS_AVX512BF16 and m <= _batch_max_m(n, k):
             path, work, chunksize = self._run_batched, m * n * k, 1  # tasks of _BATCH_ROWS_PER_TASK rows
         else:  # the GEMM path: the decoded tile's rows (torch's GEMM takes torch's threads)
             tile_rows = min(n, GEMM_TILE_BYTES // (2 * _padded_k(k)))
