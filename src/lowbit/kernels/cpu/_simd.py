@@ -134,8 +134,12 @@ def prefer_512_bit_vectors(typingctx):
     preference changes LLVM's lowering of their shuffles for the worse. Compiles to nothing."""
 
     def codegen(context, builder, sig, args):
-        # llvmlite's FunctionAttributes admits only its known keywords; a string attribute is written as is
-        set.add(builder.function.attributes, PREFER_512_BIT)
+        # llvmlite's FunctionAttributes admits only its known keywords; a string attribute is written as is.
+        # Should a later llvmlite store attributes otherwise, the hint is dropped: same code as before it.
+        try:
+            set.add(builder.function.attributes, PREFER_512_BIT)
+        except TypeError:
+            pass
         return context.get_dummy_value()
 
     return types.none(), codegen

@@ -57,7 +57,7 @@ def thread_scratch(nbytes: int) -> torch.Tensor:
     The buffer is kept between calls and only grown (to exactly what a call asks for), so a kernel that
     decodes into a large temporary on every call does not pay the page faults of a fresh allocation each
     time: glibc maps every allocation of 32 MiB or more anew, and a page fault costs about 1 us per 4 KiB
-    on a virtual machine (8 ms for 32 MiB; benchmarks/results_weight_only.md, 'Decoded tiles kept'). The
+    on a virtual machine (8 ms for 32 MiB; benchmarks/results_weight_only.md, 'Intel Xeon'). The
     memory stays with the thread until it ends. The tensor is valid until the next call on the same thread:
     one user at a time (the caller must not hold it across another kernel that uses it)."""
     if nbytes < 0:

@@ -49,9 +49,9 @@ GEMV_MAX_M = reference.EXACT_ROWS  # rows of x up to which the bit-exact GEMV pa
 # Bytes of one decoded GEMM tile (rows of W in float32 or BF16), decoded into the calling thread's scratch
 # buffer (memory.thread_scratch: kept between calls, no page faults). Large tiles mean fewer, wider GEMM calls
 # and fewer strided copies of their results: at M = 256, 4 tiles of 1024 rows cost 1.5 ms more than one
-# 4096-row F.linear at K = 4096 (AMD EPYC Zen 4); on an Intel Xeon with AMX, where torch's BF16 GEMM is 7x
-# faster, 64 MiB tiles take 1.05-1.25x F.linear's time against 1.35-1.55x for 16 MiB ones
-# (benchmarks/results_weight_only.md, 'Decoded tiles kept').
+# 4096-row F.linear at K = 4096 (AMD EPYC Zen 4); on an Intel Xeon, whose BF16 GEMM runs on AMX tiles, kept
+# tiles of 64 MiB took 1.05-1.15x F.linear's time at 12288 x 8192 and 1.25-1.33x at 4096^2, against
+# 1.35-1.55x for 16 MiB ones allocated per call (benchmarks/results_weight_only.md, 'Intel Xeon').
 GEMM_TILE_BYTES = 64 << 20
 # A GEMV over fewer weights runs on one thread: waking numba's threads costs more than they save there
 # (here, following a torch op: 384^2 MXFP4 38 vs 115 us, 1024^2 92 vs 141 us, 2048^2 equal).
