@@ -23,7 +23,7 @@ def test_blocks_without_subnormals_every_other_pattern():
     bits = all_fp16_patterns()
     magnitude = bits.to(torch.int32) & 0x7FFF
     bits = bits[(magnitude == 0) | (magnitude >= 0x400)]  # zero, normals, Inf, NaN: the 16-bit path only
-    assert bits.numel() % cpu_kernels._FP16_BLOCK != 0  # a partial last block too
+    assert bits.numel() % cpu_kernels._BLOCK != 0  # a partial last block too
     assert torch.equal(encode(bits), hifloat8.encode(bits.view(torch.float16)))
 
 
@@ -33,8 +33,8 @@ def test_subnormals_spread_over_every_block():
 
 
 def test_one_subnormal_in_an_otherwise_normal_block():
-    x = torch.full((3 * cpu_kernels._FP16_BLOCK + 5,), 1.5, dtype=torch.float16)
-    x[cpu_kernels._FP16_BLOCK + 7] = 2.0**-20
+    x = torch.full((3 * cpu_kernels._BLOCK + 5,), 1.5, dtype=torch.float16)
+    x[cpu_kernels._BLOCK + 7] = 2.0**-20
     x[-1] = -(2.0**-15) * 1.25
     assert torch.equal(encode(x.view(torch.int16)), hifloat8.encode(x))
 

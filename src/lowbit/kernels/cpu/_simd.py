@@ -32,6 +32,7 @@ tables; ``spread_bytes4`` and ``f32v_power_of_two`` turn per-block scale bytes i
 from __future__ import annotations
 
 import functools
+import numba
 import numpy as np
 from llvmlite import binding as llvm_binding
 from llvmlite import ir
@@ -843,6 +844,20 @@ def prefetch(typingctx, arr, index):
         return context.get_dummy_value()
 
     return types.none(arr, index), codegen
+
+
+@numba.njit(nogil=True, boundscheck=False, inline="always")
+def prefetch_span(arr, start, count):
+    """Prefetch arr[start : start + count] (a 1-D C-contiguous array; unsigned ``start``, any of the span past
+    the end skipped), one prefetch per 64 bytes. Streaming kernels ask for a block a few blocks before they
+    read it: one core of the Intel Xeon VM streamed about 3.5 GB/s through the HiFloat8 encoder without it,
+    8-9 GB/s with it (benchmarks/results_hifloat8.md, 'Intel Xeon')."""
+    step = np.uint64(64 // arr.itemsize)
+    end = min(start + np.uint64(count), np.uint64(arr.size))
+    at = start
+    while at < end:
+        prefetch(arr, at)
+        at += step
 
 
 class _BFloat(ir.Type):
