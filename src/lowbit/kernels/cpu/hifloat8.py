@@ -32,6 +32,12 @@ Decode: a code magnitude of Dot class with M mantissa bits has the value bits
 where ``|E| << M = (code & 0xF) - m + 16`` for Dot 01/10/11, ``8`` for Dot 001 and 0 for Dot 0001. The
 denormal codes 1..7 (2^(m-23)), the FP16 subnormal outputs (E = -15 and the denormal codes), zero, Inf
 and NaN are selected apart.
+
+Every kernel runs in blocks of _BLOCK elements (the parallel loop's steps). Each block first prefetches the
+input of the block _PREFETCH_BLOCKS on, and its loop is compiled for 512-bit vectors
+(``prefer_512_bit_vectors``). Both matter on Intel CPUs only: LLVM picks 256-bit vectors there, and one core
+streamed the input at about a third of the speed without the prefetch (benchmarks/results_hifloat8.md,
+'Intel Xeon').
 """
 
 from __future__ import annotations
