@@ -85,20 +85,38 @@ def test_deploy_modules_hold_large_buffers_in_huge_page_memory(scheme, tmp_path,
 
 
 def test_thread_scratch_is_kept_grown_on_demand_and_per_thread():
-    first = thread_scratch(1000)
-    assert first.shape == (1000,) and first.dtype == torch.uint8 and first.device.type == "cpu"
-    smaller = thread_scratch(10)
-    assert smaller.data_ptr() == first.data_ptr() and smaller.shape == (10,)  # the same memory, no new allocation
-    larger = thread_scratch(1 << 20)
-    assert larger.shape == (1 << 20,)
-    assert thread_scratch(1000).data_ptr() == larger.data_ptr()  # kept at the larger size
+    with thread_scratch(1000) as first:
+        assert first.shape == (1000,) and first.dtype == torch.uint8 and first.device.type == "cpu"
+    with thread_scratch(10) as smaller:
+        assert smaller.data_ptr() == first.data_ptr() and smaller.shape == (10,)  # the same memory, kept
+    with thread_scratch(1 << 20) as larger:
+        assert larger.shape == (1 << 20,)
+    with thread_scratch(1000) as again:
+        assert again.data_ptr() == larger.data_ptr()  # kept at the larger size
     others = []
-    worker = threading.Thread(target=lambda: others.append(thread_scratch(1000).data_ptr()))
+
+    def other_thread():
+        with thread_scratch(1000) as buffer:
+            others.append(buffer.data_ptr())
+
+    worker = threading.Thread(target=other_thread)
     worker.start()
     worker.join()
     assert others[0] != larger.data_ptr()  # another thread has its own buffer
 
 
+def test_a_nested_thread_scratch_gets_memory_of_its_own():
+    with thread_scratch(4096) as outer:
+        outer.fill_(7)
+        with thread_scratch(4096) as inner:
+            assert inner.data_ptr() != outer.data_ptr()
+            inner.fill_(9)
+        assert (outer == 7).all()  # the nested user did not write into the outer one's memory
+    with thread_scratch(4096) as after:
+        assert after.data_ptr() == outer.data_ptr()  # lent out again once the outer block ended
+
+
 def test_thread_scratch_rejects_a_negative_size():
     with pytest.raises(ValueError, match="nbytes must be >= 0, got -1"):
-        thread_scratch(-1)
+        with thread_scratch(-1):
+            pass

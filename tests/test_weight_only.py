@@ -395,7 +395,8 @@ def test_gemm_path_ignores_what_the_scratch_buffer_held():
     codes, scales = mxfp4_weight(40, 352, g)
     x = torch.randn(GEMM_M, 352, generator=g).bfloat16()
     want = torch.nn.functional.linear(x, reference.mxfp4_weight(codes, scales).bfloat16())
-    thread_scratch(1 << 20).fill_(0xFF)  # NaN in BF16 and in float32 everywhere
+    with thread_scratch(1 << 20) as scratch:
+        scratch.fill_(0xFF)  # NaN in BF16 and in float32 everywhere
     assert_bits(lowbit.mxfp4_linear(x, codes, scales, backend="native"), want)
 
 

@@ -101,17 +101,19 @@ class WqbmmKernel(Kernel):
         self._check_weight(weight, x.device, self.packed_shape(k, n, group_size) if prepacked else (k, n // 2),
                            "packed weight" if prepacked else "weight")
         nbytes = self.workspace_nbytes(m, k, n, group_size, template, prepacked, algorithm)
-        if workspace is None:  # on the CPU the thread's scratch buffer: kept between calls, no page faults
-            workspace = thread_scratch(nbytes) if x.device.type == "cpu" else \
-                torch.empty(nbytes, dtype=torch.uint8, device=x.device)
-        else:
+        args = (x.reshape(m, k).contiguous(), weight, antiquant_scale.contiguous(),
+                None if antiquant_offset is None else antiquant_offset.contiguous(), group_size, algorithm,
+                template)
+        if workspace is not None:
             operands = {"x": x, "weight": weight, "antiquant_scale": antiquant_scale,
                         "antiquant_offset": antiquant_offset, "out": out}
             self._check_workspace(workspace, nbytes, x.device, operands)
-        scale = antiquant_scale.contiguous()
-        offset = None if antiquant_offset is None else antiquant_offset.contiguous()
-        self._compute(x.reshape(m, k).contiguous(), weight, scale, offset, group_size, algorithm, template,
-                      workspace, out.view(m, n), prepacked)
+            self._compute(*args, workspace, out.view(m, n), prepacked)
+        elif x.device.type == "cpu":  # the thread's scratch buffer: kept between calls, no page faults
+            with thread_scratch(nbytes) as scratch:
+                self._compute(*args, scratch, out.view(m, n), prepacked)
+        else:
+            self._compute(*args, torch.empty(nbytes, dtype=torch.uint8, device=x.device), out.view(m, n), prepacked)
 
     @staticmethod
     def _check_bytes(what: str, t: torch.Tensor, device: torch.device) -> None:

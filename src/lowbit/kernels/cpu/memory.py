@@ -8,6 +8,7 @@ stream. Backed by 2 MiB pages the same read is faster (benchmarks/results_weight
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import threading
 
@@ -46,24 +47,35 @@ def huge_page_copy(t: torch.Tensor) -> torch.Tensor:
 
 class _ThreadScratch(threading.local):
     buffer: torch.Tensor | None = None  # per thread: a 1-D uint8 CPU tensor, grown on demand
+    in_use: bool = False  # lent out by thread_scratch
 
 
 _SCRATCH = _ThreadScratch()
 
 
-def thread_scratch(nbytes: int) -> torch.Tensor:
-    """The calling thread's scratch buffer as a 1-D uint8 CPU tensor of ``nbytes`` bytes, contents undefined.
+@contextlib.contextmanager
+def thread_scratch(nbytes: int):
+    """``with thread_scratch(nbytes) as buffer``: a 1-D uint8 CPU tensor of ``nbytes`` bytes, contents
+    undefined, for the duration of the block: the calling thread's scratch buffer.
 
     The buffer is kept between calls and only grown (to exactly what a call asks for), so a kernel that
     decodes into a large temporary on every call does not pay the page faults of a fresh allocation each
     time: glibc maps every allocation of 32 MiB or more anew, and a page fault costs about 1 us per 4 KiB
-    on a virtual machine (8 ms for 32 MiB; benchmarks/results_weight_only.md, 'Intel Xeon'). The
-    memory stays with the thread until it ends. The tensor is valid until the next call on the same thread:
-    one user at a time (the caller must not hold it across another kernel that uses it)."""
+    on a virtual machine (8 ms for 32 MiB; benchmarks/results_weight_only.md, 'Intel Xeon'). The memory
+    stays with the thread until it ends. A call nested inside another's block (a kernel run from inside
+    another, say through a torch function mode around the first one's GEMM) gets a new tensor instead, so
+    that it cannot overwrite what the outer one holds. ValueError for a negative ``nbytes``."""
     if nbytes < 0:
         raise ValueError(f"thread_scratch: nbytes must be >= 0, got {nbytes}")
+    if _SCRATCH.in_use:
+        yield torch.empty(nbytes, dtype=torch.uint8)
+        return
     buffer = _SCRATCH.buffer
     if buffer is None or buffer.numel() < nbytes:
         _SCRATCH.buffer = None  # the old buffer is freed before the larger one is allocated
         buffer = _SCRATCH.buffer = torch.empty(nbytes, dtype=torch.uint8)
-    return buffer[:nbytes]
+    _SCRATCH.in_use = True
+    try:
+        yield buffer[:nbytes]
+    finally:
+        _SCRATCH.in_use = False

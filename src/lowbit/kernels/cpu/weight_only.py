@@ -1547,11 +1547,12 @@ class WeightOnlyLinear(Kernel):
         viewed as ``dtype`` (float32 or BF16); columns K .. width - 1 hold zeros or are not written. Each tile
         is valid until the next one is yielded."""
         rows = max(1, min(n, GEMM_TILE_BYTES // (width * dtype.itemsize)))
-        buffer = thread_scratch(rows * width * dtype.itemsize).view(dtype).view(rows, width)
-        for r0 in range(0, n, rows):
-            tile = buffer[: min(rows, n - r0)]
-            run_tasks(self.tile, (*operands, r0), tile.shape[0], as_numpy(tile), serial)
-            yield r0, tile
+        with thread_scratch(rows * width * dtype.itemsize) as raw:  # released when the generator is closed
+            buffer = raw.view(dtype).view(rows, width)
+            for r0 in range(0, n, rows):
+                tile = buffer[: min(rows, n - r0)]
+                run_tasks(self.tile, (*operands, r0), tile.shape[0], as_numpy(tile), serial)
+                yield r0, tile
 
     def _run_gemm(self, x: torch.Tensor, operands: tuple, bias, out: torch.Tensor, serial: bool) -> None:
         """float32 GEMM on decoded tiles (torch's order), then the reference's rounding."""
