@@ -127,6 +127,21 @@ def test_exact_when_the_sums_are_exact(m, n, k):
 
 
 @needs_vnni
+@pytest.mark.parametrize("k", [96, 288])
+def test_a_short_last_step_reads_nothing_of_the_next_row(k):
+    """K not a multiple of the 256-element step: a row's last step reads only its own code and scale bytes
+    (masked loads). The next row here has NaN scale bytes (0xFF) and codes of 0xFF: read as part of row 0's
+    last step, they would turn its zero products into NaN."""
+    g = gen(300 + k)
+    x_codes, x_scales, x = quantized(1, k, g)
+    w_codes, w_scales, w = quantized(2, k, g)
+    w_codes[1], w_scales[1] = 0xFF, 0xFF  # row 1 falls back; row 0 is computed by the integer GEMV
+    y, fallback = run_gemv(x_codes, x_scales, w_codes, w_scales)
+    assert fallback.tolist() == [False, True]
+    assert torch.equal(y[:, 0], (x @ w[:1].T)[:, 0])
+
+
+@needs_vnni
 @pytest.mark.parametrize("seed", range(4))
 def test_within_the_summation_bound_for_wide_exponents(seed):
     """Values spread over 2^-30 .. 2^30: only the float32 summation order may differ from the exact product,

@@ -361,6 +361,42 @@ def spread_bytes4(typingctx, arr, index):
     return I32V(arr, index), codegen
 
 
+def _first_bytes(context, builder, arrty, arr, index, lanes, count):
+    """<lanes x i8>: the bytes arr[index : index + count] of a 1-D C-contiguous uint8 array, zeros after them;
+    a masked load (AVX512-BW), so nothing past the first ``count`` bytes is read."""
+    v_bytes = ir.VectorType(_I8, lanes)
+    v_index = ir.VectorType(_I32, lanes)
+    count = builder.trunc(count, _I32) if count.type.width > 32 else count
+    mask = builder.icmp_unsigned("<", ir.Constant(v_index, list(range(lanes))), _splat(builder, count, v_index))
+    fnty = ir.FunctionType(v_bytes, [v_bytes.as_pointer(), _I32, ir.VectorType(ir.IntType(1), lanes), v_bytes])
+    fn = cgutils.get_or_insert_function(builder.module, fnty, f"llvm.masked.load.v{lanes}i8.p0")
+    pointer = _element_ptr(context, builder, arrty, arr, index, v_bytes)
+    return builder.call(fn, [pointer, ir.Constant(_I32, 1), mask, ir.Constant(v_bytes, [0] * lanes)])
+
+
+@intrinsic
+def i32v_load_first(typingctx, arr, index, count):
+    """:func:`i32v_load` of a uint8 array with only its first ``count`` bytes read (0 <= count <= 4 * LANES;
+    the others 0): a row's last, short step without copying it anywhere."""
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(_first_bytes(context, builder, sig.args[0], args[0], args[1], 4 * LANES, args[2]), _VI32)
+
+    return I32V(arr, index, count), codegen
+
+
+@intrinsic
+def spread_bytes4_first(typingctx, arr, index, count):
+    """:func:`spread_bytes4` with only the first ``count`` bytes read (0 <= count <= LANES / 4; the others 0)."""
+
+    def codegen(context, builder, sig, args):
+        first = _first_bytes(context, builder, sig.args[0], args[0], args[1], LANES // 4, args[2])
+        wide = builder.zext(first, ir.VectorType(_I32, LANES // 4))
+        return builder.shuffle_vector(wide, wide, ir.Constant(_VI32, [i // 4 for i in range(LANES)]))
+
+    return I32V(arr, index, count), codegen
+
+
 @intrinsic
 def f32v_power_of_two(typingctx, field):
     """The float32 with exponent field ``field`` (int32 lanes in 0..254) and zero fraction and sign:

@@ -145,15 +145,31 @@ def _safe(bounds, low, high, limit):
 
 
 @numba.njit(**{**NJIT_OPTIONS, "inline": "always"})
-def _step(acc, table, codes, c, low, high, x0, start, field, s0, scale_codes, lane0):
-    """acc + one step: 128 code bytes at ``codes[c]`` (their scale bytes at ``scale_codes[s0]``) times the
-    activation's low / high bytes at x0, its lanes' start / field at lane0."""
-    packed = simd.i32v_load(codes, c)
+def _step_of(acc, table, packed, weight_scales, low, high, x0, start, field, lane0):
+    """acc + one step: 128 code bytes ``packed`` (I32V) with their scale bytes spread over the lanes
+    (``weight_scales``, see simd.spread_bytes4) times the activation's low / high bytes at x0, its lanes'
+    start / field at lane0."""
     sums = simd.i32v_load(start, lane0)
     sums = simd.dpbusd_rows(sums, simd.shuffle_bytes(table, simd.low_nibbles(packed)), low, x0)
     sums = simd.dpbusd_rows(sums, simd.shuffle_bytes(table, simd.high_nibbles(packed)), high, x0)
-    exponent = simd.i32v_add(simd.spread_bytes4(scale_codes, s0), simd.i32v_load(field, lane0))
+    exponent = simd.i32v_add(weight_scales, simd.i32v_load(field, lane0))
     return simd.f32v_fma(simd.i32v_to_f32v(sums), simd.f32v_power_of_two(exponent), acc)
+
+
+@numba.njit(**{**NJIT_OPTIONS, "inline": "always"})
+def _step(acc, table, codes, c, low, high, x0, start, field, s0, scale_codes, lane0):
+    """acc + one step: the 128 code bytes at ``codes[c]`` (their scale bytes at ``scale_codes[s0]``), see
+    _step_of."""
+    return _step_of(acc, table, simd.i32v_load(codes, c), simd.spread_bytes4(scale_codes, s0), low, high, x0, start,
+                    field, lane0)
+
+
+@numba.njit(**{**NJIT_OPTIONS, "inline": "always"})
+def _last_step(acc, table, codes, c, code_count, low, high, x0, start, field, s0, scale_codes, scale_count, lane0):
+    """:func:`_step` of a row's last, short step: only its ``code_count`` code bytes and ``scale_count`` scale
+    bytes are read (masked loads), the rest taken as 0 (the activation is zero there)."""
+    return _step_of(acc, table, simd.i32v_load_first(codes, c, code_count),
+                    simd.spread_bytes4_first(scale_codes, s0, scale_count), low, high, x0, start, field, lane0)
 
 
 @SerialOrParallel
@@ -172,9 +188,8 @@ def product_gemv(low, high, start, field, bounds, codes, scales, y32, fallback):
     start_flat, field_flat = simd.flat(start), simd.flat(field)
     table = simd.i32v_load(_WEIGHT_BYTES, 0)
     ahead = np.uint64(_PREFETCH_ROWS * half_k)
+    tail_codes, tail_scales = half_k - full * STEP // 2, blocks - full * STEP // BLOCK  # the last, short step
     for task in numba.prange((n + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
-        tail_codes = np.zeros(STEP // 2, dtype=np.uint8)
-        tail_scales = np.zeros(STEP // BLOCK, dtype=np.uint8)
         for row in range(task * _ROWS_PER_TASK, min(n, (task + 1) * _ROWS_PER_TASK)):
             c0, s0 = row * half_k, row * blocks
             smallest, largest = _low_byte_range(scales_flat, s0, blocks)
@@ -184,9 +199,6 @@ def product_gemv(low, high, start, field, bounds, codes, scales, y32, fallback):
             if not admitted:
                 fallback[row] = 1
                 continue
-            if full * STEP < 2 * half_k:
-                copy_elements(tail_codes, 0, codes_flat, c0 + full * STEP // 2, half_k - full * STEP // 2)
-                copy_elements(tail_scales, 0, scales_flat, s0 + full * STEP // BLOCK, blocks - full * STEP // BLOCK)
             for m in range(m_rows):
                 x0, lane0 = m * x_bytes, m * x_lanes
                 acc = simd.f32v_zero()
@@ -197,9 +209,10 @@ def product_gemv(low, high, start, field, bounds, codes, scales, y32, fallback):
                     acc = _step(acc, table, codes_flat, c0 + t * STEP // 2, low_flat, high_flat,
                                 x0 + t * STEP // 2, start_flat, field_flat, s0 + t * STEP // BLOCK, scales_flat,
                                 lane0 + t * STEP // _LANE_ELEMENTS)
-                if full * STEP < 2 * half_k:
-                    acc = _step(acc, table, tail_codes, 0, low_flat, high_flat, x0 + full * STEP // 2,
-                                start_flat, field_flat, 0, tail_scales, lane0 + full * STEP // _LANE_ELEMENTS)
+                if tail_codes:
+                    acc = _last_step(acc, table, codes_flat, c0 + full * STEP // 2, tail_codes, low_flat, high_flat,
+                                     x0 + full * STEP // 2, start_flat, field_flat, s0 + full * STEP // BLOCK,
+                                     scales_flat, tail_scales, lane0 + full * STEP // _LANE_ELEMENTS)
                 y32[m, row] = simd.f32v_sum_tree(acc)
     return np.count_nonzero(fallback)
 
