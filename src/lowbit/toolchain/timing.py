@@ -59,6 +59,9 @@ def gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9
 
 
+_SIZE_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}  # suffixes of Linux's cache sizes
+
+
 def last_level_cache_bytes(cache_dir: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
     """Size in bytes of the CPU's last-level cache as Linux reports it (the highest ``level`` under
     ``cache_dir``); 0 where that is not readable (another OS, a container without /sys). Benchmarks that
@@ -70,9 +73,8 @@ def last_level_cache_bytes(cache_dir: str = "/sys/devices/system/cpu/cpu0/cache"
             size = (index / "size").read_text().strip()
         except (OSError, ValueError):
             continue
-        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-        if size[-1:] in units and size[:-1].isdigit():
-            sizes[level] = max(sizes.get(level, 0), int(size[:-1]) * units[size[-1]])
+        if size[-1:] in _SIZE_UNITS and size[:-1].isdigit():
+            sizes[level] = max(sizes.get(level, 0), int(size[:-1]) * _SIZE_UNITS[size[-1]])
         elif size.isdigit():
             sizes[level] = max(sizes.get(level, 0), int(size))
     return sizes[max(sizes)] if sizes else 0

@@ -148,25 +148,27 @@ def _has_fp16_subnormal(src, start, stop):
 
 
 @numba.njit(inline="always")
-def _block_range(block, n):
-    """(start, stop) of parallel step ``block`` over n elements, unsigned (no wrap-around checks)."""
-    return np.uint64(block * _BLOCK), np.uint64(min(block * _BLOCK + _BLOCK, n))
+def _steps(src):
+    """Parallel steps over the elements of ``src``: blocks of _BLOCK."""
+    return (src.size + _BLOCK - 1) // _BLOCK
 
 
 @numba.njit(inline="always")
-def _prefetch_ahead(src, start):
-    """Prefetch the input of the step _PREFETCH_BLOCKS steps after the one at ``start``."""
+def _step_range(src, block):
+    """(start, stop) of step ``block`` over ``src``, unsigned (no wrap-around checks), after the step's set-up:
+    its function marked for 512-bit vectors (inlined into the parallel loop's body, the mark lands there) and
+    the input of the step _PREFETCH_BLOCKS on prefetched."""
+    prefer_512_bit_vectors()
+    start = np.uint64(block * _BLOCK)
     prefetch_span(src, start + np.uint64(_PREFETCH_BLOCKS * _BLOCK), _BLOCK)
+    return start, np.uint64(min(block * _BLOCK + _BLOCK, src.size))
 
 
 @SerialOrParallel
 def _encode_bf16(src, dst):
     # src: int16[n] BF16 bit patterns, dst: uint8[n]
-    n = src.size
-    for block in numba.prange((n + _BLOCK - 1) // _BLOCK):
-        prefer_512_bit_vectors()
-        start, stop = _block_range(block, n)
-        _prefetch_ahead(src, start)
+    for block in numba.prange(_steps(src)):
+        start, stop = _step_range(src, block)
         for i in range(start, stop):
             bits = src[i]
             magnitude = _i16(bits & _i16(0x7FFF))
@@ -176,11 +178,8 @@ def _encode_bf16(src, dst):
 @SerialOrParallel
 def _encode_fp16(src, dst):
     # src: int16[n] FP16 bit patterns, dst: uint8[n]. Blocks without subnormals skip the FP32 cast.
-    n = src.size
-    for block in numba.prange((n + _BLOCK - 1) // _BLOCK):
-        prefer_512_bit_vectors()
-        start, stop = _block_range(block, n)
-        _prefetch_ahead(src, start)
+    for block in numba.prange(_steps(src)):
+        start, stop = _step_range(src, block)
         if _has_fp16_subnormal(src, start, stop):
             for i in range(start, stop):
                 magnitude = _i16(src[i] & _i16(0x7FFF))
@@ -217,11 +216,8 @@ def _with_sign_and_nan(code, bits):
 @SerialOrParallel
 def _decode_bf16(src, dst):
     # src: uint8[n] codes, dst: int16[n] BF16 bit patterns
-    n = src.size
-    for block in numba.prange((n + _BLOCK - 1) // _BLOCK):
-        prefer_512_bit_vectors()
-        start, stop = _block_range(block, n)
-        _prefetch_ahead(src, start)
+    for block in numba.prange(_steps(src)):
+        start, stop = _step_range(src, block)
         for i in range(start, stop):
             code = _i16(src[i])
             magnitude = _i16(code & _i16(0x7F))
@@ -235,11 +231,8 @@ def _decode_bf16(src, dst):
 @SerialOrParallel
 def _decode_fp16(src, dst):
     # src: uint8[n] codes, dst: int16[n] FP16 bit patterns
-    n = src.size
-    for block in numba.prange((n + _BLOCK - 1) // _BLOCK):
-        prefer_512_bit_vectors()
-        start, stop = _block_range(block, n)
-        _prefetch_ahead(src, start)
+    for block in numba.prange(_steps(src)):
+        start, stop = _step_range(src, block)
         for i in range(start, stop):
             code = _i16(src[i])
             magnitude = _i16(code & _i16(0x7F))
