@@ -57,3 +57,24 @@ def test_serial_and_parallel_versions_agree(dtype, monkeypatch):
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
     assert torch.equal(results[0][0], hifloat8.encode(bits.view(dtype)))
     assert torch.equal(results[0][1], hifloat8.decode(codes, dtype).view(torch.int16))
+
+
+@pytest.mark.parametrize("serial", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("decoder", ["table", "arithmetic"])
+def test_both_decoders_every_code_at_every_tail_length(decoder, dtype, serial):
+    """The look-up decoder (64 codes per vpermi2b pair, AVX512-VBMI) and the arithmetic one (CPUs without
+    VBMI), called directly: every code, shuffled, at lengths whose last 64 codes are a partial step, across
+    several blocks."""
+    if decoder == "table" and not cpu_kernels.HAS_AVX512VBMI:
+        pytest.skip("the look-up decoder needs AVX512-VBMI")
+    generator = torch.Generator().manual_seed(2)
+    for n in (1, 63, 64, 65, 255, 256, 257, cpu_kernels._BLOCK + 64 * 3 + 17, 5 * cpu_kernels._BLOCK - 1):
+        codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(n // 256 + 1)
+        codes = codes[torch.randperm(codes.numel(), generator=generator)][:n]
+        out = torch.empty(n, dtype=torch.int16)
+        if decoder == "table":
+            cpu_kernels._decode_by_table(codes.numpy(), out.numpy(), cpu_kernels._byte_table(dtype), serial=serial)
+        else:
+            cpu_kernels._DECODERS[dtype](codes.numpy(), out.numpy(), serial=serial)
+        assert torch.equal(out, hifloat8.decode(codes, dtype).view(torch.int16)), n

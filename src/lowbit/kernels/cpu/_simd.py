@@ -347,6 +347,46 @@ shuffle_bytes_avx512 = _make_binary(_shuffle_bytes_avx512, I32V, _SHUFFLE_BYTES_
 shuffle_bytes = shuffle_bytes_avx512 if HAS_AVX512BW else shuffle_bytes_portable
 
 
+_V8x64 = ir.VectorType(_I8, 64)
+
+
+def byte_table_words(builder, codes, table, nan_code):
+    """(high, low), each <64 x i8>: the high and low bytes of the 16-bit patterns of 64 codes (``codes``,
+    <64 x i8>), looked up by their bits 0-6 in ``table`` (an i8 pointer to 256 bytes: the high bytes of the
+    patterns of codes 0..127, then their low bytes; one vpermi2b for each), the code's bit 7 XORed into the
+    high byte (the sign of a float pattern), 0x7FFF where the code is ``nan_code`` (i8). AVX512-VBMI only."""
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8x64, [_V8x64] * 3),
+                                        "llvm.x86.avx512.vpermi2var.qi.512")
+    quarters = [builder.load(builder.bitcast(builder.gep(table, [ir.Constant(_I32, 64 * q)]), _V8x64.as_pointer()),
+                             align=1) for q in range(4)]
+    high = builder.call(fn, [quarters[0], codes, quarters[1]])
+    low = builder.call(fn, [quarters[2], codes, quarters[3]])
+    high = builder.xor(high, builder.and_(codes, ir.Constant(_V8x64, [0x80] * 64)))
+    nan = builder.icmp_unsigned("==", codes, _splat(builder, nan_code, _V8x64))
+    return (builder.select(nan, ir.Constant(_V8x64, [0x7F] * 64), high),
+            builder.select(nan, ir.Constant(_V8x64, [0xFF] * 64), low))
+
+
+@intrinsic
+def store_table_words64(typingctx, codes, index, table, nan_code, out):
+    """out[index : index + 64] <- the 16-bit patterns of the codes codes[index : index + 64] by
+    ``byte_table_words`` (``codes`` uint8, ``table`` uint8[256], ``out`` int16: 1-D C-contiguous arrays;
+    ``nan_code`` an int). AVX512-VBMI only."""
+
+    def codegen(context, builder, sig, args):
+        codes_ty, _, table_ty, _, out_ty = sig.args
+        values = builder.load(_element_ptr(context, builder, codes_ty, args[0], args[1], _V8x64), align=1)
+        table_data = builder.bitcast(context.make_array(table_ty)(context, builder, args[2]).data, _I8.as_pointer())
+        high, low = byte_table_words(builder, values, table_data, builder.trunc(args[3], _I8))
+        words = builder.bitcast(builder.shuffle_vector(
+            low, high, ir.Constant(ir.VectorType(_I32, 128), [i for j in range(64) for i in (j, 64 + j)])),
+            ir.VectorType(_I16, 64))
+        builder.store(words, _element_ptr(context, builder, out_ty, args[4], args[1], words.type), align=1)
+        return context.get_dummy_value()
+
+    return types.none(codes, index, table, nan_code, out), codegen
+
+
 @intrinsic
 def spread_bytes4(typingctx, arr, index):
     """I32V whose lane i is byte ``index + i // 4`` of a 1-D C-contiguous uint8 array, zero-extended (LANES / 4

@@ -182,19 +182,10 @@ def _code8_decode_vbmi(context, builder, codes, table_arg, nan_code):
     """16-bit patterns of the code's magnitude from the row's byte tables (vpermi2b, index bits 0-6): BF16
     for a 1-D table, FP16 for a 2-D one; the code's sign XORed in, NaN for ``nan_code``; bytes -> words by
     unpacking, words -> FP32 by unpacking with zeros below (BF16) or vcvtph2ps (FP16), in CODE8_ORDER."""
-    fn = cgutils.get_or_insert_function(
-        builder.module, ir.FunctionType(_V8x64, [_V8x64] * 3), "llvm.x86.avx512.vpermi2var.qi.512")
     table_type, table = table_arg
     data = context.make_array(table_type)(context, builder, table).data
-    data = builder.bitcast(data, ir.IntType(8).as_pointer())
-    quarters = [builder.load(builder.bitcast(builder.gep(data, [ir.Constant(_I32, 64 * q)]), _V8x64.as_pointer()),
-                             align=1) for q in range(4)]
-    high = builder.call(fn, [quarters[0], codes, quarters[1]])
-    low = builder.call(fn, [quarters[2], codes, quarters[3]])
-    high = builder.xor(high, builder.and_(codes, ir.Constant(_V8x64, [0x80] * 64)))
-    nan = builder.icmp_unsigned("==", codes, simd._splat(builder, builder.trunc(nan_code, ir.IntType(8)), _V8x64))
-    high = builder.select(nan, ir.Constant(_V8x64, [0x7F] * 64), high)
-    low = builder.select(nan, ir.Constant(_V8x64, [0xFF] * 64), low)
+    high, low = simd.byte_table_words(builder, codes, builder.bitcast(data, ir.IntType(8).as_pointer()),
+                                      builder.trunc(nan_code, ir.IntType(8)))
     # unpack{l,h}bw per 128-bit lane: words (low byte, high byte) of bytes 0-7 / 8-15 of each lane
     words = [builder.bitcast(builder.shuffle_vector(low, high, _mask(
         [i for lane in range(4) for j in range(8 * h, 8 * h + 8) for i in (16 * lane + j, 64 + 16 * lane + j)])),
