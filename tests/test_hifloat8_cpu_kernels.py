@@ -78,3 +78,21 @@ def test_both_decoders_every_code_at_every_tail_length(decoder, dtype, serial):
         else:
             cpu_kernels._DECODERS[dtype](codes.numpy(), out.numpy(), serial=serial)
         assert torch.equal(out, hifloat8.decode(codes, dtype).view(torch.int16)), n
+
+
+@pytest.mark.parametrize("serial", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("encoders", ["table", "arithmetic"])
+def test_both_encoders_every_bit_pattern(encoders, dtype, serial):
+    """The encoders by exponent tables (32 elements per step, AVX512-BW) and the arithmetic ones (CPUs without
+    AVX512-BW), called directly: every bit pattern in order (FP16: subnormal and normal blocks) and shuffled,
+    then a length whose last step is short."""
+    if encoders == "table" and not cpu_kernels.HAS_AVX512BW:
+        pytest.skip("the table encoders need AVX512-BW")
+    kernel = (cpu_kernels._ENCODERS_BY_TABLE if encoders == "table" else cpu_kernels._ENCODERS)[dtype]
+    bits = all_fp16_patterns()
+    shuffled = bits[torch.randperm(65536, generator=torch.Generator().manual_seed(3))]
+    for patterns in (bits, shuffled, shuffled[:cpu_kernels._BLOCK * 3 + 32 * 5 + 7]):
+        out = torch.empty(patterns.numel(), dtype=torch.uint8)
+        kernel(patterns.numpy(), out.numpy(), serial=serial)
+        assert torch.equal(out, hifloat8.encode(patterns.view(dtype))), patterns.numel()

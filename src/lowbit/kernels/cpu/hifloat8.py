@@ -1,13 +1,15 @@
-"""HiFloat8 encode/decode on the CPU (numba): branch-free int16 arithmetic that LLVM vectorizes, and a decode
-by table look-up where the CPU has AVX512-VBMI.
+"""HiFloat8 encode/decode on the CPU (numba): branch-free int16 arithmetic that LLVM vectorizes, and faster
+versions by small table look-ups where the CPU has AVX512-BW (encode) and AVX512-VBMI (decode).
 
-Encode has no table look-up: a per-element gather from a 32K-entry table does not vectorize (about 0.47
-ns/element on one Zen 4 core), while the arithmetic below runs 32 elements per AVX-512 instruction. Decode
-has only 128 magnitudes: with AVX512-VBMI, ``_decode_by_table`` looks up the high and the low bytes of 64
-codes' patterns with one vpermi2b each (``_simd.store_table_words64``), about a quarter of the arithmetic
-decode's instructions; on an AMD EPYC Zen 5 at 2.6 GHz the arithmetic decode was bound by them (0.5 cycles per
-element, 0.47-0.61 of memcpy at 64M), the look-up runs at 0.86-0.92 of memcpy
-(benchmarks/results_hifloat8.md, 'AMD EPYC Zen 5'). CPUs without VBMI run the arithmetic decode. Every
+A per-element gather from a 32K-entry encode table does not vectorize (about 0.47 ns/element on one Zen 4
+core); the arithmetic below runs 32 elements per AVX-512 instruction. Its rounding and code assembly depend on
+the binade only, so with AVX512-BW three 64-entry tables indexed by the exponent (one vpermi2w each) replace
+most of it (``_encode32_bf16``: 0.24 cycles per element in L2 on an AMD EPYC Zen 5 against 0.83-0.91).
+Decode has only 128 magnitudes: with AVX512-VBMI, ``_decode_by_table`` looks up the high and the low bytes of
+64 codes' patterns with one vpermi2b each (``_simd.store_table_words64``), about a quarter of the arithmetic
+decode's instructions. On that Zen 5 at 2.6 GHz the arithmetic kernels were bound by their instructions (0.40-
+0.61 of memcpy at 64M); the table kernels run at 0.57-0.92
+(benchmarks/results_hifloat8.md, 'AMD EPYC Zen 5'). Other CPUs run the arithmetic kernels. Every
 intermediate is cast back to int16 with ``_i16``: numba widens integer arithmetic to int64, and the casts
 let LLVM keep 16-bit lanes. The kernels are checked bit for bit against the reference on all 65536
 FP16/BF16 patterns and all 256 codes (tests and the ops layer's self-check).
@@ -53,11 +55,16 @@ import functools
 import numba
 import numpy as np
 import torch
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from lowbit.backends import Kernel
 from lowbit.formats import hifloat8 as reference
 from lowbit.kernels.cpu._runtime import SerialOrParallel, as_numpy, runs_serially
-from lowbit.kernels.cpu._simd import HAS_AVX512VBMI, prefer_512_bit_vectors, prefetch_span, store_table_words64
+from lowbit.kernels.cpu._simd import (HAS_AVX512BW, HAS_AVX512VBMI, prefer_512_bit_vectors, prefetch_span,
+                                      store_table_words64)
 
 _i16 = np.int16
 
@@ -104,6 +111,102 @@ def _magnitude_code(a):
     denormal = max(_i16(_i16(23) - abs_e), _i16(1))
     code = denormal if band == _i16(3) else normal
     return _i16(0) if a < _i16(0x3400) else code  # |x| < 2^-23
+
+
+# ---- Encode by exponent tables (AVX512-BW): 32 elements per step -------------------------------------------
+# Steps 3-4 of _magnitude_code depend on the binade only: with i = max(e - 103, 0) for the biased exponent e of a
+# BF16 magnitude (i = 0: |x| < 2^-23, code 0; i = 1..39: E = i - 24 = -23..15), the rounded magnitude is
+# u = a + HALF_STEP[i(a)] and its code is CODE_BASE[i(u)] + ((u & 0x7F) >> MANTISSA_SHIFT[i(u)]). Each table has
+# 64 int16 entries (two vpermi2w operands); entries 40-63 are never looked up (a is clamped to 2^15, i <= 39).
+_EXPONENT_OFFSET = 103
+
+
+def _encode_tables() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(HALF_STEP, CODE_BASE, MANTISSA_SHIFT), int16[64] each, from the module docstring's steps 2-4."""
+    half_step, code_base, shift = (np.zeros(64, np.int16) for _ in range(3))
+    shift[:] = 7  # m = 0 (index 0 and the denormal band)
+    for i in range(1, 40):
+        exponent = i - 24
+        magnitude = abs(exponent)
+        band = 0 if magnitude <= 3 else 1 if magnitude <= 7 else 2 if magnitude <= 15 else 3
+        half_step[i] = 8 << band
+        if band == 3:
+            code_base[i] = max(23 - magnitude, 1)
+            continue
+        prefix = 0x10 + (band << 5) + (0x10 if exponent < 0 else 0)
+        prefix = prefix >> 1 if magnitude <= 1 else prefix
+        code_base[i] = prefix + (magnitude << (3 - band))
+        shift[i] = 4 + band
+    return half_step, code_base, shift
+
+
+_V16 = ir.VectorType(ir.IntType(16), 32)
+
+
+def _word_pair(table: np.ndarray) -> list[ir.Constant]:
+    return [ir.Constant(_V16, [int(v) for v in table[h * 32:h * 32 + 32]]) for h in (0, 1)]
+
+
+def _magnitude_codes32(builder, a):
+    """_magnitude_code of 32 clamped BF16 magnitudes ``a`` (<32 x i16>) by the exponent tables."""
+    lookup = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16, [_V16] * 3),
+                                            "llvm.x86.avx512.vpermi2var.hi.512")
+    half_step, code_base, shift = (_word_pair(t) for t in _encode_tables())
+
+    def words(value):
+        return ir.Constant(_V16, [value] * 32)
+
+    def index(magnitude):
+        exponent = builder.lshr(magnitude, words(7))
+        above = builder.icmp_unsigned(">", exponent, words(_EXPONENT_OFFSET))
+        return builder.select(above, builder.sub(exponent, words(_EXPONENT_OFFSET)), words(0))
+
+    u = builder.add(a, builder.call(lookup, [half_step[0], index(a), half_step[1]]))
+    i = index(u)
+    m = builder.lshr(builder.and_(u, words(0x7F)), builder.call(lookup, [shift[0], i, shift[1]]))
+    return builder.add(builder.call(lookup, [code_base[0], i, code_base[1]]), m)
+
+
+def _make_encode32(from_fp16: bool):
+    inf = 0x7C00 if from_fp16 else 0x7F80
+
+    @intrinsic
+    def encode32(typingctx, src, index, dst):
+        def codegen(context, builder, sig, args):
+            src_ty, _, dst_ty = sig.args
+            pointer = builder.gep(context.make_array(src_ty)(context, builder, args[0]).data, [args[1]])
+            bits = builder.load(builder.bitcast(pointer, _V16.as_pointer()), align=1)
+
+            def words(value):
+                return ir.Constant(_V16, [value] * 32)
+
+            magnitude = builder.and_(bits, words(0x7FFF))
+            a = magnitude
+            if from_fp16:  # no subnormals here: zero or the BF16 pattern of a normal / Inf / NaN
+                normal = builder.add(builder.lshr(magnitude, words(3)), words(0x3800))
+                a = builder.select(builder.icmp_unsigned(">=", magnitude, words(0x400)), normal, words(0))
+            a = builder.select(builder.icmp_unsigned("<", a, words(0x4700)), a, words(0x4700))  # 2^15
+            code = _magnitude_codes32(builder, a)
+            sign = builder.and_(builder.lshr(bits, words(8)), words(0x80))
+            signed = builder.select(builder.icmp_unsigned("!=", code, words(0)), builder.or_(code, sign), code)
+            special = builder.select(builder.icmp_unsigned("==", magnitude, words(inf)), builder.or_(signed, words(1)),
+                                     words(0x80))
+            result = builder.select(builder.icmp_unsigned(">=", magnitude, words(inf)), special, signed)
+            pointer = builder.gep(context.make_array(dst_ty)(context, builder, args[2]).data, [args[1]])
+            codes = builder.trunc(result, ir.VectorType(ir.IntType(8), 32))
+            builder.store(codes, builder.bitcast(pointer, codes.type.as_pointer()), align=1)
+            return context.get_dummy_value()
+
+        return types.none(src, index, dst), codegen
+
+    encode32.__doc__ = (f"dst[index : index + 32] (uint8) <- the codes of the {'FP16' if from_fp16 else 'BF16'} "
+                        "bit patterns src[index : index + 32] (int16" + (", no subnormals" if from_fp16 else "") +
+                        "), by the exponent tables. AVX512-BW only.")
+    return encode32
+
+
+_encode32_bf16 = _make_encode32(from_fp16=False)
+_encode32_fp16_normal = _make_encode32(from_fp16=True)
 
 
 @numba.njit(inline="always")
@@ -208,6 +311,41 @@ def _encode_fp16(src, dst):
                 dst[i] = _signed_code(src[i], magnitude, code, _FP16_INF)
 
 
+@SerialOrParallel
+def _encode_bf16_by_table(src, dst):
+    # src: int16[n] BF16 bit patterns, dst: uint8[n]; AVX512-BW. 32 elements per step, the last n % 32 one by one.
+    for block in numba.prange(_steps(src)):
+        start, stop = _block_range(src, block)
+        i = start
+        while i + np.uint64(32) <= stop:
+            _encode32_bf16(src, i, dst)
+            i += np.uint64(32)
+        for j in range(i, stop):
+            magnitude = _i16(src[j] & _i16(0x7FFF))
+            dst[j] = _signed_code(src[j], magnitude, _magnitude_code(magnitude), _BF16_INF)
+
+
+@SerialOrParallel
+def _encode_fp16_by_table(src, dst):
+    # src: int16[n] FP16 bit patterns, dst: uint8[n]; AVX512-BW. Blocks with subnormals as in _encode_fp16.
+    for block in numba.prange(_steps(src)):
+        start, stop = _block_range(src, block)
+        if _has_fp16_subnormal(src, start, stop):
+            for j in range(start, stop):
+                magnitude = _i16(src[j] & _i16(0x7FFF))
+                code = _magnitude_code(_bf16_from_fp16(magnitude))
+                dst[j] = _signed_code(src[j], magnitude, code, _FP16_INF)
+            continue
+        i = start
+        while i + np.uint64(32) <= stop:
+            _encode32_fp16_normal(src, i, dst)
+            i += np.uint64(32)
+        for j in range(i, stop):
+            magnitude = _i16(src[j] & _i16(0x7FFF))
+            code = _magnitude_code(_bf16_from_fp16_without_subnormals(magnitude))
+            dst[j] = _signed_code(src[j], magnitude, code, _FP16_INF)
+
+
 @numba.njit(inline="always")
 def _normal_bits(magnitude, bias, mantissa_width):
     """Value bits of a code magnitude 0x08..0x7F: ``bias + ((+-|E| << M) + m) << (mantissa_width - M)``."""
@@ -289,15 +427,18 @@ def _byte_table(dtype: torch.dtype) -> np.ndarray:
 
 
 _ENCODERS = {torch.bfloat16: _encode_bf16, torch.float16: _encode_fp16}
+_ENCODERS_BY_TABLE = {torch.bfloat16: _encode_bf16_by_table, torch.float16: _encode_fp16_by_table}
 _DECODERS = {torch.bfloat16: _decode_bf16, torch.float16: _decode_fp16}
 
 
 class Encode(Kernel):
-    """encode_to_hifloat8 on the CPU: contiguous FP16/BF16 ``x`` into contiguous uint8 ``out``."""
+    """encode_to_hifloat8 on the CPU: contiguous FP16/BF16 ``x`` into contiguous uint8 ``out`` (by exponent
+    tables with AVX512-BW, by arithmetic otherwise)."""
 
     def run(self, x: torch.Tensor, *, out: torch.Tensor) -> None:
         serial = runs_serially(x.numel(), _ONE_THREAD_ELEMENTS)
-        _ENCODERS[x.dtype](as_numpy(x).reshape(-1), as_numpy(out).reshape(-1), serial=serial)
+        encoders = _ENCODERS_BY_TABLE if HAS_AVX512BW else _ENCODERS
+        encoders[x.dtype](as_numpy(x).reshape(-1), as_numpy(out).reshape(-1), serial=serial)
 
 
 class Decode(Kernel):
