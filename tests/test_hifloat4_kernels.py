@@ -208,20 +208,24 @@ def test_numba_serial_and_parallel_versions_agree(dtype, monkeypatch):
         assert torch.equal(bits(got), bits(hifloat4.fake_quant(x, qdim)))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("in_registers", [True, False], ids=["registers", "per-group loops"])
-def test_numba_both_bf16_block_paths(in_registers, monkeypatch):
-    """BF16 blocks run in AVX-512 registers (_hifloat4_bf16) on CPUs with AVX512-BW, in the per-group loops
-    elsewhere: each, forced here, equals the reference on every bit pattern, on blocks of scales across BF16's
-    range with zero, NaN and Inf elements, along the last dim and along dim 0 (tiles), serial and parallel."""
+def test_numba_both_block_paths(in_registers, dtype, monkeypatch):
+    """Blocks run in AVX-512 registers (_hifloat4_blocks) on CPUs with AVX512-BW, in the per-group loops
+    elsewhere: each, forced here, equals the reference on every 16-bit pattern, on blocks of scales across the
+    dtype's range with zero, NaN and Inf elements, along the last dim and along dim 0 (tiles), serial and
+    parallel."""
     monkeypatch.setattr(cpu_kernels, "HAS_AVX512BW", in_registers)
-    x = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).reshape(-1, 64)
-    assert_kernel_equals_reference(cpu_kernels.FAKE_QUANT, x, -1)
+    if dtype != torch.float32:
+        x = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype).reshape(-1, 64)
+        assert_kernel_equals_reference(cpu_kernels.FAKE_QUANT, x, -1)
     g = torch.Generator().manual_seed(5)
+    lo, hi = SCALE_EXPONENTS[dtype]
     blocks = torch.randn(3000, 64, generator=g) * torch.exp2(torch.randn(3000, 64, generator=g) * 4)
-    blocks = blocks * torch.exp2(torch.randint(-130, 128, (3000, 1), generator=g).float())
+    blocks = blocks * torch.exp2(torch.randint(lo - 30, hi + 28, (3000, 1), generator=g).float())
     blocks[::7] = 0.0
     blocks[5, 3], blocks[11, 60], blocks[12, 0] = float("nan"), float("inf"), float("-inf")
-    y = blocks.to(torch.bfloat16)
+    y = blocks.to(dtype)
     for rows in (y[:40], y):  # below and above _ONE_THREAD_BLOCKS: the serial and the parallel kernel
         assert_kernel_equals_reference(cpu_kernels.FAKE_QUANT, rows, -1)
         assert_kernel_equals_reference(cpu_kernels.FAKE_QUANT, rows.reshape(64, -1), 0)

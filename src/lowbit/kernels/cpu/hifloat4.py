@@ -19,9 +19,9 @@ order), in loops that LLVM vectorizes:
    to nearest even), the half-up code as floor, ``code * 2^level * sf / 4`` (exact in fp32) turned into
    the output dtype's bits (FP16 rounds to nearest even); a poisoned block is then overwritten with NaN.
 
-BF16 blocks on CPUs with AVX512-BW skip steps 1, 3 and 4 as loops: lowbit.kernels.cpu._hifloat4_bf16 does
-them in AVX-512 registers with per-element group maxima (output kind _KIND_BF16_IN_REGISTERS), around the
-same scalar step 2.
+On CPUs with AVX512-BW, blocks skip steps 1, 3 and 4 as loops: lowbit.kernels.cpu._hifloat4_blocks does them
+in AVX-512 registers with per-element group maxima (the output kinds ``_IN_REGISTERS``), around the same
+scalar step 2.
 
 Performance notes (numba/LLVM specifics behind the shape of the code): the per-block helpers that take
 arrays are inlined at numba IR level, blocks are rows of 2-D views and per-task scratch is one small
@@ -45,7 +45,7 @@ from lowbit.dtypes import SAME_WIDTH_INT
 from lowbit.formats import hifloat4 as ref
 from lowbit.formats.hifloat4 import BLOCK
 from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, SerialOrParallel, as_numpy, runs_serially
-from lowbit.kernels.cpu._hifloat4_bf16 import bf16_block_fake_quant, bf16_block_maximum
+from lowbit.kernels.cpu._hifloat4_blocks import BLOCK_FAKE_QUANT, BLOCK_MAXIMUM
 from lowbit.kernels.cpu._simd import HAS_AVX512BW, flat, prefer_512_bit_vectors
 
 _BLOCKS_PER_TASK = 256  # blocks per parallel task
@@ -73,10 +73,12 @@ _F16_OVERFLOW = np.float32(65520.0)  # the smallest fp32 that rounds to +inf in 
 # arithmetic. Scalar helpers need not be: LLVM inlines them.
 _INLINE = dict(NJIT_OPTIONS, inline="always")
 
-# Output kinds (how the fp32 result becomes the output's bits). BF16 blocks run in AVX-512 registers
-# (_bf16_rows_in_registers, kind _KIND_BF16_IN_REGISTERS) where the CPU has AVX512-BW: 0.75x the time per block
-# on an AMD EPYC Zen 5 (benchmarks/results_hifloat4.md); the per-group loops (_KIND_BF16) otherwise.
-_KIND_F32, _KIND_BF16, _KIND_F16, _KIND_BF16_IN_REGISTERS = 0, 1, 2, 3
+# Output kinds (how the fp32 result becomes the output's bits). Blocks run in AVX-512 registers
+# (_rows_in_registers16 / 32, the kinds _IN_REGISTERS) where the CPU has AVX512-BW: 0.75x the time per BF16
+# block on an AMD EPYC Zen 5 (benchmarks/results_hifloat4.md); in the per-group loops otherwise.
+_KIND_F32, _KIND_BF16, _KIND_F16 = 0, 1, 2
+_IN_REGISTERS = {_KIND_F32: 3, _KIND_BF16: 4, _KIND_F16: 5}
+_KIND_F32_IN_REGISTERS, _KIND_BF16_IN_REGISTERS, _KIND_F16_IN_REGISTERS = _IN_REGISTERS.values()
 
 
 class _Format:
@@ -279,21 +281,50 @@ def _scratch():
     return np.empty(48, np.float32)
 
 
+_bf16_block_maximum, _f16_block_maximum, _f32_block_maximum = (BLOCK_MAXIMUM[f] for f in ("bf16", "f16", "f32"))
+_bf16_block_fake_quant, _f16_block_fake_quant, _f32_block_fake_quant = (
+    BLOCK_FAKE_QUANT[f] for f in ("bf16", "f16", "f32"))
+
+
+@numba.njit(**_INLINE)
+def _scale_in_registers(block_max, poisoned, dst, n, mag_mask, shift, widen, nan_bits):
+    """(r, sf / 4) of block n from its maximum bits, or (0, 0) after writing NaN over a poisoned block."""
+    if poisoned:
+        for i in range(BLOCK):
+            dst[n, i] = nan_bits
+        return _F0, _F0
+    byte, r = _block_scale(_magnitude(block_max, mag_mask, shift, widen))
+    return r, _scale_value(byte) * _F_QUARTER
+
+
 @numba.njit(**NJIT_OPTIONS)
-def _bf16_rows_in_registers(src, dst, first, last, nan_bits):
-    """BF16 blocks first..last-1 of ``src`` ((blocks, 64) int16 bits) into ``dst``, each block's vector steps
-    in AVX-512 registers (lowbit.kernels.cpu._hifloat4_bf16), its scale here (a function of its own: LLVM's
-    preference for 512-bit vectors, set in the callers, lowers those registers' shuffles worse)."""
+def _rows_in_registers16(src, dst, first, last, mag_mask, shift, widen, kind, nan_bits):
+    """BF16 (kind _KIND_BF16_IN_REGISTERS) or FP16 blocks first..last-1 of ``src`` ((blocks, 64) int16 bits) into
+    ``dst``, each block's vector steps in AVX-512 registers (lowbit.kernels.cpu._hifloat4_blocks), its scale
+    here. A function of its own: LLVM's preference for 512-bit vectors, set in the callers, lowers those
+    registers' shuffles worse."""
+    bf16 = kind == _KIND_BF16_IN_REGISTERS
     for n in range(first, last):
         at = np.int64(n) * BLOCK
-        block_max, poisoned = bf16_block_maximum(src, at)
+        block_max, poisoned = _bf16_block_maximum(src, at) if bf16 else _f16_block_maximum(src, at)
+        r, quarter_sf = _scale_in_registers(block_max, poisoned, dst, n, mag_mask, shift, widen, nan_bits)
         if poisoned:
-            for i in range(BLOCK):
-                dst[n, i] = nan_bits
             continue
-        byte, r = _block_scale(_float(block_max << np.uint32(16)))
-        bf16_block_fake_quant(src, at, dst, r, _scale_value(byte) * _F_QUARTER)
+        if bf16:
+            _bf16_block_fake_quant(src, at, dst, r, quarter_sf)
+        else:
+            _f16_block_fake_quant(src, at, dst, r, quarter_sf)
 
+
+@numba.njit(**NJIT_OPTIONS)
+def _rows_in_registers32(src, dst, first, last, mag_mask, shift, widen, nan_bits):
+    """The same for FP32 blocks ((blocks, 64) int32 bits)."""
+    for n in range(first, last):
+        at = np.int64(n) * BLOCK
+        block_max, poisoned = _f32_block_maximum(src, at)
+        r, quarter_sf = _scale_in_registers(block_max, poisoned, dst, n, mag_mask, shift, widen, nan_bits)
+        if not poisoned:
+            _f32_block_fake_quant(src, at, dst, r, quarter_sf)
 
 
 def _fake_quant_rows(src, dst, first, last, work, mag_mask, inf_mag, shift, widen, kind, nan_bits):
@@ -309,14 +340,17 @@ def _fake_quant_rows_typed(src, dst, first, last, work, mag_mask, inf_mag, shift
     if src.dtype.bitwidth == 32:
         def rows_f32(src, dst, first, last, work, mag_mask, inf_mag, shift, widen, kind, nan_bits):
             prefer_512_bit_vectors()
+            if kind == _KIND_F32_IN_REGISTERS:
+                _rows_in_registers32(src, dst, first, last, mag_mask, shift, widen, nan_bits)
+                return
             for n in range(first, last):
                 _quantize_block(src, dst, n, work, mag_mask, inf_mag, shift, widen, _f32_out, nan_bits)
         return rows_f32
 
     def rows_16(src, dst, first, last, work, mag_mask, inf_mag, shift, widen, kind, nan_bits):
         prefer_512_bit_vectors()
-        if kind == _KIND_BF16_IN_REGISTERS:
-            _bf16_rows_in_registers(src, dst, first, last, nan_bits)
+        if kind == _KIND_BF16_IN_REGISTERS or kind == _KIND_F16_IN_REGISTERS:
+            _rows_in_registers16(src, dst, first, last, mag_mask, shift, widen, kind, nan_bits)
             return
         for n in range(first, last):
             if kind == _KIND_BF16:
@@ -470,7 +504,7 @@ class FakeQuant(Kernel):
         qdim %= x.dim()
         fmt = _FORMATS[x.dtype]
         inner = int(np.prod(x.shape[qdim + 1:], dtype=np.int64))
-        kind = _KIND_BF16_IN_REGISTERS if fmt.kind == _KIND_BF16 and HAS_AVX512BW else fmt.kind
+        kind = _IN_REGISTERS[fmt.kind] if HAS_AVX512BW else fmt.kind
         args = (_block_view(x), _block_view(out), x.numel() // BLOCK, inner, np.uint32(fmt.mag_mask),
                 np.uint32(fmt.inf_mag), np.uint32(fmt.shift), np.float32(fmt.widen), kind, ref.NAN_BITS[x.dtype])
         _run(_fake_quant_kernel, args, x.numel() // BLOCK)
