@@ -20,8 +20,8 @@ order), in loops that LLVM vectorizes:
    the output dtype's bits (FP16 rounds to nearest even); a poisoned block is then overwritten with NaN.
 
 On CPUs with AVX512-BW, blocks skip steps 1, 3 and 4 as loops: lowbit.kernels.cpu._hifloat4_blocks does them
-in AVX-512 registers with per-element group maxima (the output kinds ``_IN_REGISTERS``), around the same
-scalar step 2.
+in AVX-512 registers with per-element group maxima, around the same scalar step 2. Which route a kernel
+compiles is its work argument's type (``_task_work``): only one of them is compiled per input width.
 
 Performance notes (numba/LLVM specifics behind the shape of the code): the per-block helpers that take
 arrays are inlined at numba IR level, blocks are rows of 2-D views and per-task scratch is one small
@@ -38,6 +38,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 import torch
+from numba import types
 from numba.extending import overload
 
 from lowbit.backends import Kernel
@@ -73,12 +74,8 @@ _F16_OVERFLOW = np.float32(65520.0)  # the smallest fp32 that rounds to +inf in 
 # arithmetic. Scalar helpers need not be: LLVM inlines them.
 _INLINE = dict(NJIT_OPTIONS, inline="always")
 
-# Output kinds (how the fp32 result becomes the output's bits). Blocks run in AVX-512 registers
-# (_rows_in_registers16 / 32, the kinds _IN_REGISTERS) where the CPU has AVX512-BW: 0.75x the time per BF16
-# block on an AMD EPYC Zen 5 (benchmarks/results_hifloat4.md); in the per-group loops otherwise.
+# Output kinds (how the fp32 result becomes the output's bits).
 _KIND_F32, _KIND_BF16, _KIND_F16 = 0, 1, 2
-_IN_REGISTERS = {_KIND_F32: 3, _KIND_BF16: 4, _KIND_F16: 5}
-_KIND_F32_IN_REGISTERS, _KIND_BF16_IN_REGISTERS, _KIND_F16_IN_REGISTERS = _IN_REGISTERS.values()
 
 
 class _Format:
@@ -299,11 +296,11 @@ def _scale_in_registers(block_max, poisoned, dst, n, mag_mask, shift, widen, nan
 
 @numba.njit(**NJIT_OPTIONS)
 def _rows_in_registers16(src, dst, first, last, mag_mask, shift, widen, kind, nan_bits):
-    """BF16 (kind _KIND_BF16_IN_REGISTERS) or FP16 blocks first..last-1 of ``src`` ((blocks, 64) int16 bits) into
+    """BF16 (kind _KIND_BF16) or FP16 blocks first..last-1 of ``src`` ((blocks, 64) int16 bits) into
     ``dst``, each block's vector steps in AVX-512 registers (lowbit.kernels.cpu._hifloat4_blocks), its scale
     here. A function of its own: LLVM's preference for 512-bit vectors, set in the callers, lowers those
     registers' shuffles worse."""
-    bf16 = kind == _KIND_BF16_IN_REGISTERS
+    bf16 = kind == _KIND_BF16
     for n in range(first, last):
         at = np.int64(n) * BLOCK
         block_max, poisoned = _bf16_block_maximum(src, at) if bf16 else _f16_block_maximum(src, at)
@@ -327,31 +324,47 @@ def _rows_in_registers32(src, dst, first, last, mag_mask, shift, widen, nan_bits
             _f32_block_fake_quant(src, at, dst, r, quarter_sf)
 
 
+def _task_work(work_like):
+    """A task's ``work`` for _fake_quant_rows: _scratch() for the per-group loops (``work_like`` an array), None
+    for blocks in AVX-512 registers (``work_like`` None)."""
+
+
+@overload(_task_work, jit_options=NJIT_OPTIONS)
+def _task_work_typed(work_like):
+    if isinstance(work_like, types.NoneType):
+        return lambda work_like: None
+    return lambda work_like: _scratch()
+
+
 def _fake_quant_rows(src, dst, first, last, work, mag_mask, inf_mag, shift, widen, kind, nan_bits):
     """Fake-quant blocks first..last-1 of ``src`` ((blocks, 64) bits) into ``dst`` as the output kind's bits;
-    ``work`` is _scratch(). The one copy of the block code per output kind: the quant-dim-last tasks and
-    each tile call it."""
+    ``work`` is _task_work(...): _scratch() for the per-group loops, None for blocks in registers. The one copy
+    of the block code per output kind: the quant-dim-last tasks and each tile call it."""
 
 
 @overload(_fake_quant_rows, jit_options=NJIT_OPTIONS)
 def _fake_quant_rows_typed(src, dst, first, last, work, mag_mask, inf_mag, shift, widen, kind, nan_bits):
     # Only the output kinds of the input's width are compiled (each is a copy of the block code, about a
-    # second of compiling): FP32 for 32-bit patterns, BF16 and FP16 for 16-bit ones.
+    # second of compiling): FP32 for 32-bit patterns, BF16 and FP16 for 16-bit ones; and only one route.
+    if isinstance(work, types.NoneType):
+        if src.dtype.bitwidth == 32:
+            def registers32(src, dst, first, last, work, mag_mask, inf_mag, shift, widen, kind, nan_bits):
+                _rows_in_registers32(src, dst, first, last, mag_mask, shift, widen, nan_bits)
+            return registers32
+
+        def registers16(src, dst, first, last, work, mag_mask, inf_mag, shift, widen, kind, nan_bits):
+            _rows_in_registers16(src, dst, first, last, mag_mask, shift, widen, kind, nan_bits)
+        return registers16
+
     if src.dtype.bitwidth == 32:
         def rows_f32(src, dst, first, last, work, mag_mask, inf_mag, shift, widen, kind, nan_bits):
             prefer_512_bit_vectors()
-            if kind == _KIND_F32_IN_REGISTERS:
-                _rows_in_registers32(src, dst, first, last, mag_mask, shift, widen, nan_bits)
-                return
             for n in range(first, last):
                 _quantize_block(src, dst, n, work, mag_mask, inf_mag, shift, widen, _f32_out, nan_bits)
         return rows_f32
 
     def rows_16(src, dst, first, last, work, mag_mask, inf_mag, shift, widen, kind, nan_bits):
         prefer_512_bit_vectors()
-        if kind == _KIND_BF16_IN_REGISTERS or kind == _KIND_F16_IN_REGISTERS:
-            _rows_in_registers16(src, dst, first, last, mag_mask, shift, widen, kind, nan_bits)
-            return
         for n in range(first, last):
             if kind == _KIND_BF16:
                 _quantize_block(src, dst, n, work, mag_mask, inf_mag, shift, widen, _bf16_out, nan_bits)
@@ -361,7 +374,7 @@ def _fake_quant_rows_typed(src, dst, first, last, work, mag_mask, inf_mag, shift
 
 
 @numba.njit(**NJIT_OPTIONS)
-def _fake_quant_tiles(src, dst, first, last, inner, mag_mask, inf_mag, shift, widen, kind, nan_bits):
+def _fake_quant_tiles(src, dst, first, last, inner, mag_mask, inf_mag, shift, widen, kind, nan_bits, work_like):
     """Fake-quant tiles first..last-1 of an (outer, L, inner) tensor, inner > 1.
 
     Tile t covers 64 rows along the quant dim and up to _BLOCKS_PER_TILE neighbouring columns (one block
@@ -369,7 +382,7 @@ def _fake_quant_tiles(src, dst, first, last, inner, mag_mask, inf_mag, shift, wi
     block as in the quant-dim-last case, and copied back: reading a block's 64 elements in place would
     hit one cache set per element when ``inner`` is a power of two.
     """
-    work = _scratch()
+    work = _task_work(work_like)
     tile_in = np.empty((_BLOCKS_PER_TILE, BLOCK), src.dtype)
     tile_out = np.empty((_BLOCKS_PER_TILE, BLOCK), dst.dtype)
     tiles_per_row = (inner + _BLOCKS_PER_TILE - 1) // _BLOCKS_PER_TILE
@@ -392,10 +405,10 @@ def _fake_quant_tiles(src, dst, first, last, inner, mag_mask, inf_mag, shift, wi
 
 
 @SerialOrParallel
-def _fake_quant_kernel(src, dst, n_blocks, inner, mag_mask, inf_mag, shift, widen, kind, nan_bits):
+def _fake_quant_kernel(src, dst, n_blocks, inner, mag_mask, inf_mag, shift, widen, kind, nan_bits, work_like):
     """Fake-quant all blocks of (outer, L, inner) bit patterns ``src`` ((n_blocks, 64), C-contiguous) into
     ``dst`` (the same) in parallel tasks of about _BLOCKS_PER_TASK blocks (one parallel loop for both
-    layouts: each parallel loop is a function numba compiles)."""
+    layouts: each parallel loop is a function numba compiles); ``work_like``: see _task_work."""
     tiles_per_row = (inner + _BLOCKS_PER_TILE - 1) // _BLOCKS_PER_TILE
     units = n_blocks if inner == 1 else (n_blocks // inner) * tiles_per_row  # blocks or tiles
     per_task = _BLOCKS_PER_TASK if inner == 1 else max(1, _BLOCKS_PER_TASK // _BLOCKS_PER_TILE)
@@ -404,10 +417,11 @@ def _fake_quant_kernel(src, dst, n_blocks, inner, mag_mask, inf_mag, shift, wide
         first = task * per_task
         last = min(units, first + per_task)
         if inner == 1:
-            _fake_quant_rows(src, dst, first, last, _scratch(), mag_mask, inf_mag, shift, widen, kind, nan_bits)
+            _fake_quant_rows(src, dst, first, last, _task_work(work_like), mag_mask, inf_mag, shift, widen, kind,
+                             nan_bits)
         else:
             _fake_quant_tiles(flat(src), flat(dst), first, last, inner, mag_mask, inf_mag, shift, widen, kind,
-                              nan_bits)
+                              nan_bits, work_like)
 
 
 @SerialOrParallel
@@ -496,6 +510,9 @@ def _run(kernel: SerialOrParallel, args: tuple, n_blocks: int) -> None:
         kernel(*args, serial=False)
 
 
+_PER_GROUP_WORK = np.empty(0, np.float32)  # its type selects the per-group loops (_task_work)
+
+
 class FakeQuant(Kernel):
     """hifloat4_fake_quant on the CPU: contiguous FP16/BF16/FP32 ``x`` along ``qdim`` into contiguous
     ``out`` of the same shape and dtype (the operator validated them); equals the reference bit for bit."""
@@ -504,9 +521,12 @@ class FakeQuant(Kernel):
         qdim %= x.dim()
         fmt = _FORMATS[x.dtype]
         inner = int(np.prod(x.shape[qdim + 1:], dtype=np.int64))
-        kind = _IN_REGISTERS[fmt.kind] if HAS_AVX512BW else fmt.kind
+        # Blocks in AVX-512 registers where the CPU has AVX512-BW: 0.75x the time per BF16 block on an AMD EPYC
+        # Zen 5, half for FP16 (benchmarks/results_hifloat4.md); the per-group loops otherwise.
+        work_like = None if HAS_AVX512BW else _PER_GROUP_WORK
         args = (_block_view(x), _block_view(out), x.numel() // BLOCK, inner, np.uint32(fmt.mag_mask),
-                np.uint32(fmt.inf_mag), np.uint32(fmt.shift), np.float32(fmt.widen), kind, ref.NAN_BITS[x.dtype])
+                np.uint32(fmt.inf_mag), np.uint32(fmt.shift), np.float32(fmt.widen), fmt.kind, ref.NAN_BITS[x.dtype],
+                work_like)
         _run(_fake_quant_kernel, args, x.numel() // BLOCK)
 
 
