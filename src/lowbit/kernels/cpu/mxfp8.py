@@ -47,10 +47,12 @@ def _fake_quant_block(values, bits, subnormal):
     if largest >= 0x7F800000:
         return False
     shared = -127
-    if largest:
+    if largest >= 0x800000:  # a normal amax: floor(log2 amax) from its exponent field
+        shared = min(127, max(-127, (largest >> 23) - 127 - 8))
+    elif largest:
         _, exponent = math.frexp(_magnitude(largest))  # floor(log2 amax) = exponent - 1
-        shared = min(127, max(-127, exponent - 1 - 8))
-    down, up = np.float32(math.ldexp(1.0, -shared)), np.float32(math.ldexp(1.0, shared))
+        shared = max(-127, exponent - 1 - 8)
+    down, up = _power_of_two(-shared), _power_of_two(shared)
     for i in range(BLOCK):  # the scaled value, and its rounding on the subnormal grid
         values[i] = values[i] * down
         subnormal[i] = (abs(values[i]) + _SUBNORMAL_ROUNDING) - _SUBNORMAL_ROUNDING
@@ -63,6 +65,13 @@ def _fake_quant_block(values, bits, subnormal):
     for i in range(BLOCK):
         values[i] = values[i] * up  # exact: an E4M3 value times 2^shared >= 2^-136
     return True
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _power_of_two(k):
+    """2^k as float32 for -127 <= k <= 127 (2^-127 is subnormal), from its bits: no libm call per block."""
+    field = (k + 127) << 23 if k > -127 else 0x400000
+    return np.int32(field).view(np.float32)
 
 
 @numba.njit(**NJIT_OPTIONS)
