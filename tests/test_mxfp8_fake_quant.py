@@ -76,3 +76,23 @@ def test_activation_fake_quant_uses_it_with_the_reference_bits():
     with use_backend("reference"):
         slow = fake_quant_input(x, "mxfp8")
     assert torch.equal(bits(fast), bits(slow)) and torch.equal(bits(fast), bits(reference(x)))
+
+
+@pytest.mark.parametrize("in_registers", [True, False], ids=["registers", "per-block arrays"])
+def test_both_kernels_every_16_bit_value_and_float32_range(in_registers, monkeypatch):
+    """The kernel with each block in one register (CPUs with AVX512-BW) and the one with per-block arrays
+    (elsewhere), each forced: every FP16 / BF16 pattern next to small, unit and large block maxima, and FP32
+    blocks over the whole exponent range with zero, NaN and Inf blocks, serial and parallel sizes."""
+    monkeypatch.setattr(kernel, "HAS_AVX512BW", in_registers)
+    for dtype in (torch.bfloat16, torch.float16):
+        for partner in (2.0**-20, 1.0, 30000.0):
+            x = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype).reshape(-1, 32).clone()
+            x[:, 31] = partner
+            assert torch.equal(bits(kernel.fake_quantize(x)), bits(reference(x)))
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(512, 64, generator=g) * torch.exp2(torch.randint(-149, 128, (512, 1), generator=g).float())
+    x[0, :32] = 0.0
+    x[2, 5] = float("nan")
+    x[3, 7] = float("-inf")
+    for rows in (x[:8], x):
+        assert torch.equal(bits(kernel.fake_quantize(rows)), bits(reference(rows)))
