@@ -283,15 +283,35 @@ def _step_range(src, block):
     return _block_range(src, block)
 
 
+@numba.njit(inline="always")
+def _encode_bf16_elements(src, dst, start, stop):
+    """dst[start:stop] <- the codes of the BF16 patterns src[start:stop], one element at a time (LLVM vectorizes)."""
+    for i in range(start, stop):
+        magnitude = _i16(src[i] & _i16(0x7FFF))
+        dst[i] = _signed_code(src[i], magnitude, _magnitude_code(magnitude), _BF16_INF)
+
+
+@numba.njit(inline="always")
+def _encode_fp16_elements(src, dst, start, stop, subnormals):
+    """The same for FP16 patterns; ``subnormals``: whether the range may hold subnormals (the FP32 cast),
+    else the 16-bit-only path."""
+    if subnormals:
+        for i in range(start, stop):
+            magnitude = _i16(src[i] & _i16(0x7FFF))
+            dst[i] = _signed_code(src[i], magnitude, _magnitude_code(_bf16_from_fp16(magnitude)), _FP16_INF)
+    else:
+        for i in range(start, stop):
+            magnitude = _i16(src[i] & _i16(0x7FFF))
+            code = _magnitude_code(_bf16_from_fp16_without_subnormals(magnitude))
+            dst[i] = _signed_code(src[i], magnitude, code, _FP16_INF)
+
+
 @SerialOrParallel
 def _encode_bf16(src, dst):
     # src: int16[n] BF16 bit patterns, dst: uint8[n]
     for block in numba.prange(_steps(src)):
         start, stop = _step_range(src, block)
-        for i in range(start, stop):
-            bits = src[i]
-            magnitude = _i16(bits & _i16(0x7FFF))
-            dst[i] = _signed_code(bits, magnitude, _magnitude_code(magnitude), _BF16_INF)
+        _encode_bf16_elements(src, dst, start, stop)
 
 
 @SerialOrParallel
@@ -299,16 +319,7 @@ def _encode_fp16(src, dst):
     # src: int16[n] FP16 bit patterns, dst: uint8[n]. Blocks without subnormals skip the FP32 cast.
     for block in numba.prange(_steps(src)):
         start, stop = _step_range(src, block)
-        if _has_fp16_subnormal(src, start, stop):
-            for i in range(start, stop):
-                magnitude = _i16(src[i] & _i16(0x7FFF))
-                code = _magnitude_code(_bf16_from_fp16(magnitude))
-                dst[i] = _signed_code(src[i], magnitude, code, _FP16_INF)
-        else:
-            for i in range(start, stop):
-                magnitude = _i16(src[i] & _i16(0x7FFF))
-                code = _magnitude_code(_bf16_from_fp16_without_subnormals(magnitude))
-                dst[i] = _signed_code(src[i], magnitude, code, _FP16_INF)
+        _encode_fp16_elements(src, dst, start, stop, _has_fp16_subnormal(src, start, stop))
 
 
 @SerialOrParallel
@@ -320,9 +331,7 @@ def _encode_bf16_by_table(src, dst):
         while i + np.uint64(32) <= stop:
             _encode32_bf16(src, i, dst)
             i += np.uint64(32)
-        for j in range(i, stop):
-            magnitude = _i16(src[j] & _i16(0x7FFF))
-            dst[j] = _signed_code(src[j], magnitude, _magnitude_code(magnitude), _BF16_INF)
+        _encode_bf16_elements(src, dst, i, stop)
 
 
 @SerialOrParallel
@@ -331,19 +340,13 @@ def _encode_fp16_by_table(src, dst):
     for block in numba.prange(_steps(src)):
         start, stop = _block_range(src, block)
         if _has_fp16_subnormal(src, start, stop):
-            for j in range(start, stop):
-                magnitude = _i16(src[j] & _i16(0x7FFF))
-                code = _magnitude_code(_bf16_from_fp16(magnitude))
-                dst[j] = _signed_code(src[j], magnitude, code, _FP16_INF)
+            _encode_fp16_elements(src, dst, start, stop, True)
             continue
         i = start
         while i + np.uint64(32) <= stop:
             _encode32_fp16_normal(src, i, dst)
             i += np.uint64(32)
-        for j in range(i, stop):
-            magnitude = _i16(src[j] & _i16(0x7FFF))
-            code = _magnitude_code(_bf16_from_fp16_without_subnormals(magnitude))
-            dst[j] = _signed_code(src[j], magnitude, code, _FP16_INF)
+        _encode_fp16_elements(src, dst, i, stop, False)
 
 
 @numba.njit(inline="always")
