@@ -251,6 +251,117 @@ def test_a_product_beyond_the_float32_range_overflows_before_the_sum(fmt):
     assert want.isinf().all()
 
 
+# --- BF16 pairs: two steps per vdpbf16ps, only where nothing is flushed (docs/weight_only.md) --------------
+
+needs_bf16 = pytest.mark.skipif(not simd.HAS_AVX512BF16, reason="the BF16 pairs need AVX512-BF16")
+PAIRING = {"mxfp4": cpu.MXFP4_LINEAR, "hifloat4": cpu.HIFLOAT4_LINEAR}
+
+
+def pair_and_fuse_tables(fmt, x):
+    """The GEMV's (fused, paired) (M, 256) tables for x (M, K), K a multiple of 64."""
+    kernel = PAIRING[fmt]
+    x_reg = cpu._reorder(x.float(), *kernel.split).numpy()
+    x_pairs = np.empty((x.shape[0], -(-x_reg.shape[1] // cpu.PAIR_LANES) * cpu.PAIR_LANES), dtype=np.int16)
+    return cpu._exact_bytes(x_reg, kernel.exponents, kernel.pair_sources, x_pairs)
+
+
+def row_bytes(fmt, weight):
+    """The scale bytes (0..255) that the rows of a packed weight use."""
+    scales = weight[1] if fmt == "mxfp4" else weight[0]
+    return scales.reshape(-1).unique().long()
+
+
+@needs_bf16
+@pytest.mark.parametrize("fmt", PAIRING)
+@pytest.mark.parametrize("m", [1, 2, 3])
+def test_bf16_pairs_give_the_reference_lane_sums(fmt, m):
+    """Rows of x that are BF16 values are summed in BF16 pairs (asserted), with Inf and NaN in x, and equal
+    the reference lane by lane; K = 1152 (MXFP4: 36 blocks, HiFloat4: 18); 3 rows of x: a pair of them and a
+    single one. Row 5 of W has a NaN block (scale byte 0xFF: MXFP4 takes it for the largest scale, so that
+    block of four rows goes row by row; a poisoned HiFloat4 block is paired, its weights NaN)."""
+    g = gen(40 + m)
+    _, quantize, weight_of = FUSING[fmt]
+    w = torch.randn(13, 1152, generator=g)
+    w[5, 200] = float("nan")  # a NaN block (MXFP4: NaN scale; HiFloat4: poisoned)
+    weight = quantize(w)
+    x = torch.randn(m, 1152, generator=g).bfloat16()
+    x[0, 7], x[-1, 900] = float("inf"), float("nan")
+    _, paired = pair_and_fuse_tables(fmt, x)
+    used = row_bytes(fmt, weight)
+    assert paired[:, used[used != 0xFF]].all()  # setup
+    got = gemv_lane_sums(fmt, x, weight)
+    want = reference.lane_sums(x.float(), weight_of(weight))
+    nan = want.isnan()  # a NaN's sign and payload depend on the order of the operations: the outputs' are canonical
+    assert nan.any() and torch.equal(got.isnan(), nan)
+    assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32))
+    native_equals_reference(OPS[fmt], x, *weight, None)
+
+
+@needs_bf16
+def test_bf16_pairs_not_where_a_partial_sum_would_be_subnormal():
+    """MXFP4 weights of 16 (smallest weight of their scale: 2) and x = (1 + 2^-7) 2^-126, -2^-126: both
+    products are exact and at least 2^-126, so the row may fuse, but their sum 2^-129 is subnormal, which
+    vdpbf16ps would flush to zero: the row must not be paired (products below 2^-103), and the result is the
+    reference's 2^-129, not 0."""
+    weight = mxfp4.quantize(torch.full((4, 128), 16.0))
+    assert (reference.mxfp4_weight(*weight) == 16.0).all()
+    x = torch.zeros(1, 128)
+    x[0, 0], x[0, 64] = (1 + 2.0**-7) * 2.0**-126, -(2.0**-126)
+    x = x.bfloat16()
+    fused, paired = pair_and_fuse_tables("mxfp4", x)
+    used = row_bytes("mxfp4", weight)
+    assert fused[0, used].all() and not paired[0, used].any()
+    want = native_equals_reference(ops.MXFP4_LINEAR, x, *weight, None)
+    assert (want.float() == 2.0**-129).all()
+
+
+@needs_bf16
+@pytest.mark.parametrize("fmt", PAIRING)
+def test_bf16_pairs_not_for_a_row_with_a_subnormal_x(fmt):
+    """vdpbf16ps flushes a subnormal BF16 x to zero: a row holding one is never paired. MXFP4 weights of 2^50:
+    x = 2^-130 gives the product 2^-80, which every other check lets through."""
+    value = 2.0**50 if fmt == "mxfp4" else 1.0
+    _, quantize, weight_of = FUSING[fmt]
+    weight = quantize(torch.full((4, 128), value))
+    x = torch.zeros(2, 128)
+    x[:, 0] = 2.0**-130
+    x[1, 1] = 1.0
+    x = x.bfloat16()
+    assert x.float()[0, 0] == 2.0**-130
+    _, paired = pair_and_fuse_tables(fmt, x)
+    assert not paired.any()
+    got = gemv_lane_sums(fmt, x, weight)
+    want = reference.lane_sums(x.float(), weight_of(weight))
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32)) and (want[0] != 0).all()
+
+
+@needs_bf16
+def test_bf16_pairs_not_for_subnormal_weights():
+    """vdpbf16ps flushes a subnormal BF16 weight to zero: MXFP4 weights of 2^-128 (scale byte 0) are never
+    paired, though their products with x = 2^30 (2^-98) pass the product bounds."""
+    weight = mxfp4.quantize(torch.full((4, 128), 2.0**-128))
+    assert (reference.mxfp4_weight(*weight) == 2.0**-128).all()
+    x = torch.zeros(1, 128)
+    x[0, :2] = 2.0**30
+    x = x.bfloat16()
+    _, paired = pair_and_fuse_tables("mxfp4", x)
+    assert not paired[0, 0]
+    want = native_equals_reference(ops.MXFP4_LINEAR, x, *weight, None)
+    assert (want.float() == 2.0**-97).all()
+
+
+def test_bf16_pair_orders_pair_each_element_with_itself_one_step_on():
+    """_pair_sources: word 2i + 1 of a pair step (added first) is element e of the first step and word 2i
+    the same element of the second, for each format's order; every element of both steps is used once."""
+    orders = ((cpu.MXFP4_LINEAR, cpu.MXFP4_PAIR_ORDER), (cpu.HIFLOAT4_LINEAR, cpu.HIFLOAT4_PAIR_ORDER))
+    for kernel, pair_order in orders:
+        assert sorted(pair_order) == list(range(cpu.LANES))
+        sources = cpu._pair_sources(cpu._order(*kernel.split), pair_order)
+        assert sorted(sources.tolist()) == list(range(cpu.PAIR_LANES))
+        elements = [int(kernel.order[s % cpu.LANES]) + cpu.LANES * (s // cpu.LANES) for s in sources.tolist()]
+        assert elements[1::2] == pair_order and elements[0::2] == [e + cpu.LANES for e in pair_order]
+
+
 # --- shapes, strides, threads -------------------------------------------------------------------------------
 
 K_SIZES = {"hifloat8": (1, 61, 189), "float8": (1, 61, 189), "mxfp8": (32, 96, 128), "mxfp4": (32, 96, 128),

@@ -6,8 +6,9 @@ Two paths, chosen by the number of rows M of x (``GEMV_MAX_M``):
   64 summation lanes are two F32V registers: one step decodes 64 consecutive weights of a row (k = 64t ..
   64t + 63) into float32 exactly as the reference does, multiplies them by x and adds them to the lanes
   (mul and add; for MXFP4 and HiFloat4 a fused multiply-add where every product of the row is exact, so
-  that it gives the same bits, see _fused_bytes); then :func:`f32v_sum_tree` folds the lanes in the
-  reference's order. Rows are split across threads and summed four at a time where they can be
+  that it gives the same bits, see _fused_bytes; on AVX512-BF16 CPUs, for rows of x that are BF16 values,
+  two steps per BF16 dot product where that gives the same bits, see _paired_bytes); then
+  :func:`f32v_sum_tree` folds the lanes in the reference's order. Rows are split across threads and summed four at a time where they can be
   (_block_sums); each row's sum is one thread's, in its own lanes, so the result does not depend on the
   thread count.
 * **GEMM** (larger M, prefill): tiles of rows are decoded with the same step functions into a float32 (or,
@@ -90,7 +91,7 @@ def _exponent_bounds(tables: np.ndarray, multiplier: float) -> np.ndarray:
     smallest = np.where(magnitudes > 0, magnitudes, np.inf).min(axis=1)
     largest = np.where(np.isinf(magnitudes), 0.0, magnitudes).max(axis=1) * multiplier  # Inf * x: exact
     bounds = np.floor(np.log2(np.stack([smallest, largest])[:, :255])).astype(np.int32)
-    assert (np.diff(bounds, axis=1) >= 0).all()  # both grow with the byte: see _fused_rows
+    assert (np.diff(bounds, axis=1) >= 0).all()  # both grow with the byte: see _all_fused
     return np.concatenate([bounds, bounds[:, -1:]], axis=1)  # 0xFF (NaN products in any order) as 0xFE
 
 
@@ -386,6 +387,32 @@ _FLAG_WORDS = np.concatenate([_flag_words(16, lambda lane: lane // 8 if lane % 2
 _BYTE_PAIRS = [i for j in range(16) for i in (j, 32, j + 16, 32)]  # [b0, 0, b16, 0, b1, 0, ..]: words
 
 
+def _hifloat4_lookups(context, builder, sig, args):
+    """The codegen shared by hifloat4_words_decode and hifloat4_words: the block's two look-ups (low, then
+    high nibbles), 32 BF16 words each; word 2j: byte j's nibble, word 2j + 1: byte j + 16's."""
+    vperm = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(_V16x32, [_V16x32] * 3), "llvm.x86.avx512.vpermi2var.hi.512")
+    v8x32 = ir.VectorType(ir.IntType(8), HALF)
+    raw = builder.load(simd._element_ptr(context, builder, sig.args[0], args[0], args[1], v8x32), align=1)
+    words = builder.bitcast(builder.shuffle_vector(raw, ir.Constant(v8x32, [0] * HALF), _mask(_BYTE_PAIRS)),
+                            _V16x32)
+    tables = {name: builder.bitcast(simd.aligned_constant(builder, f"lowbit.hifloat4.{name}", array),
+                                    ir.IntType(16).as_pointer())
+              for name, array in (("words", _HIFLOAT4_WORDS), ("flags", _FLAG_WORDS))}
+
+    def words_at(table, index):  # 32 words at an element index that is a multiple of 32: 64-byte aligned
+        pointer = builder.bitcast(builder.gep(tables[table], [index]), _V16x32.as_pointer())
+        return builder.load(pointer, align=64)
+
+    flags = builder.or_(builder.or_(words_at("flags", args[3]), words_at("flags", args[4])),
+                        words_at("flags", args[5]))
+    low_table = words_at("words", args[2])
+    high_table = words_at("words", builder.add(args[2], ir.Constant(args[2].type, HALF)))
+    return [builder.call(vperm, [low_table, builder.or_(nibble, flags), high_table])
+            for nibble in (builder.and_(words, ir.Constant(_V16x32, [15] * HALF)),
+                           builder.lshr(words, ir.Constant(_V16x32, [4] * HALF)))]
+
+
 @intrinsic
 def hifloat4_words_decode(typingctx, value, start, row, e2_row, e3_low_row, e3_high_row):
     """The 64 weights of the HiFloat4 block whose 32 value bytes are at ``value[start]`` (1-D uint8) as two
@@ -395,35 +422,102 @@ def hifloat4_words_decode(typingctx, value, start, row, e2_row, e3_low_row, e3_h
     v16f = ir.VectorType(ir.FloatType(), 16)
 
     def codegen(context, builder, sig, args):
-        vperm = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(_V16x32, [_V16x32] * 3), "llvm.x86.avx512.vpermi2var.hi.512")
-        v8x32 = ir.VectorType(ir.IntType(8), HALF)
-        raw = builder.load(simd._element_ptr(context, builder, sig.args[0], args[0], args[1], v8x32), align=1)
-        words = builder.bitcast(builder.shuffle_vector(raw, ir.Constant(v8x32, [0] * HALF), _mask(_BYTE_PAIRS)),
-                                _V16x32)
-        tables = {name: builder.bitcast(simd.aligned_constant(builder, f"lowbit.hifloat4.{name}", array),
-                                        ir.IntType(16).as_pointer())
-                  for name, array in (("words", _HIFLOAT4_WORDS), ("flags", _FLAG_WORDS))}
-
-        def words_at(table, index):  # 32 words at an element index that is a multiple of 32: 64-byte aligned
-            pointer = builder.bitcast(builder.gep(tables[table], [index]), _V16x32.as_pointer())
-            return builder.load(pointer, align=64)
-
-        flags = builder.or_(builder.or_(words_at("flags", args[3]), words_at("flags", args[4])),
-                            words_at("flags", args[5]))
-        low_table = words_at("words", args[2])
-        high_table = words_at("words", builder.add(args[2], ir.Constant(args[2].type, HALF)))
         registers = []
-        for nibble in (builder.and_(words, ir.Constant(_V16x32, [15] * HALF)),
-                       builder.lshr(words, ir.Constant(_V16x32, [4] * HALF))):
-            looked_up = builder.bitcast(builder.call(vperm, [low_table, builder.or_(nibble, flags), high_table]),
-                                        _V32x16)
+        for looked_up in _hifloat4_lookups(context, builder, sig, args):
+            looked_up = builder.bitcast(looked_up, _V32x16)
             even = builder.bitcast(builder.shl(looked_up, ir.Constant(_V32x16, [16] * 16)), v16f)
             odd = builder.bitcast(builder.and_(looked_up, ir.Constant(_V32x16, [-65536] * 16)), v16f)
             registers.append(builder.shuffle_vector(even, odd, _mask(range(HALF))))
         return context.make_tuple(builder, sig.return_type, registers)
 
     return types.UniTuple(simd.F32V, 2)(value, start, row, e2_row, e3_low_row, e3_high_row), codegen
+
+
+@intrinsic
+def hifloat4_words(typingctx, value, start, row, e2_row, e3_low_row, e3_high_row):
+    """The same block's weights as BF16 bits, not widened: two I16V (low nibbles, high nibbles), word 2j
+    the nibble of value byte j, word 2j + 1 that of byte j + 16 (_HIFLOAT4_PAIR_ORDER)."""
+
+    def codegen(context, builder, sig, args):
+        return context.make_tuple(builder, sig.return_type, _hifloat4_lookups(context, builder, sig, args))
+
+    return types.UniTuple(simd.I16V, 2)(value, start, row, e2_row, e3_low_row, e3_high_row), codegen
+
+
+# ---- BF16 pairs: two steps per vdpbf16ps (AVX512-BF16 CPUs, rows of x that are BF16 values) ---------------
+# vdpbf16ps adds to each float32 lane the products of two BF16 pairs, the odd word's first, each rounded once
+# (the order Intel documents; AMD Zen 4 gives the same bits on 32 million random lanes), with subnormal inputs
+# and results flushed to zero. A lane of the reference adds element e of step t, then element e of step t + 1:
+# so a dword lane pairs step t's weight (odd word) with step t + 1's (even word) and x likewise, and one
+# instruction does the reference's two additions (docs/weight_only.md, 'Summation order'). The pairs are
+# made by unpacking the look-ups of the two steps (vpunpck{l,h}wd: 128-bit lane q gives dword lanes 4q .. 4q + 3
+# of words 8q .. 8q + 3, then of 8q + 4 .. 8q + 7): dword lane i of a pair register holds word _PAIR_WORDS[i]
+# of its look-up. Exact where nothing is flushed: see _paired_bytes.
+_PAIR_WORDS = [8 * (i // 4) + i % 4 for i in range(16)] + [8 * (i // 4) + 4 + i % 4 for i in range(16)]
+
+
+def _pair_order(element_of_word) -> list[int]:
+    """The step element of each of the 64 float32 lanes of a pair step's two registers (look-ups of the low,
+    then the high nibbles), given the element of each word of a low-nibble look-up (the high nibble's is
+    the next one)."""
+    low = [element_of_word(word) for word in _PAIR_WORDS]
+    return low + [element + 1 for element in low]
+
+
+# HiFloat4 look-ups (hifloat4_words): word 2j is byte j (element 2j), word 2j + 1 byte j + 16 (element 2j + 32)
+HIFLOAT4_PAIR_ORDER = _pair_order(lambda word: 2 * (word // 2) + 32 * (word % 2))
+hifloat4_pair_logical = _make_logical(HIFLOAT4_PAIR_ORDER)
+
+
+# MXFP4 look-ups (mxfp4_words): word j is code byte j's nibble (element 2j of the step)
+MXFP4_PAIR_ORDER = _pair_order(lambda word: 2 * word)
+mxfp4_pair_logical = _make_logical(MXFP4_PAIR_ORDER)
+# The BF16 bits of _MXFP4_TABLES, (256 * 16,) int16: exact for every scale byte whose weights are normal
+# float32 values (two significant bits), the only bytes _paired_bytes lets through (NaN for byte 0xFF).
+_MXFP4_WORDS = (_MXFP4_TABLES.view(np.uint32) >> 16).astype(np.uint16).view(np.int16)
+
+
+@intrinsic
+def mxfp4_words(typingctx, codes, start, scale_a, scale_b):
+    """The 64 weights of the MXFP4 step whose 32 code bytes are at ``codes[start]`` (1-D uint8; bytes 0-15:
+    the block of E8M0 byte ``scale_a``, 16-31: of ``scale_b``) as BF16 bits: two I16V (low nibbles, high
+    nibbles), word j from code byte j; one vpermw each on a 32-word table of both blocks' 16 weights from
+    _MXFP4_WORDS (built into the code, 64-byte aligned). AVX512-BW."""
+
+    def codegen(context, builder, sig, args):
+        permw = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(_V16x32, [_V16x32, _V16x32]), "llvm.x86.avx512.permvar.hi.512")
+        v8x32, v16x16 = ir.VectorType(ir.IntType(8), HALF), ir.VectorType(ir.IntType(16), 16)
+        raw = builder.load(simd._element_ptr(context, builder, sig.args[0], args[0], args[1], v8x32), align=1)
+        words = builder.zext(raw, _V16x32)
+        table = builder.bitcast(simd.aligned_constant(builder, "lowbit.mxfp4.words", _MXFP4_WORDS),
+                                ir.IntType(16).as_pointer())
+
+        def block_row(byte):  # 16 words: 32 bytes at a multiple of 32
+            at = builder.mul(builder.zext(byte, ir.IntType(64)), ir.Constant(ir.IntType(64), 16))
+            return builder.load(builder.bitcast(builder.gep(table, [at]), v16x16.as_pointer()), align=32)
+
+        both = builder.shuffle_vector(block_row(args[2]), block_row(args[3]), _mask(range(HALF)))
+        block = ir.Constant(_V16x32, [0] * 16 + [16] * 16)  # bytes 16-31 index the second block's words
+        nibbles = (builder.and_(words, ir.Constant(_V16x32, [15] * HALF)),
+                   builder.lshr(words, ir.Constant(_V16x32, [4] * HALF)))
+        looked_up = [builder.call(permw, [both, builder.or_(nibble, block)]) for nibble in nibbles]
+        return context.make_tuple(builder, sig.return_type, looked_up)
+
+    return types.UniTuple(simd.I16V, 2)(codes, start, scale_a, scale_b), codegen
+
+
+@intrinsic
+def bf16_pairs(typingctx, first, second):
+    """I32V of the BF16 words of two look-ups of 32 words (I16V): dword lane i holds word _PAIR_WORDS[i] of
+    ``second`` (low half) and of ``first`` (high half: vdpbf16ps adds its product first)."""
+
+    def codegen(context, builder, sig, args):
+        order = [i for word in _PAIR_WORDS for i in (HALF + word, word)]
+        words = builder.shuffle_vector(args[0], args[1], _mask(order))
+        return builder.bitcast(words, simd._VI32)
+
+    return simd.I32V(first, second), codegen
 
 
 # ---- one step: the 64 weights k0 .. k0 + 63 of a row, as two F32V in the format's register order ----------
@@ -455,11 +549,18 @@ def _hifloat4_step_flags(words, value, block):
 
 
 @numba.njit(**_INLINE)
+def _hifloat4_table_rows(words, block):
+    """Where block ``block``'s tables start (hifloat4_words_decode's row, e2_row, e3_low_row, e3_high_row)."""
+    word = np.uint32(words[np.uint64(block)])
+    return (64 * np.int64(word & 0xFF), HALF * np.int64((word >> 8) & 0xFF),
+            HALF * np.int64(256 + ((word >> 16) & 0xFF)), HALF * np.int64(512 + (word >> 24)))
+
+
+@numba.njit(**_INLINE)
 def _hifloat4_step_words(words, value, block):
     """The same from the 64-word tables (AVX512-BW): no float work besides the look-up."""
-    word = np.uint32(words[np.uint64(block)])
-    return hifloat4_words_decode(value, 32 * block, 64 * np.int64(word & 0xFF), HALF * np.int64((word >> 8) & 0xFF),
-                                 HALF * np.int64(256 + ((word >> 16) & 0xFF)), HALF * np.int64(512 + (word >> 24)))
+    row, e2_row, e3_low_row, e3_high_row = _hifloat4_table_rows(words, block)
+    return hifloat4_words_decode(value, 32 * block, row, e2_row, e3_low_row, e3_high_row)
 
 
 _hifloat4_step = _hifloat4_step_words if simd.HAS_AVX512BW else _hifloat4_step_flags
@@ -526,18 +627,72 @@ def _x_bounds(x_reg):
     return bounds
 
 
-@numba.njit(**NJIT_OPTIONS)
-def _fused_bytes(x_reg, exponents):
-    """(M, 256) bool: whether every product of x row m with a block of scale byte b is exact (all nonzero
-    |x w| in [2^-126, 2^128)). As the weight bounds grow with b, the bytes where this holds are one
-    interval: a row of W may be summed with _accumulate_fused when its smallest and its largest scale
-    byte both pass (_fused_rows)."""
-    bounds = _x_bounds(x_reg)
+@numba.njit(**_INLINE)
+def _fused_bytes(bounds, exponents):
+    """(M, 256) bool: whether every product of x row m (exponent bounds: _x_bounds) with a block of scale
+    byte b is exact (all nonzero |x w| in [2^-126, 2^128)). As the weight bounds grow with b, the bytes
+    where this holds are one interval: a row of W may be summed with _accumulate_fused when its smallest
+    and its largest scale byte both pass (_all_fused)."""
     fused = np.empty((bounds.shape[0], 256), dtype=np.bool_)
     for m in range(bounds.shape[0]):
         for b in range(256):
             fused[m, b] = bounds[m, 0] + exponents[0, b] >= -126 and bounds[m, 1] + exponents[1, b] <= 126
     return fused
+
+
+PAIR_LANES = 2 * LANES  # elements of x per pair step (two steps)
+
+
+_NO_PAIR_SOURCES = np.zeros(2 * LANES, dtype=np.int32)
+
+
+def _pair_sources(order: list[int], pair_order: list[int]) -> np.ndarray:
+    """int32[128]: for each BF16 word of a pair step of x (_paired_bytes), where it comes from in the two
+    steps of x in register order ``order``: word 64 r + 2 i + s of the step holds the element
+    pair_order[32 r + i] of the second step (s = 0) or the first (s = 1)."""
+    position = [order.index(element) for element in range(LANES)]
+    return np.array([(1 - s) * LANES + position[pair_order[HALF * r + i]]
+                     for r in range(2) for i in range(HALF) for s in range(2)], dtype=np.int32)
+
+
+@numba.njit(**_INLINE)
+def _paired_bytes(x_reg, bounds, exponents, sources, x_pairs):
+    """(M, 256) bool: whether row m of x_reg (M, Kp) float32, register order, may be summed in BF16 pairs
+    (vdpbf16ps, which flushes subnormal inputs and results) with blocks of scale byte b: the row holds BF16
+    values only, none of them subnormal, every weight of byte b is a normal float32 and every nonzero |x w|
+    lies in [2^-103, 2^128): then every product is exact and a multiple of 2^-126, so no partial sum is
+    subnormal and nothing is flushed (docs/weight_only.md, 'Summation order'). As for _fused_bytes, the
+    bytes that pass are one interval. Fills the rows of x_pairs (M, Kq) int16, Kq = Kp rounded up to
+    PAIR_LANES, that pass anywhere: each pair step's BF16 bits in the order ``sources`` (_pair_sources),
+    zeros past Kp."""
+    m_rows, kp = x_reg.shape
+    kq = x_pairs.shape[1]
+    paired = np.zeros((m_rows, 256), dtype=np.bool_)
+    for m in range(m_rows):
+        if kq == 0 or bounds[m, 0] < -126:  # no pairs on this CPU, or a subnormal x
+            continue
+        row = x_reg[m].view(np.int32)
+        low_bits = 0
+        for i in range(kp):
+            low_bits |= row[i] & 0xFFFF
+        if low_bits != 0:  # not BF16 values
+            continue
+        for j0 in range(0, kq, PAIR_LANES):
+            for j in range(PAIR_LANES):
+                source = j0 + sources[j]
+                x_pairs[m, j0 + j] = np.int16(row[source] >> 16) if source < kp else np.int16(0)
+        for b in range(256):
+            paired[m, b] = (exponents[0, b] >= -126 and bounds[m, 0] + exponents[0, b] >= -103
+                            and bounds[m, 1] + exponents[1, b] <= 126)
+    return paired
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _exact_bytes(x_reg, exponents, sources, x_pairs):
+    """(_fused_bytes, _paired_bytes) of x_reg (M, Kp) float32 in register order, for a 4-bit format's weight
+    ``exponents`` (_exponent_bounds); fills x_pairs as _paired_bytes does."""
+    bounds = _x_bounds(x_reg)
+    return _fused_bytes(bounds, exponents), _paired_bytes(x_reg, bounds, exponents, sources, x_pairs)
 
 
 @numba.njit(**_INLINE)
@@ -595,15 +750,21 @@ def _prefetch_ahead(flat, at, ahead):
 
 
 @numba.njit(**_INLINE)
-def _block_sums(step, accumulate, fold, x_flat, x0, steps, operands, starts):
+def _x_step(x_flat, x0, t):
+    """Step t of a row of x in register order (float32 at x_flat[x0:]): its two F32V."""
+    return simd.f32v_load(x_flat, x0 + LANES * t), simd.f32v_load(x_flat, x0 + LANES * t + HALF)
+
+
+@numba.njit(**_INLINE)
+def _block_sums(step, accumulate, fold, load_x, x_flat, x0, steps, operands, starts):
     """The folded lane sums of the ROW_BLOCK rows of W whose weights start at ``starts`` (a tuple) times
-    x_flat[x0:] (register order): step ``t`` of row ``r`` is ``step(operands, starts[r], r, t)`` (two F32V),
-    summed with ``accumulate`` (_add_products or _fma_products) and folded with ``fold`` (the format's
-    logical order)."""
+    x_flat[x0:] (register order): step ``t`` of row ``r`` is ``step(operands, starts[r], r, t)`` (two
+    vectors), summed with ``accumulate`` (_add_products, _fma_products or _dot_pairs) with x's step
+    ``load_x(x_flat, x0, t)`` and folded with ``fold`` (the format's logical order)."""
     a0, a1, b0, b1 = simd.f32v_zero(), simd.f32v_zero(), simd.f32v_zero(), simd.f32v_zero()
     c0, c1, d0, d1 = simd.f32v_zero(), simd.f32v_zero(), simd.f32v_zero(), simd.f32v_zero()
     for t in range(steps):
-        x_low, x_high = simd.f32v_load(x_flat, x0 + LANES * t), simd.f32v_load(x_flat, x0 + LANES * t + HALF)
+        x_low, x_high = load_x(x_flat, x0, t)
         w0, w1 = step(operands, starts[0], 0, t)
         a0, a1 = accumulate(a0, a1, x_low, x_high, w0, w1)
         w0, w1 = step(operands, starts[1], 1, t)
@@ -616,7 +777,7 @@ def _block_sums(step, accumulate, fold, x_flat, x0, steps, operands, starts):
 
 
 @numba.njit(**_INLINE)
-def _block_sums_pair(step, accumulate, fold, x_flat, x0, x1, steps, operands, starts):
+def _block_sums_pair(step, accumulate, fold, load_x, x_flat, x0, x1, steps, operands, starts):
     """:func:`_block_sums` for two rows of x at once (at x_flat[x0:] and x_flat[x1:]): each step of W is
     decoded once for both; every lane of each (x row, W row) pair gets the same operations in the same
     order, so the sums are _block_sums' bit for bit. Returns the two 4-tuples."""
@@ -625,8 +786,8 @@ def _block_sums_pair(step, accumulate, fold, x_flat, x0, x1, steps, operands, st
     e0, e1, f0, f1 = simd.f32v_zero(), simd.f32v_zero(), simd.f32v_zero(), simd.f32v_zero()
     g0, g1, h0, h1 = simd.f32v_zero(), simd.f32v_zero(), simd.f32v_zero(), simd.f32v_zero()
     for t in range(steps):
-        x_low, x_high = simd.f32v_load(x_flat, x0 + LANES * t), simd.f32v_load(x_flat, x0 + LANES * t + HALF)
-        y_low, y_high = simd.f32v_load(x_flat, x1 + LANES * t), simd.f32v_load(x_flat, x1 + LANES * t + HALF)
+        x_low, x_high = load_x(x_flat, x0, t)
+        y_low, y_high = load_x(x_flat, x1, t)
         w0, w1 = step(operands, starts[0], 0, t)
         a0, a1 = accumulate(a0, a1, x_low, x_high, w0, w1)
         e0, e1 = accumulate(e0, e1, y_low, y_high, w0, w1)
@@ -655,13 +816,13 @@ def _code8_block_rows(step, x_flat, kp, steps, operands, starts, row, y32):
     each step decoded once for both, then a last, odd one."""
     m_rows = y32.shape[0]
     for m in range(0, m_rows - 1, 2):
-        first, second = _block_sums_pair(step, _add_products, _row_sum_code8, x_flat, m * kp, (m + 1) * kp, steps,
-                                         operands, starts)
+        first, second = _block_sums_pair(step, _add_products, _row_sum_code8, _x_step, x_flat, m * kp, (m + 1) * kp,
+                                         steps, operands, starts)
         _store_block(y32, m, row, first)
         _store_block(y32, m + 1, row, second)
     if m_rows % 2:
-        _store_block(y32, m_rows - 1, row, _block_sums(step, _add_products, _row_sum_code8, x_flat, (m_rows - 1) * kp,
-                                                       steps, operands, starts))
+        _store_block(y32, m_rows - 1, row, _block_sums(step, _add_products, _row_sum_code8, _x_step, x_flat,
+                                                       (m_rows - 1) * kp, steps, operands, starts))
 
 
 @numba.njit(**_INLINE)
@@ -910,6 +1071,62 @@ def _hifloat4_block_step(operands, start, r, t):
 
 
 @numba.njit(**_INLINE)
+def _hifloat4_pair_step(operands, start, r, t):
+    """HiFloat4 pair step t (blocks start + 2t and start + 2t + 1) of a row as two I32V of BF16 pairs (low,
+    high nibbles; HIFLOAT4_PAIR_ORDER): operands as _hifloat4_block_step's."""
+    words_flat, value_flat, ahead = operands
+    block = start + 2 * t
+    _prefetch_ahead(value_flat, np.uint64(32 * block), ahead)  # a pair step reads one cache line of value bytes
+    low_t, high_t = _hifloat4_step_bits(words_flat, value_flat, block)
+    low_u, high_u = _hifloat4_step_bits(words_flat, value_flat, block + 1)
+    return bf16_pairs(low_t, low_u), bf16_pairs(high_t, high_u)
+
+
+@numba.njit(**_INLINE)
+def _mxfp4_pair_step(operands, start, r, t):
+    """MXFP4 pair step t (blocks start + 4t .. start + 4t + 3) of a row as two I32V of BF16 pairs (low, high
+    nibbles; MXFP4_PAIR_ORDER): operands as _mxfp4_block_step's."""
+    scales_flat, codes_flat, ahead = operands
+    b = np.uint64(start + 4 * t)  # unsigned: no negative-index wraparound code
+    _prefetch_ahead(codes_flat, np.uint64(16) * b, ahead)  # a pair step reads one cache line of codes
+    low_t, high_t = mxfp4_words(codes_flat, 16 * b, scales_flat[b], scales_flat[b + np.uint64(1)])
+    low_u, high_u = mxfp4_words(codes_flat, 16 * b + np.uint64(32), scales_flat[b + np.uint64(2)],
+                                scales_flat[b + np.uint64(3)])
+    return bf16_pairs(low_t, low_u), bf16_pairs(high_t, high_u)
+
+
+@numba.njit(**_INLINE)
+def _hifloat4_step_bits(words, value, block):
+    """Block ``block``'s weights as BF16 bits (hifloat4_words)."""
+    row, e2_row, e3_low_row, e3_high_row = _hifloat4_table_rows(words, block)
+    return hifloat4_words(value, 32 * block, row, e2_row, e3_low_row, e3_high_row)
+
+
+@numba.njit(**_INLINE)
+def _x_pair_step(x_flat, x0, t):
+    """Pair step t of a row of x (_pair_x: BF16 bits at x_flat[x0:]): its two I32V."""
+    return simd.i32v_load(x_flat, x0 + 2 * LANES * t), simd.i32v_load(x_flat, x0 + 2 * LANES * t + LANES)
+
+
+@numba.njit(**_INLINE)
+def _dot_pairs(acc0, acc1, x_low, x_high, w0, w1):
+    """Lanes += the two products of each BF16 pair (vdpbf16ps), x's pairs times W's."""
+    return simd.f32v_dot_bf16(acc0, x_low, w0), simd.f32v_dot_bf16(acc1, x_high, w1)
+
+
+@numba.njit(**_INLINE)
+def _row_sum_hifloat4_pairs(acc0, acc1):
+    low, high = hifloat4_pair_logical(acc0, acc1)
+    return simd.f32v_sum_tree(simd.f32v_add(low, high))
+
+
+@numba.njit(**_INLINE)
+def _row_sum_mxfp4_pairs(acc0, acc1):
+    low, high = mxfp4_pair_logical(acc0, acc1)
+    return simd.f32v_sum_tree(simd.f32v_add(low, high))
+
+
+@numba.njit(**_INLINE)
 def _all_fused(fused, m, lows, highs, count):
     """Whether row m of x may use fused multiply-adds with each of the ``count`` rows of W whose scale-byte
     ranges are lows[r] .. highs[r] (see _fused_bytes)."""
@@ -920,17 +1137,23 @@ def _all_fused(fused, m, lows, highs, count):
 
 
 @numba.njit(**_INLINE)
-def _nibble_rows(row_sum, block_step, block_steps, pairs, x_reg, scales, packed, fused, row, end, y32):
+def _nibble_rows(row_sum, block_step, block_steps, pairs, pair_sums, x_reg, scales, packed, fused, x_pairs, paired,
+                 row, end, y32):
     """Rows row .. end - 1 of a 4-bit GEMV (inlined into _mxfp4_rows / _hifloat4_rows, which pass their
-    format's ``row_sum`` and ``block_step``): x_reg (M, Kp) register order, scales / packed the format's two
-    weight arrays (N, ...), fused (M, 256) from _fused_bytes, y32 (M, N). ``block_steps``: steps of a row for
-    _block_sums, or 0 where rows cannot be blocked (an MXFP4 row of an odd number of blocks). A block of
-    rows is summed with fused multiply-adds where every one of its rows may be, else row by row. ``pairs``:
-    a block takes two rows of x at once where both may (_block_sums_pair: HiFloat4, whose step is costly to
-    decode; MXFP4's cheap step measured 15-22 % slower so at M = 2 and 4)."""
+    format's ``row_sum``, ``block_step`` and ``pair_sums``): x_reg (M, Kp) register order, scales / packed the
+    format's two weight arrays (N, ...), fused (M, 256) from _fused_bytes, x_pairs and paired from
+    _paired_bytes, y32 (M, N). ``block_steps``: steps of a row for _block_sums, or 0 where rows cannot be
+    blocked (an MXFP4 row of an odd number of blocks). A block of rows is summed with fused multiply-adds
+    for two rows of x at once where ``pairs`` and both may (_block_sums_pair: HiFloat4, whose step is
+    costly to decode; MXFP4's cheap step measured 15-22 % slower so at M = 2 and 4), else in BF16 pairs
+    (``pair_sums``: two steps per product instruction) where every one of its rows may be and the number
+    of steps is even, else with fused multiply-adds where every one of its rows may be, else row by row."""
     blocks = scales.shape[1]
     m_rows, kp = x_reg.shape
+    kq = x_pairs.shape[1]
+    pair_steps = block_steps // 2 if block_steps % 2 == 0 else 0
     x_flat, scales_flat, packed_flat = simd.flat(x_reg), simd.flat(scales), simd.flat(packed)
+    xp_flat = simd.flat(x_pairs)
     scratch = np.zeros(HALF, dtype=np.uint8)
     lows = np.empty(ROW_BLOCK, dtype=np.int64)
     highs = np.empty(ROW_BLOCK, dtype=np.int64)
@@ -944,14 +1167,19 @@ def _nibble_rows(row_sum, block_step, block_steps, pairs, x_reg, scales, packed,
         while m < m_rows:
             if count == ROW_BLOCK and _all_fused(fused, m, lows, highs, count):
                 if pairs and m + 1 < m_rows and _all_fused(fused, m + 1, lows, highs, count):
-                    first, second = _block_sums_pair(block_step, _fma_products, _row_sum_nibbles, x_flat, m * kp,
-                                                     (m + 1) * kp, block_steps, operands, starts)
+                    first, second = _block_sums_pair(block_step, _fma_products, _row_sum_nibbles, _x_step, x_flat,
+                                                     m * kp, (m + 1) * kp, block_steps, operands, starts)
                     _store_block(y32, m, row, first)
                     _store_block(y32, m + 1, row, second)
                     m += 2
                     continue
-                _store_block(y32, m, row, _block_sums(block_step, _fma_products, _row_sum_nibbles, x_flat, m * kp,
-                                                      block_steps, operands, starts))
+            if count == ROW_BLOCK and pair_steps > 0 and _all_fused(paired, m, lows, highs, count):
+                _store_block(y32, m, row, pair_sums(xp_flat, m * kq, pair_steps, operands, starts))
+                m += 1
+                continue
+            if count == ROW_BLOCK and _all_fused(fused, m, lows, highs, count):
+                _store_block(y32, m, row, _block_sums(block_step, _fma_products, _row_sum_nibbles, _x_step, x_flat,
+                                                      m * kp, block_steps, operands, starts))
                 m += 1
                 continue
             for r in range(count):
@@ -971,37 +1199,72 @@ def _hifloat4_row(accumulate, x_flat, x0, words_flat, value_flat, b0, blocks, sc
     return _hifloat4_row_sum(accumulate, x_flat, x0, words_flat, value_flat, b0, blocks)
 
 
+@numba.njit(**_INLINE)
+def _pair_sums(step, fold, x_flat, x0, steps, operands, starts):
+    """The folded sums of a block of rows in BF16 pairs (pair steps ``step``, lanes folded by ``fold``; x_flat:
+    _paired_bytes's pairs, the x row at x0)."""
+    return _block_sums(step, _dot_pairs, fold, _x_pair_step, x_flat, x0, steps, operands, starts)
+
+
+# Functions of their own, not inlined into the rows kernels: LLVM compiles two small functions much faster
+# than one large one (a first run's cost, see docs/weight_only.md, 'Performance').
 @numba.njit(**NJIT_OPTIONS)
-def _mxfp4_rows(x_reg, scales, codes, fused, row, end, y32):
+def _hifloat4_pair_sums_bf16(x_flat, x0, steps, operands, starts):
+    return _pair_sums(_hifloat4_pair_step, _row_sum_hifloat4_pairs, x_flat, x0, steps, operands, starts)
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _mxfp4_pair_sums_bf16(x_flat, x0, steps, operands, starts):
+    return _pair_sums(_mxfp4_pair_step, _row_sum_mxfp4_pairs, x_flat, x0, steps, operands, starts)
+
+
+@numba.njit(**_INLINE)
+def _no_pair_sums(x_flat, x0, steps, operands, starts):
+    """Stands in for a pair kernel where there is none (no row is ever paired there: _paired_bytes)."""
+    zero = np.float32(0.0)
+    return zero, zero, zero, zero
+
+
+# BF16 pairs need AVX512-BF16 (and the HiFloat4 look-ups AVX512-BW): elsewhere they are never compiled
+_hifloat4_pair_sums = _hifloat4_pair_sums_bf16 if simd.HAS_AVX512BF16 else _no_pair_sums
+_mxfp4_pair_sums = _mxfp4_pair_sums_bf16 if simd.HAS_AVX512BF16 else _no_pair_sums
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _mxfp4_rows(x_reg, scales, codes, fused, x_pairs, paired, row, end, y32):
     """One task of _mxfp4_gemv (a function of its own, so that numba's parallel passes do not analyse it)."""
     blocks = scales.shape[1]
-    _nibble_rows(_mxfp4_row_sum, _mxfp4_block_step, blocks // 2 if blocks % 2 == 0 else 0, False, x_reg, scales,
-                 codes, fused, row, end, y32)
+    _nibble_rows(_mxfp4_row_sum, _mxfp4_block_step, blocks // 2 if blocks % 2 == 0 else 0, False, _mxfp4_pair_sums,
+                 x_reg, scales, codes, fused, x_pairs, paired, row, end, y32)
 
 
 @numba.njit(**NJIT_OPTIONS)
-def _hifloat4_rows(x_reg, words, value, fused, row, end, y32):
+def _hifloat4_rows(x_reg, words, value, fused, x_pairs, paired, row, end, y32):
     """One task of _hifloat4_gemv."""
-    _nibble_rows(_hifloat4_row, _hifloat4_block_step, words.shape[1], True, x_reg, words, value, fused, row, end,
-                 y32)
+    _nibble_rows(_hifloat4_row, _hifloat4_block_step, words.shape[1], True, _hifloat4_pair_sums, x_reg, words, value,
+                 fused, x_pairs, paired, row, end, y32)
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _mxfp4_gemv(x_reg, scales, codes, fused, y32):
+def _mxfp4_gemv(x_reg, scales, codes, fused, x_pairs, paired, y32):
     """scales (N, K/32) uint8 E8M0, codes (N, K/2) uint8; x_reg (M, Kp) register order; fused:
-    _fused_bytes(x_reg, _MXFP4_EXPONENTS); y32 (M, N). Every row, as _code8_gemv."""
+    _fused_bytes(x_reg, _MXFP4_EXPONENTS); x_pairs, paired: _paired_bytes; y32 (M, N). Every row, as
+    _code8_gemv."""
     n = scales.shape[0]
     for task in numba.prange((n + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
-        _mxfp4_rows(x_reg, scales, codes, fused, task * _ROWS_PER_TASK, min(n, (task + 1) * _ROWS_PER_TASK), y32)
+        _mxfp4_rows(x_reg, scales, codes, fused, x_pairs, paired, task * _ROWS_PER_TASK,
+                    min(n, (task + 1) * _ROWS_PER_TASK), y32)
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _hifloat4_gemv(x_reg, words, value, fused, y32):
+def _hifloat4_gemv(x_reg, words, value, fused, x_pairs, paired, y32):
     """words (N, K/64) int32 (the scale bytes), value (N, K/2) uint8; x_reg (M, Kp) register order; fused:
-    _fused_bytes(x_reg, _HIFLOAT4_EXPONENTS); y32 (M, N). Every row, as _code8_gemv."""
+    _fused_bytes(x_reg, _HIFLOAT4_EXPONENTS); x_pairs, paired: _paired_bytes; y32 (M, N). Every row, as
+    _code8_gemv."""
     n = words.shape[0]
     for task in numba.prange((n + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
-        _hifloat4_rows(x_reg, words, value, fused, task * _ROWS_PER_TASK, min(n, (task + 1) * _ROWS_PER_TASK), y32)
+        _hifloat4_rows(x_reg, words, value, fused, x_pairs, paired, task * _ROWS_PER_TASK,
+                       min(n, (task + 1) * _ROWS_PER_TASK), y32)
 
 
 # ---- GEMM tiles: rows r0 .. r0 + R - 1 of W decoded into w32 (R, >= Kp), logical order, float32 or BF16 ---------
@@ -1459,15 +1722,19 @@ class WeightOnlyLinear(Kernel):
     several threads, such as ``lowbit smoke``, never compiles it). args: (x_reg, *operands[, fused]) for the
     GEMV, (x_bits, *operands) batched, (*operands, r0) for a tile of rows r0 ... of W.
     ``split``: the register order (see _reorder); ``operands(a, b, k, dtype)``: the numba kernels' weight
-    operands for x of ``dtype``; ``exponents``: a 4-bit format's table for _fused_bytes, whose result the
-    GEMV kernels take after the operands (None: an 8-bit format, no such argument). With BF16 x every
+    operands for x of ``dtype``; ``exponents``: a 4-bit format's table for _exact_bytes, whose results (fused,
+    x_pairs, paired) the GEMV kernels take after the operands (None: an 8-bit format, no such arguments);
+    ``pair_order``: the format's BF16 pair order (None: no pair kernel). With BF16 x every
     format's decoded weight is a BF16 value (the GEMM path uses torch's BF16 GEMM).
     """
 
-    def __init__(self, gemv: tuple, batched: tuple, tile: tuple, split: tuple, operands, exponents=None):
+    def __init__(self, gemv: tuple, batched: tuple, tile: tuple, split: tuple, operands, exponents=None,
+                 pair_order=None):
         self.gemv, self.batched, self.tile, self.split, self._operands = gemv, batched, tile, split, operands
         self.exponents = exponents
         self.order = np.array(_order(*split), dtype=np.int32)
+        self.pair_sources = (_pair_sources(_order(*split), pair_order)
+                             if pair_order is not None and simd.HAS_AVX512BF16 else None)
 
     def run(self, x: torch.Tensor, *args, out: torch.Tensor) -> None:
         self.run_prepared(x, self.prepare(x.dtype, x.shape[-1], *args), out=out)
@@ -1520,8 +1787,14 @@ class WeightOnlyLinear(Kernel):
     def gemv_sums(self, x_reg: np.ndarray, operands: tuple, y32: np.ndarray, serial: bool) -> None:
         """y32 (M, N) float32 <- the GEMV's float32 sums of x_reg (M, Kp) float32 (x in the register order,
         zero-padded) with the weight ``operands``, before the rounding to x's dtype."""
-        fused = () if self.exponents is None else (_fused_bytes(x_reg, self.exponents),)
-        run_tasks(self.gemv, (x_reg, *operands, *fused), y32.shape[1], y32, serial)
+        extra = ()
+        if self.exponents is not None:  # a 4-bit format: fused multiply-adds and BF16 pairs where exact
+            m, kp = x_reg.shape
+            x_pairs = np.empty((m, 0 if self.pair_sources is None else -(-kp // PAIR_LANES) * PAIR_LANES), np.int16)
+            sources = _NO_PAIR_SOURCES if self.pair_sources is None else self.pair_sources
+            fused, paired = _exact_bytes(x_reg, self.exponents, sources, x_pairs)
+            extra = (fused, x_pairs, paired)
+        run_tasks(self.gemv, (x_reg, *operands, *extra), y32.shape[1], y32, serial)
 
     def _run_batched(self, x: torch.Tensor, operands: tuple, bias, out: torch.Tensor, serial: bool) -> None:
         """BF16 x on an AVX512-BF16 CPU, GEMV_MAX_M < M <= BATCH_MAX_M: the batched kernel on x's bits in the
@@ -1631,7 +1904,8 @@ FLOAT8_E4M3FN_LINEAR = WeightOnlyLinear(*_CODE8, CODE8_SPLIT, _float8_operands)
 MXFP8_LINEAR = WeightOnlyLinear((_mxfp8_rows, _mxfp8_gemv), (_mxfp8_batched_rows, _mxfp8_batched),
                                 (_mxfp8_tile_rows, _mxfp8_tile), CODE8_SPLIT, _mxfp8_operands)
 MXFP4_LINEAR = WeightOnlyLinear((_mxfp4_rows, _mxfp4_gemv), (_mxfp4_batched_rows, _mxfp4_batched),
-                                (_mxfp4_tile_rows, _mxfp4_tile), NIBBLE_SPLIT, _mxfp4_operands, _MXFP4_EXPONENTS)
+                                (_mxfp4_tile_rows, _mxfp4_tile), NIBBLE_SPLIT, _mxfp4_operands, _MXFP4_EXPONENTS,
+                                MXFP4_PAIR_ORDER)
 HIFLOAT4_LINEAR = WeightOnlyLinear((_hifloat4_rows, _hifloat4_gemv), (_hifloat4_batched_rows, _hifloat4_batched),
                                    (_hifloat4_tile_rows, _hifloat4_tile), NIBBLE_SPLIT, _hifloat4_operands,
-                                   _HIFLOAT4_EXPONENTS)
+                                   _HIFLOAT4_EXPONENTS, HIFLOAT4_PAIR_ORDER)
