@@ -300,6 +300,25 @@ def test_bf16_pairs_give_the_reference_lane_sums(fmt, m, dtype):
 
 
 @needs_bf16
+@pytest.mark.parametrize("fmt", PAIRING)
+def test_self_check_probes_run_the_bf16_pairs(fmt):
+    """The operator's self-check (its probes) includes a case summed in BF16 pairs, so that a CPU whose
+    vdpbf16ps added in another order would fail it: one row of x paired with blocks of four weight rows
+    and an even number of steps; that probe's result is the reference's."""
+    op = OPS[fmt]
+    covered = False
+    for x, *weight, bias in op.probes():
+        steps = x.shape[-1] // cpu.LANES
+        if x.dtype != torch.bfloat16 or x.shape[0] != 1 or weight[0].shape[0] < cpu.ROW_BLOCK or steps % 2:
+            continue
+        _, paired = pair_and_fuse_tables(fmt, x)
+        if paired[0, row_bytes(fmt, weight)].all():
+            native_equals_reference(op, x, *weight, bias)
+            covered = True
+    assert covered
+
+
+@needs_bf16
 def test_bf16_pairs_not_where_a_partial_sum_would_be_subnormal():
     """MXFP4 weights of 16 (smallest weight of their scale: 2) and x = (1 + 2^-7) 2^-126, -2^-126: both
     products are exact and at least 2^-126, so the row may fuse, but their sum 2^-129 is subnormal, which

@@ -261,6 +261,10 @@ def _mxfp4_probes():
                    _small_integers((3,), g, torch.float32)))
     probes.append((_small_integers((6, 64), g, torch.bfloat16), codes(3, 64), _block_scales(g, 3, 64, 126, 129),
                    _small_integers((3,), g, torch.bfloat16)))
+    # One BF16 row of x, blocks of four weight rows, an even number of steps: the BF16 pairs where the CPU
+    # has them (docs/weight_only.md, 'BF16 pairs'), so that the check covers vdpbf16ps's order too.
+    probes.append((torch.randn(1, 512, generator=g).bfloat16(), codes(8, 512), _block_scales(g, 8, 512, 118, 130),
+                   None))
     return probes
 
 
@@ -285,6 +289,9 @@ def _hifloat4_probes():
     probes.append((_small_integers((6, 64), g, torch.float16), exact,
                    torch.randint(0, 256, (3, 32), generator=g, dtype=torch.uint8),
                    _small_integers((3,), g, torch.float32)))
+    # The BF16 pairs (as for MXFP4): one BF16 row of x, eight weight rows of four blocks.
+    probes.append((torch.randn(1, 256, generator=g).bfloat16(), *hifloat4.pack(torch.randn(8, 256, generator=g)),
+                   None))
     return probes
 
 
