@@ -276,7 +276,7 @@ def row_bytes(fmt, weight):
 @pytest.mark.parametrize("m, dtype", [(1, torch.bfloat16), (2, torch.bfloat16), (3, torch.bfloat16),
                                       (2, torch.float16)])
 def test_bf16_pairs_give_the_reference_lane_sums(fmt, m, dtype):
-    """Rows of x that are BF16 values are summed in BF16 pairs (asserted), with Inf and NaN in x, and equal
+    """Rows of x that are BF16 values are summed in BF16 pairs (asserted), with Inf, -0 and NaN in x, and equal
     the reference lane by lane; K = 1152 (MXFP4: 36 blocks, HiFloat4: 18); 3 rows of x: a pair of them and a
     single one; FP16 x whose values are all BF16 values is paired too. Row 5 of W has a NaN block (scale
     byte 0xFF: MXFP4 takes it for the largest scale, so that block of four rows goes row by row; a poisoned
@@ -287,7 +287,7 @@ def test_bf16_pairs_give_the_reference_lane_sums(fmt, m, dtype):
     w[5, 200] = float("nan")  # a NaN block (MXFP4: NaN scale; HiFloat4: poisoned)
     weight = quantize(w)
     x = torch.randn(m, 1152, generator=g).bfloat16().to(dtype)
-    x[0, 7], x[-1, 900] = float("inf"), float("nan")
+    x[0, 7], x[0, 8], x[-1, 900] = float("inf"), -0.0, float("nan")
     _, paired = pair_and_fuse_tables(fmt, x)
     used = row_bytes(fmt, weight)
     assert paired[:, used[used != 0xFF]].all()  # setup

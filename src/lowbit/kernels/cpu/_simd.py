@@ -844,17 +844,21 @@ def f32v_sum_tree(typingctx, value):
     h = LANES / 2, ..., 1; returns lane 0."""
 
     def codegen(context, builder, sig, args):
-        v = args[0]
-        width = LANES
-        while width > 1:
-            width //= 2
-            mask = ir.VectorType(_I32, width)
-            low = builder.shuffle_vector(v, v, ir.Constant(mask, list(range(width))))
-            high = builder.shuffle_vector(v, v, ir.Constant(mask, list(range(width, 2 * width))))
-            v = builder.fadd(low, high)
-        return builder.extract_element(v, ir.Constant(_I32, 0))
+        return sum_tree(builder, args[0])
 
     return types.float32(value), codegen
+
+
+def sum_tree(builder, v):
+    """f32v_sum_tree's codegen, for a float vector of any power-of-two width."""
+    width = v.type.count
+    while width > 1:
+        width //= 2
+        mask = ir.VectorType(_I32, width)
+        low = builder.shuffle_vector(v, v, ir.Constant(mask, list(range(width))))
+        high = builder.shuffle_vector(v, v, ir.Constant(mask, list(range(width, 2 * width))))
+        v = builder.fadd(low, high)
+    return builder.extract_element(v, ir.Constant(_I32, 0))
 
 
 @intrinsic

@@ -8,9 +8,9 @@ Two paths, chosen by the number of rows M of x (``GEMV_MAX_M``):
   (mul and add; for MXFP4 and HiFloat4 a fused multiply-add where every product of the row is exact, so
   that it gives the same bits, see _fused_bytes; on AVX512-BF16 CPUs, for rows of x that are BF16 values,
   two steps per BF16 dot product where that gives the same bits, see _paired_bytes); then
-  :func:`f32v_sum_tree` folds the lanes in the reference's order. Rows are split across threads and summed four at a time where they can be
-  (_block_sums); each row's sum is one thread's, in its own lanes, so the result does not depend on the
-  thread count.
+  :func:`f32v_sum_tree` folds the lanes in the reference's order. Rows are split across threads and
+  summed four at a time where they can be (_block_sums); each row's sum is one thread's, in its own
+  lanes, so the result does not depend on the thread count.
 * **GEMM** (larger M, prefill): tiles of rows are decoded with the same step functions into a float32 (or,
   for weights that are BF16 values and BF16 x, BF16) buffer, and torch multiplies x by each tile (its
   order: docs/weight_only.md, 'Tolerance of the GEMM path'); only one tile is ever decoded.
@@ -164,8 +164,28 @@ def _make_logical(order):
     return logical
 
 
+def _make_fold(order):
+    inverse = [order.index(lane) for lane in range(LANES)]
+
+    @intrinsic
+    def fold(typingctx, first, second):
+        """The float32 sum of the 64 lanes of (``first``, ``second``), kept in this register order, folded
+        as the reference does: lane[i] + lane[i + 32] in logical order, then f32v_sum_tree."""
+
+        def codegen(context, builder, sig, args):
+            low = builder.shuffle_vector(args[0], args[1], _mask(inverse[:HALF]))
+            high = builder.shuffle_vector(args[0], args[1], _mask(inverse[HALF:]))
+            return simd.sum_tree(builder, builder.fadd(low, high))
+
+        return types.float32(first, second), codegen
+
+    return fold
+
+
 code8_logical = _make_logical(CODE8_ORDER)
 nibble_logical = _make_logical(NIBBLE_ORDER)
+_row_sum_code8 = _make_fold(CODE8_ORDER)
+_row_sum_nibbles = _make_fold(NIBBLE_ORDER)
 
 # ---- 8-bit codes (HiFloat8, FP8 E4M3): 64 codes -> two F32V in CODE8_ORDER -------------------------------
 # An 8-bit weight is dequantized in x's dtype (docs/weight_only.md, 'Weights'), so one row of W holds at
@@ -436,7 +456,7 @@ def hifloat4_words_decode(typingctx, value, start, row, e2_row, e3_low_row, e3_h
 @intrinsic
 def hifloat4_words(typingctx, value, start, row, e2_row, e3_low_row, e3_high_row):
     """The same block's weights as BF16 bits, not widened: two I16V (low nibbles, high nibbles), word 2j
-    the nibble of value byte j, word 2j + 1 that of byte j + 16 (_HIFLOAT4_PAIR_ORDER)."""
+    the nibble of value byte j, word 2j + 1 that of byte j + 16 (HIFLOAT4_PAIR_ORDER)."""
 
     def codegen(context, builder, sig, args):
         return context.make_tuple(builder, sig.return_type, _hifloat4_lookups(context, builder, sig, args))
@@ -466,12 +486,12 @@ def _pair_order(element_of_word) -> list[int]:
 
 # HiFloat4 look-ups (hifloat4_words): word 2j is byte j (element 2j), word 2j + 1 byte j + 16 (element 2j + 32)
 HIFLOAT4_PAIR_ORDER = _pair_order(lambda word: 2 * (word // 2) + 32 * (word % 2))
-hifloat4_pair_logical = _make_logical(HIFLOAT4_PAIR_ORDER)
+_row_sum_hifloat4_pairs = _make_fold(HIFLOAT4_PAIR_ORDER)
 
 
 # MXFP4 look-ups (mxfp4_words): word j is code byte j's nibble (element 2j of the step)
 MXFP4_PAIR_ORDER = _pair_order(lambda word: 2 * word)
-mxfp4_pair_logical = _make_logical(MXFP4_PAIR_ORDER)
+_row_sum_mxfp4_pairs = _make_fold(MXFP4_PAIR_ORDER)
 # The BF16 bits of _MXFP4_TABLES, (256 * 16,) int16: exact for every scale byte whose weights are normal
 # float32 values (two significant bits), the only bytes _paired_bytes lets through (NaN for byte 0xFF).
 _MXFP4_WORDS = (_MXFP4_TABLES.view(np.uint32) >> 16).astype(np.uint16).view(np.int16)
@@ -643,7 +663,7 @@ def _fused_bytes(bounds, exponents):
 PAIR_LANES = 2 * LANES  # elements of x per pair step (two steps)
 
 
-_NO_PAIR_SOURCES = np.zeros(2 * LANES, dtype=np.int32)
+_NO_PAIR_SOURCES = np.zeros(PAIR_LANES, dtype=np.int32)
 
 
 def _pair_sources(order: list[int], pair_order: list[int]) -> np.ndarray:
@@ -823,18 +843,6 @@ def _code8_block_rows(step, x_flat, kp, steps, operands, starts, row, y32):
     if m_rows % 2:
         _store_block(y32, m_rows - 1, row, _block_sums(step, _add_products, _row_sum_code8, _x_step, x_flat,
                                                        (m_rows - 1) * kp, steps, operands, starts))
-
-
-@numba.njit(**_INLINE)
-def _row_sum_code8(acc0, acc1):
-    low, high = code8_logical(acc0, acc1)
-    return simd.f32v_sum_tree(simd.f32v_add(low, high))
-
-
-@numba.njit(**_INLINE)
-def _row_sum_nibbles(acc0, acc1):
-    low, high = nibble_logical(acc0, acc1)
-    return simd.f32v_sum_tree(simd.f32v_add(low, high))
 
 
 @numba.njit(**_INLINE)
@@ -1104,7 +1112,7 @@ def _hifloat4_step_bits(words, value, block):
 
 @numba.njit(**_INLINE)
 def _x_pair_step(x_flat, x0, t):
-    """Pair step t of a row of x (_pair_x: BF16 bits at x_flat[x0:]): its two I32V."""
+    """Pair step t of a row of x (_paired_bytes's x_pairs: BF16 bits at x_flat[x0:]): its two I32V."""
     return simd.i32v_load(x_flat, x0 + 2 * LANES * t), simd.i32v_load(x_flat, x0 + 2 * LANES * t + LANES)
 
 
@@ -1112,18 +1120,6 @@ def _x_pair_step(x_flat, x0, t):
 def _dot_pairs(acc0, acc1, x_low, x_high, w0, w1):
     """Lanes += the two products of each BF16 pair (vdpbf16ps), x's pairs times W's."""
     return simd.f32v_dot_bf16(acc0, x_low, w0), simd.f32v_dot_bf16(acc1, x_high, w1)
-
-
-@numba.njit(**_INLINE)
-def _row_sum_hifloat4_pairs(acc0, acc1):
-    low, high = hifloat4_pair_logical(acc0, acc1)
-    return simd.f32v_sum_tree(simd.f32v_add(low, high))
-
-
-@numba.njit(**_INLINE)
-def _row_sum_mxfp4_pairs(acc0, acc1):
-    low, high = mxfp4_pair_logical(acc0, acc1)
-    return simd.f32v_sum_tree(simd.f32v_add(low, high))
 
 
 @numba.njit(**_INLINE)
@@ -1207,7 +1203,7 @@ def _pair_sums(step, fold, x_flat, x0, steps, operands, starts):
 
 
 # Functions of their own, not inlined into the rows kernels: LLVM compiles two small functions much faster
-# than one large one (a first run's cost, see docs/weight_only.md, 'Performance').
+# than one large one (a first run's cost, see docs/weight_only.md, 'Kernels').
 @numba.njit(**NJIT_OPTIONS)
 def _hifloat4_pair_sums_bf16(x_flat, x0, steps, operands, starts):
     return _pair_sums(_hifloat4_pair_step, _row_sum_hifloat4_pairs, x_flat, x0, steps, operands, starts)
@@ -1247,8 +1243,8 @@ def _hifloat4_rows(x_reg, words, value, fused, x_pairs, paired, row, end, y32):
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
 def _mxfp4_gemv(x_reg, scales, codes, fused, x_pairs, paired, y32):
-    """scales (N, K/32) uint8 E8M0, codes (N, K/2) uint8; x_reg (M, Kp) register order; fused:
-    _fused_bytes(x_reg, _MXFP4_EXPONENTS); x_pairs, paired: _paired_bytes; y32 (M, N). Every row, as
+    """scales (N, K/32) uint8 E8M0, codes (N, K/2) uint8; x_reg (M, Kp) register order; fused, paired:
+    _exact_bytes(x_reg, _MXFP4_EXPONENTS, sources, x_pairs), which fills x_pairs; y32 (M, N). Every row, as
     _code8_gemv."""
     n = scales.shape[0]
     for task in numba.prange((n + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
@@ -1258,8 +1254,8 @@ def _mxfp4_gemv(x_reg, scales, codes, fused, x_pairs, paired, y32):
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
 def _hifloat4_gemv(x_reg, words, value, fused, x_pairs, paired, y32):
-    """words (N, K/64) int32 (the scale bytes), value (N, K/2) uint8; x_reg (M, Kp) register order; fused:
-    _fused_bytes(x_reg, _HIFLOAT4_EXPONENTS); x_pairs, paired: _paired_bytes; y32 (M, N). Every row, as
+    """words (N, K/64) int32 (the scale bytes), value (N, K/2) uint8; x_reg (M, Kp) register order; fused, paired:
+    _exact_bytes(x_reg, _HIFLOAT4_EXPONENTS, sources, x_pairs), which fills x_pairs; y32 (M, N). Every row, as
     _code8_gemv."""
     n = words.shape[0]
     for task in numba.prange((n + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
@@ -1719,8 +1715,8 @@ class WeightOnlyLinear(Kernel):
     BATCH_MAX_M on AVX512-BF16 CPUs; the GEMM path), each a pair (serial, parallel): ``serial(*args, row,
     end, out)`` computes output rows row .. end - 1 on the calling thread, ``parallel(*args, out)`` all of
     them in numba's parallel loop (compiled on its first call only: a process that never runs a kernel on
-    several threads, such as ``lowbit smoke``, never compiles it). args: (x_reg, *operands[, fused]) for the
-    GEMV, (x_bits, *operands) batched, (*operands, r0) for a tile of rows r0 ... of W.
+    several threads, such as ``lowbit smoke``, never compiles it). args: (x_reg, *operands[, fused, x_pairs,
+    paired]) for the GEMV, (x_bits, *operands) batched, (*operands, r0) for a tile of rows r0 ... of W.
     ``split``: the register order (see _reorder); ``operands(a, b, k, dtype)``: the numba kernels' weight
     operands for x of ``dtype``; ``exponents``: a 4-bit format's table for _exact_bytes, whose results (fused,
     x_pairs, paired) the GEMV kernels take after the operands (None: an 8-bit format, no such arguments);
