@@ -69,6 +69,8 @@ HAS_AVX512BW = _host_has("avx512bw", "avx512f")
 HAS_AMX_BF16 = _host_has("amx-bf16", "amx-tile")
 HAS_AVX512F = _host_has("avx512f")
 HAS_AVX512VBMI = _host_has("avx512vbmi", "avx512bw", "avx512f")
+# vpshufbitqmb (every AVX512-BF16 CPU but Intel's Cooper Lake: AMD Zen 4, Intel Xeon since Sapphire Rapids)
+HAS_AVX512BITALG = _host_has("avx512bitalg", "avx512bw", "avx512f")
 # FP16 <-> float32 conversions: vcvtps2ph / vcvtph2ps (F16C). Without them (a "generic" target, see _host_has)
 # LLVM lowers fptrunc / fpext of half to library calls that numba's JIT leaves unresolved (a call to address
 # 0): f16_bits / f16_to_f32 then do the rounding in integer arithmetic.

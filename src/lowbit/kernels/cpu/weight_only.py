@@ -370,16 +370,17 @@ def _hifloat4_levels(w0, w1, word):
 # nibble | e2 << 4 | e3 << 5, the BF16 bits of that weight for E6M2 byte b (NaN for the poisoned byte 0xFF).
 # The 32 value bytes are zero-extended to words in the order [b0, b16, b1, b17, ..]; one vpermi2w per nibble
 # (low, high) looks up 32 weights, whose even words (bytes 0-15) and odd words (bytes 16-31) are the two
-# float32 registers of NIBBLE_ORDER. The flag bits of each word lane come from three tables of 32 words
-# (by byte 1, byte 2, byte 3 of the scale word): word lane 2j holds byte j (8-group j // 4, 4-group j // 2),
-# lane 2j + 1 byte j + 16 (8-group 4 + j // 4, 4-group 8 + j // 2); bit layout as for _E2_LANES.
+# float32 registers of NIBBLE_ORDER. The flag bits of each word come from the scale word in registers (flag
+# tables would not fit in the L1 cache beside the weight tables): its low and its high 16 bits are broadcast
+# to every word and tested against a constant per word, the bit of that word's flag (_flag_bit).
 
 
-def _hifloat4_word_tables() -> np.ndarray:
-    """(256 * 64,) int16: the BF16 bits of every (E6M2 byte, flags, nibble) weight; ValueError if one of
-    them is not a BF16 value (the tables would not be exact)."""
+def _hifloat4_word_tables(codes: int) -> np.ndarray:
+    """(256 * 4 * codes,) int16: for every E6M2 byte, flags (e2 | e3 << 1) and nibble below ``codes`` (16: all,
+    8: the magnitudes), the BF16 bits of its weight; ValueError if one of them is not a BF16 value (the
+    tables would not be exact)."""
     levels = np.array([1.0, 2.0, 2.0, 4.0], dtype=np.float32)  # flags e2 | e3 << 1
-    values = (_HIFLOAT4_TABLES.reshape(256, 1, 16) * levels[None, :, None]).reshape(-1)
+    values = (_HIFLOAT4_TABLES.reshape(256, 1, 16)[:, :, :codes] * levels[None, :, None]).reshape(-1)
     bits = values.view(np.uint32)
     exact = np.isnan(values) | (bits & 0xFFFF == 0)
     if not exact.all():
@@ -387,81 +388,67 @@ def _hifloat4_word_tables() -> np.ndarray:
     return np.where(np.isnan(values), 0x7FC0, bits >> 16).astype(np.uint16).view(np.int16)
 
 
-def _flag_words(bit: int, group_of_lane) -> np.ndarray:
-    """(256 * 32,) int16: for every flag byte v, ``bit`` in the word lanes whose flag (bit 7 - g of v for the
-    lane's group g = group_of_lane(lane); None: the lane has no flag in this byte) is set."""
-    words = np.zeros((256, HALF), dtype=np.int16)
-    for v in range(256):
-        for lane in range(HALF):
-            group = group_of_lane(lane)
-            if group is not None and (v >> (7 - group)) & 1:
-                words[v, lane] = bit
-    return words.reshape(-1)
+def _flag_bit(flag: str, byte: int) -> int:
+    """The bit of the little-endian scale word [E6M2, e2, e3, e3] that holds the ``flag`` ("e2" or "e3") of
+    value byte ``byte`` of the block (elements 2 byte, 2 byte + 1): e2 of 8-group g is bit 7 - g of byte 1,
+    e3 of 4-group g bit 7 - g of byte 2 (g < 8) or 15 - g of byte 3 (docs/weight_only.md, 'Weights')."""
+    if flag == "e2":
+        return 15 - byte // 4
+    group = byte // 2
+    return 23 - group if group < 8 else 39 - group
 
 
-_HIFLOAT4_WORDS = _hifloat4_word_tables()
-# rows 0-255: by byte 1 (e2), 256-511: byte 2 (e3 of groups 0-7), 512-767: byte 3 (e3 of groups 8-15)
-_FLAG_WORDS = np.concatenate([_flag_words(16, lambda lane: lane // 8 if lane % 2 == 0 else 4 + lane // 8),
-                              _flag_words(32, lambda lane: lane // 4 if lane % 2 == 0 else None),
-                              _flag_words(32, lambda lane: lane // 4 if lane % 2 == 1 else None)])
-_BYTE_PAIRS = [i for j in range(16) for i in (j, 32, j + 16, 32)]  # [b0, 0, b16, 0, b1, 0, ..]: words
+_HIFLOAT4_WORDS = _hifloat4_word_tables(16)
+_DECODE_BYTES = [w // 2 + 16 * (w % 2) for w in range(HALF)]  # hifloat4_words_decode's words: [b0, b16, b1, ..]
 
 
-def _hifloat4_lookups(context, builder, sig, args):
-    """The codegen shared by hifloat4_words_decode and hifloat4_words: the block's two look-ups (low, then
-    high nibbles), 32 BF16 words each; word 2j: byte j's nibble, word 2j + 1: byte j + 16's."""
-    vperm = cgutils.get_or_insert_function(
-        builder.module, ir.FunctionType(_V16x32, [_V16x32] * 3), "llvm.x86.avx512.vpermi2var.hi.512")
-    v8x32 = ir.VectorType(ir.IntType(8), HALF)
-    raw = builder.load(simd._element_ptr(context, builder, sig.args[0], args[0], args[1], v8x32), align=1)
-    words = builder.bitcast(builder.shuffle_vector(raw, ir.Constant(v8x32, [0] * HALF), _mask(_BYTE_PAIRS)),
-                            _V16x32)
-    tables = {name: builder.bitcast(simd.aligned_constant(builder, f"lowbit.hifloat4.{name}", array),
-                                    ir.IntType(16).as_pointer())
-              for name, array in (("words", _HIFLOAT4_WORDS), ("flags", _FLAG_WORDS))}
-
-    def words_at(table, index):  # 32 words at an element index that is a multiple of 32: 64-byte aligned
-        pointer = builder.bitcast(builder.gep(tables[table], [index]), _V16x32.as_pointer())
-        return builder.load(pointer, align=64)
-
-    flags = builder.or_(builder.or_(words_at("flags", args[3]), words_at("flags", args[4])),
-                        words_at("flags", args[5]))
-    low_table = words_at("words", args[2])
-    high_table = words_at("words", builder.add(args[2], ir.Constant(args[2].type, HALF)))
-    return [builder.call(vperm, [low_table, builder.or_(nibble, flags), high_table])
-            for nibble in (builder.and_(words, ir.Constant(_V16x32, [15] * HALF)),
-                           builder.lshr(words, ir.Constant(_V16x32, [4] * HALF)))]
+def _decode_flags(builder, word):
+    """<32 x i16>: for each word of hifloat4_words_decode, 16 if its e2 flag is set plus 32 if its e3 flag is,
+    from the integer scale word ``word`` (vptestmw on its broadcast halves)."""
+    i16, zero = ir.IntType(16), ir.Constant(_V16x32, [0] * HALF)
+    flags = zero
+    for flag, shift, value in (("e2", 0, 16), ("e3", 16, 32)):
+        half = builder.trunc(builder.lshr(word, ir.Constant(word.type, shift)), i16)
+        bits = ir.Constant(_V16x32, [1 << (_flag_bit(flag, byte) - shift) for byte in _DECODE_BYTES])
+        is_set = builder.icmp_unsigned("!=", builder.and_(simd._splat(builder, half, _V16x32), bits), zero)
+        flags = builder.select(is_set, builder.or_(flags, ir.Constant(_V16x32, [value] * HALF)), flags)
+    return flags
 
 
 @intrinsic
-def hifloat4_words_decode(typingctx, value, start, row, e2_row, e3_low_row, e3_high_row):
-    """The 64 weights of the HiFloat4 block whose 32 value bytes are at ``value[start]`` (1-D uint8) as two
-    F32V in NIBBLE_ORDER, from _HIFLOAT4_WORDS[row:] (row = 64 * E6M2 byte) and the flag words
-    _FLAG_WORDS[e2_row:], [e3_low_row:], [e3_high_row:] (both tables built into the code, 64-byte aligned).
-    AVX512-BW (vpermi2w)."""
+def hifloat4_words_decode(typingctx, value, start, word):
+    """The 64 weights of the HiFloat4 block whose 32 value bytes are at ``value[start]`` (1-D uint8) and whose
+    scale word is ``word`` (an int32 / uint32: [E6M2, e2, e3, e3] bytes, little-endian) as two F32V in
+    NIBBLE_ORDER, from _HIFLOAT4_WORDS (built into the code, 64-byte aligned). AVX512-BW (vpermi2w)."""
     v16f = ir.VectorType(ir.FloatType(), 16)
 
     def codegen(context, builder, sig, args):
+        vperm = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(_V16x32, [_V16x32] * 3), "llvm.x86.avx512.vpermi2var.hi.512")
+        v8x32, i16 = ir.VectorType(ir.IntType(8), HALF), ir.IntType(16)
+        raw = builder.load(simd._element_ptr(context, builder, sig.args[0], args[0], args[1], v8x32), align=1)
+        words = builder.zext(builder.shuffle_vector(raw, raw, _mask(_DECODE_BYTES)), _V16x32)
+        flags = _decode_flags(builder, args[2])
+        table = builder.bitcast(simd.aligned_constant(builder, "lowbit.hifloat4.words", _HIFLOAT4_WORDS),
+                                i16.as_pointer())
+        row = builder.mul(builder.zext(builder.trunc(args[2], ir.IntType(8)), ir.IntType(64)),
+                          ir.Constant(ir.IntType(64), LANES))
+
+        def words_at(index):  # 32 words at an element index that is a multiple of 32: 64-byte aligned
+            return builder.load(builder.bitcast(builder.gep(table, [index]), _V16x32.as_pointer()), align=64)
+
+        low_table, high_table = words_at(row), words_at(builder.add(row, ir.Constant(row.type, HALF)))
         registers = []
-        for looked_up in _hifloat4_lookups(context, builder, sig, args):
-            looked_up = builder.bitcast(looked_up, _V32x16)
+        for nibble in (builder.and_(words, ir.Constant(_V16x32, [15] * HALF)),
+                       builder.lshr(words, ir.Constant(_V16x32, [4] * HALF))):
+            looked_up = builder.bitcast(builder.call(vperm, [low_table, builder.or_(nibble, flags), high_table]),
+                                        _V32x16)
             even = builder.bitcast(builder.shl(looked_up, ir.Constant(_V32x16, [16] * 16)), v16f)
             odd = builder.bitcast(builder.and_(looked_up, ir.Constant(_V32x16, [-65536] * 16)), v16f)
             registers.append(builder.shuffle_vector(even, odd, _mask(range(HALF))))
         return context.make_tuple(builder, sig.return_type, registers)
 
-    return types.UniTuple(simd.F32V, 2)(value, start, row, e2_row, e3_low_row, e3_high_row), codegen
-
-
-@intrinsic
-def hifloat4_words(typingctx, value, start, row, e2_row, e3_low_row, e3_high_row):
-    """The same block's weights as BF16 bits, not widened: two I16V (low nibbles, high nibbles), word 2j
-    the nibble of value byte j, word 2j + 1 that of byte j + 16 (HIFLOAT4_PAIR_ORDER)."""
-
-    def codegen(context, builder, sig, args):
-        return context.make_tuple(builder, sig.return_type, _hifloat4_lookups(context, builder, sig, args))
-
-    return types.UniTuple(simd.I16V, 2)(value, start, row, e2_row, e3_low_row, e3_high_row), codegen
+    return types.UniTuple(simd.F32V, 2)(value, start, word), codegen
 
 
 # ---- BF16 pairs: two steps per vdpbf16ps (AVX512-BF16 CPUs, rows of x that are BF16 values) ---------------
@@ -482,11 +469,6 @@ def _pair_order(element_of_word) -> list[int]:
     the next one)."""
     low = [element_of_word(word) for word in _PAIR_WORDS]
     return low + [element + 1 for element in low]
-
-
-# HiFloat4 look-ups (hifloat4_words): word 2j is byte j (element 2j), word 2j + 1 byte j + 16 (element 2j + 32)
-HIFLOAT4_PAIR_ORDER = _pair_order(lambda word: 2 * (word // 2) + 32 * (word % 2))
-_row_sum_hifloat4_pairs = _make_fold(HIFLOAT4_PAIR_ORDER)
 
 
 # MXFP4 look-ups (mxfp4_words): word j is code byte j's nibble (element 2j of the step)
@@ -540,6 +522,80 @@ def bf16_pairs(typingctx, first, second):
     return simd.I32V(first, second), codegen
 
 
+# HiFloat4 pairs (hifloat4_pairs) are looked up in place, with no unpack: row b of _HIFLOAT4_MAGNITUDES holds
+# 32 words, at index magnitude | e2 << 3 | e3 << 4 the BF16 bits of the weight of that magnitude (nibble & 7)
+# and flags for E6M2 byte b, without its sign. So the rows of the pair's two blocks fill the 64 words of one
+# vpermi2w (index bit 5: the second block), and the nibble's sign (bit 3) is put into bit 15 of the word
+# looked up. Word 2i + 1 of the first register holds the first block's value byte i, word 2i the second
+# block's byte i (the second register: bytes i + 16), so dword lane i pairs element e of both blocks, the
+# first block's added first.
+_HIFLOAT4_MAGNITUDES = _hifloat4_word_tables(8)
+HIFLOAT4_PAIR_ORDER = NIBBLE_ORDER  # the low nibbles' register: lane L is element 2L; the high nibbles': 2L + 1
+_row_sum_hifloat4_pairs = _make_fold(HIFLOAT4_PAIR_ORDER)
+
+
+def _pair_flag_bits(byte_half: int) -> list[int]:
+    """vpshufbitqmb's 64 bit indices into the 64-bit word [first block's scale word, second's] for the words
+    of byte half ``byte_half`` (value bytes 16 * byte_half + i): index w (< 32) the bit of word w's e2 flag,
+    index 32 + w the bit of its e3 flag."""
+    def bits(flag):  # even words: the second block's byte
+        return [_flag_bit(flag, w // 2 + 16 * byte_half) + (32 if w % 2 == 0 else 0) for w in range(HALF)]
+
+    return bits("e2") + bits("e3")
+
+
+@intrinsic
+def hifloat4_pairs(typingctx, value, start, words, block):
+    """The BF16 pairs of the HiFloat4 blocks ``block`` and ``block + 1`` (flat): scale words at ``words[block]``
+    (1-D int32), 64 value bytes at ``value[start]`` (1-D uint8). Two I32V (low nibbles, high nibbles;
+    HIFLOAT4_PAIR_ORDER), each dword the first block's weight (high word) and the second's (low word) of
+    one element. AVX512-BITALG (vpshufbitqmb; with VBMI and VBMI2 one vpermb and one vpshldw per 32 words).
+    The NaN E6M2 byte gives NaN weights (with the sign bit of their nibble)."""
+
+    def codegen(context, builder, sig, args):
+        vperm = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(_V16x32, [_V16x32] * 3), "llvm.x86.avx512.vpermi2var.hi.512")
+        rotate = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16x32, [_V16x32] * 3),
+                                                "llvm.fshl.v32i16")
+        v1x64, v8x64 = ir.VectorType(ir.IntType(1), LANES), ir.VectorType(ir.IntType(8), LANES)
+        bit_shuffle = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v1x64, [v8x64, v8x64]),
+                                                     "llvm.x86.avx512.vpshufbitqmb.512")
+        i16, i64 = ir.IntType(16), ir.IntType(64)
+        raw = builder.load(simd._element_ptr(context, builder, sig.args[0], args[0], args[1], v8x64), align=1)
+        both = builder.load(simd._element_ptr(context, builder, sig.args[2], args[2], args[3], i64), align=4)
+        scale_words = builder.bitcast(simd._splat(builder, both, ir.VectorType(i64, 8)), v8x64)
+        table = builder.bitcast(simd.aligned_constant(builder, "lowbit.hifloat4.magnitudes", _HIFLOAT4_MAGNITUDES),
+                                i16.as_pointer())
+
+        def row(shift):  # the 32 words of the E6M2 byte at bit ``shift``: 64 bytes at a multiple of 64
+            byte = builder.and_(builder.lshr(both, ir.Constant(i64, shift)), ir.Constant(i64, 0xFF))
+            at = builder.mul(byte, ir.Constant(i64, HALF))
+            return builder.load(builder.bitcast(builder.gep(table, [at]), _V16x32.as_pointer()), align=64)
+
+        tables = row(0), row(32)
+        registers = [[], []]
+        for byte_half in (0, 1):
+            source = [w // 2 + 16 * byte_half + (HALF if w % 2 == 0 else 0) for w in range(HALF)]
+            words = builder.bitcast(builder.shuffle_vector(raw, raw, _mask([i for b in source for i in (b, b)])),
+                                    _V16x32)  # the value byte in both halves of the word
+            flags = builder.call(bit_shuffle, [scale_words, ir.Constant(v8x64, _pair_flag_bits(byte_half))])
+            e2, e3 = (builder.shuffle_vector(flags, flags, _mask(range(at, at + HALF))) for at in (0, HALF))
+            block_bit = [0 if w % 2 else HALF for w in range(HALF)]  # index bit 5: the second block's row
+            index_bits = builder.select(e2, ir.Constant(_V16x32, [b + 8 for b in block_bit]),
+                                        ir.Constant(_V16x32, block_bit))
+            index_bits = builder.select(e3, builder.add(index_bits, ir.Constant(_V16x32, [16] * HALF)), index_bits)
+            # rotated by 4: bits 0-2 the high nibble's magnitude, bit 15 the low nibble's sign (one vpshldw)
+            rotated = builder.call(rotate, [words, words, ir.Constant(_V16x32, [4] * HALF)])
+            for register, (magnitude_bits, sign_bit) in zip(registers, ((words, rotated), (rotated, words))):
+                index = builder.or_(builder.and_(magnitude_bits, ir.Constant(_V16x32, [7] * HALF)), index_bits)
+                magnitude = builder.call(vperm, [tables[0], index, tables[1]])
+                register.append(builder.or_(magnitude, builder.and_(sign_bit, ir.Constant(_V16x32, [-32768] * HALF))))
+        pairs = [builder.bitcast(builder.shuffle_vector(a, b, _mask(range(LANES))), simd._VI32) for a, b in registers]
+        return context.make_tuple(builder, sig.return_type, pairs)
+
+    return types.UniTuple(simd.I32V, 2)(value, start, words, block), codegen
+
+
 # ---- one step: the 64 weights k0 .. k0 + 63 of a row, as two F32V in the format's register order ----------
 
 
@@ -569,18 +625,9 @@ def _hifloat4_step_flags(words, value, block):
 
 
 @numba.njit(**_INLINE)
-def _hifloat4_table_rows(words, block):
-    """Where block ``block``'s tables start (hifloat4_words_decode's row, e2_row, e3_low_row, e3_high_row)."""
-    word = np.uint32(words[np.uint64(block)])
-    return (64 * np.int64(word & 0xFF), HALF * np.int64((word >> 8) & 0xFF),
-            HALF * np.int64(256 + ((word >> 16) & 0xFF)), HALF * np.int64(512 + (word >> 24)))
-
-
-@numba.njit(**_INLINE)
 def _hifloat4_step_words(words, value, block):
     """The same from the 64-word tables (AVX512-BW): no float work besides the look-up."""
-    row, e2_row, e3_low_row, e3_high_row = _hifloat4_table_rows(words, block)
-    return hifloat4_words_decode(value, 32 * block, row, e2_row, e3_low_row, e3_high_row)
+    return hifloat4_words_decode(value, 32 * block, np.uint32(words[np.uint64(block)]))
 
 
 _hifloat4_step = _hifloat4_step_words if simd.HAS_AVX512BW else _hifloat4_step_flags
@@ -773,6 +820,20 @@ def _prefetch_ahead(flat, at, ahead):
 def _x_step(x_flat, x0, t):
     """Step t of a row of x in register order (float32 at x_flat[x0:]): its two F32V."""
     return simd.f32v_load(x_flat, x0 + LANES * t), simd.f32v_load(x_flat, x0 + LANES * t + HALF)
+
+
+@numba.njit(**_INLINE)
+def _two_row_sums(step, accumulate, fold, load_x, x_flat, x0, steps, operands, first, second):
+    """:func:`_block_sums` of two rows of W (weights at ``first`` and ``second``): a pair step's look-ups
+    take more registers than a block of four rows leaves (LLVM would spill accumulators every step)."""
+    a0, a1, b0, b1 = simd.f32v_zero(), simd.f32v_zero(), simd.f32v_zero(), simd.f32v_zero()
+    for t in range(steps):
+        x_low, x_high = load_x(x_flat, x0, t)
+        w0, w1 = step(operands, first, 0, t)
+        a0, a1 = accumulate(a0, a1, x_low, x_high, w0, w1)
+        w0, w1 = step(operands, second, 1, t)
+        b0, b1 = accumulate(b0, b1, x_low, x_high, w0, w1)
+    return fold(a0, a1), fold(b0, b1)
 
 
 @numba.njit(**_INLINE)
@@ -1083,11 +1144,9 @@ def _hifloat4_pair_step(operands, start, r, t):
     """HiFloat4 pair step t (blocks start + 2t and start + 2t + 1) of a row as two I32V of BF16 pairs (low,
     high nibbles; HIFLOAT4_PAIR_ORDER): operands as _hifloat4_block_step's."""
     words_flat, value_flat, ahead = operands
-    block = start + 2 * t
-    _prefetch_ahead(value_flat, np.uint64(32 * block), ahead)  # a pair step reads one cache line of value bytes
-    low_t, high_t = _hifloat4_step_bits(words_flat, value_flat, block)
-    low_u, high_u = _hifloat4_step_bits(words_flat, value_flat, block + 1)
-    return bf16_pairs(low_t, low_u), bf16_pairs(high_t, high_u)
+    block = np.uint64(start + 2 * t)
+    _prefetch_ahead(value_flat, np.uint64(32) * block, ahead)  # a pair step reads one cache line of value bytes
+    return hifloat4_pairs(value_flat, np.uint64(32) * block, words_flat, block)
 
 
 @numba.njit(**_INLINE)
@@ -1101,13 +1160,6 @@ def _mxfp4_pair_step(operands, start, r, t):
     low_u, high_u = mxfp4_words(codes_flat, 16 * b + np.uint64(32), scales_flat[b + np.uint64(2)],
                                 scales_flat[b + np.uint64(3)])
     return bf16_pairs(low_t, low_u), bf16_pairs(high_t, high_u)
-
-
-@numba.njit(**_INLINE)
-def _hifloat4_step_bits(words, value, block):
-    """Block ``block``'s weights as BF16 bits (hifloat4_words)."""
-    row, e2_row, e3_low_row, e3_high_row = _hifloat4_table_rows(words, block)
-    return hifloat4_words(value, 32 * block, row, e2_row, e3_low_row, e3_high_row)
 
 
 @numba.njit(**_INLINE)
@@ -1199,7 +1251,9 @@ def _hifloat4_row(accumulate, x_flat, x0, words_flat, value_flat, b0, blocks, sc
 def _pair_sums(step, fold, x_flat, x0, steps, operands, starts):
     """The folded sums of a block of rows in BF16 pairs (pair steps ``step``, lanes folded by ``fold``; x_flat:
     _paired_bytes's pairs, the x row at x0)."""
-    return _block_sums(step, _dot_pairs, fold, _x_pair_step, x_flat, x0, steps, operands, starts)
+    a, b = _two_row_sums(step, _dot_pairs, fold, _x_pair_step, x_flat, x0, steps, operands, starts[0], starts[1])
+    c, d = _two_row_sums(step, _dot_pairs, fold, _x_pair_step, x_flat, x0, steps, operands, starts[2], starts[3])
+    return a, b, c, d
 
 
 # Functions of their own, not inlined into the rows kernels: LLVM compiles two small functions much faster
@@ -1221,8 +1275,9 @@ def _no_pair_sums(x_flat, x0, steps, operands, starts):
     return zero, zero, zero, zero
 
 
-# BF16 pairs need AVX512-BF16 (and the HiFloat4 look-ups AVX512-BW): elsewhere they are never compiled
-_hifloat4_pair_sums = _hifloat4_pair_sums_bf16 if simd.HAS_AVX512BF16 else _no_pair_sums
+# BF16 pairs need AVX512-BF16 (and the HiFloat4 look-ups AVX512-BITALG): elsewhere they are never compiled
+_HIFLOAT4_PAIRS = simd.HAS_AVX512BF16 and simd.HAS_AVX512BITALG
+_hifloat4_pair_sums = _hifloat4_pair_sums_bf16 if _HIFLOAT4_PAIRS else _no_pair_sums
 _mxfp4_pair_sums = _mxfp4_pair_sums_bf16 if simd.HAS_AVX512BF16 else _no_pair_sums
 
 
@@ -1904,4 +1959,4 @@ MXFP4_LINEAR = WeightOnlyLinear((_mxfp4_rows, _mxfp4_gemv), (_mxfp4_batched_rows
                                 MXFP4_PAIR_ORDER)
 HIFLOAT4_LINEAR = WeightOnlyLinear((_hifloat4_rows, _hifloat4_gemv), (_hifloat4_batched_rows, _hifloat4_batched),
                                    (_hifloat4_tile_rows, _hifloat4_tile), NIBBLE_SPLIT, _hifloat4_operands,
-                                   _HIFLOAT4_EXPONENTS, HIFLOAT4_PAIR_ORDER)
+                                   _HIFLOAT4_EXPONENTS, HIFLOAT4_PAIR_ORDER if _HIFLOAT4_PAIRS else None)
