@@ -376,7 +376,7 @@ def test_bf16_pairs_not_for_subnormal_weights():
 def test_bf16_pair_orders_pair_each_element_with_itself_one_step_on():
     """_pair_sources: word 2i + 1 of a pair step (added first) is element e of the first step and word 2i
     the same element of the second, for each format's order; every element of both steps is used once."""
-    orders = ((cpu.MXFP4_LINEAR, cpu.MXFP4_PAIR_ORDER), (cpu.HIFLOAT4_LINEAR, cpu.HIFLOAT4_PAIR_ORDER))
+    orders = ((cpu.MXFP4_LINEAR, cpu.PAIR_ORDER), (cpu.HIFLOAT4_LINEAR, cpu.PAIR_ORDER))
     for kernel, pair_order in orders:
         assert sorted(pair_order) == list(range(cpu.LANES))
         sources = cpu._pair_sources(cpu._order(*kernel.split), pair_order)

@@ -456,82 +456,82 @@ def hifloat4_words_decode(typingctx, value, start, word):
 # (the order Intel documents; AMD Zen 4 gives the same bits on 32 million random lanes), with subnormal inputs
 # and results flushed to zero. A lane of the reference adds element e of step t, then element e of step t + 1:
 # so a dword lane pairs step t's weight (odd word) with step t + 1's (even word) and x likewise, and one
-# instruction does the reference's two additions (docs/weight_only.md, 'Summation order'). The pairs are
-# made by unpacking the look-ups of the two steps (vpunpck{l,h}wd: 128-bit lane q gives dword lanes 4q .. 4q + 3
-# of words 8q .. 8q + 3, then of 8q + 4 .. 8q + 7): dword lane i of a pair register holds word _PAIR_WORDS[i]
-# of its look-up. Exact where nothing is flushed: see _paired_bytes.
-_PAIR_WORDS = [8 * (i // 4) + i % 4 for i in range(16)] + [8 * (i // 4) + 4 + i % 4 for i in range(16)]
+# instruction does the reference's two additions (docs/weight_only.md, 'Summation order'). Exact where
+# nothing is flushed: see _paired_bytes.
+#
+# The pairs are looked up in place: one vpermb puts byte i of step t's 32 bytes (codes, value bytes) in word
+# 2i + 1 and byte i of step t + 1's in word 2i (bytes i + 16 in a second register), each byte in both halves
+# of its word; one vpermi2w per nibble then looks up the 32 weights of a register in a 64-word table whose
+# first 32 words belong to step t and the last 32 to step t + 1 (index bit 5 set in the even words). So the
+# low nibbles' two registers hold elements 0, 2, .., 62 in lane order and the high nibbles' 1, 3, .., 63:
+# lane L of a pair step's first I32V is element 2L, of its second 2L + 1.
+PAIR_ORDER = NIBBLE_ORDER
+_row_sum_pairs = _make_fold(PAIR_ORDER)
+_SECOND_STEP = [0 if w % 2 else HALF for w in range(HALF)]  # index bit 5 of each word: the second step's table
 
 
-def _pair_order(element_of_word) -> list[int]:
-    """The step element of each of the 64 float32 lanes of a pair step's two registers (look-ups of the low,
-    then the high nibbles), given the element of each word of a low-nibble look-up (the high nibble's is
-    the next one)."""
-    low = [element_of_word(word) for word in _PAIR_WORDS]
-    return low + [element + 1 for element in low]
+def _pair_words(builder, raw, byte_half):
+    """<32 x i16>: word 2i + 1 byte 16 byte_half + i of the first 32 bytes of ``raw`` (<64 x i8>), word 2i that
+    of the last 32, each in both halves of its word (one vpermb)."""
+    source = [w // 2 + 16 * byte_half + (HALF if w % 2 == 0 else 0) for w in range(HALF)]
+    return builder.bitcast(builder.shuffle_vector(raw, raw, _mask([i for b in source for i in (b, b)])), _V16x32)
 
 
-# MXFP4 look-ups (mxfp4_words): word j is code byte j's nibble (element 2j of the step)
-MXFP4_PAIR_ORDER = _pair_order(lambda word: 2 * word)
-_row_sum_mxfp4_pairs = _make_fold(MXFP4_PAIR_ORDER)
+def _pair_registers(builder, registers):
+    """The two I32V of a pair step from its four look-ups (registers[nibble][byte_half], <32 x i16> each)."""
+    return [builder.bitcast(builder.shuffle_vector(a, b, _mask(range(LANES))), simd._VI32) for a, b in registers]
+
+
+def _vpermi2w(builder):
+    return cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(_V16x32, [_V16x32] * 3), "llvm.x86.avx512.vpermi2var.hi.512")
+
+
 # The BF16 bits of _MXFP4_TABLES, (256 * 16,) int16: exact for every scale byte whose weights are normal
 # float32 values (two significant bits), the only bytes _paired_bytes lets through (NaN for byte 0xFF).
 _MXFP4_WORDS = (_MXFP4_TABLES.view(np.uint32) >> 16).astype(np.uint16).view(np.int16)
 
 
 @intrinsic
-def mxfp4_words(typingctx, codes, start, scale_a, scale_b):
-    """The 64 weights of the MXFP4 step whose 32 code bytes are at ``codes[start]`` (1-D uint8; bytes 0-15:
-    the block of E8M0 byte ``scale_a``, 16-31: of ``scale_b``) as BF16 bits: two I16V (low nibbles, high
-    nibbles), word j from code byte j; one vpermw each on a 32-word table of both blocks' 16 weights from
-    _MXFP4_WORDS (built into the code, 64-byte aligned). AVX512-BW."""
+def mxfp4_pairs(typingctx, codes, start, scales, block):
+    """The BF16 pairs of the MXFP4 pair step of blocks ``block`` .. ``block + 3`` (flat; E8M0 bytes at
+    ``scales[block]``, 1-D uint8): 64 code bytes at ``codes[start]`` (1-D uint8), the first step's two
+    blocks, then the second's. Two I32V (low nibbles, high nibbles; PAIR_ORDER); the table: the four blocks'
+    16 weights from _MXFP4_WORDS (built into the code, 64-byte aligned). AVX512-BW (VBMI: one vpermb)."""
 
     def codegen(context, builder, sig, args):
-        permw = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(_V16x32, [_V16x32, _V16x32]), "llvm.x86.avx512.permvar.hi.512")
-        v8x32, v16x16 = ir.VectorType(ir.IntType(8), HALF), ir.VectorType(ir.IntType(16), 16)
-        raw = builder.load(simd._element_ptr(context, builder, sig.args[0], args[0], args[1], v8x32), align=1)
-        words = builder.zext(raw, _V16x32)
+        vperm = _vpermi2w(builder)
+        v8x64, v16x16 = ir.VectorType(ir.IntType(8), LANES), ir.VectorType(ir.IntType(16), 16)
+        raw = builder.load(simd._element_ptr(context, builder, sig.args[0], args[0], args[1], v8x64), align=1)
         table = builder.bitcast(simd.aligned_constant(builder, "lowbit.mxfp4.words", _MXFP4_WORDS),
                                 ir.IntType(16).as_pointer())
+        i64 = ir.IntType(64)
 
-        def block_row(byte):  # 16 words: 32 bytes at a multiple of 32
-            at = builder.mul(builder.zext(byte, ir.IntType(64)), ir.Constant(ir.IntType(64), 16))
+        def block_row(i):  # block + i's 16 words: 32 bytes at a multiple of 32
+            at = builder.add(args[3], ir.Constant(args[3].type, i))
+            byte = builder.load(simd._element_ptr(context, builder, sig.args[2], args[2], at, ir.IntType(8)))
+            at = builder.mul(builder.zext(byte, i64), ir.Constant(i64, 16))
             return builder.load(builder.bitcast(builder.gep(table, [at]), v16x16.as_pointer()), align=32)
 
-        both = builder.shuffle_vector(block_row(args[2]), block_row(args[3]), _mask(range(HALF)))
-        block = ir.Constant(_V16x32, [0] * 16 + [16] * 16)  # bytes 16-31 index the second block's words
-        nibbles = (builder.and_(words, ir.Constant(_V16x32, [15] * HALF)),
-                   builder.lshr(words, ir.Constant(_V16x32, [4] * HALF)))
-        looked_up = [builder.call(permw, [both, builder.or_(nibble, block)]) for nibble in nibbles]
-        return context.make_tuple(builder, sig.return_type, looked_up)
+        tables = [builder.shuffle_vector(block_row(i), block_row(i + 1), _mask(range(HALF))) for i in (0, 2)]
+        registers = [[], []]
+        for byte_half in (0, 1):
+            words = _pair_words(builder, raw, byte_half)
+            block_bits = ir.Constant(_V16x32, [b + 16 * byte_half for b in _SECOND_STEP])  # bit 4: bytes 16-31
+            high = builder.lshr(words, ir.Constant(_V16x32, [4] * HALF))
+            for register, nibble in zip(registers, (words, high)):
+                index = builder.or_(builder.and_(nibble, ir.Constant(_V16x32, [15] * HALF)), block_bits)
+                register.append(builder.call(vperm, [tables[0], index, tables[1]]))
+        return context.make_tuple(builder, sig.return_type, _pair_registers(builder, registers))
 
-    return types.UniTuple(simd.I16V, 2)(codes, start, scale_a, scale_b), codegen
-
-
-@intrinsic
-def bf16_pairs(typingctx, first, second):
-    """I32V of the BF16 words of two look-ups of 32 words (I16V): dword lane i holds word _PAIR_WORDS[i] of
-    ``second`` (low half) and of ``first`` (high half: vdpbf16ps adds its product first)."""
-
-    def codegen(context, builder, sig, args):
-        order = [i for word in _PAIR_WORDS for i in (HALF + word, word)]
-        words = builder.shuffle_vector(args[0], args[1], _mask(order))
-        return builder.bitcast(words, simd._VI32)
-
-    return simd.I32V(first, second), codegen
+    return types.UniTuple(simd.I32V, 2)(codes, start, scales, block), codegen
 
 
-# HiFloat4 pairs (hifloat4_pairs) are looked up in place, with no unpack: row b of _HIFLOAT4_MAGNITUDES holds
-# 32 words, at index magnitude | e2 << 3 | e3 << 4 the BF16 bits of the weight of that magnitude (nibble & 7)
-# and flags for E6M2 byte b, without its sign. So the rows of the pair's two blocks fill the 64 words of one
-# vpermi2w (index bit 5: the second block), and the nibble's sign (bit 3) is put into bit 15 of the word
-# looked up. Word 2i + 1 of the first register holds the first block's value byte i, word 2i the second
-# block's byte i (the second register: bytes i + 16), so dword lane i pairs element e of both blocks, the
-# first block's added first.
+# HiFloat4 (hifloat4_pairs): row b of _HIFLOAT4_MAGNITUDES holds 32 words, at index magnitude | e2 << 3 |
+# e3 << 4 the BF16 bits of the weight of that magnitude (nibble & 7) and flags for E6M2 byte b, without its
+# sign, so the rows of the pair's two blocks fill the 64 words of one vpermi2w; the nibble's sign (bit 3) is
+# put into bit 15 of the word looked up.
 _HIFLOAT4_MAGNITUDES = _hifloat4_word_tables(8)
-HIFLOAT4_PAIR_ORDER = NIBBLE_ORDER  # the low nibbles' register: lane L is element 2L; the high nibbles': 2L + 1
-_row_sum_hifloat4_pairs = _make_fold(HIFLOAT4_PAIR_ORDER)
 
 
 def _pair_flag_bits(byte_half: int) -> list[int]:
@@ -548,13 +548,12 @@ def _pair_flag_bits(byte_half: int) -> list[int]:
 def hifloat4_pairs(typingctx, value, start, words, block):
     """The BF16 pairs of the HiFloat4 blocks ``block`` and ``block + 1`` (flat): scale words at ``words[block]``
     (1-D int32), 64 value bytes at ``value[start]`` (1-D uint8). Two I32V (low nibbles, high nibbles;
-    HIFLOAT4_PAIR_ORDER), each dword the first block's weight (high word) and the second's (low word) of
+    PAIR_ORDER), each dword the first block's weight (high word) and the second's (low word) of
     one element. AVX512-BITALG (vpshufbitqmb; with VBMI and VBMI2 one vpermb and one vpshldw per 32 words).
     The NaN E6M2 byte gives NaN weights (with the sign bit of their nibble)."""
 
     def codegen(context, builder, sig, args):
-        vperm = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(_V16x32, [_V16x32] * 3), "llvm.x86.avx512.vpermi2var.hi.512")
+        vperm = _vpermi2w(builder)
         rotate = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16x32, [_V16x32] * 3),
                                                 "llvm.fshl.v32i16")
         v1x64, v8x64 = ir.VectorType(ir.IntType(1), LANES), ir.VectorType(ir.IntType(8), LANES)
@@ -575,14 +574,11 @@ def hifloat4_pairs(typingctx, value, start, words, block):
         tables = row(0), row(32)
         registers = [[], []]
         for byte_half in (0, 1):
-            source = [w // 2 + 16 * byte_half + (HALF if w % 2 == 0 else 0) for w in range(HALF)]
-            words = builder.bitcast(builder.shuffle_vector(raw, raw, _mask([i for b in source for i in (b, b)])),
-                                    _V16x32)  # the value byte in both halves of the word
+            words = _pair_words(builder, raw, byte_half)
             flags = builder.call(bit_shuffle, [scale_words, ir.Constant(v8x64, _pair_flag_bits(byte_half))])
             e2, e3 = (builder.shuffle_vector(flags, flags, _mask(range(at, at + HALF))) for at in (0, HALF))
-            block_bit = [0 if w % 2 else HALF for w in range(HALF)]  # index bit 5: the second block's row
-            index_bits = builder.select(e2, ir.Constant(_V16x32, [b + 8 for b in block_bit]),
-                                        ir.Constant(_V16x32, block_bit))
+            index_bits = builder.select(e2, ir.Constant(_V16x32, [b + 8 for b in _SECOND_STEP]),
+                                        ir.Constant(_V16x32, _SECOND_STEP))
             index_bits = builder.select(e3, builder.add(index_bits, ir.Constant(_V16x32, [16] * HALF)), index_bits)
             # rotated by 4: bits 0-2 the high nibble's magnitude, bit 15 the low nibble's sign (one vpshldw)
             rotated = builder.call(rotate, [words, words, ir.Constant(_V16x32, [4] * HALF)])
@@ -590,8 +586,7 @@ def hifloat4_pairs(typingctx, value, start, words, block):
                 index = builder.or_(builder.and_(magnitude_bits, ir.Constant(_V16x32, [7] * HALF)), index_bits)
                 magnitude = builder.call(vperm, [tables[0], index, tables[1]])
                 register.append(builder.or_(magnitude, builder.and_(sign_bit, ir.Constant(_V16x32, [-32768] * HALF))))
-        pairs = [builder.bitcast(builder.shuffle_vector(a, b, _mask(range(LANES))), simd._VI32) for a, b in registers]
-        return context.make_tuple(builder, sig.return_type, pairs)
+        return context.make_tuple(builder, sig.return_type, _pair_registers(builder, registers))
 
     return types.UniTuple(simd.I32V, 2)(value, start, words, block), codegen
 
@@ -820,20 +815,6 @@ def _prefetch_ahead(flat, at, ahead):
 def _x_step(x_flat, x0, t):
     """Step t of a row of x in register order (float32 at x_flat[x0:]): its two F32V."""
     return simd.f32v_load(x_flat, x0 + LANES * t), simd.f32v_load(x_flat, x0 + LANES * t + HALF)
-
-
-@numba.njit(**_INLINE)
-def _two_row_sums(step, accumulate, fold, load_x, x_flat, x0, steps, operands, first, second):
-    """:func:`_block_sums` of two rows of W (weights at ``first`` and ``second``): a pair step's look-ups
-    take more registers than a block of four rows leaves (LLVM would spill accumulators every step)."""
-    a0, a1, b0, b1 = simd.f32v_zero(), simd.f32v_zero(), simd.f32v_zero(), simd.f32v_zero()
-    for t in range(steps):
-        x_low, x_high = load_x(x_flat, x0, t)
-        w0, w1 = step(operands, first, 0, t)
-        a0, a1 = accumulate(a0, a1, x_low, x_high, w0, w1)
-        w0, w1 = step(operands, second, 1, t)
-        b0, b1 = accumulate(b0, b1, x_low, x_high, w0, w1)
-    return fold(a0, a1), fold(b0, b1)
 
 
 @numba.njit(**_INLINE)
@@ -1142,7 +1123,7 @@ def _hifloat4_block_step(operands, start, r, t):
 @numba.njit(**_INLINE)
 def _hifloat4_pair_step(operands, start, r, t):
     """HiFloat4 pair step t (blocks start + 2t and start + 2t + 1) of a row as two I32V of BF16 pairs (low,
-    high nibbles; HIFLOAT4_PAIR_ORDER): operands as _hifloat4_block_step's."""
+    high nibbles; PAIR_ORDER): operands as _hifloat4_block_step's."""
     words_flat, value_flat, ahead = operands
     block = np.uint64(start + 2 * t)
     _prefetch_ahead(value_flat, np.uint64(32) * block, ahead)  # a pair step reads one cache line of value bytes
@@ -1151,15 +1132,12 @@ def _hifloat4_pair_step(operands, start, r, t):
 
 @numba.njit(**_INLINE)
 def _mxfp4_pair_step(operands, start, r, t):
-    """MXFP4 pair step t (blocks start + 4t .. start + 4t + 3) of a row as two I32V of BF16 pairs (low, high
-    nibbles; MXFP4_PAIR_ORDER): operands as _mxfp4_block_step's."""
+    """MXFP4 pair step t (blocks start + 4t .. start + 4t + 3) of a row as two I32V of BF16 pairs (PAIR_ORDER):
+    operands as _mxfp4_block_step's."""
     scales_flat, codes_flat, ahead = operands
     b = np.uint64(start + 4 * t)  # unsigned: no negative-index wraparound code
     _prefetch_ahead(codes_flat, np.uint64(16) * b, ahead)  # a pair step reads one cache line of codes
-    low_t, high_t = mxfp4_words(codes_flat, 16 * b, scales_flat[b], scales_flat[b + np.uint64(1)])
-    low_u, high_u = mxfp4_words(codes_flat, 16 * b + np.uint64(32), scales_flat[b + np.uint64(2)],
-                                scales_flat[b + np.uint64(3)])
-    return bf16_pairs(low_t, low_u), bf16_pairs(high_t, high_u)
+    return mxfp4_pairs(codes_flat, np.uint64(16) * b, scales_flat, b)
 
 
 @numba.njit(**_INLINE)
@@ -1248,11 +1226,25 @@ def _hifloat4_row(accumulate, x_flat, x0, words_flat, value_flat, b0, blocks, sc
 
 
 @numba.njit(**_INLINE)
-def _pair_sums(step, fold, x_flat, x0, steps, operands, starts):
-    """The folded sums of a block of rows in BF16 pairs (pair steps ``step``, lanes folded by ``fold``; x_flat:
-    _paired_bytes's pairs, the x row at x0)."""
-    a, b = _two_row_sums(step, _dot_pairs, fold, _x_pair_step, x_flat, x0, steps, operands, starts[0], starts[1])
-    c, d = _two_row_sums(step, _dot_pairs, fold, _x_pair_step, x_flat, x0, steps, operands, starts[2], starts[3])
+def _pair_rows(step, x_flat, x0, steps, operands, first, second):
+    """The folded sums of two rows of W (weights at ``first`` and ``second``) in BF16 pairs (pair steps
+    ``step``, PAIR_ORDER; x_flat: _paired_bytes's pairs, the x row at x0)."""
+    a0, a1, b0, b1 = simd.f32v_zero(), simd.f32v_zero(), simd.f32v_zero(), simd.f32v_zero()
+    for t in range(steps):
+        x_low, x_high = _x_pair_step(x_flat, x0, t)
+        w0, w1 = step(operands, first, 0, t)
+        a0, a1 = _dot_pairs(a0, a1, x_low, x_high, w0, w1)
+        w0, w1 = step(operands, second, 1, t)
+        b0, b1 = _dot_pairs(b0, b1, x_low, x_high, w0, w1)
+    return _row_sum_pairs(a0, a1), _row_sum_pairs(b0, b1)
+
+
+@numba.njit(**_INLINE)
+def _pair_sums(step, x_flat, x0, steps, operands, starts):
+    """The folded sums of a block of rows in BF16 pairs, two rows at a time: a pair step's look-ups take
+    more registers than a block of four rows leaves (LLVM spilled accumulators every step)."""
+    a, b = _pair_rows(step, x_flat, x0, steps, operands, starts[0], starts[1])
+    c, d = _pair_rows(step, x_flat, x0, steps, operands, starts[2], starts[3])
     return a, b, c, d
 
 
@@ -1260,12 +1252,12 @@ def _pair_sums(step, fold, x_flat, x0, steps, operands, starts):
 # than one large one (a first run's cost, see docs/weight_only.md, 'Kernels').
 @numba.njit(**NJIT_OPTIONS)
 def _hifloat4_pair_sums_bf16(x_flat, x0, steps, operands, starts):
-    return _pair_sums(_hifloat4_pair_step, _row_sum_hifloat4_pairs, x_flat, x0, steps, operands, starts)
+    return _pair_sums(_hifloat4_pair_step, x_flat, x0, steps, operands, starts)
 
 
 @numba.njit(**NJIT_OPTIONS)
 def _mxfp4_pair_sums_bf16(x_flat, x0, steps, operands, starts):
-    return _pair_sums(_mxfp4_pair_step, _row_sum_mxfp4_pairs, x_flat, x0, steps, operands, starts)
+    return _pair_sums(_mxfp4_pair_step, x_flat, x0, steps, operands, starts)
 
 
 @numba.njit(**_INLINE)
@@ -1956,7 +1948,7 @@ MXFP8_LINEAR = WeightOnlyLinear((_mxfp8_rows, _mxfp8_gemv), (_mxfp8_batched_rows
                                 (_mxfp8_tile_rows, _mxfp8_tile), CODE8_SPLIT, _mxfp8_operands)
 MXFP4_LINEAR = WeightOnlyLinear((_mxfp4_rows, _mxfp4_gemv), (_mxfp4_batched_rows, _mxfp4_batched),
                                 (_mxfp4_tile_rows, _mxfp4_tile), NIBBLE_SPLIT, _mxfp4_operands, _MXFP4_EXPONENTS,
-                                MXFP4_PAIR_ORDER)
+                                PAIR_ORDER)
 HIFLOAT4_LINEAR = WeightOnlyLinear((_hifloat4_rows, _hifloat4_gemv), (_hifloat4_batched_rows, _hifloat4_batched),
                                    (_hifloat4_tile_rows, _hifloat4_tile), NIBBLE_SPLIT, _hifloat4_operands,
-                                   _HIFLOAT4_EXPONENTS, HIFLOAT4_PAIR_ORDER if _HIFLOAT4_PAIRS else None)
+                                   _HIFLOAT4_EXPONENTS, PAIR_ORDER if _HIFLOAT4_PAIRS else None)
