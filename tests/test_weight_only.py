@@ -157,6 +157,60 @@ def test_hifloat4_word_tables_decode_every_block_as_the_flag_doublings():
     assert np.array_equal(by_words.view(np.uint32), by_flags.view(np.uint32))
 
 
+@numba.njit
+def _pair_steps(pair_step, scales, codes, steps, out):
+    """Pair steps 0 .. steps - 1 of a flat row through ``pair_step`` (the format's, no prefetch); each step's
+    two I32V stored one after the other."""
+    operands = (scales, codes, np.uint64(0))
+    for t in range(steps):
+        low, high = pair_step(operands, 0, 0, t)
+        simd.i32v_store(out, 64 * t, low)
+        simd.i32v_store(out, 64 * t + 32, high)
+
+
+def _expected_pairs(weights, steps):
+    """The dwords a pair step holds (PAIR_ORDER): weights (2 * steps, 64) float32 BF16 values, the first step's
+    weight in the high word and the second's in the low word."""
+    bits = (torch.from_numpy(np.ascontiguousarray(weights)).view(torch.int32) >> 16) & 0xFFFF
+    first, second = bits.view(steps, 2, 64)[:, 0], bits.view(steps, 2, 64)[:, 1]
+    order = torch.tensor(cpu.PAIR_ORDER)
+    return ((first[:, order] << 16) | second[:, order]).reshape(-1)
+
+
+@pytest.mark.skipif(not cpu._HIFLOAT4_PAIRS, reason="HiFloat4's BF16 pairs need AVX512-BF16 and BITALG")
+def test_hifloat4_pairs_decode_every_block_as_the_flag_doublings():
+    """hifloat4_pairs gives, as BF16 words, the weights of the portable decode (float32 tables, then the e2 / e3
+    doublings), in pair order, for every E6M2 byte but the poisoned 0xFF under every e2 byte and every e3 byte in
+    both halves, with random value bytes (every nibble, so both signs of every magnitude)."""
+    rng = np.random.default_rng(6)
+    flags = np.arange(256, dtype=np.uint32)
+    words = np.concatenate([b | rng.permutation(flags) << 8 | rng.permutation(flags) << 16 | rng.permutation(flags) << 24
+                            for b in range(255)]).astype(np.uint32).view(np.int32)
+    value = rng.integers(0, 256, 32 * words.size, dtype=np.uint8)
+    by_flags = np.empty(64 * words.size, dtype=np.float32)
+    _hifloat4_steps(cpu._hifloat4_step_flags, words, value, by_flags)
+    weights = by_flags.reshape(-1, 64)[:, np.argsort(cpu.NIBBLE_ORDER)]  # element order
+    got = np.empty(32 * words.size, dtype=np.int32)  # 64 dwords per pair step of two blocks
+    _pair_steps(cpu._hifloat4_pair_step, words, value, words.size // 2, got)
+    assert torch.equal(torch.from_numpy(got), _expected_pairs(weights, words.size // 2))
+
+
+@pytest.mark.skipif(not simd.HAS_AVX512BF16, reason="the BF16 pairs need AVX512-BF16")
+def test_mxfp4_pairs_give_every_code_under_every_normal_scale_byte():
+    """mxfp4_pairs gives the reference's MXFP4 weights as BF16 words in pair order, for every code in every
+    block of four consecutive ones, under every E8M0 byte whose weights are normal float32 values (2..254;
+    the pairs never see the others: _paired_bytes)."""
+    rng = np.random.default_rng(7)
+    scales = np.repeat(np.arange(2, 255, dtype=np.uint8), 4)
+    scales = np.concatenate([scales, rng.permutation(scales)])
+    codes = np.stack([rng.permutation(np.arange(256, dtype=np.uint8))[:16] for _ in range(scales.size)]).reshape(-1)
+    weights = reference.mxfp4_weight(torch.from_numpy(codes).view(-1, 16), torch.from_numpy(scales).view(-1, 1))
+    assert torch.equal(weights.bfloat16().float(), weights)  # BF16 values
+    got = np.empty(16 * scales.size, dtype=np.int32)  # 64 dwords per pair step of four blocks
+    _pair_steps(cpu._mxfp4_pair_step, scales, codes, scales.size // 4, got)
+    assert torch.equal(torch.from_numpy(got), _expected_pairs(weights.reshape(-1, 64).numpy(), scales.size // 4))
+
+
 def test_hifloat4_packed_weights_with_poisoned_and_zero_blocks():
     g = gen(4)
     w = torch.randn(6, 192, generator=g) * 100
