@@ -1241,7 +1241,7 @@ def _pair_rows(step, x_flat, x0, steps, operands, first, second):
 
 @numba.njit(**_INLINE)
 def _pair_sums(step, x_flat, x0, steps, operands, starts):
-    """The folded sums of a block of rows in BF16 pairs, two rows at a time: a pair step's look-ups take
+    """The folded sums of a block of rows in BF16 pairs, two rows at a time: HiFloat4's pair look-ups take
     more registers than a block of four rows leaves (LLVM spilled accumulators every step)."""
     a, b = _pair_rows(step, x_flat, x0, steps, operands, starts[0], starts[1])
     c, d = _pair_rows(step, x_flat, x0, steps, operands, starts[2], starts[3])
@@ -1257,7 +1257,8 @@ def _hifloat4_pair_sums_bf16(x_flat, x0, steps, operands, starts):
 
 @numba.njit(**NJIT_OPTIONS)
 def _mxfp4_pair_sums_bf16(x_flat, x0, steps, operands, starts):
-    return _pair_sums(_mxfp4_pair_step, x_flat, x0, steps, operands, starts)
+    # four rows at once: with the weight streamed from memory, four streams measured 6 % faster than two
+    return _block_sums(_mxfp4_pair_step, _dot_pairs, _row_sum_pairs, _x_pair_step, x_flat, x0, steps, operands, starts)
 
 
 @numba.njit(**_INLINE)
