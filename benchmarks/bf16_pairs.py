@@ -56,6 +56,9 @@ def main() -> None:
         n, k = (int(v) for v in shape.split("x"))
         x = torch.randn(args.m, k, generator=gen).bfloat16()
         for name, (kernel, pack, operator) in FORMATS.items():
+            if kernel.pair_sources is None:  # HiFloat4's pairs also need AVX512-BITALG
+                print(f"{n} x {k} {name}: no BF16 pairs on this CPU")
+                continue
             first = pack(torch.randn(n, k, generator=gen))
             nbytes = sum(t.numel() * t.element_size() for t in first)
             weights = [first] + [tuple(t.clone() for t in first) for _ in range(math.ceil(CACHE_BYTES / nbytes) - 1)]
