@@ -139,6 +139,35 @@ def _hifloat4_steps(step, words, value, out):
         simd.f32v_store(out, 64 * block + 32, w1)
 
 
+@numba.njit
+def _levels_both_ways(words, weights, by_masks, by_multipliers):
+    for block in range(words.size):
+        w0, w1 = simd.f32v_load(weights, 64 * block), simd.f32v_load(weights, 64 * block + 32)
+        word = np.uint32(words[block])
+        a0, a1 = cpu._hifloat4_levels(w0, w1, word)
+        b0, b1 = cpu._hifloat4_levels_by_multipliers(w0, w1, word)
+        simd.f32v_store(by_masks, 64 * block, a0)
+        simd.f32v_store(by_masks, 64 * block + 32, a1)
+        simd.f32v_store(by_multipliers, 64 * block, b0)
+        simd.f32v_store(by_multipliers, 64 * block + 32, b1)
+
+
+def test_hifloat4_levels_by_multipliers_equal_the_masked_doublings():
+    """The AVX2 form of HiFloat4's e2 / e3 levels (a multiply by 1, 2 or 4 per lane from _LEVEL_MULTIPLIERS)
+    gives the doublings under lane masks bit for bit, for every e2 byte and every e3 byte in both halves
+    (each paired with random others), on weights with zeros of both signs, NaN, Inf and extreme magnitudes."""
+    rng = np.random.default_rng(8)
+    flags = np.arange(256, dtype=np.uint32)
+    words = np.concatenate([rng.integers(0, 256, 256, dtype=np.uint32) | flags << 8 | rng.permutation(flags) << 16
+                            | rng.permutation(flags) << 24 for _ in range(3)]).astype(np.uint32).view(np.int32)
+    special = np.array([0.0, -0.0, np.nan, np.inf, -np.inf, 2.0**-126, 3.0 * 2.0**125, -1.75], dtype=np.float32)
+    weights = np.where(rng.random(64 * words.size) < 0.2, rng.choice(special, 64 * words.size),
+                       rng.standard_normal(64 * words.size)).astype(np.float32)
+    by_masks, by_multipliers = np.empty_like(weights), np.empty_like(weights)
+    _levels_both_ways(words, weights, by_masks, by_multipliers)
+    assert np.array_equal(by_masks.view(np.uint32), by_multipliers.view(np.uint32))
+
+
 def test_hifloat4_word_tables_decode_every_block_as_the_flag_doublings():
     """The AVX512-BW decode (64-word tables, one look-up per weight) gives the 64 weights of the portable
     one (float32 tables, then the e2 / e3 doublings under lane masks), bit for bit, for every E6M2 byte (the
@@ -800,19 +829,37 @@ def test_mxfp8_rows_at_the_edges_of_the_exact_scale_range(dtype):
             native_equals_reference(OPS["mxfp8"], x[:m], codes[order], scales[order], None)  # last in a block
 
 
+def _every_lookup16_index(lookup, table):
+    """Run ``lookup`` (a lookup16 intrinsic) on 32-lane ``table`` with every index in every lane, high bits
+    set or not, against table[16 * piece + (index & 15)]."""
+    run = simd_binary(lookup, simd.f32v_load, simd.i32v_load, simd.f32v_store)
+    piece = np.arange(32) // 16
+    for shift in range(16):  # each lane takes every index once
+        for high_bits in (0, 0x30, 0xFFFFFF00):  # bits above the low 4 are ignored
+            index = ((np.arange(32) * 7 + shift) % 16 | high_bits).astype(np.uint32).view(np.int32)
+            out = np.empty(32, dtype=np.float32)
+            run(table, index, out)
+            assert np.array_equal(out.view(np.uint32), table[16 * piece + (index & 15)].view(np.uint32))
+
+
 @pytest.mark.parametrize("lowering", ["portable", "avx512"])
-def test_lookup16_every_index_in_both_pieces(lowering):
+def test_lookup16_every_index_in_every_lane(lowering):
     if lowering == "avx512" and not simd.HAS_AVX512F:
         pytest.skip("no AVX-512 on this CPU")
-    lookup = simd.lookup16_avx512 if lowering == "avx512" else simd.lookup16_portable
-    run = simd_binary(lookup, simd.f32v_load, simd.i32v_load, simd.f32v_store)
-    table = np.arange(32, dtype=np.float32) * 0.5 - 3
-    for high_bits in (0, 0x30, 0xFFFFFF00):  # bits above the low 4 are ignored
-        index = ((np.arange(32) * 7) % 16 | high_bits).astype(np.uint32).view(np.int32)
-        out = np.empty(32, dtype=np.float32)
-        run(table, index, out)
-        piece = np.arange(32) // 16
-        assert np.array_equal(out, table[16 * piece + (index & 15)])
+    _every_lookup16_index(simd.lookup16_avx512 if lowering == "avx512" else simd.lookup16_portable,
+                          np.arange(32, dtype=np.float32) * 0.5 - 3)
+
+
+@pytest.mark.parametrize("lowering", ["chosen", "avx2"])
+def test_lookup16_signed_every_index_in_every_lane(lowering):
+    """lookup16_signed (and its AVX2 form) on tables whose entries 8-15 are 0-7 with the sign bit set."""
+    if lowering == "avx2" and not simd.HAS_AVX2:
+        pytest.skip("no AVX2 on this CPU")
+    entries = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 2.0**-130, 6.0e30, 0.0, 7.0, 0.25, 1e-3, 3.0, 5.0, 9.0, 2.0**100],
+                       dtype=np.float32).reshape(2, 8)
+    table = np.concatenate([entries, -entries], axis=1).reshape(-1)  # -0.0 at 8 and 24
+    assert cpu._sign_symmetric(table)
+    _every_lookup16_index(simd.lookup16_signed_avx2 if lowering == "avx2" else simd.lookup16_signed, table)
 
 
 def test_flat_is_a_view_of_every_element_in_order():

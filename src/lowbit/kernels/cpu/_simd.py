@@ -75,6 +75,8 @@ HAS_AVX512BITALG = _host_has("avx512bitalg", "avx512bw", "avx512f")
 # LLVM lowers fptrunc / fpext of half to library calls that numba's JIT leaves unresolved (a call to address
 # 0): f16_bits / f16_to_f32 then do the rounding in integer arithmetic.
 HAS_F16C = _host_has("f16c")
+# vpermps on 8 lanes (AMD Zen 3 and other CPUs without AVX-512): lookup16_signed in registers, not lane by lane.
+HAS_AVX2 = _host_has("avx2")
 
 
 class _VectorType(types.Type):
@@ -516,6 +518,20 @@ def f32v_load_halves(typingctx, arr, first, second):
         return builder.shuffle_vector(low, high, ir.Constant(_VI32, list(range(LANES))))
 
     return F32V(arr, first, second), codegen
+
+
+@intrinsic
+def f32v_load_quarters(typingctx, arr, first, second, third, fourth):
+    """F32V of four runs of LANES / 4 float32 of a 1-D C-contiguous float32 array, at elements ``first``,
+    ``second``, ``third`` and ``fourth``, in that order."""
+
+    def codegen(context, builder, sig, args):
+        quarter = ir.VectorType(ir.FloatType(), LANES // 4)
+        pieces = [builder.load(_element_ptr(context, builder, sig.args[0], args[0], index, quarter), align=4)
+                  for index in args[1:]]
+        return _concatenated(builder, pieces)
+
+    return F32V(arr, first, second, third, fourth), codegen
 
 
 @intrinsic
@@ -1022,6 +1038,23 @@ def _lookup16_avx512(builder, table, index):
     return _concatenated(builder, pieces)
 
 
+def _lookup16_signed_avx2(builder, table, index):
+    """Per 8 lanes: vpermps in the piece's entries 0-7 (index bits 0-2), then index bit 3 XORed into the sign
+    bit (shifted left by 28 and masked)."""
+    v8f, v8i = ir.VectorType(ir.FloatType(), 8), ir.VectorType(_I32, 8)
+    permute = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(v8f, [v8f, v8i]), "llvm.x86.avx2.permps")
+    pieces = []
+    for c in range(LANES // 8):
+        first = 16 * (c // 2)  # the 16-lane piece's entries
+        entries = builder.shuffle_vector(table, table, ir.Constant(v8i, list(range(first, first + 8))))
+        lanes = builder.shuffle_vector(index, index, ir.Constant(v8i, list(range(8 * c, 8 * c + 8))))
+        sign = builder.and_(builder.shl(lanes, ir.Constant(v8i, [28] * 8)), ir.Constant(v8i, [-(2**31)] * 8))
+        looked_up = builder.bitcast(builder.call(permute, [entries, lanes]), v8i)
+        pieces.append(builder.bitcast(builder.xor(looked_up, sign), v8f))
+    return _concatenated(builder, pieces)
+
+
 def _lookup16_portable(builder, table, index):
     """The same, one lane at a time (variable extractelement), in plain LLVM IR."""
     result = ir.Constant(_VF32, None)
@@ -1038,6 +1071,11 @@ that piece's 16 entries; the index bits above the low 4 are ignored)."""
 lookup16_portable = _make_binary(_lookup16_portable, F32V, _LOOKUP16_DOC)
 lookup16_avx512 = _make_binary(_lookup16_avx512, F32V, _LOOKUP16_DOC)
 lookup16 = lookup16_avx512 if HAS_AVX512F else lookup16_portable
+lookup16_signed_avx2 = _make_binary(_lookup16_signed_avx2, F32V, """lookup16 for tables whose entries 8-15 are
+entries 0-7 with the sign bit flipped (NaN entries: a NaN either way): entry ``index & 7``, its sign bit XORed
+with index bit 3. One 8-entry vpermps per 8 lanes instead of two and a blend, and half the table registers.""")
+# lookup16 where such tables are all there is (the MXFP4 and HiFloat4 weights: lowbit.kernels.cpu.weight_only)
+lookup16_signed = lookup16_avx512 if HAS_AVX512F else lookup16_signed_avx2 if HAS_AVX2 else lookup16_portable
 
 
 @intrinsic

@@ -81,6 +81,17 @@ _MXFP4_TABLES = (reference.e8m0_scales()[:, None] * mxfp4.e2m1_values(torch.floa
 _HIFLOAT4_TABLES = (reference.e6m2_scales()[:, None] * reference.hifloat4_quarters()).reshape(-1).numpy()
 
 
+def _sign_symmetric(tables: np.ndarray) -> bool:
+    """Whether each 16-entry table's entries 8-15 are its entries 0-7 with the sign bit set, NaN entries
+    aside (what simd.lookup16_signed needs: the code's bit 3 is its sign)."""
+    bits = tables.reshape(-1, 16).view(np.uint32)
+    flipped = bits[:, :8] ^ np.uint32(0x80000000)
+    return bool(np.all((bits[:, 8:] == flipped) | np.isnan(tables.reshape(-1, 16)[:, 8:])))
+
+
+assert _sign_symmetric(_MXFP4_TABLES) and _sign_symmetric(_HIFLOAT4_TABLES)
+
+
 def _exponent_bounds(tables: np.ndarray, multiplier: float) -> np.ndarray:
     """(2, 256) int32: per scale byte b, floor(log2) of the smallest nonzero |weight| of its 16-entry table
     and of the largest finite one times ``multiplier`` (HiFloat4's levels: up to x4); both never decrease
@@ -251,6 +262,25 @@ def _code8_decode_gather(context, builder, codes, table_arg, nan_code):
     return halves
 
 
+def _code8_decode_gather_avx2(context, builder, codes, table_arg, nan_code):
+    """The same with AVX2's vgatherdps (eight 32-bit offsets per instruction; the generic gather of 32
+    lanes takes 64-bit pointers, four lanes per instruction on AVX2)."""
+    table_type, table = table_arg
+    data = builder.bitcast(context.make_array(table_type)(context, builder, table).data, ir.IntType(8).as_pointer())
+    ordered = builder.shuffle_vector(codes, codes, _mask(CODE8_ORDER))
+    v8f, v8i = ir.VectorType(ir.FloatType(), 8), ir.VectorType(_I32, 8)
+    gather = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(v8f, [v8f, data.type, v8i, v8f, ir.IntType(8)]),
+        "llvm.x86.avx2.gather.d.ps.256")
+    every_lane = builder.bitcast(ir.Constant(v8i, [-1] * 8), v8f)
+    pieces = []
+    for p in range(LANES // 8):
+        index = builder.zext(builder.shuffle_vector(ordered, ordered, _mask(range(8 * p, 8 * p + 8))), v8i)
+        pieces.append(builder.call(gather, [ir.Constant(v8f, None), data, index, every_lane,
+                                            ir.Constant(ir.IntType(8), 4)]))
+    return simd._concatenated(builder, pieces[:4]), simd._concatenated(builder, pieces[4:])
+
+
 def _code8_decode_words(context, builder, codes, table_arg, nan_code):
     """The 16-bit patterns (BF16 for an int16 table, FP16 for a uint16 one) of the code's magnitude from the
     row's 128 words (two vpermi2w on index bits 0-5, a blend on bit 6), the code's sign XORed in, NaN for
@@ -283,7 +313,8 @@ def _code8_decode_words(context, builder, codes, table_arg, nan_code):
 
 
 _DECODE_BY_TABLE = {types.uint8: _code8_decode_vbmi, types.int16: _code8_decode_words,
-                    types.uint16: _code8_decode_words, types.float32: _code8_decode_gather}
+                    types.uint16: _code8_decode_words,
+                    types.float32: _code8_decode_gather_avx2 if simd.HAS_AVX2 else _code8_decode_gather}
 
 
 @intrinsic
@@ -355,6 +386,47 @@ _E3_LANES = np.array([sum(((v >> (7 - i // 2)) & 1) << i for i in range(HALF // 
                      dtype=np.uint32)
 
 
+# Without AVX-512 (no mask registers) a lane mask from bits costs several instructions per 8 lanes; there
+# the doublings are one multiply by 1, 2 or 4 per 8 lanes instead. Lanes 8c .. 8c + 7 of either register
+# (quarter c) hold the elements of 8-groups 2c, 2c + 1 and 4-groups 4c .. 4c + 3, whose flags are the 2 bits
+# of the scale word at _E2_SHIFTS[c] and the 4 bits at _E3_SHIFTS[c] (first group in the higher bit): row
+# ``e2 << 4 | e3`` of quarter c's 64 x 8 table _LEVEL_MULTIPLIERS[c] holds each lane's 2^(e2 + e3).
+_E2_SHIFTS = tuple(14 - 2 * c for c in range(4))
+_E3_SHIFTS = (20, 16, 28, 24)
+
+
+def _level_multipliers() -> np.ndarray:
+    """(4 * 64 * 8,) float32: _LEVEL_MULTIPLIERS, checked against the bit masks of _E2_LANES / _E3_LANES."""
+    table = np.empty((4, 64, 8), dtype=np.float32)
+    for c in range(4):
+        for key in range(64):
+            word = ((key >> 4) << _E2_SHIFTS[c]) | ((key & 15) << _E3_SHIFTS[c])
+            e2 = _E2_LANES[(word >> 8) & 0xFF]
+            e3 = _E3_LANES[(word >> 16) & 0xFF] | (_E3_LANES[(word >> 24) & 0xFF] << 16)
+            for lane in range(8):
+                i = 8 * c + lane
+                table[c, key, lane] = 2.0 ** (((int(e2) >> i) & 1) + ((int(e3) >> i) & 1))
+    return table.reshape(-1)
+
+
+_LEVEL_MULTIPLIERS = _level_multipliers()
+
+
+@numba.njit(**_INLINE)
+def _level_row(word, c):
+    """Element offset in _LEVEL_MULTIPLIERS of quarter c's multipliers for scale word ``word``."""
+    key = ((word >> _E2_SHIFTS[c]) & 3) << 4 | ((word >> _E3_SHIFTS[c]) & 15)
+    return np.int64(8 * (64 * c + key))
+
+
+@numba.njit(**_INLINE)
+def _hifloat4_levels_by_multipliers(w0, w1, word):
+    """_hifloat4_levels by multiplying with 2^(e2 + e3) (exact)."""
+    levels = simd.f32v_load_quarters(_LEVEL_MULTIPLIERS, _level_row(word, 0), _level_row(word, 1),
+                                     _level_row(word, 2), _level_row(word, 3))
+    return simd.f32v_mul(w0, levels), simd.f32v_mul(w1, levels)
+
+
 @numba.njit(**_INLINE)
 def _hifloat4_levels(w0, w1, word):
     """Both registers of a block times 2^(e2 flag + e3 flag) (doubled under the flags' lane masks: exact)."""
@@ -362,6 +434,9 @@ def _hifloat4_levels(w0, w1, word):
     e3 = _E3_LANES[(word >> 16) & 0xFF] | (_E3_LANES[(word >> 24) & 0xFF] << 16)
     return (simd.f32v_double_where(simd.f32v_double_where(w0, e2), e3),
             simd.f32v_double_where(simd.f32v_double_where(w1, e2), e3))
+
+
+_hifloat4_scale_levels = _hifloat4_levels if simd.HAS_AVX512F else _hifloat4_levels_by_multipliers
 
 
 # ---- HiFloat4 with AVX512-BW: every weight of a block from one 64-word table, no multiplier -----------------
@@ -598,7 +673,7 @@ def _nibble_step(tables, packed, start):
     """MXFP4 / HiFloat4: 32 bytes at ``packed[start]`` (flat) through ``tables`` (piece p of the F32V
     serves bytes 16p .. 16p + 15)."""
     pairs = simd.bytes_load(packed, start)
-    return simd.lookup16(tables, pairs), simd.lookup16(tables, simd.i32v_shift_right(pairs, 4))
+    return simd.lookup16_signed(tables, pairs), simd.lookup16_signed(tables, simd.i32v_shift_right(pairs, 4))
 
 
 @numba.njit(**_INLINE)
@@ -615,7 +690,7 @@ def _hifloat4_step_flags(words, value, block):
     word = np.uint32(words[np.uint64(block)])
     table = 16 * np.int64(word & 0xFF)
     w0, w1 = _nibble_step(simd.f32v_load_halves(_HIFLOAT4_TABLES, table, table), value, 32 * block)
-    return _hifloat4_levels(w0, w1, word)
+    return _hifloat4_scale_levels(w0, w1, word)
 
 
 @numba.njit(**_INLINE)
@@ -798,6 +873,10 @@ def _mxfp4_last_block(codes, start, scale, scratch):
 # N = 12288, K = 8192 on one thread: MXFP4 15 -> 19-21 G weights/s, HiFloat8 9 -> 13). Each row keeps its own
 # lanes, so its sum is the one-row sum, bit for bit.
 ROW_BLOCK = 4  # _block_sums, _store_block and the callers' ``starts`` are written out for four rows
+# Whether the GEMVs sum blocks of ROW_BLOCK rows at all: a row's 64 float32 lanes take 4 AVX-512 registers but
+# 8 AVX2 ones, so a block's accumulators alone need 32 AVX2 registers of the 16 there are; the spills made an
+# AVX2 GEMV (AMD Zen 3) 6-9 times slower than summing the rows one by one (docs/weight_only.md, 'Kernels').
+BLOCK_ROWS = simd.HAS_AVX512F
 
 
 @numba.njit(**_INLINE)
@@ -921,7 +1000,7 @@ def _code8_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, kee
     codes_flat, x_flat = simd.flat(codes), simd.flat(x_reg)
     tables = (np.empty_like(table_like), np.empty_like(table_like), np.empty_like(table_like),
               np.empty_like(table_like))
-    if k % LANES == 0:  # blocks of rows (no short last step)
+    if BLOCK_ROWS and k % LANES == 0:  # blocks of rows (no short last step)
         while row + ROW_BLOCK <= end:
             for r in range(ROW_BLOCK):
                 _fill_row_table(magnitudes, scale[row + r], bf16, nan_code, tables[r])
@@ -1033,7 +1112,7 @@ def _mxfp8_rows(x_reg, codes, scales, bf16, table, row, end, y32):
     scratch = np.zeros(LANES, dtype=np.uint8)
     while row < end:
         count = 1
-        if k % LANES == 0 and row + ROW_BLOCK <= end:
+        if BLOCK_ROWS and k % LANES == 0 and row + ROW_BLOCK <= end:
             low, high = _low_byte_range(scales_flat, row * blocks, ROW_BLOCK * blocks)  # four consecutive rows
             if exact_range[0] <= low and high <= exact_range[1]:
                 count = ROW_BLOCK
@@ -1183,7 +1262,7 @@ def _nibble_rows(row_sum, block_step, block_steps, pairs, pair_sums, x_reg, scal
     lows = np.empty(ROW_BLOCK, dtype=np.int64)
     highs = np.empty(ROW_BLOCK, dtype=np.int64)
     while row < end:
-        count = ROW_BLOCK if block_steps > 0 and row + ROW_BLOCK <= end else 1
+        count = ROW_BLOCK if BLOCK_ROWS and block_steps > 0 and row + ROW_BLOCK <= end else 1
         for r in range(count):
             lows[r], highs[r] = _low_byte_range(scales_flat, (row + r) * blocks, blocks)
         starts = (row * blocks, (row + 1) * blocks, (row + 2) * blocks, (row + 3) * blocks)
