@@ -262,25 +262,6 @@ def _code8_decode_gather(context, builder, codes, table_arg, nan_code):
     return halves
 
 
-def _code8_decode_gather_avx2(context, builder, codes, table_arg, nan_code):
-    """The same with AVX2's vgatherdps (eight 32-bit offsets per instruction; the generic gather of 32
-    lanes takes 64-bit pointers, four lanes per instruction on AVX2)."""
-    table_type, table = table_arg
-    data = builder.bitcast(context.make_array(table_type)(context, builder, table).data, ir.IntType(8).as_pointer())
-    ordered = builder.shuffle_vector(codes, codes, _mask(CODE8_ORDER))
-    v8f, v8i = ir.VectorType(ir.FloatType(), 8), ir.VectorType(_I32, 8)
-    gather = cgutils.get_or_insert_function(
-        builder.module, ir.FunctionType(v8f, [v8f, data.type, v8i, v8f, ir.IntType(8)]),
-        "llvm.x86.avx2.gather.d.ps.256")
-    every_lane = builder.bitcast(ir.Constant(v8i, [-1] * 8), v8f)
-    pieces = []
-    for p in range(LANES // 8):
-        index = builder.zext(builder.shuffle_vector(ordered, ordered, _mask(range(8 * p, 8 * p + 8))), v8i)
-        pieces.append(builder.call(gather, [ir.Constant(v8f, None), data, index, every_lane,
-                                            ir.Constant(ir.IntType(8), 4)]))
-    return simd._concatenated(builder, pieces[:4]), simd._concatenated(builder, pieces[4:])
-
-
 def _code8_decode_words(context, builder, codes, table_arg, nan_code):
     """The 16-bit patterns (BF16 for an int16 table, FP16 for a uint16 one) of the code's magnitude from the
     row's 128 words (two vpermi2w on index bits 0-5, a blend on bit 6), the code's sign XORed in, NaN for
@@ -313,8 +294,7 @@ def _code8_decode_words(context, builder, codes, table_arg, nan_code):
 
 
 _DECODE_BY_TABLE = {types.uint8: _code8_decode_vbmi, types.int16: _code8_decode_words,
-                    types.uint16: _code8_decode_words,
-                    types.float32: _code8_decode_gather_avx2 if simd.HAS_AVX2 else _code8_decode_gather}
+                    types.uint16: _code8_decode_words, types.float32: _code8_decode_gather}
 
 
 @intrinsic
