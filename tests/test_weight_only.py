@@ -563,8 +563,11 @@ def _dense(fmt, weight, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bias_dtype", [None, "x", torch.float32])
 @pytest.mark.parametrize("m", [BATCHED, GEMM_M])
-def test_gemm_path_within_the_order_interval(fmt, dtype, bias_dtype, m):
-    """float32 GEMM, (BF16 x, bias None or BF16) torch's BF16 GEMM, and the batched kernel (BF16 x)."""
+@pytest.mark.parametrize("bf16_gemm", [True, False])
+def test_gemm_path_within_the_order_interval(monkeypatch, fmt, dtype, bias_dtype, m, bf16_gemm):
+    """float32 GEMM, (BF16 x, bias None or BF16, where BF16_GEMM) torch's BF16 GEMM, and the batched kernel
+    (BF16 x)."""
+    monkeypatch.setattr(cpu, "BF16_GEMM", bf16_gemm)
     g = gen(5)
     n, k = 40, {"hifloat8": 319, "float8": 319, "mxfp8": 352, "mxfp4": 352, "hifloat4": 320}[fmt]
     weight = WEIGHTS[fmt](n, k, g)
@@ -605,9 +608,10 @@ def test_gemm_path_in_several_tiles(monkeypatch, dtype):
     assert (bits(got[:, 4]) == reference.NAN_BITS[dtype]).all()
 
 
-def test_gemm_path_ignores_what_the_scratch_buffer_held():
+def test_gemm_path_ignores_what_the_scratch_buffer_held(monkeypatch):
     """The tiles are decoded into the thread's scratch buffer, kept between calls: columns past K (K = 352
     is padded to 384) and rows left over from a larger earlier tile must not reach the result."""
+    monkeypatch.setattr(cpu, "BF16_GEMM", True)  # BF16 tiles, on any CPU
     g = gen(16)
     codes, scales = mxfp4_weight(40, 352, g)
     x = torch.randn(GEMM_M, 352, generator=g).bfloat16()
@@ -618,9 +622,10 @@ def test_gemm_path_ignores_what_the_scratch_buffer_held():
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_gemm_path_in_one_tile_is_f_linear_of_the_decoded_weight(with_bias):
+def test_gemm_path_in_one_tile_is_f_linear_of_the_decoded_weight(monkeypatch, with_bias):
     """BF16 x and a weight that fits one tile: torch's GEMM writes straight into out (mm / addmm, what
     F.linear runs), so the result is F.linear's on the decoded BF16 weight, bit for bit."""
+    monkeypatch.setattr(cpu, "BF16_GEMM", True)  # the BF16 GEMM, on any CPU
     g = gen(15)
     codes, scales = mxfp4_weight(40, 352, g)
     x = torch.randn(GEMM_M, 352, generator=g).bfloat16()

@@ -18,7 +18,8 @@ times the two int8 of ``a_words[index]`` (int16), added to acc: vpmaddubsw with 
 elsewhere.
 
 Table look-ups: ``lookup16`` (vpermps with AVX-512, lane by lane elsewhere) picks 16-entry float32 tables
-by 4-bit indices (e.g. the nibbles of bytes from ``bytes_load``); ``f32v_sum_tree`` folds the lanes pairwise.
+by 4-bit indices (``lookup16_signed``: the same for tables whose upper 8 entries are the lower 8 negated, one
+8-entry vpermps per 8 lanes with AVX2) (e.g. the nibbles of bytes from ``bytes_load``); ``f32v_sum_tree`` folds the lanes pairwise.
 
 ``dpbusd(acc, w, a_words, index)``: with ``a = a_words[index]`` (int32), for each int32 lane i,
 ``acc[i] + sum_j u8(w byte 4i+j) * s8(a byte j)``. On a CPU

@@ -1802,6 +1802,13 @@ def _round_into(y32: np.ndarray, bias, bf16: bool, out: torch.Tensor) -> None:
     _finish(y32, bias_bits, bias_kind, bf16, as_numpy(out))
 
 
+# Whether the GEMM path hands BF16 x to torch's BF16 GEMM (on BF16 tiles) rather than its float32 GEMM: only
+# where the CPU multiplies BF16 in hardware. Without AVX512-BF16 (AMD Zen 3, Intel Xeon before Cooper Lake)
+# torch's BF16 GEMM ran 3.5-4x slower than its float32 one (AMD Zen 3, M = 256, N = K = 4096: 450-550 ms
+# against 100-130 ms), and so did F.linear in BF16 (docs/weight_only.md, 'Kernels').
+BF16_GEMM = simd.HAS_AVX512BF16
+
+
 def _batch_max_m(n: int, k: int) -> int:
     """Rows of x up to which an (N, K) weight runs the batched kernel (BF16 x, AVX512-BF16 CPUs)."""
     if simd.HAS_AMX_BF16 and n * k >= AMX_GEMM_WEIGHTS:
@@ -1863,7 +1870,7 @@ class WeightOnlyLinear(Kernel):
             path, work, chunksize = self._run_batched, m * n * k, 1  # tasks of _BATCH_ROWS_PER_TASK rows
         else:  # the GEMM path: the decoded tile's rows (torch's GEMM takes torch's threads)
             tile_rows = min(n, GEMM_TILE_BYTES // (2 * _padded_k(k)))
-            bf16_gemm = x.dtype == torch.bfloat16 and (bias is None or bias.dtype == torch.bfloat16)
+            bf16_gemm = BF16_GEMM and x.dtype == torch.bfloat16 and (bias is None or bias.dtype == torch.bfloat16)
             path, work = self._run_gemm_bf16 if bf16_gemm else self._run_gemm, n * k
             chunksize = max(4, -(-tile_rows // _ROWS_PER_TASK) // _CHUNKS)
         # Below GEMV_ONE_THREAD_WEIGHTS the calling thread: waking numba's threads after a torch op would cost
