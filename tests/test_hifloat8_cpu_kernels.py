@@ -61,11 +61,11 @@ def test_serial_and_parallel_versions_agree(dtype, monkeypatch):
 
 @pytest.mark.parametrize("serial", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("decoder", ["table", "arithmetic"])
+@pytest.mark.parametrize("decoder", ["table", "words"])
 def test_both_decoders_every_code_at_every_tail_length(decoder, dtype, serial):
-    """The look-up decoder (64 codes per vpermi2b pair, AVX512-VBMI) and the arithmetic one (CPUs without
-    VBMI), called directly: every code, shuffled, at lengths whose last 64 codes are a partial step, across
-    several blocks."""
+    """The byte look-up decoder (64 codes per vpermi2b pair, AVX512-VBMI) and the word look-up one (CPUs
+    without VBMI), called directly: every code, shuffled, at lengths whose last 64 codes are a partial step,
+    across several blocks."""
     if decoder == "table" and not cpu_kernels.HAS_AVX512VBMI:
         pytest.skip("the look-up decoder needs AVX512-VBMI")
     generator = torch.Generator().manual_seed(2)
@@ -76,7 +76,7 @@ def test_both_decoders_every_code_at_every_tail_length(decoder, dtype, serial):
         if decoder == "table":
             cpu_kernels._decode_by_table(codes.numpy(), out.numpy(), cpu_kernels._byte_table(dtype), serial=serial)
         else:
-            cpu_kernels._DECODERS[dtype](codes.numpy(), out.numpy(), serial=serial)
+            cpu_kernels._decode_by_words(codes.numpy(), out.numpy(), cpu_kernels._word_table(dtype), serial=serial)
         assert torch.equal(out, hifloat8.decode(codes, dtype).view(torch.int16)), n
 
 

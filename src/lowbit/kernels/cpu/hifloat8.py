@@ -1,15 +1,16 @@
-"""HiFloat8 encode/decode on the CPU (numba): branch-free int16 arithmetic that LLVM vectorizes, and faster
-versions by small table look-ups where the CPU has AVX512-BW (encode) and AVX512-VBMI (decode).
+"""HiFloat8 encode/decode on the CPU (numba): encode by branch-free int16 arithmetic that LLVM vectorizes (by
+small table look-ups where the CPU has AVX512-BW), decode by table look-ups.
 
 A per-element gather from a 32K-entry encode table does not vectorize (about 0.47 ns/element on one Zen 4
 core); the arithmetic below runs 32 elements per AVX-512 instruction. Its rounding and code assembly depend on
 the binade only, so with AVX512-BW three 64-entry tables indexed by the exponent (one vpermi2w each) replace
 most of it (``_encode32_bf16``: 0.24 cycles per element in L2 on an AMD EPYC Zen 5 against 0.83-0.91).
-Decode has only 128 magnitudes: with AVX512-VBMI, ``_decode_by_table`` looks up the high and the low bytes of
-64 codes' patterns with one vpermi2b each (``_simd.store_table_words64``), about a quarter of the arithmetic
-decode's instructions. On that Zen 5 at 2.6 GHz the arithmetic kernels were bound by their instructions (0.40-
-0.61 of memcpy at 64M); the table kernels run at 0.57-0.92
-(benchmarks/results_hifloat8.md, 'AMD EPYC Zen 5'). Other CPUs run the arithmetic kernels. Every
+Decode has only 256 codes: with AVX512-VBMI, ``_decode_by_table`` looks up the high and the low bytes of
+64 codes' patterns with one vpermi2b each (``_simd.store_table_words64``); on the Zen 5 at 2.6 GHz the
+arithmetic decode this replaced was bound by its instructions (0.40-0.61 of memcpy at 64M), the table kernels
+run at 0.57-0.92 (benchmarks/results_hifloat8.md, 'AMD EPYC Zen 5'). Other CPUs load each code's 16-bit
+pattern from a 512-byte table (``_decode_by_words``): on an AMD Zen 3 (AVX2) 64M codes took 14.5-17 ms
+against 38-41 ms for the arithmetic decode (memcpy 9-10 ms). Every
 intermediate is cast back to int16 with ``_i16``: numba widens integer arithmetic to int64, and the casts
 let LLVM keep 16-bit lanes. The kernels are checked bit for bit against the reference on all 65536
 FP16/BF16 patterns and all 256 codes (tests and the ops layer's self-check).
@@ -349,59 +350,14 @@ def _encode_fp16_by_table(src, dst):
         _encode_fp16_elements(src, dst, i, stop, False)
 
 
-@numba.njit(inline="always")
-def _normal_bits(magnitude, bias, mantissa_width):
-    """Value bits of a code magnitude 0x08..0x7F: ``bias + ((+-|E| << M) + m) << (mantissa_width - M)``."""
-    exponent_bits = magnitude >= _i16(0x20)  # Dot 01, 10, 11: |E| bits in 0x0F with m, exponent sign 0x10
-    m_shift = _i16(4) if magnitude < _i16(0x40) else (_i16(5) if magnitude < _i16(0x60) else _i16(6))
-    field = _i16(magnitude & _i16(0xF)) if exponent_bits else _i16(magnitude & _i16(7))
-    implicit = _i16(16) if exponent_bits else (_i16(8) if magnitude >= _i16(0x10) else _i16(0))
-    m = _i16(field & _i16(_i16(7) >> _i16(m_shift - _i16(4))))  # the low M = 7 - m_shift bits
-    shifted_exponent = _i16(_i16(field - m) + implicit)  # |E| << M
-    negative_exponent = _i16(magnitude & (_i16(0x10) if exponent_bits else _i16(0x08))) != _i16(0)
-    v = _i16(m - shifted_exponent) if negative_exponent else _i16(shifted_exponent + m)
-    return _i16(bias + _i16(v << _i16(m_shift + _i16(mantissa_width - 7))))
-
-
-@numba.njit(inline="always")
-def _with_sign_and_nan(code, bits):
-    """Put the code's sign on the value ``bits``; NaN (0x80) gives 0x7FFF for FP16 and BF16."""
-    signed = _i16(bits | _i16(_i16(code & _i16(0x80)) << _i16(8)))
-    return _i16(0x7FFF) if code == _i16(0x80) else signed
-
-
 @SerialOrParallel
-def _decode_bf16(src, dst):
-    # src: uint8[n] codes, dst: int16[n] BF16 bit patterns
+def _decode_by_words(src, dst, table):
+    # src: uint8[n] codes, dst: int16[n] FP16 or BF16 bit patterns, table: int16[256] (_word_table): one load
+    # per code (CPUs without AVX512-VBMI)
     for block in numba.prange(_steps(src)):
         start, stop = _step_range(src, block)
         for i in range(start, stop):
-            code = _i16(src[i])
-            magnitude = _i16(code & _i16(0x7F))
-            bits = _normal_bits(magnitude, _i16(0x3F80), _i16(7))
-            denormal = _i16(_i16(magnitude + _i16(104)) << _i16(7)) if magnitude != _i16(0) else _i16(0)
-            bits = denormal if magnitude < _i16(0x08) else bits  # denormal codes: 2^(m - 23); 0 stays 0
-            bits = _BF16_INF if magnitude == _i16(0x6F) else bits
-            dst[i] = _with_sign_and_nan(code, bits)
-
-
-@SerialOrParallel
-def _decode_fp16(src, dst):
-    # src: uint8[n] codes, dst: int16[n] FP16 bit patterns
-    for block in numba.prange(_steps(src)):
-        start, stop = _step_range(src, block)
-        for i in range(start, stop):
-            code = _i16(src[i])
-            magnitude = _i16(code & _i16(0x7F))
-            bits = _normal_bits(magnitude, _i16(0x3C00), _i16(10))
-            # FP16 subnormals have bits = value * 2^24. E = -15 (0x7E, 0x7F): value (2 + m) * 2^-16.
-            subnormal = _i16(_i16(magnitude - _i16(0x7C)) << _i16(8))
-            bits = subnormal if magnitude >= _i16(0x7E) else bits
-            # Denormal codes 1..7: value 2^(m - 23) = (2 << m) * 2^-24; 0 stays 0.
-            denormal = _i16(_i16(2) << _i16(magnitude & _i16(7))) if magnitude != _i16(0) else _i16(0)
-            bits = denormal if magnitude < _i16(0x08) else bits
-            bits = _FP16_INF if magnitude == _i16(0x6F) else bits
-            dst[i] = _with_sign_and_nan(code, bits)
+            dst[i] = table[src[i]]
 
 
 @SerialOrParallel
@@ -429,9 +385,20 @@ def _byte_table(dtype: torch.dtype) -> np.ndarray:
     return np.concatenate([bits >> 8, bits & 0xFF]).astype(np.uint8)
 
 
+@functools.cache
+def _word_table(dtype: torch.dtype) -> np.ndarray:
+    """int16[256]: the ``dtype`` (FP16 / BF16) bit pattern of every code, 0x7FFF for the NaN code (as
+    _decode_by_table gives)."""
+    bytes_ = _byte_table(dtype).astype(np.int32)
+    codes = np.arange(256)
+    magnitude = codes & 0x7F
+    words = ((bytes_[magnitude] << 8) | bytes_[128 + magnitude]) ^ ((codes & 0x80) << 8)
+    words[_NAN_CODE] = 0x7FFF
+    return words.astype(np.uint16).view(np.int16)
+
+
 _ENCODERS = {torch.bfloat16: _encode_bf16, torch.float16: _encode_fp16}
 _ENCODERS_BY_TABLE = {torch.bfloat16: _encode_bf16_by_table, torch.float16: _encode_fp16_by_table}
-_DECODERS = {torch.bfloat16: _decode_bf16, torch.float16: _decode_fp16}
 
 
 class Encode(Kernel):
@@ -446,7 +413,7 @@ class Encode(Kernel):
 
 class Decode(Kernel):
     """decode_from_hifloat8 on the CPU: contiguous uint8 ``codes`` into contiguous FP16/BF16 ``out`` (by table
-    look-up with AVX512-VBMI, by arithmetic otherwise)."""
+    look-up: bytes, 64 codes per instruction, with AVX512-VBMI; else one 16-bit word per code)."""
 
     def run(self, codes: torch.Tensor, dtype: torch.dtype | None, *, out: torch.Tensor) -> None:
         serial = runs_serially(codes.numel(), _ONE_THREAD_ELEMENTS)
@@ -454,7 +421,7 @@ class Decode(Kernel):
         if HAS_AVX512VBMI:
             _decode_by_table(src, dst, _byte_table(out.dtype), serial=serial)
         else:
-            _DECODERS[out.dtype](src, dst, serial=serial)
+            _decode_by_words(src, dst, _word_table(out.dtype), serial=serial)
 
 
 ENCODE = Encode()
