@@ -82,14 +82,18 @@ def test_both_decoders_every_code_at_every_tail_length(decoder, dtype, serial):
 
 @pytest.mark.parametrize("serial", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("encoders", ["table", "arithmetic"])
+@pytest.mark.parametrize("encoders", ["table", "patterns"])
 def test_both_encoders_every_bit_pattern(encoders, dtype, serial):
-    """The encoders by exponent tables (32 elements per step, AVX512-BW) and the arithmetic ones (CPUs without
-    AVX512-BW), called directly: every bit pattern in order (FP16: subnormal and normal blocks) and shuffled,
+    """The encoders by exponent tables (32 elements per step, AVX512-BW) and by the table of every pattern's
+    code (CPUs without AVX512-BW), called directly: every bit pattern in order (FP16: subnormal and normal blocks) and shuffled,
     then a length whose last step is short."""
     if encoders == "table" and not cpu_kernels.HAS_AVX512BW:
         pytest.skip("the table encoders need AVX512-BW")
-    kernel = (cpu_kernels._ENCODERS_BY_TABLE if encoders == "table" else cpu_kernels._ENCODERS)[dtype]
+    if encoders == "table":
+        kernel = cpu_kernels._ENCODERS_BY_TABLE[dtype]
+    else:
+        def kernel(src, dst, serial):
+            cpu_kernels._encode_by_patterns(src, dst, cpu_kernels._pattern_table(dtype), serial=serial)
     bits = all_fp16_patterns()
     shuffled = bits[torch.randperm(65536, generator=torch.Generator().manual_seed(3))]
     for patterns in (bits, shuffled, shuffled[:cpu_kernels._BLOCK * 3 + 32 * 5 + 7]):
