@@ -25,11 +25,12 @@ def gen(seed):
 # ---- SIMD steps -----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("lowering", ["portable", "avx512"])
+@pytest.mark.parametrize("lowering", ["portable", "avx512", "avx2"])
 def test_shuffle_bytes_every_index_in_every_piece(lowering):
-    if lowering == "avx512" and not simd.HAS_AVX512BW:
-        pytest.skip("no AVX512-BW on this CPU")
-    shuffle = simd.shuffle_bytes_avx512 if lowering == "avx512" else simd.shuffle_bytes_portable
+    if lowering == "avx512" and not simd.HAS_AVX512BW or lowering == "avx2" and not simd.HAS_AVX2:
+        pytest.skip(f"no {lowering} on this CPU")
+    shuffle = {"portable": simd.shuffle_bytes_portable, "avx512": simd.shuffle_bytes_avx512,
+               "avx2": simd.shuffle_bytes_avx2}[lowering]
     run = simd_binary(shuffle, simd.i32v_load, simd.i32v_load, simd.i32v_store)
     table = np.random.default_rng(0).integers(0, 256, 128, dtype=np.uint8)
     for shift in (0, 1):
@@ -41,11 +42,12 @@ def test_shuffle_bytes_every_index_in_every_piece(lowering):
         assert np.array_equal(out.view(np.uint8), want)
 
 
-@pytest.mark.parametrize("lowering", ["portable", "vnni"])
+@pytest.mark.parametrize("lowering", ["portable", "vnni", "avx2"])
 def test_dpbusd_rows_is_the_unsigned_by_signed_dot(lowering):
-    if lowering == "vnni" and not simd.HAS_VNNI:
-        pytest.skip("no AVX512-VNNI on this CPU")
-    dpbusd = simd.dpbusd_rows_vnni if lowering == "vnni" else simd.dpbusd_rows_portable
+    if lowering == "vnni" and not simd.HAS_VNNI or lowering == "avx2" and not simd.HAS_AVX2:
+        pytest.skip(f"no {lowering} on this CPU")
+    dpbusd = {"portable": simd.dpbusd_rows_portable, "vnni": simd.dpbusd_rows_vnni,
+              "avx2": simd.dpbusd_rows_avx2}[lowering]
 
     @numba.njit
     def run(acc, w, a, out):
@@ -53,8 +55,10 @@ def test_dpbusd_rows_is_the_unsigned_by_signed_dot(lowering):
 
     rng = np.random.default_rng(1)
     acc = rng.integers(-2**20, 2**20, 32, dtype=np.int32)
-    w = rng.integers(0, 256, 128, dtype=np.uint8)
+    w = rng.integers(0, 128 if lowering == "avx2" else 256, 128, dtype=np.uint8)  # AVX2: w bytes <= 127
+    w[:4] = 127 if lowering == "avx2" else 255
     a = rng.integers(-128, 128, 131, dtype=np.int8)
+    a[3:7] = -128
     out = np.empty(32, dtype=np.int32)
     run(acc, w.view(np.int32), a, out)
     want = acc + (w.astype(np.int64) * a[3:].astype(np.int64)).reshape(32, 4).sum(axis=1)

@@ -102,17 +102,19 @@ def _dot_with(dpbusd):
     return dot
 
 
-@pytest.mark.parametrize("lowering", ["portable", "vnni"])
+@pytest.mark.parametrize("lowering", ["portable", "vnni", "avx2"])
 def test_dpbusd_lowerings_agree_with_numpy(lowering):
-    """Both dpbusd lowerings (the portable one is what CPUs without AVX512-VNNI run) on extreme bytes."""
-    if lowering == "vnni" and not simd.HAS_VNNI:
-        pytest.skip("this CPU has no AVX512-VNNI")
+    """The dpbusd lowerings (AVX512-VNNI, AVX2, portable) on extreme bytes: w up to 255, or up to 127 for the
+    AVX2 one (its contract: vpmaddubsw's int16 pair sums must not saturate)."""
+    if lowering == "vnni" and not simd.HAS_VNNI or lowering == "avx2" and not simd.HAS_AVX2:
+        pytest.skip(f"this CPU has no {lowering}")
     rng = np.random.default_rng(0)
-    w = rng.integers(0, 256, 4 * simd.LANES, dtype=np.uint8)
-    w[:8] = 255
+    top = 127 if lowering == "avx2" else 255
+    w = rng.integers(0, top + 1, 4 * simd.LANES, dtype=np.uint8)
+    w[:8] = top
     a = rng.integers(-128, 128, (33, 4), dtype=np.int8)
     a[0] = -128
-    dot = _dot_with(simd.dpbusd_portable if lowering == "portable" else simd.dpbusd_vnni)
+    dot = _dot_with({"portable": simd.dpbusd_portable, "vnni": simd.dpbusd_vnni, "avx2": simd.dpbusd_avx2}[lowering])
     expected = np.einsum("lj,ij->il", w.reshape(simd.LANES, 4).astype(np.int64), a.astype(np.int64))
     assert np.array_equal(dot(w, a.reshape(-1).view(np.int32)), expected)
 

@@ -274,6 +274,29 @@ def _dpbusd_vnni(builder, acc, w, a_splat):
     return _concatenated(builder, pieces)
 
 
+def _pieces_of(builder, vector, element, count):
+    """``vector`` (an I32V's LLVM value) as consecutive pieces of ``count`` elements of type ``element``."""
+    total = 4 * LANES * 8 // element.width
+    flat_ = builder.bitcast(vector, ir.VectorType(element, total))
+    return [builder.shuffle_vector(flat_, flat_, ir.Constant(ir.VectorType(_I32, count), list(range(c, c + count))))
+            for c in range(0, total, count)]
+
+
+def _dpbusd_avx2(builder, acc, w, a):
+    """The same with vpmaddubsw (u8 x s8 pairs summed to int16, saturating) and vpmaddwd by ones (pairs of
+    int16 summed to int32) per 256 bits: exact when every w byte is at most 127 (2 * 127 * 128 < 2^15), which
+    holds for every caller (int4 nibbles 0..15, svd_quant's look-ups 0..24)."""
+    v32b, v16w, v8d = ir.VectorType(_I8, 32), ir.VectorType(_I16, 16), ir.VectorType(_I32, 8)
+    maddubs = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16w, [v32b, v32b]),
+                                             "llvm.x86.avx2.pmadd.ub.sw")
+    madd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8d, [v16w, v16w]),
+                                          "llvm.x86.avx2.pmadd.wd")
+    ones = ir.Constant(v16w, [1] * 16)
+    sums = [builder.call(madd, [builder.call(maddubs, [w_p, a_p]), ones])
+            for w_p, a_p in zip(_pieces_of(builder, w, _I8, 32), _pieces_of(builder, a, _I8, 32))]
+    return builder.add(acc, _concatenated(builder, sums))
+
+
 def _make_dpbusd(lower):
     @intrinsic
     def dpbusd(typingctx, acc, w, a_words, index):
@@ -293,7 +316,8 @@ def _make_dpbusd(lower):
 
 dpbusd_portable = _make_dpbusd(_dpbusd_portable)
 dpbusd_vnni = _make_dpbusd(_dpbusd_vnni)
-dpbusd = dpbusd_vnni if HAS_VNNI else dpbusd_portable
+dpbusd_avx2 = _make_dpbusd(_dpbusd_avx2)
+dpbusd = dpbusd_vnni if HAS_VNNI else dpbusd_avx2 if HAS_AVX2 else dpbusd_portable
 
 
 def _make_dpbusd_rows(lower):
@@ -314,7 +338,8 @@ def _make_dpbusd_rows(lower):
 
 dpbusd_rows_portable = _make_dpbusd_rows(_dpbusd_portable)
 dpbusd_rows_vnni = _make_dpbusd_rows(_dpbusd_vnni)
-dpbusd_rows = dpbusd_rows_vnni if HAS_VNNI else dpbusd_rows_portable
+dpbusd_rows_avx2 = _make_dpbusd_rows(_dpbusd_avx2)
+dpbusd_rows = dpbusd_rows_vnni if HAS_VNNI else dpbusd_rows_avx2 if HAS_AVX2 else dpbusd_rows_portable
 
 
 def _shuffle_bytes_avx512(builder, table, index):
@@ -327,6 +352,15 @@ def _shuffle_bytes_avx512(builder, table, index):
     for p in range(4 * LANES // 64):
         lanes = ir.Constant(ir.VectorType(_I32, 64), list(range(64 * p, 64 * p + 64)))
         pieces.append(builder.call(fn, [builder.shuffle_vector(v, v, lanes) for v in (table, index)]))
+    return builder.bitcast(_concatenated(builder, pieces), _VI32)
+
+
+def _shuffle_bytes_avx2(builder, table, index):
+    """vpshufb on each 32-byte piece."""
+    v32 = ir.VectorType(_I8, 32)
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v32, [v32, v32]), "llvm.x86.avx2.pshuf.b")
+    pieces = [builder.call(fn, [t, i]) for t, i in zip(_pieces_of(builder, table, _I8, 32),
+                                                         _pieces_of(builder, index, _I8, 32))]
     return builder.bitcast(_concatenated(builder, pieces), _VI32)
 
 
@@ -349,7 +383,8 @@ _SHUFFLE_BYTES_DOC = """Byte look-up within 16-byte pieces (vpshufb): byte p <- 
 of ``table``, or 0 where index byte p has its top bit set."""
 shuffle_bytes_portable = _make_binary(_shuffle_bytes_portable, I32V, _SHUFFLE_BYTES_DOC)
 shuffle_bytes_avx512 = _make_binary(_shuffle_bytes_avx512, I32V, _SHUFFLE_BYTES_DOC)
-shuffle_bytes = shuffle_bytes_avx512 if HAS_AVX512BW else shuffle_bytes_portable
+shuffle_bytes_avx2 = _make_binary(_shuffle_bytes_avx2, I32V, _SHUFFLE_BYTES_DOC)
+shuffle_bytes = shuffle_bytes_avx512 if HAS_AVX512BW else shuffle_bytes_avx2 if HAS_AVX2 else shuffle_bytes_portable
 
 
 _V8x64 = ir.VectorType(_I8, 64)
@@ -1152,6 +1187,17 @@ def _maddubs_avx512(builder, pairs, weights):
     return builder.call(fn, [pairs, weights])
 
 
+def _maddubs_avx2(builder, pairs, weights):
+    """vpmaddubsw per 256 bits (the same bounds as _maddubs_avx512)."""
+    v32b, v16w = ir.VectorType(_I8, 32), ir.VectorType(_I16, 16)
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16w, [v32b, v32b]),
+                                        "llvm.x86.avx2.pmadd.ub.sw")
+    halves = [ir.Constant(ir.VectorType(_I32, 32), list(range(h, h + 32))) for h in (0, 32)]
+    pieces = [builder.call(fn, [builder.shuffle_vector(pairs, pairs, h), builder.shuffle_vector(weights, weights, h)])
+              for h in halves]
+    return _concatenated(builder, pieces)
+
+
 def _make_maddubs(lower):
     @intrinsic
     def maddubs(typingctx, acc, pairs, a_words, index):
@@ -1173,7 +1219,8 @@ def _make_maddubs(lower):
 
 i16v_maddubs_portable = _make_maddubs(_maddubs_portable)
 i16v_maddubs_avx512 = _make_maddubs(_maddubs_avx512)
-i16v_maddubs = i16v_maddubs_avx512 if HAS_AVX512BW else i16v_maddubs_portable
+i16v_maddubs_avx2 = _make_maddubs(_maddubs_avx2)
+i16v_maddubs = i16v_maddubs_avx512 if HAS_AVX512BW else i16v_maddubs_avx2 if HAS_AVX2 else i16v_maddubs_portable
 
 
 def _zip_intrinsic(part: int):

@@ -6,10 +6,11 @@ The quantized activation is exact in BF16 (an E2M1 value times a power of two), 
 it with an MXFP4 weight. L is added in BF16: ``out = bf16(L + bf16(P))`` (docs/svd_quant.md, section 'The
 final add'). ``P = deq(xq) @ deq(w)^T``:
 
-* At decode (up to GEMV_MAX_M rows), with AVX512-VNNI: integer dot products over the packed codes of both
-  operands (:func:`product_gemv`, below); the weight rows it cannot take exactly go to the float32
-  weight-only kernel (lowbit.kernels.cpu.weight_only) on the dequantized activation, as does every row
-  on a CPU without VNNI. Float32 sums, rounded once to BF16.
+* At decode (up to GEMV_MAX_M rows), with AVX512-VNNI or AVX2: integer dot products over the packed codes of
+  both operands (:func:`product_gemv`, below; AVX2 emulates vpdpbusd with vpmaddubsw and vpmaddwd, exact for
+  the looked-up weights 0..24); the weight rows it cannot take exactly go to the float32 weight-only kernel
+  (lowbit.kernels.cpu.weight_only) on the dequantized activation, as does every row on a CPU with neither.
+  Float32 sums, rounded once to BF16.
 * With more rows, the weight-only kernel's GEMM path: the weight decoded to BF16 in tiles of rows and
   multiplied by torch's BF16 GEMM (faster there than the fused kernels); in float32 where a block's values
   are BF16 subnormals (:func:`_has_subnormal_values`).
@@ -49,7 +50,7 @@ from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, SerialOrParallel, as_numpy
 from lowbit.kernels.cpu.weight_only import (GEMV_MAX_M, GEMV_ONE_THREAD_WEIGHTS, MXFP4_LINEAR, _low_byte_range,
                                              _prefetch_ahead)
 
-INTEGER_PRODUCTS = simd.HAS_VNNI  # without VNNI, decode runs the float32 weight-only kernel
+INTEGER_PRODUCTS = simd.HAS_VNNI or simd.HAS_AVX2  # else decode runs the float32 weight-only kernel
 # The integer GEMV runs on one thread below this many weights: it takes half the float32 GEMV's time per weight,
 # so waking the second thread pays off only on about twice the work (N = 2816, K = 2048 at decode: a call
 # of svd_quant 0.26-0.29 ms on one thread, 0.29-0.34 ms on two; 4096 x 4096: two threads are faster).
@@ -372,7 +373,7 @@ class SvdQuant(Kernel):
 
     @staticmethod
     def _decode(x2d, w, scales, d, u, out2d) -> None:
-        """Decode with VNNI: the activation quantized and turned into operands in numba, P by
+        """Decode with integer products (VNNI or AVX2): the activation quantized and turned into operands in numba, P by
         :func:`product_gemv` (the weight rows it leaves to the float32 path, non-finite or extreme scales,
         by MXFP4_LINEAR on the dequantized activation), then the low-rank branch and the final add."""
         (m, k), n = x2d.shape, out2d.shape[1]
