@@ -31,8 +31,9 @@ def _operands(seed, m, k, n, g, dtype, with_offset, specials):
     return x, weight, scale, offset
 
 
-def _decoded(weight, scale, offset, g, dtype, c0, width):
-    """The kernel's tile of columns c0 .. c0 + width, as values of ``dtype``."""
+def _decoded(weight, scale, offset, g, dtype, c0, width, bf16_tile):
+    """The kernel's tile of columns c0 .. c0 + width, as values of ``dtype`` (BF16 x: a BF16 tile, or, without
+    ``bf16_tile``, the float32 tile of CPUs without AVX512-BF16)."""
     k, n = weight.shape[0], 2 * weight.shape[1]
     np_ = dequant.padded_columns(n)
     scale32 = torch.zeros(k // g, np_)
@@ -41,28 +42,29 @@ def _decoded(weight, scale, offset, g, dtype, c0, width):
     if offset is not None:
         offset32[:, :n] = offset.float()
     args = (as_numpy(weight), scale32.numpy(), offset32.numpy(), offset is not None, g, c0)
-    if dtype == torch.bfloat16:
+    if dtype == torch.bfloat16 and bf16_tile:
         tile = torch.full((k, width), -1, dtype=torch.int16)
         dequant._decode_tile_bf16(*args, tile.numpy())
         return tile.view(torch.bfloat16)
     tile = torch.full((k, width), -1.0)
-    dequant._decode_tile_f16(*args, tile.numpy())
+    (dequant._decode_tile_bf16_as_f32 if dtype == torch.bfloat16 else dequant._decode_tile_f16)(*args, tile.numpy())
     return tile
 
 
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), g=st.sampled_from([32, 64, 96, 128]), groups=st.integers(1, 3),
        n=st.sampled_from([2, 34, 64, 130, 200]), first_step=st.integers(0, 6), bf16=st.booleans(),
-       with_offset=st.booleans(), specials=st.booleans())
-def test_tiles_are_the_reference_dequantized_weight(seed, g, groups, n, first_step, bf16, with_offset, specials):
-    """Any tile (starting at any decode step, a short last step included) holds round_D((W + offset) * scale)
-    exactly; NaN where the reference has NaN."""
+       with_offset=st.booleans(), specials=st.booleans(), bf16_tile=st.booleans())
+def test_tiles_are_the_reference_dequantized_weight(seed, g, groups, n, first_step, bf16, with_offset, specials,
+                                                     bf16_tile):
+    """Any tile (starting at any decode step, a short last step included; BF16 or float32 for BF16 x) holds
+    round_D((W + offset) * scale) exactly; NaN where the reference has NaN."""
     dtype = torch.bfloat16 if bf16 else torch.float16
     k = g * groups
     _, weight, scale, offset = _operands(seed, 2, k, n, g, dtype, with_offset, specials)
     c0 = min(first_step * 32, dequant.padded_columns(n) - 32)
     width = n - c0
-    tile = _decoded(weight, scale, offset, g, dtype, c0, width)
+    tile = _decoded(weight, scale, offset, g, dtype, c0, width, bf16_tile)
     want = ref.dequantize_weight(weight, scale, offset, g)[:, c0:].to(tile.dtype)
     assert torch.equal(tile.isnan(), want.isnan())
     keep = ~want.isnan()
@@ -87,24 +89,26 @@ def _within_interval(y, x, weight, scale, offset, g):
 @given(seed=st.integers(0, 2**31 - 1), m=st.sampled_from([1, 5, 49, 70]), g=st.sampled_from([32, 64, 96, 128]),
        groups=st.integers(1, 3), n=st.sampled_from([2, 34, 64, 130, 200]), bf16=st.booleans(),
        with_offset=st.booleans(), specials=st.booleans(), threads=st.sampled_from([1, 2]),
-       tile_columns=st.sampled_from([32, 64, None]))
+       tile_columns=st.sampled_from([32, 64, None]), bf16_gemm=st.booleans())
 def test_products_lie_in_the_summation_interval(seed, m, g, groups, n, bf16, with_offset, specials, threads,
-                                                 tile_columns):
-    """The native product, one tile or several (a tile budget of 32 or 64 columns), against the interval
-    around the reference's ascending-k sum; NaN outputs are canonical."""
+                                                 tile_columns, bf16_gemm):
+    """The native product, one tile or several (a tile budget of 32 or 64 columns), BF16 x through torch's
+    BF16 or float32 GEMM (BF16_GEMM), against the interval around the reference's ascending-k sum; NaN
+    outputs are canonical."""
     dtype = torch.bfloat16 if bf16 else torch.float16
     k = g * groups
     x, weight, scale, offset = _operands(seed, m, k, n, g, dtype, with_offset, specials)
-    before_threads, before_budget = torch.get_num_threads(), dequant.TILE_BYTES
+    before = torch.get_num_threads(), dequant.TILE_BYTES, dequant.BF16_GEMM
     torch.set_num_threads(threads)
+    dequant.BF16_GEMM = bf16_gemm
     if tile_columns is not None:  # room for exactly this many float32 columns
         dequant.TILE_BYTES = k * tile_columns * 4
     try:
         y = wq.weight_quant_batch_matmul(x, weight, scale, antiquant_offset=offset, group_size=g,
                                          algorithm="dequant", backend="native")
     finally:
-        torch.set_num_threads(before_threads)
-        dequant.TILE_BYTES = before_budget
+        torch.set_num_threads(before[0])
+        dequant.TILE_BYTES, dequant.BF16_GEMM = before[1:]
     assert y.dtype == dtype and y.shape == (m, n)
     assert _within_interval(y, x, weight, scale, offset, g)
     nan_bits = 0x7FC0 if bf16 else 0x7E00

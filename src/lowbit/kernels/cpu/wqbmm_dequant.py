@@ -3,10 +3,10 @@ the int4 weight is decoded, column tile by column tile, to exactly the reference
 ``round_D(fl32(fl32(W + offset) * scale))`` in a reused buffer, and torch's GEMM multiplies. Only one tile
 of the dense weight exists at a time.
 
-* BF16 x: the tile holds BF16 values (their bit patterns) and torch's BF16 GEMM (float32 accumulation,
-  one rounding to BF16) writes the output columns;
-* FP16 x: the tile holds the FP16 weights widened to float32, x is widened, torch's float32 GEMM sums,
-  and the sums are rounded once to FP16.
+* BF16 x on CPUs with AVX512-BF16 (``BF16_GEMM``): the tile holds BF16 values (their bit patterns) and
+  torch's BF16 GEMM (float32 accumulation, one rounding to BF16) writes the output columns;
+* FP16 x, and BF16 x elsewhere: the tile holds the weights (values of x's dtype) widened to float32, x is
+  widened, torch's float32 GEMM sums, and the sums are rounded once to x's dtype.
 
 NaN outputs are made canonical (FP16 0x7E00, BF16 0x7FC0). The summation order is torch's, not the
 reference's ascending k, so the result is within the interval of
@@ -27,6 +27,11 @@ from lowbit.kernels.cpu.weight_only import canonical_nan_bf16
 TILE_BYTES = 64 << 20  # the dense tile's budget: a whole 4096 x 4096 BF16 weight (32 MiB) is one tile
 _COLUMNS = simd.LANES  # columns decoded per step (16 weight bytes)
 _ROWS_PER_TASK = 64  # tile rows per parallel iteration
+# torch's BF16 GEMM multiplies a (K, N) BF16 tile fast only with AVX512-BF16: on an AMD EPYC Zen 3 (AVX2)
+# an int4 layer at M = 256, N = K = 4096 took 29.6 s this way against 0.45 s for BF16 F.linear; the float32
+# GEMM on the widened tile gives the same contract (float32 sums, one rounding) (docs/wqbmm.md, 'Dequant
+# numerics').
+BF16_GEMM = simd.HAS_AVX512BF16
 
 
 @numba.njit(**dict(NJIT_OPTIONS, inline="always"))
@@ -40,8 +45,14 @@ def _store_f16_as_f32(tile, at, value):
 
 
 @numba.njit(**dict(NJIT_OPTIONS, inline="always"))
+def _store_bf16_as_f32(tile, at, value):
+    simd.f32v_store(tile, at, simd.f32v_round_to_bf16(value))
+
+
+@numba.njit(**dict(NJIT_OPTIONS, inline="always"))
 def _decode_tile(store, weight, scale32, offset32, has_offset, group_size, c0, tile):
-    """tile (K, T), BF16 bits (int16, ``store`` = _store_bf16) or float32 FP16 values (_store_f16_as_f32) <-
+    """tile (K, T), BF16 bits (int16, ``store`` = _store_bf16) or float32 FP16 / BF16 values
+    (_store_f16_as_f32 / _store_bf16_as_f32) <-
     columns c0 .. c0 + T of ``round_D(fl32(fl32(W + offset) * scale))``. ``weight``: the (K, N/2) uint8
     int4 weight; ``scale32`` / ``offset32``: (K/G, Np) float32, Np = N rounded up to _COLUMNS (zeros past N;
     ``offset32`` is read only with ``has_offset``); c0 a multiple of _COLUMNS."""
@@ -84,6 +95,11 @@ def _decode_tile_f16(weight, scale32, offset32, has_offset, group_size, c0, tile
     _decode_tile(_store_f16_as_f32, weight, scale32, offset32, has_offset, group_size, c0, tile)
 
 
+@numba.njit(**PARALLEL_NJIT_OPTIONS)
+def _decode_tile_bf16_as_f32(weight, scale32, offset32, has_offset, group_size, c0, tile):
+    _decode_tile(_store_bf16_as_f32, weight, scale32, offset32, has_offset, group_size, c0, tile)
+
+
 def padded_columns(n: int) -> int:
     """N rounded up to a whole number of decode steps."""
     return -(-n // _COLUMNS) * _COLUMNS
@@ -123,11 +139,12 @@ def dequant_into(x: torch.Tensor, weight: torch.Tensor, antiquant_scale: torch.T
     if antiquant_offset is not None:
         offset32[:, :n].copy_(antiquant_offset)
         offset32[:, n:].zero_()
-    tile_dtype = torch.bfloat16 if bf16 else torch.float32
+    bf16_tile = bf16 and BF16_GEMM
+    tile_dtype = torch.bfloat16 if bf16_tile else torch.float32
     columns = tile_columns(k, n, tile_dtype.itemsize)
-    decode = _decode_tile_bf16 if bf16 else _decode_tile_f16
+    decode = _decode_tile_bf16 if bf16_tile else _decode_tile_bf16_as_f32 if bf16 else _decode_tile_f16
     arrays = (as_numpy(weight), as_numpy(scale32), as_numpy(offset32), antiquant_offset is not None, group_size)
-    if not bf16:
+    if not bf16_tile:
         x32 = view("x32", torch.float32, (m, k))
         x32.copy_(x)
     for c0 in range(0, n, columns):
@@ -135,11 +152,11 @@ def dequant_into(x: torch.Tensor, weight: torch.Tensor, antiquant_scale: torch.T
         tile = view("tile", tile_dtype, (k, width))
         sync_threads()
         decode(*arrays, c0, as_numpy(tile))
-        if bf16:
+        if bf16_tile:
             torch.mm(x, tile, out=out if width == n else out[:, c0 : c0 + width])
         else:
             y32 = view("y32", torch.float32, (m, width))
             torch.mm(x32, tile, out=y32)
-            out[:, c0 : c0 + width].copy_(reference.canonicalize_nan(y32))
-    if bf16:
+            out[:, c0 : c0 + width].copy_(y32 if bf16 else reference.canonicalize_nan(y32))
+    if bf16:  # torch rounds a float32 NaN to the BF16 pattern 0xFFFF
         canonical_nan_bf16(as_numpy(out).reshape(-1))
