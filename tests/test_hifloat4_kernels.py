@@ -211,11 +211,11 @@ def test_numba_serial_and_parallel_versions_agree(dtype, monkeypatch):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("in_registers", [True, False], ids=["registers", "per-group loops"])
 def test_numba_both_block_paths(in_registers, dtype, monkeypatch):
-    """Blocks run in AVX-512 registers (_hifloat4_blocks) on CPUs with AVX512-BW, in the per-group loops
+    """Blocks run in vector registers (_hifloat4_blocks) on CPUs with AVX512-BW or AVX2, in the per-group loops
     elsewhere: each, forced here, equals the reference on every 16-bit pattern, on blocks of scales across the
     dtype's range with zero, NaN and Inf elements, along the last dim and along dim 0 (tiles), serial and
     parallel."""
-    monkeypatch.setattr(cpu_kernels, "HAS_AVX512BW", in_registers)
+    monkeypatch.setattr(cpu_kernels, "BLOCKS_IN_REGISTERS", in_registers)
     if dtype != torch.float32:
         x = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype).reshape(-1, 64)
         assert_kernel_equals_reference(cpu_kernels.FAKE_QUANT, x, -1)

@@ -1,4 +1,5 @@
-"""HiFloat4 fake quant of one block in AVX-512 registers (AVX512-BW): the vector steps of
+"""HiFloat4 fake quant of one block in vector registers (512-bit vectors: AVX512-BW, or two AVX2 registers
+each, with F16C for FP16): the vector steps of
 :mod:`lowbit.kernels.cpu.hifloat4` for a block of 64 BF16, FP16 or FP32 values, as numba intrinsics made per
 input format (``BLOCK_MAXIMUM[name]``, ``BLOCK_FAKE_QUANT[name]``, name "bf16", "f16" or "f32"):
 

@@ -19,8 +19,9 @@ order), in loops that LLVM vectorizes:
    to nearest even), the half-up code as floor, ``code * 2^level * sf / 4`` (exact in fp32) turned into
    the output dtype's bits (FP16 rounds to nearest even); a poisoned block is then overwritten with NaN.
 
-On CPUs with AVX512-BW, blocks skip steps 1, 3 and 4 as loops: lowbit.kernels.cpu._hifloat4_blocks does them
-in AVX-512 registers with per-element group maxima, around the same scalar step 2. Which route a kernel
+On CPUs with AVX512-BW, or AVX2 and F16C (``BLOCKS_IN_REGISTERS``), blocks skip steps 1, 3 and 4 as loops:
+lowbit.kernels.cpu._hifloat4_blocks does them in vector registers with per-element group maxima, around the
+same scalar step 2. Which route a kernel
 compiles is its work argument's type (``_task_work``): only one of them is compiled per input width.
 
 Performance notes (numba/LLVM specifics behind the shape of the code): the per-block helpers that take
@@ -47,7 +48,7 @@ from lowbit.formats import hifloat4 as ref
 from lowbit.formats.hifloat4 import BLOCK
 from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, SerialOrParallel, as_numpy, runs_serially
 from lowbit.kernels.cpu._hifloat4_blocks import BLOCK_FAKE_QUANT, BLOCK_MAXIMUM
-from lowbit.kernels.cpu._simd import HAS_AVX512BW, flat, prefer_512_bit_vectors
+from lowbit.kernels.cpu._simd import HAS_AVX2, HAS_AVX512BW, HAS_F16C, flat, prefer_512_bit_vectors
 
 _BLOCKS_PER_TASK = 256  # blocks per parallel task
 # Inputs of fewer blocks run the kernels' serial versions on the calling thread (see SerialOrParallel): waking
@@ -297,7 +298,7 @@ def _scale_in_registers(block_max, poisoned, dst, n, mag_mask, shift, widen, nan
 @numba.njit(**NJIT_OPTIONS)
 def _rows_in_registers16(src, dst, first, last, mag_mask, shift, widen, kind, nan_bits):
     """BF16 (kind _KIND_BF16) or FP16 blocks first..last-1 of ``src`` ((blocks, 64) int16 bits) into
-    ``dst``, each block's vector steps in AVX-512 registers (lowbit.kernels.cpu._hifloat4_blocks), its scale
+    ``dst``, each block's vector steps in vector registers (lowbit.kernels.cpu._hifloat4_blocks), its scale
     here. A function of its own: LLVM's preference for 512-bit vectors, set in the callers, lowers those
     registers' shuffles worse."""
     bf16 = kind == _KIND_BF16
@@ -326,7 +327,7 @@ def _rows_in_registers32(src, dst, first, last, mag_mask, shift, widen, nan_bits
 
 def _task_work(work_like):
     """A task's ``work`` for _fake_quant_rows: _scratch() for the per-group loops (``work_like`` an array), None
-    for blocks in AVX-512 registers (``work_like`` None)."""
+    for blocks in vector registers (``work_like`` None)."""
 
 
 @overload(_task_work, jit_options=NJIT_OPTIONS)
@@ -511,6 +512,10 @@ def _run(kernel: SerialOrParallel, args: tuple, n_blocks: int) -> None:
 
 
 _PER_GROUP_WORK = np.empty(0, np.float32)  # its type selects the per-group loops (_task_work)
+# Blocks in vector registers (lowbit.kernels.cpu._hifloat4_blocks) where the CPU has AVX512-BW (0.75x the
+# time per BF16 block on an AMD EPYC Zen 5, half for FP16) or AVX2 and F16C (each 512-bit vector two AVX2
+# ones; AMD EPYC Zen 3: benchmarks/results_hifloat4.md); the per-group loops otherwise.
+BLOCKS_IN_REGISTERS = HAS_AVX512BW or (HAS_AVX2 and HAS_F16C)
 
 
 class FakeQuant(Kernel):
@@ -521,9 +526,7 @@ class FakeQuant(Kernel):
         qdim %= x.dim()
         fmt = _FORMATS[x.dtype]
         inner = int(np.prod(x.shape[qdim + 1:], dtype=np.int64))
-        # Blocks in AVX-512 registers where the CPU has AVX512-BW: 0.75x the time per BF16 block on an AMD EPYC
-        # Zen 5, half for FP16 (benchmarks/results_hifloat4.md); the per-group loops otherwise.
-        work_like = None if HAS_AVX512BW else _PER_GROUP_WORK
+        work_like = None if BLOCKS_IN_REGISTERS else _PER_GROUP_WORK
         args = (_block_view(x), _block_view(out), x.numel() // BLOCK, inner, np.uint32(fmt.mag_mask),
                 np.uint32(fmt.inf_mag), np.uint32(fmt.shift), np.float32(fmt.widen), fmt.kind, ref.NAN_BITS[x.dtype],
                 work_like)
