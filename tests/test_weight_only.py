@@ -746,8 +746,8 @@ def _decode_row(magnitudes, scale, bf16, nan_code, table, codes, out):
 
 
 def skip_without_the_instructions_of(kind, dtype):
-    if kind == "bytes" and not simd.HAS_AVX512VBMI:
-        pytest.skip("no AVX512-VBMI on this CPU")
+    if kind == "bytes" and not simd.BYTE_TABLES:
+        pytest.skip("neither AVX512-VBMI nor AVX2 on this CPU")
     if kind == "words" and not simd.HAS_AVX512BW:
         pytest.skip("no AVX512-BW on this CPU")
 
@@ -834,16 +834,17 @@ def test_mxfp8_rows_at_the_edges_of_the_exact_scale_range(dtype):
             native_equals_reference(OPS["mxfp8"], x[:m], codes[order], scales[order], None)  # last in a block
 
 
-def _every_lookup16_index(lookup, table):
-    """Run ``lookup`` (a lookup16 intrinsic) on 32-lane ``table`` with every index in every lane, high bits
-    set or not, against table[16 * piece + (index & 15)]."""
+def _every_lookup16_index(lookup, table, form=None):
+    """Run ``lookup`` (a lookup16 intrinsic) on 32-lane ``table`` (or on ``form``, the table as the lookup
+    reads it) with every index in every lane, high bits set or not, against table[16 * piece + (index & 15)]."""
     run = simd_binary(lookup, simd.f32v_load, simd.i32v_load, simd.f32v_store)
+    form = table if form is None else form
     piece = np.arange(32) // 16
     for shift in range(16):  # each lane takes every index once
         for high_bits in (0, 0x30, 0xFFFFFF00):  # bits above the low 4 are ignored
             index = ((np.arange(32) * 7 + shift) % 16 | high_bits).astype(np.uint32).view(np.int32)
             out = np.empty(32, dtype=np.float32)
-            run(table, index, out)
+            run(form, index, out)
             assert np.array_equal(out.view(np.uint32), table[16 * piece + (index & 15)].view(np.uint32))
 
 
@@ -864,7 +865,27 @@ def test_lookup16_signed_every_index_in_every_lane(lowering):
                        dtype=np.float32).reshape(2, 8)
     table = np.concatenate([entries, -entries], axis=1).reshape(-1)  # -0.0 at 8 and 24
     assert cpu._sign_symmetric(table)
-    _every_lookup16_index(simd.lookup16_signed_avx2 if lowering == "avx2" else simd.lookup16_signed, table)
+    if lowering == "avx2":
+        _every_lookup16_index(simd.lookup16_signed_avx2, table, simd.signed_tables_avx2(table))
+    else:
+        _every_lookup16_index(simd.lookup16_signed, table, simd.signed_tables(table))
+
+
+@numba.njit
+def _telescope_in_place(table):
+    simd.telescope_byte_tables(table)
+
+
+def test_telescoped_byte_tables_undo_by_prefix_xor():
+    """Both telescoped forms (numpy, and in place in registers) are chunk i XOR chunk i - 1 per 128-byte
+    table, so XOR-ing chunks 0..i gives chunk i back."""
+    table = np.random.default_rng(3).integers(0, 256, 256, dtype=np.uint8)
+    in_place = table.copy()
+    _telescope_in_place(in_place)
+    assert np.array_equal(in_place, simd.telescoped(table))
+    chunks = in_place.reshape(2, 8, 16)
+    assert np.array_equal(np.bitwise_xor.accumulate(chunks, axis=1).reshape(-1), table)
+    assert not np.array_equal(in_place, table)
 
 
 def test_flat_is_a_view_of_every_element_in_order():

@@ -390,17 +390,83 @@ shuffle_bytes = shuffle_bytes_avx512 if HAS_AVX512BW else shuffle_bytes_avx2 if 
 _V8x64 = ir.VectorType(_I8, 64)
 
 
+# 128-entry byte look-ups (byte_table_words): one vpermi2b per 64 bytes with AVX512-VBMI; with AVX2, eight
+# vpshufb per 32 bytes on a table kept in a telescoped form (TELESCOPED_BYTE_TABLES, telescope_byte_tables).
+BYTE_TABLES = HAS_AVX512VBMI or HAS_AVX2
+TELESCOPED_BYTE_TABLES = not HAS_AVX512VBMI
+
+
+def telescoped(planes: np.ndarray) -> np.ndarray:
+    """A copy of 128-byte look-up tables (uint8, a multiple of 128 bytes, flat) in the telescoped form: 16-byte
+    chunk i > 0 of each table XORed with chunk i - 1 (see _telescoped_lookup)."""
+    chunks = planes.reshape(-1, 8, 16)
+    result = chunks.copy()
+    result[:, 1:] ^= chunks[:, :-1]
+    return result.reshape(planes.shape)
+
+
+@intrinsic
+def telescope_byte_tables(typingctx, flat):
+    """In place, :func:`telescoped` of the two 128-byte tables of ``flat`` (uint8[256], 1-D C-contiguous):
+    each table XORed with itself moved up by 16 bytes, in registers."""
+
+    def codegen(context, builder, sig, args):
+        v128 = ir.VectorType(_I8, 128)
+        zero = ir.Constant(v128, [0] * 128)
+        for plane in (0, 128):
+            pointer = _element_ptr(context, builder, sig.args[0], args[0], ir.Constant(ir.IntType(64), plane), v128)
+            table = builder.load(pointer, align=1)
+            moved = builder.shuffle_vector(zero, table, ir.Constant(ir.VectorType(_I32, 128),
+                                                                     list(range(16)) + list(range(128, 240))))
+            builder.store(builder.xor(table, moved), pointer, align=1)
+        return context.get_dummy_value()
+
+    return types.none(flat), codegen
+
+
+def _telescoped_lookup(builder, index, chunks):
+    """<32 x i8>: entry ``index`` (bit 7 clear) of a 128-byte table whose telescoped 16-byte chunks C0 = T0,
+    Ci = Ti ^ Ti-1 are ``chunks`` (each broadcast to <32 x i8>). vpshufb(Ci, index - 16 i) is 0 where
+    index < 16 i (a negative byte) and Ci[index & 15] elsewhere, so for index in chunk j the XOR of all eight
+    is T0 ^ (T1 ^ T0) ^ .. ^ (Tj ^ Tj-1) = Tj[index & 15]."""
+    v32 = ir.VectorType(_I8, 32)
+    pshufb = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v32, [v32, v32]), "llvm.x86.avx2.pshuf.b")
+    result = builder.call(pshufb, [chunks[0], index])
+    for i in range(1, 8):
+        shifted = builder.sub(index, ir.Constant(v32, [16 * i] * 32))
+        result = builder.xor(result, builder.call(pshufb, [chunks[i], shifted]))
+    return result
+
+
+def _byte_lookup_avx2(builder, codes, table, plane):
+    """<64 x i8>: bytes ``table[plane + (code & 0x7F)]`` of the 64 ``codes`` (the table telescoped)."""
+    v16, v32 = ir.VectorType(_I8, 16), ir.VectorType(_I8, 32)
+    chunks = []
+    for i in range(8):
+        chunk = builder.load(builder.bitcast(builder.gep(table, [ir.Constant(_I32, plane + 16 * i)]),
+                                             v16.as_pointer()), align=1)
+        chunks.append(builder.shuffle_vector(chunk, chunk, ir.Constant(ir.VectorType(_I32, 32), list(range(16)) * 2)))
+    index = builder.and_(codes, ir.Constant(_V8x64, [0x7F] * 64))
+    halves = [_telescoped_lookup(builder, builder.shuffle_vector(index, index, ir.Constant(
+        ir.VectorType(_I32, 32), list(range(32 * h, 32 * h + 32)))), chunks) for h in (0, 1)]
+    return builder.shuffle_vector(halves[0], halves[1], ir.Constant(ir.VectorType(_I32, 64), list(range(64))))
+
+
 def byte_table_words(builder, codes, table, nan_code):
     """(high, low), each <64 x i8>: the high and low bytes of the 16-bit patterns of 64 codes (``codes``,
     <64 x i8>), looked up by their bits 0-6 in ``table`` (an i8 pointer to 256 bytes: the high bytes of the
-    patterns of codes 0..127, then their low bytes; one vpermi2b for each), the code's bit 7 XORed into the
-    high byte (the sign of a float pattern), 0x7FFF where the code is ``nan_code`` (i8). AVX512-VBMI only."""
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8x64, [_V8x64] * 3),
-                                        "llvm.x86.avx512.vpermi2var.qi.512")
-    quarters = [builder.load(builder.bitcast(builder.gep(table, [ir.Constant(_I32, 64 * q)]), _V8x64.as_pointer()),
-                             align=1) for q in range(4)]
-    high = builder.call(fn, [quarters[0], codes, quarters[1]])
-    low = builder.call(fn, [quarters[2], codes, quarters[3]])
+    patterns of codes 0..127, then their low bytes; one vpermi2b for each; without AVX512-VBMI, the table
+    telescoped and eight vpshufb per 32 bytes each), the code's bit 7 XORed into the high byte (the sign of a
+    float pattern), 0x7FFF where the code is ``nan_code`` (i8). CPUs with BYTE_TABLES only."""
+    if HAS_AVX512VBMI:
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8x64, [_V8x64] * 3),
+                                            "llvm.x86.avx512.vpermi2var.qi.512")
+        quarters = [builder.load(builder.bitcast(builder.gep(table, [ir.Constant(_I32, 64 * q)]),
+                                                 _V8x64.as_pointer()), align=1) for q in range(4)]
+        high = builder.call(fn, [quarters[0], codes, quarters[1]])
+        low = builder.call(fn, [quarters[2], codes, quarters[3]])
+    else:
+        high, low = (_byte_lookup_avx2(builder, codes, table, plane) for plane in (0, 128))
     high = builder.xor(high, builder.and_(codes, ir.Constant(_V8x64, [0x80] * 64)))
     nan = builder.icmp_unsigned("==", codes, _splat(builder, nan_code, _V8x64))
     return (builder.select(nan, ir.Constant(_V8x64, [0x7F] * 64), high),
@@ -411,7 +477,7 @@ def byte_table_words(builder, codes, table, nan_code):
 def store_table_words64(typingctx, codes, index, table, nan_code, out):
     """out[index : index + 64] <- the 16-bit patterns of the codes codes[index : index + 64] by
     ``byte_table_words`` (``codes`` uint8, ``table`` uint8[256], ``out`` int16: 1-D C-contiguous arrays;
-    ``nan_code`` an int). AVX512-VBMI only."""
+    ``nan_code`` an int). CPUs with BYTE_TABLES; the table telescoped where TELESCOPED_BYTE_TABLES."""
 
     def codegen(context, builder, sig, args):
         codes_ty, _, table_ty, _, out_ty = sig.args
@@ -1075,8 +1141,9 @@ def _lookup16_avx512(builder, table, index):
 
 
 def _lookup16_signed_avx2(builder, table, index):
-    """Per 8 lanes: vpermps in the piece's entries 0-7 (index bits 0-2), then index bit 3 XORed into the sign
-    bit (shifted left by 28 and masked)."""
+    """Per 8 lanes: vpermps in the piece's entries 0-7 (index bits 0-2), then the index shifted left by 28
+    XORed into it: bit 3 into the sign bit, bits 0-2 into bits 28-30, which undoes what signed_tables XORed
+    into entry ``index & 7`` (no mask instruction)."""
     v8f, v8i = ir.VectorType(ir.FloatType(), 8), ir.VectorType(_I32, 8)
     permute = cgutils.get_or_insert_function(
         builder.module, ir.FunctionType(v8f, [v8f, v8i]), "llvm.x86.avx2.permps")
@@ -1085,7 +1152,7 @@ def _lookup16_signed_avx2(builder, table, index):
         first = 16 * (c // 2)  # the 16-lane piece's entries
         entries = builder.shuffle_vector(table, table, ir.Constant(v8i, list(range(first, first + 8))))
         lanes = builder.shuffle_vector(index, index, ir.Constant(v8i, list(range(8 * c, 8 * c + 8))))
-        sign = builder.and_(builder.shl(lanes, ir.Constant(v8i, [28] * 8)), ir.Constant(v8i, [-(2**31)] * 8))
+        sign = builder.shl(lanes, ir.Constant(v8i, [28] * 8))
         looked_up = builder.bitcast(builder.call(permute, [entries, lanes]), v8i)
         pieces.append(builder.bitcast(builder.xor(looked_up, sign), v8f))
     return _concatenated(builder, pieces)
@@ -1108,10 +1175,25 @@ lookup16_portable = _make_binary(_lookup16_portable, F32V, _LOOKUP16_DOC)
 lookup16_avx512 = _make_binary(_lookup16_avx512, F32V, _LOOKUP16_DOC)
 lookup16 = lookup16_avx512 if HAS_AVX512F else lookup16_portable
 lookup16_signed_avx2 = _make_binary(_lookup16_signed_avx2, F32V, """lookup16 for tables whose entries 8-15 are
-entries 0-7 with the sign bit flipped (NaN entries: a NaN either way): entry ``index & 7``, its sign bit XORed
-with index bit 3. One 8-entry vpermps per 8 lanes instead of two and a blend, and half the table registers.""")
+entries 0-7 with the sign bit flipped (NaN entries: a NaN either way), in the form signed_tables_avx2 gives:
+entry ``index & 7``, its sign bit XORed with index bit 3. One 8-entry vpermps, a shift and an XOR per 8 lanes
+instead of two vpermps and a blend, and half the table registers.""")
+_SIGNED_AVX2 = HAS_AVX2 and not HAS_AVX512F
 # lookup16 where such tables are all there is (the MXFP4 and HiFloat4 weights: lowbit.kernels.cpu.weight_only)
 lookup16_signed = lookup16_avx512 if HAS_AVX512F else lookup16_signed_avx2 if HAS_AVX2 else lookup16_portable
+
+
+def signed_tables_avx2(tables: np.ndarray) -> np.ndarray:
+    """A copy of sign-symmetric float32 tables (16 entries each, flat) with entry j (0-7) of each table XORed
+    with j << 28, the form lookup16_signed_avx2 reads (entries 8-15 unchanged, unread)."""
+    marked = tables.reshape(-1, 16).view(np.uint32).copy()
+    marked[:, :8] ^= (np.arange(8, dtype=np.uint32) << np.uint32(28))
+    return marked.view(np.float32).reshape(tables.shape)
+
+
+def signed_tables(tables: np.ndarray) -> np.ndarray:
+    """The form of sign-symmetric 16-entry float32 tables (flat) that lookup16_signed reads on this CPU."""
+    return signed_tables_avx2(tables) if _SIGNED_AVX2 else tables.copy()
 
 
 @intrinsic

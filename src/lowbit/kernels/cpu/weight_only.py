@@ -18,10 +18,12 @@ Two paths, chosen by the number of rows M of x (``GEMV_MAX_M``):
 Decoding (docs/weight_only.md, 'Weights'):
 
 * HiFloat8: dequantized in x's dtype, so a row has only 256 weights: they are put in a row table first
-  (the BF16 bytes of each magnitude for vpermi2b with AVX512-VBMI and BF16 x; otherwise the float32
-  values, gathered), then each code is a look-up.
+  (the bytes of each magnitude's BF16 or FP16 bits for vpermi2b with AVX512-VBMI, or for vpshufb with AVX2
+  on CPUs without AVX512-BW; its words with AVX512-BW; otherwise the float32 values, gathered), then each
+  code is a look-up.
 * MXFP4: the block's 16-entry table (the E2M1 values times its E8M0 scale, the reference's products,
-  precomputed for all 256 scale bytes) indexed by the nibbles (vpermps with AVX-512).
+  precomputed for all 256 scale bytes) indexed by the nibbles (vpermps with AVX-512; with AVX2, an 8-entry
+  vpermps on its sign-symmetric half, simd.lookup16_signed).
 * HiFloat4: the block's 16-entry table (signed c/4 times the E6M2 scale: exact) indexed by the nibbles,
   doubled per lane where the e2 or e3 flag is set (exact; a multiply by 2 under the flags' lane mask).
 """
@@ -74,6 +76,7 @@ _E4M3_VALUES = mxfp8.e4m3_values(torch.arange(256, dtype=torch.uint8)).numpy()
 _E4M3_BF16_BYTES = np.concatenate([(_E4M3_VALUES[:128].view(np.uint32) >> shift).astype(np.uint8)
                                    for shift in (24, 16)])
 _E4M3_BF16_WORDS = (_E4M3_VALUES[:128].view(np.uint32) >> 16).astype(np.int16)
+_E4M3_BYTE_TABLES = simd.telescoped(_E4M3_BF16_BYTES) if simd.TELESCOPED_BYTE_TABLES else _E4M3_BF16_BYTES
 _E8M0_SCALES = reference.e8m0_scales().numpy()
 # 16-entry tables of every scale byte, (256 * 16,) float32: entry 16 b + nibble. MXFP4: the E2M1 value times
 # the E8M0 scale (one rounding: the reference's weight); HiFloat4: (-1)^s c/4 times the E6M2 scale (exact).
@@ -90,6 +93,10 @@ def _sign_symmetric(tables: np.ndarray) -> bool:
 
 
 assert _sign_symmetric(_MXFP4_TABLES) and _sign_symmetric(_HIFLOAT4_TABLES)
+# The same tables as simd.lookup16_signed reads them (on AVX2 CPUs without AVX-512, entries marked for its
+# mask-free sign: simd.signed_tables_avx2).
+_MXFP4_LOOKUP = simd.signed_tables(_MXFP4_TABLES)
+_HIFLOAT4_LOOKUP = simd.signed_tables(_HIFLOAT4_TABLES)
 
 
 def _exponent_bounds(tables: np.ndarray, multiplier: float) -> np.ndarray:
@@ -202,16 +209,17 @@ _row_sum_nibbles = _make_fold(NIBBLE_ORDER)
 # An 8-bit weight is dequantized in x's dtype (docs/weight_only.md, 'Weights'), so one row of W holds at
 # most 256 values: each row's are put in a table first (_fill_row_table), then every code is a look-up. The
 # kind of row table is its array type (the code's sign is XORed in, except for value tables):
-#   uint8 (256,)    BF16 x, AVX512-VBMI: the high, then the low bytes of the BF16 bits of codes 0..127
-#                   (one vpermi2b each per 64 codes);
-#   uint8 (2, 128)  FP16 x, AVX512-VBMI: the same bytes of the FP16 bits;
+#   uint8 (256,)    BF16 x, AVX512-VBMI or AVX2 without AVX512-BW: the high, then the low bytes of the
+#                   BF16 bits of codes 0..127 (one vpermi2b each per 64 codes; with AVX2, eight vpshufb per
+#                   32 codes on the bytes telescoped: simd.byte_table_words);
+#   uint8 (2, 128)  FP16 x, the same CPUs: the same bytes of the FP16 bits;
 #   int16 (128,)    BF16 x, AVX512-BW: the BF16 bits of codes 0..127 (two vpermi2w and a blend per 32);
 #   uint16 (128,)   FP16 x, AVX512-BW: the FP16 bits, likewise (then vcvtph2ps);
 #   float32 (256,)  elsewhere: the values of all 256 codes (NaN at the NaN code), gathered.
 
 
-def _code8_decode_vbmi(context, builder, codes, table_arg, nan_code):
-    """16-bit patterns of the code's magnitude from the row's byte tables (vpermi2b, index bits 0-6): BF16
+def _code8_decode_bytes(context, builder, codes, table_arg, nan_code):
+    """16-bit patterns of the code's magnitude from the row's byte tables (simd.byte_table_words): BF16
     for a 1-D table, FP16 for a 2-D one; the code's sign XORed in, NaN for ``nan_code``; bytes -> words by
     unpacking, words -> FP32 by unpacking with zeros below (BF16) or vcvtph2ps (FP16), in CODE8_ORDER."""
     table_type, table = table_arg
@@ -293,7 +301,7 @@ def _code8_decode_words(context, builder, codes, table_arg, nan_code):
     return halves
 
 
-_DECODE_BY_TABLE = {types.uint8: _code8_decode_vbmi, types.int16: _code8_decode_words,
+_DECODE_BY_TABLE = {types.uint8: _code8_decode_bytes, types.int16: _code8_decode_words,
                     types.uint16: _code8_decode_words, types.float32: _code8_decode_gather}
 
 
@@ -329,6 +337,8 @@ def _fill_row_table_typed(magnitudes, scale, bf16, nan_code, table):
         def fill_bytes(magnitudes, scale, bf16, nan_code, table):
             for i in range(0, 128, HALF):
                 store(table, i, 128 + i, simd.f32v_mul(simd.f32v_load(magnitudes, i), scale))
+            if simd.TELESCOPED_BYTE_TABLES:
+                simd.telescope_byte_tables(simd.flat(table))
 
         return fill_bytes
     if table.dtype == types.int16:
@@ -650,8 +660,8 @@ def hifloat4_pairs(typingctx, value, start, words, block):
 
 @numba.njit(**_INLINE)
 def _nibble_step(tables, packed, start):
-    """MXFP4 / HiFloat4: 32 bytes at ``packed[start]`` (flat) through ``tables`` (piece p of the F32V
-    serves bytes 16p .. 16p + 15)."""
+    """MXFP4 / HiFloat4: 32 bytes at ``packed[start]`` (flat) through ``tables`` (in simd.signed_tables' form;
+    piece p of the F32V serves bytes 16p .. 16p + 15)."""
     pairs = simd.bytes_load(packed, start)
     return simd.lookup16_signed(tables, pairs), simd.lookup16_signed(tables, simd.i32v_shift_right(pairs, 4))
 
@@ -659,7 +669,7 @@ def _nibble_step(tables, packed, start):
 @numba.njit(**_INLINE)
 def _mxfp4_step(codes, start, scale_a, scale_b):
     """MXFP4: two blocks (their 32 code bytes at ``codes[start]``) with E8M0 bytes ``scale_a``, ``scale_b``."""
-    tables = simd.f32v_load_halves(_MXFP4_TABLES, 16 * np.int64(scale_a), 16 * np.int64(scale_b))
+    tables = simd.f32v_load_halves(_MXFP4_LOOKUP, 16 * np.int64(scale_a), 16 * np.int64(scale_b))
     return _nibble_step(tables, codes, start)
 
 
@@ -669,7 +679,7 @@ def _hifloat4_step_flags(words, value, block):
     16-entry float32 tables, then the flags' doublings (any CPU)."""
     word = np.uint32(words[np.uint64(block)])
     table = 16 * np.int64(word & 0xFF)
-    w0, w1 = _nibble_step(simd.f32v_load_halves(_HIFLOAT4_TABLES, table, table), value, 32 * block)
+    w0, w1 = _nibble_step(simd.f32v_load_halves(_HIFLOAT4_LOOKUP, table, table), value, 32 * block)
     return _hifloat4_scale_levels(w0, w1, word)
 
 
@@ -1958,7 +1968,9 @@ class WeightOnlyLinear(Kernel):
 def _default_table_kind() -> str:
     if simd.HAS_AVX512VBMI:
         return "bytes"
-    return "words" if simd.HAS_AVX512BW else "values"
+    if simd.HAS_AVX512BW:
+        return "words"
+    return "bytes" if simd.BYTE_TABLES else "values"
 
 
 # Arrays of each row-table kind (see code8_decode) by (kind, BF16 x), and per K % 64 the lanes of a last, short
@@ -1973,8 +1985,8 @@ _KEEP = (_CODE8_ELEMENTS[None, :] < np.arange(LANES)[:, None]).astype(np.int32)
 
 
 def _code8_operands(codes, scale, magnitudes, nan_code, k, dtype, table_kind):
-    """The _code8_gemv / _code8_tile operands. ``table_kind`` (see code8_decode): "bytes" (BF16 with
-    AVX512-VBMI), "words" (AVX512-BW) or "values" (gathered); None: the fastest this CPU has."""
+    """The _code8_gemv / _code8_tile operands. ``table_kind`` (see code8_decode): "bytes" (AVX512-VBMI, or
+    AVX2 without AVX512-BW), "words" (AVX512-BW) or "values" (gathered); None: the fastest this CPU has."""
     bf16 = dtype == torch.bfloat16
     table_like = _ROW_TABLES_LIKE[table_kind or _default_table_kind(), bf16]
     return as_numpy(codes), as_numpy(scale.contiguous()), bf16, magnitudes, nan_code, table_like, _KEEP[k % LANES]
@@ -1993,7 +2005,7 @@ def _float8_operands(codes, scale, k, dtype, table_kind=None):
 
 def _mxfp8_operands(codes, scales, k, dtype, table_kind=None):
     """``table_kind`` as for _code8_operands (E4M3 values are BF16 values: BF16 tables serve FP16 x too)."""
-    table = {"bytes": _E4M3_BF16_BYTES, "words": _E4M3_BF16_WORDS,
+    table = {"bytes": _E4M3_BYTE_TABLES, "words": _E4M3_BF16_WORDS,
              "values": _E4M3_VALUES}[table_kind or _default_table_kind()]
     return as_numpy(codes), as_numpy(scales), dtype == torch.bfloat16, table
 
