@@ -1813,10 +1813,10 @@ def _round_into(y32: np.ndarray, bias, bf16: bool, out: torch.Tensor) -> None:
 
 
 # Whether the GEMM path hands BF16 x to torch's BF16 GEMM (on BF16 tiles) rather than its float32 GEMM: only
-# where the CPU multiplies BF16 in hardware. Without AVX512-BF16 (AMD Zen 3, Intel Xeon before Cooper Lake)
-# torch's BF16 GEMM ran 3.5-4x slower than its float32 one (AMD Zen 3, M = 256, N = K = 4096: 450-550 ms
-# against 100-130 ms), and so did F.linear in BF16 (docs/weight_only.md, 'Kernels').
-BF16_GEMM = simd.HAS_AVX512BF16
+# where the CPU multiplies BF16 in hardware (simd.TORCH_BF16_GEMM_IN_HARDWARE). Without AVX512-BF16 or AMX
+# (AMD Zen 3, Intel Xeon before Cooper Lake) torch's BF16 GEMM, and F.linear in BF16, ran 3.5-4x slower than
+# its float32 one (docs/weight_only.md, 'Kernels').
+BF16_GEMM = simd.TORCH_BF16_GEMM_IN_HARDWARE
 
 
 def _batch_max_m(n: int, k: int) -> int:

@@ -3,7 +3,7 @@ the int4 weight is decoded, column tile by column tile, to exactly the reference
 ``round_D(fl32(fl32(W + offset) * scale))`` in a reused buffer, and torch's GEMM multiplies. Only one tile
 of the dense weight exists at a time.
 
-* BF16 x on CPUs with AVX512-BF16 (``BF16_GEMM``): the tile holds BF16 values (their bit patterns) and
+* BF16 x on CPUs with AVX512-BF16 or AMX (``BF16_GEMM``): the tile holds BF16 values (their bit patterns) and
   torch's BF16 GEMM (float32 accumulation, one rounding to BF16) writes the output columns;
 * FP16 x, and BF16 x elsewhere: the tile holds the weights (values of x's dtype) widened to float32, x is
   widened, torch's float32 GEMM sums, and the sums are rounded once to x's dtype.
@@ -27,11 +27,11 @@ from lowbit.kernels.cpu.weight_only import canonical_nan_bf16
 TILE_BYTES = 64 << 20  # the dense tile's budget: a whole 4096 x 4096 BF16 weight (32 MiB) is one tile
 _COLUMNS = simd.LANES  # columns decoded per step (16 weight bytes)
 _ROWS_PER_TASK = 64  # tile rows per parallel iteration
-# torch's BF16 GEMM multiplies a (K, N) BF16 tile fast only with AVX512-BF16: on an AMD EPYC Zen 3 (AVX2)
-# an int4 layer at M = 256, N = K = 4096 took 29.6 s this way against 0.45 s for BF16 F.linear; the float32
-# GEMM on the widened tile gives the same contract (float32 sums, one rounding) (docs/wqbmm.md, 'Dequant
-# numerics').
-BF16_GEMM = simd.HAS_AVX512BF16
+# torch's BF16 GEMM multiplies a (K, N) BF16 tile fast only with BF16 hardware (AVX512-BF16 or AMX): on an
+# AMD EPYC Zen 3 (AVX2) an int4 layer at M = 256, N = K = 4096 took 29.6 s this way against 0.45 s for BF16
+# F.linear; the float32 GEMM on the widened tile gives the same contract (float32 sums, one rounding)
+# (docs/wqbmm.md, 'Dequant numerics').
+BF16_GEMM = simd.TORCH_BF16_GEMM_IN_HARDWARE
 
 
 @numba.njit(**dict(NJIT_OPTIONS, inline="always"))
