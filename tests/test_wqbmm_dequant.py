@@ -33,7 +33,7 @@ def _operands(seed, m, k, n, g, dtype, with_offset, specials):
 
 def _decoded(weight, scale, offset, g, dtype, c0, width, bf16_tile):
     """The kernel's tile of columns c0 .. c0 + width, as values of ``dtype`` (BF16 x: a BF16 tile, or, without
-    ``bf16_tile``, the float32 tile of CPUs without AVX512-BF16)."""
+    ``bf16_tile``, the float32 tile of CPUs without BF16 hardware)."""
     k, n = weight.shape[0], 2 * weight.shape[1]
     np_ = dequant.padded_columns(n)
     scale32 = torch.zeros(k // g, np_)

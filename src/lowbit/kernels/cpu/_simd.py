@@ -52,14 +52,15 @@ _VI16 = ir.VectorType(_I16, LANES)
 _VPAIR = ir.VectorType(_I8, 2 * LANES)
 _ZMM_I32 = ir.VectorType(_I32, 16)
 
+_HOST_FEATURES = llvm_binding.get_host_cpu_features()  # this CPU's features by LLVM's names
+
 
 def _host_has(*names: str) -> bool:
     """Whether numba compiles for this CPU (not a NUMBA_CPU_NAME / NUMBA_CPU_FEATURES override, e.g.
     "generic" for portable caches) and it has every feature in ``names`` (LLVM's names)."""
     if numba_config.CPU_NAME not in (None, "host") or numba_config.CPU_FEATURES:
         return False
-    features = llvm_binding.get_host_cpu_features()
-    return all(features.get(name) for name in names)
+    return all(_HOST_FEATURES.get(name) for name in names)
 
 
 HAS_VNNI = _host_has("avx512vnni", "avx512bw", "avx512f")
@@ -71,7 +72,7 @@ HAS_AMX_BF16 = _host_has("amx-bf16", "amx-tile")
 # Whether torch's BF16 GEMM multiplies in BF16 hardware (AVX512-BF16 or AMX; whatever numba compiles for):
 # without either it ran 3.5-4x slower than its float32 GEMM (AMD Zen 3, M = 256, N = K = 4096: 450-550 ms
 # against 100-130 ms), so the GEMM paths hand it float32 tiles there.
-TORCH_BF16_GEMM_IN_HARDWARE = any(llvm_binding.get_host_cpu_features().get(name) for name in ("avx512bf16", "amx-bf16"))
+TORCH_BF16_GEMM_IN_HARDWARE = bool(_HOST_FEATURES.get("avx512bf16") or _HOST_FEATURES.get("amx-bf16"))
 HAS_AVX512F = _host_has("avx512f")
 HAS_AVX512VBMI = _host_has("avx512vbmi", "avx512bw", "avx512f")
 # vpshufbitqmb (every AVX512-BF16 CPU but Intel's Cooper Lake: AMD Zen 4, Intel Xeon since Sapphire Rapids)
@@ -407,6 +408,11 @@ def telescoped(planes: np.ndarray) -> np.ndarray:
     result = chunks.copy()
     result[:, 1:] ^= chunks[:, :-1]
     return result.reshape(planes.shape)
+
+
+def byte_tables(planes: np.ndarray) -> np.ndarray:
+    """The form of 128-byte look-up tables (flat uint8) that byte_table_words reads on this CPU (a copy)."""
+    return telescoped(planes) if TELESCOPED_BYTE_TABLES else planes.copy()
 
 
 @intrinsic

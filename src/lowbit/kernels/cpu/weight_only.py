@@ -76,7 +76,7 @@ _E4M3_VALUES = mxfp8.e4m3_values(torch.arange(256, dtype=torch.uint8)).numpy()
 _E4M3_BF16_BYTES = np.concatenate([(_E4M3_VALUES[:128].view(np.uint32) >> shift).astype(np.uint8)
                                    for shift in (24, 16)])
 _E4M3_BF16_WORDS = (_E4M3_VALUES[:128].view(np.uint32) >> 16).astype(np.int16)
-_E4M3_BYTE_TABLES = simd.telescoped(_E4M3_BF16_BYTES) if simd.TELESCOPED_BYTE_TABLES else _E4M3_BF16_BYTES
+_E4M3_BYTE_TABLES = simd.byte_tables(_E4M3_BF16_BYTES)  # as simd.byte_table_words reads them here
 _E8M0_SCALES = reference.e8m0_scales().numpy()
 # 16-entry tables of every scale byte, (256 * 16,) float32: entry 16 b + nibble. MXFP4: the E2M1 value times
 # the E8M0 scale (one rounding: the reference's weight); HiFloat4: (-1)^s c/4 times the E6M2 scale (exact).
