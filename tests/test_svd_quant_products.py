@@ -1,6 +1,8 @@
 """svd_quant's MXFP4 x MXFP4 integer-dot GEMV (decode): its SIMD steps, exactness where it runs, the rows
 it leaves to the float32 kernel, tails, threads, and the operator's results through it."""
 
+import math
+
 import numba
 import numpy as np
 import pytest
@@ -372,3 +374,33 @@ def test_zero_blocks_with_small_scales_keep_the_bf16_gemm():
     assert not cpu_backend._has_subnormal_values(codes, scales)
     codes[1, 20] = 0x10  # element 41 = 0.5 * 2^-127
     assert cpu_backend._has_subnormal_values(codes, scales)
+
+
+def magnitude_range_by_numpy(bits):
+    """_magnitude_range's contract computed with numpy: (smallest exponent field of the nonzero magnitudes,
+    255 if none; largest magnitude as a float, inf if NaN/Inf)."""
+    magnitudes = bits.view(np.uint16).astype(np.int64) & 0x7FFF
+    largest = int(magnitudes.max(initial=0))
+    nonzero = magnitudes[magnitudes != 0]
+    smallest = 255 if nonzero.size == 0 else int(nonzero.min()) >> 7
+    if largest >= 0x7F80:
+        return smallest, math.inf
+    return smallest, float(torch.tensor([largest], dtype=torch.int16).view(torch.bfloat16))
+
+
+@pytest.mark.parametrize("size", [0, 1, 31, 32, 33, 64, 100, 4096 + 17])
+@pytest.mark.parametrize("kind", ["random", "zeros", "negative zeros", "subnormals", "one inf", "one nan"])
+def test_magnitude_range_of_every_kind_of_pattern(size, kind):
+    """The vector scan (LANES patterns per step, then the tail) against numpy, for lengths around the vector
+    width and patterns of every class: the smallest nonzero and the largest magnitude may sit anywhere."""
+    rng = np.random.default_rng(size)
+    bits = rng.integers(0, 1 << 16, size).astype(np.uint16)
+    if kind in ("zeros", "negative zeros"):
+        bits[:] = 0 if kind == "zeros" else 0x8000
+    elif kind == "subnormals":
+        bits &= 0x807F
+    elif size:
+        bits &= 0xBFFF  # finite, so that the one NaN or Inf decides
+        bits[rng.integers(size)] = 0x7F80 if kind == "one inf" else 0xFFC1
+    bits = bits.view(np.int16)
+    assert cpu_backend._magnitude_range(bits) == magnitude_range_by_numpy(bits)

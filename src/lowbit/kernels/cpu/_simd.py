@@ -1377,3 +1377,34 @@ def i32v_add(typingctx, a, b):
         return builder.add(args[0], args[1])
 
     return I32V(a, b), codegen
+
+
+@intrinsic
+def bf16v_magnitude_bounds(typingctx, largest, negated, arr, index):
+    """Folds the LANES BF16 bit patterns of the 1-D C-contiguous 16-bit array ``arr`` at element ``index``
+    into two I16V accumulators (unsigned lanes): (max(largest, |pattern|), max(negated, -|pattern| mod 2^16)),
+    |pattern| = pattern & 0x7FFF. ``negated``'s largest lane is 2^16 minus the smallest nonzero magnitude (0
+    if all are zero), so that one unsigned max gives both ends of a magnitude range."""
+
+    def codegen(context, builder, sig, args):
+        words = builder.load(_element_ptr(context, builder, sig.args[2], args[2], args[3], _VI16), align=1)
+        magnitudes = builder.and_(words, ir.Constant(_VI16, [0x7FFF] * LANES))
+        negatives = builder.sub(ir.Constant(_VI16, [0] * LANES), magnitudes)
+        results = []
+        for acc, value in ((args[0], magnitudes), (args[1], negatives)):
+            results.append(builder.select(builder.icmp_unsigned(">", value, acc), value, acc))
+        return context.make_tuple(builder, sig.return_type, results)
+
+    return types.UniTuple(I16V, 2)(largest, negated, arr, index), codegen
+
+
+@intrinsic
+def i16v_max_lane(typingctx, value):
+    """The largest lane of an I16V read as unsigned (int64)."""
+
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I16, [_VI16]),
+                                            f"llvm.vector.reduce.umax.v{LANES}i16")
+        return builder.zext(builder.call(fn, [args[0]]), ir.IntType(64))
+
+    return types.int64(value), codegen

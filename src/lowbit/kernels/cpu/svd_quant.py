@@ -235,14 +235,16 @@ _NORMAL_PRODUCT_FIELDS = 142
 @numba.njit(**NJIT_OPTIONS)
 def _magnitude_range(bits):
     """(smallest exponent field of the nonzero values: 0 if one is subnormal, 255 if all are zero; largest
-    |value| as float64: inf if one is NaN or Inf) of BF16 bit patterns (a 1-D int16 array)."""
-    largest, smallest_nonzero = 0, 0x7FFF
-    simd.prefer_512_bit_vectors()  # a loop for LLVM's auto-vectorizer: 512-bit lanes on Intel too
-    for i in range(bits.size):  # branch-free, so that LLVM vectorizes it
-        magnitude = np.int32(bits[i]) & 0x7FFF
-        largest = max(largest, magnitude)
-        smallest_nonzero = min(smallest_nonzero, magnitude + (magnitude == 0) * 0x7FFF)
-    smallest = 255 if smallest_nonzero == 0x7FFF else smallest_nonzero >> 7
+    |value| as float64: inf if one is NaN or Inf) of BF16 bit patterns (a 1-D C-contiguous int16 array)."""
+    largest_lanes, negated_lanes = simd.i16v_zero(), simd.i16v_zero()
+    full = bits.size - bits.size % simd.LANES
+    for i in range(0, full, simd.LANES):
+        largest_lanes, negated_lanes = simd.bf16v_magnitude_bounds(largest_lanes, negated_lanes, bits, i)
+    largest, negated = simd.i16v_max_lane(largest_lanes), simd.i16v_max_lane(negated_lanes)
+    for i in range(full, bits.size):
+        magnitude = np.int64(bits[i]) & 0x7FFF
+        largest, negated = max(largest, magnitude), max(negated, -magnitude & 0xFFFF)
+    smallest = 255 if negated == 0 else (0x10000 - negated) >> 7  # negated: 2^16 - the smallest nonzero one
     if largest >= 0x7F80:
         return smallest, np.inf
     exponent, fraction = largest >> 7, largest & 0x7F
