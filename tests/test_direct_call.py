@@ -1,5 +1,6 @@
 """lowbit.ops.library.call runs the Operator itself only where torch.ops.lowbit would do nothing else."""
 
+import numpy as np
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
@@ -66,9 +67,29 @@ def test_not_plain_arguments_go_through_the_custom_op():
     assert not dispatches_plainly("mxfp4_linear", plain[:3], None)  # fewer arguments than parameters
     assert not dispatches_plainly("mxfp4_linear", (x, codes, scales, [1.0]), None)
     assert not dispatches_plainly("mxfp4_linear", plain, 3)
-    assert not dispatches_plainly("mxfp4_quantize", (x,), None)  # a non-tensor parameter
+    assert not dispatches_plainly("mxfp4_quantize", (x,), None)  # fewer arguments than parameters
     with pytest.raises(TypeError, match="bias must be a tensor, got list"):  # named before any dispatch
         ops.mxfp4_linear(x, codes, scales, [1.0])
+
+
+def test_scalar_arguments_of_their_exact_python_type_are_plain():
+    """int / str parameters (and None for an optional one) pass through the dispatcher unchanged, so such a
+    call runs directly too, with the custom op's bits; a bool or a numpy integer for an int, which the
+    dispatcher converts or rejects, goes through it."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, K, generator=g).to(torch.float16)
+    weight = torch.randint(0, 256, (K, N // 2), generator=g, dtype=torch.uint8)
+    scale = torch.rand(K // 32, N, generator=g).to(torch.float16)
+    args = (x, weight, scale, None, 32, "msd", "preload")
+    assert dispatches_plainly("weight_quant_batch_matmul", args, None)
+    assert dispatches_plainly("decode_from_hifloat8", (weight, None), None)
+    assert dispatches_plainly("decode_from_hifloat8", (weight, 5), None)
+    assert not dispatches_plainly("weight_quant_batch_matmul", (*args[:4], True, *args[5:]), None)
+    assert not dispatches_plainly("weight_quant_batch_matmul", (*args[:4], np.int64(32), *args[5:]), None)
+    assert not dispatches_plainly("weight_quant_batch_matmul", (*args[:5], None, args[6]), None)
+    got = lowbit.weight_quant_batch_matmul(x, weight, scale, group_size=32)
+    assert torch.equal(got, torch.ops.lowbit.weight_quant_batch_matmul(*args, None))
+    assert lowbit.last_backend("weight_quant_batch_matmul") == "native"
 
 
 def test_inference_tensors_are_plain():

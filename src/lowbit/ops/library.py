@@ -27,8 +27,10 @@ _LIB = torch.library.Library("lowbit", "FRAGMENT")
 _ARGUMENTS: dict[str, list] = {}  # custom op name -> its schema's arguments (read once, at definition)
 _OUTPUT_COUNT: dict[str, int] = {}  # operator name -> number of output tensors
 _KINDS: dict[str, tuple[tuple[str, str], ...]] = {}  # operator name -> (argument name, schema type) each
-# operator name -> per parameter whether it is optional, for operators whose parameters are all tensors
-_TENSOR_PARAMETERS: dict[str, tuple[bool, ...]] = {}
+_PARAMETER_KINDS: dict[str, tuple[str, ...]] = {}  # operator name -> its parameters' schema types (not backend)
+# Schema types of scalar parameters -> the Python type an argument must have exactly to be passed through as
+# it is: the dispatcher hands such a value to the operator unchanged (others it converts or rejects).
+_PLAIN_SCALARS = {"int": int, "str": str, "bool": bool, "float": float}
 _KEY = torch._C.DispatchKey
 # The dispatch keys of a dense CPU tensor with no conjugate / negative bit, and the keys the dispatcher
 # includes by default (BackendSelect: only factory functions have kernels there; ADInplaceOrView: falls
@@ -80,9 +82,7 @@ def define(
     for op_name in (name, name + "_out"):
         _ARGUMENTS[op_name] = list(getattr(torch.ops.lowbit, op_name).default._schema.arguments)
     _KINDS[name] = tuple((argument.name, str(argument.type)) for argument in _ARGUMENTS[name])
-    types = [str(argument.type) for argument in _ARGUMENTS[name][:-1]]  # the parameters, not backend
-    if all(t in ("Tensor", "Optional[Tensor]") for t in types):
-        _TENSOR_PARAMETERS[name] = tuple(t == "Optional[Tensor]" for t in types)
+    _PARAMETER_KINDS[name] = tuple(kind for _, kind in _KINDS[name][:-1])
 
     def functional(*args, **kwargs):
         *args, backend = _complete(op.name, args, kwargs)
@@ -116,13 +116,21 @@ def define(
 
 def dispatches_plainly(name: str, args: Sequence[Any], backend: Optional[str]) -> bool:
     """Whether ``torch.ops.lowbit.<name>(*args, backend)`` would only call the Operator ``name`` with these
-    arguments: every parameter of the operator is a tensor (optional ones may be None), each argument a
-    plain one (:func:`plain_tensor`), and nothing intercepts or records the call (:func:`plain_context`)."""
-    optional = _TENSOR_PARAMETERS.get(name)
-    if (optional is None or len(args) != len(optional) or not (backend is None or type(backend) is str)
-            or not plain_context()):
+    arguments: one per parameter, each tensor argument a plain one (:func:`plain_tensor`), each scalar of
+    exactly its parameter's Python type (int, str, bool, float), None for an optional one, and nothing
+    intercepts or records the call (:func:`plain_context`)."""
+    kinds = _PARAMETER_KINDS.get(name)
+    if kinds is None or len(args) != len(kinds) or not (backend is None or type(backend) is str):
         return False
-    return all(plain_tensor(arg) or (arg is None and can_be_none) for arg, can_be_none in zip(args, optional))
+    return all(_plain_argument(arg, kind) for arg, kind in zip(args, kinds)) and plain_context()
+
+
+def _plain_argument(arg: Any, kind: str) -> bool:
+    if kind.startswith("Optional["):
+        return arg is None or _plain_argument(arg, kind[len("Optional["):-1])
+    if kind == "Tensor":
+        return plain_tensor(arg)
+    return type(arg) is _PLAIN_SCALARS.get(kind)
 
 
 def plain_context() -> bool:
