@@ -48,29 +48,36 @@ def _operands(seed, m, k, n, g, dtype, with_offset, specials):
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), m=st.sampled_from([1, 2, 3, 4, 5, 16, 17]), g=st.sampled_from([32, 64, 96, 128, 288]),
        groups=st.integers(1, 2), n=st.sampled_from(N_VALUES), bf16=st.booleans(), with_offset=st.booleans(),
-       specials=st.booleans(), threads=st.sampled_from([1, 2]))
-def test_raw_path_equals_reference_and_tiled_paths(seed, m, g, groups, n, bf16, with_offset, specials, threads):
+       specials=st.booleans(), threads=st.sampled_from([1, 2]), streamed=st.booleans())
+def test_raw_path_equals_reference_and_tiled_paths(seed, m, g, groups, n, bf16, with_offset, specials, threads,
+                                                   streamed):
     """M = 1..5 and 16 (17: past RAW_MAX_ROWS, the tiled path), G = 32..288 (288 > RAW_SPAN_K: two int16 spans per
     group), K = G or 2G, N not a multiple of 32 and across column blocks, FP16/BF16, offsets present or
-    absent, zero groups, NaN/Inf/extreme activations and scales, 1 and 2 threads."""
+    absent, zero groups, NaN/Inf/extreme activations and scales, 1 and 2 threads, both orders of the rows
+    (RAW_ROWS_STREAMED)."""
     dtype = torch.bfloat16 if bf16 else torch.float16
     x, weight, scale, offset = _operands(seed, m, groups * g, n, g, dtype, with_offset, specials)
     expected = bits(ref.wqbmm_msd(x, weight, scale, offset, g))
-    before = torch.get_num_threads()
+    before, order = torch.get_num_threads(), cpu.RAW_ROWS_STREAMED
     torch.set_num_threads(threads)
+    cpu.RAW_ROWS_STREAMED = streamed  # hypothesis runs examples without function-scoped fixtures
     try:
         raw = _run(x, weight, scale, offset, g, "preload")
         tiled = _run(x, weight, scale, offset, g, "preload", prepacked=True)
         basic = _run(x, weight, scale, offset, g, "basic")
     finally:
         torch.set_num_threads(before)
+        cpu.RAW_ROWS_STREAMED = order
     assert torch.equal(raw, expected)
     assert torch.equal(raw, tiled) and torch.equal(raw, basic)
 
 
+@pytest.mark.parametrize("streamed", [False, True])
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
-def test_sample_sized_row_is_bit_exact_on_two_threads(m):
-    """A wide problem (several column blocks per thread, the sample's G) against the reference."""
+def test_sample_sized_row_is_bit_exact_on_two_threads(m, streamed, monkeypatch):
+    """A wide problem (several column blocks per thread, the sample's G) against the reference, the rows
+    streamed or walked down the columns."""
+    monkeypatch.setattr(cpu, "RAW_ROWS_STREAMED", streamed)
     x, weight, scale, offset = _operands(m, m, 256, 3 * cpu.RAW_BLOCK_N, 128, torch.float16, m % 2 == 0, True)
     before = torch.get_num_threads()
     torch.set_num_threads(2)

@@ -1408,3 +1408,24 @@ def i16v_max_lane(typingctx, value):
         return builder.zext(builder.call(fn, [args[0]]), ir.IntType(64))
 
     return types.int64(value), codegen
+
+
+@intrinsic
+def i16v_load(typingctx, arr, index):
+    """LANES int16 lanes from a 1-D C-contiguous int16 array at element ``index`` (any alignment)."""
+
+    def codegen(context, builder, sig, args):
+        return builder.load(_element_ptr(context, builder, sig.args[0], args[0], args[1], _VI16), align=1)
+
+    return I16V(arr, index), codegen
+
+
+@intrinsic
+def i16v_store(typingctx, arr, index, value):
+    """Store LANES int16 lanes into a 1-D C-contiguous int16 array at element ``index``."""
+
+    def codegen(context, builder, sig, args):
+        builder.store(args[2], _element_ptr(context, builder, sig.args[0], args[0], args[1], _VI16), align=1)
+        return context.get_dummy_value()
+
+    return types.void(arr, index, value), codegen

@@ -31,7 +31,8 @@ Templates (same numbers):
 
 Raw-weight path (:func:`_raw_preload`; docs/wqbmm.md, section 'Raw-weight path'): ``preload`` with a raw
 (K, N/2) weight and at most RAW_MAX_ROWS rows reads the raw bytes as they are, row by row (two rows per
-``vpmaddubsw``, int16 sums over at most RAW_SPAN_K rows, then int32), and post-processes with the same
+``vpmaddubsw``, int16 sums over at most RAW_SPAN_K rows, then int32; the sums in registers, or without
+AVX512-BW in an L1 scratch while row pairs stream by: RAW_ROWS_STREAMED), and post-processes with the same
 :func:`_accumulate_row`: the same integers, the same float order, the same bits, without the repack.
 """
 
@@ -383,42 +384,36 @@ def _preload(tiles, a_quads, a_max, a_sum, scale_bits, offset_bits, group_size, 
 
 RAW_BLOCK_N = 64 * TILE_N  # columns per parallel task of the raw-weight path (a multiple of TILE_N)
 RAW_SPAN_K = 256  # weight rows summed in int16 before widening to int32: 256 * 7 * 15 < 2**15
+RAW_PREFETCH_PAIRS = 8  # pairs of rows ahead that _span_streamed prefetches
+# Whether the raw path streams the rows (_span_streamed) rather than walking down the columns with its sums in
+# registers (_span_in_registers). AVX2's 16 vector registers cannot hold the walk's sums and operands, and
+# there the walk, a cache line per row and a 4 KiB page every two rows, outruns the prefetchers: on an AMD
+# EPYC Zen 3 the streamed rows took 1.0-1.5 ms against 2.3-2.7 ms (4096 x 4096, one thread, kernel alone).
+# CPUs with AVX512-BW keep the walk, measured there at twice the speed of sums kept in memory
+# (docs/wqbmm.md, section 'Raw-weight path').
+RAW_ROWS_STREAMED = not simd.HAS_AVX512BW
 RAW_MAX_ROWS = 16  # M up to which a raw weight is read as it is (above: repacked; docs/wqbmm.md)
 
 
 @numba.njit(**_INLINE_OPTIONS)
-def _raw_span(weight, half, k0, k1, byte0, nbytes, a_i8, a_words, ysum, at):
+def _raw_span(weight, half, k0, k1, byte0, nbytes, a_i8, a_words, streamed, partial, ysum, at):
     """ysum += sum over rows k0..k1-1 (an even count, at most RAW_SPAN_K) of A_i[m, k] * u[k, col] for the
     block's columns: ``ysum[at + (m * 3 + i) * RAW_BLOCK_N + c]`` holds block column c (``2 * byte0 + c``).
 
     ``weight``: the flat raw bytes (rows of ``half`` bytes); ``a_words``: ``a_i8`` (M, 3, K) viewed as int16,
-    one word per two consecutive k. u = W + 8. Per row m and LANES bytes of the rows (2 * LANES columns),
-    the six int16 sums (3 components x even / odd columns) stay in registers while the span's rows stream
-    by two at a time; every product and partial sum is a small exact integer (|A| <= 7, u <= 15, at most
-    RAW_SPAN_K rows), so int16 lanes hold them exactly. Then they are put back in column order, widened and
-    added to ``ysum``. The block's last ``nbytes % LANES`` bytes go one by one.
+    one word per two consecutive k. u = W + 8. Per row m, the block's LANES-byte pieces of the rows by
+    :func:`_span_in_registers` or, if ``streamed``, :func:`_span_streamed` (``partial``: its int16 scratch,
+    6 * (RAW_BLOCK_N / 2) elements); the block's last ``nbytes % LANES`` bytes one by one.
     """
     m_rows, _, k = a_i8.shape
     vector_bytes = nbytes - nbytes % simd.LANES
     for m in range(m_rows):
         y0 = at + m * 3 * RAW_BLOCK_N
         w0 = (m * 3 * k + k0) // 2  # a_words index of the first pair of A1
-        for j in range(0, vector_bytes, simd.LANES):
-            s1 = s2 = s3 = s4 = s5 = s6 = simd.i16v_zero()
-            row = k0 * half + byte0 + j
-            for p in range((k1 - k0) // 2):
-                low, high = simd.u4p_low(weight, row, half), simd.u4p_high(weight, row, half)
-                s1 = simd.i16v_maddubs(s1, low, a_words, w0 + p)
-                s2 = simd.i16v_maddubs(s2, high, a_words, w0 + p)
-                s3 = simd.i16v_maddubs(s3, low, a_words, w0 + k // 2 + p)
-                s4 = simd.i16v_maddubs(s4, high, a_words, w0 + k // 2 + p)
-                s5 = simd.i16v_maddubs(s5, low, a_words, w0 + k + p)
-                s6 = simd.i16v_maddubs(s6, high, a_words, w0 + k + p)
-                row += 2 * half
-            c = y0 + 2 * j
-            _add_zipped(ysum, c, s1, s2)
-            _add_zipped(ysum, c + RAW_BLOCK_N, s3, s4)
-            _add_zipped(ysum, c + 2 * RAW_BLOCK_N, s5, s6)
+        if streamed:
+            _span_streamed(weight, half, k0, k1, byte0, vector_bytes, k, a_words, w0, partial, ysum, y0)
+        else:
+            _span_in_registers(weight, half, k0, k1, byte0, vector_bytes, k, a_words, w0, ysum, y0)
         for j in range(vector_bytes, nbytes):
             for kk in range(k0, k1):
                 u = np.int32(weight[kk * half + byte0 + j] ^ 0x88)
@@ -426,6 +421,58 @@ def _raw_span(weight, half, k0, k1, byte0, nbytes, a_i8, a_words, ysum, at):
                     a = np.int32(a_i8[m, i, kk])
                     ysum[y0 + i * RAW_BLOCK_N + 2 * j] += a * (u & 15)
                     ysum[y0 + i * RAW_BLOCK_N + 2 * j + 1] += a * (u >> 4)
+
+
+@numba.njit(**_INLINE_OPTIONS)
+def _span_in_registers(weight, half, k0, k1, byte0, vector_bytes, k, a_words, w0, ysum, y0):
+    """:func:`_raw_span` of one activation row (its A1 pairs from ``a_words[w0]``, its sums at ``ysum[y0]``):
+    per LANES bytes of the rows (2 * LANES columns), the six int16 sums (3 components x even / odd columns)
+    stay in registers while the span's rows stream by two at a time (down the columns). Every product and
+    partial sum is a small exact integer (|A| <= 7, u <= 15, at most RAW_SPAN_K rows), so int16 lanes hold
+    them exactly. Then they are put back in column order, widened and added to ``ysum``."""
+    for j in range(0, vector_bytes, simd.LANES):
+        s1 = s2 = s3 = s4 = s5 = s6 = simd.i16v_zero()
+        row = k0 * half + byte0 + j
+        for p in range((k1 - k0) // 2):
+            low, high = simd.u4p_low(weight, row, half), simd.u4p_high(weight, row, half)
+            s1 = simd.i16v_maddubs(s1, low, a_words, w0 + p)
+            s2 = simd.i16v_maddubs(s2, high, a_words, w0 + p)
+            s3 = simd.i16v_maddubs(s3, low, a_words, w0 + k // 2 + p)
+            s4 = simd.i16v_maddubs(s4, high, a_words, w0 + k // 2 + p)
+            s5 = simd.i16v_maddubs(s5, low, a_words, w0 + k + p)
+            s6 = simd.i16v_maddubs(s6, high, a_words, w0 + k + p)
+            row += 2 * half
+        c = y0 + 2 * j
+        _add_zipped(ysum, c, s1, s2)
+        _add_zipped(ysum, c + RAW_BLOCK_N, s3, s4)
+        _add_zipped(ysum, c + 2 * RAW_BLOCK_N, s5, s6)
+
+
+@numba.njit(**_INLINE_OPTIONS)
+def _span_streamed(weight, half, k0, k1, byte0, vector_bytes, k, a_words, w0, partial, ysum, y0):
+    """:func:`_span_in_registers` with the rows read two at a time each from its first to its last byte of
+    the block (a stream, prefetched RAW_PREFETCH_PAIRS pairs ahead) and the six int16 sums of every LANES
+    bytes kept in ``partial`` (in the L1 cache) instead of registers: the same integers."""
+    ahead, last = RAW_PREFETCH_PAIRS * 2 * half, weight.size - 1
+    stride = 6 * simd.LANES  # partial's elements per LANES bytes of a row
+    partial[: vector_bytes // simd.LANES * stride] = 0
+    for p in range((k1 - k0) // 2):
+        row = (k0 + 2 * p) * half + byte0
+        for j in range(0, vector_bytes, simd.LANES):
+            simd.prefetch(weight, min(row + j + ahead, last))
+            simd.prefetch(weight, min(row + j + half + ahead, last))
+            low, high = simd.u4p_low(weight, row + j, half), simd.u4p_high(weight, row + j, half)
+            s = j // simd.LANES * stride
+            for i in range(3):
+                word = w0 + i * (k // 2) + p
+                even, odd = s + 2 * i * simd.LANES, s + (2 * i + 1) * simd.LANES
+                simd.i16v_store(partial, even, simd.i16v_maddubs(simd.i16v_load(partial, even), low, a_words, word))
+                simd.i16v_store(partial, odd, simd.i16v_maddubs(simd.i16v_load(partial, odd), high, a_words, word))
+    for j in range(0, vector_bytes, simd.LANES):
+        s = j // simd.LANES * stride
+        for i in range(3):
+            _add_zipped(ysum, y0 + i * RAW_BLOCK_N + 2 * j, simd.i16v_load(partial, s + 2 * i * simd.LANES),
+                        simd.i16v_load(partial, s + (2 * i + 1) * simd.LANES))
 
 
 @numba.njit(**_INLINE_OPTIONS)
@@ -441,8 +488,8 @@ def _add_at(ysum, at, y):
 
 
 @SerialOrParallel
-def _raw_preload(weight, a_i8, a_max, a_sum, scale_bits, offset_bits, group_size, is_bf16, has_offset, ysum,
-                 y32):
+def _raw_preload(weight, a_i8, a_max, a_sum, scale_bits, offset_bits, group_size, is_bf16, has_offset, streamed,
+                 ysum, y32):
     """The fused MSD matmul reading the flat raw (K * N/2) weight (rows <= RAW_MAX_ROWS); y32 (M, padded N)
     float32 is overwritten. Per RAW_BLOCK_N-column block and group: the group's sums ``sum_k A_i[k] * u[k, n]``
     (:func:`_raw_span`, into ``ysum``: 3 * M * RAW_BLOCK_N int32 per block), then :func:`_accumulate_row` per
@@ -455,6 +502,7 @@ def _raw_preload(weight, a_i8, a_max, a_sum, scale_bits, offset_bits, group_size
     block_size = 3 * m_rows * RAW_BLOCK_N
     y_flat = y32.reshape(-1)
     for block in numba.prange(-(-npad // RAW_BLOCK_N)):
+        partial = np.empty(6 * width, dtype=np.int16)
         col0 = block * RAW_BLOCK_N
         byte0 = col0 // 2
         nbytes = min(width, half - byte0)
@@ -466,7 +514,7 @@ def _raw_preload(weight, a_i8, a_max, a_sum, scale_bits, offset_bits, group_size
             ysum[at : at + block_size] = 0
             for k0 in range(g * group_size, (g + 1) * group_size, RAW_SPAN_K):
                 k1 = min(k0 + RAW_SPAN_K, (g + 1) * group_size)
-                _raw_span(weight, half, k0, k1, byte0, nbytes, a_i8, a_words, ysum, at)
+                _raw_span(weight, half, k0, k1, byte0, nbytes, a_i8, a_words, streamed, partial, ysum, at)
             for m in range(m_rows):
                 for t in range(tiles):
                     y0 = at + m * 3 * RAW_BLOCK_N + TILE_N * t
@@ -606,7 +654,7 @@ def _run_stages(x32, a_i8, a_max, a_sum, y32, weight, scale_bits, offset_bits, i
     if layout.raw:
         ysum = as_numpy(layout.view(workspace, "ysum", torch.int32, (-1,)))
         _raw_preload(weight_np.reshape(-1), a_np, amax_np, asum_np, scale_bits, offset_bits, g, is_bf16, has_offset,
-                     ysum, y_np, serial=serial)
+                     RAW_ROWS_STREAMED, ysum, y_np, serial=serial)
     elif layout.template == "preload":
         _preload(weight_np, a_quads, amax_np, asum_np, scale_bits, offset_bits, g, is_bf16, has_offset, y_np,
                  serial=serial)
