@@ -212,26 +212,40 @@ def i32v_zero(typingctx):
     return I32V(), codegen
 
 
-@intrinsic
-def i32v_load(typingctx, arr, index):
-    """LANES int32 lanes from a 1-D C-contiguous array at element ``index`` (4 * LANES bytes, any alignment);
-    a uint8 array is read as 4 * LANES bytes, lane i = bytes 4i..4i+3 (little-endian)."""
+def _make_load(vector_type, result, doc):
+    """An @intrinsic ``load(arr, index)``: the ``vector_type`` (LLVM) at element ``index`` of a 1-D
+    C-contiguous array (any alignment), typed ``result``."""
 
-    def codegen(context, builder, sig, args):
-        return builder.load(_element_ptr(context, builder, sig.args[0], args[0], args[1], _VI32), align=1)
+    @intrinsic
+    def load(typingctx, arr, index):
+        def codegen(context, builder, sig, args):
+            return builder.load(_element_ptr(context, builder, sig.args[0], args[0], args[1], vector_type), align=1)
 
-    return I32V(arr, index), codegen
+        return result(arr, index), codegen
+
+    load.__doc__ = doc
+    return load
 
 
-@intrinsic
-def i32v_store(typingctx, arr, index, value):
-    """Store LANES int32 lanes into a 1-D C-contiguous int32 array at element ``index``."""
+def _make_store(vector_type, doc):
+    """An @intrinsic ``store(arr, index, value)``: ``value`` (of LLVM type ``vector_type``) stored at element
+    ``index`` of a 1-D C-contiguous array (any alignment)."""
 
-    def codegen(context, builder, sig, args):
-        builder.store(args[2], _element_ptr(context, builder, sig.args[0], args[0], args[1], _VI32), align=1)
-        return context.get_dummy_value()
+    @intrinsic
+    def store(typingctx, arr, index, value):
+        def codegen(context, builder, sig, args):
+            builder.store(args[2], _element_ptr(context, builder, sig.args[0], args[0], args[1], vector_type), align=1)
+            return context.get_dummy_value()
 
-    return types.void(arr, index, value), codegen
+        return types.void(arr, index, value), codegen
+
+    store.__doc__ = doc
+    return store
+
+
+i32v_load = _make_load(_VI32, I32V, """LANES int32 lanes from a 1-D C-contiguous array at element ``index`` (4 * LANES
+bytes, any alignment); a uint8 array is read as 4 * LANES bytes, lane i = bytes 4i..4i+3 (little-endian).""")
+i32v_store = _make_store(_VI32, "Store LANES int32 lanes into a 1-D C-contiguous int32 array at element ``index``.")
 
 
 @intrinsic
@@ -597,25 +611,8 @@ def f32v_zero(typingctx):
     return F32V(), codegen
 
 
-@intrinsic
-def f32v_load(typingctx, arr, index):
-    """LANES float32 lanes from a 1-D C-contiguous float32 array at element ``index``."""
-
-    def codegen(context, builder, sig, args):
-        return builder.load(_element_ptr(context, builder, sig.args[0], args[0], args[1], _VF32), align=1)
-
-    return F32V(arr, index), codegen
-
-
-@intrinsic
-def f32v_store(typingctx, arr, index, value):
-    """Store LANES float32 lanes into a 1-D C-contiguous float32 array at element ``index``."""
-
-    def codegen(context, builder, sig, args):
-        builder.store(args[2], _element_ptr(context, builder, sig.args[0], args[0], args[1], _VF32), align=1)
-        return context.get_dummy_value()
-
-    return types.void(arr, index, value), codegen
+f32v_load = _make_load(_VF32, F32V, "LANES float32 lanes from a 1-D C-contiguous float32 array at element ``index``.")
+f32v_store = _make_store(_VF32, "Store LANES float32 lanes into a 1-D C-contiguous float32 array at element ``index``.")
 
 
 @intrinsic
@@ -1410,22 +1407,5 @@ def i16v_max_lane(typingctx, value):
     return types.int64(value), codegen
 
 
-@intrinsic
-def i16v_load(typingctx, arr, index):
-    """LANES int16 lanes from a 1-D C-contiguous int16 array at element ``index`` (any alignment)."""
-
-    def codegen(context, builder, sig, args):
-        return builder.load(_element_ptr(context, builder, sig.args[0], args[0], args[1], _VI16), align=1)
-
-    return I16V(arr, index), codegen
-
-
-@intrinsic
-def i16v_store(typingctx, arr, index, value):
-    """Store LANES int16 lanes into a 1-D C-contiguous int16 array at element ``index``."""
-
-    def codegen(context, builder, sig, args):
-        builder.store(args[2], _element_ptr(context, builder, sig.args[0], args[0], args[1], _VI16), align=1)
-        return context.get_dummy_value()
-
-    return types.void(arr, index, value), codegen
+i16v_load = _make_load(_VI16, I16V, "LANES int16 lanes from a 1-D C-contiguous int16 array at element ``index``.")
+i16v_store = _make_store(_VI16, "Store LANES int16 lanes into a 1-D C-contiguous int16 array at element ``index``.")
