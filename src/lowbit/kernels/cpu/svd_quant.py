@@ -51,10 +51,13 @@ from lowbit.kernels.cpu.weight_only import (GEMV_MAX_M, GEMV_ONE_THREAD_WEIGHTS,
                                              _prefetch_ahead)
 
 INTEGER_PRODUCTS = simd.HAS_VNNI or simd.HAS_AVX2  # else decode runs the float32 weight-only kernel
-# The integer GEMV runs on one thread below this many weights: it takes half the float32 GEMV's time per weight,
-# so waking the second thread pays off only on about twice the work (N = 2816, K = 2048 at decode: a call
-# of svd_quant 0.26-0.29 ms on one thread, 0.29-0.34 ms on two; 4096 x 4096: two threads are faster).
-_PRODUCT_ONE_THREAD_WEIGHTS = 2 * GEMV_ONE_THREAD_WEIGHTS
+# The integer GEMV runs on one thread below this many weights. With VNNI it takes half the float32 GEMV's time
+# per weight, so waking the second thread pays off only on about twice the work (AMD Zen 4, N = 2816, K = 2048
+# at decode: a call of svd_quant 0.26-0.29 ms on one thread, 0.29-0.34 ms on two; 4096 x 4096: two threads are
+# faster). AVX2's two-instruction emulation of vpdpbusd costs about what the float32 GEMV does per weight, so
+# the float GEMV's threshold holds there (AMD Zen 3, N = 2816, K = 2048, each call after an F.linear: 265-282 us
+# on two threads against 425-430 us on one; benchmarks/results_weight_only.md, 'svd_quant's product on AVX2').
+_PRODUCT_ONE_THREAD_WEIGHTS = (2 if simd.HAS_VNNI else 1) * GEMV_ONE_THREAD_WEIGHTS
 # Weights below which product_gemv runs its serial version (see SerialOrParallel); from there to
 # _PRODUCT_ONE_THREAD_WEIGHTS its parallel loop on one thread, which is faster there (the serial version took
 # 0.29 ms at N = 2816, K = 2048 against 0.27 ms: benchmarks/results_first_run.md).
