@@ -544,12 +544,26 @@ def _first_bytes(context, builder, arrty, arr, index, lanes, count):
     return builder.call(fn, [pointer, ir.Constant(_I32, 1), mask, ir.Constant(v_bytes, [0] * lanes)])
 
 
+def _first_words(context, builder, arrty, arr, index, count):
+    """<LANES x i32>: the bytes arr[index : index + count] (``count`` a multiple of 4) of a 1-D C-contiguous
+    uint8 array, zeros after them; a masked load of 32-bit lanes (vpmaskmovd with AVX2), so nothing past the
+    first ``count`` bytes is read. Without AVX512-BW LLVM lowers a masked load of bytes to a branch per byte."""
+    words = builder.lshr(builder.trunc(count, _I32) if count.type.width > 32 else count, ir.Constant(_I32, 2))
+    mask = builder.icmp_unsigned("<", ir.Constant(_VI32, list(range(LANES))), _splat(builder, words, _VI32))
+    fnty = ir.FunctionType(_VI32, [_VI32.as_pointer(), _I32, ir.VectorType(ir.IntType(1), LANES), _VI32])
+    fn = cgutils.get_or_insert_function(builder.module, fnty, f"llvm.masked.load.v{LANES}i32.p0")
+    pointer = _element_ptr(context, builder, arrty, arr, index, _VI32)
+    return builder.call(fn, [pointer, ir.Constant(_I32, 1), mask, ir.Constant(_VI32, [0] * LANES)])
+
+
 @intrinsic
 def i32v_load_first(typingctx, arr, index, count):
-    """:func:`i32v_load` of a uint8 array with only its first ``count`` bytes read (0 <= count <= 4 * LANES;
-    the others 0): a row's last, short step without copying it anywhere."""
+    """:func:`i32v_load` of a uint8 array with only its first ``count`` bytes read (0 <= count <= 4 * LANES, a
+    multiple of 4 without AVX512-BW; the others 0): a row's last, short step without copying it anywhere."""
 
     def codegen(context, builder, sig, args):
+        if not HAS_AVX512BW:
+            return _first_words(context, builder, sig.args[0], args[0], args[1], args[2])
         return builder.bitcast(_first_bytes(context, builder, sig.args[0], args[0], args[1], 4 * LANES, args[2]), _VI32)
 
     return I32V(arr, index, count), codegen

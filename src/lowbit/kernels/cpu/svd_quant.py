@@ -136,16 +136,16 @@ def quantized_operands(x_pairs, m_rows, kp, width, abs_mask, element_abs_mask, n
     return low, high, start, field, bounds, codes, scales
 
 
-@numba.njit(**NJIT_OPTIONS)
-def _safe(bounds, low, high, limit):
-    """Whether an activation row of ``bounds`` (see activation_operands) and a weight row with scale bytes
+@numba.njit(**{**NJIT_OPTIONS, "inline": "always"})  # called per weight row: no call, no array view
+def _safe(bounds, m, low, high, limit):
+    """Whether activation row m of ``bounds`` (see activation_operands) and a weight row with scale bytes
     in [low, high] give only normal float32 products (field >= 1) and sums that cannot overflow (the row's
     largest product times K below 2^127: ``field_max <= limit``), with every weight finite."""
-    if bounds[2] != 0 or high > _LARGEST_FINITE_SCALE:
+    if bounds[m, 2] != 0 or high > _LARGEST_FINITE_SCALE:
         return False
-    if bounds[1] < 0:
+    if bounds[m, 1] < 0:
         return True  # x is all zeros and W is finite: every product is zero
-    return bounds[0] + low - _EXPONENT_BIAS >= 1 and bounds[1] + high - _EXPONENT_BIAS <= limit
+    return bounds[m, 0] + low - _EXPONENT_BIAS >= 1 and bounds[m, 1] + high - _EXPONENT_BIAS <= limit
 
 
 @numba.njit(**{**NJIT_OPTIONS, "inline": "always"})
@@ -199,7 +199,7 @@ def product_gemv(low, high, start, field, bounds, codes, scales, y32, fallback):
             smallest, largest = _low_byte_range(scales_flat, s0, blocks)
             admitted = True
             for m in range(m_rows):
-                admitted &= _safe(bounds[m], smallest, largest, limit)
+                admitted &= _safe(bounds, m, smallest, largest, limit)
             if not admitted:
                 fallback[row] = 1
                 continue
