@@ -531,29 +531,30 @@ def spread_bytes4(typingctx, arr, index):
     return I32V(arr, index), codegen
 
 
-def _first_bytes(context, builder, arrty, arr, index, lanes, count):
-    """<lanes x i8>: the bytes arr[index : index + count] of a 1-D C-contiguous uint8 array, zeros after them;
-    a masked load (AVX512-BW), so nothing past the first ``count`` bytes is read."""
-    v_bytes = ir.VectorType(_I8, lanes)
+def _masked_first(context, builder, arrty, arr, index, element, lanes, count):
+    """<lanes x element>: the first ``count`` elements of that type at byte ``index`` of a 1-D C-contiguous
+    uint8 array, zeros after them; a masked load, so nothing past them is read."""
+    vector = ir.VectorType(element, lanes)
     v_index = ir.VectorType(_I32, lanes)
     count = builder.trunc(count, _I32) if count.type.width > 32 else count
     mask = builder.icmp_unsigned("<", ir.Constant(v_index, list(range(lanes))), _splat(builder, count, v_index))
-    fnty = ir.FunctionType(v_bytes, [v_bytes.as_pointer(), _I32, ir.VectorType(ir.IntType(1), lanes), v_bytes])
-    fn = cgutils.get_or_insert_function(builder.module, fnty, f"llvm.masked.load.v{lanes}i8.p0")
-    pointer = _element_ptr(context, builder, arrty, arr, index, v_bytes)
-    return builder.call(fn, [pointer, ir.Constant(_I32, 1), mask, ir.Constant(v_bytes, [0] * lanes)])
+    fnty = ir.FunctionType(vector, [vector.as_pointer(), _I32, ir.VectorType(ir.IntType(1), lanes), vector])
+    fn = cgutils.get_or_insert_function(builder.module, fnty, f"llvm.masked.load.v{lanes}i{element.width}.p0")
+    pointer = _element_ptr(context, builder, arrty, arr, index, vector)
+    return builder.call(fn, [pointer, ir.Constant(_I32, 1), mask, ir.Constant(vector, [0] * lanes)])
+
+
+def _first_bytes(context, builder, arrty, arr, index, lanes, count):
+    """<lanes x i8>: the bytes arr[index : index + count] of a 1-D C-contiguous uint8 array, zeros after them
+    (a byte-masked load: one instruction with AVX512-BW, a branch per byte elsewhere)."""
+    return _masked_first(context, builder, arrty, arr, index, _I8, lanes, count)
 
 
 def _first_words(context, builder, arrty, arr, index, count):
-    """<LANES x i32>: the bytes arr[index : index + count] (``count`` a multiple of 4) of a 1-D C-contiguous
-    uint8 array, zeros after them; a masked load of 32-bit lanes (vpmaskmovd with AVX2), so nothing past the
-    first ``count`` bytes is read. Without AVX512-BW LLVM lowers a masked load of bytes to a branch per byte."""
+    """<LANES x i32>: the bytes arr[index : index + count] (``count`` a multiple of 4), zeros after them, by
+    a masked load of 32-bit lanes (vpmaskmovd with AVX2): what _first_bytes gives, without a branch per byte."""
     words = builder.lshr(builder.trunc(count, _I32) if count.type.width > 32 else count, ir.Constant(_I32, 2))
-    mask = builder.icmp_unsigned("<", ir.Constant(_VI32, list(range(LANES))), _splat(builder, words, _VI32))
-    fnty = ir.FunctionType(_VI32, [_VI32.as_pointer(), _I32, ir.VectorType(ir.IntType(1), LANES), _VI32])
-    fn = cgutils.get_or_insert_function(builder.module, fnty, f"llvm.masked.load.v{LANES}i32.p0")
-    pointer = _element_ptr(context, builder, arrty, arr, index, _VI32)
-    return builder.call(fn, [pointer, ir.Constant(_I32, 1), mask, ir.Constant(_VI32, [0] * LANES)])
+    return _masked_first(context, builder, arrty, arr, index, _I32, LANES, words)
 
 
 @intrinsic

@@ -59,9 +59,11 @@ INTEGER_PRODUCTS = simd.HAS_VNNI or simd.HAS_AVX2  # else decode runs the float3
 # on two threads against 425-430 us on one; benchmarks/results_weight_only.md, 'svd_quant's product on AVX2').
 _PRODUCT_ONE_THREAD_WEIGHTS = (2 if simd.HAS_VNNI else 1) * GEMV_ONE_THREAD_WEIGHTS
 # Weights below which product_gemv runs its serial version (see SerialOrParallel); from there to
-# _PRODUCT_ONE_THREAD_WEIGHTS its parallel loop on one thread, which is faster there (the serial version took
-# 0.29 ms at N = 2816, K = 2048 against 0.27 ms: benchmarks/results_first_run.md).
-_PRODUCT_SERIAL_WEIGHTS = 1 << 16
+# _PRODUCT_ONE_THREAD_WEIGHTS its parallel loop on one thread, which is faster there with VNNI (AMD Zen 4: the
+# serial version took 0.29 ms at N = 2816, K = 2048 against 0.27 ms: benchmarks/results_first_run.md). On AVX2
+# the serial version is the faster one (AMD Zen 3, each call after an F.linear: 1536 x 384 117 against 143 us,
+# 1024 x 1024 71 against 81 us; benchmarks/results_weight_only.md, 'svd_quant's product on AVX2').
+_PRODUCT_SERIAL_WEIGHTS = 1 << 16 if simd.HAS_VNNI else _PRODUCT_ONE_THREAD_WEIGHTS
 _BF16_QUANTIZER = mxfp4.quantize_constants(torch.bfloat16, "floor", "ta")  # the activation quantizer's constants
 # Each step prefetches its codes in the row this many rows on (weight_only._prefetch_ahead): N = 2816, K = 2048
 # at decode, the weight streamed from memory, Intel Xeon: 0.58 ms per call on one thread against 0.72 ms.
