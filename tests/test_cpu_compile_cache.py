@@ -96,10 +96,10 @@ def test_no_kernel_is_compiled_for_a_literal_argument():
 
 
 class _PoolStub:
-    """A stand-in for ProcessPoolExecutor (subclasses define submit)."""
+    """A stand-in for ProcessPoolExecutor and ThreadPoolExecutor (subclasses define submit)."""
 
     def __init__(self, workers, mp_context=None):
-        pass
+        self.workers = workers
 
     def __enter__(self):
         return self
@@ -107,25 +107,43 @@ class _PoolStub:
     def __exit__(self, *exc):
         return False
 
+    def shutdown(self, wait=True, cancel_futures=False):
+        pass
+
 
 def test_operators_are_warmed_after_those_whose_kernels_they_share(monkeypatch):
-    """One task per operator: each starts only after the first operator of its own family (the family's
-    shared helpers) and after every operator of a family whose kernels it calls (svd_quant after the MXFP4
-    quantizer and the weight-only GEMV), whatever order the tasks end in."""
+    """One task per operator: each starts only after every operator of a family whose kernels it calls
+    (svd_quant after the MXFP4 quantizer and the weight-only GEMV) and after the first operator of its own
+    family (the family's shared helpers), unless no other task could start, whatever order the tasks end
+    in."""
     cold = warm.families(operators().values())
     needs = warm._prerequisites(cold)
     assert needs["mxfp4_quantize"] == set() and needs["mxfp4_dequantize"] == {"mxfp4_quantize"}
     assert needs["svd_quant"] == set(cold["lowbit.kernels.cpu.mxfp4"]) | set(cold["lowbit.kernels.cpu.weight_only"])
 
-    started, ended, names = [], set(), {}
+    started, ended, names, here = [], set(), {}, []
+    first = {name: names_[0] for names_ in cold.values() for name in names_}
 
     class FakePool(_PoolStub):  # records submissions; tasks end only when the scheduler waits (fake_wait)
         def submit(self, fn, name):
-            assert needs[name] <= ended, (name, needs[name] - ended)
+            assert needs[name] - {first[name]} <= ended, (name, needs[name] - ended)
+            if first[name] not in ended | {name}:  # its family's first still compiling: only rather than leave a slot idle
+                assert not [n for n in needs if n not in started and needs[n] <= ended], name
             started.append(name)
             future = warm.concurrent.futures.Future()
             names[future] = name
             return future
+
+    class FakeProcesses(FakePool):  # the worker processes: workers - 1 tasks at a time
+        def submit(self, fn, name):
+            assert self.workers == 1 and all(n in ended or n in here for n in started), started
+            return super().submit(fn, name)
+
+    class FakeThread(FakePool):  # this process's own slot: one task at a time
+        def submit(self, fn, name):
+            assert self.workers == 1 and all(n in ended for n in here), here
+            here.append(name)
+            return super().submit(fn, name)
 
     def fake_wait(futures, return_when):  # the task submitted last ends first; one of them fails
         future = max(futures, key=lambda f: started.index(names[f]))
@@ -137,17 +155,35 @@ def test_operators_are_warmed_after_those_whose_kernels_they_share(monkeypatch):
         return {future}, set(futures) - {future}
 
     monkeypatch.setattr(warm, "is_cold", lambda module: True)
-    monkeypatch.setattr(warm.concurrent.futures, "ProcessPoolExecutor", FakePool)
+    monkeypatch.setattr(warm.concurrent.futures, "ProcessPoolExecutor", FakeProcesses)
+    monkeypatch.setattr(warm.concurrent.futures, "ThreadPoolExecutor", FakeThread)
     monkeypatch.setattr(warm.concurrent.futures, "wait", fake_wait)
     modules = warm.warm_cache(operators().values(), workers=2)
     assert sorted(started) == sorted(needs) and sorted(modules) == sorted(cold)
+    assert here and here[0] == started[0]  # this process takes the first task, without a process start-up
     assert modules.index("lowbit.kernels.cpu.mxfp4") < modules.index("lowbit.kernels.cpu.svd_quant")
+
+
+def test_a_slot_takes_a_task_waiting_for_its_family_first_only_rather_than_stay_idle():
+    needs = {"pack": {"fake_quant"}, "svd": {"quantize"}, "decode": {"encode"}, "encode": set()}
+    first = {"pack": "fake_quant", "svd": "svd", "decode": "encode", "encode": "encode"}
+    assert warm._ready(["pack", "svd", "encode"], needs, first, set()) == ["encode"]
+    assert warm._ready(["pack", "svd", "decode"], needs, first, set()) == ["pack", "decode"]  # else idle
+    assert warm._ready(["svd"], needs, first, set()) == []  # another family's kernels: always waited for
+    assert warm._ready(["svd"], needs, first, {"quantize"}) == ["svd"]
 
 
 def test_a_worker_that_dies_ends_the_warm_up_without_an_error(monkeypatch):
     """A worker killed (out of memory, a crash) breaks the process pool: the warm-up stops submitting and
     returns, and the calling process compiles what is left itself."""
-    submitted = []
+    submitted, here = [], []
+
+    class Here(_PoolStub):  # this process's own tasks end at once
+        def submit(self, fn, name):
+            here.append(name)
+            future = warm.concurrent.futures.Future()
+            future.set_result(None)
+            return future
 
     class BreakingPool(_PoolStub):
         def submit(self, fn, name):
@@ -160,8 +196,9 @@ def test_a_worker_that_dies_ends_the_warm_up_without_an_error(monkeypatch):
 
     monkeypatch.setattr(warm, "is_cold", lambda module: True)
     monkeypatch.setattr(warm.concurrent.futures, "ProcessPoolExecutor", BreakingPool)
+    monkeypatch.setattr(warm.concurrent.futures, "ThreadPoolExecutor", Here)
     assert warm.warm_cache(operators().values(), workers=2)  # returns the cold modules, raises nothing
-    assert len(submitted) == 1
+    assert len(submitted) == 1 and len(here) <= 2  # no task after the pool broke
 
 
 def test_one_cold_family_starts_no_worker(monkeypatch):

@@ -1,10 +1,11 @@
-"""Fill numba's on-disk cache for several CPU kernel families at once, in worker processes.
+"""Fill numba's on-disk cache for several CPU kernel families at once: in this process and in worker processes.
 
 numba compiles under a process-wide lock, so one process compiles one kernel at a time. When the cache of
 several families is cold (nothing of the family was ever cached), :func:`warm_cache` compiles them in
-parallel worker processes, one task per operator running its self-check (which compiles every
-specialization the probes need), an operator after those whose kernels it shares; the calling process
-then loads the kernels from the cache. A family counts as cold only when none of its cached kernels has
+parallel, one task per operator running its self-check (which compiles every specialization the probes
+need), an operator after those whose kernels it shares. The calling process takes tasks too, on a thread of
+its own (it starts at once, while a worker process still imports torch, and keeps what it compiled
+loaded); it then loads the workers' kernels from the cache. A family counts as cold only when none of its cached kernels has
 an index file in numba's cache, so a warm cache costs no worker process. Warming is an optimization
 only: a worker that fails changes nothing, as the calling process compiles whatever is still missing
 itself.
@@ -63,7 +64,8 @@ def _dispatchers(module) -> list:
 
 
 def _warm_operator(name: str) -> None:
-    """Worker: run the CPU self-check of operator ``name`` (compiling and caching its kernels)."""
+    """A warm-up task, in a worker process or this one: run the CPU self-check of operator ``name`` (compiling
+    and caching its kernels)."""
     import lowbit  # noqa: F401  (registers every operator)
     from lowbit.backends import operators
 
@@ -125,41 +127,62 @@ def _prerequisites(cold: dict[str, list[str]]) -> dict[str, set[str]]:
     return needs
 
 
+def _ready(pending: list[str], needs: dict[str, set[str]], first: dict[str, str], ended: set[str]) -> list[str]:
+    """The tasks among ``pending`` that may start once those in ``ended`` have: those whose prerequisites
+    have all ended or, where there is none, those that only wait for their family's first operator (``first``)
+    to end: a slot compiling a shared helper a second time does more than a slot left idle."""
+    return ([name for name in pending if needs[name] <= ended]
+            or [name for name in pending if needs[name] - {first[name]} <= ended])
+
+
 def warm_cache(ops: Iterable[Operator], workers: int | None = None) -> list[str]:
     """Compile the CPU kernels of the cold families among ``ops`` in parallel; returns those modules.
 
-    One task per operator (its self-check), run in ``workers`` processes (default: :func:`idle_cpus`, at
-    most one per cold family); nothing is started when fewer than two would run: on CPUs busy with other
-    work, worker processes only add their start-up to the same compile time (benchmarks/
-    results_first_run.md). A worker that dies ends the warm-up (the pool takes no more tasks). A task starts once its
-    :func:`_prerequisites` have ended; among those ready, the families that others use come first, then
-    the larger kernel modules (the longer compiles), each family's operators in their order.
+    One task per operator (its self-check), run by ``workers`` compiling processes at a time, this one
+    included (default: :func:`idle_cpus`, at most one per cold family): a thread of this process takes the
+    first task at once, worker processes the others; nothing is started when fewer than two would run: on
+    CPUs busy with other work, a worker process only adds its start-up to the same compile time
+    (benchmarks/results_first_run.md). A worker process that dies ends the warm-up (the pool takes no more
+    tasks). A task starts once its :func:`_prerequisites` have ended; among those ready, the families that
+    others use come first, then those that use others, then the larger kernel modules (the longer
+    compiles), each family's operators in their order. A slot that would otherwise stay idle takes a task
+    whose family's first operator is still compiling (it may compile some shared helper a second time).
     """
     cold = {module: names for module, names in families(ops).items() if is_cold(module)}
     needs = _prerequisites(cold)
     workers = min(idle_cpus() if workers is None else workers, len(cold))  # a family's tasks wait for its first
     if workers < 2:
         return []
-    order = sorted(cold, key=lambda m: (not any(_uses_other_families(user, [m]) for user in cold if user != m),
+    used = {m for m in cold if any(_uses_other_families(user, [m]) for user in cold if user != m)}
+    users = {m for m in cold if _uses_other_families(m, cold)}
+    order = sorted(cold, key=lambda m: (m not in used, m not in users,
                                         -os.path.getsize(importlib.import_module(m).__file__)))
     pending = [name for module in order for name in cold[module]]
+    first = {name: names[0] for names in cold.values() for name in names}
     ended: set[str] = set()
-    running: dict[concurrent.futures.Future, str] = {}
+    running: dict[concurrent.futures.Future, tuple[str, bool]] = {}  # future: (operator, run by this process)
     context = multiprocessing.get_context("spawn")  # no fork of a process that may run OpenMP threads
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
-        while pending or running:
-            ready = [name for name in pending if needs[name] <= ended] or (pending[:1] if not running else [])
-            try:
-                for name in ready[:workers - len(running)]:  # (a cycle of prerequisites runs in list order)
-                    running[pool.submit(_warm_operator, name)] = name
-                    pending.remove(name)
-            except concurrent.futures.BrokenExecutor:  # a worker died (memory, a crash): the pool takes no more
-                break
-            finished, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
-            for future in finished:
-                ended.add(running.pop(future))
+    pool = concurrent.futures.ProcessPoolExecutor(workers - 1, mp_context=context)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as here:
+            while pending or running:
+                ready = _ready(pending, needs, first, ended) or (pending[:1] if not running else [])
+                here_free = not any(local for _, local in running.values())
                 try:
-                    future.result()
-                except Exception:  # the caller compiles what a failed worker left out
-                    pass
+                    for name in ready[:workers - len(running)]:  # (a cycle of prerequisites runs in list order)
+                        executor = here if here_free else pool
+                        running[executor.submit(_warm_operator, name)] = name, here_free
+                        pending.remove(name)
+                        here_free = False
+                except concurrent.futures.BrokenExecutor:  # a worker died (memory, a crash): the pool takes no more
+                    break
+                finished, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
+                for future in finished:
+                    ended.add(running.pop(future)[0])
+                    try:
+                        future.result()
+                    except Exception:  # the caller compiles what a failed task left out
+                        pass
+    finally:  # every task has ended, or the pool broke, or an interrupt: the workers exit on their own
+        pool.shutdown(wait=False, cancel_futures=True)
     return order
