@@ -98,7 +98,7 @@ def test_hifloat8_specials_nan_inf_codes_and_scales():
     assert (nan == reference.NAN_BITS[torch.float16]).all()  # canonical NaN
 
 
-@pytest.mark.parametrize("k", [32, 96])
+@pytest.mark.parametrize("k", [32, 96, 320])
 def test_mxfp4_every_code_under_every_scale_byte(k):
     g = gen(k)
     every_code = torch.arange(16, dtype=torch.uint8).repeat(k // 16)
@@ -238,6 +238,44 @@ def test_mxfp4_pairs_give_every_code_under_every_normal_scale_byte():
     got = np.empty(16 * scales.size, dtype=np.int32)  # 64 dwords per pair step of four blocks
     _pair_steps(cpu._mxfp4_pair_step, scales, codes, scales.size // 4, got)
     assert torch.equal(torch.from_numpy(got), _expected_pairs(weights.reshape(-1, 64).numpy(), scales.size // 4))
+
+
+@numba.njit
+def _shuffled_steps(codes, scales, steps, out):
+    """Steps 0 .. steps - 1 of a flat row through mxfp4_bf16_step; each step's two F32V one after the other."""
+    for t in range(steps):
+        b = np.uint64(2 * t)
+        w0, w1 = cpu.mxfp4_bf16_step(codes, np.uint64(16) * b, scales, b)
+        simd.f32v_store(out, 64 * t, w0)
+        simd.f32v_store(out, 64 * t + 32, w1)
+
+
+@pytest.mark.skipif(not cpu.MXFP4_BYTE_SHUFFLE, reason="the byte-shuffle step is the AVX2 (no AVX-512) MXFP4 step")
+def test_mxfp4_byte_shuffle_step_gives_every_code_under_every_scale_byte():
+    """mxfp4_bf16_step gives the reference's MXFP4 weights, bit for bit, in MXFP4_ORDER, for every code in
+    either block of a step under every E8M0 byte (the subnormal weights of bytes 0 and 1, Inf, NaN)."""
+    rng = np.random.default_rng(8)
+    scales = np.arange(256, dtype=np.uint8)
+    scales = np.concatenate([scales, rng.permutation(scales)])  # 2 x 256 blocks: 256 steps
+    codes = np.stack([rng.permutation(np.arange(256, dtype=np.uint8))[:16] for _ in range(scales.size)]).reshape(-1)
+    weights = reference.mxfp4_weight(torch.from_numpy(codes).view(-1, 16), torch.from_numpy(scales).view(-1, 1))
+    got = np.empty(32 * scales.size, dtype=np.float32)
+    _shuffled_steps(codes, scales, scales.size // 2, got)
+    want = weights.reshape(-1, 64)[:, torch.tensor(cpu.MXFP4_ORDER)].reshape(-1)
+    assert torch.equal(torch.from_numpy(got).view(torch.int32), want.contiguous().view(torch.int32))
+
+
+def test_mxfp4_rows_of_subnormal_normal_and_nan_weights():
+    """Rows with subnormal weights (scale bytes 0 and 1), normal ones, NaN and overflowing products beside
+    each other, several steps and an odd last block, rows of x that fuse and one that does not."""
+    g = gen(9)
+    codes, scales = mxfp4_weight(12, 352, g)
+    scales[0, 3], scales[1, :], scales[2, 10], scales[3, 0], scales[8, 2] = 1, 0, 2, 0xFF, 250
+    scales[4:8] = torch.randint(1, 4, (4, 11), generator=g, dtype=torch.uint8)
+    x = torch.randn(3, 352, generator=g)
+    x[1, 5] = 60000.0  # times row 8's large weights: beyond float32's range, so that row multiplies and adds
+    for dtype in (torch.bfloat16, torch.float16):
+        native_equals_reference(ops.MXFP4_LINEAR, x.to(dtype), codes, scales, None)
 
 
 def test_hifloat4_packed_weights_with_poisoned_and_zero_blocks():

@@ -142,8 +142,17 @@ def _order(split: tuple[int, ...], perm: tuple[int, ...]) -> list[int]:
 CODE8_SPLIT = ((4, 4, 4), (1, 0, 2))
 # MXFP4, HiFloat4: the low nibbles of 32 bytes (elements 0, 2, .., 62), then the high nibbles (1, 3, .., 63).
 NIBBLE_SPLIT = ((32, 2), (1, 0))
+# MXFP4 on AVX2 CPUs without AVX-512 (mxfp4_bf16_step): the 32 code bytes of a step are one 32-byte register,
+# block a's 16 bytes in its low 128-bit lane, block b's in the high one; vpshufb looks up each nibble's BF16
+# bytes, vpunpck{l,h}bw pairs them into words (bytes 0-7, then 8-15 of each lane), and a shift by 16 (even
+# words) or a mask (odd words) makes float32 lanes. Register (nibble, unpack half h, word parity) holds, in
+# lane 4 * block + d, element 32 * block + 16 h + 4 d + 2 parity + nibble.
+MXFP4_BYTE_SHUFFLE_SPLIT = ((2, 2, 4, 2, 2), (4, 1, 3, 0, 2))
+MXFP4_BYTE_SHUFFLE = simd.HAS_AVX2 and not simd.HAS_AVX512F  # (AVX-512 CPUs sum four rows at once instead)
+MXFP4_SPLIT = MXFP4_BYTE_SHUFFLE_SPLIT if MXFP4_BYTE_SHUFFLE else NIBBLE_SPLIT
 CODE8_ORDER = _order(*CODE8_SPLIT)
 NIBBLE_ORDER = _order(*NIBBLE_SPLIT)
+MXFP4_ORDER = _order(*MXFP4_SPLIT)
 _CODE8_ELEMENTS = np.array(CODE8_ORDER)
 _SECOND_BLOCK = (_CODE8_ELEMENTS >= 32).astype(np.int32)  # MXFP8: lanes of the step's second 32-block
 _FIRST_BLOCK = 1 - _SECOND_BLOCK
@@ -164,22 +173,27 @@ def _halves(builder, vector64):
             builder.shuffle_vector(vector64, vector64, _mask(range(HALF, LANES))))
 
 
-def _make_logical(order):
-    inverse = [order.index(lane) for lane in range(LANES)]
+def _make_reorder(source, target):
+    sources = [source.index(element) for element in target]
 
     @intrinsic
-    def logical(typingctx, first, second):
-        """The 64 lanes of (``first``, ``second``), kept in this register order, as logical lanes
-        (0..31, 32..63)."""
+    def reorder(typingctx, first, second):
+        """The 64 lanes of (``first``, ``second``), kept in register order ``source``, put in register order
+        ``target`` (an identity costs nothing)."""
 
         def codegen(context, builder, sig, args):
-            low = builder.shuffle_vector(args[0], args[1], _mask(inverse[:HALF]))
-            high = builder.shuffle_vector(args[0], args[1], _mask(inverse[HALF:]))
+            low = builder.shuffle_vector(args[0], args[1], _mask(sources[:HALF]))
+            high = builder.shuffle_vector(args[0], args[1], _mask(sources[HALF:]))
             return context.make_tuple(builder, sig.return_type, [low, high])
 
         return types.UniTuple(simd.F32V, 2)(first, second), codegen
 
-    return logical
+    return reorder
+
+
+def _make_logical(order):
+    """The 64 lanes kept in register order ``order`` as logical lanes (0..31, 32..63)."""
+    return _make_reorder(order, list(range(LANES)))
 
 
 def _make_fold(order):
@@ -202,8 +216,11 @@ def _make_fold(order):
 
 code8_logical = _make_logical(CODE8_ORDER)
 nibble_logical = _make_logical(NIBBLE_ORDER)
+mxfp4_logical = _make_logical(MXFP4_ORDER)
 _row_sum_code8 = _make_fold(CODE8_ORDER)
 _row_sum_nibbles = _make_fold(NIBBLE_ORDER)
+_row_sum_mxfp4 = _make_fold(MXFP4_ORDER)
+_mxfp4_order = _make_reorder(NIBBLE_ORDER, MXFP4_ORDER)  # the float32 tables' steps in MXFP4_ORDER
 
 # ---- 8-bit codes (HiFloat8, FP8 E4M3): 64 codes -> two F32V in CODE8_ORDER -------------------------------
 # An 8-bit weight is dequantized in x's dtype (docs/weight_only.md, 'Weights'), so one row of W holds at
@@ -554,6 +571,54 @@ def _vpermi2w(builder):
 # The BF16 bits of _MXFP4_TABLES, (256 * 16,) int16: exact for every scale byte whose weights are normal
 # float32 values (two significant bits), the only bytes _paired_bytes lets through (NaN for byte 0xFF).
 _MXFP4_WORDS = (_MXFP4_TABLES.view(np.uint32) >> 16).astype(np.uint16).view(np.int16)
+# (256, 32) uint8: per scale byte, the low bytes of the BF16 bits of its 16 weights, then their high bytes
+# (mxfp4_bf16_step's two vpshufb tables). Exact for every byte: an MXFP4 weight has at most two significant
+# bits, so it is a BF16 value whether normal or subnormal (bytes 0 and 1: down to 2^-128; BF16's smallest
+# subnormal is 2^-133), and Inf and NaN are too.
+_MXFP4_BF16_BYTES = np.concatenate([_MXFP4_WORDS.view(np.uint16).reshape(256, 16) & 0xFF,
+                                    _MXFP4_WORDS.view(np.uint16).reshape(256, 16) >> 8], axis=1).astype(np.uint8)
+assert np.array_equal(_MXFP4_WORDS.astype(np.int32) << 16, _MXFP4_TABLES.view(np.int32))  # BF16 values
+_UNPACK_LOW_BYTES = [i for lane in (0, 16) for j in range(lane, lane + 8) for i in (j, 32 + j)]  # vpunpcklbw
+_UNPACK_HIGH_BYTES = [i + 8 for i in _UNPACK_LOW_BYTES]  # vpunpckhbw
+
+
+@intrinsic
+def mxfp4_bf16_step(typingctx, codes, start, scales, block):
+    """MXFP4 blocks ``block`` and ``block + 1`` (flat; E8M0 bytes at ``scales[block]``, 1-D uint8; their 32
+    code bytes at ``codes[start]``, 1-D uint8) as two F32V in MXFP4_BYTE_SHUFFLE_SPLIT's order, from
+    _MXFP4_BF16_BYTES (the reference's weights, bit for bit). AVX2: per nibble two vpshufb
+    (low and high BF16 bytes; block a's table in the low 128-bit lane, block b's in the high one), two
+    vpunpck*bw, then a shift (even words) or a mask (odd words) per eight float32 lanes."""
+
+    def codegen(context, builder, sig, args):
+        v32x8, v16x8, v8x32 = ir.VectorType(ir.IntType(8), 32), ir.VectorType(ir.IntType(8), 16), ir.VectorType(_I32, 8)
+        i64 = ir.IntType(64)
+        pshufb = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v32x8, [v32x8, v32x8]),
+                                                "llvm.x86.avx2.pshuf.b")
+        raw = builder.load(simd._element_ptr(context, builder, sig.args[0], args[0], args[1], v32x8), align=1)
+        table = simd.aligned_constant(builder, "lowbit.mxfp4.bf16_bytes", _MXFP4_BF16_BYTES)
+
+        def half_table(i, high):  # 16 bytes of block + i's table: its weights' low (high = 0) or high bytes
+            at = builder.add(args[3], ir.Constant(args[3].type, i))
+            byte = builder.load(simd._element_ptr(context, builder, sig.args[2], args[2], at, ir.IntType(8)))
+            at = builder.add(builder.mul(builder.zext(byte, i64), ir.Constant(i64, 32)), ir.Constant(i64, 16 * high))
+            return builder.load(builder.bitcast(builder.gep(table, [at]), v16x8.as_pointer()), align=16)
+
+        low_bytes, high_bytes = (builder.shuffle_vector(half_table(0, h), half_table(1, h), _mask(range(32)))
+                                 for h in (0, 1))
+        fifteen = ir.Constant(v32x8, [15] * 32)
+        results = []
+        for nibble in (builder.and_(raw, fifteen), builder.and_(builder.lshr(raw, ir.Constant(v32x8, [4] * 32)), fifteen)):
+            low, high = builder.call(pshufb, [low_bytes, nibble]), builder.call(pshufb, [high_bytes, nibble])
+            registers = []
+            for unpack in (_UNPACK_LOW_BYTES, _UNPACK_HIGH_BYTES):
+                words = builder.bitcast(builder.shuffle_vector(low, high, _mask(unpack)), v8x32)
+                registers.append(builder.shl(words, ir.Constant(v8x32, [16] * 8)))  # even words
+                registers.append(builder.and_(words, ir.Constant(v8x32, [-65536] * 8)))  # odd words
+            results.append(builder.bitcast(simd._concatenated(builder, registers), simd._VF32))
+        return context.make_tuple(builder, sig.return_type, results)
+
+    return types.UniTuple(simd.F32V, 2)(codes, start, scales, block), codegen
 
 
 @intrinsic
@@ -867,6 +932,7 @@ ROW_BLOCK = 4  # _block_sums, _store_block and the callers' ``starts`` are writt
 # 8 AVX2 ones, so a block's accumulators alone need 32 AVX2 registers of the 16 there are; the spills made an
 # AVX2 GEMV (AMD Zen 3) 6-9 times slower than summing the rows one by one (docs/weight_only.md, 'Kernels').
 BLOCK_ROWS = simd.HAS_AVX512F
+assert not BLOCK_ROWS or MXFP4_ORDER == NIBBLE_ORDER  # the row blocks decode MXFP4 steps in NIBBLE_ORDER
 
 
 @numba.njit(**_INLINE)
@@ -1140,20 +1206,40 @@ def _mxfp8_gemv(x_reg, codes, scales, bf16, table, y32):
 
 
 @numba.njit(**_INLINE)
+def _mxfp4_table_step(codes_flat, scales_flat, b):
+    """MXFP4 blocks b, b + 1 (flat, unsigned b) in MXFP4_ORDER from the float32 tables."""
+    return _mxfp4_order(*_mxfp4_step(codes_flat, np.uint64(16) * b, scales_flat[b], scales_flat[b + np.uint64(1)]))
+
+
+@numba.njit(**_INLINE)
+def _mxfp4_shuffled_step(codes_flat, scales_flat, b):
+    """The same by byte shuffles (mxfp4_bf16_step; AVX2)."""
+    return mxfp4_bf16_step(codes_flat, np.uint64(16) * b, scales_flat, b)
+
+
+# An MXFP4 step of two whole blocks in MXFP4_ORDER, as the CPU decodes it fastest.
+_mxfp4_pair_of_blocks = _mxfp4_shuffled_step if MXFP4_BYTE_SHUFFLE else _mxfp4_table_step
+
+
+@numba.njit(**_INLINE)
+def _mxfp4_odd_block(codes_flat, b, scales_flat, scratch):
+    """An odd last block b (flat) in MXFP4_ORDER, its second block zeros (_mxfp4_last_block)."""
+    return _mxfp4_order(*_mxfp4_last_block(codes_flat, 16 * b, scales_flat[b], scratch))
+
+
+@numba.njit(**_INLINE)
 def _mxfp4_row_sum(accumulate, x_flat, x0, scales_flat, codes_flat, b0, blocks, scratch):
-    """One row of W (its blocks b0 .. b0 + blocks - 1) times x_flat[x0:] (register order), summed with
+    """One row of W (its blocks b0 .. b0 + blocks - 1) times x_flat[x0:] (MXFP4_ORDER), summed with
     ``accumulate`` (_accumulate or _accumulate_fused: a compile-time choice, so each loop is branch-free)."""
     acc0 = simd.f32v_zero()
     acc1 = simd.f32v_zero()
     for t in range(blocks // 2):
-        b = np.uint64(b0 + 2 * t)  # unsigned: no negative-index wraparound code
-        w0, w1 = _mxfp4_step(codes_flat, 16 * b, scales_flat[b], scales_flat[b + 1])
+        w0, w1 = _mxfp4_pair_of_blocks(codes_flat, scales_flat, np.uint64(b0 + 2 * t))
         acc0, acc1 = accumulate(acc0, acc1, x_flat, x0 + LANES * t, w0, w1)
     if blocks % 2:
-        b = b0 + blocks - 1
-        w0, w1 = _mxfp4_last_block(codes_flat, 16 * b, scales_flat[b], scratch)
+        w0, w1 = _mxfp4_odd_block(codes_flat, b0 + blocks - 1, scales_flat, scratch)
         acc0, acc1 = accumulate(acc0, acc1, x_flat, x0 + LANES * (blocks // 2), w0, w1)
-    return _row_sum_nibbles(acc0, acc1)
+    return _row_sum_mxfp4(acc0, acc1)
 
 
 @numba.njit(**_INLINE)
@@ -1383,19 +1469,29 @@ def _hifloat4_gemv(x_reg, words, value, fused, x_pairs, paired, y32):
 
 
 @numba.njit(**_INLINE)
-def _store_code8(w_flat, at, w0, w1):
-    low, high = code8_logical(w0, w1)
+def _store_logical(w_flat, at, low, high):
+    """A step's 64 weights in logical order into float32, or BF16 bits (int16; exact: MXFP4 and HiFloat4
+    weights are BF16 values, HiFloat8 ones for BF16 x)."""
     simd.f32v_store_any(w_flat, at, low)
     simd.f32v_store_any(w_flat, at + HALF, high)
 
 
 @numba.njit(**_INLINE)
+def _store_code8(w_flat, at, w0, w1):
+    low, high = code8_logical(w0, w1)
+    _store_logical(w_flat, at, low, high)
+
+
+@numba.njit(**_INLINE)
 def _store_nibbles(w_flat, at, w0, w1):
-    """Into float32, or BF16 bits (int16; exact: MXFP4 and HiFloat4 weights are BF16 values, HiFloat8 ones
-    for BF16 x)."""
     low, high = nibble_logical(w0, w1)
-    simd.f32v_store_any(w_flat, at, low)
-    simd.f32v_store_any(w_flat, at + HALF, high)
+    _store_logical(w_flat, at, low, high)
+
+
+@numba.njit(**_INLINE)
+def _store_mxfp4(w_flat, at, w0, w1):
+    low, high = mxfp4_logical(w0, w1)
+    _store_logical(w_flat, at, low, high)
 
 
 @numba.njit(**_INLINE)
@@ -1470,11 +1566,10 @@ def _mxfp4_tile_row(store, scales_flat, codes_flat, row, blocks, scratch, w_flat
         b = np.uint64(b0 + 2 * t)
         if t % 2 == 0:
             _prefetch_ahead(codes_flat, np.uint64(16) * b, np.uint64(ROW_BLOCK * 16 * blocks))
-        w0, w1 = _mxfp4_step(codes_flat, 16 * b, scales_flat[b], scales_flat[b + 1])
+        w0, w1 = _mxfp4_pair_of_blocks(codes_flat, scales_flat, b)
         store(w_flat, at + LANES * t, w0, w1)
     if blocks % 2:
-        b = b0 + blocks - 1
-        w0, w1 = _mxfp4_last_block(codes_flat, 16 * b, scales_flat[b], scratch)
+        w0, w1 = _mxfp4_odd_block(codes_flat, b0 + blocks - 1, scales_flat, scratch)
         store(w_flat, at + LANES * (blocks // 2), w0, w1)
 
 
@@ -1486,7 +1581,7 @@ def _mxfp4_tile_rows(scales, codes, r0, row, end, w32):
     w_flat, codes_flat, scales_flat = simd.flat(w32), simd.flat(codes), simd.flat(scales)
     scratch = np.zeros(HALF, dtype=np.uint8)
     for i in range(row, end):
-        _mxfp4_tile_row(_store_nibbles, scales_flat, codes_flat, r0 + i, blocks, scratch, w_flat, i * kp)
+        _mxfp4_tile_row(_store_mxfp4, scales_flat, codes_flat, r0 + i, blocks, scratch, w_flat, i * kp)
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
@@ -2025,7 +2120,7 @@ FLOAT8_E4M3FN_LINEAR = WeightOnlyLinear(*_CODE8, CODE8_SPLIT, _float8_operands)
 MXFP8_LINEAR = WeightOnlyLinear((_mxfp8_rows, _mxfp8_gemv), (_mxfp8_batched_rows, _mxfp8_batched),
                                 (_mxfp8_tile_rows, _mxfp8_tile), CODE8_SPLIT, _mxfp8_operands)
 MXFP4_LINEAR = WeightOnlyLinear((_mxfp4_rows, _mxfp4_gemv), (_mxfp4_batched_rows, _mxfp4_batched),
-                                (_mxfp4_tile_rows, _mxfp4_tile), NIBBLE_SPLIT, _mxfp4_operands, _MXFP4_EXPONENTS,
+                                (_mxfp4_tile_rows, _mxfp4_tile), MXFP4_SPLIT, _mxfp4_operands, _MXFP4_EXPONENTS,
                                 PAIR_ORDER)
 HIFLOAT4_LINEAR = WeightOnlyLinear((_hifloat4_rows, _hifloat4_gemv), (_hifloat4_batched_rows, _hifloat4_batched),
                                    (_hifloat4_tile_rows, _hifloat4_tile), NIBBLE_SPLIT, _hifloat4_operands,
