@@ -168,6 +168,26 @@ def test_hifloat4_levels_by_multipliers_equal_the_masked_doublings():
     assert np.array_equal(by_masks.view(np.uint32), by_multipliers.view(np.uint32))
 
 
+@pytest.mark.skipif(not cpu.BYTE_SHUFFLE_NIBBLES, reason="the byte-shuffle step is the AVX2 (no AVX-512) one")
+def test_hifloat4_byte_shuffle_step_decodes_every_block_as_the_flag_doublings():
+    """The AVX2 decode (BF16 bytes by vpshufb, then 2^(e2 + e3) per lane) gives the 64 weights of the portable
+    one (float32 tables, then the e2 / e3 doublings), bit for bit, in FOUR_BIT_ORDER, for every E6M2 byte (the
+    poisoned 0xFF included) under every e2 byte and every e3 byte in both halves, with random value bytes."""
+    rng = np.random.default_rng(10)
+    flags = np.arange(256, dtype=np.uint32)
+    words = np.concatenate([b | rng.permutation(flags) << 8 | rng.permutation(flags) << 16 | rng.permutation(flags) << 24
+                            for b in range(256)]).astype(np.uint32).view(np.int32)
+    value = rng.integers(0, 256, 32 * words.size, dtype=np.uint8)
+    shuffled, by_flags = (np.empty(64 * words.size, dtype=np.float32) for _ in range(2))
+    _hifloat4_steps(cpu._hifloat4_step_shuffled, words, value, shuffled)
+    _hifloat4_steps(cpu._hifloat4_step_flags, words, value, by_flags)
+    want = by_flags.reshape(-1, 64)[:, np.argsort(cpu.NIBBLE_ORDER)][:, cpu.FOUR_BIT_ORDER].reshape(-1)
+    assert np.isnan(want).sum() == 256 * 64  # the 256 blocks of the poisoned byte, all of their weights
+    assert np.array_equal(np.isnan(shuffled), np.isnan(want))  # (NaN signs: canonical in the output)
+    finite = ~np.isnan(shuffled)
+    assert np.array_equal(shuffled[finite].view(np.uint32), want[finite].view(np.uint32))
+
+
 def test_hifloat4_word_tables_decode_every_block_as_the_flag_doublings():
     """The AVX512-BW decode (64-word tables, one look-up per weight) gives the 64 weights of the portable
     one (float32 tables, then the e2 / e3 doublings under lane masks), bit for bit, for every E6M2 byte (the
@@ -250,9 +270,9 @@ def _shuffled_steps(codes, scales, steps, out):
         simd.f32v_store(out, 64 * t + 32, w1)
 
 
-@pytest.mark.skipif(not cpu.MXFP4_BYTE_SHUFFLE, reason="the byte-shuffle step is the AVX2 (no AVX-512) MXFP4 step")
+@pytest.mark.skipif(not cpu.BYTE_SHUFFLE_NIBBLES, reason="the byte-shuffle step is the AVX2 (no AVX-512) MXFP4 step")
 def test_mxfp4_byte_shuffle_step_gives_every_code_under_every_scale_byte():
-    """mxfp4_bf16_step gives the reference's MXFP4 weights, bit for bit, in MXFP4_ORDER, for every code in
+    """mxfp4_bf16_step gives the reference's MXFP4 weights, bit for bit, in FOUR_BIT_ORDER, for every code in
     either block of a step under every E8M0 byte (the subnormal weights of bytes 0 and 1, Inf, NaN)."""
     rng = np.random.default_rng(8)
     scales = np.arange(256, dtype=np.uint8)
@@ -261,7 +281,7 @@ def test_mxfp4_byte_shuffle_step_gives_every_code_under_every_scale_byte():
     weights = reference.mxfp4_weight(torch.from_numpy(codes).view(-1, 16), torch.from_numpy(scales).view(-1, 1))
     got = np.empty(32 * scales.size, dtype=np.float32)
     _shuffled_steps(codes, scales, scales.size // 2, got)
-    want = weights.reshape(-1, 64)[:, torch.tensor(cpu.MXFP4_ORDER)].reshape(-1)
+    want = weights.reshape(-1, 64)[:, torch.tensor(cpu.FOUR_BIT_ORDER)].reshape(-1)
     assert torch.equal(torch.from_numpy(got).view(torch.int32), want.contiguous().view(torch.int32))
 
 

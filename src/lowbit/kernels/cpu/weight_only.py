@@ -142,17 +142,18 @@ def _order(split: tuple[int, ...], perm: tuple[int, ...]) -> list[int]:
 CODE8_SPLIT = ((4, 4, 4), (1, 0, 2))
 # MXFP4, HiFloat4: the low nibbles of 32 bytes (elements 0, 2, .., 62), then the high nibbles (1, 3, .., 63).
 NIBBLE_SPLIT = ((32, 2), (1, 0))
-# MXFP4 on AVX2 CPUs without AVX-512 (mxfp4_bf16_step): the 32 code bytes of a step are one 32-byte register,
-# block a's 16 bytes in its low 128-bit lane, block b's in the high one; vpshufb looks up each nibble's BF16
-# bytes, vpunpck{l,h}bw pairs them into words (bytes 0-7, then 8-15 of each lane), and a shift by 16 (even
-# words) or a mask (odd words) makes float32 lanes. Register (nibble, unpack half h, word parity) holds, in
-# lane 4 * block + d, element 32 * block + 16 h + 4 d + 2 parity + nibble.
-MXFP4_BYTE_SHUFFLE_SPLIT = ((2, 2, 4, 2, 2), (4, 1, 3, 0, 2))
-MXFP4_BYTE_SHUFFLE = simd.HAS_AVX2 and not simd.HAS_AVX512F  # (AVX-512 CPUs sum four rows at once instead)
-MXFP4_SPLIT = MXFP4_BYTE_SHUFFLE_SPLIT if MXFP4_BYTE_SHUFFLE else NIBBLE_SPLIT
+# MXFP4 and HiFloat4 on AVX2 CPUs without AVX-512 (_bf16_byte_lookups): the 32 bytes of a step are one
+# 32-byte register, bytes 0-15 in its low 128-bit lane (MXFP4: block a; HiFloat4: elements 0-31) and 16-31 in
+# the high one; vpshufb looks up each nibble's BF16 bytes, vpunpck{l,h}bw pairs them into words (bytes 0-7,
+# then 8-15 of each lane), and a shift by 16 (even words) or a mask (odd words) makes float32 lanes. Register
+# (nibble, unpack half h, word parity) holds, in lane 4 * half + d, element 32 * half + 16 h + 4 d + 2 parity
+# + nibble (half: the 128-bit lane).
+BYTE_SHUFFLE_SPLIT = ((2, 2, 4, 2, 2), (4, 1, 3, 0, 2))
+BYTE_SHUFFLE_NIBBLES = simd.HAS_AVX2 and not simd.HAS_AVX512F  # (AVX-512 CPUs sum four rows at once instead)
+FOUR_BIT_SPLIT = BYTE_SHUFFLE_SPLIT if BYTE_SHUFFLE_NIBBLES else NIBBLE_SPLIT
 CODE8_ORDER = _order(*CODE8_SPLIT)
 NIBBLE_ORDER = _order(*NIBBLE_SPLIT)
-MXFP4_ORDER = _order(*MXFP4_SPLIT)
+FOUR_BIT_ORDER = _order(*FOUR_BIT_SPLIT)
 _CODE8_ELEMENTS = np.array(CODE8_ORDER)
 _SECOND_BLOCK = (_CODE8_ELEMENTS >= 32).astype(np.int32)  # MXFP8: lanes of the step's second 32-block
 _FIRST_BLOCK = 1 - _SECOND_BLOCK
@@ -216,11 +217,11 @@ def _make_fold(order):
 
 code8_logical = _make_logical(CODE8_ORDER)
 nibble_logical = _make_logical(NIBBLE_ORDER)
-mxfp4_logical = _make_logical(MXFP4_ORDER)
+four_bit_logical = _make_logical(FOUR_BIT_ORDER)
 _row_sum_code8 = _make_fold(CODE8_ORDER)
 _row_sum_nibbles = _make_fold(NIBBLE_ORDER)
-_row_sum_mxfp4 = _make_fold(MXFP4_ORDER)
-_mxfp4_order = _make_reorder(NIBBLE_ORDER, MXFP4_ORDER)  # the float32 tables' steps in MXFP4_ORDER
+_row_sum_4bit = _make_fold(FOUR_BIT_ORDER)
+_to_4bit_order = _make_reorder(NIBBLE_ORDER, FOUR_BIT_ORDER)  # the float32 tables' steps in FOUR_BIT_ORDER
 
 # ---- 8-bit codes (HiFloat8, FP8 E4M3): 64 codes -> two F32V in CODE8_ORDER -------------------------------
 # An 8-bit weight is dequantized in x's dtype (docs/weight_only.md, 'Weights'), so one row of W holds at
@@ -580,45 +581,104 @@ _MXFP4_BF16_BYTES = np.concatenate([_MXFP4_WORDS.view(np.uint16).reshape(256, 16
 assert np.array_equal(_MXFP4_WORDS.astype(np.int32) << 16, _MXFP4_TABLES.view(np.int32))  # BF16 values
 _UNPACK_LOW_BYTES = [i for lane in (0, 16) for j in range(lane, lane + 8) for i in (j, 32 + j)]  # vpunpcklbw
 _UNPACK_HIGH_BYTES = [i + 8 for i in _UNPACK_LOW_BYTES]  # vpunpckhbw
+_V32x8, _V16x8, _V8x32 = ir.VectorType(ir.IntType(8), 32), ir.VectorType(ir.IntType(8), 16), ir.VectorType(_I32, 8)
+
+
+def _bf16_byte_lookups(builder, raw, low_bytes, high_bytes):
+    """The 8 registers (<8 x i32>, BYTE_SHUFFLE_SPLIT's order) of the float32 weights of the 64 nibbles of
+    ``raw`` (<32 x i8>), whose BF16 bits' low and high bytes ``low_bytes`` and ``high_bytes`` (<32 x i8>:
+    16-entry tables for the low 128-bit lane's bytes, then the high lane's) look up (AVX2 vpshufb)."""
+    pshufb = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V32x8, [_V32x8, _V32x8]),
+                                            "llvm.x86.avx2.pshuf.b")
+    fifteen = ir.Constant(_V32x8, [15] * 32)
+    registers = []
+    for nibble in (builder.and_(raw, fifteen), builder.and_(builder.lshr(raw, ir.Constant(_V32x8, [4] * 32)), fifteen)):
+        low, high = builder.call(pshufb, [low_bytes, nibble]), builder.call(pshufb, [high_bytes, nibble])
+        for unpack in (_UNPACK_LOW_BYTES, _UNPACK_HIGH_BYTES):
+            words = builder.bitcast(builder.shuffle_vector(low, high, _mask(unpack)), _V8x32)
+            registers.append(builder.shl(words, ir.Constant(_V8x32, [16] * 8)))  # even words
+            registers.append(builder.and_(words, ir.Constant(_V8x32, [-65536] * 8)))  # odd words
+    return registers
+
+
+def _f32v_pair(builder, registers):
+    """Two F32V of 8 registers (<8 x i32> float32 bits), in order."""
+    return [builder.bitcast(simd._concatenated(builder, registers[i : i + 4]), simd._VF32) for i in (0, 4)]
+
+
+def _table_half(context, builder, table, row, high):
+    """16 bytes of a (256, 32) byte table (``table``: an i8 pointer) at ``row`` (an i8 byte value): its
+    entries' low (``high`` = 0) or high bytes."""
+    i64 = ir.IntType(64)
+    at = builder.add(builder.mul(builder.zext(row, i64), ir.Constant(i64, 32)), ir.Constant(i64, 16 * high))
+    return builder.load(builder.bitcast(builder.gep(table, [at]), _V16x8.as_pointer()), align=16)
 
 
 @intrinsic
 def mxfp4_bf16_step(typingctx, codes, start, scales, block):
     """MXFP4 blocks ``block`` and ``block + 1`` (flat; E8M0 bytes at ``scales[block]``, 1-D uint8; their 32
-    code bytes at ``codes[start]``, 1-D uint8) as two F32V in MXFP4_BYTE_SHUFFLE_SPLIT's order, from
-    _MXFP4_BF16_BYTES (the reference's weights, bit for bit). AVX2: per nibble two vpshufb
-    (low and high BF16 bytes; block a's table in the low 128-bit lane, block b's in the high one), two
-    vpunpck*bw, then a shift (even words) or a mask (odd words) per eight float32 lanes."""
+    code bytes at ``codes[start]``, 1-D uint8) as two F32V in BYTE_SHUFFLE_SPLIT's order, from
+    _MXFP4_BF16_BYTES (the reference's weights, bit for bit): block a's table in the low 128-bit lane, block
+    b's in the high one (_bf16_byte_lookups). AVX2."""
 
     def codegen(context, builder, sig, args):
-        v32x8, v16x8, v8x32 = ir.VectorType(ir.IntType(8), 32), ir.VectorType(ir.IntType(8), 16), ir.VectorType(_I32, 8)
-        i64 = ir.IntType(64)
-        pshufb = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v32x8, [v32x8, v32x8]),
-                                                "llvm.x86.avx2.pshuf.b")
-        raw = builder.load(simd._element_ptr(context, builder, sig.args[0], args[0], args[1], v32x8), align=1)
+        raw = builder.load(simd._element_ptr(context, builder, sig.args[0], args[0], args[1], _V32x8), align=1)
         table = simd.aligned_constant(builder, "lowbit.mxfp4.bf16_bytes", _MXFP4_BF16_BYTES)
 
-        def half_table(i, high):  # 16 bytes of block + i's table: its weights' low (high = 0) or high bytes
+        def scale(i):
             at = builder.add(args[3], ir.Constant(args[3].type, i))
-            byte = builder.load(simd._element_ptr(context, builder, sig.args[2], args[2], at, ir.IntType(8)))
-            at = builder.add(builder.mul(builder.zext(byte, i64), ir.Constant(i64, 32)), ir.Constant(i64, 16 * high))
-            return builder.load(builder.bitcast(builder.gep(table, [at]), v16x8.as_pointer()), align=16)
+            return builder.load(simd._element_ptr(context, builder, sig.args[2], args[2], at, ir.IntType(8)))
 
-        low_bytes, high_bytes = (builder.shuffle_vector(half_table(0, h), half_table(1, h), _mask(range(32)))
-                                 for h in (0, 1))
-        fifteen = ir.Constant(v32x8, [15] * 32)
-        results = []
-        for nibble in (builder.and_(raw, fifteen), builder.and_(builder.lshr(raw, ir.Constant(v32x8, [4] * 32)), fifteen)):
-            low, high = builder.call(pshufb, [low_bytes, nibble]), builder.call(pshufb, [high_bytes, nibble])
-            registers = []
-            for unpack in (_UNPACK_LOW_BYTES, _UNPACK_HIGH_BYTES):
-                words = builder.bitcast(builder.shuffle_vector(low, high, _mask(unpack)), v8x32)
-                registers.append(builder.shl(words, ir.Constant(v8x32, [16] * 8)))  # even words
-                registers.append(builder.and_(words, ir.Constant(v8x32, [-65536] * 8)))  # odd words
-            results.append(builder.bitcast(simd._concatenated(builder, registers), simd._VF32))
-        return context.make_tuple(builder, sig.return_type, results)
+        bytes_a, bytes_b = scale(0), scale(1)
+        low_bytes, high_bytes = (builder.shuffle_vector(_table_half(context, builder, table, bytes_a, h),
+                                                        _table_half(context, builder, table, bytes_b, h),
+                                                        _mask(range(32))) for h in (0, 1))
+        registers = _bf16_byte_lookups(builder, raw, low_bytes, high_bytes)
+        return context.make_tuple(builder, sig.return_type, _f32v_pair(builder, registers))
 
     return types.UniTuple(simd.F32V, 2)(codes, start, scales, block), codegen
+
+
+# HiFloat4 (hifloat4_bf16_step): per E6M2 byte, the low and high bytes of the BF16 bits of its 16 weights
+# (-1)^s c/4 times the scale (exact: _hifloat4_word_tables checks every level of every byte), both 128-bit
+# lanes from the one table; then each lane times 2^(e2 + e3), its byte's flags: the scale word shifted right,
+# per lane, by the bit of each flag (_LEVEL_SHIFTS, from _flag_bit) and made the float32 2^(e2 + e3).
+_HIFLOAT4_BF16_WORDS = (_HIFLOAT4_TABLES.view(np.uint32) >> 16).astype(np.uint16).reshape(256, 16)
+_HIFLOAT4_BF16_BYTES = np.concatenate([_HIFLOAT4_BF16_WORDS & 0xFF, _HIFLOAT4_BF16_WORDS >> 8], axis=1).astype(np.uint8)
+_LEVEL_SHIFTS = {flag: [[_flag_bit(flag, 16 * (lane // 4) + 8 * (r // 2) + 2 * (lane % 4) + r % 2) for lane in range(8)]
+                        for r in range(4)] for flag in ("e2", "e3")}  # register 4 * nibble + r, lane
+
+
+@intrinsic
+def hifloat4_bf16_step(typingctx, value, start, words, block):
+    """HiFloat4 block ``block`` (flat): scale word at ``words[block]`` (1-D int32), 32 value bytes at
+    ``value[start]`` (1-D uint8), as two F32V in BYTE_SHUFFLE_SPLIT's order: the weights from
+    _HIFLOAT4_BF16_BYTES by byte shuffles (_bf16_byte_lookups), each times 2^(e2 + e3) (exact). The NaN E6M2
+    byte gives NaN weights. AVX2."""
+
+    def codegen(context, builder, sig, args):
+        raw = builder.load(simd._element_ptr(context, builder, sig.args[0], args[0], args[1], _V32x8), align=1)
+        word = builder.load(simd._element_ptr(context, builder, sig.args[2], args[2], args[3], _I32))
+        table = simd.aligned_constant(builder, "lowbit.hifloat4.bf16_bytes", _HIFLOAT4_BF16_BYTES)
+        both_lanes = _mask(list(range(16)) * 2)
+        scale_byte = builder.trunc(word, ir.IntType(8))
+        low_bytes, high_bytes = (builder.shuffle_vector(half, half, both_lanes) for half in
+                                 (_table_half(context, builder, table, scale_byte, h) for h in (0, 1)))
+        registers = _bf16_byte_lookups(builder, raw, low_bytes, high_bytes)
+        words8 = simd._splat(builder, word, _V8x32)
+        one, bias = ir.Constant(_V8x32, [1] * 8), ir.Constant(_V8x32, [127] * 8)
+        levels = []
+        for r in range(4):
+            e2, e3 = (builder.and_(builder.lshr(words8, ir.Constant(_V8x32, _LEVEL_SHIFTS[flag][r])), one)
+                      for flag in ("e2", "e3"))
+            exponent = builder.add(builder.add(e2, e3), bias)
+            levels.append(builder.bitcast(builder.shl(exponent, ir.Constant(_V8x32, [23] * 8)), ir.VectorType(ir.FloatType(), 8)))
+        v8f = ir.VectorType(ir.FloatType(), 8)
+        scaled = [builder.bitcast(builder.fmul(builder.bitcast(reg, v8f), levels[i % 4]), _V8x32)
+                  for i, reg in enumerate(registers)]
+        return context.make_tuple(builder, sig.return_type, _f32v_pair(builder, scaled))
+
+    return types.UniTuple(simd.F32V, 2)(value, start, words, block), codegen
 
 
 @intrinsic
@@ -754,7 +814,15 @@ def _hifloat4_step_words(words, value, block):
     return hifloat4_words_decode(value, 32 * block, np.uint32(words[np.uint64(block)]))
 
 
-_hifloat4_step = _hifloat4_step_words if simd.HAS_AVX512BW else _hifloat4_step_flags
+@numba.njit(**_INLINE)
+def _hifloat4_step_shuffled(words, value, block):
+    """The same by byte shuffles (hifloat4_bf16_step; AVX2 without AVX-512), in FOUR_BIT_ORDER."""
+    return hifloat4_bf16_step(value, 32 * block, words, np.uint64(block))
+
+
+# A HiFloat4 block as this CPU decodes it fastest, in FOUR_BIT_ORDER.
+_hifloat4_step = (_hifloat4_step_words if simd.HAS_AVX512BW else
+                  _hifloat4_step_shuffled if BYTE_SHUFFLE_NIBBLES else _hifloat4_step_flags)
 
 
 @numba.njit(**_INLINE)
@@ -932,7 +1000,7 @@ ROW_BLOCK = 4  # _block_sums, _store_block and the callers' ``starts`` are writt
 # 8 AVX2 ones, so a block's accumulators alone need 32 AVX2 registers of the 16 there are; the spills made an
 # AVX2 GEMV (AMD Zen 3) 6-9 times slower than summing the rows one by one (docs/weight_only.md, 'Kernels').
 BLOCK_ROWS = simd.HAS_AVX512F
-assert not BLOCK_ROWS or MXFP4_ORDER == NIBBLE_ORDER  # the row blocks decode MXFP4 steps in NIBBLE_ORDER
+assert not BLOCK_ROWS or FOUR_BIT_ORDER == NIBBLE_ORDER  # the row blocks decode 4-bit steps in NIBBLE_ORDER
 
 
 @numba.njit(**_INLINE)
@@ -1207,8 +1275,8 @@ def _mxfp8_gemv(x_reg, codes, scales, bf16, table, y32):
 
 @numba.njit(**_INLINE)
 def _mxfp4_table_step(codes_flat, scales_flat, b):
-    """MXFP4 blocks b, b + 1 (flat, unsigned b) in MXFP4_ORDER from the float32 tables."""
-    return _mxfp4_order(*_mxfp4_step(codes_flat, np.uint64(16) * b, scales_flat[b], scales_flat[b + np.uint64(1)]))
+    """MXFP4 blocks b, b + 1 (flat, unsigned b) in FOUR_BIT_ORDER from the float32 tables."""
+    return _to_4bit_order(*_mxfp4_step(codes_flat, np.uint64(16) * b, scales_flat[b], scales_flat[b + np.uint64(1)]))
 
 
 @numba.njit(**_INLINE)
@@ -1217,19 +1285,19 @@ def _mxfp4_shuffled_step(codes_flat, scales_flat, b):
     return mxfp4_bf16_step(codes_flat, np.uint64(16) * b, scales_flat, b)
 
 
-# An MXFP4 step of two whole blocks in MXFP4_ORDER, as the CPU decodes it fastest.
-_mxfp4_pair_of_blocks = _mxfp4_shuffled_step if MXFP4_BYTE_SHUFFLE else _mxfp4_table_step
+# An MXFP4 step of two whole blocks in FOUR_BIT_ORDER, as the CPU decodes it fastest.
+_mxfp4_pair_of_blocks = _mxfp4_shuffled_step if BYTE_SHUFFLE_NIBBLES else _mxfp4_table_step
 
 
 @numba.njit(**_INLINE)
 def _mxfp4_odd_block(codes_flat, b, scales_flat, scratch):
-    """An odd last block b (flat) in MXFP4_ORDER, its second block zeros (_mxfp4_last_block)."""
-    return _mxfp4_order(*_mxfp4_last_block(codes_flat, 16 * b, scales_flat[b], scratch))
+    """An odd last block b (flat) in FOUR_BIT_ORDER, its second block zeros (_mxfp4_last_block)."""
+    return _to_4bit_order(*_mxfp4_last_block(codes_flat, 16 * b, scales_flat[b], scratch))
 
 
 @numba.njit(**_INLINE)
 def _mxfp4_row_sum(accumulate, x_flat, x0, scales_flat, codes_flat, b0, blocks, scratch):
-    """One row of W (its blocks b0 .. b0 + blocks - 1) times x_flat[x0:] (MXFP4_ORDER), summed with
+    """One row of W (its blocks b0 .. b0 + blocks - 1) times x_flat[x0:] (FOUR_BIT_ORDER), summed with
     ``accumulate`` (_accumulate or _accumulate_fused: a compile-time choice, so each loop is branch-free)."""
     acc0 = simd.f32v_zero()
     acc1 = simd.f32v_zero()
@@ -1239,7 +1307,7 @@ def _mxfp4_row_sum(accumulate, x_flat, x0, scales_flat, codes_flat, b0, blocks, 
     if blocks % 2:
         w0, w1 = _mxfp4_odd_block(codes_flat, b0 + blocks - 1, scales_flat, scratch)
         acc0, acc1 = accumulate(acc0, acc1, x_flat, x0 + LANES * (blocks // 2), w0, w1)
-    return _row_sum_mxfp4(acc0, acc1)
+    return _row_sum_4bit(acc0, acc1)
 
 
 @numba.njit(**_INLINE)
@@ -1250,7 +1318,7 @@ def _hifloat4_row_sum(accumulate, x_flat, x0, words_flat, value_flat, b0, blocks
     for b in range(blocks):
         w0, w1 = _hifloat4_step(words_flat, value_flat, b0 + b)
         acc0, acc1 = accumulate(acc0, acc1, x_flat, x0 + LANES * b, w0, w1)
-    return _row_sum_nibbles(acc0, acc1)
+    return _row_sum_4bit(acc0, acc1)
 
 
 @numba.njit(**_INLINE)
@@ -1483,14 +1551,8 @@ def _store_code8(w_flat, at, w0, w1):
 
 
 @numba.njit(**_INLINE)
-def _store_nibbles(w_flat, at, w0, w1):
-    low, high = nibble_logical(w0, w1)
-    _store_logical(w_flat, at, low, high)
-
-
-@numba.njit(**_INLINE)
-def _store_mxfp4(w_flat, at, w0, w1):
-    low, high = mxfp4_logical(w0, w1)
+def _store_4bit(w_flat, at, w0, w1):
+    low, high = four_bit_logical(w0, w1)
     _store_logical(w_flat, at, low, high)
 
 
@@ -1581,7 +1643,7 @@ def _mxfp4_tile_rows(scales, codes, r0, row, end, w32):
     w_flat, codes_flat, scales_flat = simd.flat(w32), simd.flat(codes), simd.flat(scales)
     scratch = np.zeros(HALF, dtype=np.uint8)
     for i in range(row, end):
-        _mxfp4_tile_row(_store_mxfp4, scales_flat, codes_flat, r0 + i, blocks, scratch, w_flat, i * kp)
+        _mxfp4_tile_row(_store_4bit, scales_flat, codes_flat, r0 + i, blocks, scratch, w_flat, i * kp)
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
@@ -1607,7 +1669,7 @@ def _hifloat4_tile_rows(words, value, r0, row, end, w32):
     kp = w32.shape[1]
     w_flat, words_flat, value_flat = simd.flat(w32), simd.flat(words), simd.flat(value)
     for i in range(row, end):
-        _hifloat4_tile_row(_store_nibbles, words_flat, value_flat, r0 + i, blocks, w_flat, i * kp)
+        _hifloat4_tile_row(_store_4bit, words_flat, value_flat, r0 + i, blocks, w_flat, i * kp)
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
@@ -2120,8 +2182,8 @@ FLOAT8_E4M3FN_LINEAR = WeightOnlyLinear(*_CODE8, CODE8_SPLIT, _float8_operands)
 MXFP8_LINEAR = WeightOnlyLinear((_mxfp8_rows, _mxfp8_gemv), (_mxfp8_batched_rows, _mxfp8_batched),
                                 (_mxfp8_tile_rows, _mxfp8_tile), CODE8_SPLIT, _mxfp8_operands)
 MXFP4_LINEAR = WeightOnlyLinear((_mxfp4_rows, _mxfp4_gemv), (_mxfp4_batched_rows, _mxfp4_batched),
-                                (_mxfp4_tile_rows, _mxfp4_tile), MXFP4_SPLIT, _mxfp4_operands, _MXFP4_EXPONENTS,
+                                (_mxfp4_tile_rows, _mxfp4_tile), FOUR_BIT_SPLIT, _mxfp4_operands, _MXFP4_EXPONENTS,
                                 PAIR_ORDER)
 HIFLOAT4_LINEAR = WeightOnlyLinear((_hifloat4_rows, _hifloat4_gemv), (_hifloat4_batched_rows, _hifloat4_batched),
-                                   (_hifloat4_tile_rows, _hifloat4_tile), NIBBLE_SPLIT, _hifloat4_operands,
+                                   (_hifloat4_tile_rows, _hifloat4_tile), FOUR_BIT_SPLIT, _hifloat4_operands,
                                    _HIFLOAT4_EXPONENTS, PAIR_ORDER if _HIFLOAT4_PAIRS else None)
