@@ -216,7 +216,6 @@ def _make_fold(order):
 
 
 code8_logical = _make_logical(CODE8_ORDER)
-nibble_logical = _make_logical(NIBBLE_ORDER)
 four_bit_logical = _make_logical(FOUR_BIT_ORDER)
 _row_sum_code8 = _make_fold(CODE8_ORDER)
 _row_sum_nibbles = _make_fold(NIBBLE_ORDER)
