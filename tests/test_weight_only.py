@@ -168,19 +168,26 @@ def test_hifloat4_levels_by_multipliers_equal_the_masked_doublings():
     assert np.array_equal(by_masks.view(np.uint32), by_multipliers.view(np.uint32))
 
 
-@pytest.mark.skipif(not cpu.BYTE_SHUFFLE_NIBBLES, reason="the byte-shuffle step is the AVX2 (no AVX-512) one")
-def test_hifloat4_byte_shuffle_step_decodes_every_block_as_the_flag_doublings():
-    """The AVX2 decode (BF16 bytes by vpshufb, then 2^(e2 + e3) per lane) gives the 64 weights of the portable
-    one (float32 tables, then the e2 / e3 doublings), bit for bit, in FOUR_BIT_ORDER, for every E6M2 byte (the
-    poisoned 0xFF included) under every e2 byte and every e3 byte in both halves, with random value bytes."""
-    rng = np.random.default_rng(10)
+def _every_block_both_ways(step, seed):
+    """The 64 weights of every block decoded by ``step`` and by the portable decode (float32 tables, then
+    the e2 / e3 doublings), each in its register order: every E6M2 byte (the poisoned 0xFF included) under
+    every e2 byte and every e3 byte in both halves, with random value bytes (every nibble, both signs)."""
+    rng = np.random.default_rng(seed)
     flags = np.arange(256, dtype=np.uint32)
     words = np.concatenate([b | rng.permutation(flags) << 8 | rng.permutation(flags) << 16 | rng.permutation(flags) << 24
                             for b in range(256)]).astype(np.uint32).view(np.int32)
     value = rng.integers(0, 256, 32 * words.size, dtype=np.uint8)
-    shuffled, by_flags = (np.empty(64 * words.size, dtype=np.float32) for _ in range(2))
-    _hifloat4_steps(cpu._hifloat4_step_shuffled, words, value, shuffled)
+    got, by_flags = (np.empty(64 * words.size, dtype=np.float32) for _ in range(2))
+    _hifloat4_steps(step, words, value, got)
     _hifloat4_steps(cpu._hifloat4_step_flags, words, value, by_flags)
+    return got, by_flags
+
+
+@pytest.mark.skipif(not cpu.BYTE_SHUFFLE_NIBBLES, reason="the byte-shuffle step is the AVX2 (no AVX-512) one")
+def test_hifloat4_byte_shuffle_step_decodes_every_block_as_the_flag_doublings():
+    """The AVX2 decode (BF16 bytes by vpshufb, then 2^(e2 + e3) per lane) gives the portable one's weights,
+    bit for bit, in FOUR_BIT_ORDER (_every_block_both_ways)."""
+    shuffled, by_flags = _every_block_both_ways(cpu._hifloat4_step_shuffled, 10)
     want = by_flags.reshape(-1, 64)[:, np.argsort(cpu.NIBBLE_ORDER)][:, cpu.FOUR_BIT_ORDER].reshape(-1)
     assert np.isnan(want).sum() == 256 * 64  # the 256 blocks of the poisoned byte, all of their weights
     assert np.array_equal(np.isnan(shuffled), np.isnan(want))  # (NaN signs: canonical in the output)
@@ -189,19 +196,11 @@ def test_hifloat4_byte_shuffle_step_decodes_every_block_as_the_flag_doublings():
 
 
 def test_hifloat4_word_tables_decode_every_block_as_the_flag_doublings():
-    """The AVX512-BW decode (64-word tables, one look-up per weight) gives the 64 weights of the portable
-    one (float32 tables, then the e2 / e3 doublings under lane masks), bit for bit, for every E6M2 byte (the
-    poisoned 0xFF included) under every e2 byte and every e3 byte in both halves, with random value bytes."""
+    """The AVX512-BW decode (64-word tables, one look-up per weight) gives the portable one's weights, bit for
+    bit (_every_block_both_ways)."""
     if not simd.HAS_AVX512BW:
         pytest.skip("no AVX512-BW on this CPU")
-    rng = np.random.default_rng(5)
-    flags = np.arange(256, dtype=np.uint32)
-    words = np.concatenate([b | rng.permutation(flags) << 8 | rng.permutation(flags) << 16 | rng.permutation(flags) << 24
-                            for b in range(256)]).astype(np.uint32).view(np.int32)
-    value = rng.integers(0, 256, 32 * words.size, dtype=np.uint8)
-    by_words, by_flags = (np.empty(64 * words.size, dtype=np.float32) for _ in range(2))
-    _hifloat4_steps(cpu._hifloat4_step_words, words, value, by_words)
-    _hifloat4_steps(cpu._hifloat4_step_flags, words, value, by_flags)
+    by_words, by_flags = _every_block_both_ways(cpu._hifloat4_step_words, 5)
     assert np.isnan(by_flags).sum() == 256 * 64  # the 256 blocks of the poisoned byte, all of their weights
     assert np.array_equal(by_words.view(np.uint32), by_flags.view(np.uint32))
 
