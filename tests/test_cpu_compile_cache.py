@@ -127,7 +127,7 @@ def test_operators_are_warmed_after_those_whose_kernels_they_share(monkeypatch):
     class FakePool(_PoolStub):  # records submissions; tasks end only when the scheduler waits (fake_wait)
         def submit(self, fn, name):
             assert needs[name] - {first[name]} <= ended, (name, needs[name] - ended)
-            if first[name] not in ended | {name}:  # its family's first still compiling: only rather than leave a slot idle
+            if first[name] not in ended | {name}:  # its family's first still compiling: only rather than idle
                 assert not [n for n in needs if n not in started and needs[n] <= ended], name
             started.append(name)
             future = warm.concurrent.futures.Future()

@@ -5,8 +5,8 @@ several families is cold (nothing of the family was ever cached), :func:`warm_ca
 parallel, one task per operator running its self-check (which compiles every specialization the probes
 need), an operator after those whose kernels it shares. The calling process takes tasks too, on a thread of
 its own (it starts at once, while a worker process still imports torch, and keeps what it compiled
-loaded); it then loads the workers' kernels from the cache. A family counts as cold only when none of its cached kernels has
-an index file in numba's cache, so a warm cache costs no worker process. Warming is an optimization
+loaded); it then loads the workers' kernels from the cache. A family counts as cold only when none of its
+cached kernels has an index file in numba's cache, so a warm cache costs no worker process. Warming is an optimization
 only: a worker that fails changes nothing, as the calling process compiles whatever is still missing
 itself.
 """

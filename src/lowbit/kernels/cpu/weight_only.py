@@ -568,16 +568,25 @@ def _vpermi2w(builder):
         builder.module, ir.FunctionType(_V16x32, [_V16x32] * 3), "llvm.x86.avx512.vpermi2var.hi.512")
 
 
-# The BF16 bits of _MXFP4_TABLES, (256 * 16,) int16: exact for every scale byte whose weights are normal
-# float32 values (two significant bits), the only bytes _paired_bytes lets through (NaN for byte 0xFF).
+# The BF16 bits of _MXFP4_TABLES, (256 * 16,) int16 (NaN for byte 0xFF): exact for every scale byte (see
+# _bf16_byte_table); the pairs use the bytes whose weights are normal, the only ones _paired_bytes lets through.
 _MXFP4_WORDS = (_MXFP4_TABLES.view(np.uint32) >> 16).astype(np.uint16).view(np.int16)
-# (256, 32) uint8: per scale byte, the low bytes of the BF16 bits of its 16 weights, then their high bytes
-# (mxfp4_bf16_step's two vpshufb tables). Exact for every byte: an MXFP4 weight has at most two significant
-# bits, so it is a BF16 value whether normal or subnormal (bytes 0 and 1: down to 2^-128; BF16's smallest
-# subnormal is 2^-133), and Inf and NaN are too.
-_MXFP4_BF16_BYTES = np.concatenate([_MXFP4_WORDS.view(np.uint16).reshape(256, 16) & 0xFF,
-                                    _MXFP4_WORDS.view(np.uint16).reshape(256, 16) >> 8], axis=1).astype(np.uint8)
-assert np.array_equal(_MXFP4_WORDS.astype(np.int32) << 16, _MXFP4_TABLES.view(np.int32))  # BF16 values
+
+
+def _bf16_byte_table(tables: np.ndarray) -> np.ndarray:
+    """(256, 32) uint8 of 16-entry float32 tables (flat, 256 of them): per table, the low bytes of its
+    entries' BF16 bits, then their high bytes (the two vpshufb tables of _bf16_byte_lookups). ValueError if a
+    non-NaN entry is not a BF16 value. MXFP4's are all BF16 values: at most two significant bits, normal or
+    subnormal (scale bytes 0 and 1: down to 2^-128; BF16's smallest subnormal is 2^-133); HiFloat4's at most
+    six (_hifloat4_word_tables)."""
+    bits = tables.view(np.uint32).reshape(256, 16)
+    if not (np.isnan(tables.reshape(256, 16)) | (bits & 0xFFFF == 0)).all():
+        raise ValueError("a weight is not a BF16 value")
+    words = bits >> 16
+    return np.concatenate([words & 0xFF, words >> 8], axis=1).astype(np.uint8)
+
+
+_MXFP4_BF16_BYTES = _bf16_byte_table(_MXFP4_TABLES)
 _UNPACK_LOW_BYTES = [i for lane in (0, 16) for j in range(lane, lane + 8) for i in (j, 32 + j)]  # vpunpcklbw
 _UNPACK_HIGH_BYTES = [i + 8 for i in _UNPACK_LOW_BYTES]  # vpunpckhbw
 _V32x8, _V16x8, _V8x32 = ir.VectorType(ir.IntType(8), 32), ir.VectorType(ir.IntType(8), 16), ir.VectorType(_I32, 8)
@@ -639,13 +648,14 @@ def mxfp4_bf16_step(typingctx, codes, start, scales, block):
 
 
 # HiFloat4 (hifloat4_bf16_step): per E6M2 byte, the low and high bytes of the BF16 bits of its 16 weights
-# (-1)^s c/4 times the scale (exact: _hifloat4_word_tables checks every level of every byte), both 128-bit
-# lanes from the one table; then each lane times 2^(e2 + e3), its byte's flags: the scale word shifted right,
-# per lane, by the bit of each flag (_LEVEL_SHIFTS, from _flag_bit) and made the float32 2^(e2 + e3).
-_HIFLOAT4_BF16_WORDS = (_HIFLOAT4_TABLES.view(np.uint32) >> 16).astype(np.uint16).reshape(256, 16)
-_HIFLOAT4_BF16_BYTES = np.concatenate([_HIFLOAT4_BF16_WORDS & 0xFF, _HIFLOAT4_BF16_WORDS >> 8], axis=1).astype(np.uint8)
-_LEVEL_SHIFTS = {flag: [[_flag_bit(flag, 16 * (lane // 4) + 8 * (r // 2) + 2 * (lane % 4) + r % 2) for lane in range(8)]
-                        for r in range(4)] for flag in ("e2", "e3")}  # register 4 * nibble + r, lane
+# (-1)^s c/4 times the scale, both 128-bit lanes from the one table; then each lane times 2^(e2 + e3), its
+# byte's flags: the scale word shifted right, per lane, by the bit of each flag (_LEVEL_SHIFTS, from _flag_bit)
+# and made the float32 2^(e2 + e3). A register's lanes hold bytes 16 * half + 8 h + 2 d + parity (lane
+# 4 * half + d); the two bytes of a word share their 4-group and 8-group, so the flag bits depend on the
+# unpack half h only: _LEVEL_SHIFTS[flag][h][lane].
+_HIFLOAT4_BF16_BYTES = _bf16_byte_table(_HIFLOAT4_TABLES)
+_LEVEL_SHIFTS = {flag: [[_flag_bit(flag, 16 * (lane // 4) + 8 * h + 2 * (lane % 4)) for lane in range(8)]
+                        for h in (0, 1)] for flag in ("e2", "e3")}
 
 
 @intrinsic
@@ -666,14 +676,15 @@ def hifloat4_bf16_step(typingctx, value, start, words, block):
         registers = _bf16_byte_lookups(builder, raw, low_bytes, high_bytes)
         words8 = simd._splat(builder, word, _V8x32)
         one, bias = ir.Constant(_V8x32, [1] * 8), ir.Constant(_V8x32, [127] * 8)
-        levels = []
-        for r in range(4):
-            e2, e3 = (builder.and_(builder.lshr(words8, ir.Constant(_V8x32, _LEVEL_SHIFTS[flag][r])), one)
-                      for flag in ("e2", "e3"))
-            exponent = builder.add(builder.add(e2, e3), bias)
-            levels.append(builder.bitcast(builder.shl(exponent, ir.Constant(_V8x32, [23] * 8)), ir.VectorType(ir.FloatType(), 8)))
         v8f = ir.VectorType(ir.FloatType(), 8)
-        scaled = [builder.bitcast(builder.fmul(builder.bitcast(reg, v8f), levels[i % 4]), _V8x32)
+        levels = []
+        for h in (0, 1):
+            e2, e3 = (builder.and_(builder.lshr(words8, ir.Constant(_V8x32, _LEVEL_SHIFTS[flag][h])), one)
+                      for flag in ("e2", "e3"))
+            exponent = builder.shl(builder.add(builder.add(e2, e3), bias), ir.Constant(_V8x32, [23] * 8))
+            levels.append(builder.bitcast(exponent, v8f))
+        # register 4 * nibble + 2 h + parity
+        scaled = [builder.bitcast(builder.fmul(builder.bitcast(reg, v8f), levels[i % 4 // 2]), _V8x32)
                   for i, reg in enumerate(registers)]
         return context.make_tuple(builder, sig.return_type, _f32v_pair(builder, scaled))
 
