@@ -132,6 +132,49 @@ def flat(typingctx, arr):
     return result(arr), codegen
 
 
+@intrinsic
+def borrowed_flat(typingctx, arr):
+    """flat(arr) without a reference to arr's memory: passing it on costs no reference counting (numba
+    counts references with atomic operations, per call of an inlined function that loops). Only for an
+    array the caller keeps alive for the view's whole life (a kernel's argument)."""
+    if not isinstance(arr, types.Array) or arr.layout != "C":
+        return None
+    result = arr.copy(ndim=1)
+
+    def codegen(context, builder, sig, args):
+        source = context.make_array(sig.args[0])(context, builder, args[0])
+        view = context.make_array(sig.return_type)(context, builder)
+        size = ir.Constant(ir.IntType(64), 1)
+        for extent in cgutils.unpack_tuple(builder, source.shape):
+            size = builder.mul(size, extent)
+        populate_array(view, data=source.data, shape=[size], strides=[source.itemsize], itemsize=source.itemsize,
+                       meminfo=None)
+        return view._getvalue()
+
+    return result(arr), codegen
+
+
+@intrinsic
+def stack_bytes(typingctx, count):
+    """A uint8[count] scratch array (``count`` a compile-time constant) in the compiled function's stack
+    frame, not zeroed and without reference counting (as borrowed_flat): valid until that function returns,
+    so it must not be returned or stored."""
+    if not isinstance(count, types.IntegerLiteral):
+        return None
+    size = count.literal_value
+    result = types.Array(types.uint8, 1, "C")
+
+    def codegen(context, builder, sig, args):
+        storage = cgutils.alloca_once(builder, ir.ArrayType(_I8, size))
+        storage.align = 64
+        view = context.make_array(result)(context, builder)
+        populate_array(view, data=builder.bitcast(storage, _I8.as_pointer()), shape=[ir.Constant(ir.IntType(64), size)],
+                       strides=[ir.Constant(ir.IntType(64), 1)], itemsize=ir.Constant(ir.IntType(64), 1), meminfo=None)
+        return view._getvalue()
+
+    return result(count), codegen
+
+
 PREFER_512_BIT = '"prefer-vector-width"="512"'  # the LLVM function attribute (what clang -mprefer-vector-width sets)
 
 

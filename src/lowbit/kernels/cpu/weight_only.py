@@ -1131,7 +1131,7 @@ def _code8_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, kee
     passes do not analyse its body)."""
     k = codes.shape[1]
     m_rows, kp = x_reg.shape
-    codes_flat, x_flat = simd.flat(codes), simd.flat(x_reg)
+    codes_flat, x_flat = simd.borrowed_flat(codes), simd.borrowed_flat(x_reg)
     tables = (np.empty_like(table_like), np.empty_like(table_like), np.empty_like(table_like),
               np.empty_like(table_like))
     if BLOCK_ROWS and k % LANES == 0:  # blocks of rows (no short last step)
@@ -1142,7 +1142,7 @@ def _code8_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, kee
             operands = (codes_flat, tables, nan_code, np.uint64(ROW_BLOCK * k))
             _code8_block_rows(_code8_block_step, x_flat, kp, k // LANES, operands, starts, row, y32)
             row += ROW_BLOCK
-    scratch = np.zeros(LANES, dtype=np.uint8)
+    scratch = simd.stack_bytes(LANES)
     for row in range(row, end):
         _fill_row_table(magnitudes, scale[row], bf16, nan_code, tables[0])
         for m in range(m_rows):
@@ -1241,9 +1241,9 @@ def _mxfp8_rows(x_reg, codes, scales, bf16, table, row, end, y32):
     k = codes.shape[1]
     blocks = scales.shape[1]
     m_rows, kp = x_reg.shape
-    x_flat, codes_flat, scales_flat = simd.flat(x_reg), simd.flat(codes), simd.flat(scales)
+    x_flat, codes_flat, scales_flat = simd.borrowed_flat(x_reg), simd.borrowed_flat(codes), simd.borrowed_flat(scales)
     exact_range = _MXFP8_EXACT_BYTES_BF16 if bf16 else _MXFP8_EXACT_BYTES_F16
-    scratch = np.zeros(LANES, dtype=np.uint8)
+    scratch = simd.stack_bytes(LANES)
     while row < end:
         count = 1
         if BLOCK_ROWS and k % LANES == 0 and row + ROW_BLOCK <= end:
@@ -1410,9 +1410,10 @@ def _nibble_rows(row_sum, block_step, block_steps, pairs, pair_sums, x_reg, scal
     m_rows, kp = x_reg.shape
     kq = x_pairs.shape[1]
     pair_steps = block_steps // 2 if block_steps % 2 == 0 else 0
-    x_flat, scales_flat, packed_flat = simd.flat(x_reg), simd.flat(scales), simd.flat(packed)
+    # borrowed: the rows' loop passes them to inlined functions that loop, each call counting references
+    x_flat, scales_flat, packed_flat = simd.borrowed_flat(x_reg), simd.borrowed_flat(scales), simd.borrowed_flat(packed)
     xp_flat = simd.flat(x_pairs)
-    scratch = np.zeros(HALF, dtype=np.uint8)
+    scratch = simd.stack_bytes(HALF)
     lows = np.empty(ROW_BLOCK, dtype=np.int64)
     highs = np.empty(ROW_BLOCK, dtype=np.int64)
     while row < end:

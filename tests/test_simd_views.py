@@ -1,0 +1,62 @@
+"""Arrays of the SIMD layer that count no references (simd.borrowed_flat, simd.stack_bytes): the rows' loops of
+the GEMV kernels pass them to inlined functions, so they must be the views and buffers they claim to be."""
+
+import numba
+import numpy as np
+import pytest
+from numba.core.errors import TypingError
+
+from lowbit.kernels.cpu import _simd as simd
+
+
+@numba.njit
+def _borrowed_sum_and_fill(arr, value):
+    view = simd.borrowed_flat(arr)
+    total = 0.0
+    for i in range(view.size):
+        total += view[i]
+        view[i] = value
+    return view.size, total
+
+
+def test_borrowed_flat_is_a_view_of_every_element():
+    arr = np.arange(3 * 5 * 7, dtype=np.float32).reshape(3, 5, 7)
+    size, total = _borrowed_sum_and_fill(arr, np.float32(-1.0))
+    assert size == arr.size
+    assert total == np.arange(arr.size).sum()
+    assert np.all(arr == -1.0)  # the writes went to arr's memory
+
+
+def test_borrowed_flat_refuses_a_non_contiguous_array():
+    arr = np.zeros((4, 6), dtype=np.float32)
+    with pytest.raises(TypingError):
+        _borrowed_sum_and_fill(arr[:, ::2], np.float32(1.0))
+
+
+@numba.njit
+def _two_scratch_buffers(first_value, second_value):
+    first = simd.stack_bytes(48)
+    second = simd.stack_bytes(48)
+    for i in range(first.size):
+        first[i] = first_value
+        second[i] = second_value
+    total = 0
+    for i in range(first.size):
+        total += np.int64(first[i]) - np.int64(second[i])
+    return first.size, second.size, total
+
+
+def test_stack_bytes_gives_buffers_of_their_size_apart():
+    first_size, second_size, total = _two_scratch_buffers(np.uint8(200), np.uint8(3))
+    assert (first_size, second_size) == (48, 48)
+    assert total == 48 * (200 - 3)  # writing the second left the first as it was
+
+
+@numba.njit
+def _scratch_of(count):
+    return simd.stack_bytes(count).size
+
+
+def test_stack_bytes_needs_a_compile_time_size():
+    with pytest.raises(TypingError):
+        _scratch_of(np.int64(48))
