@@ -992,6 +992,27 @@ def test_sum_tree_folds_in_the_reference_order():
         assert np.float32(tree(values)).view(np.int32) == acc.numpy().view(np.int32)[0]
 
 
+@pytest.mark.parametrize("split", [cpu.CODE8_SPLIT, cpu.NIBBLE_SPLIT, cpu.BYTE_SHUFFLE_SPLIT])
+def test_every_register_order_folds_as_the_reference(split):
+    """A row's 64 lanes kept in a register order fold, level by level where they lie, to the bits of the
+    reference's fold of the logical lanes (lane i + lane i + 32, then halves)."""
+    order = cpu._order(*split)
+    fold = cpu._make_fold(order)
+
+    @numba.njit
+    def run(lanes):
+        return fold(simd.f32v_load(lanes, 0), simd.f32v_load(lanes, 32))
+
+    g = gen(10)
+    for _ in range(20):
+        logical = torch.randn(64, generator=g) * torch.exp2(torch.randint(-24, 24, (64,), generator=g).float())
+        acc = logical
+        while acc.numel() > 1:
+            acc = acc[: acc.numel() // 2] + acc[acc.numel() // 2 :]
+        kept = logical[order].numpy()  # register lane l holds element order[l]
+        assert np.float32(run(kept)).view(np.int32) == acc.numpy().view(np.int32)[0]
+
+
 # --- the prepared call of a fixed weight ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("fmt", WEIGHTS)
