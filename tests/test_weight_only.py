@@ -992,12 +992,14 @@ def test_sum_tree_folds_in_the_reference_order():
         assert np.float32(tree(values)).view(np.int32) == acc.numpy().view(np.int32)[0]
 
 
+@pytest.mark.parametrize("permute_first", [False, True])
 @pytest.mark.parametrize("split", [cpu.CODE8_SPLIT, cpu.NIBBLE_SPLIT, cpu.BYTE_SHUFFLE_SPLIT])
-def test_every_register_order_folds_as_the_reference(split):
-    """A row's 64 lanes kept in a register order fold, level by level where they lie, to the bits of the
-    reference's fold of the logical lanes (lane i + lane i + 32, then halves)."""
+def test_every_register_order_folds_as_the_reference(split, permute_first):
+    """A row's 64 lanes kept in a register order fold, level by level where they lie (or put in the logical
+    order first), to the bits of the reference's fold of the logical lanes (lane i + lane i + 32, then
+    halves)."""
     order = cpu._order(*split)
-    fold = cpu._make_fold(order)
+    fold = cpu._make_fold(order, permute_first)
 
     @numba.njit
     def run(lanes):
