@@ -111,47 +111,39 @@ def _element_ptr(context, builder, arrty, arr, index, vector_type):
     return builder.bitcast(builder.gep(data, [index]), vector_type.as_pointer())
 
 
-@intrinsic
-def flat(typingctx, arr):
-    """A 1-D view of all elements of the C-contiguous array ``arr`` (what ``arr.reshape(-1)`` gives, without
-    the reshape's size check, which numba compiles with its error formatting: seconds per process)."""
-    if not isinstance(arr, types.Array) or arr.layout != "C":
-        return None
-    result = arr.copy(ndim=1)
+def _make_flat(counted: bool, doc: str):
+    """An @intrinsic ``f(arr)``: a 1-D view of all elements of the C-contiguous array ``arr``, holding a
+    reference to its memory (``counted``) or not."""
 
-    def codegen(context, builder, sig, args):
-        source = context.make_array(sig.args[0])(context, builder, args[0])
-        view = context.make_array(sig.return_type)(context, builder)
-        size = ir.Constant(ir.IntType(64), 1)
-        for extent in cgutils.unpack_tuple(builder, source.shape):
-            size = builder.mul(size, extent)
-        populate_array(view, data=source.data, shape=[size], strides=[source.itemsize], itemsize=source.itemsize,
-                       meminfo=source.meminfo, parent=source.parent)
-        return impl_ret_borrowed(context, builder, sig.return_type, view._getvalue())
+    @intrinsic
+    def view_of(typingctx, arr):
+        if not isinstance(arr, types.Array) or arr.layout != "C":
+            return None
+        result = arr.copy(ndim=1)
 
-    return result(arr), codegen
+        def codegen(context, builder, sig, args):
+            source = context.make_array(sig.args[0])(context, builder, args[0])
+            view = context.make_array(sig.return_type)(context, builder)
+            size = ir.Constant(ir.IntType(64), 1)
+            for extent in cgutils.unpack_tuple(builder, source.shape):
+                size = builder.mul(size, extent)
+            populate_array(view, data=source.data, shape=[size], strides=[source.itemsize], itemsize=source.itemsize,
+                           meminfo=source.meminfo if counted else None, parent=source.parent if counted else None)
+            if counted:
+                return impl_ret_borrowed(context, builder, sig.return_type, view._getvalue())
+            return view._getvalue()
+
+        return result(arr), codegen
+
+    view_of.__doc__ = doc
+    return view_of
 
 
-@intrinsic
-def borrowed_flat(typingctx, arr):
-    """flat(arr) without a reference to arr's memory: passing it on costs no reference counting (numba
-    counts references with atomic operations, per call of an inlined function that loops). Only for an
-    array the caller keeps alive for the view's whole life (a kernel's argument)."""
-    if not isinstance(arr, types.Array) or arr.layout != "C":
-        return None
-    result = arr.copy(ndim=1)
-
-    def codegen(context, builder, sig, args):
-        source = context.make_array(sig.args[0])(context, builder, args[0])
-        view = context.make_array(sig.return_type)(context, builder)
-        size = ir.Constant(ir.IntType(64), 1)
-        for extent in cgutils.unpack_tuple(builder, source.shape):
-            size = builder.mul(size, extent)
-        populate_array(view, data=source.data, shape=[size], strides=[source.itemsize], itemsize=source.itemsize,
-                       meminfo=None)
-        return view._getvalue()
-
-    return result(arr), codegen
+flat = _make_flat(True, """A 1-D view of all elements of the C-contiguous array ``arr`` (what ``arr.reshape(-1)`` gives,
+without the reshape's size check, which numba compiles with its error formatting: seconds per process).""")
+borrowed_flat = _make_flat(False, """flat(arr) without a reference to arr's memory: passing it on costs no reference counting
+(numba counts references with atomic operations, per call of an inlined function that loops). Only for an array
+the caller keeps alive for the view's whole life (a kernel's argument).""")
 
 
 @intrinsic
