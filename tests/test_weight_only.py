@@ -993,7 +993,7 @@ def test_sum_tree_folds_in_the_reference_order():
 
 
 @pytest.mark.parametrize("permute_first", [False, True])
-@pytest.mark.parametrize("split", [cpu.CODE8_SPLIT, cpu.NIBBLE_SPLIT, cpu.BYTE_SHUFFLE_SPLIT])
+@pytest.mark.parametrize("split", [cpu.CODE8_BLOCK_SPLIT, cpu.CODE8_HALVES_SPLIT, cpu.NIBBLE_SPLIT, cpu.BYTE_SHUFFLE_SPLIT])
 def test_every_register_order_folds_as_the_reference(split, permute_first):
     """A row's 64 lanes kept in a register order fold, level by level where they lie (or put in the logical
     order first), to the bits of the reference's fold of the logical lanes (lane i + lane i + 32, then

@@ -139,7 +139,12 @@ def _order(split: tuple[int, ...], perm: tuple[int, ...]) -> list[int]:
 
 
 # HiFloat8: the byte unpacks of 64 codes; register quarter q (16 lanes), lane r: element 16 (r // 4) + 4 q + r % 4.
-CODE8_SPLIT = ((4, 4, 4), (1, 0, 2))
+CODE8_BLOCK_SPLIT = ((4, 4, 4), (1, 0, 2))
+# The same on AVX2 CPUs without AVX-512, each half of the step (codes 0-31, 32-63: one 32-byte register each)
+# unpacked on its own, so that a row can be summed in two passes of 32 lanes (_code8_row_sum): register
+# (half, byte unpack w, word unpack h), lane 4 a + d holds element 32 half + 16 a + 8 w + 4 h + d (a: the
+# 128-bit lane).
+CODE8_HALVES_SPLIT = ((2, 2, 2, 2, 4), (0, 2, 3, 1, 4))
 # MXFP4, HiFloat4: the low nibbles of 32 bytes (elements 0, 2, .., 62), then the high nibbles (1, 3, .., 63).
 NIBBLE_SPLIT = ((32, 2), (1, 0))
 # MXFP4 and HiFloat4 on AVX2 CPUs without AVX-512 (_bf16_byte_lookups): the 32 bytes of a step are one
@@ -151,6 +156,8 @@ NIBBLE_SPLIT = ((32, 2), (1, 0))
 BYTE_SHUFFLE_SPLIT = ((2, 2, 4, 2, 2), (4, 1, 3, 0, 2))
 BYTE_SHUFFLE_NIBBLES = simd.HAS_AVX2 and not simd.HAS_AVX512F  # (AVX-512 CPUs sum four rows at once instead)
 FOUR_BIT_SPLIT = BYTE_SHUFFLE_SPLIT if BYTE_SHUFFLE_NIBBLES else NIBBLE_SPLIT
+CODE8_HALVES = BYTE_SHUFFLE_NIBBLES  # the CPUs that sum rows one by one and look bytes up by vpshufb
+CODE8_SPLIT = CODE8_HALVES_SPLIT if CODE8_HALVES else CODE8_BLOCK_SPLIT
 CODE8_ORDER = _order(*CODE8_SPLIT)
 NIBBLE_ORDER = _order(*NIBBLE_SPLIT)
 FOUR_BIT_ORDER = _order(*FOUR_BIT_SPLIT)
@@ -258,31 +265,34 @@ _to_4bit_order = _make_reorder(NIBBLE_ORDER, FOUR_BIT_ORDER)  # the float32 tabl
 def _code8_decode_bytes(context, builder, codes, table_arg, nan_code):
     """16-bit patterns of the code's magnitude from the row's byte tables (simd.byte_table_words): BF16
     for a 1-D table, FP16 for a 2-D one; the code's sign XORed in, NaN for ``nan_code``; bytes -> words by
-    unpacking, words -> FP32 by unpacking with zeros below (BF16) or vcvtph2ps (FP16), in CODE8_ORDER."""
+    unpacking, words -> FP32 by unpacking with zeros below (BF16) or vcvtph2ps (FP16), in CODE8_ORDER (all
+    64 bytes' 128-bit lanes at once, or each 32-byte half on its own: CODE8_HALVES)."""
     table_type, table = table_arg
     data = context.make_array(table_type)(context, builder, table).data
     high, low = simd.byte_table_words(builder, codes, builder.bitcast(data, ir.IntType(8).as_pointer()),
                                       builder.trunc(nan_code, ir.IntType(8)))
-    # unpack{l,h}bw per 128-bit lane: words (low byte, high byte) of bytes 0-7 / 8-15 of each lane
-    words = [builder.bitcast(builder.shuffle_vector(low, high, _mask(
-        [i for lane in range(4) for j in range(8 * h, 8 * h + 8) for i in (16 * lane + j, 64 + 16 * lane + j)])),
-        _V16x32) for h in (0, 1)]
-    zero = ir.Constant(_V16x32, [0] * 32)
+    parts = [(0, 64)] if not CODE8_HALVES else [(0, 32), (32, 64)]
     pieces = []
-    for w in words:  # words 0-3 / 4-7 of each 128-bit lane
-        for h in (0, 1):
-            if table_type.ndim == 2:  # FP16 bits: vcvtph2ps
-                chosen = builder.shuffle_vector(w, w, _mask([8 * lane + j for lane in range(4)
-                                                             for j in range(4 * h, 4 * h + 4)]))
-                pieces.append(simd.f16_to_f32(builder, chosen))
-                continue
-            # BF16 bits: unpack{l,h}wd with zero below, dword = word << 16
-            pairs = [i for lane in range(4) for j in range(4 * h, 4 * h + 4) for i in (8 * lane + j, 32 + 8 * lane + j)]
-            pieces.append(builder.bitcast(builder.shuffle_vector(zero, w, _mask(pairs)),
-                                          ir.VectorType(ir.FloatType(), 16)))
-    first = builder.shuffle_vector(pieces[0], pieces[1], _mask(range(HALF)))
-    second = builder.shuffle_vector(pieces[2], pieces[3], _mask(range(HALF)))
-    return first, second
+    for begin, end in parts:
+        lanes = (end - begin) // 16  # 128-bit lanes
+        # unpack{l,h}bw per 128-bit lane: words (low byte, high byte) of bytes 0-7 / 8-15 of each lane
+        words = [builder.bitcast(builder.shuffle_vector(low, high, _mask(
+            [i for lane in range(lanes) for j in range(begin + 16 * lane + 8 * h, begin + 16 * lane + 8 * h + 8)
+             for i in (j, 64 + j)])), ir.VectorType(ir.IntType(16), 8 * lanes)) for h in (0, 1)]
+        zero = ir.Constant(ir.VectorType(ir.IntType(16), 8 * lanes), [0] * 8 * lanes)
+        for w in words:  # words 0-3 / 4-7 of each 128-bit lane
+            for h in (0, 1):
+                if table_type.ndim == 2:  # FP16 bits: vcvtph2ps
+                    chosen = builder.shuffle_vector(w, w, _mask([8 * lane + j for lane in range(lanes)
+                                                                 for j in range(4 * h, 4 * h + 4)]))
+                    pieces.append(simd.f16_to_f32(builder, chosen))
+                    continue
+                # BF16 bits: unpack{l,h}wd with zero below, dword = word << 16
+                pairs = [i for lane in range(lanes) for j in range(4 * h, 4 * h + 4)
+                         for i in (8 * lane + j, 8 * lanes + 8 * lane + j)]
+                pieces.append(builder.bitcast(builder.shuffle_vector(zero, w, _mask(pairs)),
+                                              ir.VectorType(ir.FloatType(), 4 * lanes)))
+    return simd._concatenated(builder, pieces[: len(pieces) // 2]), simd._concatenated(builder, pieces[len(pieces) // 2:])
 
 
 def _code8_decode_gather(context, builder, codes, table_arg, nan_code):
@@ -355,6 +365,21 @@ def code8_decode(typingctx, codes, index, table, nan_code):
         return context.make_tuple(builder, sig.return_type, [first, second])
 
     return types.UniTuple(simd.F32V, 2)(codes, index, table, nan_code), codegen
+
+
+@intrinsic
+def code8_decode_half(typingctx, codes, index, table, nan_code):
+    """The first F32V of code8_decode for the 32 codes ``codes[index : index + 32]``: with CODE8_HALVES, the
+    weights of those codes (CODE8_ORDER's first 32 lanes hold a step's codes 0-31, its last 32 codes 32-63)."""
+    lower = _DECODE_BY_TABLE[table.dtype]
+
+    def codegen(context, builder, sig, args):
+        ptr = simd._element_ptr(context, builder, sig.args[0], args[0], args[1], ir.VectorType(ir.IntType(8), HALF))
+        half = builder.load(ptr, align=1)
+        both = builder.shuffle_vector(half, half, _mask(list(range(HALF)) * 2))  # the copy's lanes go unused
+        return lower(context, builder, both, (sig.args[2], args[2]), args[3])[0]
+
+    return simd.F32V(codes, index, table, nan_code), codegen
 
 
 def _fill_row_table(magnitudes, scale, bf16, nan_code, table):
@@ -1158,9 +1183,17 @@ def _code8_row_sum(x_flat, x0, codes_flat, c0, k, table, nan_code, keep, scratch
     full = k // LANES
     acc0 = simd.f32v_zero()
     acc1 = simd.f32v_zero()
-    for t in range(full):
-        w0, w1 = code8_decode(codes_flat, c0 + LANES * t, table, nan_code)
-        acc0, acc1 = _accumulate(acc0, acc1, x_flat, x0 + LANES * t, w0, w1)
+    if CODE8_HALVES:  # the lanes of codes 0-31 of every step, then those of 32-63: four accumulators live
+        for t in range(full):
+            w = code8_decode_half(codes_flat, c0 + LANES * t, table, nan_code)
+            acc0 = simd.f32v_add(acc0, simd.f32v_mul(simd.f32v_load(x_flat, x0 + LANES * t), w))
+        for t in range(full):
+            w = code8_decode_half(codes_flat, c0 + LANES * t + HALF, table, nan_code)
+            acc1 = simd.f32v_add(acc1, simd.f32v_mul(simd.f32v_load(x_flat, x0 + LANES * t + HALF), w))
+    else:
+        for t in range(full):
+            w0, w1 = code8_decode(codes_flat, c0 + LANES * t, table, nan_code)
+            acc0, acc1 = _accumulate(acc0, acc1, x_flat, x0 + LANES * t, w0, w1)
     if k % LANES:
         w0, w1 = _code8_tail(codes_flat, c0 + LANES * full, k % LANES, table, nan_code, keep, scratch)
         acc0, acc1 = _accumulate(acc0, acc1, x_flat, x0 + LANES * full, w0, w1)
