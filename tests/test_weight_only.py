@@ -14,6 +14,7 @@ from lowbit.kernels.cpu import _simd as simd
 from lowbit.kernels.cpu import weight_only as cpu
 from lowbit.kernels.cpu.memory import thread_scratch
 from lowbit.ops import weight_only as ops
+from lowbit.ops import library
 from lowbit.ops.library import PreparedCall
 from helpers import simd_binary
 
@@ -168,14 +169,20 @@ def test_hifloat4_levels_by_multipliers_equal_the_masked_doublings():
     assert np.array_equal(by_masks.view(np.uint32), by_multipliers.view(np.uint32))
 
 
+def _scale_words(rng, e6m2_bytes):
+    """HiFloat4 scale words (int32): each E6M2 byte below ``e6m2_bytes`` under every e2 byte and every e3 byte
+    of both halves (each flag byte a permutation of 0..255)."""
+    flags = np.arange(256, dtype=np.uint32)
+    return np.concatenate([b | rng.permutation(flags) << 8 | rng.permutation(flags) << 16
+                           | rng.permutation(flags) << 24 for b in range(e6m2_bytes)]).astype(np.uint32).view(np.int32)
+
+
 def _every_block_both_ways(step, seed):
     """The 64 weights of every block decoded by ``step`` and by the portable decode (float32 tables, then
     the e2 / e3 doublings), each in its register order: every E6M2 byte (the poisoned 0xFF included) under
     every e2 byte and every e3 byte in both halves, with random value bytes (every nibble, both signs)."""
     rng = np.random.default_rng(seed)
-    flags = np.arange(256, dtype=np.uint32)
-    words = np.concatenate([b | rng.permutation(flags) << 8 | rng.permutation(flags) << 16 | rng.permutation(flags) << 24
-                            for b in range(256)]).astype(np.uint32).view(np.int32)
+    words = _scale_words(rng, 256)
     value = rng.integers(0, 256, 32 * words.size, dtype=np.uint8)
     got, by_flags = (np.empty(64 * words.size, dtype=np.float32) for _ in range(2))
     _hifloat4_steps(step, words, value, got)
@@ -231,9 +238,7 @@ def test_hifloat4_pairs_decode_every_block_as_the_flag_doublings():
     doublings), in pair order, for every E6M2 byte but the poisoned 0xFF under every e2 byte and every e3 byte in
     both halves, with random value bytes (every nibble, so both signs of every magnitude)."""
     rng = np.random.default_rng(6)
-    flags = np.arange(256, dtype=np.uint32)
-    words = np.concatenate([b | rng.permutation(flags) << 8 | rng.permutation(flags) << 16 | rng.permutation(flags) << 24
-                            for b in range(255)]).astype(np.uint32).view(np.int32)
+    words = _scale_words(rng, 255)
     value = rng.integers(0, 256, 32 * words.size, dtype=np.uint8)
     by_flags = np.empty(64 * words.size, dtype=np.float32)
     _hifloat4_steps(cpu._hifloat4_step_flags, words, value, by_flags)
@@ -1056,6 +1061,22 @@ def test_prepared_call_takes_the_operator_path_where_the_call_is_not_plain():
         prepared(x[:, :64])
     with pytest.raises(ShapeError, match="bias"):
         PreparedCall(ops.HIFLOAT4_LINEAR, (*weight, torch.zeros(5, dtype=torch.bfloat16)))(x)
+
+
+def test_prepared_call_keeps_a_bounded_plan_per_kind_of_x():
+    """One plan (checks, kernel choice) per x dtype, shape and backend, reused; many shapes (prefill lengths)
+    do not grow them past library._MAX_PLANS; every call still gives the operator's bits."""
+    g = gen(14)
+    weight = hif4_weight(24, 128, g)
+    prepared = PreparedCall(ops.HIFLOAT4_LINEAR, (*weight, None))
+    x = torch.randn(2, 128, generator=g).bfloat16()
+    prepared(x)
+    prepared(x.clone())
+    assert len(prepared._plans) == 1
+    for m in range(1, library._MAX_PLANS + 8):
+        x = torch.randn(m, 128, generator=g).bfloat16()
+        assert_bits(prepared(x), ops.HIFLOAT4_LINEAR(x, *weight, None))
+        assert len(prepared._plans) <= library._MAX_PLANS
 
 
 def test_prepared_call_copies_a_non_contiguous_weight():

@@ -188,6 +188,9 @@ def call(op: Operator, args: Sequence[Any], out: Any = None, backend: Optional[s
     return tuple(out) if isinstance(out, list) else out
 
 
+_MAX_PLANS = 64  # PreparedCall's plans kept per bound operator
+
+
 class PreparedCall:
     """An operator with every argument after the first fixed, for arguments that stay as they are (a deploy
     module's packed weight, factors and bias): ``prepared(x)`` is ``op(x, *fixed)``, the same result, with
@@ -195,8 +198,8 @@ class PreparedCall:
     prepare (``kernel.prepare(dtype, k, *fixed)`` and ``kernel.run_prepared(x, prepared, out=...)``), the
     kernel's operands of the fixed arguments (numpy views of them, derived scales) are made once per x dtype
     and K instead of on every call: tens of microseconds of a small layer's call. So are the operator's
-    checks and its kernel choice, once per x dtype, x shape and backend (a bad x is checked, and fails,
-    every time; 55 -> 40 us per call of a 64 x 64 MXFP4 layer on an AMD Zen 3). Any other call goes
+    checks and its kernel choice, once per x dtype, x shape and backend (up to _MAX_PLANS kinds of x kept;
+    a bad x is checked, and fails, every time; 55 -> 40 us per call of a 64 x 64 MXFP4 layer on an AMD Zen 3). Any other call goes
     through the operator (:func:`call`).
 
     ``fixed``: tensors (or None), used as they are if contiguous and aligned, else copied. The caller must
@@ -216,14 +219,16 @@ class PreparedCall:
         args = (x, *self.fixed)
         if not (self._plain and plain_context() and plain_tensor(x)):
             return call(self.op, args)
-        key = (x.dtype, x.shape, backends.get_backend())
-        plan = self._plans.get(key)
+        kind = (x.dtype, x.shape, backends.get_backend())
+        plan = self._plans.get(kind)
         x = backends.dense_aligned(x)
         if plan is None:
             (spec,) = self.op.outputs(*args)  # the operator's errors for a bad x
             if 0 in spec.shape:
                 return torch.empty(spec.shape, dtype=spec.dtype)
-            plan = self._plans[key] = (spec, *self.op.kernel(torch.device("cpu"), None, (x, *self.fixed)))
+            if len(self._plans) >= _MAX_PLANS:  # many x shapes (prefill lengths): start over, do not grow
+                self._plans.clear()
+            plan = self._plans[kind] = (spec, *self.op.kernel(torch.device("cpu"), None, (x, *self.fixed)))
         spec, name, kernel = plan
         out = torch.empty(spec.shape, dtype=spec.dtype)
         with torch.no_grad():

@@ -292,7 +292,8 @@ def _code8_decode_bytes(context, builder, codes, table_arg, nan_code):
                          for i in (8 * lane + j, 8 * lanes + 8 * lane + j)]
                 pieces.append(builder.bitcast(builder.shuffle_vector(zero, w, _mask(pairs)),
                                               ir.VectorType(ir.FloatType(), 4 * lanes)))
-    return simd._concatenated(builder, pieces[: len(pieces) // 2]), simd._concatenated(builder, pieces[len(pieces) // 2:])
+    middle = len(pieces) // 2
+    return simd._concatenated(builder, pieces[:middle]), simd._concatenated(builder, pieces[middle:])
 
 
 def _code8_decode_gather(context, builder, codes, table_arg, nan_code):
@@ -1184,6 +1185,7 @@ def _code8_row_sum(x_flat, x0, codes_flat, c0, k, table, nan_code, keep, scratch
     acc0 = simd.f32v_zero()
     acc1 = simd.f32v_zero()
     if CODE8_HALVES:  # the lanes of codes 0-31 of every step, then those of 32-63: four accumulators live
+        # (written out twice: a helper taking the row's table, a counted array, measured 3 % slower)
         for t in range(full):
             w = code8_decode_half(codes_flat, c0 + LANES * t, table, nan_code)
             acc0 = simd.f32v_add(acc0, simd.f32v_mul(simd.f32v_load(x_flat, x0 + LANES * t), w))
