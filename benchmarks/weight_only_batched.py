@@ -1,8 +1,8 @@
 """Batched decode (BF16 x, GEMV_MAX_M < M <= BATCH_MAX_M): the weight-only operators' batched kernel against
 their GEMM path (the same call with lowbit.kernels.cpu.weight_only.BATCH_MAX_M set to GEMV_MAX_M) and BF16
 F.linear, in one run: per round every case once, interleaved, so each call follows other torch and numba
-work as in a model's forward. Medians of --rounds rounds; ratios are time / F.linear's time. Needs a CPU with
-AVX512-BF16 for the batched kernel (elsewhere both rows are the GEMM path).
+work as in a model's forward. Medians of --rounds rounds; ratios are time / F.linear's time. The batched
+kernel's products are BF16 dot products on CPUs with AVX512-BF16, float32 FMAs elsewhere.
 
     PYTHONPATH=src python benchmarks/weight_only_batched.py [--rounds 7] [--ms 8 16 32]
 """
@@ -44,7 +44,7 @@ def main() -> None:
     parser.add_argument("--ms", type=int, nargs="+", default=[8, 16, 32])
     args = parser.parse_args()
     print(f"CPU: {device_name(torch.device('cpu'))}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, AVX512-BF16: {cpu.simd.HAS_AVX512BF16}")
+          f"{torch.get_num_threads()} threads, batched products in {'BF16' if cpu.BATCH_IN_BF16 else 'float32'}")
     print("| N x K | M | F.linear ms | format | batched x F.linear | GEMM path x F.linear |")
     print("|---|---|---|---|---|---|")
     gen = torch.Generator().manual_seed(0)

@@ -729,14 +729,18 @@ def test_gemm_path_keeps_nan_and_inf(m):
     assert got[:, 0].isnan().all() and got[:, 1].isinf().all() and got[:, 2:].isfinite().all()
 
 
-@pytest.mark.skipif(not simd.HAS_AVX512BF16, reason="the batched kernel runs on AVX512-BF16 CPUs")
+BATCHED_DTYPES = [torch.bfloat16] + ([] if cpu.BATCH_IN_BF16 else [torch.float16])
+
+
 @pytest.mark.parametrize("fmt", WEIGHTS)
 @pytest.mark.parametrize("m", [cpu.GEMV_MAX_M + 1, 6, cpu.BATCH_MAX_M])
-def test_batched_kernel_within_the_order_interval(fmt, m, monkeypatch):
-    """BF16 x, GEMV_MAX_M < M <= BATCH_MAX_M: the batched kernel runs (odd and even M; N = 131: several
-    tasks and a last block of 3 rows; K with a short last step or an odd 32-block; a chunk boundary of K
-    inside a row), with NaN / Inf weights, x with Inf / NaN and BF16 subnormals (flushed by vdpbf16ps), a
-    BF16 bias; every output within the interval or NaN where the reference is; NaN canonical."""
+@pytest.mark.parametrize("dtype", BATCHED_DTYPES)
+def test_batched_kernel_within_the_order_interval(fmt, m, dtype, monkeypatch):
+    """GEMV_MAX_M < M <= BATCH_MAX_M (BF16 x where the products are BF16 dot products, FP16 x too where they
+    are float32 FMAs): the batched kernel runs (odd and even M; N = 131: several tasks and a last block of 3
+    rows, an odd one; K with a short last step or an odd 32-block; a chunk boundary of K inside a row), with
+    NaN / Inf weights, x with Inf / NaN and BF16 subnormals (flushed by vdpbf16ps), a bias in x's dtype;
+    every output within the interval or NaN where the reference is; NaN canonical."""
     calls = []
     kernel = {"hifloat8": cpu.HIFLOAT8_LINEAR, "float8": cpu.FLOAT8_E4M3FN_LINEAR, "mxfp8": cpu.MXFP8_LINEAR,
               "mxfp4": cpu.MXFP4_LINEAR, "hifloat4": cpu.HIFLOAT4_LINEAR}[fmt]
@@ -749,25 +753,49 @@ def test_batched_kernel_within_the_order_interval(fmt, m, monkeypatch):
         weight[0][5, 7], weight[0][9, 0] = (0x80, 0x6F) if fmt == "hifloat8" else (0x7F, 0x7E)
     elif fmt in ("mxfp8", "mxfp4"):
         weight[1][5, 2] = 0xFF  # a NaN block
-    x = torch.randn(m, k, generator=g).bfloat16()
-    x[0, :8] = 2.0**-130  # BF16 subnormals
+    x = torch.randn(m, k, generator=g).to(dtype)
+    x[0, :8] = 2.0**-130  # BF16 subnormals, FP16 zeros
     x[m - 1, 3] = float("inf")
     x[1, 100] = float("nan")
-    bias = torch.randn(131, generator=g).bfloat16()
+    bias = torch.randn(131, generator=g).to(dtype)
     got = OPS[fmt](x, *weight, bias, backend="native")
     assert calls == [1]
-    dense = _dense(fmt, weight, torch.bfloat16)
+    dense = _dense(fmt, weight, dtype)
     want = reference.linear(x, dense, bias)
     assert reference.meets_contract(got, want, x, dense, bias)
-    assert (bits(got)[got.isnan()] == reference.NAN_BITS[torch.bfloat16]).all()
+    assert (bits(got)[got.isnan()] == reference.NAN_BITS[dtype]).all()
 
 
-@pytest.mark.skipif(not simd.HAS_AVX512BF16, reason="the batched kernel runs on AVX512-BF16 CPUs")
+@pytest.mark.parametrize("fmt", ["mxfp4", "hifloat8"])
+def test_batched_kernel_gives_the_same_bits_on_any_thread_count(fmt):
+    """Each output's sums come from one task whatever thread runs it: the parallel loop on two threads gives
+    the serial kernel's bits (N = 131: tasks of 64, 64 and 3 rows)."""
+    g = gen(3)
+    k = 2 * cpu._BATCH_CHUNK + 64
+    weight = WEIGHTS[fmt](131, k, g)
+    x = torch.randn(cpu.GEMV_MAX_M + 3, k, generator=g).bfloat16()
+    kernel = {"mxfp4": cpu.MXFP4_LINEAR, "hifloat8": cpu.HIFLOAT8_LINEAR}[fmt]
+    operands, _ = kernel.prepare(x.dtype, k, *weight, None)
+    outs = [torch.empty(x.shape[0], 131, dtype=x.dtype) for _ in range(2)]
+    previous = numba.get_num_threads()
+    numba.set_num_threads(2)
+    try:
+        for out, serial in zip(outs, (True, False)):
+            kernel._run_batched(x, operands, None, out, serial)
+    finally:
+        numba.set_num_threads(previous)
+    assert_bits(outs[0], outs[1])
+    dense = _dense(fmt, weight, x.dtype)
+    assert reference.meets_contract(outs[0], reference.linear(x, dense), x, dense)
+
+
 @pytest.mark.parametrize("amx", [False, True])
 @pytest.mark.parametrize("n, m, batched", [(64, 32, True), (2048, 11, True), (2048, 12, False)])
-def test_rows_of_x_choose_the_batched_kernel_or_the_gemm_path(monkeypatch, amx, n, m, batched):
-    """BF16 x with 5-32 rows runs the batched kernel, except on CPUs with AMX-BF16 for weights of at least
-    AMX_GEMM_WEIGHTS (here 2048 x 1024) above AMX_BATCH_MAX_M rows: torch's AMX GEMM on decoded tiles."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rows_of_x_choose_the_batched_kernel_or_the_gemm_path(monkeypatch, amx, n, m, batched, dtype):
+    """x with 5-32 rows runs the batched kernel (BF16 x only where its products are BF16 dot products),
+    except on CPUs with AMX-BF16 for weights of at least AMX_GEMM_WEIGHTS (here 2048 x 1024) above
+    AMX_BATCH_MAX_M rows: torch's AMX GEMM on decoded tiles."""
     monkeypatch.setattr(simd, "HAS_AMX_BF16", amx)
     paths = []
     kernel = cpu.MXFP4_LINEAR
@@ -776,9 +804,10 @@ def test_rows_of_x_choose_the_batched_kernel_or_the_gemm_path(monkeypatch, amx, 
                                                 for run in getattr(kernel, name)))
     k = cpu.AMX_GEMM_WEIGHTS // 2048
     g = gen(n + m)
-    x = torch.randn(m, k, generator=g).bfloat16()
+    x = torch.randn(m, k, generator=g).to(dtype)
     lowbit.mxfp4_linear(x, *mxfp4_weight(n, k, g), backend="native")
-    assert set(paths) == {"batched" if batched or not amx else "tile"}
+    runs_batched = (batched or not amx) and (dtype == torch.bfloat16 or not cpu.BATCH_IN_BF16)
+    assert set(paths) == {"batched" if runs_batched else "tile"}
 
 
 # --- Triton (interpreted on the CPU): bit-exact for every M ---------------------------------------------------

@@ -90,11 +90,16 @@ class _VectorType(types.Type):
         super().__init__(name=name)
 
 
+# F32N: one register of float32 lanes (ymm: NARROW = 8 lanes; zmm where numba compiles for AVX-512), for loops
+# whose many accumulators would not fit the registers as F32V (four registers each on AVX2).
+NARROW = 16 if HAS_AVX512F else 8
+_VF32N = ir.VectorType(ir.FloatType(), NARROW)
 I32V = _VectorType("I32V")
 F32V = _VectorType("F32V")
+F32N = _VectorType("F32N")
 I16V = _VectorType("I16V")
 U8P = _VectorType("U8P")
-_LLVM_TYPES = {"I32V": _VI32, "F32V": _VF32, "I16V": _VI16, "U8P": _VPAIR}
+_LLVM_TYPES = {"I32V": _VI32, "F32V": _VF32, "F32N": _VF32N, "I16V": _VI16, "U8P": _VPAIR}
 
 
 class _VectorModel(models.PrimitiveModel):
@@ -651,18 +656,27 @@ def i32v_to_f32v(typingctx, value):
 # ---- float32 tiles -------------------------------------------------------------------------------------
 
 
-@intrinsic
-def f32v_zero(typingctx):
-    """All +0.0 F32V."""
+def _make_float_zero(vector_type, result, doc):
+    """An @intrinsic ``zero()``: the ``result`` vector (LLVM ``vector_type``) of +0.0 lanes."""
 
-    def codegen(context, builder, sig, args):
-        return ir.Constant(_VF32, [0.0] * LANES)
+    @intrinsic
+    def zero(typingctx):
+        def codegen(context, builder, sig, args):
+            return ir.Constant(vector_type, [0.0] * vector_type.count)
 
-    return F32V(), codegen
+        return result(), codegen
+
+    zero.__doc__ = doc
+    return zero
+
+
+f32v_zero = _make_float_zero(_VF32, F32V, "All +0.0 F32V.")
+f32n_zero = _make_float_zero(_VF32N, F32N, "All +0.0 F32N.")
 
 
 f32v_load = _make_load(_VF32, F32V, "LANES float32 lanes from a 1-D C-contiguous float32 array at element ``index``.")
 f32v_store = _make_store(_VF32, "Store LANES float32 lanes into a 1-D C-contiguous float32 array at element ``index``.")
+f32n_load = _make_load(_VF32N, F32N, "NARROW float32 lanes from a 1-D C-contiguous float32 array at element ``index``.")
 
 
 @intrinsic
@@ -848,16 +862,24 @@ def f32v_store_as_i8(typingctx, arr, index, value):
     return types.void(arr, index, value), codegen
 
 
-@intrinsic
-def f32v_fma(typingctx, a, b, c):
-    """``a * b + c`` per lane with one rounding (llvm.fma: vfmadd with FMA hardware)."""
+def _make_fma(vector_type, result, doc):
+    """An @intrinsic ``fma(a, b, c)`` of ``result`` vectors (LLVM ``vector_type``): llvm.fma."""
 
-    def codegen(context, builder, sig, args):
-        fn = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(_VF32, [_VF32] * 3), f"llvm.fma.v{LANES}f32")
-        return builder.call(fn, list(args))
+    @intrinsic
+    def fma(typingctx, a, b, c):
+        def codegen(context, builder, sig, args):
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vector_type, [vector_type] * 3),
+                                                f"llvm.fma.v{vector_type.count}f32")
+            return builder.call(fn, list(args))
 
-    return F32V(a, b, c), codegen
+        return result(a, b, c), codegen
+
+    fma.__doc__ = doc
+    return fma
+
+
+f32v_fma = _make_fma(_VF32, F32V, "``a * b + c`` per lane with one rounding (llvm.fma: vfmadd with FMA hardware).")
+f32n_fma = _make_fma(_VF32N, F32N, "F32N ``a * b + c`` per lane with one rounding (llvm.fma).")
 
 
 def _round_to_bf16(builder, value):
@@ -1017,8 +1039,8 @@ f32v_store_f16_bytes.__doc__ = """The same with each lane rounded to FP16 (fptru
 
 @intrinsic
 def f32v_sum_tree(typingctx, value):
-    """The float32 sum of the LANES lanes folded pairwise: ``lane[i] += lane[i + h]`` for ``i < h``,
-    h = LANES / 2, ..., 1; returns lane 0."""
+    """The float32 sum of an F32V's LANES lanes (or an F32N's NARROW) folded pairwise: ``lane[i] += lane[i +
+    h]`` for ``i < h``, h = LANES / 2, ..., 1; returns lane 0."""
 
     def codegen(context, builder, sig, args):
         return sum_tree(builder, args[0])

@@ -1776,14 +1776,24 @@ def _hifloat4_tile(words, value, r0, w32):
         _hifloat4_tile_rows(words, value, r0, task * _ROWS_PER_TASK, min(rows, (task + 1) * _ROWS_PER_TASK), w32)
 
 
-# ---- batched kernels (BF16 x, GEMV_MAX_M < M <= BATCH_MAX_M, AVX512-BF16 CPUs) ------------------------------
-# y32 (M, N) <- x (M, Kp) BF16 bits @ W.T. Per task, blocks of ROW_BLOCK rows of W are decoded once into a small
-# BF16 buffer (the format's register order, as x) and multiplied with every row of x, two at a time, by BF16 dot
-# products (vdpbf16ps: 32 multiply-adds per instruction, twice a float32 FMA's), in chunks of K that keep the
-# four rows' chunk in the L1 cache. Every weight is a BF16 value for BF16 x, so nothing is rounded on the way
-# in; the order of the sums is not the reference's (the GEMM path's tolerance, docs/weight_only.md). No torch
-# GEMM and no dense copy of W.
-BATCH_MAX_M = 32
+# ---- batched kernels (GEMV_MAX_M < M <= BATCH_MAX_M) ----------------------------------------------------------
+# y32 (M, N) <- x (M, Kp) @ W.T, x in the format's register order. Per task, blocks of ROW_BLOCK rows of W are
+# decoded once into a small buffer (the same register order) and multiplied with every row of x, in chunks of K
+# that keep the four rows' chunk in the L1 cache. No torch GEMM and no dense copy of W. The products:
+# * AVX512-BF16 CPUs (BATCH_IN_BF16): BF16 x's bits and BF16 weights, two rows of x at a time, by BF16 dot
+#   products (vdpbf16ps: 32 multiply-adds per instruction, twice a float32 FMA's); every weight is a BF16 value
+#   for BF16 x, so nothing is rounded on the way in. BF16 x only.
+# * Other CPUs: x widened to float32 (FP16 or BF16, exactly), float32 weights, float32 fused multiply-adds, two
+#   rows of x at a time into one-register accumulators (F32N: as F32V, eight of them would not fit AVX2's 16
+#   registers). Without BF16 instructions torch's BF16 GEMM is slow, and the GEMM path's float32 GEMM reads a
+#   float32 copy of W, tile by tile: at M = 5 it took 3.8x the time of four rows' bit-exact GEMVs (AMD Zen 3,
+#   benchmarks/results_weight_only.md, 'Batched decode without BF16 instructions').
+# The order of the sums is not the reference's (the GEMM path's tolerance, docs/weight_only.md).
+BATCH_IN_BF16 = simd.HAS_AVX512BF16
+# Rows of x up to which the batched kernels run: with BF16 products, 32; with float32 ones, 64: beyond, the GEMM
+# path's float32 GEMM caught up (AMD Zen 3, two threads, 4096^2 and 12288 x 8192: batched 0.18-0.20x F.linear's
+# time at M = 64 against 0.27-0.30x, at M = 128 0.17-0.20x against 0.18-0.27x).
+BATCH_MAX_M = 32 if BATCH_IN_BF16 else 64
 # On CPUs with AMX-BF16, weights of at least AMX_GEMM_WEIGHTS take the GEMM path above AMX_BATCH_MAX_M rows of x:
 # its decode costs the same whatever M is, and a BF16 GEMM on AMX tiles costs little more at M = 32 than at
 # M = 1 (Intel Xeon, 4096^2, MXFP4 / HiFloat4: batched 2.5 / 2.4 ms at M = 10, 2.7 / 2.8 ms at M = 12, 6.5 / 6.3 ms
@@ -1793,7 +1803,7 @@ BATCH_MAX_M = 32
 AMX_BATCH_MAX_M = 11
 AMX_GEMM_WEIGHTS = 2 << 20
 _BATCH_ROWS_PER_TASK = 64  # rows of W per prange iteration (16 blocks: one buffer allocation each)
-_BATCH_CHUNK = 1024  # elements of K per pass over the rows of x (four rows of W: 8 KiB of BF16)
+_BATCH_CHUNK = 1024  # elements of K per pass over the rows of x (four rows of W: 8 KiB of BF16, 16 KiB of float32)
 
 
 @numba.njit(**NJIT_OPTIONS)
@@ -1820,19 +1830,60 @@ def _batch_block(x_flat, kp, m_rows, w_flat, rows, row, y32):
                       simd.f32v_sum_tree(a3))
             sums_b = (simd.f32v_sum_tree(b0), simd.f32v_sum_tree(b1), simd.f32v_sum_tree(b2),
                       simd.f32v_sum_tree(b3))
-            for r in range(rows):
-                if c0 == 0:
-                    y32[m, row + r] = sums_a[r]
-                    y32[m1, row + r] = sums_b[r]
-                else:
-                    y32[m1, row + r] += sums_b[r]
-                    if m1 != m:
-                        y32[m, row + r] += sums_a[r]
+            _add_block_sums(y32, m, m1, row, rows, c0 == 0, sums_a, sums_b)
+
+
+@numba.njit(**_INLINE)
+def _add_block_sums(y32, m, m1, row, rows, first, sums_a, sums_b):
+    """A chunk's sums of rows m and m1 (the same row if m1 == m) of x with W's rows row .. row + rows - 1 into
+    y32: stored (``first`` chunk) or added."""
+    for r in range(rows):
+        if first:
+            y32[m, row + r] = sums_a[r]
+            y32[m1, row + r] = sums_b[r]
+        else:
+            y32[m1, row + r] += sums_b[r]
+            if m1 != m:
+                y32[m, row + r] += sums_a[r]
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _batch_block_f32(x_flat, kp, m_rows, w_flat, rows, row, y32):
+    """_batch_block by float32 fused multiply-adds: x (M rows of Kp float32, flat), w_flat ROW_BLOCK * Kp float32
+    (rows past ``rows`` finite). Two rows of x against the four of W: eight one-register accumulators (F32N),
+    six loads per eight multiply-adds."""
+    for c0 in range(0, kp, _BATCH_CHUNK):
+        c1 = min(kp, c0 + _BATCH_CHUNK)
+        for m in range(0, m_rows, 2):
+            m1 = min(m + 1, m_rows - 1)  # an odd last row of x is taken twice
+            a0 = b0 = a1 = b1 = a2 = b2 = a3 = b3 = simd.f32n_zero()
+            for t in range(c0, c1, simd.NARROW):
+                xa = simd.f32n_load(x_flat, m * kp + t)
+                xb = simd.f32n_load(x_flat, m1 * kp + t)
+                w = simd.f32n_load(w_flat, t)
+                a0, b0 = simd.f32n_fma(xa, w, a0), simd.f32n_fma(xb, w, b0)
+                w = simd.f32n_load(w_flat, kp + t)
+                a1, b1 = simd.f32n_fma(xa, w, a1), simd.f32n_fma(xb, w, b1)
+                w = simd.f32n_load(w_flat, 2 * kp + t)
+                a2, b2 = simd.f32n_fma(xa, w, a2), simd.f32n_fma(xb, w, b2)
+                w = simd.f32n_load(w_flat, 3 * kp + t)
+                a3, b3 = simd.f32n_fma(xa, w, a3), simd.f32n_fma(xb, w, b3)
+            sums_a = (simd.f32v_sum_tree(a0), simd.f32v_sum_tree(a1), simd.f32v_sum_tree(a2),
+                      simd.f32v_sum_tree(a3))
+            sums_b = (simd.f32v_sum_tree(b0), simd.f32v_sum_tree(b1), simd.f32v_sum_tree(b2),
+                      simd.f32v_sum_tree(b3))
+            _add_block_sums(y32, m, m1, row, rows, c0 == 0, sums_a, sums_b)
+
+
+# The batched kernels' products and the element type of their decoded rows of W.
+_batch_products = _batch_block if BATCH_IN_BF16 else _batch_block_f32
+_BATCH_WEIGHT = np.int16 if BATCH_IN_BF16 else np.float32
 
 
 @numba.njit(**_INLINE)
 def _store_steps(w_flat, at, w0, w1):
-    """A step's BF16 bits (int16, by truncation: exact for BF16 values) in the format's register order."""
+    """A step's weights in the format's register order: float32, or BF16 bits (int16, by truncation: exact for
+    BF16 values)."""
     simd.f32v_store_any(w_flat, at, w0)
     simd.f32v_store_any(w_flat, at + HALF, w1)
 
@@ -1856,8 +1907,8 @@ def _gather_x_bits(x_bits, order, x_reg):
 
 @numba.njit(**_INLINE)
 def _batch_buffer(kp, rows):
-    """A ROW_BLOCK * Kp BF16 (int16) row buffer whose rows from ``rows`` on are zeros."""
-    w = np.empty(ROW_BLOCK * kp, dtype=np.int16)
+    """A ROW_BLOCK * Kp row buffer (_BATCH_WEIGHT) whose rows from ``rows`` on are zeros."""
+    w = np.empty(ROW_BLOCK * kp, dtype=_BATCH_WEIGHT)
     w[rows * kp :] = 0
     return w
 
@@ -1865,7 +1916,7 @@ def _batch_buffer(kp, rows):
 @numba.njit(**_INLINE)
 def _batch_rows(decode_row, operands, first, end, x_flat, kp, m_rows, y32):
     """Rows first .. end - 1 of W: each block of ROW_BLOCK rows (from ``first``) decoded by ``decode_row(operands,
-    row, w, at)`` into one buffer, then multiplied with every row of x (_batch_block)."""
+    row, w, at)`` into one buffer, then multiplied with every row of x (_batch_products)."""
     w = _batch_buffer(kp, ROW_BLOCK)
     for row in range(first, end, ROW_BLOCK):
         rows = min(ROW_BLOCK, end - row)
@@ -1873,7 +1924,7 @@ def _batch_rows(decode_row, operands, first, end, x_flat, kp, m_rows, y32):
             w = _batch_buffer(kp, rows)
         for r in range(rows):
             decode_row(operands, row + r, w, r * kp)
-        _batch_block(x_flat, kp, m_rows, w, rows, row, y32)
+        _batch_products(x_flat, kp, m_rows, w, rows, row, y32)
 
 
 @numba.njit(**_INLINE)
@@ -1885,8 +1936,11 @@ def _code8_batch_row(operands, row, w, at):
 
 @numba.njit(**_INLINE)
 def _mxfp8_batch_row(operands, row, w, at):
-    codes_flat, scales_flat, k, blocks, table = operands
-    _mxfp8_tile_row(_round_bf16, _store_steps, codes_flat, scales_flat, row, k, blocks, table, w, at)
+    codes_flat, scales_flat, k, blocks, table, bf16 = operands
+    if bf16:
+        _mxfp8_tile_row(_round_bf16, _store_steps, codes_flat, scales_flat, row, k, blocks, table, w, at)
+    else:
+        _mxfp8_tile_row(_round_f16, _store_steps, codes_flat, scales_flat, row, k, blocks, table, w, at)
 
 
 @numba.njit(**_INLINE)
@@ -1902,69 +1956,69 @@ def _hifloat4_batch_row(operands, row, w, at):
 
 
 @numba.njit(**NJIT_OPTIONS)
-def _code8_batched_rows(x_bits, codes, scale, bf16, magnitudes, nan_code, table_like, keep, row, end, y32):
+def _code8_batched_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, row, end, y32):
     """Rows row .. end - 1 of W: the serial part of _code8_batched."""
     k = codes.shape[1]
-    m_rows, kp = x_bits.shape
+    m_rows, kp = x_reg.shape
     operands = (simd.flat(codes), k, scale, bf16, magnitudes, nan_code, np.empty_like(table_like), keep,
                 np.zeros(LANES, dtype=np.uint8))
-    _batch_rows(_code8_batch_row, operands, row, end, simd.flat(x_bits), kp, m_rows, y32)
+    _batch_rows(_code8_batch_row, operands, row, end, simd.flat(x_reg), kp, m_rows, y32)
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _code8_batched(x_bits, codes, scale, bf16, magnitudes, nan_code, table_like, keep, y32):
+def _code8_batched(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, y32):
     n = codes.shape[0]
     for task in numba.prange(-(-n // _BATCH_ROWS_PER_TASK)):
-        _code8_batched_rows(x_bits, codes, scale, bf16, magnitudes, nan_code, table_like, keep,
+        _code8_batched_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep,
                             task * _BATCH_ROWS_PER_TASK, min(n, (task + 1) * _BATCH_ROWS_PER_TASK), y32)
 
 
 @numba.njit(**NJIT_OPTIONS)
-def _mxfp8_batched_rows(x_bits, codes, scales, bf16, table, row, end, y32):
+def _mxfp8_batched_rows(x_reg, codes, scales, bf16, table, row, end, y32):
     """Rows row .. end - 1 of W: the serial part of _mxfp8_batched."""
     k = codes.shape[1]
-    m_rows, kp = x_bits.shape
-    operands = (simd.flat(codes), simd.flat(scales), k, scales.shape[1], table)
-    _batch_rows(_mxfp8_batch_row, operands, row, end, simd.flat(x_bits), kp, m_rows, y32)
+    m_rows, kp = x_reg.shape
+    operands = (simd.flat(codes), simd.flat(scales), k, scales.shape[1], table, bf16)
+    _batch_rows(_mxfp8_batch_row, operands, row, end, simd.flat(x_reg), kp, m_rows, y32)
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _mxfp8_batched(x_bits, codes, scales, bf16, table, y32):
+def _mxfp8_batched(x_reg, codes, scales, bf16, table, y32):
     n = codes.shape[0]
     for task in numba.prange(-(-n // _BATCH_ROWS_PER_TASK)):
-        _mxfp8_batched_rows(x_bits, codes, scales, bf16, table, task * _BATCH_ROWS_PER_TASK,
+        _mxfp8_batched_rows(x_reg, codes, scales, bf16, table, task * _BATCH_ROWS_PER_TASK,
                             min(n, (task + 1) * _BATCH_ROWS_PER_TASK), y32)
 
 
 @numba.njit(**NJIT_OPTIONS)
-def _mxfp4_batched_rows(x_bits, scales, codes, row, end, y32):
+def _mxfp4_batched_rows(x_reg, scales, codes, row, end, y32):
     """Rows row .. end - 1 of W: the serial part of _mxfp4_batched."""
-    m_rows, kp = x_bits.shape
+    m_rows, kp = x_reg.shape
     operands = (simd.flat(scales), simd.flat(codes), scales.shape[1], np.zeros(HALF, dtype=np.uint8))
-    _batch_rows(_mxfp4_batch_row, operands, row, end, simd.flat(x_bits), kp, m_rows, y32)
+    _batch_rows(_mxfp4_batch_row, operands, row, end, simd.flat(x_reg), kp, m_rows, y32)
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _mxfp4_batched(x_bits, scales, codes, y32):
+def _mxfp4_batched(x_reg, scales, codes, y32):
     n = scales.shape[0]
     for task in numba.prange(-(-n // _BATCH_ROWS_PER_TASK)):
-        _mxfp4_batched_rows(x_bits, scales, codes, task * _BATCH_ROWS_PER_TASK,
+        _mxfp4_batched_rows(x_reg, scales, codes, task * _BATCH_ROWS_PER_TASK,
                             min(n, (task + 1) * _BATCH_ROWS_PER_TASK), y32)
 
 
 @numba.njit(**NJIT_OPTIONS)
-def _hifloat4_batched_rows(x_bits, words, value, row, end, y32):
+def _hifloat4_batched_rows(x_reg, words, value, row, end, y32):
     """Rows row .. end - 1 of W: the serial part of _hifloat4_batched."""
-    m_rows, kp = x_bits.shape
+    m_rows, kp = x_reg.shape
     operands = (simd.flat(words), simd.flat(value), words.shape[1])
-    _batch_rows(_hifloat4_batch_row, operands, row, end, simd.flat(x_bits), kp, m_rows, y32)
+    _batch_rows(_hifloat4_batch_row, operands, row, end, simd.flat(x_reg), kp, m_rows, y32)
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _hifloat4_batched(x_bits, words, value, y32):
+def _hifloat4_batched(x_reg, words, value, y32):
     n = words.shape[0]
     for task in numba.prange(-(-n // _BATCH_ROWS_PER_TASK)):
-        _hifloat4_batched_rows(x_bits, words, value, task * _BATCH_ROWS_PER_TASK,
+        _hifloat4_batched_rows(x_reg, words, value, task * _BATCH_ROWS_PER_TASK,
                                min(n, (task + 1) * _BATCH_ROWS_PER_TASK), y32)
 
 
@@ -2073,8 +2127,10 @@ def _round_into(y32: np.ndarray, bias, bf16: bool, out: torch.Tensor) -> None:
 BF16_GEMM = simd.TORCH_BF16_GEMM_IN_HARDWARE
 
 
-def _batch_max_m(n: int, k: int) -> int:
-    """Rows of x up to which an (N, K) weight runs the batched kernel (BF16 x, AVX512-BF16 CPUs)."""
+def _batch_max_m(n: int, k: int, dtype: torch.dtype) -> int:
+    """Rows of x of ``dtype`` up to which an (N, K) weight runs the batched kernel (GEMV_MAX_M: never)."""
+    if BATCH_IN_BF16 and dtype != torch.bfloat16:
+        return GEMV_MAX_M
     if simd.HAS_AMX_BF16 and n * k >= AMX_GEMM_WEIGHTS:
         return AMX_BATCH_MAX_M
     return BATCH_MAX_M
@@ -2088,12 +2144,12 @@ class WeightOnlyLinear(Kernel):
     """One format's kernel: ``run(x, a, b, bias, out=)`` with x (..., K) FP16/BF16, the format's two weight
     tensors (validated by lowbit.ops.weight_only), bias (N,) or None, out (..., N) in x's dtype.
 
-    ``gemv``, ``batched`` and ``tile``: the format's numba kernels (M <= GEMV_MAX_M; BF16 x with M <=
-    BATCH_MAX_M on AVX512-BF16 CPUs; the GEMM path), each a pair (serial, parallel): ``serial(*args, row,
+    ``gemv``, ``batched`` and ``tile``: the format's numba kernels (M <= GEMV_MAX_M; M <= _batch_max_m, BF16 x
+    only on AVX512-BF16 CPUs; the GEMM path), each a pair (serial, parallel): ``serial(*args, row,
     end, out)`` computes output rows row .. end - 1 on the calling thread, ``parallel(*args, out)`` all of
     them in numba's parallel loop (compiled on its first call only: a process that never runs a kernel on
     several threads, such as ``lowbit smoke``, never compiles it). args: (x_reg, *operands[, fused, x_pairs,
-    paired]) for the GEMV, (x_bits, *operands) batched, (*operands, r0) for a tile of rows r0 ... of W.
+    paired]) for the GEMV, (x_reg, *operands) batched, (*operands, r0) for a tile of rows r0 ... of W.
     ``split``: the register order (see _reorder); ``operands(a, b, k, dtype)``: the numba kernels' weight
     operands for x of ``dtype``; ``exponents``: a 4-bit format's table for _exact_bytes, whose results (fused,
     x_pairs, paired) the GEMV kernels take after the operands (None: an 8-bit format, no such arguments);
@@ -2130,7 +2186,7 @@ class WeightOnlyLinear(Kernel):
         # deschedules on a shared machine does not make the other one wait at the end.
         if m <= GEMV_MAX_M:
             path, work, chunksize = self._run_gemv, n * k, max(4, -(-n // _ROWS_PER_TASK) // _CHUNKS)
-        elif x.dtype == torch.bfloat16 and simd.HAS_AVX512BF16 and m <= _batch_max_m(n, k):
+        elif m <= _batch_max_m(n, k, x.dtype):
             path, work, chunksize = self._run_batched, m * n * k, 1  # tasks of _BATCH_ROWS_PER_TASK rows
         else:  # the GEMM path: the decoded tile's rows (torch's GEMM takes torch's threads)
             tile_rows = min(n, GEMM_TILE_BYTES // (2 * _padded_k(k)))
@@ -2170,14 +2226,18 @@ class WeightOnlyLinear(Kernel):
         run_tasks(self.gemv, (x_reg, *operands, *extra), y32.shape[1], y32, serial)
 
     def _run_batched(self, x: torch.Tensor, operands: tuple, bias, out: torch.Tensor, serial: bool) -> None:
-        """BF16 x on an AVX512-BF16 CPU, GEMV_MAX_M < M <= BATCH_MAX_M: the batched kernel on x's bits in the
-        register order (zero-padded to Kp), then the reference's rounding."""
+        """GEMV_MAX_M < M <= _batch_max_m: the batched kernel on x in the register order (zero-padded to Kp;
+        BF16 bits where BATCH_IN_BF16, else float32), then the reference's rounding."""
         (m, k), n = x.shape, out.shape[1]
-        x_reg = np.empty((m, _padded_k(k)), dtype=np.int16)
-        _gather_x_bits(as_numpy(x), self.order, x_reg)
+        if BATCH_IN_BF16:
+            x_reg = np.empty((m, _padded_k(k)), dtype=np.int16)
+            _gather_x_bits(as_numpy(x), self.order, x_reg)
+        else:
+            x_reg = np.empty((m, _padded_k(k)), dtype=np.float32)
+            _gather_x(as_numpy(x), x.dtype == torch.bfloat16, self.order, x_reg)
         y32 = np.empty((m, n), dtype=np.float32)
         run_tasks(self.batched, (x_reg, *operands), n, y32, serial)
-        _round_into(y32, bias, True, out)
+        _round_into(y32, bias, x.dtype == torch.bfloat16, out)
 
     def _tiles(self, operands: tuple, n: int, k: int, dtype: torch.dtype, width: int, serial: bool):
         """(first row, (rows, width) tile) of W decoded tile by tile into the calling thread's scratch buffer,
