@@ -1791,8 +1791,8 @@ def _hifloat4_tile(words, value, r0, w32):
 # The order of the sums is not the reference's (the GEMM path's tolerance, docs/weight_only.md).
 BATCH_IN_BF16 = simd.HAS_AVX512BF16
 # Rows of x up to which the batched kernels run: with BF16 products, 32; with float32 ones, 64: beyond, the GEMM
-# path's float32 GEMM caught up (AMD Zen 3, two threads, 4096^2 and 12288 x 8192: batched 0.18-0.20x F.linear's
-# time at M = 64 against 0.27-0.30x, at M = 128 0.17-0.20x against 0.18-0.27x).
+# path's float32 GEMM caught up (AMD Zen 3, two threads, 4096^2 and 12288 x 8192: batched 0.17-0.20x F.linear's
+# time at M = 64 against 0.22-0.30x, at M = 128 0.17-0.20x against 0.18-0.27x).
 BATCH_MAX_M = 32 if BATCH_IN_BF16 else 64
 # On CPUs with AMX-BF16, weights of at least AMX_GEMM_WEIGHTS take the GEMM path above AMX_BATCH_MAX_M rows of x:
 # its decode costs the same whatever M is, and a BF16 GEMM on AMX tiles costs little more at M = 32 than at
