@@ -11,9 +11,10 @@ final add'). ``P = deq(xq) @ deq(w)^T``:
   the looked-up weights 0..24); the weight rows it cannot take exactly go to the float32 weight-only kernel
   (lowbit.kernels.cpu.weight_only) on the dequantized activation, as does every row on a CPU with neither.
   Float32 sums, rounded once to BF16.
-* With more rows, the weight-only kernel's GEMM path: the weight decoded to BF16 in tiles of rows and
-  multiplied by torch's BF16 GEMM (faster there than the fused kernels); in float32 where a block's values
-  are BF16 subnormals (:func:`_has_subnormal_values`).
+* With more rows, the weight-only MXFP4 kernel on the dequantized activation: its batched kernel (up to its
+  BATCH_MAX_M rows) or its GEMM path (the weight decoded in tiles of rows for torch's GEMM); a float32
+  matmul of the whole dequantized weight where a block's values are BF16 subnormals
+  (:func:`_has_subnormal_values`).
 
 The integer products: every E2M1 value is an integer over 2 (0, 0.5, 1, 1.5, 2, 3, 4, 6), so a product of
 an activation element and a weight element of blocks with scales 2^ex and 2^ew is
@@ -374,7 +375,7 @@ class SvdQuant(Kernel):
             w32 = torch.empty(n, k, dtype=torch.float32)
             mxfp4.DEQUANTIZE.run(w, scales, torch.float32, -1, out=w32)
             out2d.copy_(x_deq.float() @ w32.T)
-        else:  # the weight-only kernel: its float32 GEMV, or BF16 tiles and torch's BF16 GEMM (prefill)
+        else:  # the weight-only kernel: its float32 GEMV, its batched kernel, or decoded tiles and torch's GEMM
             MXFP4_LINEAR.run(x_deq, w, scales, None, out=out2d)
         out2d.add_((x2d @ d) @ u)
 
