@@ -661,11 +661,11 @@ def _f32v_pair(builder, registers):
 
 
 def _table_half(context, builder, table, row, high):
-    """16 bytes of a (256, 32) byte table (``table``: an i8 pointer) at ``row`` (an i8 byte value): its
-    entries' low (``high`` = 0) or high bytes."""
+    """A pointer (<16 x i8>*) to 16 bytes of a (256, 32) byte table (``table``: an i8 pointer) at ``row`` (an i8
+    byte value): its entries' low (``high`` = 0) or high bytes."""
     i64 = ir.IntType(64)
     at = builder.add(builder.mul(builder.zext(row, i64), ir.Constant(i64, 32)), ir.Constant(i64, 16 * high))
-    return builder.load(builder.bitcast(builder.gep(table, [at]), _V16x8.as_pointer()), align=16)
+    return builder.bitcast(builder.gep(table, [at]), _V16x8.as_pointer())
 
 
 @intrinsic
@@ -684,9 +684,8 @@ def mxfp4_bf16_step(typingctx, codes, start, scales, block):
             return builder.load(simd._element_ptr(context, builder, sig.args[2], args[2], at, ir.IntType(8)))
 
         bytes_a, bytes_b = scale(0), scale(1)
-        low_bytes, high_bytes = (builder.shuffle_vector(_table_half(context, builder, table, bytes_a, h),
-                                                        _table_half(context, builder, table, bytes_b, h),
-                                                        _mask(range(32))) for h in (0, 1))
+        low_bytes, high_bytes = (simd.blend_lanes(builder, _table_half(context, builder, table, bytes_a, h),
+                                                  _table_half(context, builder, table, bytes_b, h)) for h in (0, 1))
         registers = _bf16_byte_lookups(builder, raw, low_bytes, high_bytes)
         return context.make_tuple(builder, sig.return_type, _f32v_pair(builder, registers))
 
@@ -740,10 +739,9 @@ def hifloat4_bf16_step(typingctx, value, start, words, block):
         raw = builder.load(simd._element_ptr(context, builder, sig.args[0], args[0], args[1], _V32x8), align=1)
         word = builder.load(simd._element_ptr(context, builder, sig.args[2], args[2], args[3], _I32))
         table = simd.aligned_constant(builder, "lowbit.hifloat4.bf16_bytes", _HIFLOAT4_BF16_BYTES)
-        both_lanes = _mask(list(range(16)) * 2)
         scale_byte = builder.trunc(word, ir.IntType(8))
-        low_bytes, high_bytes = (builder.shuffle_vector(half, half, both_lanes) for half in
-                                 (_table_half(context, builder, table, scale_byte, h) for h in (0, 1)))
+        low_bytes, high_bytes = (simd.broadcast_lanes(builder, _table_half(context, builder, table, scale_byte, h))
+                                 for h in (0, 1))
         registers = _bf16_byte_lookups(builder, raw, low_bytes, high_bytes)
         v8f, v4f = ir.VectorType(ir.FloatType(), 8), ir.VectorType(ir.FloatType(), 4)
         quarters = builder.bitcast(simd.aligned_constant(builder, "lowbit.hifloat4.level_quarters", _LEVEL_QUARTERS),
