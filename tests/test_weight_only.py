@@ -1065,7 +1065,12 @@ def test_prepared_call_equals_the_operator(fmt):
                 continue
             for m in (1, 3, 9, 40):
                 x = torch.randn(2, m, 128, generator=g).to(dtype)
-                assert_bits(prepared(x), OPS[fmt](x, *weight, bias))
+                got = prepared(x)
+                assert_bits(got, OPS[fmt](x, *weight, bias))
+                assert not got.requires_grad  # grad mode is on: nothing of a plain call records a graph
+                with torch.inference_mode():
+                    x_inference = x.clone()
+                assert_bits(prepared(x_inference), got)
         assert len(prepared._prepared) == (2 if bias_dtype in (None, torch.float32) else 1)
 
 
