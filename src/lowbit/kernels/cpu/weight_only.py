@@ -1804,73 +1804,82 @@ _BATCH_ROWS_PER_TASK = 64  # rows of W per prange iteration (16 blocks: one buff
 _BATCH_CHUNK = 1024  # elements of K per pass over the rows of x (four rows of W: 8 KiB of BF16, 16 KiB of float32)
 
 
-@numba.njit(**NJIT_OPTIONS)
-def _batch_block(x_flat, kp, m_rows, w_flat, rows, row, y32):
-    """y32[:, row .. row + rows - 1] <- x (M rows of Kp BF16 bits, flat int16) times the ``rows`` <= ROW_BLOCK
-    rows of W in w_flat (ROW_BLOCK * Kp BF16 bits; rows past ``rows`` finite)."""
+@numba.njit(**_INLINE)
+def _block_products(zero, load, product, width, x_flat, kp, m_rows, w_flat, rows, row, y32):
+    """y32[:, row .. row + rows - 1] <- x (M rows of Kp, flat) times the ``rows`` <= ROW_BLOCK rows of W in w_flat
+    (ROW_BLOCK * Kp; rows past ``rows`` finite), two rows of x at a time against the four of W, ``width``
+    elements of K per ``load``, ``product(acc, x, w)`` into eight accumulators from ``zero()``."""
     for c0 in range(0, kp, _BATCH_CHUNK):
         c1 = min(kp, c0 + _BATCH_CHUNK)
         for m in range(0, m_rows, 2):
             m1 = min(m + 1, m_rows - 1)  # an odd last row of x is taken twice
-            a0 = b0 = a1 = b1 = a2 = b2 = a3 = b3 = simd.f32v_zero()
-            for t in range(c0, c1, LANES):  # 64 BF16 = 32 pairs per load
-                xa = simd.i32v_load(x_flat, m * kp + t)
-                xb = simd.i32v_load(x_flat, m1 * kp + t)
-                w = simd.i32v_load(w_flat, t)
-                a0, b0 = simd.f32v_dot_bf16(a0, xa, w), simd.f32v_dot_bf16(b0, xb, w)
-                w = simd.i32v_load(w_flat, kp + t)
-                a1, b1 = simd.f32v_dot_bf16(a1, xa, w), simd.f32v_dot_bf16(b1, xb, w)
-                w = simd.i32v_load(w_flat, 2 * kp + t)
-                a2, b2 = simd.f32v_dot_bf16(a2, xa, w), simd.f32v_dot_bf16(b2, xb, w)
-                w = simd.i32v_load(w_flat, 3 * kp + t)
-                a3, b3 = simd.f32v_dot_bf16(a3, xa, w), simd.f32v_dot_bf16(b3, xb, w)
+            a0 = b0 = a1 = b1 = a2 = b2 = a3 = b3 = zero()
+            for t in range(c0, c1, width):
+                xa = load(x_flat, m * kp + t)
+                xb = load(x_flat, m1 * kp + t)
+                w = load(w_flat, t)
+                a0, b0 = product(a0, xa, w), product(b0, xb, w)
+                w = load(w_flat, kp + t)
+                a1, b1 = product(a1, xa, w), product(b1, xb, w)
+                w = load(w_flat, 2 * kp + t)
+                a2, b2 = product(a2, xa, w), product(b2, xb, w)
+                w = load(w_flat, 3 * kp + t)
+                a3, b3 = product(a3, xa, w), product(b3, xb, w)
             sums_a = (simd.f32v_sum_tree(a0), simd.f32v_sum_tree(a1), simd.f32v_sum_tree(a2),
                       simd.f32v_sum_tree(a3))
             sums_b = (simd.f32v_sum_tree(b0), simd.f32v_sum_tree(b1), simd.f32v_sum_tree(b2),
                       simd.f32v_sum_tree(b3))
-            _add_block_sums(y32, m, m1, row, rows, c0 == 0, sums_a, sums_b)
+            for r in range(rows):
+                if c0 == 0:
+                    y32[m, row + r] = sums_a[r]
+                    y32[m1, row + r] = sums_b[r]
+                else:
+                    y32[m1, row + r] += sums_b[r]
+                    if m1 != m:
+                        y32[m, row + r] += sums_a[r]
 
 
 @numba.njit(**_INLINE)
-def _add_block_sums(y32, m, m1, row, rows, first, sums_a, sums_b):
-    """A chunk's sums of rows m and m1 (the same row if m1 == m) of x with W's rows row .. row + rows - 1 into
-    y32: stored (``first`` chunk) or added."""
-    for r in range(rows):
-        if first:
-            y32[m, row + r] = sums_a[r]
-            y32[m1, row + r] = sums_b[r]
-        else:
-            y32[m1, row + r] += sums_b[r]
-            if m1 != m:
-                y32[m, row + r] += sums_a[r]
+def _f32v_zero():
+    return simd.f32v_zero()
+
+
+@numba.njit(**_INLINE)
+def _f32n_zero():
+    return simd.f32n_zero()
+
+
+@numba.njit(**_INLINE)
+def _i32v_load(arr, index):
+    return simd.i32v_load(arr, index)
+
+
+@numba.njit(**_INLINE)
+def _f32n_load(arr, index):
+    return simd.f32n_load(arr, index)
+
+
+@numba.njit(**_INLINE)
+def _dot_bf16(acc, x, w):
+    return simd.f32v_dot_bf16(acc, x, w)
+
+
+@numba.njit(**_INLINE)
+def _fma_narrow(acc, x, w):
+    return simd.f32n_fma(x, w, acc)
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _batch_block(x_flat, kp, m_rows, w_flat, rows, row, y32):
+    """_block_products of x and W as BF16 bits (flat int16; 64 per load: 32 pairs) by BF16 dot products."""
+    _block_products(_f32v_zero, _i32v_load, _dot_bf16, LANES, x_flat, kp, m_rows, w_flat, rows, row, y32)
 
 
 @numba.njit(**NJIT_OPTIONS)
 def _batch_block_f32(x_flat, kp, m_rows, w_flat, rows, row, y32):
-    """_batch_block by float32 fused multiply-adds: x (M rows of Kp float32, flat), w_flat ROW_BLOCK * Kp float32
-    (rows past ``rows`` finite). Two rows of x against the four of W: eight one-register accumulators (F32N),
+    """_block_products of x and W in float32 (flat) by fused multiply-adds into one-register accumulators (F32N):
     six loads per eight multiply-adds."""
-    for c0 in range(0, kp, _BATCH_CHUNK):
-        c1 = min(kp, c0 + _BATCH_CHUNK)
-        for m in range(0, m_rows, 2):
-            m1 = min(m + 1, m_rows - 1)  # an odd last row of x is taken twice
-            a0 = b0 = a1 = b1 = a2 = b2 = a3 = b3 = simd.f32n_zero()
-            for t in range(c0, c1, simd.NARROW):
-                xa = simd.f32n_load(x_flat, m * kp + t)
-                xb = simd.f32n_load(x_flat, m1 * kp + t)
-                w = simd.f32n_load(w_flat, t)
-                a0, b0 = simd.f32n_fma(xa, w, a0), simd.f32n_fma(xb, w, b0)
-                w = simd.f32n_load(w_flat, kp + t)
-                a1, b1 = simd.f32n_fma(xa, w, a1), simd.f32n_fma(xb, w, b1)
-                w = simd.f32n_load(w_flat, 2 * kp + t)
-                a2, b2 = simd.f32n_fma(xa, w, a2), simd.f32n_fma(xb, w, b2)
-                w = simd.f32n_load(w_flat, 3 * kp + t)
-                a3, b3 = simd.f32n_fma(xa, w, a3), simd.f32n_fma(xb, w, b3)
-            sums_a = (simd.f32v_sum_tree(a0), simd.f32v_sum_tree(a1), simd.f32v_sum_tree(a2),
-                      simd.f32v_sum_tree(a3))
-            sums_b = (simd.f32v_sum_tree(b0), simd.f32v_sum_tree(b1), simd.f32v_sum_tree(b2),
-                      simd.f32v_sum_tree(b3))
-            _add_block_sums(y32, m, m1, row, rows, c0 == 0, sums_a, sums_b)
+    _block_products(_f32n_zero, _f32n_load, _fma_narrow, simd.NARROW, x_flat, kp, m_rows, w_flat, rows, row, y32)
 
 
 # The batched kernels' products and the element type of their decoded rows of W.
