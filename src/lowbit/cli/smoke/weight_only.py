@@ -7,7 +7,8 @@ Per operator and x dtype (BF16, FP16), on a weight of N = 40 rows (CPU generator
   multiple of 64 where the format allows one (the tail of a 64-lane step; HiFloat4's blocks are 64 long),
   the second with a bias in x's dtype; x of shape (1, K) and (1, 3, K), randn values with a 0, a large
   value (1000) and finfo(dtype).tiny in the first row; the weight a randn matrix quantized into the format.
-* a **GEMM** case (M = EXACT_ROWS + 2 rows, the larger K, with a bias): integer x in [-4, 4] and a weight
+* a **GEMM** case (M = EXACT_ROWS + 2 rows, the larger K, with a bias; the batched kernel where the CPU runs
+  one at that M, else the GEMM path, docs/weight_only.md 'Kernels'): integer x in [-4, 4] and a weight
   quantized from multiples of 1/4 in [-4, 4] (each row holding a 4), so every product and partial sum
   is exact in float32 and every summation order gives the reference's bits: bit equality is the
   contract there too (docs/cli.md, "lowbit smoke").
