@@ -739,8 +739,8 @@ def test_batched_kernel_within_the_order_interval(fmt, m, dtype, monkeypatch):
     """GEMV_MAX_M < M <= BATCH_MAX_M (BF16 x where the products are BF16 dot products, FP16 x too where they
     are float32 FMAs): the batched kernel runs (odd and even M; N = 131: several tasks and a last block of 3
     rows, an odd one; K with a short last step or an odd 32-block; a chunk boundary of K inside a row), with
-    NaN / Inf weights, x with Inf / NaN and BF16 subnormals (flushed by vdpbf16ps), a bias in x's dtype;
-    every output within the interval or NaN where the reference is; NaN canonical."""
+    NaN / Inf weights, a non-contiguous x with Inf / NaN, -0 and BF16 subnormals (flushed by vdpbf16ps), a
+    bias in x's dtype; every output within the interval or NaN where the reference is; NaN canonical."""
     calls = []
     kernel = {"hifloat8": cpu.HIFLOAT8_LINEAR, "float8": cpu.FLOAT8_E4M3FN_LINEAR, "mxfp8": cpu.MXFP8_LINEAR,
               "mxfp4": cpu.MXFP4_LINEAR, "hifloat4": cpu.HIFLOAT4_LINEAR}[fmt]
@@ -753,10 +753,12 @@ def test_batched_kernel_within_the_order_interval(fmt, m, dtype, monkeypatch):
         weight[0][5, 7], weight[0][9, 0] = (0x80, 0x6F) if fmt == "hifloat8" else (0x7F, 0x7E)
     elif fmt in ("mxfp8", "mxfp4"):
         weight[1][5, 2] = 0xFF  # a NaN block
-    x = torch.randn(m, k, generator=g).to(dtype)
+    x = torch.randn(m, 2 * k, generator=g).to(dtype)[:, ::2]
     x[0, :8] = 2.0**-130  # BF16 subnormals, FP16 zeros
     x[m - 1, 3] = float("inf")
     x[1, 100] = float("nan")
+    x[2, 200:232] = -0.0
+    assert not x.is_contiguous()
     bias = torch.randn(131, generator=g).to(dtype)
     got = OPS[fmt](x, *weight, bias, backend="native")
     assert calls == [1]

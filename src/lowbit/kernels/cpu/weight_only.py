@@ -2236,15 +2236,16 @@ class WeightOnlyLinear(Kernel):
         """GEMV_MAX_M < M <= _batch_max_m: the batched kernel on x in the register order (zero-padded to Kp;
         BF16 bits where BATCH_IN_BF16, else float32), then the reference's rounding."""
         (m, k), n = x.shape, out.shape[1]
+        bf16 = x.dtype == torch.bfloat16
         if BATCH_IN_BF16:
             x_reg = np.empty((m, _padded_k(k)), dtype=np.int16)
             _gather_x_bits(as_numpy(x), self.order, x_reg)
         else:
             x_reg = np.empty((m, _padded_k(k)), dtype=np.float32)
-            _gather_x(as_numpy(x), x.dtype == torch.bfloat16, self.order, x_reg)
+            _gather_x(as_numpy(x), bf16, self.order, x_reg)
         y32 = np.empty((m, n), dtype=np.float32)
         run_tasks(self.batched, (x_reg, *operands), n, y32, serial)
-        _round_into(y32, bias, x.dtype == torch.bfloat16, out)
+        _round_into(y32, bias, bf16, out)
 
     def _tiles(self, operands: tuple, n: int, k: int, dtype: torch.dtype, width: int, serial: bool):
         """(first row, (rows, width) tile) of W decoded tile by tile into the calling thread's scratch buffer,
