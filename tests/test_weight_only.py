@@ -10,6 +10,7 @@ import lowbit
 from lowbit.errors import DeviceError, DtypeError, ShapeError
 from lowbit.formats import hifloat4, hifloat8, mxfp4, mxfp8
 from lowbit.formats import weight_only as reference
+from lowbit.kernels.cpu import _hifloat8_columns as columns
 from lowbit.kernels.cpu import _simd as simd
 from lowbit.kernels.cpu import weight_only as cpu
 from lowbit.kernels.cpu.memory import thread_scratch
@@ -857,7 +858,7 @@ def test_row_table_decodes_every_8bit_code(fmt, dtype, kind, scale):
     skip_without_the_instructions_of(kind, dtype)
     operands, weight = CODE8[fmt]
     codes = torch.arange(256, dtype=torch.uint8).reshape(1, 256)
-    _, scale_x, bf16, magnitudes, nan_code, table_like, _ = operands(codes, torch.tensor([scale]), 256, dtype, kind)
+    _, scale_x, bf16, magnitudes, nan_code, table_like, _, _ = operands(codes, torch.tensor([scale]), 256, dtype, kind)
     out = np.empty(256, dtype=np.float32)
     _decode_row(magnitudes, scale_x[0], bf16, nan_code, np.empty_like(table_like), codes.numpy().reshape(-1), out)
     order = np.array(cpu.CODE8_ORDER)
@@ -1049,6 +1050,78 @@ def test_every_register_order_folds_as_the_reference(split, permute_first):
             acc = acc[: acc.numel() // 2] + acc[acc.numel() // 2 :]
         kept = logical[order].numpy()  # register lane l holds element order[l]
         assert np.float32(run(kept)).view(np.int32) == acc.numpy().view(np.int32)[0]
+
+
+# --- HiFloat8 codes re-encoded by columns (prepared BF16-x weights on AVX2 CPUs) -------------------------------
+
+COLUMN_HIF8 = [c for c in FINITE_HIF8 if not 1 <= c & 0x7F <= 7]  # 239 codes: no NaN, Inf or subnormal code
+
+
+def test_hifloat8_columns_encoding_is_a_bijection_that_keeps_the_sign_bit():
+    encode = columns.ENCODE
+    assert sorted(encode.tolist()) == list(range(256))
+    for c in range(256):
+        assert encode[c] & 0x80 == c & 0x80 and encode[c] & 0x7F == encode[c ^ 0x80] & 0x7F
+    assert encode[0] == columns.ZERO_CODE and encode[hifloat8.NAN_CODE] == columns.ENCODED_NAN
+    magnitudes = np.arange(128, dtype=np.float32)
+    assert (columns.encoded_magnitudes(magnitudes)[encode[:128] & 0x7F] == magnitudes).all()
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.0**-110, 2.0**110, 0.0078125 * 1.4921875, 3.0e-5, 1.9921875 * 2.0**109])
+def test_hifloat8_column_table_gives_every_code_its_bf16_weight(scale):
+    """T[j] + (o << 7) + (sign << 15) (mod 2^16) of every code the column decode takes is the bits of
+    bf16(value * scale), at BF16 scales across the fast range, zero's slot aside (looked up as 0)."""
+    s = torch.tensor([scale]).bfloat16().float()
+    table = np.empty(32, dtype=np.uint8)
+    columns.fill_column_table(np.float32(s.item()), table, np.empty(8, dtype=np.float32))
+    codes = torch.tensor(COLUMN_HIF8, dtype=torch.uint8)
+    want = bits(reference.hifloat8_weight(codes[None], s, torch.bfloat16).bfloat16()[0])
+    for c, w in zip(COLUMN_HIF8, want.tolist()):
+        r = int(columns.ENCODE[c])
+        j, h = r & 0x0F, r >> 4
+        base = 0 if r == columns.ZERO_CODE else int(table[j]) | int(table[16 + j]) << 8
+        addend = int(columns.ADDENDS[h]) | int(columns.ADDENDS[16 + h]) << 8
+        assert (base + addend) & 0xFFFF == w & 0xFFFF, hex(c)
+
+
+@pytest.mark.parametrize("m", [1, 2, 4])
+def test_hifloat8_prepared_rows_by_columns_equal_the_reference(m, monkeypatch):
+    """A prepared HiFloat8 weight (PreparedCall, BF16 x): every code the column decode takes in every row, at
+    scales across its range, equals the reference bit for bit; rows with a NaN, Inf or subnormal code, or a
+    scale outside [2^-110, 2^110] (zero, negative, tiny, huge), take the table decode; x with NaN, Inf and
+    -0; one thread and the parallel loop."""
+    g = gen(40 + m)
+    k = 256
+    row_codes = torch.tensor(COLUMN_HIF8 + [0] * (k - len(COLUMN_HIF8)), dtype=torch.uint8)
+    codes = torch.stack([row_codes[torch.randperm(k, generator=g)] for _ in range(14)])
+    codes[8, 5], codes[9, 17], codes[10, 200] = 0x03, hifloat8.NAN_CODE, 0xEF  # rows with a slow code
+    scale = torch.tensor([1.0, 2.0**-110, 2.0**110, 3e-5, 0.7, 1e-3, 5.0, 2.0**-60, 0.5, 0.5, 0.5,
+                          2.0**-112, 0.0, -0.25])
+    fast = [1] * 8 + [0] * 6
+    x = torch.randn(m, k, generator=g).bfloat16()
+    prepared = PreparedCall(ops.HIFLOAT8_LINEAR, (codes, scale, None))
+    want = ops.HIFLOAT8_LINEAR(x, codes, scale, None, backend="reference")
+    assert_bits(prepared(x), want)
+    if cpu.HIFLOAT8_COLUMNS:  # the rows above went by columns
+        assert prepared._prepared[(torch.bfloat16, k)][0][-1].tolist() == fast
+    # the float32 sums before their rounding to BF16 (which would hide a small error in one weight)
+    kernel = cpu.HIFLOAT8_LINEAR
+    operands, _ = kernel.prepare(torch.bfloat16, k, codes, scale, None)
+    y32 = torch.empty(m, codes.shape[0])
+    kernel.gemv_sums(cpu._reorder(x.float(), *kernel.split).numpy(), operands, y32.numpy(), serial=True)
+    want32 = reference.lane_sums(x.float(), reference.hifloat8_weight(codes, scale, torch.bfloat16))
+    assert torch.equal(y32.isnan(), want32.isnan())
+    assert torch.equal(y32.nan_to_num().view(torch.int32), want32.nan_to_num().view(torch.int32))
+    x[0, 3], x[-1, 100], x[-1, 7] = float("nan"), float("inf"), -0.0
+    assert_bits(prepared(x[:, None, :].expand(m, 2, k)[:, 0]), ops.HIFLOAT8_LINEAR(x, codes, scale, None,
+                                                                                    backend="reference"))
+    monkeypatch.setattr(cpu, "GEMV_ONE_THREAD_WEIGHTS", 0)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert_bits(prepared(x), ops.HIFLOAT8_LINEAR(x, codes, scale, None, backend="reference"))
+    finally:
+        torch.set_num_threads(previous)
 
 
 # --- the prepared call of a fixed weight ----------------------------------------------------------------------

@@ -41,10 +41,11 @@ from numba.extending import intrinsic, overload
 from lowbit.backends import Kernel
 from lowbit.formats import hifloat8, mxfp4, mxfp8
 from lowbit.formats import weight_only as reference
+from lowbit.kernels.cpu import _hifloat8_columns as _columns
 from lowbit.kernels.cpu import _simd as simd
 from lowbit.kernels.cpu._runtime import (NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, as_numpy, copy_elements, run_tasks,
                                          runs_serially)
-from lowbit.kernels.cpu.memory import thread_scratch
+from lowbit.kernels.cpu.memory import huge_page_copy, thread_scratch
 
 LANES = reference.LANES  # 64 = two F32V
 HALF = simd.LANES  # 32
@@ -275,25 +276,38 @@ def _code8_decode_bytes(context, builder, codes, table_arg, nan_code):
     pieces = []
     for begin, end in parts:
         lanes = (end - begin) // 16  # 128-bit lanes
-        # unpack{l,h}bw per 128-bit lane: words (low byte, high byte) of bytes 0-7 / 8-15 of each lane
-        words = [builder.bitcast(builder.shuffle_vector(low, high, _mask(
-            [i for lane in range(lanes) for j in range(begin + 16 * lane + 8 * h, begin + 16 * lane + 8 * h + 8)
-             for i in (j, 64 + j)])), ir.VectorType(ir.IntType(16), 8 * lanes)) for h in (0, 1)]
-        zero = ir.Constant(ir.VectorType(ir.IntType(16), 8 * lanes), [0] * 8 * lanes)
-        for w in words:  # words 0-3 / 4-7 of each 128-bit lane
-            for h in (0, 1):
-                if table_type.ndim == 2:  # FP16 bits: vcvtph2ps
+        for w in _byte_pairs(builder, low, high, begin, end):
+            if table_type.ndim == 2:  # FP16 bits: vcvtph2ps
+                for h in (0, 1):
                     chosen = builder.shuffle_vector(w, w, _mask([8 * lane + j for lane in range(lanes)
                                                                  for j in range(4 * h, 4 * h + 4)]))
                     pieces.append(simd.f16_to_f32(builder, chosen))
-                    continue
-                # BF16 bits: unpack{l,h}wd with zero below, dword = word << 16
-                pairs = [i for lane in range(lanes) for j in range(4 * h, 4 * h + 4)
-                         for i in (8 * lane + j, 8 * lanes + 8 * lane + j)]
-                pieces.append(builder.bitcast(builder.shuffle_vector(zero, w, _mask(pairs)),
-                                              ir.VectorType(ir.FloatType(), 4 * lanes)))
+            else:
+                pieces.extend(_bf16_words_widened(builder, w, lanes))
     middle = len(pieces) // 2
     return simd._concatenated(builder, pieces[:middle]), simd._concatenated(builder, pieces[middle:])
+
+
+def _byte_pairs(builder, low, high, begin, end):
+    """The two <8 * lanes x i16> of bytes begin .. end - 1 (``lanes`` 128-bit lanes) of the byte vectors ``low``
+    and ``high`` paired into words (low byte, high byte), as unpack{l,h}bw per 128-bit lane: the words of
+    bytes 0-7, then of bytes 8-15, of each lane (CODE8_ORDER)."""
+    lanes, width = (end - begin) // 16, low.type.count
+    return [builder.bitcast(builder.shuffle_vector(low, high, _mask(
+        [i for lane in range(lanes) for j in range(begin + 16 * lane + 8 * h, begin + 16 * lane + 8 * h + 8)
+         for i in (j, width + j)])), ir.VectorType(ir.IntType(16), 8 * lanes)) for h in (0, 1)]
+
+
+def _bf16_words_widened(builder, words, lanes):
+    """The float32 values of BF16 bit patterns ``words`` (<8 * lanes x i16>) as two <4 * lanes x float>: words
+    0-3, then 4-7, of each 128-bit lane, unpacked ({l,h}wd) with zero below (CODE8_ORDER)."""
+    zero = ir.Constant(words.type, [0] * 8 * lanes)
+    pieces = []
+    for h in (0, 1):
+        pairs = [i for lane in range(lanes) for j in range(4 * h, 4 * h + 4) for i in (8 * lane + j, 8 * lanes + 8 * lane + j)]
+        pieces.append(builder.bitcast(builder.shuffle_vector(zero, words, _mask(pairs)),
+                                      ir.VectorType(ir.FloatType(), 4 * lanes)))
+    return pieces
 
 
 def _code8_decode_gather(context, builder, codes, table_arg, nan_code):
@@ -381,6 +395,55 @@ def code8_decode_half(typingctx, codes, index, table, nan_code):
         return lower(context, builder, both, (sig.args[2], args[2]), args[3])[0]
 
     return simd.F32V(codes, index, table, nan_code), codegen
+
+
+# HiFloat8 codes re-encoded by columns (lowbit.kernels.cpu._hifloat8_columns): a prepared BF16-x weight on the
+# CPUs that look bytes up by vpshufb (CODE8_HALVES) decodes in about half the vector instructions of the
+# telescoped 128-entry table (docs/weight_only.md, 'HiFloat8 by columns').
+HIFLOAT8_COLUMNS = CODE8_HALVES
+_NO_FAST_ROWS = np.zeros(0, dtype=np.uint8)
+
+
+def _pshufb(builder, table, index):
+    v32 = ir.VectorType(ir.IntType(8), 32)
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v32, [v32, v32]), "llvm.x86.avx2.pshuf.b")
+    return builder.call(fn, [table, index])
+
+
+def _both_lanes(builder, data, offset):
+    """<32 x i8>: the 16 bytes at data + offset (an i8 pointer) in both 128-bit lanes."""
+    v16 = ir.VectorType(ir.IntType(8), 16)
+    half = builder.load(builder.bitcast(builder.gep(data, [ir.Constant(_I32, offset)]), v16.as_pointer()), align=1)
+    return builder.shuffle_vector(half, half, _mask(list(range(16)) * 2))
+
+
+@intrinsic
+def code8_columns_half(typingctx, codes, index, columns, addends):
+    """code8_decode_half of 32 re-encoded HiFloat8 codes ``codes[index : index + 32]`` (uint8) of a row whose
+    column table ``columns`` (uint8[32]: T's low, then high bytes; _hifloat8_columns.fill_column_table) is
+    filled, with ``addends`` = _hifloat8_columns.ADDENDS: per code, T[j] and the addend of its high nibble
+    (one vpshufb each for the low and the high bytes; zero's slot looked up as 0), paired into words and
+    added, widened in CODE8_ORDER. AVX2; rows of _hifloat8_columns.encode_rows's ``fast`` only."""
+
+    def codegen(context, builder, sig, args):
+        i8p = ir.IntType(8).as_pointer()
+        v32, v16 = ir.VectorType(ir.IntType(8), 32), ir.VectorType(ir.IntType(16), 16)
+        r = builder.load(simd._element_ptr(context, builder, sig.args[0], args[0], args[1], v32), align=1)
+        table, fixed = (builder.bitcast(context.make_array(sig.args[i])(context, builder, args[i]).data, i8p)
+                        for i in (2, 3))
+        column = builder.and_(r, ir.Constant(v32, [0x0F] * 32))
+        zero = builder.sext(builder.icmp_unsigned("==", r, ir.Constant(v32, [_columns.ZERO_CODE] * 32)), v32)
+        column = builder.or_(column, zero)  # index bit 7: vpshufb gives 0
+        nibble = builder.lshr(builder.bitcast(r, v16), ir.Constant(v16, [4] * 16))
+        nibble = builder.and_(builder.bitcast(nibble, v32), ir.Constant(v32, [0x0F] * 32))
+        bases = [_pshufb(builder, _both_lanes(builder, table, at), column) for at in (0, 16)]
+        addends = [_pshufb(builder, _both_lanes(builder, fixed, at), nibble) for at in (0, 16)]
+        pieces = []
+        for base, addend in zip(_byte_pairs(builder, *bases, 0, 32), _byte_pairs(builder, *addends, 0, 32)):
+            pieces.extend(_bf16_words_widened(builder, builder.add(base, addend), 2))
+        return simd._concatenated(builder, pieces)
+
+    return simd.F32V(codes, index, columns, addends), codegen
 
 
 def _fill_row_table(magnitudes, scale, bf16, nan_code, table):
@@ -1201,6 +1264,24 @@ def _code8_row_sum(x_flat, x0, codes_flat, c0, k, table, nan_code, keep, scratch
 
 
 @numba.njit(**_INLINE)
+def _column_pass(x_flat, x0, codes_flat, c0, steps, columns, half):
+    """The lanes of codes ``half`` .. ``half`` + 31 of every step of a row of re-encoded HiFloat8 codes
+    (code8_columns_half), mul + add as _code8_row_sum."""
+    acc = simd.f32v_zero()
+    for t in range(steps):
+        w = code8_columns_half(codes_flat, c0 + LANES * t + half, columns, _columns.ADDENDS)
+        acc = simd.f32v_add(acc, simd.f32v_mul(simd.f32v_load(x_flat, x0 + LANES * t + half), w))
+    return acc
+
+
+@numba.njit(**_INLINE)
+def _code8_column_row_sum(x_flat, x0, codes_flat, c0, k, columns):
+    """_code8_row_sum of a fast row of re-encoded HiFloat8 codes (K a multiple of 64): the same bits."""
+    return _row_sum_code8(_column_pass(x_flat, x0, codes_flat, c0, k // LANES, columns, 0),
+                          _column_pass(x_flat, x0, codes_flat, c0, k // LANES, columns, HALF))
+
+
+@numba.njit(**_INLINE)
 def _code8_block_step(operands, start, r, t):
     """Step t of block row r (codes from ``start``), with that row's table: operands (codes, tables, nan,
     ahead: the prefetch distance, see _prefetch_ahead)."""
@@ -1210,7 +1291,7 @@ def _code8_block_step(operands, start, r, t):
 
 
 @numba.njit(**NJIT_OPTIONS)
-def _code8_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, row, end, y32):
+def _code8_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, row, end, y32):
     """Rows row .. end - 1 of _code8_gemv (one task; a function of its own, so that numba's parallel
     passes do not analyse its body)."""
     k = codes.shape[1]
@@ -1227,22 +1308,32 @@ def _code8_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, kee
             _code8_block_rows(_code8_block_step, x_flat, kp, k // LANES, operands, starts, row, y32)
             row += ROW_BLOCK
     scratch = simd.stack_bytes(LANES)
+    columns, factors = simd.stack_bytes(32), np.empty(8, dtype=np.float32)
+    by_columns = fast.size > 0 and k % LANES == 0
     for row in range(row, end):
+        if HIFLOAT8_COLUMNS:  # (a constant: compiled only where there)
+            if by_columns and fast[row]:  # re-encoded HiFloat8 (``fast``: _hifloat8_columns.encode_rows)
+                _columns.fill_column_table(scale[row], columns, factors)
+                for m in range(m_rows):
+                    y32[m, row] = _code8_column_row_sum(x_flat, m * kp, codes_flat, row * k, k, columns)
+                continue
         _fill_row_table(magnitudes, scale[row], bf16, nan_code, tables[0])
         for m in range(m_rows):
             y32[m, row] = _code8_row_sum(x_flat, m * kp, codes_flat, row * k, k, tables[0], nan_code, keep, scratch)
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _code8_gemv(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, y32):
+def _code8_gemv(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, y32):
     """codes (N, K) uint8; scale (N,) float32 and magnitudes (128,) float32 as _fill_row_table takes them;
     bf16: x is BF16 (else FP16); nan_code: the code that decodes to NaN; table_like: an array of the
-    row-table kind (see code8_decode); keep int32[64] (the tail's lanes); x_reg (M, Kp) float32 (register
-    order, zero-padded); y32 (M, N) float32. Every row, in numba's parallel loop (_code8_rows: some rows on
-    the calling thread)."""
+    row-table kind (see code8_decode); keep int32[64] (the tail's lanes); fast (N,) uint8, or empty: the
+    rows of HiFloat8 codes re-encoded by columns that code8_columns_half decodes (the rest take the table,
+    whose magnitudes and NaN code are then the re-encoded ones); x_reg (M, Kp) float32 (register order,
+    zero-padded); y32 (M, N) float32. Every row, in numba's parallel loop (_code8_rows: some rows on the
+    calling thread)."""
     n = codes.shape[0]
     for task in numba.prange((n + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
-        _code8_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, task * _ROWS_PER_TASK,
+        _code8_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, task * _ROWS_PER_TASK,
                     min(n, (task + 1) * _ROWS_PER_TASK), y32)
 
 
@@ -1665,7 +1756,7 @@ def _code8_tile_row(store, codes_flat, k, row, table, nan_code, keep, scratch, w
 
 
 @numba.njit(**NJIT_OPTIONS)
-def _code8_tile_rows(codes, scale, bf16, magnitudes, nan_code, table_like, keep, r0, row, end, w32):
+def _code8_tile_rows(codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, r0, row, end, w32):
     """Rows row .. end - 1 of the tile (W's rows r0 + row ...): the serial part of _code8_tile."""
     k = codes.shape[1]
     kp = w32.shape[1]
@@ -1678,10 +1769,10 @@ def _code8_tile_rows(codes, scale, bf16, magnitudes, nan_code, table_like, keep,
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _code8_tile(codes, scale, bf16, magnitudes, nan_code, table_like, keep, r0, w32):
+def _code8_tile(codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, r0, w32):
     rows = w32.shape[0]
     for task in numba.prange((rows + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
-        _code8_tile_rows(codes, scale, bf16, magnitudes, nan_code, table_like, keep, r0, task * _ROWS_PER_TASK,
+        _code8_tile_rows(codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, r0, task * _ROWS_PER_TASK,
                          min(rows, (task + 1) * _ROWS_PER_TASK), w32)
 
 
@@ -1963,7 +2054,7 @@ def _hifloat4_batch_row(operands, row, w, at):
 
 
 @numba.njit(**NJIT_OPTIONS)
-def _code8_batched_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, row, end, y32):
+def _code8_batched_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, row, end, y32):
     """Rows row .. end - 1 of W: the serial part of _code8_batched."""
     k = codes.shape[1]
     m_rows, kp = x_reg.shape
@@ -1973,10 +2064,10 @@ def _code8_batched_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_l
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _code8_batched(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, y32):
+def _code8_batched(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, y32):
     n = codes.shape[0]
     for task in numba.prange(-(-n // _BATCH_ROWS_PER_TASK)):
-        _code8_batched_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep,
+        _code8_batched_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast,
                             task * _BATCH_ROWS_PER_TASK, min(n, (task + 1) * _BATCH_ROWS_PER_TASK), y32)
 
 
@@ -2165,22 +2256,25 @@ class WeightOnlyLinear(Kernel):
     """
 
     def __init__(self, gemv: tuple, batched: tuple, tile: tuple, split: tuple, operands, exponents=None,
-                 pair_order=None):
+                 pair_order=None, prepared_operands=None):
         self.gemv, self.batched, self.tile, self.split, self._operands = gemv, batched, tile, split, operands
+        self._prepared_operands = prepared_operands or operands
         self.exponents = exponents
         self.order = np.array(_order(*split), dtype=np.int32)
         self.pair_sources = (_pair_sources(_order(*split), pair_order)
                              if pair_order is not None and simd.HAS_AVX512BF16 else None)
 
     def run(self, x: torch.Tensor, *args, out: torch.Tensor) -> None:
-        self.run_prepared(x, self.prepare(x.dtype, x.shape[-1], *args), out=out)
+        *weight, bias = args
+        self.run_prepared(x, (self._operands(*weight, x.shape[-1], x.dtype), bias), out=out)
 
     def prepare(self, dtype: torch.dtype, k: int, *args) -> tuple:
         """(numba operands, bias) of a validated, contiguous packed weight of K = ``k`` and its bias, for x of
-        ``dtype``: the operands are views of the weight's tensors (and, for HiFloat8, its scales rounded to
-        ``dtype``), valid while those keep their memory and values (lowbit.ops.library.PreparedCall)."""
+        ``dtype``, made once for many calls: the operands are views of the weight's tensors (and, for
+        HiFloat8, its scales rounded to ``dtype``; with BF16 x where HIFLOAT8_COLUMNS, its codes re-encoded),
+        valid while those keep their memory and values (lowbit.ops.library.PreparedCall)."""
         *weight, bias = args
-        return self._operands(*weight, k, dtype), bias
+        return self._prepared_operands(*weight, k, dtype), bias
 
     def run_prepared(self, x: torch.Tensor, prepared: tuple, *, out: torch.Tensor) -> None:
         """:meth:`run` with the weight's operands and the bias from :meth:`prepare` (for x's dtype)."""
@@ -2311,13 +2405,30 @@ def _code8_operands(codes, scale, magnitudes, nan_code, k, dtype, table_kind):
     AVX2 without AVX512-BW), "words" (AVX512-BW) or "values" (gathered); None: the fastest this CPU has."""
     bf16 = dtype == torch.bfloat16
     table_like = _ROW_TABLES_LIKE[table_kind or _default_table_kind(), bf16]
-    return as_numpy(codes), as_numpy(scale.contiguous()), bf16, magnitudes, nan_code, table_like, _KEEP[k % LANES]
+    return (as_numpy(codes), as_numpy(scale.contiguous()), bf16, magnitudes, nan_code, table_like, _KEEP[k % LANES],
+            _NO_FAST_ROWS)
 
 
 def _hifloat8_operands(codes, scale, k, dtype, table_kind=None):
     """HiFloat8: code values and row scales both rounded to x's dtype first."""
     return _code8_operands(codes, scale.to(dtype).to(torch.float32), _HIF8_MAGNITUDES[dtype], hifloat8.NAN_CODE, k,
                            dtype, table_kind)
+
+
+def _hifloat8_prepared_operands(codes, scale, k, dtype):
+    """_hifloat8_operands of a weight prepared once (WeightOnlyLinear.prepare): for BF16 x where
+    HIFLOAT8_COLUMNS and K is a multiple of 64, the codes re-encoded by columns (a copy: one more byte per
+    weight) and the rows the column decode serves."""
+    operands = _hifloat8_operands(codes, scale, k, dtype)
+    if not (HIFLOAT8_COLUMNS and dtype == torch.bfloat16 and k % LANES == 0):
+        return operands
+    codes_np, scale_np, bf16, magnitudes, _, table_like, keep, _ = operands
+    copy = huge_page_copy(codes)  # in 2 MiB pages, as the deploy modules keep their weights (docs/quantize.md)
+    encoded = as_numpy(copy if copy is not codes else torch.empty_like(codes))
+    fast = np.empty(codes_np.shape[0], dtype=np.uint8)
+    _columns.encode_rows(codes_np, scale_np, encoded, fast)
+    return (encoded, scale_np, bf16, _columns.encoded_magnitudes(magnitudes), _columns.ENCODED_NAN, table_like, keep,
+            fast)
 
 
 def _float8_operands(codes, scale, k, dtype, table_kind=None):
@@ -2342,7 +2453,8 @@ def _hifloat4_operands(scale, value, k, dtype):
 
 
 _CODE8 = ((_code8_rows, _code8_gemv), (_code8_batched_rows, _code8_batched), (_code8_tile_rows, _code8_tile))
-HIFLOAT8_LINEAR = WeightOnlyLinear(*_CODE8, CODE8_SPLIT, _hifloat8_operands)
+HIFLOAT8_LINEAR = WeightOnlyLinear(*_CODE8, CODE8_SPLIT, _hifloat8_operands,
+                                  prepared_operands=_hifloat8_prepared_operands)
 FLOAT8_E4M3FN_LINEAR = WeightOnlyLinear(*_CODE8, CODE8_SPLIT, _float8_operands)
 MXFP8_LINEAR = WeightOnlyLinear((_mxfp8_rows, _mxfp8_gemv), (_mxfp8_batched_rows, _mxfp8_batched),
                                 (_mxfp8_tile_rows, _mxfp8_tile), CODE8_SPLIT, _mxfp8_operands)
