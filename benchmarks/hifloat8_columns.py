@@ -1,0 +1,63 @@
+"""HiFloat8 GEMV kernel alone (M = 1, BF16 x, the calling thread): the telescoped table decode (the operands
+the operator makes on every call) against the decode by columns (the operands of a prepared weight, where
+lowbit.kernels.cpu.weight_only.HIFLOAT8_COLUMNS), interleaved; median of 9 rounds of 12 calls, in cycles per
+32 codes at --ghz. Also the time to prepare (re-encode) one weight. Weights: random normal rows, per-row
+scales putting each row's largest magnitude at 2^14.
+
+    PYTHONPATH=src python benchmarks/hifloat8_columns.py [--ghz 3.1]
+"""
+
+from __future__ import annotations
+
+import lowbit  # noqa: I001,F401  (first: sets the OpenMP wait policy before torch loads)
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from lowbit.formats import hifloat8
+from lowbit.kernels.cpu import weight_only as wo
+from lowbit.kernels.cpu._runtime import as_numpy
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ghz", type=float, default=3.1)
+    args = parser.parse_args()
+    kernel = wo.HIFLOAT8_LINEAR
+    print(f"decode by columns on this CPU: {wo.HIFLOAT8_COLUMNS}")
+    for n, k, copies in ((64, 4096, 1), (1024, 4096, 1), (4096, 4096, 4)):
+        weights = []
+        for _ in range(copies):
+            w = torch.randn(n, k)
+            scale = (w.abs().amax(1) / 2.0**14).float()
+            weights.append((hifloat8.encode(w / scale[:, None]), scale))
+        table = [kernel._operands(c, s, k, torch.bfloat16) for c, s in weights]
+        start = time.perf_counter()
+        columns = [kernel.prepare(torch.bfloat16, k, c, s, None)[0] for c, s in weights]
+        prepare_ms = (time.perf_counter() - start) / copies * 1e3
+        x = torch.randn(1, k).bfloat16()
+        x_reg = np.empty((1, wo._padded_k(k)), dtype=np.float32)
+        wo._gather_x(as_numpy(x), True, kernel.order, x_reg)
+        y32 = np.empty((1, n), np.float32)
+        cases = {"table": table, "columns": columns}
+        for operands in cases.values():
+            for i in range(3):
+                kernel.gemv_sums(x_reg, operands[i % copies], y32, True)
+        times: dict[str, list[float]] = {name: [] for name in cases}
+        for _ in range(9):
+            for name, operands in cases.items():
+                start = time.perf_counter()
+                for i in range(12):
+                    kernel.gemv_sums(x_reg, operands[i % copies], y32, True)
+                times[name].append((time.perf_counter() - start) / 12)
+        cells = [f"{name} {statistics.median(t) * 1e6:8.1f} us {statistics.median(t) * args.ghz * 1e9 / (n * k / 32):5.1f}"
+                 f" cycles/32" for name, t in times.items()]
+        print(f"{n} x {k} ({copies} cycled), prepare {prepare_ms:.1f} ms: " + "   ".join(cells))
+
+
+if __name__ == "__main__":
+    main()
