@@ -13,6 +13,7 @@ from lowbit.formats import weight_only as reference
 from lowbit.kernels.cpu import _hifloat8_columns as columns
 from lowbit.kernels.cpu import _simd as simd
 from lowbit.kernels.cpu import weight_only as cpu
+from lowbit.kernels.cpu._runtime import run_tasks
 from lowbit.kernels.cpu.memory import thread_scratch
 from lowbit.ops import weight_only as ops
 from lowbit.ops import library
@@ -1122,6 +1123,36 @@ def test_hifloat8_prepared_rows_by_columns_equal_the_reference(m, monkeypatch):
         assert_bits(prepared(x), ops.HIFLOAT8_LINEAR(x, codes, scale, None, backend="reference"))
     finally:
         torch.set_num_threads(previous)
+
+
+def test_hifloat8_prepared_batched_rows_by_columns_equal_the_operator():
+    """5-64 rows of x (the batched kernel): a prepared HiFloat8 weight's rows decoded by columns give the
+    operator's float32 sums, bit for bit, and its outputs (rows with a slow code or scale take the table)."""
+    g = gen(50)
+    k, n = 256, 70
+    row_codes = torch.tensor(COLUMN_HIF8 + [0] * (k - len(COLUMN_HIF8)), dtype=torch.uint8)
+    codes = torch.stack([row_codes[torch.randperm(k, generator=g)] for _ in range(n)])
+    codes[3, 9], codes[40, 100] = 0x85, hifloat8.POS_INF_CODE
+    scale = torch.rand(n, generator=g) * 2.0 ** torch.randint(-60, 60, (n,), generator=g).float()
+    scale[7], scale[8] = 2.0**-115, 0.0
+    kernel = cpu.HIFLOAT8_LINEAR
+    prepared_operands = kernel.prepare(torch.bfloat16, k, codes, scale, None)[0]
+    operator_operands = kernel._operands(codes, scale, k, torch.bfloat16)
+    for m in (5, 8, 33):
+        x = torch.randn(m, k, generator=g).bfloat16()
+        if cpu.BATCH_IN_BF16:
+            x_reg = np.empty((m, k), dtype=np.int16)
+            cpu._gather_x_bits(x.view(torch.int16).numpy(), kernel.order, x_reg)
+        else:
+            x_reg = cpu._reorder(x.float(), *kernel.split).numpy()
+        sums = []
+        for operands in (prepared_operands, operator_operands):
+            y32 = torch.empty(m, n)
+            run_tasks(kernel.batched, (x_reg, *operands), n, y32.numpy(), True)
+            sums.append(y32)
+        assert torch.equal(sums[0].isnan(), sums[1].isnan())
+        assert torch.equal(sums[0].nan_to_num().view(torch.int32), sums[1].nan_to_num().view(torch.int32))
+        assert_bits(PreparedCall(ops.HIFLOAT8_LINEAR, (codes, scale, None))(x), ops.HIFLOAT8_LINEAR(x, codes, scale, None))
 
 
 # --- the prepared call of a fixed weight ----------------------------------------------------------------------

@@ -2033,7 +2033,16 @@ def _batch_rows(decode_row, operands, first, end, x_flat, kp, m_rows, y32):
 
 @numba.njit(**_INLINE)
 def _code8_batch_row(operands, row, w, at):
-    codes_flat, k, scale, bf16, magnitudes, nan_code, table, keep, scratch = operands
+    codes_flat, k, scale, bf16, magnitudes, nan_code, table, keep, scratch, fast, columns, factors = operands
+    if HIFLOAT8_COLUMNS:  # (a constant: compiled only where there)
+        if fast.size > 0 and k % LANES == 0 and fast[row]:  # re-encoded HiFloat8 (see _code8_rows)
+            _columns.fill_column_table(scale[row], columns, factors)
+            for t in range(k // LANES):
+                _prefetch_ahead(codes_flat, np.uint64(row * k + LANES * t), np.uint64(ROW_BLOCK * k))
+                _store_steps(w, at + LANES * t, code8_columns_half(codes_flat, row * k + LANES * t, columns,
+                                                                   _columns.ADDENDS),
+                             code8_columns_half(codes_flat, row * k + LANES * t + HALF, columns, _columns.ADDENDS))
+            return
     _fill_row_table(magnitudes, scale[row], bf16, nan_code, table)
     _code8_tile_row(_store_steps, codes_flat, k, row, table, nan_code, keep, scratch, w, at)
 
@@ -2065,7 +2074,7 @@ def _code8_batched_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_l
     k = codes.shape[1]
     m_rows, kp = x_reg.shape
     operands = (simd.flat(codes), k, scale, bf16, magnitudes, nan_code, np.empty_like(table_like), keep,
-                np.zeros(LANES, dtype=np.uint8))
+                np.zeros(LANES, dtype=np.uint8), fast, np.empty(32, dtype=np.uint8), np.empty(8, dtype=np.float32))
     _batch_rows(_code8_batch_row, operands, row, end, simd.flat(x_reg), kp, m_rows, y32)
 
 
