@@ -54,8 +54,9 @@ def main() -> None:
                 for i in range(12):
                     kernel.gemv_sums(x_reg, operands[i % copies], y32, True)
                 times[name].append((time.perf_counter() - start) / 12)
-        cells = [f"{name} {statistics.median(t) * 1e6:8.1f} us {statistics.median(t) * args.ghz * 1e9 / (n * k / 32):5.1f}"
-                 f" cycles/32" for name, t in times.items()]
+        medians = {name: statistics.median(t) for name, t in times.items()}
+        cells = [f"{name} {t * 1e6:8.1f} us {t * args.ghz * 1e9 / (n * k / 32):5.1f} cycles/32"
+                 for name, t in medians.items()]
         print(f"{n} x {k} ({copies} cycled), prepare {prepare_ms:.1f} ms: " + "   ".join(cells))
 
 

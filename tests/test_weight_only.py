@@ -1113,9 +1113,10 @@ def test_hifloat8_prepared_rows_by_columns_equal_the_reference(m, monkeypatch):
     want32 = reference.lane_sums(x.float(), reference.hifloat8_weight(codes, scale, torch.bfloat16))
     assert torch.equal(y32.isnan(), want32.isnan())
     assert torch.equal(y32.nan_to_num().view(torch.int32), want32.nan_to_num().view(torch.int32))
-    x[0, 3], x[-1, 100], x[-1, 7] = float("nan"), float("inf"), -0.0
-    assert_bits(prepared(x[:, None, :].expand(m, 2, k)[:, 0]), ops.HIFLOAT8_LINEAR(x, codes, scale, None,
-                                                                                    backend="reference"))
+    x[0, 3], x[-1, 100], x[-1, 7], x[-1, 11] = float("nan"), float("inf"), -0.0, 2.0**-130  # and a subnormal
+    strided = torch.stack([x, -x], dim=-1)[..., 0]  # a non-contiguous x
+    assert not strided.is_contiguous()
+    assert_bits(prepared(strided), ops.HIFLOAT8_LINEAR(x, codes, scale, None, backend="reference"))
     monkeypatch.setattr(cpu, "GEMV_ONE_THREAD_WEIGHTS", 0)
     previous = torch.get_num_threads()
     try:
@@ -1123,6 +1124,18 @@ def test_hifloat8_prepared_rows_by_columns_equal_the_reference(m, monkeypatch):
         assert_bits(prepared(x), ops.HIFLOAT8_LINEAR(x, codes, scale, None, backend="reference"))
     finally:
         torch.set_num_threads(previous)
+
+
+def test_hifloat8_prepared_weight_with_a_k_tail_keeps_the_table():
+    """K not a multiple of 64: nothing is re-encoded (no fast rows), the results are the reference's."""
+    g = gen(45)
+    k = 200
+    codes = torch.tensor(COLUMN_HIF8, dtype=torch.uint8)[torch.randint(0, len(COLUMN_HIF8), (9, k), generator=g)]
+    scale = torch.rand(9, generator=g) + 0.5
+    prepared = PreparedCall(ops.HIFLOAT8_LINEAR, (codes, scale, None))
+    x = torch.randn(3, k, generator=g).bfloat16()
+    assert_bits(prepared(x), ops.HIFLOAT8_LINEAR(x, codes, scale, None, backend="reference"))
+    assert prepared._prepared[(torch.bfloat16, k)][0][-1].size == 0
 
 
 def test_hifloat8_prepared_batched_rows_by_columns_equal_the_operator():
@@ -1152,7 +1165,8 @@ def test_hifloat8_prepared_batched_rows_by_columns_equal_the_operator():
             sums.append(y32)
         assert torch.equal(sums[0].isnan(), sums[1].isnan())
         assert torch.equal(sums[0].nan_to_num().view(torch.int32), sums[1].nan_to_num().view(torch.int32))
-        assert_bits(PreparedCall(ops.HIFLOAT8_LINEAR, (codes, scale, None))(x), ops.HIFLOAT8_LINEAR(x, codes, scale, None))
+        prepared = PreparedCall(ops.HIFLOAT8_LINEAR, (codes, scale, None))
+        assert_bits(prepared(x), ops.HIFLOAT8_LINEAR(x, codes, scale, None))
 
 
 # --- the prepared call of a fixed weight ----------------------------------------------------------------------

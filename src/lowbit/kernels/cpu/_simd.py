@@ -231,10 +231,10 @@ def blend_lanes(builder, low, high):
     return builder.call(blend, [broadcast_lanes(builder, low), broadcast_lanes(builder, high)])
 
 
-def broadcast_lanes(builder, pointer):
-    """<32 x i8>: the 16 bytes at ``pointer`` (<16 x i8>*, 16-byte aligned) in both 128-bit lanes
+def broadcast_lanes(builder, pointer, align=16):
+    """<32 x i8>: the 16 bytes at ``pointer`` (<16 x i8>*, ``align``-byte aligned) in both 128-bit lanes
     (vbroadcasti128: a load alone)."""
-    half = builder.load(pointer, align=16)
+    half = builder.load(pointer, align=align)
     return builder.shuffle_vector(half, half, ir.Constant(ir.VectorType(_I32, 32), list(range(16)) * 2))
 
 
@@ -436,12 +436,18 @@ def _shuffle_bytes_avx512(builder, table, index):
     return builder.bitcast(_concatenated(builder, pieces), _VI32)
 
 
-def _shuffle_bytes_avx2(builder, table, index):
-    """vpshufb on each 32-byte piece."""
+def vpshufb(builder, table, index):
+    """AVX2 vpshufb of two <32 x i8>: byte p <- table byte 16 (p // 16) + (index byte p & 15), or 0 where index
+    byte p has its top bit set."""
     v32 = ir.VectorType(_I8, 32)
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v32, [v32, v32]), "llvm.x86.avx2.pshuf.b")
-    pieces = [builder.call(fn, [t, i]) for t, i in zip(_pieces_of(builder, table, _I8, 32),
-                                                         _pieces_of(builder, index, _I8, 32))]
+    return builder.call(fn, [table, index])
+
+
+def _shuffle_bytes_avx2(builder, table, index):
+    """vpshufb on each 32-byte piece."""
+    pieces = [vpshufb(builder, t, i) for t, i in zip(_pieces_of(builder, table, _I8, 32),
+                                                       _pieces_of(builder, index, _I8, 32))]
     return builder.bitcast(_concatenated(builder, pieces), _VI32)
 
 
@@ -516,11 +522,10 @@ def _telescoped_lookup(builder, index, chunks):
     index < 16 i (a negative byte) and Ci[index & 15] elsewhere, so for index in chunk j the XOR of all eight
     is T0 ^ (T1 ^ T0) ^ .. ^ (Tj ^ Tj-1) = Tj[index & 15]."""
     v32 = ir.VectorType(_I8, 32)
-    pshufb = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v32, [v32, v32]), "llvm.x86.avx2.pshuf.b")
-    result = builder.call(pshufb, [chunks[0], index])
+    result = vpshufb(builder, chunks[0], index)
     for i in range(1, 8):
         shifted = builder.sub(index, ir.Constant(v32, [16 * i] * 32))
-        result = builder.xor(result, builder.call(pshufb, [chunks[i], shifted]))
+        result = builder.xor(result, vpshufb(builder, chunks[i], shifted))
     return result
 
 

@@ -304,7 +304,8 @@ def _bf16_words_widened(builder, words, lanes):
     zero = ir.Constant(words.type, [0] * 8 * lanes)
     pieces = []
     for h in (0, 1):
-        pairs = [i for lane in range(lanes) for j in range(4 * h, 4 * h + 4) for i in (8 * lane + j, 8 * lanes + 8 * lane + j)]
+        pairs = [i for lane in range(lanes) for j in range(4 * h, 4 * h + 4)
+                 for i in (8 * lane + j, 8 * lanes + 8 * lane + j)]
         pieces.append(builder.bitcast(builder.shuffle_vector(zero, words, _mask(pairs)),
                                       ir.VectorType(ir.FloatType(), 4 * lanes)))
     return pieces
@@ -407,17 +408,11 @@ _NO_FAST_ROWS = np.zeros(0, dtype=np.uint8)
 _COLUMN_AHEAD_ROWS = 2
 
 
-def _pshufb(builder, table, index):
-    v32 = ir.VectorType(ir.IntType(8), 32)
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v32, [v32, v32]), "llvm.x86.avx2.pshuf.b")
-    return builder.call(fn, [table, index])
-
-
 def _both_lanes(builder, data, offset):
-    """<32 x i8>: the 16 bytes at data + offset (an i8 pointer) in both 128-bit lanes."""
-    v16 = ir.VectorType(ir.IntType(8), 16)
-    half = builder.load(builder.bitcast(builder.gep(data, [ir.Constant(_I32, offset)]), v16.as_pointer()), align=1)
-    return builder.shuffle_vector(half, half, _mask(list(range(16)) * 2))
+    """<32 x i8>: the 16 bytes at data + offset (an i8 pointer, any alignment) in both 128-bit lanes."""
+    pointer = builder.bitcast(builder.gep(data, [ir.Constant(_I32, offset)]),
+                              ir.VectorType(ir.IntType(8), 16).as_pointer())
+    return simd.broadcast_lanes(builder, pointer, align=1)
 
 
 @intrinsic
@@ -439,8 +434,8 @@ def code8_columns_half(typingctx, codes, index, columns, addends):
         column = builder.or_(column, zero)  # index bit 7: vpshufb gives 0
         nibble = builder.lshr(builder.bitcast(r, v16), ir.Constant(v16, [4] * 16))
         nibble = builder.and_(builder.bitcast(nibble, v32), ir.Constant(v32, [0x0F] * 32))
-        bases = [_pshufb(builder, _both_lanes(builder, table, at), column) for at in (0, 16)]
-        addends = [_pshufb(builder, _both_lanes(builder, fixed, at), nibble) for at in (0, 16)]
+        bases = [simd.vpshufb(builder, _both_lanes(builder, table, at), column) for at in (0, 16)]
+        addends = [simd.vpshufb(builder, _both_lanes(builder, fixed, at), nibble) for at in (0, 16)]
         pieces = []
         for base, addend in zip(_byte_pairs(builder, *bases, 0, 32), _byte_pairs(builder, *addends, 0, 32)):
             pieces.extend(_bf16_words_widened(builder, builder.add(base, addend), 2))
@@ -708,12 +703,10 @@ def _bf16_byte_lookups(builder, raw, low_bytes, high_bytes):
     """The 8 registers (<8 x i32>, BYTE_SHUFFLE_SPLIT's order) of the float32 weights of the 64 nibbles of
     ``raw`` (<32 x i8>), whose BF16 bits' low and high bytes ``low_bytes`` and ``high_bytes`` (<32 x i8>:
     16-entry tables for the low 128-bit lane's bytes, then the high lane's) look up (AVX2 vpshufb)."""
-    pshufb = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V32x8, [_V32x8, _V32x8]),
-                                            "llvm.x86.avx2.pshuf.b")
     fifteen = ir.Constant(_V32x8, [15] * 32)
     registers = []
     for nibble in (builder.and_(raw, fifteen), builder.and_(builder.lshr(raw, ir.Constant(_V32x8, [4] * 32)), fifteen)):
-        low, high = builder.call(pshufb, [low_bytes, nibble]), builder.call(pshufb, [high_bytes, nibble])
+        low, high = simd.vpshufb(builder, low_bytes, nibble), simd.vpshufb(builder, high_bytes, nibble)
         for unpack in (_UNPACK_LOW_BYTES, _UNPACK_HIGH_BYTES):
             words = builder.bitcast(builder.shuffle_vector(low, high, _mask(unpack)), _V8x32)
             registers.append(builder.shl(words, ir.Constant(_V8x32, [16] * 8)))  # even words
@@ -1267,6 +1260,13 @@ def _code8_row_sum(x_flat, x0, codes_flat, c0, k, table, nan_code, keep, scratch
 
 
 @numba.njit(**_INLINE)
+def _by_columns(fast, k, row):
+    """Whether W's row ``row`` is decoded by columns: HiFloat8 codes re-encoded (``fast`` not empty:
+    _hifloat8_columns.encode_rows) with K a multiple of 64 and the row among the fast ones."""
+    return HIFLOAT8_COLUMNS and fast.size > 0 and k % LANES == 0 and fast[row] != 0
+
+
+@numba.njit(**_INLINE)
 def _column_pass(x_flat, x0, codes_flat, c0, steps, columns, half):
     """The lanes of codes ``half`` .. ``half`` + 31 of every step of a row of re-encoded HiFloat8 codes
     (code8_columns_half), mul + add as _code8_row_sum; the first pass (``half`` 0) prefetches the row
@@ -1315,14 +1315,12 @@ def _code8_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, kee
             row += ROW_BLOCK
     scratch = simd.stack_bytes(LANES)
     columns, factors = simd.stack_bytes(32), np.empty(8, dtype=np.float32)
-    by_columns = fast.size > 0 and k % LANES == 0
     for row in range(row, end):
-        if HIFLOAT8_COLUMNS:  # (a constant: compiled only where there)
-            if by_columns and fast[row]:  # re-encoded HiFloat8 (``fast``: _hifloat8_columns.encode_rows)
-                _columns.fill_column_table(scale[row], columns, factors)
-                for m in range(m_rows):
-                    y32[m, row] = _code8_column_row_sum(x_flat, m * kp, codes_flat, row * k, k, columns)
-                continue
+        if _by_columns(fast, k, row):
+            _columns.fill_column_table(scale[row], columns, factors)
+            for m in range(m_rows):
+                y32[m, row] = _code8_column_row_sum(x_flat, m * kp, codes_flat, row * k, k, columns)
+            continue
         _fill_row_table(magnitudes, scale[row], bf16, nan_code, tables[0])
         for m in range(m_rows):
             y32[m, row] = _code8_row_sum(x_flat, m * kp, codes_flat, row * k, k, tables[0], nan_code, keep, scratch)
@@ -2034,15 +2032,14 @@ def _batch_rows(decode_row, operands, first, end, x_flat, kp, m_rows, y32):
 @numba.njit(**_INLINE)
 def _code8_batch_row(operands, row, w, at):
     codes_flat, k, scale, bf16, magnitudes, nan_code, table, keep, scratch, fast, columns, factors = operands
-    if HIFLOAT8_COLUMNS:  # (a constant: compiled only where there)
-        if fast.size > 0 and k % LANES == 0 and fast[row]:  # re-encoded HiFloat8 (see _code8_rows)
-            _columns.fill_column_table(scale[row], columns, factors)
-            for t in range(k // LANES):
-                _prefetch_ahead(codes_flat, np.uint64(row * k + LANES * t), np.uint64(ROW_BLOCK * k))
-                _store_steps(w, at + LANES * t, code8_columns_half(codes_flat, row * k + LANES * t, columns,
-                                                                   _columns.ADDENDS),
-                             code8_columns_half(codes_flat, row * k + LANES * t + HALF, columns, _columns.ADDENDS))
-            return
+    if _by_columns(fast, k, row):
+        _columns.fill_column_table(scale[row], columns, factors)
+        for t in range(k // LANES):
+            _prefetch_ahead(codes_flat, np.uint64(row * k + LANES * t), np.uint64(ROW_BLOCK * k))
+            start = row * k + LANES * t
+            _store_steps(w, at + LANES * t, code8_columns_half(codes_flat, start, columns, _columns.ADDENDS),
+                         code8_columns_half(codes_flat, start + HALF, columns, _columns.ADDENDS))
+        return
     _fill_row_table(magnitudes, scale[row], bf16, nan_code, table)
     _code8_tile_row(_store_steps, codes_flat, k, row, table, nan_code, keep, scratch, w, at)
 
