@@ -1,8 +1,10 @@
 """HiFloat8 GEMV kernel alone (M = 1, BF16 x, the calling thread): the telescoped table decode (the operands
 the operator makes on every call) against the decode by columns (the operands of a prepared weight, where
-lowbit.kernels.cpu.weight_only.HIFLOAT8_COLUMNS), interleaved; median of 9 rounds of 12 calls, in cycles per
-32 codes at --ghz. Also the time to prepare (re-encode) one weight. Weights: random normal rows, per-row
-scales putting each row's largest magnitude at 2^14.
+lowbit.kernels.cpu.weight_only.HIFLOAT8_COLUMNS), the latter with fused multiply-adds (as x's exponent range
+allows here) and with a multiply then an add (x bounds given to the rows kernel that rule the fused form
+out), interleaved; median of 9 rounds of 12 calls, in cycles per 32 codes at --ghz. Also the time to
+prepare (re-encode) one weight. Weights: random normal rows, per-row scales putting each row's largest
+magnitude at 2^14.
 
     PYTHONPATH=src python benchmarks/hifloat8_columns.py [--ghz 3.1]
 """
@@ -43,16 +45,19 @@ def main() -> None:
         x_reg = np.empty((1, wo._padded_k(k)), dtype=np.float32)
         wo._gather_x(as_numpy(x), True, kernel.order, x_reg)
         y32 = np.empty((1, n), np.float32)
-        cases = {"table": table, "columns": columns}
-        for operands in cases.values():
+        unfused = np.array([[-149, 127]], dtype=np.int64)  # _x_bounds of an x no fused multiply-add suits
+        cases = {"table": lambda i: kernel.gemv_sums(x_reg, table[i % copies], y32, True),
+                 "columns fused": lambda i: kernel.gemv_sums(x_reg, columns[i % copies], y32, True),
+                 "columns mul+add": lambda i: wo._code8_rows(x_reg, *columns[i % copies], unfused, 0, n, y32)}
+        for call in cases.values():
             for i in range(3):
-                kernel.gemv_sums(x_reg, operands[i % copies], y32, True)
+                call(i)
         times: dict[str, list[float]] = {name: [] for name in cases}
         for _ in range(9):
-            for name, operands in cases.items():
+            for name, call in cases.items():
                 start = time.perf_counter()
                 for i in range(12):
-                    kernel.gemv_sums(x_reg, operands[i % copies], y32, True)
+                    call(i)
                 times[name].append((time.perf_counter() - start) / 12)
         medians = {name: statistics.median(t) for name, t in times.items()}
         cells = [f"{name} {t * 1e6:8.1f} us {t * args.ghz * 1e9 / (n * k / 32):5.1f} cycles/32"

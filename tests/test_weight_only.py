@@ -1,6 +1,8 @@
 """Weight-only linear operators: every kernel equals the reference bit for bit (CPU GEMV, Triton), the CPU
 GEMM path stays within the derived interval, the SIMD building blocks in both lowerings, and errors."""
 
+import math
+
 import numba
 import numpy as np
 import pytest
@@ -887,7 +889,9 @@ def test_8bit_gemv_with_other_tables_equals_the_reference(fmt, dtype, kind, k):
     x_reg = torch.zeros(3, 192)
     x_reg[:, :k] = x.float()
     y32 = torch.empty(3, 23)
-    cpu._code8_gemv(cpu._reorder(x_reg, *cpu.CODE8_SPLIT).numpy(), *operands(codes, scale, k, dtype, kind), y32.numpy())
+    x_reg = cpu._reorder(x_reg, *cpu.CODE8_SPLIT).numpy()
+    weight_operands = operands(codes, scale, k, dtype, kind)
+    cpu._code8_gemv(x_reg, *weight_operands, cpu._code8_x_bounds(x_reg, weight_operands), y32.numpy())
     want = reference.lane_sums(x.float(), weight(codes, scale, dtype))
     assert torch.equal(y32.view(torch.int32), want.view(torch.int32))
 
@@ -1124,6 +1128,85 @@ def test_hifloat8_prepared_rows_by_columns_equal_the_reference(m, monkeypatch):
         assert_bits(prepared(x), ops.HIFLOAT8_LINEAR(x, codes, scale, None, backend="reference"))
     finally:
         torch.set_num_threads(previous)
+
+
+def test_x_exponents_are_the_bounds_of_the_finite_nonzero_values():
+    """_x_exponents (vector lanes, then a scalar tail) against numpy: floor(log2 |x|) of finite nonzero
+    values, subnormals at -149; NaN, +-Inf, +-0 ignored; none left: (_NO_EXPONENT, -_NO_EXPONENT)."""
+    rng = np.random.default_rng(5)
+    specials = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-45, -3e-42, 2.0**-126, -(2.0**127) * 1.5,
+                         3.4e38], dtype=np.float32)
+    for count in (0, 1, 31, 32, 33, 64, 95, 200):
+        for case in range(4):
+            x = (rng.standard_normal(count + 7) * 2.0 ** rng.integers(-140, 120, count + 7)).astype(np.float32)
+            if case == 1:
+                x[rng.integers(0, count + 7, 5)] = rng.choice(specials, 5)
+            elif case == 2:
+                x[:] = rng.choice(specials[:5], count + 7)  # nothing finite and nonzero
+            elif case == 3:
+                x[:] = 0.0
+                x[min(count, 35)] = -1e-40  # a subnormal alone (past the vector lanes where count > 32)
+            part = x[3 : 3 + count].astype(np.float64)
+            part = np.abs(part[np.isfinite(part) & (part != 0)])
+            exps = np.where(part < 2.0**-126, -149, np.floor(np.log2(part)))
+            want = (int(exps.min()), int(exps.max())) if part.size else (cpu._NO_EXPONENT, -cpu._NO_EXPONENT)
+            assert cpu._x_exponents(x, 3, count) == want, (count, case)
+
+
+@pytest.mark.parametrize("scale", [2.0**-110, 3.0e-5, 1.0, 1.9921875, 1.9921875 * 2.0**109, 2.0**110])
+def test_hifloat8_column_weight_exponents_lie_in_the_fused_bounds(scale):
+    """floor(log2 |w|) - floor(log2 s) of every nonzero weight a fast row of scale s can hold lies in
+    [_COLUMN_LOW, _COLUMN_HIGH], the bounds _columns_fused takes; the low one is reached, the high one is at
+    most one above the largest (it allows for a product rounded up to the next binade)."""
+    s = torch.tensor([scale]).bfloat16().float()
+    codes = torch.tensor([c for c in COLUMN_HIF8 if c & 0x7F], dtype=torch.uint8)
+    w = reference.hifloat8_weight(codes[None], s, torch.bfloat16)[0].double().abs()
+    relative = torch.floor(torch.log2(w)) - math.floor(math.log2(s.item()))
+    assert relative.min().item() == cpu._COLUMN_LOW and relative.max().item() in (cpu._COLUMN_HIGH - 1,
+                                                                                   cpu._COLUMN_HIGH)
+
+
+def test_hifloat8_columns_fused_only_where_every_product_is_exact():
+    """_columns_fused's bounds: every nonzero |x w| in [2^-126, 2^128) (x exponents (low, high), scale s)."""
+    low, high = cpu._COLUMN_LOW, cpu._COLUMN_HIGH
+    for e_s in (-110, -3, 0, 7, 110):
+        s = np.float32(1.5 * 2.0**e_s)
+        x_low, x_high = -126 - e_s - low, 126 - e_s - high  # the smallest |x w| 2^-126, the largest below 2^128
+        for bounds, want in (((x_low, x_high), True), ((x_low - 1, x_high), False), ((x_low, x_high + 1), False)):
+            assert cpu._columns_fused(np.array([bounds], dtype=np.int64), 0, s) == want
+    assert cpu._columns_fused(np.array([[-10, 10]], dtype=np.int64), 0, np.float32(1.0))
+
+
+@pytest.mark.parametrize("case", ["overflow", "subnormal tie"])
+def test_hifloat8_prepared_rows_by_columns_where_a_fused_multiply_add_would_differ(case):
+    """Products at the ends of float32's range, where fma(x, w, acc) and acc + x * w differ: a product that
+    overflows after a large negative one (finite by fma, Inf by the reference), or a subnormal product of
+    half a unit after one unit (2 units by fma, 1 by the reference's tie to even). The column rows take the
+    multiply and the add there, with the reference's bits."""
+    k = 128
+    if case == "overflow":
+        s, w0, w1, x0, x1 = 1.0, 1.0, 4.0, -(2.0**127), 1.25 * 2.0**126
+    else:
+        s, w0, w1, x0, x1 = 2.0**-110, 2.0**-15, 2.0**-15, 2.0**-24, 2.0**-25
+    codes = torch.zeros(2, k, dtype=torch.uint8)
+    codes[:, 0], codes[:, 64] = hifloat8.encode(torch.tensor([w0, w1]))
+    codes[1, 1:64] = hifloat8.encode(torch.full((63,), 1.5))  # products with x's zeros
+    assert all(c in COLUMN_HIF8 for c in codes.unique().tolist())
+    scale = torch.tensor([s, s])
+    x = torch.zeros(1, k)
+    x[0, 0], x[0, 64] = x0, x1
+    x = x.bfloat16()
+    assert x.float()[0, 0] == x0 and x.float()[0, 64] == x1
+    kernel = cpu.HIFLOAT8_LINEAR
+    operands, _ = kernel.prepare(torch.bfloat16, k, codes, scale, None)
+    y32 = torch.empty(1, 2)
+    kernel.gemv_sums(cpu._reorder(x.float(), *kernel.split).numpy(), operands, y32.numpy(), serial=True)
+    want = reference.lane_sums(x.float(), reference.hifloat8_weight(codes, scale, torch.bfloat16))
+    fused = torch.tensor([x0 * w0 * s + x1 * w1 * s] * 2, dtype=torch.float64).float()  # one rounding
+    assert not torch.equal(want[0, :1], fused[:1])  # the case is one where the two differ
+    assert torch.equal(y32.view(torch.int32), want.view(torch.int32))
+    if cpu.HIFLOAT8_COLUMNS:
+        assert operands[-1].tolist() == [1, 1]
 
 
 def test_hifloat8_prepared_weight_with_a_k_tail_keeps_the_table():

@@ -63,6 +63,9 @@ def _encode_table() -> np.ndarray:
 
 
 ENCODE = _encode_table()
+# floor(log2) of the smallest and the largest magnitude of the nonzero codes the column decode takes
+FAST_EXPONENTS = tuple(f(math.floor(math.log2(abs(hifloat8.code_value(c)))) for c in range(1, 128)
+                         if c not in _SLOW_CODES) for f in (min, max))
 # The table decode's magnitudes in re-encoded order: entry ENCODE[c] & 0x7F is code c's magnitude.
 _DECODE_MAGNITUDE = np.argsort(ENCODE[:128])
 # Per row-table bytes: the addend (o << 7) + (sign << 15) of a code's high nibble h = sign << 3 | o, as its

@@ -1466,6 +1466,25 @@ def i32v_range(typingctx, value):
 
 
 @intrinsic
+def magnitude_range(typingctx, low, high, value):
+    """(low, high) I32V updated by the F32V ``value``: per lane the unsigned min of ``low`` and, the max of
+    ``high`` and the magnitude bits (bits & 0x7FFFFFFF) of the lane where it is finite and nonzero; other
+    lanes leave them as they are (start from all ones and zeros)."""
+
+    def codegen(context, builder, sig, args):
+        bits = builder.and_(builder.bitcast(args[2], _VI32), ir.Constant(_VI32, [0x7FFFFFFF] * LANES))
+        finite_nonzero = builder.icmp_unsigned("<", builder.sub(bits, ir.Constant(_VI32, [1] * LANES)),
+                                               ir.Constant(_VI32, [0x7F7FFFFF] * LANES))
+        low = builder.select(finite_nonzero, bits, ir.Constant(_VI32, [-1] * LANES))
+        high = builder.select(finite_nonzero, bits, ir.Constant(_VI32, [0] * LANES))
+        low = builder.select(builder.icmp_unsigned("<", low, args[0]), low, args[0])
+        high = builder.select(builder.icmp_unsigned(">", high, args[1]), high, args[1])
+        return context.make_tuple(builder, sig.return_type, [low, high])
+
+    return types.UniTuple(I32V, 2)(low, high, value), codegen
+
+
+@intrinsic
 def i32v_add(typingctx, a, b):
     """a + b per int32 lane (wrapping)."""
 

@@ -30,6 +30,8 @@ Decoding (docs/weight_only.md, 'Weights'):
 
 from __future__ import annotations
 
+import math
+
 import numba
 import numpy as np
 import torch
@@ -1006,17 +1008,27 @@ def _accumulate_fused(acc0, acc1, x_flat, x0, w0, w1):
 def _x_exponents(x_flat, start, count):
     """(lowest, highest) floor(log2 |x|) over the finite nonzero float32 x[start : start + count] (a
     subnormal counts as -149: every nonzero float32 is at least 2^-149); (_NO_EXPONENT, -_NO_EXPONENT) when
-    there is none."""
-    low = _NO_EXPONENT
-    high = -_NO_EXPONENT
-    bits = x_flat[start : start + count].view(np.int32)
-    for i in range(count):
-        biased = (bits[i] >> 23) & 0xFF
-        if (bits[i] & 0x7FFFFFFF) != 0 and biased != 0xFF:
-            e = biased - 127 if biased != 0 else -149
-            low = min(low, e)
-            high = max(high, e)
-    return low, high
+    there is none. The smallest and largest magnitude bits, HALF lanes at a time (simd.magnitude_range)."""
+    low, high = simd.i32v_add_scalar(simd.i32v_zero(), np.int32(-1)), simd.i32v_zero()
+    full = count - count % HALF
+    for i in range(start, start + full, HALF):
+        low, high = simd.magnitude_range(low, high, simd.f32v_load(x_flat, i))
+    smallest, largest = simd.i32v_range(low)[0], simd.i32v_range(high)[1]
+    bits = x_flat[start + full : start + count].view(np.int32)
+    for i in range(count - full):
+        magnitude = np.int64(bits[i]) & 0x7FFFFFFF
+        if 0 < magnitude < 0x7F800000:
+            smallest, largest = min(smallest, magnitude), max(largest, magnitude)
+    if largest == 0:
+        return _NO_EXPONENT, -_NO_EXPONENT
+    return _bits_exponent(smallest), _bits_exponent(largest)
+
+
+@numba.njit(**_INLINE)
+def _bits_exponent(magnitude):
+    """floor(log2 v) of the finite nonzero float32 v >= 0 of bits ``magnitude`` (-149 for a subnormal)."""
+    biased = magnitude >> 23
+    return biased - 127 if biased != 0 else np.int64(-149)
 
 
 @numba.njit(**NJIT_OPTIONS)
@@ -1267,24 +1279,55 @@ def _by_columns(fast, k, row):
 
 
 @numba.njit(**_INLINE)
-def _column_pass(x_flat, x0, codes_flat, c0, steps, columns, half):
+def _column_pass(accumulate, x_flat, x0, codes_flat, c0, steps, columns, half):
     """The lanes of codes ``half`` .. ``half`` + 31 of every step of a row of re-encoded HiFloat8 codes
-    (code8_columns_half), mul + add as _code8_row_sum; the first pass (``half`` 0) prefetches the row
-    _COLUMN_AHEAD_ROWS on."""
+    (code8_columns_half), each product added by ``accumulate`` (_mul_then_add or _fused_multiply_add); the
+    first pass (``half`` 0) prefetches the row _COLUMN_AHEAD_ROWS on."""
     acc = simd.f32v_zero()
     for t in range(steps):
         if half == 0:
             _prefetch_ahead(codes_flat, np.uint64(c0 + LANES * t), np.uint64(_COLUMN_AHEAD_ROWS * LANES * steps))
         w = code8_columns_half(codes_flat, c0 + LANES * t + half, columns, _columns.ADDENDS)
-        acc = simd.f32v_add(acc, simd.f32v_mul(simd.f32v_load(x_flat, x0 + LANES * t + half), w))
+        acc = accumulate(acc, simd.f32v_load(x_flat, x0 + LANES * t + half), w)
     return acc
 
 
 @numba.njit(**_INLINE)
-def _code8_column_row_sum(x_flat, x0, codes_flat, c0, k, columns):
-    """_code8_row_sum of a fast row of re-encoded HiFloat8 codes (K a multiple of 64): the same bits."""
-    return _row_sum_code8(_column_pass(x_flat, x0, codes_flat, c0, k // LANES, columns, 0),
-                          _column_pass(x_flat, x0, codes_flat, c0, k // LANES, columns, HALF))
+def _mul_then_add(acc, x, w):
+    """acc + x * w: a multiply, then an add (the reference's two roundings)."""
+    return simd.f32v_add(acc, simd.f32v_mul(x, w))
+
+
+@numba.njit(**_INLINE)
+def _fused_multiply_add(acc, x, w):
+    """The same in one instruction: the same bits where every product x * w is exact (_columns_fused)."""
+    return simd.f32v_fma(x, w, acc)
+
+
+# Bounds of floor(log2 |w|) - floor(log2 s) over a fast row's nonzero weights w = bf16(v s): |v| s <= |w| <=
+# |v| 2^(floor(log2 s) + 1) (rounding stays within the binade's end).
+_COLUMN_LOW, _COLUMN_HIGH = _columns.FAST_EXPONENTS[0], _columns.FAST_EXPONENTS[1] + 1
+
+
+@numba.njit(**_INLINE)
+def _columns_fused(x_bounds, m, s):
+    """Whether every nonzero product of x row m (its exponent bounds: _x_bounds) with a fast row of scale ``s``
+    (a normal float32) lies in [2^-126, 2^128), so that it is exact in float32 (BF16 x BF16: 16 significant
+    bits) and a fused multiply-add gives _mul_then_add's bits (as _fused_bytes for the 4-bit formats)."""
+    e_s = math.frexp(s)[1] - 1  # floor(log2 s)
+    return x_bounds[m, 0] + e_s + _COLUMN_LOW >= -126 and x_bounds[m, 1] + e_s + _COLUMN_HIGH <= 126
+
+
+@numba.njit(**_INLINE)
+def _code8_column_row_sum(x_flat, x0, codes_flat, c0, k, columns, fused):
+    """_code8_row_sum of a fast row of re-encoded HiFloat8 codes (K a multiple of 64): the same bits, by fused
+    multiply-adds where ``fused`` (_columns_fused)."""
+    steps = k // LANES
+    if fused:
+        return _row_sum_code8(_column_pass(_fused_multiply_add, x_flat, x0, codes_flat, c0, steps, columns, 0),
+                              _column_pass(_fused_multiply_add, x_flat, x0, codes_flat, c0, steps, columns, HALF))
+    return _row_sum_code8(_column_pass(_mul_then_add, x_flat, x0, codes_flat, c0, steps, columns, 0),
+                          _column_pass(_mul_then_add, x_flat, x0, codes_flat, c0, steps, columns, HALF))
 
 
 @numba.njit(**_INLINE)
@@ -1297,7 +1340,8 @@ def _code8_block_step(operands, start, r, t):
 
 
 @numba.njit(**NJIT_OPTIONS)
-def _code8_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, row, end, y32):
+def _code8_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, x_bounds, row, end,
+                y32):
     """Rows row .. end - 1 of _code8_gemv (one task; a function of its own, so that numba's parallel
     passes do not analyse its body)."""
     k = codes.shape[1]
@@ -1319,7 +1363,8 @@ def _code8_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, kee
         if _by_columns(fast, k, row):
             _columns.fill_column_table(scale[row], columns, factors)
             for m in range(m_rows):
-                y32[m, row] = _code8_column_row_sum(x_flat, m * kp, codes_flat, row * k, k, columns)
+                y32[m, row] = _code8_column_row_sum(x_flat, m * kp, codes_flat, row * k, k, columns,
+                                                    _columns_fused(x_bounds, m, scale[row]))
             continue
         _fill_row_table(magnitudes, scale[row], bf16, nan_code, tables[0])
         for m in range(m_rows):
@@ -1327,18 +1372,28 @@ def _code8_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, kee
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _code8_gemv(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, y32):
+def _code8_gemv(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, x_bounds, y32):
     """codes (N, K) uint8; scale (N,) float32 and magnitudes (128,) float32 as _fill_row_table takes them;
     bf16: x is BF16 (else FP16); nan_code: the code that decodes to NaN; table_like: an array of the
     row-table kind (see code8_decode); keep int32[64] (the tail's lanes); fast (N,) uint8, or empty: the
     rows of HiFloat8 codes re-encoded by columns that code8_columns_half decodes (the rest take the table,
-    whose magnitudes and NaN code are then the re-encoded ones); x_reg (M, Kp) float32 (register order,
+    whose magnitudes and NaN code are then the re-encoded ones); x_bounds (M, 2) int64: _x_bounds of x_reg
+    where ``fast`` is not empty (else not read: _code8_x_bounds); x_reg (M, Kp) float32 (register order,
     zero-padded); y32 (M, N) float32. Every row, in numba's parallel loop (_code8_rows: some rows on the
     calling thread)."""
     n = codes.shape[0]
     for task in numba.prange((n + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
-        _code8_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, task * _ROWS_PER_TASK,
-                    min(n, (task + 1) * _ROWS_PER_TASK), y32)
+        _code8_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, x_bounds,
+                    task * _ROWS_PER_TASK, min(n, (task + 1) * _ROWS_PER_TASK), y32)
+
+
+_NO_X_BOUNDS = np.zeros((0, 2), dtype=np.int64)
+
+
+def _code8_x_bounds(x_reg: np.ndarray, operands: tuple) -> np.ndarray:
+    """The x_bounds argument of _code8_gemv: _x_bounds of x_reg where the weight has rows decoded by columns
+    (``fast``, its operands' last, not empty), else an empty array."""
+    return _x_bounds(x_reg) if operands[-1].size else _NO_X_BOUNDS
 
 
 @numba.njit(**_INLINE)
@@ -2259,19 +2314,20 @@ class WeightOnlyLinear(Kernel):
     end, out)`` computes output rows row .. end - 1 on the calling thread, ``parallel(*args, out)`` all of
     them in numba's parallel loop (compiled on its first call only: a process that never runs a kernel on
     several threads, such as ``lowbit smoke``, never compiles it). args: (x_reg, *operands[, fused, x_pairs,
-    paired]) for the GEMV, (x_reg, *operands) batched, (*operands, r0) for a tile of rows r0 ... of W.
+    paired][, x_bounds]) for the GEMV, (x_reg, *operands) batched, (*operands, r0) for a tile of rows r0 ... of W.
     ``split``: the register order (see _reorder); ``operands(a, b, k, dtype)``: the numba kernels' weight
     operands for x of ``dtype``; ``exponents``: a 4-bit format's table for _exact_bytes, whose results (fused,
     x_pairs, paired) the GEMV kernels take after the operands (None: an 8-bit format, no such arguments);
-    ``pair_order``: the format's BF16 pair order (None: no pair kernel). With BF16 x every
+    ``pair_order``: the format's BF16 pair order (None: no pair kernel); ``gemv_x_bounds``: the GEMV takes
+    _code8_x_bounds after the operands (the 8-bit formats of _code8_gemv). With BF16 x every
     format's decoded weight is a BF16 value (the GEMM path uses torch's BF16 GEMM).
     """
 
     def __init__(self, gemv: tuple, batched: tuple, tile: tuple, split: tuple, operands, exponents=None,
-                 pair_order=None, prepared_operands=None):
+                 pair_order=None, prepared_operands=None, gemv_x_bounds=False):
         self.gemv, self.batched, self.tile, self.split, self._operands = gemv, batched, tile, split, operands
         self._prepared_operands = prepared_operands or operands
-        self.exponents = exponents
+        self.exponents, self.gemv_x_bounds = exponents, gemv_x_bounds
         self.order = np.array(_order(*split), dtype=np.int32)
         self.pair_sources = (_pair_sources(_order(*split), pair_order)
                              if pair_order is not None and simd.HAS_AVX512BF16 else None)
@@ -2336,6 +2392,8 @@ class WeightOnlyLinear(Kernel):
             sources = _NO_PAIR_SOURCES if self.pair_sources is None else self.pair_sources
             fused, paired = _exact_bytes(x_reg, self.exponents, sources, x_pairs)
             extra = (fused, x_pairs, paired)
+        elif self.gemv_x_bounds:  # HiFloat8 by columns: fused multiply-adds where exact
+            extra = (_code8_x_bounds(x_reg, operands),)
         run_tasks(self.gemv, (x_reg, *operands, *extra), y32.shape[1], y32, serial)
 
     def _run_batched(self, x: torch.Tensor, operands: tuple, bias, out: torch.Tensor, serial: bool) -> None:
@@ -2466,8 +2524,8 @@ def _hifloat4_operands(scale, value, k, dtype):
 
 _CODE8 = ((_code8_rows, _code8_gemv), (_code8_batched_rows, _code8_batched), (_code8_tile_rows, _code8_tile))
 HIFLOAT8_LINEAR = WeightOnlyLinear(*_CODE8, CODE8_SPLIT, _hifloat8_operands,
-                                  prepared_operands=_hifloat8_prepared_operands)
-FLOAT8_E4M3FN_LINEAR = WeightOnlyLinear(*_CODE8, CODE8_SPLIT, _float8_operands)
+                                  prepared_operands=_hifloat8_prepared_operands, gemv_x_bounds=True)
+FLOAT8_E4M3FN_LINEAR = WeightOnlyLinear(*_CODE8, CODE8_SPLIT, _float8_operands, gemv_x_bounds=True)
 MXFP8_LINEAR = WeightOnlyLinear((_mxfp8_rows, _mxfp8_gemv), (_mxfp8_batched_rows, _mxfp8_batched),
                                 (_mxfp8_tile_rows, _mxfp8_tile), CODE8_SPLIT, _mxfp8_operands)
 MXFP4_LINEAR = WeightOnlyLinear((_mxfp4_rows, _mxfp4_gemv), (_mxfp4_batched_rows, _mxfp4_batched),
