@@ -781,7 +781,7 @@ def test_batched_kernel_gives_the_same_bits_on_any_thread_count(fmt):
     weight = WEIGHTS[fmt](131, k, g)
     x = torch.randn(cpu.GEMV_MAX_M + 3, k, generator=g).bfloat16()
     kernel = {"mxfp4": cpu.MXFP4_LINEAR, "hifloat8": cpu.HIFLOAT8_LINEAR}[fmt]
-    operands, _ = kernel.prepare(x.dtype, k, *weight, None)
+    operands = kernel.prepare(x.dtype, k, *weight, None)[0]
     outs = [torch.empty(x.shape[0], 131, dtype=x.dtype) for _ in range(2)]
     previous = numba.get_num_threads()
     numba.set_num_threads(2)
@@ -891,7 +891,7 @@ def test_8bit_gemv_with_other_tables_equals_the_reference(fmt, dtype, kind, k):
     y32 = torch.empty(3, 23)
     x_reg = cpu._reorder(x_reg, *cpu.CODE8_SPLIT).numpy()
     weight_operands = operands(codes, scale, k, dtype, kind)
-    cpu._code8_gemv(x_reg, *weight_operands, cpu._code8_x_bounds(x_reg, weight_operands), y32.numpy())
+    cpu._code8_gemv(x_reg, *weight_operands, *cpu._code8_x_operands(x_reg, weight_operands, ()), y32.numpy())
     want = reference.lane_sums(x.float(), weight(codes, scale, dtype))
     assert torch.equal(y32.view(torch.int32), want.view(torch.int32))
 
@@ -1111,7 +1111,7 @@ def test_hifloat8_prepared_rows_by_columns_equal_the_reference(m, monkeypatch):
         assert prepared._prepared[(torch.bfloat16, k)][0][-1].tolist() == fast
     # the float32 sums before their rounding to BF16 (which would hide a small error in one weight)
     kernel = cpu.HIFLOAT8_LINEAR
-    operands, _ = kernel.prepare(torch.bfloat16, k, codes, scale, None)
+    operands = kernel.prepare(torch.bfloat16, k, codes, scale, None)[0]
     y32 = torch.empty(m, codes.shape[0])
     kernel.gemv_sums(cpu._reorder(x.float(), *kernel.split).numpy(), operands, y32.numpy(), serial=True)
     want32 = reference.lane_sums(x.float(), reference.hifloat8_weight(codes, scale, torch.bfloat16))
@@ -1198,7 +1198,7 @@ def test_hifloat8_prepared_rows_by_columns_where_a_fused_multiply_add_would_diff
     x = x.bfloat16()
     assert x.float()[0, 0] == x0 and x.float()[0, 64] == x1
     kernel = cpu.HIFLOAT8_LINEAR
-    operands, _ = kernel.prepare(torch.bfloat16, k, codes, scale, None)
+    operands = kernel.prepare(torch.bfloat16, k, codes, scale, None)[0]
     y32 = torch.empty(1, 2)
     kernel.gemv_sums(cpu._reorder(x.float(), *kernel.split).numpy(), operands, y32.numpy(), serial=True)
     want = reference.lane_sums(x.float(), reference.hifloat8_weight(codes, scale, torch.bfloat16))

@@ -145,6 +145,11 @@ class QuantizedLinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_layer_input(self.layer_name, self.cfg_meta["geometry"], x, self.weight_dtype)
+        if not x.requires_grad and (self.bias is None or not self.bias.requires_grad):
+            # nothing here requires grad (x, the bias; the packed buffers are made without), so no op records a
+            # graph: no torch.no_grad(), whose grad-mode switches cost tens of microseconds after other ops
+            # (docs/weight_only.md, 'One call')
+            return self.compute(self.quantize_input(x))
         with torch.no_grad():
             return self.compute(self.quantize_input(x))
 

@@ -31,6 +31,7 @@ Decoding (docs/weight_only.md, 'Weights'):
 from __future__ import annotations
 
 import math
+import types as types_module
 
 import numba
 import numpy as np
@@ -1378,7 +1379,7 @@ def _code8_gemv(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, kee
     row-table kind (see code8_decode); keep int32[64] (the tail's lanes); fast (N,) uint8, or empty: the
     rows of HiFloat8 codes re-encoded by columns that code8_columns_half decodes (the rest take the table,
     whose magnitudes and NaN code are then the re-encoded ones); x_bounds (M, 2) int64: _x_bounds of x_reg
-    where ``fast`` is not empty (else not read: _code8_x_bounds); x_reg (M, Kp) float32 (register order,
+    where ``fast`` is not empty (else not read: _code8_x_operands); x_reg (M, Kp) float32 (register order,
     zero-padded); y32 (M, N) float32. Every row, in numba's parallel loop (_code8_rows: some rows on the
     calling thread)."""
     n = codes.shape[0]
@@ -1387,13 +1388,33 @@ def _code8_gemv(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, kee
                     task * _ROWS_PER_TASK, min(n, (task + 1) * _ROWS_PER_TASK), y32)
 
 
-_NO_X_BOUNDS = np.zeros((0, 2), dtype=np.int64)
+# ---- x's per-call operands of the GEMV kernels (after the weight's): f(x_reg, operands, x_consts) ----------
 
 
-def _code8_x_bounds(x_reg: np.ndarray, operands: tuple) -> np.ndarray:
-    """The x_bounds argument of _code8_gemv: _x_bounds of x_reg where the weight has rows decoded by columns
-    (``fast``, its operands' last, not empty), else an empty array."""
-    return _x_bounds(x_reg) if operands[-1].size else _NO_X_BOUNDS
+@numba.njit(**NJIT_OPTIONS)
+def _no_x_operands(x_reg, operands, x_consts):
+    """None (MXFP8)."""
+    return ()
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _code8_x_operands(x_reg, operands, x_consts):
+    """(x_bounds,) of _code8_gemv: _x_bounds of x_reg where the weight has rows decoded by columns (``fast``,
+    the operands' last, not empty), else an empty (0, 2) array (not read)."""
+    if operands[-1].size:
+        return (_x_bounds(x_reg),)
+    return (np.zeros((0, 2), dtype=np.int64),)
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _four_bit_x_operands(x_reg, operands, x_consts):
+    """(fused, x_pairs, paired) of a 4-bit format (_exact_bytes); x_consts: (its _exponent_bounds table, its
+    pair sources, whether the BF16 pair kernels run: else x_pairs has no columns)."""
+    exponents, sources, pairs = x_consts
+    m, kp = x_reg.shape
+    x_pairs = np.empty((m, -(-kp // PAIR_LANES) * PAIR_LANES if pairs else 0), dtype=np.int16)
+    fused, paired = _exact_bytes(x_reg, exponents, sources, x_pairs)
+    return fused, x_pairs, paired
 
 
 @numba.njit(**_INLINE)
@@ -2274,15 +2295,47 @@ def canonical_nan_bf16(bits):
 _NO_BIAS_BITS = np.zeros(0, dtype=np.int16)
 
 
+def _bias_bits(bias) -> tuple[np.ndarray, int]:
+    """(bias_bits, bias_kind) of _finish for ``bias``: None, (N,) in x's dtype or (N,) float32."""
+    if bias is None:
+        return _NO_BIAS_BITS, _NO_BIAS
+    if bias.dtype == torch.float32:
+        return as_numpy(bias).view(np.int16), _BIAS_FLOAT32
+    return as_numpy(bias), _BIAS_LIKE_X
+
+
 def _round_into(y32: np.ndarray, bias, bf16: bool, out: torch.Tensor) -> None:
     """out <- fl32(y32 + bias) rounded to BF16 (``bf16``) or FP16, NaN canonical (_finish)."""
-    if bias is None:
-        bias_bits, bias_kind = _NO_BIAS_BITS, _NO_BIAS
-    elif bias.dtype == torch.float32:
-        bias_bits, bias_kind = as_numpy(bias).view(np.int16), _BIAS_FLOAT32
-    else:
-        bias_bits, bias_kind = as_numpy(bias), _BIAS_LIKE_X
-    _finish(y32, bias_bits, bias_kind, bf16, as_numpy(out))
+    _finish(y32, *_bias_bits(bias), bf16, as_numpy(out))
+
+
+def _serial_gemv(x_bits, bf16, order, n, operands, x_consts, bias_bits, bias_kind, out_bits):
+    """A format's whole GEMV on the calling thread in one numba call (a function per format: _SERIAL_GEMV,
+    which binds its rows kernel ``_ROWS`` and x's per-call operands ``_X_OPERANDS``): x (M, K) FP16 / BF16 bit
+    patterns (int16) gathered into the register order, W's N rows summed, the reference's rounding into
+    out_bits (M, N) int16 (_finish). After a torch op each call from Python, and each torch or numpy call
+    between them, runs with cold caches (tens of microseconds each: docs/weight_only.md, 'One call')."""
+    m, k = x_bits.shape
+    x_reg = np.empty((m, -(-k // LANES) * LANES), dtype=np.float32)
+    _gather_x(x_bits, bf16, order, x_reg)
+    y32 = np.empty((m, n), dtype=np.float32)
+    _ROWS(x_reg, *operands, *_X_OPERANDS(x_reg, operands, x_consts), 0, n, y32)  # noqa: F821 (bound per format)
+    _finish(y32, bias_bits, bias_kind, bf16, out_bits)
+
+
+_SERIAL_GEMV: dict[str, object] = {}  # rows kernel's name -> _serial_gemv bound to it (one numba cache entry)
+
+
+def _serial_gemv_of(rows, x_operands):
+    """The numba dispatcher of _serial_gemv with ``_ROWS`` = rows and ``_X_OPERANDS`` = x_operands, named after
+    the rows kernel (its own entry in numba's on-disk cache), made once per rows kernel."""
+    name = f"_serial_gemv{rows.py_func.__name__}"
+    if name not in _SERIAL_GEMV:
+        bound = types_module.FunctionType(_serial_gemv.__code__, {**globals(), "_ROWS": rows, "_X_OPERANDS": x_operands},
+                                          name)
+        bound.__qualname__, bound.__doc__ = name, _serial_gemv.__doc__
+        _SERIAL_GEMV[name] = numba.njit(**NJIT_OPTIONS)(bound)
+    return _SERIAL_GEMV[name]
 
 
 # Whether the GEMM path hands BF16 x to torch's BF16 GEMM (on BF16 tiles) rather than its float32 GEMM: only
@@ -2319,7 +2372,9 @@ class WeightOnlyLinear(Kernel):
     operands for x of ``dtype``; ``exponents``: a 4-bit format's table for _exact_bytes, whose results (fused,
     x_pairs, paired) the GEMV kernels take after the operands (None: an 8-bit format, no such arguments);
     ``pair_order``: the format's BF16 pair order (None: no pair kernel); ``gemv_x_bounds``: the GEMV takes
-    _code8_x_bounds after the operands (the 8-bit formats of _code8_gemv). With BF16 x every
+    x's exponent bounds after the operands (the 8-bit formats of _code8_gemv: _code8_x_operands). The GEMV's
+    per-call operands of x: ``x_operands(x_reg, operands, x_consts)``; on the calling thread the whole call
+    is one numba function, ``serial_gemv`` (_serial_gemv). With BF16 x every
     format's decoded weight is a BF16 value (the GEMM path uses torch's BF16 GEMM).
     """
 
@@ -2327,26 +2382,32 @@ class WeightOnlyLinear(Kernel):
                  pair_order=None, prepared_operands=None, gemv_x_bounds=False):
         self.gemv, self.batched, self.tile, self.split, self._operands = gemv, batched, tile, split, operands
         self._prepared_operands = prepared_operands or operands
-        self.exponents, self.gemv_x_bounds = exponents, gemv_x_bounds
+        self.exponents = exponents
         self.order = np.array(_order(*split), dtype=np.int32)
         self.pair_sources = (_pair_sources(_order(*split), pair_order)
                              if pair_order is not None and simd.HAS_AVX512BF16 else None)
+        if exponents is not None:  # a 4-bit format: fused multiply-adds and BF16 pairs where exact
+            sources = _NO_PAIR_SOURCES if self.pair_sources is None else self.pair_sources
+            self.x_operands, self.x_consts = _four_bit_x_operands, (exponents, sources, self.pair_sources is not None)
+        else:  # HiFloat8 by columns: fused multiply-adds where exact (gemv_x_bounds)
+            self.x_operands, self.x_consts = (_code8_x_operands if gemv_x_bounds else _no_x_operands), ()
+        self.serial_gemv = _serial_gemv_of(gemv[0], self.x_operands)
 
     def run(self, x: torch.Tensor, *args, out: torch.Tensor) -> None:
         *weight, bias = args
-        self.run_prepared(x, (self._operands(*weight, x.shape[-1], x.dtype), bias), out=out)
+        self.run_prepared(x, (self._operands(*weight, x.shape[-1], x.dtype), bias, _bias_bits(bias)), out=out)
 
     def prepare(self, dtype: torch.dtype, k: int, *args) -> tuple:
-        """(numba operands, bias) of a validated, contiguous packed weight of K = ``k`` and its bias, for x of
-        ``dtype``, made once for many calls: the operands are views of the weight's tensors (and, for
-        HiFloat8, its scales rounded to ``dtype``; with BF16 x where HIFLOAT8_COLUMNS, its codes re-encoded),
-        valid while those keep their memory and values (lowbit.ops.library.PreparedCall)."""
+        """(numba operands, bias, _bias_bits of the bias) of a validated, contiguous packed weight of K = ``k``
+        and its bias, for x of ``dtype``, made once for many calls: the operands are views of the weight's
+        tensors (and, for HiFloat8, its scales rounded to ``dtype``; with BF16 x where HIFLOAT8_COLUMNS, its
+        codes re-encoded), valid while those keep their memory and values (lowbit.ops.library.PreparedCall)."""
         *weight, bias = args
-        return self._prepared_operands(*weight, k, dtype), bias
+        return self._prepared_operands(*weight, k, dtype), bias, _bias_bits(bias)
 
     def run_prepared(self, x: torch.Tensor, prepared: tuple, *, out: torch.Tensor) -> None:
         """:meth:`run` with the weight's operands and the bias from :meth:`prepare` (for x's dtype)."""
-        operands, bias = prepared
+        operands, bias, bias_bits = prepared
         k, n = x.shape[-1], out.shape[-1]
         m = out.numel() // n
         if out.dim() != 2:  # x too: (..., K) -> (M, K)
@@ -2366,14 +2427,19 @@ class WeightOnlyLinear(Kernel):
         # more than they save there, and the rows run without the parallel loop's launch (about 13 us of a
         # 1536 x 384 MXFP4 GEMV's 54 us); numba's thread count is left as it is.
         if runs_serially(work, GEMV_ONE_THREAD_WEIGHTS):
-            path(x, operands, bias, out, serial=True)
+            if m <= GEMV_MAX_M:  # the GEMV in one numba call
+                self.serial_gemv(as_numpy(x), x.dtype == torch.bfloat16, self.order, n, operands, self.x_consts,
+                                 *bias_bits, as_numpy(out))
+            else:
+                path(x, operands, bias, out, serial=True)
             return
         with numba.parallel_chunksize(chunksize):
             path(x, operands, bias, out, serial=False)
 
     def _run_gemv(self, x: torch.Tensor, operands: tuple, bias, out: torch.Tensor, serial: bool) -> None:
-        """The bit-exact path: x in register order, the lane sums, then the reference's rounding (all in
-        numba: a torch op between them would cost more than they do, see benchmarks/results_weight_only.md)."""
+        """The bit-exact path on numba's threads: x in register order, the lane sums, then the reference's
+        rounding (all in numba: a torch op between them would cost more than they do, see
+        benchmarks/results_weight_only.md)."""
         (m, k), n = x.shape, out.shape[1]
         bf16 = x.dtype == torch.bfloat16
         x_reg = np.empty((m, _padded_k(k)), dtype=np.float32)
@@ -2385,15 +2451,7 @@ class WeightOnlyLinear(Kernel):
     def gemv_sums(self, x_reg: np.ndarray, operands: tuple, y32: np.ndarray, serial: bool) -> None:
         """y32 (M, N) float32 <- the GEMV's float32 sums of x_reg (M, Kp) float32 (x in the register order,
         zero-padded) with the weight ``operands``, before the rounding to x's dtype."""
-        extra = ()
-        if self.exponents is not None:  # a 4-bit format: fused multiply-adds and BF16 pairs where exact
-            m, kp = x_reg.shape
-            x_pairs = np.empty((m, 0 if self.pair_sources is None else -(-kp // PAIR_LANES) * PAIR_LANES), np.int16)
-            sources = _NO_PAIR_SOURCES if self.pair_sources is None else self.pair_sources
-            fused, paired = _exact_bytes(x_reg, self.exponents, sources, x_pairs)
-            extra = (fused, x_pairs, paired)
-        elif self.gemv_x_bounds:  # HiFloat8 by columns: fused multiply-adds where exact
-            extra = (_code8_x_bounds(x_reg, operands),)
+        extra = self.x_operands(x_reg, operands, self.x_consts)
         run_tasks(self.gemv, (x_reg, *operands, *extra), y32.shape[1], y32, serial)
 
     def _run_batched(self, x: torch.Tensor, operands: tuple, bias, out: torch.Tensor, serial: bool) -> None:
