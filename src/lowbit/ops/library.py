@@ -212,34 +212,42 @@ class PreparedCall:
         self.fixed = tuple(None if t is None else backends.dense_aligned(t) for t in fixed)
         self._plain = all(t is None or plain_tensor(t) for t in self.fixed)
         self._prepared: dict[tuple, Any] = {}  # (x dtype, K) -> the kernel's prepare() result
-        # (x dtype, x shape, backend) -> (output spec, backend name, kernel): the operator's checks and its
-        # kernel choice for an x of that kind, made once (the fixed arguments do not change)
+        # (x dtype, x shape, backend) -> (output spec, backend name, kernel, prepared or None): the operator's
+        # checks and its kernel choice for an x of that kind, made once (the fixed arguments do not change)
         self._plans: dict[tuple, tuple] = {}
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        args = (x, *self.fixed)
         if not (self._plain and plain_context() and plain_tensor(x)):
-            return call(self.op, args)
+            return call(self.op, (x, *self.fixed))
         kind = (x.dtype, x.shape, backends.get_backend())
         plan = self._plans.get(kind)
         x = backends.dense_aligned(x)
         if plan is None:
-            (spec,) = self.op.outputs(*args)  # the operator's errors for a bad x
+            (spec,) = self.op.outputs(x, *self.fixed)  # the operator's errors for a bad x
             if 0 in spec.shape:
                 return torch.empty(spec.shape, dtype=spec.dtype)
-            if len(self._plans) >= _MAX_PLANS:  # many x shapes (prefill lengths): start over, do not grow
-                self._plans.clear()
-            plan = self._plans[kind] = (spec, *self.op.kernel(torch.device("cpu"), None, (x, *self.fixed)))
-        spec, name, kernel = plan
+            plan = self._plan(kind, spec, x)
+        spec, name, kernel, prepared = plan
         out = torch.empty(spec.shape, dtype=spec.dtype)
         # No torch.no_grad() (2-4 us): nothing here requires grad (plain_tensor), so no op records a graph.
-        if hasattr(kernel, "run_prepared"):
-            key = (x.dtype, x.shape[-1])
-            prepared = self._prepared.get(key)
-            if prepared is None:
-                prepared = self._prepared[key] = kernel.prepare(x.dtype, x.shape[-1], *self.fixed)
+        if prepared is not None:
             kernel.run_prepared(x, prepared, out=out)
         else:
             kernel.run(x, *self.fixed, out=out)
         self.op.record(name)
         return out
+
+    def _plan(self, kind: tuple, spec, x: torch.Tensor) -> tuple:
+        """(output spec, backend name, kernel, the kernel's prepare() result for x's dtype and K or None) for
+        x of ``kind``, kept (the prepared operands are shared by every x shape of one dtype and K)."""
+        name, kernel = self.op.kernel(torch.device("cpu"), None, (x, *self.fixed))
+        prepared = None
+        if hasattr(kernel, "run_prepared"):
+            key = (x.dtype, x.shape[-1])
+            prepared = self._prepared.get(key)
+            if prepared is None:
+                prepared = self._prepared[key] = kernel.prepare(x.dtype, x.shape[-1], *self.fixed)
+        if len(self._plans) >= _MAX_PLANS:  # many x shapes (prefill lengths): start over, do not grow
+            self._plans.clear()
+        plan = self._plans[kind] = (spec, name, kernel, prepared)
+        return plan

@@ -2412,6 +2412,10 @@ class WeightOnlyLinear(Kernel):
         m = out.numel() // n
         if out.dim() != 2:  # x too: (..., K) -> (M, K)
             x, out = x.reshape(m, k), out.view(m, n)
+        if m <= GEMV_MAX_M and runs_serially(n * k, GEMV_ONE_THREAD_WEIGHTS):  # the GEMV in one numba call
+            self.serial_gemv(as_numpy(x), x.dtype == torch.bfloat16, self.order, n, operands, self.x_consts,
+                             *bias_bits, as_numpy(out))
+            return
         # Rows are handed out in chunks on demand (not split evenly up front), so a thread that the OS
         # deschedules on a shared machine does not make the other one wait at the end.
         if m <= GEMV_MAX_M:
@@ -2427,11 +2431,7 @@ class WeightOnlyLinear(Kernel):
         # more than they save there, and the rows run without the parallel loop's launch (about 13 us of a
         # 1536 x 384 MXFP4 GEMV's 54 us); numba's thread count is left as it is.
         if runs_serially(work, GEMV_ONE_THREAD_WEIGHTS):
-            if m <= GEMV_MAX_M:  # the GEMV in one numba call
-                self.serial_gemv(as_numpy(x), x.dtype == torch.bfloat16, self.order, n, operands, self.x_consts,
-                                 *bias_bits, as_numpy(out))
-            else:
-                path(x, operands, bias, out, serial=True)
+            path(x, operands, bias, out, serial=True)
             return
         with numba.parallel_chunksize(chunksize):
             path(x, operands, bias, out, serial=False)

@@ -1,0 +1,105 @@
+"""Where a converted weight-only layer's decode call (M = 1, BF16 x, one thread) spends its time when each
+call follows a BF16 F.linear of the same shape, as in a model's forward (the F.linear streams its weight
+through the caches, so the call's own code and data come back from memory). Per scheme, in one process and
+interleaved: the deploy module; its PreparedCall; ``run_prepared`` (the kernel's entry, output given); the
+one numba call of the serial GEMV (``serial_gemv``); and the three numba calls the serial GEMV made before it
+(``_gather_x``, ``gemv_sums``, ``_round_into``). Median of --rounds calls of each, and F.linear's own.
+
+    PYTHONPATH=src python benchmarks/gemv_call_path.py [--shape 4096x4096] [--schemes hif8-wo,mxfp4-wo,hif4-wo]
+"""
+
+from __future__ import annotations
+
+import lowbit  # noqa: I001  (first: sets the OpenMP wait policy before torch loads)
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lowbit.cli.smoke._common import device_name
+from lowbit.kernels.cpu import weight_only as cpu
+from lowbit.kernels.cpu._runtime import as_numpy
+
+
+def _layer(weight: torch.Tensor, bias: torch.Tensor, scheme: str) -> nn.Module:
+    n, k = weight.shape
+    linear = nn.Linear(k, n, dtype=weight.dtype)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+        linear.bias.copy_(bias)
+    model = nn.Sequential(linear)
+    lowbit.quantize_(model, scheme)
+    return model[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="4096x4096")
+    parser.add_argument("--schemes", default="hif8-wo,mxfp4-wo,hif4-wo")
+    parser.add_argument("--rounds", type=int, default=31)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    n, k = map(int, args.shape.split("x"))
+    g = torch.Generator().manual_seed(0)
+    weight = (torch.randn(n, k, generator=g) / k**0.5).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16()
+    x = torch.randn(1, k, generator=g).bfloat16()
+    print(f"CPU: {device_name(torch.device('cpu'))}, one thread, {n} x {k}, M = 1, BF16; median ms of {args.rounds} calls, each after F.linear")
+    for scheme in args.schemes.split(","):
+        module = _layer(weight, bias, scheme)
+        with torch.inference_mode():
+            module(x)  # compile, prepare
+            prepared_call = module.__dict__["_prepared"][0]
+            (prepared,) = prepared_call._prepared.values()
+            operands, bias_, bias_bits = prepared
+            kernel = next(iter(prepared_call._plans.values()))[2]
+            out = torch.empty(1, n, dtype=torch.bfloat16)
+
+            def three_calls():
+                x_reg = np.empty((1, cpu._padded_k(k)), dtype=np.float32)
+                cpu._gather_x(as_numpy(x), True, kernel.order, x_reg)
+                y32 = np.empty((1, n), dtype=np.float32)
+                kernel.gemv_sums(x_reg, operands, y32, True)
+                cpu._round_into(y32, bias_, True, out)
+                return out
+
+            def serial_gemv():
+                kernel.serial_gemv(as_numpy(x), True, kernel.order, n, operands, kernel.x_consts, *bias_bits,
+                                   as_numpy(out))
+                return out
+
+            def run_prepared():
+                kernel.run_prepared(x, prepared, out=out)
+                return out
+
+            cases = {
+                "module": lambda: module(x),
+                "PreparedCall": lambda: prepared_call(x),
+                "run_prepared": run_prepared,
+                "serial_gemv": serial_gemv,
+                "three calls": three_calls,
+            }
+            want = module(x)
+            for call in cases.values():
+                out.zero_()
+                assert torch.equal(call().view(torch.int16), want.view(torch.int16))
+            times: dict[str, list[float]] = {"F.linear": [], **{name: [] for name in cases}}
+            for _ in range(args.rounds):
+                for name, call in cases.items():
+                    start = time.perf_counter()
+                    F.linear(x, weight, bias)
+                    middle = time.perf_counter()
+                    call()
+                    times[name].append(time.perf_counter() - middle)
+                    times["F.linear"].append(middle - start)
+        cells = [f"{name} {statistics.median(t) * 1e3:.3f}" for name, t in times.items()]
+        print(f"{scheme}: " + "  ".join(cells))
+
+
+if __name__ == "__main__":
+    main()
