@@ -19,22 +19,11 @@ import time
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import nn
 
+from lowbit.cli.bench.model import quantized_layer
 from lowbit.cli.smoke._common import device_name
 from lowbit.kernels.cpu import weight_only as cpu
 from lowbit.kernels.cpu._runtime import as_numpy
-
-
-def _layer(weight: torch.Tensor, bias: torch.Tensor, scheme: str) -> nn.Module:
-    n, k = weight.shape
-    linear = nn.Linear(k, n, dtype=weight.dtype)
-    with torch.no_grad():
-        linear.weight.copy_(weight)
-        linear.bias.copy_(bias)
-    model = nn.Sequential(linear)
-    lowbit.quantize_(model, scheme)
-    return model[0]
 
 
 def main() -> None:
@@ -51,7 +40,7 @@ def main() -> None:
     x = torch.randn(1, k, generator=g).bfloat16()
     print(f"CPU: {device_name(torch.device('cpu'))}, one thread, {n} x {k}, M = 1, BF16; median ms of {args.rounds} calls, each after F.linear")
     for scheme in args.schemes.split(","):
-        module = _layer(weight, bias, scheme)
+        module = quantized_layer(weight, bias, scheme)[0]
         with torch.inference_mode():
             module(x)  # compile, prepare
             prepared_call = module.__dict__["_prepared"][0]
