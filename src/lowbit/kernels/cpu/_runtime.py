@@ -116,11 +116,19 @@ def _followed_threads() -> int:
     return max(1, min(wanted, numba.config.NUMBA_NUM_THREADS))
 
 
+_synced = threading.local()  # .threads: the count sync_threads last gave numba in this thread (numba's is per thread)
+
+
 def sync_threads() -> int:
-    """Set numba's thread count to torch.get_num_threads() (capped by numba's pool); return it."""
+    """Set numba's thread count to torch.get_num_threads() (capped by numba's pool); return it. numba's own
+    count is read only when that target changed since this thread last synced it: numba.get_num_threads
+    takes a lock and costs tens of microseconds after other work has evicted the caches (docs/weight_only.md,
+    'One call'); a count set with numba.set_num_threads directly in between is not seen."""
     n = _followed_threads()
-    if numba.get_num_threads() != n:
-        numba.set_num_threads(n)
+    if getattr(_synced, "threads", 0) != n:
+        if numba.get_num_threads() != n:
+            numba.set_num_threads(n)
+        _synced.threads = n
     return n
 
 

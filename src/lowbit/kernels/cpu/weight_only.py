@@ -2413,8 +2413,9 @@ class WeightOnlyLinear(Kernel):
         if out.dim() != 2:  # x too: (..., K) -> (M, K)
             x, out = x.reshape(m, k), out.view(m, n)
         if m <= GEMV_MAX_M and runs_serially(n * k, GEMV_ONE_THREAD_WEIGHTS):  # the GEMV in one numba call
-            self.serial_gemv(as_numpy(x), x.dtype == torch.bfloat16, self.order, n, operands, self.x_consts,
-                             *bias_bits, as_numpy(out))
+            # x and out: FP16 / BF16 CPU tensors (the operator's contract), viewed without as_numpy's checks
+            self.serial_gemv(x.view(torch.int16).numpy(), x.dtype == torch.bfloat16, self.order, n, operands,
+                             self.x_consts, *bias_bits, out.view(torch.int16).numpy())
             return
         # Rows are handed out in chunks on demand (not split evenly up front), so a thread that the OS
         # deschedules on a shared machine does not make the other one wait at the end.
