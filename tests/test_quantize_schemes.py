@@ -190,6 +190,30 @@ def test_compiled_deploy_model_gives_the_same_bits(scheme):
     assert torch.equal(torch.compile(model, backend="eager")(x), model(x))
 
 
+@pytest.mark.parametrize("scheme", ["hif8-wo", "mxfp4-wo", "hif4-wo"])
+def test_deploy_layer_checks_every_other_input_after_its_fast_path(scheme):
+    """Once its fused kernel has taken an x, PackedLinear.forward sends an x of that dtype and K straight to
+    it (the same bits as the full path); any other x still gets the layer's errors, and an x that requires
+    grad the full path (no graph)."""
+    model = mlp(torch.bfloat16)
+    lowbit.quantize_(model, scheme)
+    layer = model[0]
+    x = inputs(torch.bfloat16)[:3]
+    want = layer.compute(layer.quantize_input(x))  # the full path's result
+    assert torch.equal(layer(x).view(torch.int16), want.view(torch.int16))
+    assert layer.__dict__["_fused_input"][:2] == (torch.bfloat16, (128,))  # set: the next calls take it
+    assert torch.equal(layer(x).view(torch.int16), want.view(torch.int16))
+    assert torch.equal(layer(x[:1]).view(torch.int16), want[:1].view(torch.int16))
+    with pytest.raises(lowbit.ShapeError, match=r"layer '0': input must be \(\.\.\., 128\)"):
+        layer(x[:, :127])
+    with pytest.raises(lowbit.ShapeError, match="layer '0'"):
+        layer(x[0, 0])
+    with pytest.raises(lowbit.DtypeError, match="layer '0'"):
+        layer(x.half())
+    y = layer(x.clone().requires_grad_())
+    assert not y.requires_grad and torch.equal(y.view(torch.int16), want.view(torch.int16))
+
+
 def _check_binding_follows(layer, other):
     op, names = layer.fused_kernel(torch.bfloat16)
     x = inputs(torch.bfloat16)[:3]

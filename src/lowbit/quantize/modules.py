@@ -92,8 +92,9 @@ class QuantizedLinearBase(nn.Module):
         super()._load_from_state_dict(*args, **kwargs)
 
     def __getstate__(self) -> dict:
-        """Pickling and copying leave out the prepared call (views of this module's tensors)."""
-        return {**self.__dict__, "_prepared": None}
+        """Pickling and copying leave out the prepared call (views of this module's tensors) and the fused
+        kernel's input kind (PackedLinear.forward)."""
+        return {**self.__dict__, "_prepared": None, "_fused_input": None}
 
     def packed_nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.packed_tensors().values())
@@ -206,10 +207,25 @@ class PackedLinear(QuantizedLinearBase):
         dense = fmt.decode(tensors, self.weight_dtype, self.cfg_meta.get("group_size"))
         return dense.reshape(self.cfg_meta["geometry"]["weight_shape"])
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # A weight-only layer whose fused kernel took x as it is: an x of the same dtype and K that requires
+        # no grad goes straight to it (the input check, the input transform and the kernel choice passed
+        # for that dtype and K; each costs tens of microseconds after other work: docs/weight_only.md,
+        # 'One call'). Anything else takes the full path, which also sets this.
+        fast = self.__dict__.get("_fused_input")  # (x dtype, (K,), operator, its buffer names)
+        if fast is not None and x.dtype is fast[0] and x.shape[-1:] == fast[1] and not x.requires_grad:
+            bias = self._parameters.get("bias")
+            if bias is None or not bias.requires_grad:
+                buffers = tuple(self._buffers[name] for name in fast[3])
+                return self.prepared_call(fast[2], (*buffers, bias), self._fused_arguments)(x)
+        return super().forward(x)
+
     def compute(self, x_q):
         fused = self.fused_kernel(x_q.dtype)
         if fused is not None:
             op, names = fused
+            if self.cfg_meta["act_kind"] == "none" and "smooth" not in self._buffers:  # x_q is x
+                self.__dict__["_fused_input"] = (x_q.dtype, (self.in_features,), op, names)
             buffers = tuple(self._buffers[name] for name in names)
             return self.prepared_call(op, (*buffers, self.bias), self._fused_arguments)(x_q)
         return run_layer(self.cfg_meta["geometry"], x_q, self.dequantized_weight(), self.bias)
