@@ -1,11 +1,13 @@
-"""Where a converted weight-only layer's decode call (M = 1, BF16 x, one thread) spends its time when each
+"""Where a converted weight-only layer's decode call (M = 1, BF16 x) spends its time when each
 call follows a BF16 F.linear of the same shape, as in a model's forward (the F.linear streams its weight
 through the caches, so the call's own code and data come back from memory). Per scheme, in one process and
 interleaved: the deploy module; its PreparedCall; ``run_prepared`` (the kernel's entry, output given); the
-one numba call of the serial GEMV (``serial_gemv``); and the three numba calls the serial GEMV made before it
-(``_gather_x``, ``gemv_sums``, ``_round_into``). Median of --rounds calls of each, and F.linear's own.
+GEMV's one numba call (``serial_gemv`` with --threads 1, else ``parallel_gemv`` on numba's threads); and the
+three numba calls it made before (``_gather_x``, ``gemv_sums``, ``_round_into``). Median of --rounds calls of
+each, and F.linear's own.
 
     PYTHONPATH=src python benchmarks/gemv_call_path.py [--shape 4096x4096] [--schemes hif8-wo,mxfp4-wo,hif4-wo]
+        [--threads 1]
 """
 
 from __future__ import annotations
@@ -31,14 +33,16 @@ def main() -> None:
     parser.add_argument("--shape", default="4096x4096")
     parser.add_argument("--schemes", default="hif8-wo,mxfp4-wo,hif4-wo")
     parser.add_argument("--rounds", type=int, default=31)
+    parser.add_argument("--threads", type=int, default=1, help="torch's (and numba's) thread count")
     args = parser.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
+    serial = args.threads == 1
     n, k = map(int, args.shape.split("x"))
     g = torch.Generator().manual_seed(0)
     weight = (torch.randn(n, k, generator=g) / k**0.5).bfloat16()
     bias = torch.randn(n, generator=g).bfloat16()
     x = torch.randn(1, k, generator=g).bfloat16()
-    print(f"CPU: {device_name(torch.device('cpu'))}, one thread, {n} x {k}, M = 1, BF16; median ms of {args.rounds} calls, each after F.linear")
+    print(f"CPU: {device_name(torch.device('cpu'))}, {args.threads} thread(s), {n} x {k}, M = 1, BF16; median ms of {args.rounds} calls, each after F.linear")
     for scheme in args.schemes.split(","):
         module = quantized_layer(weight, bias, scheme)[0]
         with torch.inference_mode():
@@ -53,13 +57,13 @@ def main() -> None:
                 x_reg = np.empty((1, cpu._padded_k(k)), dtype=np.float32)
                 cpu._gather_x(as_numpy(x), True, kernel.order, x_reg)
                 y32 = np.empty((1, n), dtype=np.float32)
-                kernel.gemv_sums(x_reg, operands, y32, True)
+                kernel.gemv_sums(x_reg, operands, y32, serial)
                 cpu._round_into(y32, bias_, True, out)
                 return out
 
-            def serial_gemv():
-                kernel.serial_gemv(as_numpy(x), True, kernel.order, n, operands, kernel.x_consts, *bias_bits,
-                                   as_numpy(out))
+            def one_call():
+                gemv = kernel.serial_gemv if serial else kernel.parallel_gemv
+                gemv(as_numpy(x), True, kernel.order, n, operands, kernel.x_consts, *bias_bits, as_numpy(out))
                 return out
 
             def run_prepared():
@@ -70,7 +74,7 @@ def main() -> None:
                 "module": lambda: module(x),
                 "PreparedCall": lambda: prepared_call(x),
                 "run_prepared": run_prepared,
-                "serial_gemv": serial_gemv,
+                "one call": one_call,
                 "three calls": three_calls,
             }
             want = module(x)

@@ -2309,33 +2309,49 @@ def _round_into(y32: np.ndarray, bias, bf16: bool, out: torch.Tensor) -> None:
     _finish(y32, *_bias_bits(bias), bf16, as_numpy(out))
 
 
-def _serial_gemv(x_bits, bf16, order, n, operands, x_consts, bias_bits, bias_kind, out_bits):
-    """A format's whole GEMV on the calling thread in one numba call (a function per format: _SERIAL_GEMV,
-    which binds its rows kernel ``_ROWS`` and x's per-call operands ``_X_OPERANDS``): x (M, K) FP16 / BF16 bit
-    patterns (int16) gathered into the register order, W's N rows summed, the reference's rounding into
-    out_bits (M, N) int16 (_finish). After a torch op each call from Python, and each torch or numpy call
-    between them, runs with cold caches (tens of microseconds each: docs/weight_only.md, 'One call')."""
+@numba.njit(**_INLINE)
+def _gemv_arrays(x_bits, bf16, order, n):
+    """(x_reg, y32) of a one-call GEMV: x (M, K) FP16 / BF16 bit patterns (int16) gathered into the register
+    order (M, Kp) float32, and the (M, N) float32 sums' array."""
     m, k = x_bits.shape
     x_reg = np.empty((m, -(-k // LANES) * LANES), dtype=np.float32)
     _gather_x(x_bits, bf16, order, x_reg)
-    y32 = np.empty((m, n), dtype=np.float32)
-    _ROWS(x_reg, *operands, *_X_OPERANDS(x_reg, operands, x_consts), 0, n, y32)  # noqa: F821 (bound per format)
+    return x_reg, np.empty((m, n), dtype=np.float32)
+
+
+def _serial_gemv(x_bits, bf16, order, n, operands, x_consts, bias_bits, bias_kind, out_bits):
+    """A format's whole GEMV on the calling thread in one numba call (bound per format by _one_call_gemv: its
+    rows kernel ``_KERNEL`` and x's per-call operands ``_X_OPERANDS``): x (M, K) int16 bit patterns in the
+    register order, W's N rows summed, the reference's rounding into out_bits (M, N) int16 (_finish). After
+    a torch op each call from Python, and each torch or numpy call between them, runs with cold caches (tens
+    of microseconds each: docs/weight_only.md, 'One call')."""
+    x_reg, y32 = _gemv_arrays(x_bits, bf16, order, n)
+    _KERNEL(x_reg, *operands, *_X_OPERANDS(x_reg, operands, x_consts), 0, n, y32)  # noqa: F821 (bound per format)
     _finish(y32, bias_bits, bias_kind, bf16, out_bits)
 
 
-_SERIAL_GEMV: dict[str, object] = {}  # rows kernel's name -> _serial_gemv bound to it (one numba cache entry)
+def _parallel_gemv(x_bits, bf16, order, n, operands, x_consts, bias_bits, bias_kind, out_bits):
+    """_serial_gemv with the rows in numba's parallel loop: ``_KERNEL`` is the format's parallel GEMV (a call
+    of it from here launches the threads as a call from Python would, with the caller's chunk size)."""
+    x_reg, y32 = _gemv_arrays(x_bits, bf16, order, n)
+    _KERNEL(x_reg, *operands, *_X_OPERANDS(x_reg, operands, x_consts), y32)  # noqa: F821 (bound per format)
+    _finish(y32, bias_bits, bias_kind, bf16, out_bits)
 
 
-def _serial_gemv_of(rows, x_operands):
-    """The numba dispatcher of _serial_gemv with ``_ROWS`` = rows and ``_X_OPERANDS`` = x_operands, named after
-    the rows kernel (its own entry in numba's on-disk cache), made once per rows kernel."""
-    name = f"_serial_gemv{rows.py_func.__name__}"
-    if name not in _SERIAL_GEMV:
-        bound = types_module.FunctionType(_serial_gemv.__code__, {**globals(), "_ROWS": rows, "_X_OPERANDS": x_operands},
-                                          name)
-        bound.__qualname__, bound.__doc__ = name, _serial_gemv.__doc__
-        _SERIAL_GEMV[name] = numba.njit(**NJIT_OPTIONS)(bound)
-    return _SERIAL_GEMV[name]
+_ONE_CALL_GEMV: dict[str, object] = {}  # name -> numba dispatcher (one on-disk cache entry each)
+
+
+def _one_call_gemv(template, kernel, x_operands):
+    """The numba dispatcher of ``template`` (_serial_gemv or _parallel_gemv) with ``_KERNEL`` = kernel (the
+    format's rows kernel, or its parallel GEMV) and ``_X_OPERANDS`` = x_operands, named after both (its own
+    entry in numba's on-disk cache), made once per kernel."""
+    name = f"{template.__name__}{kernel.py_func.__name__}"
+    if name not in _ONE_CALL_GEMV:
+        bound = types_module.FunctionType(template.__code__,
+                                          {**globals(), "_KERNEL": kernel, "_X_OPERANDS": x_operands}, name)
+        bound.__qualname__, bound.__doc__ = name, template.__doc__
+        _ONE_CALL_GEMV[name] = numba.njit(**NJIT_OPTIONS)(bound)
+    return _ONE_CALL_GEMV[name]
 
 
 # Whether the GEMM path hands BF16 x to torch's BF16 GEMM (on BF16 tiles) rather than its float32 GEMM: only
@@ -2374,7 +2390,8 @@ class WeightOnlyLinear(Kernel):
     ``pair_order``: the format's BF16 pair order (None: no pair kernel); ``gemv_x_bounds``: the GEMV takes
     x's exponent bounds after the operands (the 8-bit formats of _code8_gemv: _code8_x_operands). The GEMV's
     per-call operands of x: ``x_operands(x_reg, operands, x_consts)``; on the calling thread the whole call
-    is one numba function, ``serial_gemv`` (_serial_gemv). With BF16 x every
+    is one numba function, ``serial_gemv`` (_serial_gemv), and so it is on numba's threads,
+    ``parallel_gemv`` (_parallel_gemv). With BF16 x every
     format's decoded weight is a BF16 value (the GEMM path uses torch's BF16 GEMM).
     """
 
@@ -2391,7 +2408,8 @@ class WeightOnlyLinear(Kernel):
             self.x_operands, self.x_consts = _four_bit_x_operands, (exponents, sources, self.pair_sources is not None)
         else:  # HiFloat8 by columns: fused multiply-adds where exact (gemv_x_bounds)
             self.x_operands, self.x_consts = (_code8_x_operands if gemv_x_bounds else _no_x_operands), ()
-        self.serial_gemv = _serial_gemv_of(gemv[0], self.x_operands)
+        self.serial_gemv = _one_call_gemv(_serial_gemv, gemv[0], self.x_operands)
+        self.parallel_gemv = _one_call_gemv(_parallel_gemv, gemv[1], self.x_operands)
 
     def run(self, x: torch.Tensor, *args, out: torch.Tensor) -> None:
         *weight, bias = args
@@ -2412,16 +2430,20 @@ class WeightOnlyLinear(Kernel):
         m = out.numel() // n
         if out.dim() != 2:  # x too: (..., K) -> (M, K)
             x, out = x.reshape(m, k), out.view(m, n)
-        if m <= GEMV_MAX_M and runs_serially(n * k, GEMV_ONE_THREAD_WEIGHTS):  # the GEMV in one numba call
+        if m <= GEMV_MAX_M:  # the GEMV in one numba call
             # x and out: FP16 / BF16 CPU tensors (the operator's contract), viewed without as_numpy's checks
-            self.serial_gemv(x.view(torch.int16).numpy(), x.dtype == torch.bfloat16, self.order, n, operands,
-                             self.x_consts, *bias_bits, out.view(torch.int16).numpy())
+            args = (x.view(torch.int16).numpy(), x.dtype == torch.bfloat16, self.order, n, operands, self.x_consts,
+                    *bias_bits, out.view(torch.int16).numpy())
+            if runs_serially(n * k, GEMV_ONE_THREAD_WEIGHTS):
+                self.serial_gemv(*args)
+                return
+            # Rows are handed out in chunks on demand (not split evenly up front), so a thread that the OS
+            # deschedules on a shared machine does not make the other one wait at the end. (Set from Python:
+            # numba.set_parallel_chunksize in a jitted function keeps it from numba's on-disk cache.)
+            with numba.parallel_chunksize(max(4, -(-n // _ROWS_PER_TASK) // _CHUNKS)):
+                self.parallel_gemv(*args)
             return
-        # Rows are handed out in chunks on demand (not split evenly up front), so a thread that the OS
-        # deschedules on a shared machine does not make the other one wait at the end.
-        if m <= GEMV_MAX_M:
-            path, work, chunksize = self._run_gemv, n * k, max(4, -(-n // _ROWS_PER_TASK) // _CHUNKS)
-        elif m <= _batch_max_m(n, k, x.dtype):
+        if m <= _batch_max_m(n, k, x.dtype):
             path, work, chunksize = self._run_batched, m * n * k, 1  # tasks of _BATCH_ROWS_PER_TASK rows
         else:  # the GEMM path: the decoded tile's rows (torch's GEMM takes torch's threads)
             tile_rows = min(n, GEMM_TILE_BYTES // (2 * _padded_k(k)))
@@ -2436,18 +2458,6 @@ class WeightOnlyLinear(Kernel):
             return
         with numba.parallel_chunksize(chunksize):
             path(x, operands, bias, out, serial=False)
-
-    def _run_gemv(self, x: torch.Tensor, operands: tuple, bias, out: torch.Tensor, serial: bool) -> None:
-        """The bit-exact path on numba's threads: x in register order, the lane sums, then the reference's
-        rounding (all in numba: a torch op between them would cost more than they do, see
-        benchmarks/results_weight_only.md)."""
-        (m, k), n = x.shape, out.shape[1]
-        bf16 = x.dtype == torch.bfloat16
-        x_reg = np.empty((m, _padded_k(k)), dtype=np.float32)
-        _gather_x(as_numpy(x), bf16, self.order, x_reg)
-        y32 = np.empty((m, n), dtype=np.float32)
-        self.gemv_sums(x_reg, operands, y32, serial)
-        _round_into(y32, bias, bf16, out)
 
     def gemv_sums(self, x_reg: np.ndarray, operands: tuple, y32: np.ndarray, serial: bool) -> None:
         """y32 (M, N) float32 <- the GEMV's float32 sums of x_reg (M, Kp) float32 (x in the register order,
