@@ -1254,10 +1254,22 @@ def test_hifloat8_prepared_batched_rows_by_columns_equal_the_operator():
 
 # --- the prepared call of a fixed weight ----------------------------------------------------------------------
 
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("fmt", WEIGHTS)
-def test_prepared_call_equals_the_operator(fmt):
-    """PreparedCall(op, (*weight, bias))(x) is op(x, *weight, bias), bit for bit, on every path (GEMV, batched,
-    GEMM), both x dtypes and every bias kind, with the kernel's operands made once per x dtype."""
+def test_prepared_call_equals_the_operator(fmt, threads, monkeypatch):
+    """PreparedCall(op, (*weight, bias))(x) is op(x, *weight, bias), bit for bit, on every path (GEMV: its one
+    numba call against the operator's three, on the calling thread and on two; batched, GEMM), both x dtypes
+    and every bias kind, with the kernel's operands made once per x dtype."""
+    monkeypatch.setattr(cpu, "GEMV_ONE_THREAD_WEIGHTS", 0)  # a small weight on numba's threads where threads = 2
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _check_prepared_call_equals_the_operator(fmt)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _check_prepared_call_equals_the_operator(fmt):
     g = gen(11)
     weight = WEIGHTS[fmt](40, 128, g)
     for bias_dtype in (None, torch.bfloat16, torch.float16, torch.float32):

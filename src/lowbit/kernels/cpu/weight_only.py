@@ -2413,7 +2413,7 @@ class WeightOnlyLinear(Kernel):
 
     def run(self, x: torch.Tensor, *args, out: torch.Tensor) -> None:
         *weight, bias = args
-        self.run_prepared(x, (self._operands(*weight, x.shape[-1], x.dtype), bias, _bias_bits(bias)), out=out)
+        self._run(x, (self._operands(*weight, x.shape[-1], x.dtype), bias, None), out, one_call=False)
 
     def prepare(self, dtype: torch.dtype, k: int, *args) -> tuple:
         """(numba operands, bias, _bias_bits of the bias) of a validated, contiguous packed weight of K = ``k``
@@ -2424,26 +2424,27 @@ class WeightOnlyLinear(Kernel):
         return self._prepared_operands(*weight, k, dtype), bias, _bias_bits(bias)
 
     def run_prepared(self, x: torch.Tensor, prepared: tuple, *, out: torch.Tensor) -> None:
-        """:meth:`run` with the weight's operands and the bias from :meth:`prepare` (for x's dtype)."""
+        """:meth:`run` with the weight's operands and the bias from :meth:`prepare` (for x's dtype); the GEMV in
+        one numba call (serial_gemv, parallel_gemv: docs/weight_only.md, 'One call'), which a weight bound
+        for many calls repays the compiling of (about 2-4 s per format, once; the operator's direct call,
+        as in ``lowbit smoke``, keeps the three calls, compiled anyway)."""
+        self._run(x, prepared, out, one_call=True)
+
+    def _run(self, x: torch.Tensor, prepared: tuple, out: torch.Tensor, one_call: bool) -> None:
+        """out <- x times the weight (``prepared``: operands, bias, its bits or None where not ``one_call``), by
+        the GEMV (in one numba call where ``one_call``), the batched kernel or the GEMM path."""
         operands, bias, bias_bits = prepared
         k, n = x.shape[-1], out.shape[-1]
         m = out.numel() // n
         if out.dim() != 2:  # x too: (..., K) -> (M, K)
             x, out = x.reshape(m, k), out.view(m, n)
-        if m <= GEMV_MAX_M:  # the GEMV in one numba call
-            # x and out: FP16 / BF16 CPU tensors (the operator's contract), viewed without as_numpy's checks
-            args = (x.view(torch.int16).numpy(), x.dtype == torch.bfloat16, self.order, n, operands, self.x_consts,
-                    *bias_bits, out.view(torch.int16).numpy())
-            if runs_serially(n * k, GEMV_ONE_THREAD_WEIGHTS):
-                self.serial_gemv(*args)
-                return
-            # Rows are handed out in chunks on demand (not split evenly up front), so a thread that the OS
-            # deschedules on a shared machine does not make the other one wait at the end. (Set from Python:
-            # numba.set_parallel_chunksize in a jitted function keeps it from numba's on-disk cache.)
-            with numba.parallel_chunksize(max(4, -(-n // _ROWS_PER_TASK) // _CHUNKS)):
-                self.parallel_gemv(*args)
-            return
-        if m <= _batch_max_m(n, k, x.dtype):
+        # Rows are handed out in chunks on demand (not split evenly up front), so a thread that the OS
+        # deschedules on a shared machine does not make the other one wait at the end.
+        if m <= GEMV_MAX_M:
+            path, work, chunksize = self._run_gemv, n * k, max(4, -(-n // _ROWS_PER_TASK) // _CHUNKS)
+            if one_call:
+                path, bias = self._run_one_call, bias_bits
+        elif m <= _batch_max_m(n, k, x.dtype):
             path, work, chunksize = self._run_batched, m * n * k, 1  # tasks of _BATCH_ROWS_PER_TASK rows
         else:  # the GEMM path: the decoded tile's rows (torch's GEMM takes torch's threads)
             tile_rows = min(n, GEMM_TILE_BYTES // (2 * _padded_k(k)))
@@ -2458,6 +2459,24 @@ class WeightOnlyLinear(Kernel):
             return
         with numba.parallel_chunksize(chunksize):
             path(x, operands, bias, out, serial=False)
+
+    def _run_one_call(self, x: torch.Tensor, operands: tuple, bias_bits: tuple, out: torch.Tensor,
+                      serial: bool) -> None:
+        """The GEMV in one numba call (serial_gemv or parallel_gemv); ``bias_bits``: _bias_bits of the bias.
+        x and out: FP16 / BF16 CPU tensors (the operator's contract), viewed without as_numpy's checks."""
+        gemv = self.serial_gemv if serial else self.parallel_gemv
+        gemv(x.view(torch.int16).numpy(), x.dtype == torch.bfloat16, self.order, out.shape[1], operands,
+             self.x_consts, *bias_bits, out.view(torch.int16).numpy())
+
+    def _run_gemv(self, x: torch.Tensor, operands: tuple, bias, out: torch.Tensor, serial: bool) -> None:
+        """The GEMV in three numba calls: x in register order, the lane sums, then the reference's rounding."""
+        (m, k), n = x.shape, out.shape[1]
+        bf16 = x.dtype == torch.bfloat16
+        x_reg = np.empty((m, _padded_k(k)), dtype=np.float32)
+        _gather_x(as_numpy(x), bf16, self.order, x_reg)
+        y32 = np.empty((m, n), dtype=np.float32)
+        self.gemv_sums(x_reg, operands, y32, serial)
+        _round_into(y32, bias, bf16, out)
 
     def gemv_sums(self, x_reg: np.ndarray, operands: tuple, y32: np.ndarray, serial: bool) -> None:
         """y32 (M, N) float32 <- the GEMV's float32 sums of x_reg (M, Kp) float32 (x in the register order,
