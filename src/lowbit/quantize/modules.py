@@ -87,6 +87,12 @@ class QuantizedLinearBase(nn.Module):
         self.__dict__["_prepared"] = (prepared, sources, state)
         return prepared
 
+    def _records_no_graph(self, x: torch.Tensor) -> bool:
+        """Whether no op of this layer's call on ``x`` would record an autograd graph: neither x nor the bias
+        requires grad (the packed buffers are made without)."""
+        bias = self._parameters.get("bias")
+        return not x.requires_grad and (bias is None or not bias.requires_grad)
+
     def _load_from_state_dict(self, *args, **kwargs):
         self.__dict__["_prepared"] = None  # written in place: tensor_state misses it for inference tensors
         super()._load_from_state_dict(*args, **kwargs)
@@ -146,11 +152,8 @@ class QuantizedLinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_layer_input(self.layer_name, self.cfg_meta["geometry"], x, self.weight_dtype)
-        if not x.requires_grad and (self.bias is None or not self.bias.requires_grad):
-            # nothing here requires grad (x, the bias; the packed buffers are made without), so no op records a
-            # graph: no torch.no_grad(), whose grad-mode switches cost tens of microseconds after other ops
-            # (docs/weight_only.md, 'One call')
-            return self.compute(self.quantize_input(x))
+        if self._records_no_graph(x):  # no torch.no_grad(): its grad-mode switches cost tens of microseconds
+            return self.compute(self.quantize_input(x))  # after other ops (docs/weight_only.md, 'One call')
         with torch.no_grad():
             return self.compute(self.quantize_input(x))
 
@@ -213,11 +216,9 @@ class PackedLinear(QuantizedLinearBase):
         # for that dtype and K; each costs tens of microseconds after other work: docs/weight_only.md,
         # 'One call'). Anything else takes the full path, which also sets this.
         fast = self.__dict__.get("_fused_input")  # (x dtype, (K,), operator, its buffer names)
-        if fast is not None and x.dtype is fast[0] and x.shape[-1:] == fast[1] and not x.requires_grad:
-            bias = self._parameters.get("bias")
-            if bias is None or not bias.requires_grad:
-                buffers = tuple(self._buffers[name] for name in fast[3])
-                return self.prepared_call(fast[2], (*buffers, bias), self._fused_arguments)(x)
+        if fast is not None and x.dtype is fast[0] and x.shape[-1:] == fast[1] and self._records_no_graph(x):
+            buffers = tuple(self._buffers[name] for name in fast[3])
+            return self.prepared_call(fast[2], (*buffers, self.bias), self._fused_arguments)(x)
         return super().forward(x)
 
     def compute(self, x_q):

@@ -1393,7 +1393,7 @@ def _code8_gemv(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, kee
 
 @numba.njit(**NJIT_OPTIONS)
 def _no_x_operands(x_reg, operands, x_consts):
-    """None (MXFP8)."""
+    """No per-call operands of x (MXFP8): an empty tuple."""
     return ()
 
 
@@ -2321,8 +2321,9 @@ def _gemv_arrays(x_bits, bf16, order, n):
 
 def _serial_gemv(x_bits, bf16, order, n, operands, x_consts, bias_bits, bias_kind, out_bits):
     """A format's whole GEMV on the calling thread in one numba call (bound per format by _one_call_gemv: its
-    rows kernel ``_KERNEL`` and x's per-call operands ``_X_OPERANDS``): x (M, K) int16 bit patterns in the
-    register order, W's N rows summed, the reference's rounding into out_bits (M, N) int16 (_finish). After
+    rows kernel ``_KERNEL`` and x's per-call operands ``_X_OPERANDS``): x (M, K) FP16 / BF16 bit patterns
+    (int16) gathered into the register order, W's N rows summed, the reference's rounding into out_bits
+    (M, N) int16 (_finish). After
     a torch op each call from Python, and each torch or numpy call between them, runs with cold caches (tens
     of microseconds each: docs/weight_only.md, 'One call')."""
     x_reg, y32 = _gemv_arrays(x_bits, bf16, order, n)
