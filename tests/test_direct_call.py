@@ -8,7 +8,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import lowbit
 from lowbit.ops import weight_only as ops
-from lowbit.ops.library import dispatches_plainly
+from lowbit.ops.library import dispatches_plainly, plain_context
 
 N, K = 48, 64
 
@@ -155,3 +155,27 @@ def test_modes_profiler_and_compile_see_the_custom_op():
     compiled = torch.compile(lambda *a: ops.mxfp4_linear(*a), fullgraph=True, backend="eager")
     assert torch.equal(compiled(x, codes, scales, bias).view(torch.int16),
                        ops.mxfp4_linear(x, codes, scales, bias).view(torch.int16))
+
+
+def test_plain_context_sees_torchs_own_modes_and_transforms():
+    """Fake tensors, functionalization and functorch's transforms are modes and interpreters of torch's own;
+    inside any of them an op's call is not plain, even on tensors made outside."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+    assert plain_context()
+    for mode in (FakeTensorMode(), FunctionalTensorMode(), _SeenOps()):
+        with mode:
+            assert not plain_context(), type(mode).__name__
+    seen = []
+
+    def record(t):
+        seen.append(plain_context())
+        return t
+
+    x = torch.ones(2, 3)
+    torch.func.vmap(record)(x)
+    torch.func.functionalize(record)(x)
+    torch.func.grad(lambda t: record(t).sum())(x)
+    assert seen == [False, False, False]
+    assert plain_context()

@@ -136,7 +136,8 @@ def test_weight_only_deploy_weights_equal_lowbit_operators(dtype):
 @pytest.mark.parametrize("scheme", ["hif8-wo", "fp8-wo", "mxfp4-wo", "hif4-wo", "mxfp8-w8a8"])
 def test_fused_deploy_layers_follow_every_change_of_their_buffers(scheme):
     """A deploy layer binds its fused operator to its packed buffers once (PreparedCall) and binds it
-    again when a buffer is replaced (load_state_dict of another layer's, a copy) or written in place: the
+    again when a buffer is replaced (load_state_dict of another layer's, a copy), written in place, or given
+    new memory (``.data =``, as a device move or share_memory_ does): the
     result is always the operator's on the current buffers; copies and pickles leave the binding out."""
     models = [mlp(torch.bfloat16, seed) for seed in range(2)]
     for model in models:
@@ -230,8 +231,12 @@ def _check_binding_follows(layer, other):
     scale = layer._buffers[names[1]]  # scales, or HiFloat4's value bytes
     with torch.no_grad():
         scale.copy_(scale ^ 1 if scale.dtype == torch.uint8 else scale * 2)
+    written = layer(x).view(torch.int16)
+    assert torch.equal(written, operator_result(layer))
+    assert not torch.equal(written, operator_result(other))
+    scale.data = other._buffers[names[1]].clone()  # new memory under the same tensor, its version unchanged
     assert torch.equal(layer(x).view(torch.int16), operator_result(layer))
-    assert not torch.equal(layer(x).view(torch.int16), operator_result(other))
+    assert not torch.equal(layer(x).view(torch.int16), written)
     copied = copy.deepcopy(layer)
     assert copied._prepared is None and torch.equal(copied(x), layer(x))
     assert pickle.loads(pickle.dumps(layer))._prepared is None

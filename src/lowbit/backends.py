@@ -185,8 +185,8 @@ _ALIGNMENT = 16  # bytes: kernels view their tensors as wider words (two BF16 as
 
 
 def _aligned(t: torch.Tensor) -> bool:
-    """Whether ``t`` starts ALIGNMENT bytes into its storage or a multiple of it (storage itself is aligned)."""
-    return t.storage_offset() * t.element_size() % _ALIGNMENT == 0
+    """Whether ``t``'s first element lies at a multiple of ALIGNMENT bytes in memory."""
+    return t.data_ptr() % _ALIGNMENT == 0
 
 
 def dense_aligned(t: torch.Tensor) -> torch.Tensor:

@@ -267,6 +267,31 @@ class WqbmmPlan:
             )
         return weight.data
 
+    def bind_decode(self, weight: PackedWeight, antiquant_scale: torch.Tensor,
+                    antiquant_offset: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None):
+        """For a deploy layer (lowbit.quantize's Int4Linear): ``f(x_bits, out_bits) -> bool``, the product of
+        :meth:`run` with this PackedWeight, scale and offset, rounded to the plan's dtype, plus ``bias`` ((N,) of
+        that dtype, or None) rounded again, as ``run(...) + bias``; one numba call on x's and out's int16 bit
+        patterns ((M, K) and (M, N), C-contiguous; x pre-processed on the calling thread: for few rows), False
+        where a NaN came out.
+        None where the plan's kernel has no such call (a prepacked MSD ``preload`` plan of the CPU native
+        kernel has). It holds copies of the scale, offset and bias: bind again after they change. TypeError /
+        DtypeError / DeviceError / ShapeError for operands not of this plan."""
+        bind = getattr(self.kernel, "bind_decode", None)
+        if bind is None or not (self.prepacked and self.algorithm == MSD and self.template == "preload"):
+            return None
+        data = self._weight_data(weight)
+        self.kernel._check_weight(data, self.device, self.kernel.packed_shape(self.k, self.n, self.group_size),
+                                  "packed weight")
+        for name, t, shape in (("antiquant_scale", antiquant_scale, (self.k // self.group_size, self.n)),
+                               ("antiquant_offset", antiquant_offset, (self.k // self.group_size, self.n)),
+                               ("bias", bias, (self.n,))):
+            if t is not None:
+                self._check_on_plan(name, t, self.dtype)
+                if tuple(t.shape) != shape:
+                    raise ShapeError(f"{_OP}: the plan needs {name} of shape {shape}, got {tuple(t.shape)}")
+        return bind(data, antiquant_scale, antiquant_offset, bias, self.group_size)
+
     def run(
         self,
         x: torch.Tensor,

@@ -26,7 +26,7 @@ from lowbit.backends import get_backend
 from lowbit.kernels.cpu.memory import huge_page_copy
 from lowbit.nn.svd_quant import svd_quant_decompose
 from lowbit.ops import weight_only
-from lowbit.ops.library import PreparedCall
+from lowbit.ops.library import PreparedCall, plain_context, plain_tensor
 from lowbit.ops.svd_quant import SVD_QUANT
 from lowbit.ops.wqbmm import PackedWeight, plan_weight_quant_batch_matmul, weight_quant_batch_matmul
 from lowbit.quantize.activations import ACT_KINDS, STATIC_KINDS, deploy_static_input, fake_quant_input
@@ -77,14 +77,13 @@ class QuantizedLinearBase(nn.Module):
         """``op`` bound to its arguments after x, made from ``sources`` (this module's tensors or None) by
         ``arguments(*sources)`` (default: the sources themselves): kept between calls, made again after any
         source is replaced or written (load_state_dict, a device move, huge pages)."""
-        state = tuple(None if t is None else tensor_state(t) for t in sources)
         kept = self.__dict__.get("_prepared")  # not an nn.Module attribute: absent from older pickled modules
         if kept is not None:
-            prepared, made_from, made_state = kept
-            if prepared.op is op and made_state == state and all(a is b for a, b in zip(made_from, sources)):
+            prepared, seen = kept
+            if prepared.op is op and seen.unchanged(sources):
                 return prepared
         prepared = PreparedCall(op, sources if arguments is None else arguments(*sources))
-        self.__dict__["_prepared"] = (prepared, sources, state)
+        self.__dict__["_prepared"] = (prepared, SourcesSeen(sources))
         return prepared
 
     def _records_no_graph(self, x: torch.Tensor) -> bool:
@@ -94,7 +93,7 @@ class QuantizedLinearBase(nn.Module):
         return not x.requires_grad and (bias is None or not bias.requires_grad)
 
     def _load_from_state_dict(self, *args, **kwargs):
-        self.__dict__["_prepared"] = None  # written in place: tensor_state misses it for inference tensors
+        self.__dict__["_prepared"] = None  # written in place: SourcesSeen misses it for inference tensors
         super()._load_from_state_dict(*args, **kwargs)
 
     def __getstate__(self) -> dict:
@@ -171,12 +170,30 @@ FUSED_LINEAR = {
 }
 
 
-def tensor_state(t: torch.Tensor) -> tuple:
-    """What a cache made from ``t`` depends on: its memory, version counter (bumped by every in-place write,
-    such as load_state_dict's copy), device and shape. An inference tensor has no version counter: a write
-    in place to one, possible only under torch.inference_mode, is not seen here (load_state_dict drops the
-    deploy modules' caches itself)."""
-    return t.data_ptr(), None if t.is_inference() else t._version, t.device, tuple(t.shape)
+class SourcesSeen:
+    """What a cache made from ``tensors`` (each a tensor or None) depends on, cheap to check on every call
+    (two attribute reads a tensor: each read costs microseconds after other work has evicted the caches,
+    docs/weight_only.md, 'One call'): each the same object, at the same address (a device move, ``.data =``
+    or share_memory_ changes it), with the same version counter (bumped by every in-place write, such as
+    load_state_dict's copy). An inference tensor has no version counter: a write in place to one, possible
+    only under torch.inference_mode, is not seen here (load_state_dict drops the deploy modules' caches
+    itself)."""
+
+    def __init__(self, tensors: tuple) -> None:
+        self.tensors = tensors
+        self._addresses = self._read_addresses(tensors)
+        self._versioned = tuple(t for t in tensors if t is not None and not t.is_inference())
+        self._versions = tuple(t._version for t in self._versioned)
+
+    @staticmethod
+    def _read_addresses(tensors: tuple) -> tuple:
+        return tuple(None if t is None else t.data_ptr() for t in tensors)
+
+    def unchanged(self, tensors: tuple) -> bool:
+        """Whether ``tensors`` are the ones seen, at the same addresses, unwritten since."""
+        return (len(tensors) == len(self.tensors) and all(a is b for a, b in zip(tensors, self.tensors))
+                and self._read_addresses(tensors) == self._addresses
+                and tuple(t._version for t in self._versioned) == self._versions)
 
 
 _ROW_SCALED = ("hifloat8", "float8_e4m3fn")  # 8-bit codes with a per-row (or per-tensor) FP32 scale
@@ -242,6 +259,9 @@ class PackedLinear(QuantizedLinearBase):
 # Int4Linear on the CPU: rows of x up to which it runs MSD; above, the "dequant" algorithm (the weight decoded
 # tile by tile, torch's GEMM), faster from about 64 rows on (docs/quantize.md, 'Packed layouts').
 INT4_MSD_MAX_ROWS = 48
+# Elements of x up to which Int4Linear's MSD product is one numba call on the CPU (Int4Linear._decode_in_one_call;
+# above, the full path, whose pre-process of x runs on numba's threads).
+INT4_ONE_CALL_MAX_ELEMENTS = 1 << 16
 
 
 class Int4Linear(PackedLinear):
@@ -257,7 +277,7 @@ class Int4Linear(PackedLinear):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._packed: Optional[PackedWeight] = None
-        self._packed_from: tuple = ()
+        self._packed_from: Optional[SourcesSeen] = None
         self._plans: dict = {}
 
     def _plan(self, m: int, device: torch.device):
@@ -279,16 +299,58 @@ class Int4Linear(PackedLinear):
         buffers; returns it."""
         packed = (plan or self._plan(1, self.weight.device)).pack_weight(self.weight)
         self._packed = dataclasses.replace(packed, data=huge_page_copy(packed.data))
-        self._packed_from = self._weight_state()
+        self._packed_from = SourcesSeen((self.weight,))
         return self._packed
 
     def _load_from_state_dict(self, *args, **kwargs):
         self._packed = None  # written in place, as prepared_call's sources (see QuantizedLinearBase)
+        self.__dict__["_decode"] = None
         super()._load_from_state_dict(*args, **kwargs)
 
-    def _weight_state(self) -> tuple:
-        """What a PackedWeight was made from: the ``weight`` buffer's tensor_state."""
-        return tensor_state(self.weight)
+    def __getstate__(self) -> dict:
+        return {**super().__getstate__(), "_decode": None}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._decode_in_one_call(x)
+        return super().forward(x) if y is None else y
+
+    def _decode_in_one_call(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """The layer's output for an x of few rows (at most INT4_MSD_MAX_ROWS, M * K at most
+        INT4_ONE_CALL_MAX_ELEMENTS) in the weight's FP16 / BF16
+        dtype on the CPU, with no activation quantization, nothing recording or intercepting the call
+        (plain_context, plain_tensor) and the native backend chosen: by the plan's bound decode, one numba
+        call (the full path's torch, Python and numba calls cost tens of microseconds each after a model's
+        previous layer: docs/weight_only.md, 'One call'), the same bits. None otherwise, or where a NaN came
+        out (the full path then gives torch's NaN bit patterns)."""
+        k = self.in_features
+        if (x.dtype is not self.antiquant_scale.dtype or x.shape[-1:] != (k,)
+                or not 0 < x.numel() <= min(INT4_ONE_CALL_MAX_ELEMENTS, INT4_MSD_MAX_ROWS * k)):
+            return None
+        if not (plain_tensor(x) and plain_context()) or "smooth" in self._buffers or self.cfg_meta["act_kind"] != "none":
+            return None
+        sources = (self.weight, self.antiquant_scale, self._buffers.get("antiquant_offset"), self.bias)
+        backend = get_backend()
+        kept = self.__dict__.get("_decode")
+        if kept is None or kept[2] != backend or not kept[1].unchanged(sources):
+            kept = self.__dict__["_decode"] = (self._bind_decode(*sources[1:]), SourcesSeen(sources), backend)
+        decode = kept[0]
+        if decode is None:
+            return None
+        m = x.numel() // k
+        out = torch.empty((*x.shape[:-1], self.out_features), dtype=x.dtype)
+        x_bits = x.contiguous().view(torch.int16).numpy().reshape(m, k)
+        return out if decode(x_bits, out.view(torch.int16).numpy().reshape(m, self.out_features)) else None
+
+    def _bind_decode(self, scale, offset, bias):
+        """The plan's bound decode of this layer's PackedWeight (made again where stale), or None where the
+        plan has none (another backend or device) or the bias is not of the scale's dtype."""
+        if self.cfg_meta["geometry"]["type"] != "Linear" or (bias is not None and bias.dtype != scale.dtype):
+            return None
+        plan = self._plan(1, self.weight.device)
+        packed = self._packed
+        if packed is None or packed.backend != plan.backend or not self._packed_from.unchanged((self.weight,)):
+            packed = self.prepack(plan)
+        return plan.bind_decode(packed, scale, offset, bias)
 
     def compute(self, x_q):
         x2 = x_q.reshape(-1, self.in_features).to(self.antiquant_scale.dtype)
@@ -299,7 +361,7 @@ class Int4Linear(PackedLinear):
         else:
             plan = self._plan(x2.shape[0], self.weight.device)
             packed = self._packed
-            if packed is None or packed.backend != plan.backend or self._packed_from != self._weight_state():
+            if packed is None or packed.backend != plan.backend or not self._packed_from.unchanged((self.weight,)):
                 packed = self.prepack(plan)  # first call, a changed or moved weight, another backend setting
             y = plan.run(x2, packed, self.antiquant_scale, offset)
         y = y.reshape(*x_q.shape[:-1], self.out_features).to(x_q.dtype)

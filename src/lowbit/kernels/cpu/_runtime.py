@@ -63,6 +63,21 @@ class SerialOrParallel:
         return (self.serial if serial else self.parallel)(*args)
 
 
+_BOUND: dict[str, object] = {}  # name -> numba dispatcher of bound_njit
+
+
+def bound_njit(template, name: str, **bound):
+    """The numba dispatcher (NJIT_OPTIONS) of a copy of the Python function ``template`` named ``name``, whose
+    global names ``bound`` (numba dispatchers, constants) are replaced by the given values: one template for
+    several kernels (say a driver calling a serial or a parallel kernel), each with its own entry in numba's
+    on-disk cache. Made once per name."""
+    if name not in _BOUND:
+        twin = types.FunctionType(template.__code__, {**template.__globals__, **bound}, name)
+        twin.__qualname__, twin.__doc__, twin.__module__ = name, template.__doc__, template.__module__
+        _BOUND[name] = numba.njit(**NJIT_OPTIONS)(twin)
+    return _BOUND[name]
+
+
 KERNEL_PACKAGE = __name__.rpartition(".")[0]  # "lowbit.kernels.cpu"
 
 

@@ -31,7 +31,6 @@ Decoding (docs/weight_only.md, 'Weights'):
 from __future__ import annotations
 
 import math
-import types as types_module
 
 import numba
 import numpy as np
@@ -46,8 +45,8 @@ from lowbit.formats import hifloat8, mxfp4, mxfp8
 from lowbit.formats import weight_only as reference
 from lowbit.kernels.cpu import _hifloat8_columns as _columns
 from lowbit.kernels.cpu import _simd as simd
-from lowbit.kernels.cpu._runtime import (NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, as_numpy, copy_elements, run_tasks,
-                                         runs_serially)
+from lowbit.kernels.cpu._runtime import (NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, as_numpy, bound_njit, copy_elements,
+                                         run_tasks, runs_serially)
 from lowbit.kernels.cpu.memory import huge_page_copy, thread_scratch
 
 LANES = reference.LANES  # 64 = two F32V
@@ -2339,20 +2338,11 @@ def _parallel_gemv(x_bits, bf16, order, n, operands, x_consts, bias_bits, bias_k
     _finish(y32, bias_bits, bias_kind, bf16, out_bits)
 
 
-_ONE_CALL_GEMV: dict[str, object] = {}  # name -> numba dispatcher (one on-disk cache entry each)
-
-
 def _one_call_gemv(template, kernel, x_operands):
     """The numba dispatcher of ``template`` (_serial_gemv or _parallel_gemv) with ``_KERNEL`` = kernel (the
-    format's rows kernel, or its parallel GEMV) and ``_X_OPERANDS`` = x_operands, named after both (its own
-    entry in numba's on-disk cache), made once per kernel."""
-    name = f"{template.__name__}{kernel.py_func.__name__}"
-    if name not in _ONE_CALL_GEMV:
-        bound = types_module.FunctionType(template.__code__,
-                                          {**globals(), "_KERNEL": kernel, "_X_OPERANDS": x_operands}, name)
-        bound.__qualname__, bound.__doc__ = name, template.__doc__
-        _ONE_CALL_GEMV[name] = numba.njit(**NJIT_OPTIONS)(bound)
-    return _ONE_CALL_GEMV[name]
+    format's rows kernel, or its parallel GEMV) and ``_X_OPERANDS`` = x_operands, named after both."""
+    return bound_njit(template, f"{template.__name__}{kernel.py_func.__name__}", _KERNEL=kernel,
+                      _X_OPERANDS=x_operands)
 
 
 # Whether the GEMM path hands BF16 x to torch's BF16 GEMM (on BF16 tiles) rather than its float32 GEMM: only

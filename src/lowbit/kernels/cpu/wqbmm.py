@@ -50,7 +50,7 @@ from lowbit.errors import ShapeError
 from lowbit.formats import wqbmm as reference
 from lowbit.kernels.cpu import _simd as simd
 from lowbit.kernels.cpu import wqbmm_dequant as dequant
-from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, SerialOrParallel, as_numpy, runs_serially
+from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, SerialOrParallel, as_numpy, bound_njit, runs_serially
 from lowbit.kernels.wqbmm_kernel import MSD, WqbmmKernel, aligned_offsets
 
 TILE_N = simd.LANES  # columns per register tile (32)
@@ -706,5 +706,116 @@ class WeightQuantBatchMatmul(WqbmmKernel):
             weight = tiles
         _msd_into(x, weight, antiquant_scale, antiquant_offset, layout, workspace, out)
 
+    @staticmethod
+    def bind_decode(tiles: torch.Tensor, antiquant_scale: torch.Tensor, antiquant_offset: torch.Tensor | None,
+                    bias: torch.Tensor | None, group_size: int) -> "BoundDecode":
+        """:class:`BoundDecode` of this kernel's packed ``tiles`` (a prepacked weight's data), the (K/G, N)
+        scale and offset (FP16 / BF16) and a bias (N,) of their dtype or None, all validated by the caller."""
+        return BoundDecode(tiles, antiquant_scale, antiquant_offset, bias, group_size, antiquant_scale.shape[1])
+
 
 MATMUL = WeightQuantBatchMatmul()
+
+
+# ---- Int4Linear's decode in one numba call -------------------------------------------------------------------
+# After a torch op (a model's previous layer) each Python, torch or numba call runs with cold caches and costs
+# tens of microseconds (docs/weight_only.md, 'One call'); a deploy layer's MSD decode of few rows is one numba
+# call here: x widened, the pre-process, the preload product, the rounding to x's dtype and the bias.
+
+
+@numba.njit(**_INLINE_OPTIONS)
+def _widen_rows(x_bits, is_bf16, x32):
+    """x32 (M, K) float32 <- x (M, K) FP16 / BF16 bit patterns widened exactly (K a multiple of TILE_N)."""
+    x_flat, x32_flat = simd.flat(x_bits), simd.flat(x32)
+    for at in range(0, x_bits.size, TILE_N):
+        simd.f32v_store(x32_flat, at, _load_half(x_flat, at, is_bf16))
+
+
+@numba.njit(**_INLINE_OPTIONS)
+def _round_and_add_bias(y32, bias32, has_bias, is_bf16, out_bits):
+    """out_bits (M, N) <- y32 (M, padded N) rounded to x's dtype, then (``has_bias``) that plus ``bias32``
+    (float32, padded N, the bias widened) rounded again: torch's ``y.to(dtype) + bias``. Returns False where
+    a NaN came out (torch's NaN bit patterns depend on its code path: the caller computes those calls)."""
+    m_rows, n = out_bits.shape
+    npad = y32.shape[1]
+    nan_above = 0x7F80 if is_bf16 else 0x7C00
+    y_flat, chunk = simd.flat(y32), np.empty(TILE_N, dtype=np.int16)
+    no_nan = True
+    for m in range(m_rows):
+        for j in range(0, n, TILE_N):
+            value = simd.f32v_load(y_flat, m * npad + j)
+            for rounding in range(2 if has_bias else 1):
+                if rounding:
+                    value = simd.f32v_add(_load_half(chunk, 0, is_bf16), simd.f32v_load(bias32, j))
+                if is_bf16:
+                    simd.f32v_store_as_bf16(chunk, 0, value)
+                else:
+                    simd.f32v_store_as_f16(chunk, 0, value)
+            for i in range(min(TILE_N, n - j)):
+                no_nan &= (chunk[i] & 0x7FFF) <= nan_above
+                out_bits[m, j + i] = chunk[i]
+    return no_nan
+
+
+def _decode(x_bits, is_bf16, tiles, scale_bits, offset_bits, has_offset, group_size, bias32, has_bias, out_bits):
+    """Template of the one-call decode (bound by :func:`_decode_kernel`: ``_PRELOAD`` is _preload's serial or
+    parallel dispatcher): out_bits (M, N) <- round(round(x @ W) + bias) for x (M, K) FP16 / BF16 bit
+    patterns, W the prepacked ``tiles``, ``scale_bits`` / ``offset_bits`` (K/G, padded N) in x's dtype;
+    False where a NaN came out (:func:`_round_and_add_bias`)."""
+    m, k = x_bits.shape
+    groups = k // group_size
+    x32 = np.empty((m, k), dtype=np.float32)
+    _widen_rows(x_bits, is_bf16, x32)
+    a_i8 = np.empty((m, 3, k), dtype=np.int8)
+    a_max = np.empty((m, groups), dtype=np.float32)
+    a_sum = np.empty((m, 3, groups), dtype=np.int32)
+    _msd_preprocess_serial(x32, group_size, a_i8, a_max, a_sum)
+    y32 = np.empty((m, scale_bits.size // groups), dtype=np.float32)
+    _PRELOAD(tiles, a_i8.reshape(-1).view(np.int32), a_max, a_sum, scale_bits,  # noqa: F821 (bound)
+             offset_bits, group_size, is_bf16, has_offset, y32)
+    return _round_and_add_bias(y32, bias32, has_bias, is_bf16, out_bits)
+
+
+_msd_preprocess_serial = _msd_preprocess.serial
+
+
+def _decode_kernel(serial: bool):
+    """The numba dispatcher of :func:`_decode` with the serial or the parallel preload."""
+    preload = _preload.serial if serial else _preload.parallel
+    return bound_njit(_decode, "_decode" + ("_serial" if serial else "_parallel"), _PRELOAD=preload)
+
+
+class BoundDecode:
+    """An Int4Linear's product ``round(round(x @ W) + bias)`` (torch's ``y.to(dtype) + bias`` after the MSD
+    matmul) for x of few rows, with the weight, scales, offset and bias fixed: one numba call each time.
+    Made by :meth:`WeightQuantBatchMatmul.bind_decode`; holds copies of the scales, offset and bias (padded)
+    and a view of the packed tiles, so its maker must make a new one whenever those change."""
+
+    def __init__(self, tiles: torch.Tensor, scale: torch.Tensor, offset, bias, group_size: int, n: int) -> None:
+        self.dtype, self.k, self.n, self.group_size = scale.dtype, scale.shape[0] * group_size, n, group_size
+        npad = padded_n(n)
+        self.tiles = as_numpy(tiles)
+        self.scale_bits = self._padded_bits(scale, npad)
+        self.offset_bits = self.scale_bits if offset is None else self._padded_bits(offset, npad)
+        self.bias32 = np.zeros(npad, dtype=np.float32)
+        if bias is not None:
+            self.bias32[:n] = bias.float().numpy()
+        self.operands = (self.tiles, self.scale_bits, self.offset_bits, offset is not None, group_size, self.bias32,
+                         bias is not None)
+        self.is_bf16 = self.dtype == torch.bfloat16
+        self._serial, self._parallel = _decode_kernel(True), _decode_kernel(False)  # compiled on first use
+
+    @staticmethod
+    def _padded_bits(t: torch.Tensor, npad: int) -> np.ndarray:
+        bits = np.zeros((t.shape[0], npad), dtype=np.int16)
+        bits[:, : t.shape[1]] = as_numpy(t)
+        return bits.reshape(-1)
+
+    def __call__(self, x_bits: np.ndarray, out_bits: np.ndarray) -> bool:
+        """out_bits (M, N) int16 <- the product for x_bits (M, K) int16 (x's bit patterns, C-contiguous, not
+        checked here: the caller's); False where a NaN came out (out_bits then unspecified). x is pre-processed
+        on the calling thread: for few rows (a decode step)."""
+        if runs_serially(x_bits.shape[0] * self.k * self.n, _ONE_THREAD_WORK):
+            return self._serial(x_bits, self.is_bf16, *self.operands, out_bits)
+        with numba.parallel_chunksize(_PARALLEL_CHUNK):
+            return self._parallel(x_bits, self.is_bf16, *self.operands, out_bits)

@@ -1,0 +1,167 @@
+"""Int4Linear's decode in one numba call (Int4Linear._decode_in_one_call): the bits of the full path (the
+operator, then torch's rounding and bias add) for every x it takes, the full path for every other x."""
+
+import copy
+import pickle
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import lowbit
+from lowbit.quantize.modules import INT4_MSD_MAX_ROWS, Int4Linear, PackedLinear
+
+K, N = 256, 70  # N not a multiple of the kernel's 32-column tiles
+
+
+def layer(dtype, symmetric=True, bias=True, seed=0, k=K, n=N):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(k, n, bias=bias)).to(dtype)
+    config = {"batch_num": 1, "algorithm": "minmax", "quant_cfg": {
+        "weights": {"type": "int4", "symmetric": symmetric, "strategy": "group", "group_size": 32}}}
+    lowbit.quantize_(model, config)
+    assert isinstance(model[0], Int4Linear)
+    return model[0]
+
+
+def full_path(module, x):
+    return PackedLinear.forward(module, x)  # the input checks, then compute: the operator and torch's ops
+
+
+def operator_result(module, x):
+    y = lowbit.weight_quant_batch_matmul(x, module.weight, module.antiquant_scale, group_size=32,
+                                         antiquant_offset=module._buffers.get("antiquant_offset"))
+    return y if module.bias is None else y + module.bias
+
+
+def bits(t):
+    return t.view(torch.int16)
+
+
+@pytest.fixture
+def one_call_only(monkeypatch):
+    """Int4Linear.compute (the full path) fails: a call that succeeds took the one numba call."""
+    def refuse(self, x_q):
+        raise AssertionError("took the full path")
+    monkeypatch.setattr(Int4Linear, "compute", refuse)
+
+
+def random_x(shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    scale = 10.0 ** (torch.rand(*shape[:-1], 1, generator=g) * 6 - 3)
+    return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("symmetric", [True, False], ids=["symmetric", "offset"])
+@pytest.mark.parametrize("has_bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_one_call_gives_the_full_paths_bits(dtype, symmetric, has_bias, threads, monkeypatch):
+    module = layer(dtype, symmetric, has_bias)
+    shapes = [(1, K), (K,), (3, K), (2, 1, K), (5, K), (16, K)]
+    xs = [random_x(shape, dtype, seed) for seed, shape in enumerate(shapes)]
+    xs[4][1, :32] = 0  # a zero group
+    xs[4][2, 40] = torch.finfo(dtype).max  # a group whose products round to Inf
+    wants = [full_path(module, x) for x in xs]
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        monkeypatch.setattr(Int4Linear, "compute", lambda self, x_q: pytest.fail("took the full path"))
+        for x, want in zip(xs, wants):
+            got = module(x)
+            assert got.shape == want.shape and got.dtype == dtype
+            assert torch.equal(bits(got), bits(want)), x.shape
+            assert torch.equal(bits(got), bits(operator_result(module, x)))
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_overflow_of_the_bias_add_and_infinite_inputs(dtype, one_call_only):
+    """Finite sums that round to Inf in x's dtype, a bias that overflows them, an infinite x (its group's a_max
+    NaN makes the row NaN: that x takes the full path)."""
+    module = layer(dtype)
+    with torch.no_grad():
+        module.bias[:5] = torch.finfo(dtype).max
+        module.bias[5:10] = -torch.finfo(dtype).max
+    x = random_x((2, K), dtype, 7) * 100
+    assert torch.equal(bits(module(x)), bits(operator_result(module, x)))
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_nan_result_takes_the_full_path_and_its_nan_bits(value, monkeypatch):
+    module = layer(torch.bfloat16)
+    x = random_x((3, K), torch.bfloat16, 3)
+    x[1, 5] = value
+    want = full_path(module, x)
+    assert want[1].isnan().all() and not want[0].isnan().any()
+    calls = []
+    monkeypatch.setattr(Int4Linear, "compute", lambda self, x_q: calls.append(1) or want)
+    assert module(x) is want and calls == [1]
+
+
+def test_other_inputs_and_contexts_take_the_full_path(monkeypatch):
+    """x requiring grad, more rows than MSD runs, a dispatch mode (it sees torch's ops), another backend
+    setting: the full path. A non-contiguous x: the one call, on a contiguous copy."""
+    module = layer(torch.bfloat16)
+    x = random_x((2, K), torch.bfloat16, 4)
+    x_many = random_x((INT4_MSD_MAX_ROWS + 1, K), torch.bfloat16, 5)
+    want = full_path(module, x)
+    calls = []
+    full = Int4Linear.compute
+    monkeypatch.setattr(Int4Linear, "compute", lambda self, x_q: calls.append(tuple(x_q.shape)) or full(self, x_q))
+    got = module(x.clone().requires_grad_())
+    assert not got.requires_grad and torch.equal(bits(got), bits(want))
+    module(x_many)
+    with _SeenOps() as mode:
+        assert torch.equal(bits(module(x)), bits(want))
+    assert "aten.add.Tensor" in mode.seen  # the full path's bias add, which the mode saw
+    with lowbit.use_backend("reference"):
+        assert torch.equal(bits(module(x)), bits(want))
+    assert calls == [(2, K), (INT4_MSD_MAX_ROWS + 1, K), (2, K), (2, K)]
+    strided = torch.cat([x, x], dim=1)[:, ::2]
+    assert not strided.is_contiguous() and torch.equal(bits(module(strided)), bits(full(module, strided)))
+    assert len(calls) == 4
+
+
+class _SeenOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_one_call_follows_every_change_of_the_layers_tensors(one_call_only):
+    module, other = layer(torch.bfloat16, seed=0), layer(torch.bfloat16, seed=1)
+    x = random_x((1, K), torch.bfloat16, 6)
+    before = module(x)
+    module.load_state_dict(other.state_dict())  # in place
+    assert torch.equal(bits(module(x)), bits(other(x))) and not torch.equal(before, module(x))
+    with torch.no_grad():
+        module.antiquant_scale.mul_(2)
+    assert torch.equal(bits(module(x)), bits(operator_result(module, x)))
+    module.bias.data = -module.bias.data.clone()  # new memory, version unchanged
+    assert torch.equal(bits(module(x)), bits(operator_result(module, x)))
+    with torch.no_grad():
+        module.weight.bitwise_xor_(0x11)  # the packed weight is made again from the changed one
+    assert torch.equal(bits(module(x)), bits(operator_result(module, x)))
+    assert copy.deepcopy(module)._decode is None and pickle.loads(pickle.dumps(module))._decode is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_a_layer_large_enough_for_numbas_threads(dtype, one_call_only):
+    """M * K * N past the kernel's one-thread work: the preload on numba's threads, in the same one call."""
+    module = layer(dtype, symmetric=False, k=1024, n=600)
+    xs = [random_x((m, 1024), dtype, m) for m in (1, 3)]
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for x in xs:
+            assert torch.equal(bits(module(x)), bits(operator_result(module, x)))
+    finally:
+        torch.set_num_threads(previous)
+    assert module._decode[0]._parallel.signatures  # compiled: it ran
