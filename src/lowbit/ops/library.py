@@ -192,6 +192,19 @@ def call(op: Operator, args: Sequence[Any], out: Any = None, backend: Optional[s
 _MAX_PLANS = 64  # PreparedCall's plans kept per bound operator
 
 
+class RecordedCall:
+    """A kernel's bound call ``bound(*args) -> bool`` (with its ``max_rows``) that records each run as one of
+    ``op`` by the kernel ``name`` (for :func:`lowbit.backends.last_backend`)."""
+
+    def __init__(self, bound: Callable[..., bool], op: Operator, name: str) -> None:
+        self.bound, self.op, self.name, self.max_rows = bound, op, name, bound.max_rows
+
+    def __call__(self, *args) -> bool:
+        done = self.bound(*args)
+        self.op.record(self.name)
+        return done
+
+
 class PreparedCall:
     """An operator with every argument after the first fixed, for arguments that stay as they are (a deploy
     module's packed weight, factors and bias): ``prepared(x)`` is ``op(x, *fixed)``, the same result, with
@@ -237,6 +250,27 @@ class PreparedCall:
             kernel.run(x, *self.fixed, out=out)
         self.op.record(name)
         return out
+
+    def one_call(self, dtype: torch.dtype, k: int) -> Optional[RecordedCall]:
+        """``f(x_bits, out_bits) -> True``: the operator on an x of ``dtype`` (FP16 / BF16) and K = ``k`` with at
+        most ``f.max_rows`` rows in one call of its kernel (``kernel.bind_gemv``), on x's and out's int16 bit
+        patterns ((M, K) and (M, N), C-contiguous), recorded as a run of the kernel chosen under the current
+        backend setting. For a caller that checked x itself (plain_tensor, plain_context, dtype, K, rows) and
+        keeps the result while the fixed arguments and the backend setting stay as they are (lowbit.quantize's
+        PackedLinear). None where that kernel has no such call or a fixed argument is not plain; the
+        operator's errors for an x of that dtype and K."""
+        if not self._plain:
+            return None
+        x = torch.zeros(1, k, dtype=dtype)
+        kind = (dtype, x.shape, backends.get_backend())
+        plan = self._plans.get(kind)
+        if plan is None:
+            (spec,) = self.op.outputs(x, *self.fixed)
+            plan = self._plan(kind, spec, x)
+        spec, name, kernel, prepared = plan
+        if prepared is None or not hasattr(kernel, "bind_gemv"):
+            return None
+        return RecordedCall(kernel.bind_gemv(prepared, spec.shape[-1], k, dtype), self.op, name)
 
     def _plan(self, kind: tuple, spec, x: torch.Tensor) -> tuple:
         """(output spec, backend name, kernel, the kernel's prepare() result for x's dtype and K or None) for

@@ -272,8 +272,7 @@ class WqbmmPlan:
         """For a deploy layer (lowbit.quantize's Int4Linear): ``f(x_bits, out_bits) -> bool``, the product of
         :meth:`run` with this PackedWeight, scale and offset, rounded to the plan's dtype, plus ``bias`` ((N,) of
         that dtype, or None) rounded again, as ``run(...) + bias``; one numba call on x's and out's int16 bit
-        patterns ((M, K) and (M, N), C-contiguous; x pre-processed on the calling thread: for few rows), False
-        where a NaN came out.
+        patterns ((M, K) and (M, N), C-contiguous, M at most ``f.max_rows``), False where a NaN came out.
         None where the plan's kernel has no such call (a prepacked MSD ``preload`` plan of the CPU native
         kernel has). It holds copies of the scale, offset and bias: bind again after they change. TypeError /
         DtypeError / DeviceError / ShapeError for operands not of this plan."""

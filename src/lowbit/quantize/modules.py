@@ -17,7 +17,7 @@ vs the dequantized weight; docs/quantize.md, "Fake quant vs deploy").
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -86,6 +86,29 @@ class QuantizedLinearBase(nn.Module):
         self.__dict__["_prepared"] = (prepared, SourcesSeen(sources))
         return prepared
 
+    def _run_one_call(self, x: torch.Tensor, sources: tuple, bind: Callable[[], Any],
+                      max_rows: Optional[int] = None) -> Optional[torch.Tensor]:
+        """This layer's output for ``x`` (..., K) of FP16 / BF16 (dtype and K checked by the caller) by a bound
+        kernel call ``f(x_bits, out_bits) -> bool`` on x's and out's int16 bit patterns ((M, K), (M, N)), made
+        by ``bind()`` (None: there is none) from ``sources`` and kept while they, x's dtype and the backend
+        setting stay as they are (SourcesSeen). One numba call: the full path's torch, Python and numba calls cost tens of
+        microseconds each after a model's previous layer (docs/weight_only.md, 'One call'). None (the caller's
+        full path) where x is not plain (plain_tensor, plain_context: no grad, no mode, CPU), has no rows or
+        more than ``max_rows`` and ``f.max_rows``, or f returned False."""
+        if not (plain_tensor(x) and plain_context()):
+            return None
+        setting = (x.dtype, get_backend())
+        kept = self.__dict__.get("_one_call")  # (bound call, SourcesSeen, (x dtype, backend setting))
+        if kept is None or kept[2] != setting or not kept[1].unchanged(sources):
+            kept = self.__dict__["_one_call"] = (bind(), SourcesSeen(sources), setting)
+        call, k, n = kept[0], self.in_features, self.out_features
+        m = x.numel() // k
+        if call is None or not 0 < m <= min(call.max_rows, max_rows or m):
+            return None
+        out = torch.empty((*x.shape[:-1], n), dtype=x.dtype)
+        done = call(x.contiguous().view(torch.int16).numpy().reshape(m, k), out.view(torch.int16).numpy().reshape(m, n))
+        return out if done else None
+
     def _records_no_graph(self, x: torch.Tensor) -> bool:
         """Whether no op of this layer's call on ``x`` would record an autograd graph: neither x nor the bias
         requires grad (the packed buffers are made without)."""
@@ -93,13 +116,14 @@ class QuantizedLinearBase(nn.Module):
         return not x.requires_grad and (bias is None or not bias.requires_grad)
 
     def _load_from_state_dict(self, *args, **kwargs):
-        self.__dict__["_prepared"] = None  # written in place: SourcesSeen misses it for inference tensors
+        # written in place: SourcesSeen misses it for inference tensors
+        self.__dict__["_prepared"] = self.__dict__["_one_call"] = None
         super()._load_from_state_dict(*args, **kwargs)
 
     def __getstate__(self) -> dict:
-        """Pickling and copying leave out the prepared call (views of this module's tensors) and the fused
-        kernel's input kind (PackedLinear.forward)."""
-        return {**self.__dict__, "_prepared": None, "_fused_input": None}
+        """Pickling and copying leave out the prepared and the bound calls (views and copies of this module's
+        tensors) and the fused kernel's input kind (PackedLinear.forward)."""
+        return {**self.__dict__, "_prepared": None, "_one_call": None, "_fused_input": None}
 
     def packed_nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.packed_tensors().values())
@@ -233,9 +257,14 @@ class PackedLinear(QuantizedLinearBase):
         # for that dtype and K; each costs tens of microseconds after other work: docs/weight_only.md,
         # 'One call'). Anything else takes the full path, which also sets this.
         fast = self.__dict__.get("_fused_input")  # (x dtype, (K,), operator, its buffer names)
-        if fast is not None and x.dtype is fast[0] and x.shape[-1:] == fast[1] and self._records_no_graph(x):
-            buffers = tuple(self._buffers[name] for name in fast[3])
-            return self.prepared_call(fast[2], (*buffers, self.bias), self._fused_arguments)(x)
+        if fast is not None and x.dtype is fast[0] and x.shape[-1:] == fast[1]:
+            sources = (*(self._buffers[name] for name in fast[3]), self._parameters.get("bias"))
+            y = self._run_one_call(x, sources, lambda: self.prepared_call(fast[2], sources, self._fused_arguments)
+                                   .one_call(x.dtype, self.in_features))  # a GEMV: at most GEMV rows of x
+            if y is not None:
+                return y
+            if self._records_no_graph(x):
+                return self.prepared_call(fast[2], sources, self._fused_arguments)(x)
         return super().forward(x)
 
     def compute(self, x_q):
@@ -259,9 +288,6 @@ class PackedLinear(QuantizedLinearBase):
 # Int4Linear on the CPU: rows of x up to which it runs MSD; above, the "dequant" algorithm (the weight decoded
 # tile by tile, torch's GEMM), faster from about 64 rows on (docs/quantize.md, 'Packed layouts').
 INT4_MSD_MAX_ROWS = 48
-# Elements of x up to which Int4Linear's MSD product is one numba call on the CPU (Int4Linear._decode_in_one_call;
-# above, the full path, whose pre-process of x runs on numba's threads).
-INT4_ONE_CALL_MAX_ELEMENTS = 1 << 16
 
 
 class Int4Linear(PackedLinear):
@@ -304,42 +330,19 @@ class Int4Linear(PackedLinear):
 
     def _load_from_state_dict(self, *args, **kwargs):
         self._packed = None  # written in place, as prepared_call's sources (see QuantizedLinearBase)
-        self.__dict__["_decode"] = None
         super()._load_from_state_dict(*args, **kwargs)
 
-    def __getstate__(self) -> dict:
-        return {**super().__getstate__(), "_decode": None}
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._decode_in_one_call(x)
-        return super().forward(x) if y is None else y
-
-    def _decode_in_one_call(self, x: torch.Tensor) -> Optional[torch.Tensor]:
-        """The layer's output for an x of few rows (at most INT4_MSD_MAX_ROWS, M * K at most
-        INT4_ONE_CALL_MAX_ELEMENTS) in the weight's FP16 / BF16
-        dtype on the CPU, with no activation quantization, nothing recording or intercepting the call
-        (plain_context, plain_tensor) and the native backend chosen: by the plan's bound decode, one numba
-        call (the full path's torch, Python and numba calls cost tens of microseconds each after a model's
-        previous layer: docs/weight_only.md, 'One call'), the same bits. None otherwise, or where a NaN came
-        out (the full path then gives torch's NaN bit patterns)."""
-        k = self.in_features
-        if (x.dtype is not self.antiquant_scale.dtype or x.shape[-1:] != (k,)
-                or not 0 < x.numel() <= min(INT4_ONE_CALL_MAX_ELEMENTS, INT4_MSD_MAX_ROWS * k)):
-            return None
-        if not (plain_tensor(x) and plain_context()) or "smooth" in self._buffers or self.cfg_meta["act_kind"] != "none":
-            return None
-        sources = (self.weight, self.antiquant_scale, self._buffers.get("antiquant_offset"), self.bias)
-        backend = get_backend()
-        kept = self.__dict__.get("_decode")
-        if kept is None or kept[2] != backend or not kept[1].unchanged(sources):
-            kept = self.__dict__["_decode"] = (self._bind_decode(*sources[1:]), SourcesSeen(sources), backend)
-        decode = kept[0]
-        if decode is None:
-            return None
-        m = x.numel() // k
-        out = torch.empty((*x.shape[:-1], self.out_features), dtype=x.dtype)
-        x_bits = x.contiguous().view(torch.int16).numpy().reshape(m, k)
-        return out if decode(x_bits, out.view(torch.int16).numpy().reshape(m, self.out_features)) else None
+        # An x of the compute dtype that no activation quantization changes: the plan's bound decode, where the
+        # one call applies (_run_one_call); a NaN result takes the full path too (torch's NaN bit patterns).
+        scale = self._buffers["antiquant_scale"]
+        if (x.dtype is scale.dtype and x.shape[-1:] == (self.in_features,) and "smooth" not in self._buffers
+                and self.cfg_meta["act_kind"] == "none"):
+            sources = (self._buffers["weight"], scale, self._buffers.get("antiquant_offset"), self._parameters.get("bias"))
+            y = self._run_one_call(x, sources, lambda: self._bind_decode(*sources[1:]), INT4_MSD_MAX_ROWS)
+            if y is not None:
+                return y
+        return super().forward(x)
 
     def _bind_decode(self, scale, offset, bias):
         """The plan's bound decode of this layer's PackedWeight (made again where stale), or None where the

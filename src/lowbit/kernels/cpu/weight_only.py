@@ -2352,6 +2352,34 @@ def _one_call_gemv(template, kernel, x_operands):
 BF16_GEMM = simd.TORCH_BF16_GEMM_IN_HARDWARE
 
 
+def _gemv_chunksize(n: int) -> int:
+    """prange iterations of the GEMV's N rows a thread takes at a time (about _CHUNKS chunks, at least 4)."""
+    return max(4, -(-n // _ROWS_PER_TASK) // _CHUNKS)
+
+
+class BoundGemv:
+    """A prepared weight's GEMV (x of at most ``max_rows`` = GEMV_MAX_M rows, of one dtype and K) in one numba
+    call: ``serial_gemv`` on the calling thread, or ``parallel_gemv`` on numba's threads, as the kernel's
+    ``run`` chooses (runs_serially). ``f(x_bits, out_bits) -> True``: x's and out's int16 bit patterns, (M, K)
+    and (M, N), C-contiguous, not checked here (the caller's: lowbit.ops.library.PreparedCall.one_call)."""
+
+    max_rows = GEMV_MAX_M
+
+    def __init__(self, kernel: "WeightOnlyLinear", prepared: tuple, n: int, k: int, dtype: torch.dtype) -> None:
+        operands, _, bias_bits = prepared
+        self._serial, self._parallel = kernel.serial_gemv, kernel.parallel_gemv
+        self._args = (dtype == torch.bfloat16, kernel.order, n, operands, kernel.x_consts, *bias_bits)
+        self._work, self._chunksize = n * k, _gemv_chunksize(n)
+
+    def __call__(self, x_bits: np.ndarray, out_bits: np.ndarray) -> bool:
+        if runs_serially(self._work, GEMV_ONE_THREAD_WEIGHTS):
+            self._serial(x_bits, *self._args, out_bits)
+        else:
+            with numba.parallel_chunksize(self._chunksize):
+                self._parallel(x_bits, *self._args, out_bits)
+        return True
+
+
 def _batch_max_m(n: int, k: int, dtype: torch.dtype) -> int:
     """Rows of x of ``dtype`` up to which an (N, K) weight runs the batched kernel (GEMV_MAX_M: never)."""
     if BATCH_IN_BF16 and dtype != torch.bfloat16:
@@ -2431,10 +2459,11 @@ class WeightOnlyLinear(Kernel):
             x, out = x.reshape(m, k), out.view(m, n)
         # Rows are handed out in chunks on demand (not split evenly up front), so a thread that the OS
         # deschedules on a shared machine does not make the other one wait at the end.
+        if m <= GEMV_MAX_M and one_call:
+            self.bind_gemv(prepared, n, k, x.dtype)(x.view(torch.int16).numpy(), out.view(torch.int16).numpy())
+            return
         if m <= GEMV_MAX_M:
-            path, work, chunksize = self._run_gemv, n * k, max(4, -(-n // _ROWS_PER_TASK) // _CHUNKS)
-            if one_call:
-                path, bias = self._run_one_call, bias_bits
+            path, work, chunksize = self._run_gemv, n * k, _gemv_chunksize(n)
         elif m <= _batch_max_m(n, k, x.dtype):
             path, work, chunksize = self._run_batched, m * n * k, 1  # tasks of _BATCH_ROWS_PER_TASK rows
         else:  # the GEMM path: the decoded tile's rows (torch's GEMM takes torch's threads)
@@ -2451,13 +2480,9 @@ class WeightOnlyLinear(Kernel):
         with numba.parallel_chunksize(chunksize):
             path(x, operands, bias, out, serial=False)
 
-    def _run_one_call(self, x: torch.Tensor, operands: tuple, bias_bits: tuple, out: torch.Tensor,
-                      serial: bool) -> None:
-        """The GEMV in one numba call (serial_gemv or parallel_gemv); ``bias_bits``: _bias_bits of the bias.
-        x and out: FP16 / BF16 CPU tensors (the operator's contract), viewed without as_numpy's checks."""
-        gemv = self.serial_gemv if serial else self.parallel_gemv
-        gemv(x.view(torch.int16).numpy(), x.dtype == torch.bfloat16, self.order, out.shape[1], operands,
-             self.x_consts, *bias_bits, out.view(torch.int16).numpy())
+    def bind_gemv(self, prepared: tuple, n: int, k: int, dtype: torch.dtype) -> "BoundGemv":
+        """:class:`BoundGemv` of the weight (N, K) prepared by :meth:`prepare` for x of ``dtype``."""
+        return BoundGemv(self, prepared, n, k, dtype)
 
     def _run_gemv(self, x: torch.Tensor, operands: tuple, bias, out: torch.Tensor, serial: bool) -> None:
         """The GEMV in three numba calls: x in register order, the lane sums, then the reference's rounding."""

@@ -789,7 +789,8 @@ class BoundDecode:
     """An Int4Linear's product ``round(round(x @ W) + bias)`` (torch's ``y.to(dtype) + bias`` after the MSD
     matmul) for x of few rows, with the weight, scales, offset and bias fixed: one numba call each time.
     Made by :meth:`WeightQuantBatchMatmul.bind_decode`; holds copies of the scales, offset and bias (padded)
-    and a view of the packed tiles, so its maker must make a new one whenever those change."""
+    and a view of the packed tiles, so its maker must make a new one whenever those change. ``max_rows``: the
+    rows of x it takes (x is pre-processed on the calling thread: a decode step's few rows)."""
 
     def __init__(self, tiles: torch.Tensor, scale: torch.Tensor, offset, bias, group_size: int, n: int) -> None:
         self.dtype, self.k, self.n, self.group_size = scale.dtype, scale.shape[0] * group_size, n, group_size
@@ -803,6 +804,7 @@ class BoundDecode:
         self.operands = (self.tiles, self.scale_bits, self.offset_bits, offset is not None, group_size, self.bias32,
                          bias is not None)
         self.is_bf16 = self.dtype == torch.bfloat16
+        self.max_rows = max(1, _SERIAL_PREPROCESS_MAX // self.k)  # x pre-processed on the calling thread
         self._serial, self._parallel = _decode_kernel(True), _decode_kernel(False)  # compiled on first use
 
     @staticmethod
@@ -812,9 +814,9 @@ class BoundDecode:
         return bits.reshape(-1)
 
     def __call__(self, x_bits: np.ndarray, out_bits: np.ndarray) -> bool:
-        """out_bits (M, N) int16 <- the product for x_bits (M, K) int16 (x's bit patterns, C-contiguous, not
-        checked here: the caller's); False where a NaN came out (out_bits then unspecified). x is pre-processed
-        on the calling thread: for few rows (a decode step)."""
+        """out_bits (M, N) int16 <- the product for x_bits (M, K) int16 (x's bit patterns, C-contiguous, M at
+        most ``max_rows``, not checked here: the caller's); False where a NaN came out (out_bits then
+        unspecified)."""
         if runs_serially(x_bits.shape[0] * self.k * self.n, _ONE_THREAD_WORK):
             return self._serial(x_bits, self.is_bf16, *self.operands, out_bits)
         with numba.parallel_chunksize(_PARALLEL_CHUNK):

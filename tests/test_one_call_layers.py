@@ -1,5 +1,7 @@
-"""Int4Linear's decode in one numba call (Int4Linear._decode_in_one_call): the bits of the full path (the
-operator, then torch's rounding and bias add) for every x it takes, the full path for every other x."""
+"""Deploy layers' decode in one numba call (QuantizedLinearBase._run_one_call): Int4Linear (the plan's bound
+decode: the bits of its full path, the operator then torch's rounding and bias add) and PackedLinear's fused
+weight-only kernels (PreparedCall.one_call: the operator's bits), for every x they take; the full path for
+every other x."""
 
 import copy
 import pickle
@@ -10,6 +12,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import lowbit
+from lowbit.kernels.cpu.weight_only import GEMV_MAX_M
+from lowbit.ops.library import PreparedCall
 from lowbit.quantize.modules import INT4_MSD_MAX_ROWS, Int4Linear, PackedLinear
 
 K, N = 256, 70  # N not a multiple of the kernel's 32-column tiles
@@ -149,7 +153,7 @@ def test_the_one_call_follows_every_change_of_the_layers_tensors(one_call_only):
     with torch.no_grad():
         module.weight.bitwise_xor_(0x11)  # the packed weight is made again from the changed one
     assert torch.equal(bits(module(x)), bits(operator_result(module, x)))
-    assert copy.deepcopy(module)._decode is None and pickle.loads(pickle.dumps(module))._decode is None
+    assert copy.deepcopy(module)._one_call is None and pickle.loads(pickle.dumps(module))._one_call is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
@@ -164,4 +168,35 @@ def test_a_layer_large_enough_for_numbas_threads(dtype, one_call_only):
             assert torch.equal(bits(module(x)), bits(operator_result(module, x)))
     finally:
         torch.set_num_threads(previous)
-    assert module._decode[0]._parallel.signatures  # compiled: it ran
+    assert module._one_call[0]._parallel.signatures  # compiled: it ran
+
+
+@pytest.mark.parametrize("scheme", ["hif8-wo", "fp8-wo", "mxfp4-wo", "hif4-wo"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fused_weight_only_layers_run_the_operator_in_one_call(scheme, dtype, threads, monkeypatch):
+    """After a layer's first call (the full path, which finds its fused kernel), x of up to GEMV_MAX_M rows
+    takes one kernel call with the operator's bits and records the operator's run; more rows take the
+    PreparedCall."""
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(K, N)).to(dtype)
+    lowbit.quantize_(model, scheme)
+    module = model[0]
+    op, names = module.fused_kernel(dtype)
+    xs = [random_x(shape, dtype, seed) for seed, shape in enumerate([(1, K), (K,), (2, 1, K), (GEMV_MAX_M, K)])]
+    xs[0][0, 3] = float("nan")
+    wants = [op(x.reshape(-1, K), *[module._buffers[name] for name in names], module.bias).reshape(
+        *x.shape[:-1], N) for x in xs]
+    module(xs[0])  # the full path: finds the fused kernel
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    monkeypatch.setattr(PreparedCall, "__call__", lambda self, x: pytest.fail("took the PreparedCall"))
+    try:
+        for x, want in zip(xs, wants):
+            lowbit.backends._last_ran.pop(op.name, None)
+            assert torch.equal(bits(module(x)), bits(want)), x.shape
+            assert lowbit.last_backend(op.name) == "native"
+    finally:
+        torch.set_num_threads(previous)
+    with pytest.raises(pytest.fail.Exception, match="took the PreparedCall"):
+        module(random_x((GEMV_MAX_M + 1, K), dtype, 9))
