@@ -1,12 +1,15 @@
-"""Where a converted weight-only layer's decode call (M = 1, BF16 x) spends its time when each
-call follows a BF16 F.linear of the same shape, as in a model's forward (the F.linear streams its weight
-through the caches, so the call's own code and data come back from memory). Per scheme, in one process and
-interleaved: the deploy module; its PreparedCall; ``run_prepared`` (the kernel's entry, output given); the
-GEMV's one numba call (``serial_gemv`` with --threads 1, else ``parallel_gemv`` on numba's threads); and the
-three numba calls it made before (``_gather_x``, ``gemv_sums``, ``_round_into``). Median of --rounds calls of
-each, and F.linear's own.
+"""Where a converted layer's decode call (M = 1, BF16 x) spends its time when each call follows a BF16
+F.linear of the same shape, as in a model's forward (the F.linear streams its weight through the caches, so
+the call's own code and data come back from memory). Per scheme, in one process and interleaved: the deploy
+module (from its second call on, its one kernel call: QuantizedLinearBase._run_one_call); its PreparedCall
+(the path of more rows); ``run_prepared`` (the kernel's entry, output given); the GEMV's one numba call
+(``serial_gemv`` with --threads 1, else ``parallel_gemv`` on numba's threads, views made beforehand); and the
+three numba calls it made before (``_gather_x``, ``gemv_sums``, ``_round_into``). For int4-a16w4: the module,
+its bound decode's one numba call, and the full path's operator (WqbmmPlan.run, then the bias add). Median
+of --rounds calls of each, and F.linear's own.
 
-    PYTHONPATH=src python benchmarks/gemv_call_path.py [--shape 4096x4096] [--schemes hif8-wo,mxfp4-wo,hif4-wo]
+    PYTHONPATH=src python benchmarks/gemv_call_path.py [--shape 4096x4096]
+        [--schemes hif8-wo,mxfp4-wo,hif4-wo,int4-a16w4]
         [--threads 1]
 """
 
@@ -31,7 +34,7 @@ from lowbit.kernels.cpu._runtime import as_numpy
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="4096x4096")
-    parser.add_argument("--schemes", default="hif8-wo,mxfp4-wo,hif4-wo")
+    parser.add_argument("--schemes", default="hif8-wo,mxfp4-wo,hif4-wo,int4-a16w4")
     parser.add_argument("--rounds", type=int, default=31)
     parser.add_argument("--threads", type=int, default=1, help="torch's (and numba's) thread count")
     args = parser.parse_args()
@@ -47,6 +50,10 @@ def main() -> None:
         module = quantized_layer(weight, bias, scheme)[0]
         with torch.inference_mode():
             module(x)  # compile, prepare
+            module(x)  # the one call (QuantizedLinearBase._run_one_call), bound on the second call
+            if scheme == "int4-a16w4":
+                report(scheme, int4_cases(module, x), weight, bias, x, args.rounds)
+                continue
             prepared_call = module.__dict__["_prepared"][0]
             (prepared,) = prepared_call._prepared.values()
             operands, bias_, bias_bits = prepared
@@ -77,21 +84,48 @@ def main() -> None:
                 "one call": one_call,
                 "three calls": three_calls,
             }
-            want = module(x)
-            for call in cases.values():
-                out.zero_()
-                assert torch.equal(call().view(torch.int16), want.view(torch.int16))
-            times: dict[str, list[float]] = {"F.linear": [], **{name: [] for name in cases}}
-            for _ in range(args.rounds):
-                for name, call in cases.items():
-                    start = time.perf_counter()
-                    F.linear(x, weight, bias)
-                    middle = time.perf_counter()
-                    call()
-                    times[name].append(time.perf_counter() - middle)
-                    times["F.linear"].append(middle - start)
-        cells = [f"{name} {statistics.median(t) * 1e3:.3f}" for name, t in times.items()]
-        print(f"{scheme}: " + "  ".join(cells))
+            report(scheme, cases, weight, bias, x, args.rounds, out)
+
+
+def int4_cases(module, x: torch.Tensor) -> dict:
+    """An int4-a16w4 layer: the module; its bound decode's one numba call on views made beforehand; the full
+    path's operator (the plan's run with its workspace and output given, then the bias add)."""
+    decode = module.__dict__["_one_call"][0]
+    plan = module._plan(1, x.device)
+    workspace, y = plan.new_workspace(), torch.empty(1, module.out_features, dtype=x.dtype)
+    out = torch.empty_like(y)
+    x_bits, out_bits = as_numpy(x), as_numpy(out)
+
+    def one_call():
+        decode(x_bits, out_bits)
+        return out
+
+    def plan_run():
+        plan.run(x, module._packed, module.antiquant_scale, out=y, workspace=workspace)
+        return y + module.bias
+
+    return {"module": lambda: module(x), "one call": one_call, "plan.run + bias": plan_run}
+
+
+def report(scheme: str, cases: dict, weight, bias, x, rounds: int, out=None) -> None:
+    """Check that every case gives the module's bits, then print the median time of each, each call after an
+    F.linear, in rounds that take every case in turn."""
+    want = cases["module"]()
+    for call in cases.values():
+        if out is not None:
+            out.zero_()
+        assert torch.equal(call().view(torch.int16), want.view(torch.int16))
+    times: dict[str, list[float]] = {"F.linear": [], **{name: [] for name in cases}}
+    for _ in range(rounds):
+        for name, call in cases.items():
+            start = time.perf_counter()
+            F.linear(x, weight, bias)
+            middle = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - middle)
+            times["F.linear"].append(middle - start)
+    cells = [f"{name} {statistics.median(t) * 1e3:.3f}" for name, t in times.items()]
+    print(f"{scheme}: " + "  ".join(cells))
 
 
 if __name__ == "__main__":
