@@ -90,7 +90,7 @@ def main() -> None:
 def int4_cases(module, x: torch.Tensor) -> dict:
     """An int4-a16w4 layer: the module; its bound decode's one numba call on views made beforehand; the full
     path's operator (the plan's run with its workspace and output given, then the bias add)."""
-    decode = module.__dict__["_one_call"][0]
+    decode = module.__dict__["_one_call"][0].bound
     plan = module._plan(1, x.device)
     workspace, y = plan.new_workspace(), torch.empty(1, module.out_features, dtype=x.dtype)
     out = torch.empty_like(y)

@@ -39,7 +39,7 @@ from lowbit.backends import TensorSpec
 from lowbit.errors import DeviceError, DtypeError, ShapeError, check_int
 from lowbit.formats import wqbmm as reference
 from lowbit.kernels.wqbmm_kernel import MSD, WqbmmKernel
-from lowbit.ops.library import call, check_argument_types, define
+from lowbit.ops.library import RecordedCall, call, check_argument_types, define
 
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16)
 ALGORITHMS = (MSD, "dequant")
@@ -272,7 +272,8 @@ class WqbmmPlan:
         """For a deploy layer (lowbit.quantize's Int4Linear): ``f(x_bits, out_bits) -> bool``, the product of
         :meth:`run` with this PackedWeight, scale and offset, rounded to the plan's dtype, plus ``bias`` ((N,) of
         that dtype, or None) rounded again, as ``run(...) + bias``; one numba call on x's and out's int16 bit
-        patterns ((M, K) and (M, N), C-contiguous, M at most ``f.max_rows``), False where a NaN came out.
+        patterns ((M, K) and (M, N), C-contiguous, M at most ``f.max_rows``), False where a NaN came out; each
+        call is recorded as a run of the operator (``last_backend``).
         None where the plan's kernel has no such call (a prepacked MSD ``preload`` plan of the CPU native
         kernel has). It holds copies of the scale, offset and bias: bind again after they change. TypeError /
         DtypeError / DeviceError / ShapeError for operands not of this plan."""
@@ -289,7 +290,7 @@ class WqbmmPlan:
                 self._check_on_plan(name, t, self.dtype)
                 if tuple(t.shape) != shape:
                     raise ShapeError(f"{_OP}: the plan needs {name} of shape {shape}, got {tuple(t.shape)}")
-        return bind(data, antiquant_scale, antiquant_offset, bias, self.group_size)
+        return RecordedCall(bind(data, antiquant_scale, antiquant_offset, bias, self.group_size), MATMUL, self.backend)
 
     def run(
         self,
