@@ -1,8 +1,10 @@
 """Helpers shared by the tests: bit views, dtype lists, WeightQuantBatchMatmul operands, SIMD intrinsics run
-from Python, a CPU kernel's serial and parallel forms, running the CLI."""
+from Python, a CPU kernel's serial and parallel forms, running the CLI, modes that record what they see."""
 
 import numba
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lowbit.dtypes import bit_view
 
@@ -67,3 +69,27 @@ def run_cli(capsys, *argv):
     code = cli.main(list(argv))
     captured = capsys.readouterr()
     return code, captured.out, captured.err
+
+
+class _Seen:
+    """A mode that records the names of the functions or ops it sees (``seen``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def _record(self, func, types, args=(), kwargs=None):
+        self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+class SeenOps(_Seen, TorchDispatchMode):
+    """A TorchDispatchMode recording the ops it sees."""
+
+    __torch_dispatch__ = _Seen._record
+
+
+class SeenFunctions(_Seen, TorchFunctionMode):
+    """A TorchFunctionMode recording the functions it sees."""
+
+    __torch_function__ = _Seen._record

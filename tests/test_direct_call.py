@@ -3,10 +3,9 @@
 import numpy as np
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import lowbit
+from helpers import SeenFunctions, SeenOps
 from lowbit.ops import weight_only as ops
 from lowbit.ops.library import dispatches_plainly, plain_context
 
@@ -21,26 +20,6 @@ def _layer(dtype=torch.bfloat16):
 
 class _Subclass(torch.Tensor):
     pass
-
-
-class _Seen:
-    """A mode that records the names of the functions or ops it sees."""
-
-    def __init__(self):
-        super().__init__()
-        self.seen = []
-
-    def _record(self, func, types, args=(), kwargs=None):
-        self.seen.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
-class _SeenOps(_Seen, TorchDispatchMode):
-    __torch_dispatch__ = _Seen._record
-
-
-class _SeenFunctions(_Seen, TorchFunctionMode):
-    __torch_function__ = _Seen._record
 
 
 def test_a_plain_call_runs_directly_with_the_bits_of_the_custom_op():
@@ -141,7 +120,7 @@ def test_inputs_that_require_grad_give_the_same_values(case):
 
 def test_modes_profiler_and_compile_see_the_custom_op():
     x, codes, scales, bias = _layer()
-    for mode in (_SeenOps(), _SeenFunctions()):
+    for mode in (SeenOps(), SeenFunctions()):
         with mode:
             assert not dispatches_plainly("mxfp4_linear", (x, codes, scales, bias), None)
             ops.mxfp4_linear(x, codes, scales, bias)
@@ -164,7 +143,7 @@ def test_plain_context_sees_torchs_own_modes_and_transforms():
     from torch._subclasses.functional_tensor import FunctionalTensorMode
 
     assert plain_context()
-    for mode in (FakeTensorMode(), FunctionalTensorMode(), _SeenOps()):
+    for mode in (FakeTensorMode(), FunctionalTensorMode(), SeenOps()):
         with mode:
             assert not plain_context(), type(mode).__name__
     seen = []

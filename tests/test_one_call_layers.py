@@ -9,9 +9,9 @@ import pickle
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import lowbit
+from helpers import SeenOps, bits
 from lowbit.kernels.cpu.weight_only import GEMV_MAX_M
 from lowbit.ops.library import PreparedCall
 from lowbit.quantize.modules import INT4_MSD_MAX_ROWS, Int4Linear, PackedLinear
@@ -37,10 +37,6 @@ def operator_result(module, x):
     y = lowbit.weight_quant_batch_matmul(x, module.weight, module.antiquant_scale, group_size=32,
                                          antiquant_offset=module._buffers.get("antiquant_offset"))
     return y if module.bias is None else y + module.bias
-
-
-def bits(t):
-    return t.view(torch.int16)
 
 
 @pytest.fixture
@@ -120,7 +116,7 @@ def test_other_inputs_and_contexts_take_the_full_path(monkeypatch):
     got = module(x.clone().requires_grad_())
     assert not got.requires_grad and torch.equal(bits(got), bits(want))
     module(x_many)
-    with _SeenOps() as mode:
+    with SeenOps() as mode:
         assert torch.equal(bits(module(x)), bits(want))
     assert "aten.add.Tensor" in mode.seen  # the full path's bias add, which the mode saw
     with lowbit.use_backend("reference"):
@@ -129,16 +125,6 @@ def test_other_inputs_and_contexts_take_the_full_path(monkeypatch):
     strided = torch.cat([x, x], dim=1)[:, ::2]
     assert not strided.is_contiguous() and torch.equal(bits(module(strided)), bits(full(module, strided)))
     assert len(calls) == 4
-
-
-class _SeenOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.seen = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.seen.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 def test_the_one_call_follows_every_change_of_the_layers_tensors(one_call_only):
