@@ -178,6 +178,18 @@ def kernel_threads(work: int, one_thread_below: int, chunksize: Optional[int] = 
             numba.set_parallel_chunksize(previous_chunksize)
 
 
+def call_in_chunks(chunksize: int, kernel, *args):
+    """``kernel(*args)`` with numba's parallel loops handing out ``chunksize`` iterations at a time (this
+    thread's setting, put back after): two calls into numba where ``with numba.parallel_chunksize(...)``
+    makes three and a generator's frames, each tens of microseconds after other work has evicted the caches
+    (docs/weight_only.md, 'One call')."""
+    previous = numba.set_parallel_chunksize(chunksize)
+    try:
+        return kernel(*args)
+    finally:
+        numba.set_parallel_chunksize(previous)
+
+
 _BITS_VIEW = {torch.float16: torch.int16, torch.bfloat16: torch.int16}  # dtypes numpy lacks
 
 

@@ -45,8 +45,8 @@ from lowbit.formats import hifloat8, mxfp4, mxfp8
 from lowbit.formats import weight_only as reference
 from lowbit.kernels.cpu import _hifloat8_columns as _columns
 from lowbit.kernels.cpu import _simd as simd
-from lowbit.kernels.cpu._runtime import (NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, as_numpy, bound_njit, copy_elements,
-                                         run_tasks, runs_serially)
+from lowbit.kernels.cpu._runtime import (NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, as_numpy, bound_njit, call_in_chunks,
+                                         copy_elements, run_tasks, runs_serially)
 from lowbit.kernels.cpu.memory import huge_page_copy, thread_scratch
 
 LANES = reference.LANES  # 64 = two F32V
@@ -2375,8 +2375,7 @@ class BoundGemv:
         if runs_serially(self._work, GEMV_ONE_THREAD_WEIGHTS):
             self._serial(x_bits, *self._args, out_bits)
         else:
-            with numba.parallel_chunksize(self._chunksize):
-                self._parallel(x_bits, *self._args, out_bits)
+            call_in_chunks(self._chunksize, self._parallel, x_bits, *self._args, out_bits)
         return True
 
 

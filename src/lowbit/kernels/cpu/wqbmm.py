@@ -50,7 +50,8 @@ from lowbit.errors import ShapeError
 from lowbit.formats import wqbmm as reference
 from lowbit.kernels.cpu import _simd as simd
 from lowbit.kernels.cpu import wqbmm_dequant as dequant
-from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, SerialOrParallel, as_numpy, bound_njit, runs_serially
+from lowbit.kernels.cpu._runtime import (NJIT_OPTIONS, SerialOrParallel, as_numpy, bound_njit, call_in_chunks,
+                                         runs_serially)
 from lowbit.kernels.wqbmm_kernel import MSD, WqbmmKernel, aligned_offsets
 
 TILE_N = simd.LANES  # columns per register tile (32)
@@ -819,5 +820,4 @@ class BoundDecode:
         unspecified)."""
         if runs_serially(x_bits.shape[0] * self.k * self.n, _ONE_THREAD_WORK):
             return self._serial(x_bits, self.is_bf16, *self.operands, out_bits)
-        with numba.parallel_chunksize(_PARALLEL_CHUNK):
-            return self._parallel(x_bits, self.is_bf16, *self.operands, out_bits)
+        return call_in_chunks(_PARALLEL_CHUNK, self._parallel, x_bits, self.is_bf16, *self.operands, out_bits)
