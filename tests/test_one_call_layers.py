@@ -188,3 +188,48 @@ def test_fused_weight_only_layers_run_the_operator_in_one_call(scheme, dtype, th
         torch.set_num_threads(previous)
     with pytest.raises(pytest.fail.Exception, match="took the PreparedCall"):
         module(random_x((GEMV_MAX_M + 1, K), dtype, 9))
+
+
+def _rounding_edge_values(dtype, count, seed):
+    """float32 values around the rounding edges of ``dtype``: halfway ties (even and odd), just past them,
+    subnormals of the dtype, its largest finite value and the first that rounds to Inf, zeros, infinities."""
+    g = torch.Generator().manual_seed(seed)
+    info = torch.finfo(dtype)
+    base = torch.randn(count, generator=g) * 10.0 ** torch.randint(-6, 5, (count,), generator=g).float()
+    rounded = base.to(dtype).float()
+    step = torch.nextafter(rounded.to(dtype), torch.full_like(rounded, float("inf")).to(dtype)).float() - rounded
+    half = rounded + step / 2  # a tie: to even
+    specials = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), info.max, -info.max, info.tiny, info.tiny / 3,
+                             info.max * (1 + info.eps / 2), info.max * (1 + info.eps / 4), -info.max * (1 + info.eps / 2),
+                             2.0 ** -25 if dtype == torch.float16 else 1e-40])
+    return torch.cat([base, half, torch.nextafter(half, torch.zeros_like(half)), torch.nextafter(half, half * 2),
+                      specials])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("has_bias", [True, False], ids=["bias", "no-bias"])
+def test_the_rounding_and_bias_add_are_torchs(dtype, has_bias):
+    """_round_and_add_bias against torch's ``y.to(dtype) + bias`` on rounding ties, overflow, subnormals,
+    infinities (rows of them meet the bias's) and a NaN: the same bits wherever torch's result has no NaN,
+    and False exactly where it has one."""
+    from lowbit.kernels.cpu import wqbmm as cpu
+
+    n = 70
+    values = torch.cat([_rounding_edge_values(dtype, 400, 1), torch.full((n,), float("inf")),
+                        torch.full((n,), float("-inf")), torch.tensor([float("nan")])])  # NaN with any bias
+    m = -(-values.numel() // n)
+    y = torch.cat([values, torch.zeros(m * n - values.numel())]).reshape(m, n)
+    y = y[torch.randperm(m, generator=torch.Generator().manual_seed(2))]
+    bias = (_rounding_edge_values(dtype, 60, 3)[:n].to(dtype) if has_bias else torch.zeros(n, dtype=dtype))
+    want = y.to(dtype) + bias if has_bias else y.to(dtype)
+    for row in range(m):
+        y32 = torch.zeros(1, 96)  # N padded to the kernel's 32-column tiles
+        y32[0, :n] = y[row]
+        bias32 = torch.zeros(96)
+        bias32[:n] = bias.float()
+        out = torch.empty(1, n, dtype=dtype)
+        no_nan = cpu._round_and_add_bias(y32.numpy(), bias32.numpy(), has_bias, dtype == torch.bfloat16,
+                                         out.view(torch.int16).numpy())
+        assert no_nan == (not want[row].isnan().any())
+        if no_nan:
+            assert torch.equal(bits(out[0]), bits(want[row])), row
