@@ -172,6 +172,19 @@ def test_environment_variable_sets_the_default():
     assert _run_with_env(code, "reference").stdout.split() == ["reference", "reference"]
 
 
+def test_the_environment_variable_is_read_once(monkeypatch):
+    """LOWBIT_BACKEND is read the first time the default is needed (get_backend runs on every operator call);
+    set_backend changes the default afterwards."""
+    monkeypatch.setattr(backends, "_environment_value", None)
+    monkeypatch.setattr(backends, "_process_default", None)
+    monkeypatch.setenv("LOWBIT_BACKEND", "reference")
+    assert lowbit.get_backend() == "reference"
+    monkeypatch.setenv("LOWBIT_BACKEND", "native")
+    assert lowbit.get_backend() == "reference"
+    lowbit.set_backend("native")
+    assert lowbit.get_backend() == "native"
+
+
 def test_an_invalid_environment_variable_does_not_break_import():
     result = _run_with_env("import lowbit, torch\ntry:\n    lowbit.get_backend()\nexcept ValueError as e:\n"
                            "    print('refused:', e)\nprint(lowbit.encode_to_hifloat8(torch.ones(2).half(), "

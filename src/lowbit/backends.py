@@ -21,7 +21,8 @@ Backends:
   and dtype signature for the life of the process.
 
 The process default is ``auto``; change it with :func:`set_backend` or the environment variable
-``LOWBIT_BACKEND``, or for one thread / asyncio context with :func:`use_backend`. :func:`last_backend`
+``LOWBIT_BACKEND`` (read once, when the default is first needed), or for one thread / asyncio context with
+:func:`use_backend`. :func:`last_backend`
 names the backend that last *ran* an operator.
 """
 
@@ -49,7 +50,8 @@ def check_backend_name(name: str) -> str:
     return name
 
 
-_process_default: Optional[str] = None  # None: read LOWBIT_BACKEND when first needed
+_process_default: Optional[str] = None  # set_backend's; None: LOWBIT_BACKEND's
+_environment_value: Optional[str] = None  # LOWBIT_BACKEND as first read ("auto" if unset); None: not read yet
 _override: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("lowbit_backend", default=None)
 _last_ran: dict[str, str] = {}
 
@@ -62,13 +64,19 @@ def set_backend(name: str) -> None:
 
 def get_backend() -> str:
     """The default backend here: a :func:`use_backend` override of this thread/context, else the
-    process's (``LOWBIT_BACKEND`` if set, else "auto"). ValueError naming the variable if it is invalid."""
+    process's (:func:`set_backend`'s, else ``LOWBIT_BACKEND`` if set, else "auto"). ValueError naming the
+    variable if it is invalid. The variable is read once, the first time it is needed: every operator call
+    asks for the default, and an ``os.environ`` look-up cost 10-30 us of a layer's call after other work had
+    evicted the caches (docs/weight_only.md, 'One call'); change the default at run time with set_backend."""
+    global _environment_value
     override = _override.get()
     if override is not None:
         return override
     if _process_default is not None:
         return _process_default
-    value = os.environ.get(ENV_VAR, "auto")
+    value = _environment_value
+    if value is None:
+        value = _environment_value = os.environ.get(ENV_VAR, "auto")
     if value not in BACKENDS:
         raise ValueError(f"environment variable {ENV_VAR}={value!r} is not a backend; expected one of "
                          f"{', '.join(BACKENDS)}")
