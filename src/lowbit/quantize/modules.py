@@ -91,10 +91,10 @@ class QuantizedLinearBase(nn.Module):
         """This layer's output for ``x`` (..., K) of FP16 / BF16 (dtype and K checked by the caller) by a bound
         kernel call ``f(x_bits, out_bits) -> bool`` on x's and out's int16 bit patterns ((M, K), (M, N)), made
         by ``bind()`` (None: there is none) from ``sources`` and kept while they, x's dtype and the backend
-        setting stay as they are (SourcesSeen). One numba call: the full path's torch, Python and numba calls cost tens of
-        microseconds each after a model's previous layer (docs/weight_only.md, 'One call'). None (the caller's
-        full path) where x is not plain (plain_tensor, plain_context: no grad, no mode, CPU), has no rows or
-        more than ``max_rows`` and ``f.max_rows``, or f returned False."""
+        setting stay as they are (SourcesSeen). One numba call: the full path's torch, Python and numba calls
+        cost tens of microseconds each after a model's previous layer (docs/weight_only.md, 'One call'). None
+        (the caller's full path) where x is not plain (plain_tensor, plain_context: no grad, no mode, CPU),
+        has no rows or more than ``max_rows`` and ``f.max_rows``, or f returned False."""
         if not (plain_tensor(x) and plain_context()):
             return None
         setting = (x.dtype, get_backend())
@@ -106,8 +106,8 @@ class QuantizedLinearBase(nn.Module):
         if call is None or not 0 < m <= min(call.max_rows, max_rows or m):
             return None
         out = torch.empty((*x.shape[:-1], n), dtype=x.dtype)
-        done = call(x.contiguous().view(torch.int16).numpy().reshape(m, k), out.view(torch.int16).numpy().reshape(m, n))
-        return out if done else None
+        x_bits = x.contiguous().view(torch.int16).numpy().reshape(m, k)
+        return out if call(x_bits, out.view(torch.int16).numpy().reshape(m, n)) else None
 
     def _records_no_graph(self, x: torch.Tensor) -> bool:
         """Whether no op of this layer's call on ``x`` would record an autograd graph: neither x nor the bias
@@ -252,10 +252,11 @@ class PackedLinear(QuantizedLinearBase):
         return dense.reshape(self.cfg_meta["geometry"]["weight_shape"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # A weight-only layer whose fused kernel took x as it is: an x of the same dtype and K that requires
-        # no grad goes straight to it (the input check, the input transform and the kernel choice passed
-        # for that dtype and K; each costs tens of microseconds after other work: docs/weight_only.md,
-        # 'One call'). Anything else takes the full path, which also sets this.
+        # A weight-only layer whose fused kernel took x as it is: an x of the same dtype and K goes straight
+        # to it (the input check, the input transform and the kernel choice passed for that dtype and K; each
+        # costs tens of microseconds after other work: docs/weight_only.md, 'One call'), in one kernel call
+        # for a GEMV's rows (_run_one_call), else by the PreparedCall where it requires no grad. Anything else
+        # takes the full path, which also sets this.
         fast = self.__dict__.get("_fused_input")  # (x dtype, (K,), operator, its buffer names)
         if fast is not None and x.dtype is fast[0] and x.shape[-1:] == fast[1]:
             sources = (*(self._buffers[name] for name in fast[3]), self._parameters.get("bias"))
