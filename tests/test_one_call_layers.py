@@ -1,6 +1,6 @@
 """Deploy layers' decode in one numba call (QuantizedLinearBase._run_one_call): Int4Linear (the plan's bound
 decode: the bits of its full path, the operator then torch's rounding and bias add) and PackedLinear's fused
-weight-only kernels (PreparedCall.one_call: the operator's bits), for every x they take; the full path for
+weight-only kernels (PreparedCall._bound_gemv: the operator's bits), for every x they take; the full path for
 every other x."""
 
 import copy

@@ -251,14 +251,14 @@ class PreparedCall:
         self.op.record(name)
         return out
 
-    def one_call(self, dtype: torch.dtype, k: int) -> Optional[RecordedCall]:
+    def _bound_gemv(self, dtype: torch.dtype, k: int) -> Optional[RecordedCall]:
         """``f(x_bits, out_bits) -> True``: the operator on an x of ``dtype`` (FP16 / BF16) and K = ``k`` with at
         most ``f.max_rows`` rows in one call of its kernel (``kernel.bind_gemv``), on x's and out's int16 bit
         patterns ((M, K) and (M, N), C-contiguous), recorded as a run of the kernel chosen under the current
-        backend setting. For a caller that checked x itself (plain_tensor, plain_context, dtype, K, rows) and
-        keeps the result while the fixed arguments and the backend setting stay as they are (lowbit.quantize's
-        PackedLinear). None where that kernel has no such call or a fixed argument is not plain; the
-        operator's errors for an x of that dtype and K."""
+        backend setting. Internal: for a caller that checks x itself (plain_tensor, plain_context, dtype, K,
+        rows; f checks neither array) and keeps the result while the fixed arguments and the backend setting
+        stay as they are (lowbit.quantize's PackedLinear). None where that kernel has no such call or a fixed
+        argument is not plain; the operator's errors for an x of that dtype and K."""
         if not self._plain:
             return None
         x = torch.zeros(1, k, dtype=dtype)

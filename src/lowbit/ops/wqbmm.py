@@ -267,16 +267,17 @@ class WqbmmPlan:
             )
         return weight.data
 
-    def bind_decode(self, weight: PackedWeight, antiquant_scale: torch.Tensor,
-                    antiquant_offset: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None):
-        """For a deploy layer (lowbit.quantize's Int4Linear): ``f(x_bits, out_bits) -> bool``, the product of
-        :meth:`run` with this PackedWeight, scale and offset, rounded to the plan's dtype, plus ``bias`` ((N,) of
-        that dtype, or None) rounded again, as ``run(...) + bias``; one numba call on x's and out's int16 bit
-        patterns ((M, K) and (M, N), C-contiguous, M at most ``f.max_rows``), False where a NaN came out; each
-        call is recorded as a run of the operator (``last_backend``).
-        None where the plan's kernel has no such call (a prepacked MSD ``preload`` plan of the CPU native
-        kernel has). It holds copies of the scale, offset and bias: bind again after they change. TypeError /
-        DtypeError / DeviceError / ShapeError for operands not of this plan."""
+    def _bound_decode(self, weight: PackedWeight, antiquant_scale: torch.Tensor,
+                      antiquant_offset: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None):
+        """``f(x_bits, out_bits) -> bool``, the product of :meth:`run` with this PackedWeight, scale and offset,
+        rounded to the plan's dtype, plus ``bias`` ((N,) of that dtype, or None) rounded again, as ``run(...) +
+        bias``, in one numba call on x's and out's int16 bit patterns ((M, K) and (M, N), C-contiguous, M at most
+        ``f.max_rows``); False where a NaN came out; each call recorded as a run of the operator
+        (``last_backend``). For lowbit.quantize's Int4Linear only, which checks x and makes the output: f does
+        not check the arrays it is given. None where the plan's kernel has no such call (a prepacked MSD
+        ``preload`` plan of the CPU native kernel has). It holds copies of the scale, offset and bias: bind
+        again after they change. TypeError / DtypeError / DeviceError / ShapeError for operands not of this
+        plan."""
         bind = getattr(self.kernel, "bind_decode", None)
         if bind is None or not (self.prepacked and self.algorithm == MSD and self.template == "preload"):
             return None

@@ -261,7 +261,7 @@ class PackedLinear(QuantizedLinearBase):
         if fast is not None and x.dtype is fast[0] and x.shape[-1:] == fast[1]:
             sources = (*(self._buffers[name] for name in fast[3]), self._parameters.get("bias"))
             y = self._run_one_call(x, sources, lambda: self.prepared_call(fast[2], sources, self._fused_arguments)
-                                   .one_call(x.dtype, self.in_features))  # a GEMV: at most GEMV rows of x
+                                   ._bound_gemv(x.dtype, self.in_features))  # a GEMV: at most GEMV rows of x
             if y is not None:
                 return y
             if self._records_no_graph(x):
@@ -354,7 +354,7 @@ class Int4Linear(PackedLinear):
         packed = self._packed
         if packed is None or packed.backend != plan.backend or not self._packed_from.unchanged((self.weight,)):
             packed = self.prepack(plan)
-        return plan.bind_decode(packed, scale, offset, bias)
+        return plan._bound_decode(packed, scale, offset, bias)
 
     def compute(self, x_q):
         x2 = x_q.reshape(-1, self.in_features).to(self.antiquant_scale.dtype)

@@ -2361,7 +2361,7 @@ class BoundGemv:
     """A prepared weight's GEMV (x of at most ``max_rows`` = GEMV_MAX_M rows, of one dtype and K) in one numba
     call: ``serial_gemv`` on the calling thread, or ``parallel_gemv`` on numba's threads, as the kernel's
     ``run`` chooses (runs_serially). ``f(x_bits, out_bits) -> True``: x's and out's int16 bit patterns, (M, K)
-    and (M, N), C-contiguous, not checked here (the caller's: lowbit.ops.library.PreparedCall.one_call)."""
+    and (M, N), C-contiguous, not checked here (the caller's: lowbit.ops.library.PreparedCall._bound_gemv)."""
 
     max_rows = GEMV_MAX_M
 
