@@ -233,3 +233,38 @@ def test_the_rounding_and_bias_add_are_torchs(dtype, has_bias):
         assert no_nan == (not want[row].isnan().any())
         if no_nan:
             assert torch.equal(bits(out[0]), bits(want[row])), row
+
+
+@pytest.mark.parametrize("scheme", ["int4-a16w4", "mxfp4-wo"])
+def test_a_real_model_on_real_text_gives_the_full_paths_bits(scheme, minilm, monkeypatch):
+    """all-MiniLM-L6-v2 in BF16, quantized, on short real text one item at a time (M = its tokens: int4
+    layers take up to 48 rows in one call, MXFP4's GEMV up to GEMV_MAX_M): the same embeddings, bit for bit,
+    with the one call and by the full path with the operator's own run (not the bound GEMV's), and the one
+    call ran."""
+    from lowbit.evaluation.embeddings import sentence_embeddings
+    from lowbit.evaluation.text import all_sentences
+    from lowbit.quantize.modules import QuantizedLinearBase
+
+    model = copy.deepcopy(minilm.model).to(torch.bfloat16)
+    lowbit.quantize_(model, scheme)
+    limit = 48 if scheme == "int4-a16w4" else GEMV_MAX_M  # tokens, [CLS] and [SEP] included
+    words = 100 if scheme == "int4-a16w4" else 2  # MXFP4: the sentences' first two words
+    texts = dict.fromkeys(" ".join(s.split()[:words]) for s in all_sentences())
+    sentences = [t for t in texts if len(minilm.tokenizer(t)["input_ids"]) <= limit][:4]
+    assert len(sentences) == 4
+    ran = []
+    one_call = QuantizedLinearBase._run_one_call
+
+    def counted(self, *args, **kwargs):
+        y = one_call(self, *args, **kwargs)
+        ran.append(y is not None)
+        return y
+
+    monkeypatch.setattr(QuantizedLinearBase, "_run_one_call", counted)
+    sentence_embeddings(model, minilm.tokenizer, sentences[:1], batch_size=1)  # first calls: full path, binding
+    with_one_call = sentence_embeddings(model, minilm.tokenizer, sentences, batch_size=1)
+    assert ran and all(ran[-len(ran) // 2:])
+    monkeypatch.setattr(QuantizedLinearBase, "_run_one_call", lambda self, *args, **kwargs: None)
+    monkeypatch.setattr(PreparedCall, "__call__", lambda self, x: self.op(x, *self.fixed))  # the operator's run
+    without = sentence_embeddings(model, minilm.tokenizer, sentences, batch_size=1)
+    assert torch.equal(bits(with_one_call), bits(without))
