@@ -173,16 +173,19 @@ def test_environment_variable_sets_the_default():
 
 
 def test_the_environment_variable_is_read_once(monkeypatch):
-    """LOWBIT_BACKEND is read the first time the default is needed (get_backend runs on every operator call);
-    set_backend changes the default afterwards."""
+    """LOWBIT_BACKEND is read the first time the default is needed (get_backend runs on every operator call),
+    again after read_environment; set_backend changes the default whatever the variable says."""
     monkeypatch.setattr(backends, "_environment_value", None)
     monkeypatch.setattr(backends, "_process_default", None)
     monkeypatch.setenv("LOWBIT_BACKEND", "reference")
     assert lowbit.get_backend() == "reference"
     monkeypatch.setenv("LOWBIT_BACKEND", "native")
     assert lowbit.get_backend() == "reference"
-    lowbit.set_backend("native")
+    backends.read_environment()
     assert lowbit.get_backend() == "native"
+    monkeypatch.setenv("LOWBIT_BACKEND", "auto")
+    lowbit.set_backend("reference")
+    assert lowbit.get_backend() == "reference"
 
 
 def test_an_invalid_environment_variable_does_not_break_import():

@@ -268,3 +268,41 @@ def test_a_real_model_on_real_text_gives_the_full_paths_bits(scheme, minilm, mon
     monkeypatch.setattr(PreparedCall, "__call__", lambda self, x: self.op(x, *self.fixed))  # the operator's run
     without = sentence_embeddings(model, minilm.tokenizer, sentences, batch_size=1)
     assert torch.equal(bits(with_one_call), bits(without))
+
+
+def test_int4_inputs_the_full_path_refuses_are_refused_alike():
+    """An x of another dtype than the layer's (a float32 layer computes in BF16: BF16 x is still the wrong
+    dtype) and a bias given another shape under the same memory get the full path's errors; a bias that
+    requires grad changes nothing."""
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(K, N, bias=False))
+    lowbit.quantize_(model, "int4-a16w4")
+    with pytest.raises(lowbit.DtypeError, match="does not match the weight dtype"):
+        model[0](random_x((1, K), torch.bfloat16, 1))
+    module = layer(torch.bfloat16)
+    x = random_x((1, K), torch.bfloat16, 2)
+    module.bias.requires_grad_(True)  # before the layer's first call, which binds the decode
+    want = full_path(module, x)
+    got = module(x)
+    assert module._one_call[0] is not None
+    assert not got.requires_grad and torch.equal(bits(got), bits(want))
+    module.bias.requires_grad_(False)
+    module.bias.data = module.bias.data[:35]  # the same address and version, another shape
+    with pytest.raises((RuntimeError, ValueError)):
+        module(x)
+
+
+def test_int4_prefill_binds_nothing_and_old_pickles_pack_again():
+    """x of more rows than the one call takes leaves no binding behind; a module pickled before the packed
+    weight and its state were one attribute (a _packed_from tuple) packs its weight again."""
+    module = layer(torch.bfloat16)
+    x = random_x((INT4_MSD_MAX_ROWS + 1, K), torch.bfloat16, 3)
+    module.__dict__["_one_call"] = None
+    module(x)
+    assert module._one_call is None
+    x = random_x((2, K), torch.bfloat16, 4)
+    want = full_path(module, x)
+    old = pickle.loads(pickle.dumps(module))
+    old.__dict__.pop("_packed_state")
+    old.__dict__.update(_packed=module._packed, _packed_from=())
+    assert torch.equal(bits(old(x)), bits(want)) and torch.equal(bits(PackedLinear.forward(old, x)), bits(want))

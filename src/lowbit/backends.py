@@ -67,7 +67,8 @@ def get_backend() -> str:
     process's (:func:`set_backend`'s, else ``LOWBIT_BACKEND`` if set, else "auto"). ValueError naming the
     variable if it is invalid. The variable is read once, the first time it is needed: every operator call
     asks for the default, and an ``os.environ`` look-up cost 10-30 us of a layer's call after other work had
-    evicted the caches (docs/weight_only.md, 'One call'); change the default at run time with set_backend."""
+    evicted the caches (docs/weight_only.md, 'One call'); change the default at run time with set_backend
+    (or read the variable again: read_environment)."""
     global _environment_value
     override = _override.get()
     if override is not None:
@@ -81,6 +82,13 @@ def get_backend() -> str:
         raise ValueError(f"environment variable {ENV_VAR}={value!r} is not a backend; expected one of "
                          f"{', '.join(BACKENDS)}")
     return value
+
+
+def read_environment() -> None:
+    """Read ``LOWBIT_BACKEND`` again the next time the default is needed (get_backend reads it once): for a
+    process that changes the variable on purpose, such as the command line's commands run in one process."""
+    global _environment_value
+    _environment_value = None
 
 
 @contextlib.contextmanager

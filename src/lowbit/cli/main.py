@@ -47,6 +47,7 @@ def _check_default_backend() -> str:
     already rejected it), so that the commands reading the default fail with exit 2."""
     from lowbit import backends
 
+    backends.read_environment()  # this command's variable, whatever an earlier command in this process read
     name = os.environ.get("LOWBIT_BACKEND")
     if name and name not in backends.BACKENDS:
         raise ValueError(f"LOWBIT_BACKEND={name!r} is not a backend; expected one of {', '.join(backends.BACKENDS)}")

@@ -135,8 +135,11 @@ def plain_context() -> bool:
     """Whether nothing would intercept or record a custom op's call here: torch.compile, torch.jit tracing,
     the profiler, a TorchFunctionMode or TorchDispatchMode (user modes and torch's own: fake tensors,
     functionalization, proxy tracing), functorch transforms (vmap, grad, functionalize). Six flag reads: this
-    runs on every direct call, where the thread-local dispatch key set (the same facts, as a new Python object)
-    cost about 30 us more after other work had evicted the caches (docs/weight_only.md, 'One call')."""
+    runs on every direct call, where reading the thread-local dispatch key set (a new Python object) cost
+    about 30 us more after other work had evicted the caches (docs/weight_only.md, 'One call'). Not seen:
+    torch's Python dispatcher and functionalization switched on without a mode, machinery of torch.compile
+    and torch.export that runs under the modes above (lowbit's ops have no Python kernels, so a direct call
+    gives the dispatcher's result)."""
     return not (torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled()
                 or torch._C._get_tracing_state() is not None or torch._C._autograd._profiler_enabled()
                 or torch._C._len_torch_dispatch_stack() or torch._C._are_functorch_transforms_active())

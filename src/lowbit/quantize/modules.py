@@ -95,15 +95,16 @@ class QuantizedLinearBase(nn.Module):
         cost tens of microseconds each after a model's previous layer (docs/weight_only.md, 'One call'). None
         (the caller's full path) where x is not plain (plain_tensor, plain_context: no grad, no mode, CPU),
         has no rows or more than ``max_rows`` and ``f.max_rows``, or f returned False."""
-        if not (plain_tensor(x) and plain_context()):
+        k, n = self.in_features, self.out_features
+        m = x.numel() // k
+        if not (0 < m <= (max_rows or m) and plain_tensor(x) and plain_context()):
             return None
         setting = (x.dtype, get_backend())
         kept = self.__dict__.get("_one_call")  # (bound call, SourcesSeen, (x dtype, backend setting))
         if kept is None or kept[2] != setting or not kept[1].unchanged(sources):
             kept = self.__dict__["_one_call"] = (bind(), SourcesSeen(sources), setting)
-        call, k, n = kept[0], self.in_features, self.out_features
-        m = x.numel() // k
-        if call is None or not 0 < m <= min(call.max_rows, max_rows or m):
+        call = kept[0]
+        if call is None or m > call.max_rows:
             return None
         out = torch.empty((*x.shape[:-1], n), dtype=x.dtype)
         x_bits = x.contiguous().view(torch.int16).numpy().reshape(m, k)
@@ -196,27 +197,27 @@ FUSED_LINEAR = {
 
 class SourcesSeen:
     """What a cache made from ``tensors`` (each a tensor or None) depends on, cheap to check on every call
-    (two attribute reads a tensor: each read costs microseconds after other work has evicted the caches,
-    docs/weight_only.md, 'One call'): each the same object, at the same address (a device move, ``.data =``
-    or share_memory_ changes it), with the same version counter (bumped by every in-place write, such as
-    load_state_dict's copy). An inference tensor has no version counter: a write in place to one, possible
-    only under torch.inference_mode, is not seen here (load_state_dict drops the deploy modules' caches
-    itself)."""
+    (three attribute reads a tensor: each read costs microseconds after other work has evicted the caches,
+    docs/weight_only.md, 'One call'): each the same object, at the same address and of the same shape (a
+    device move, ``.data =`` or share_memory_ changes them), with the same version counter (bumped by every
+    in-place write, such as load_state_dict's copy). An inference tensor has no version counter: a write in
+    place to one, possible only under torch.inference_mode, is not seen here (load_state_dict drops the
+    deploy modules' caches itself)."""
 
     def __init__(self, tensors: tuple) -> None:
         self.tensors = tensors
-        self._addresses = self._read_addresses(tensors)
+        self._places = self._read_places(tensors)
         self._versioned = tuple(t for t in tensors if t is not None and not t.is_inference())
         self._versions = tuple(t._version for t in self._versioned)
 
     @staticmethod
-    def _read_addresses(tensors: tuple) -> tuple:
-        return tuple(None if t is None else t.data_ptr() for t in tensors)
+    def _read_places(tensors: tuple) -> tuple:
+        return tuple(None if t is None else (t.data_ptr(), t.shape) for t in tensors)
 
     def unchanged(self, tensors: tuple) -> bool:
-        """Whether ``tensors`` are the ones seen, at the same addresses, unwritten since."""
+        """Whether ``tensors`` are the ones seen, at the same addresses and shapes, unwritten since."""
         return (len(tensors) == len(self.tensors) and all(a is b for a, b in zip(tensors, self.tensors))
-                and self._read_addresses(tensors) == self._addresses
+                and self._read_places(tensors) == self._places
                 and tuple(t._version for t in self._versioned) == self._versions)
 
 
@@ -260,12 +261,15 @@ class PackedLinear(QuantizedLinearBase):
         fast = self.__dict__.get("_fused_input")  # (x dtype, (K,), operator, its buffer names)
         if fast is not None and x.dtype is fast[0] and x.shape[-1:] == fast[1]:
             sources = (*(self._buffers[name] for name in fast[3]), self._parameters.get("bias"))
-            y = self._run_one_call(x, sources, lambda: self.prepared_call(fast[2], sources, self._fused_arguments)
-                                   ._bound_gemv(x.dtype, self.in_features))  # a GEMV: at most GEMV rows of x
+
+            def prepared() -> PreparedCall:
+                return self.prepared_call(fast[2], sources, self._fused_arguments)
+
+            y = self._run_one_call(x, sources, lambda: prepared()._bound_gemv(x.dtype, self.in_features))
             if y is not None:
                 return y
             if self._records_no_graph(x):
-                return self.prepared_call(fast[2], sources, self._fused_arguments)(x)
+                return prepared()(x)
         return super().forward(x)
 
     def compute(self, x_q):
@@ -303,9 +307,16 @@ class Int4Linear(PackedLinear):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._packed: Optional[PackedWeight] = None
-        self._packed_from: Optional[SourcesSeen] = None
+        # (PackedWeight, SourcesSeen of the weight it was made from), set in one step: a thread reading it
+        # never pairs one PackedWeight with another's state
+        self._packed_state: Optional[tuple] = None
         self._plans: dict = {}
+
+    @property
+    def _packed(self) -> Optional[PackedWeight]:
+        """The PackedWeight last made (None before the first call or after load_state_dict)."""
+        state = self.__dict__.get("_packed_state")
+        return None if state is None else state[0]
 
     def _plan(self, m: int, device: torch.device):
         """The MSD plan for m rows of x (kept per row count, device, dtype and backend setting: planning
@@ -325,20 +336,28 @@ class Int4Linear(PackedLinear):
         default the plan of one row under the current backend setting), in huge pages on the CPU as the
         buffers; returns it."""
         packed = (plan or self._plan(1, self.weight.device)).pack_weight(self.weight)
-        self._packed = dataclasses.replace(packed, data=huge_page_copy(packed.data))
-        self._packed_from = SourcesSeen((self.weight,))
-        return self._packed
+        packed = dataclasses.replace(packed, data=huge_page_copy(packed.data))
+        self.__dict__["_packed_state"] = (packed, SourcesSeen((self.weight,)))
+        return packed
+
+    def _current_packed(self, plan) -> PackedWeight:
+        """The PackedWeight for ``plan``, made again on the first call and after a change or a move of the
+        weight, under another backend setting, or in a module pickled before _packed_state existed."""
+        state = self.__dict__.get("_packed_state")
+        if state is None or state[0].backend != plan.backend or not state[1].unchanged((self.weight,)):
+            return self.prepack(plan)
+        return state[0]
 
     def _load_from_state_dict(self, *args, **kwargs):
-        self._packed = None  # written in place, as prepared_call's sources (see QuantizedLinearBase)
+        self.__dict__["_packed_state"] = None  # written in place, as prepared_call's sources (QuantizedLinearBase)
         super()._load_from_state_dict(*args, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # An x of the compute dtype that no activation quantization changes: the plan's bound decode, where the
         # one call applies (_run_one_call); a NaN result takes the full path too (torch's NaN bit patterns).
         scale = self._buffers["antiquant_scale"]
-        if (x.dtype is scale.dtype and x.shape[-1:] == (self.in_features,) and "smooth" not in self._buffers
-                and self.cfg_meta["act_kind"] == "none"):
+        if (x.dtype is self.weight_dtype and x.dtype is scale.dtype and x.shape[-1:] == (self.in_features,)
+                and "smooth" not in self._buffers and self.cfg_meta["act_kind"] == "none"):
             sources = (self._buffers["weight"], scale, self._buffers.get("antiquant_offset"), self._parameters.get("bias"))
             y = self._run_one_call(x, sources, lambda: self._bind_decode(*sources[1:]), INT4_MSD_MAX_ROWS)
             if y is not None:
@@ -351,10 +370,7 @@ class Int4Linear(PackedLinear):
         if self.cfg_meta["geometry"]["type"] != "Linear" or (bias is not None and bias.dtype != scale.dtype):
             return None
         plan = self._plan(1, self.weight.device)
-        packed = self._packed
-        if packed is None or packed.backend != plan.backend or not self._packed_from.unchanged((self.weight,)):
-            packed = self.prepack(plan)
-        return plan._bound_decode(packed, scale, offset, bias)
+        return plan._bound_decode(self._current_packed(plan), scale, offset, bias)
 
     def compute(self, x_q):
         x2 = x_q.reshape(-1, self.in_features).to(self.antiquant_scale.dtype)
@@ -364,10 +380,7 @@ class Int4Linear(PackedLinear):
                                           group_size=self.cfg_meta["group_size"], algorithm="dequant")
         else:
             plan = self._plan(x2.shape[0], self.weight.device)
-            packed = self._packed
-            if packed is None or packed.backend != plan.backend or not self._packed_from.unchanged((self.weight,)):
-                packed = self.prepack(plan)  # first call, a changed or moved weight, another backend setting
-            y = plan.run(x2, packed, self.antiquant_scale, offset)
+            y = plan.run(x2, self._current_packed(plan), self.antiquant_scale, offset)
         y = y.reshape(*x_q.shape[:-1], self.out_features).to(x_q.dtype)
         return y if self.bias is None else y + self.bias
 

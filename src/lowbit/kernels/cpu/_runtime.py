@@ -63,19 +63,23 @@ class SerialOrParallel:
         return (self.serial if serial else self.parallel)(*args)
 
 
-_BOUND: dict[str, object] = {}  # name -> numba dispatcher of bound_njit
+_BOUND: dict[str, tuple] = {}  # name -> (numba dispatcher of bound_njit, its bindings)
 
 
 def bound_njit(template, name: str, **bound):
     """The numba dispatcher (NJIT_OPTIONS) of a copy of the Python function ``template`` named ``name``, whose
     global names ``bound`` (numba dispatchers, constants) are replaced by the given values: one template for
     several kernels (say a driver calling a serial or a parallel kernel), each with its own entry in numba's
-    on-disk cache. Made once per name."""
+    on-disk cache. Made once per name; ValueError if a name comes back with other bindings (each combination
+    needs a name of its own)."""
     if name not in _BOUND:
         twin = types.FunctionType(template.__code__, {**template.__globals__, **bound}, name)
         twin.__qualname__, twin.__doc__, twin.__module__ = name, template.__doc__, template.__module__
-        _BOUND[name] = numba.njit(**NJIT_OPTIONS)(twin)
-    return _BOUND[name]
+        _BOUND[name] = (numba.njit(**NJIT_OPTIONS)(twin), bound)
+    dispatcher, made_with = _BOUND[name]
+    if made_with.keys() != bound.keys() or any(made_with[key] is not value for key, value in bound.items()):
+        raise ValueError(f"bound_njit: {name!r} was made with other bindings")
+    return dispatcher
 
 
 KERNEL_PACKAGE = __name__.rpartition(".")[0]  # "lowbit.kernels.cpu"

@@ -634,11 +634,7 @@ def _msd_into(
     else:
         # Column tiles are handed out in small chunks on demand (not split evenly up front), so a thread
         # that the OS deschedules on a shared machine does not make the other one wait at the end.
-        previous_chunksize = numba.set_parallel_chunksize(1 if layout.raw else _PARALLEL_CHUNK)
-        try:
-            _run_stages(*stages, serial=False)
-        finally:
-            numba.set_parallel_chunksize(previous_chunksize)
+        call_in_chunks(1 if layout.raw else _PARALLEL_CHUNK, lambda: _run_stages(*stages, serial=False))
     out.copy_(y32[:, : layout.n])
 
 
@@ -794,14 +790,14 @@ class BoundDecode:
     rows of x it takes (x is pre-processed on the calling thread: a decode step's few rows)."""
 
     def __init__(self, tiles: torch.Tensor, scale: torch.Tensor, offset, bias, group_size: int, n: int) -> None:
-        self.dtype, self.k, self.n, self.group_size = scale.dtype, scale.shape[0] * group_size, n, group_size
+        self.dtype, self.k, self.n = scale.dtype, scale.shape[0] * group_size, n
         npad = padded_n(n)
         self.tiles = as_numpy(tiles)
         self.scale_bits = self._padded_bits(scale, npad)
         self.offset_bits = self.scale_bits if offset is None else self._padded_bits(offset, npad)
         self.bias32 = np.zeros(npad, dtype=np.float32)
         if bias is not None:
-            self.bias32[:n] = bias.float().numpy()
+            self.bias32[:n] = bias.detach().float().numpy()  # the layer's bias may require grad: values only
         self.operands = (self.tiles, self.scale_bits, self.offset_bits, offset is not None, group_size, self.bias32,
                          bias is not None)
         self.is_bf16 = self.dtype == torch.bfloat16
@@ -811,7 +807,7 @@ class BoundDecode:
     @staticmethod
     def _padded_bits(t: torch.Tensor, npad: int) -> np.ndarray:
         bits = np.zeros((t.shape[0], npad), dtype=np.int16)
-        bits[:, : t.shape[1]] = as_numpy(t)
+        bits[:, : t.shape[1]] = as_numpy(t.detach())
         return bits.reshape(-1)
 
     def __call__(self, x_bits: np.ndarray, out_bits: np.ndarray) -> bool:
