@@ -353,8 +353,9 @@ class Int4Linear(PackedLinear):
         super()._load_from_state_dict(*args, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # An x of the compute dtype that no activation quantization changes: the plan's bound decode, where the
-        # one call applies (_run_one_call); a NaN result takes the full path too (torch's NaN bit patterns).
+        # An x of the layer's own FP16 / BF16 dtype (its compute dtype) that no activation quantization changes:
+        # the plan's bound decode, where the one call applies (_run_one_call); anything else, and a NaN result
+        # (torch's NaN bit patterns), takes the full path.
         scale = self._buffers["antiquant_scale"]
         if (x.dtype is self.weight_dtype and x.dtype is scale.dtype and x.shape[-1:] == (self.in_features,)
                 and "smooth" not in self._buffers and self.cfg_meta["act_kind"] == "none"):

@@ -2450,8 +2450,8 @@ class WeightOnlyLinear(Kernel):
 
     def _run(self, x: torch.Tensor, prepared: tuple, out: torch.Tensor, one_call: bool) -> None:
         """out <- x times the weight (``prepared``: operands, bias, its bits or None where not ``one_call``), by
-        the GEMV (in one numba call where ``one_call``), the batched kernel or the GEMM path."""
-        operands, bias, bias_bits = prepared
+        the GEMV (in one numba call, BoundGemv, where ``one_call``), the batched kernel or the GEMM path."""
+        operands, bias, _ = prepared
         k, n = x.shape[-1], out.shape[-1]
         m = out.numel() // n
         if out.dim() != 2:  # x too: (..., K) -> (M, K)
