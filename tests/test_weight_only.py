@@ -181,25 +181,29 @@ def _scale_words(rng, e6m2_bytes):
                            | rng.permutation(flags) << 24 for b in range(e6m2_bytes)]).astype(np.uint32).view(np.int32)
 
 
-def _every_block_both_ways(step, seed):
-    """The 64 weights of every block decoded by ``step`` and by the portable decode (float32 tables, then
-    the e2 / e3 doublings), each in its register order: every E6M2 byte (the poisoned 0xFF included) under
+def _every_block_both_ways(decode, seed):
+    """The 64 weights of every block decoded by ``decode(words, value, out)`` and by the portable decode (float32
+    tables, then the e2 / e3 doublings), each in its register order: every E6M2 byte (the poisoned 0xFF included) under
     every e2 byte and every e3 byte in both halves, with random value bytes (every nibble, both signs)."""
     rng = np.random.default_rng(seed)
     words = _scale_words(rng, 256)
     value = rng.integers(0, 256, 32 * words.size, dtype=np.uint8)
     got, by_flags = (np.empty(64 * words.size, dtype=np.float32) for _ in range(2))
-    _hifloat4_steps(step, words, value, got)
+    decode(words, value, got)
     _hifloat4_steps(cpu._hifloat4_step_flags, words, value, by_flags)
     return got, by_flags
 
 
 @pytest.mark.skipif(not cpu.BYTE_SHUFFLE_NIBBLES, reason="the byte-shuffle step is the AVX2 (no AVX-512) one")
 def test_hifloat4_byte_shuffle_step_decodes_every_block_as_the_flag_doublings():
-    """The AVX2 decode (BF16 bytes by vpshufb, then 2^(e2 + e3) per lane) gives the portable one's weights,
-    bit for bit, in FOUR_BIT_ORDER (_every_block_both_ways)."""
-    shuffled, by_flags = _every_block_both_ways(cpu._hifloat4_step_shuffled, 10)
-    want = by_flags.reshape(-1, 64)[:, np.argsort(cpu.NIBBLE_ORDER)][:, cpu.FOUR_BIT_ORDER].reshape(-1)
+    """The AVX2 decode (BF16 bytes of four times the weight by vpshufb, then 2 - e2 - e3 off each exponent)
+    gives the portable one's weights, bit for bit, in HIFLOAT4_ORDER (_every_block_both_ways), but for -0,
+    which it gives as +0 (no lane sum changes: docs/weight_only.md, 'CPUs without AVX-512')."""
+    shuffled, by_flags = _every_block_both_ways(
+        lambda words, value, out: _hifloat4_steps(cpu._hifloat4_step_shuffled, words, value, out), 10)
+    want = by_flags.reshape(-1, 64)[:, np.argsort(cpu.NIBBLE_ORDER)][:, cpu.HIFLOAT4_ORDER].reshape(-1)
+    assert (want.view(np.uint32) == 0x80000000).sum() > 200_000  # every block's -0 nibbles
+    want[want == 0] = 0.0
     assert np.isnan(want).sum() == 256 * 64  # the 256 blocks of the poisoned byte, all of their weights
     assert np.array_equal(np.isnan(shuffled), np.isnan(want))  # (NaN signs: canonical in the output)
     finite = ~np.isnan(shuffled)
@@ -211,7 +215,8 @@ def test_hifloat4_word_tables_decode_every_block_as_the_flag_doublings():
     bit (_every_block_both_ways)."""
     if not simd.HAS_AVX512BW:
         pytest.skip("no AVX512-BW on this CPU")
-    by_words, by_flags = _every_block_both_ways(cpu._hifloat4_step_words, 5)
+    by_words, by_flags = _every_block_both_ways(
+        lambda words, value, out: _hifloat4_steps(cpu._hifloat4_step_words, words, value, out), 5)
     assert np.isnan(by_flags).sum() == 256 * 64  # the 256 blocks of the poisoned byte, all of their weights
     assert np.array_equal(by_words.view(np.uint32), by_flags.view(np.uint32))
 
@@ -1034,14 +1039,13 @@ def test_sum_tree_folds_in_the_reference_order():
         assert np.float32(tree(values)).view(np.int32) == acc.numpy().view(np.int32)[0]
 
 
-@pytest.mark.parametrize("permute_first", [False, True])
-@pytest.mark.parametrize("split", [cpu.CODE8_BLOCK_SPLIT, cpu.CODE8_HALVES_SPLIT, cpu.NIBBLE_SPLIT, cpu.BYTE_SHUFFLE_SPLIT])
-def test_every_register_order_folds_as_the_reference(split, permute_first):
-    """A row's 64 lanes kept in a register order fold, level by level where they lie (or put in the logical
-    order first), to the bits of the reference's fold of the logical lanes (lane i + lane i + 32, then
-    halves)."""
+@pytest.mark.parametrize("split", [cpu.CODE8_BLOCK_SPLIT, cpu.CODE8_HALVES_SPLIT, cpu.NIBBLE_SPLIT, cpu.BYTE_SHUFFLE_SPLIT,
+                                   cpu.HIFLOAT4_SHUFFLE_SPLIT])
+def test_every_register_order_folds_as_the_reference(split):
+    """A row's 64 lanes kept in a register order fold, level by level where they lie, to the bits of the
+    reference's fold of the logical lanes (lane i + lane i + 32, then halves)."""
     order = cpu._order(*split)
-    fold = cpu._make_fold(order, permute_first)
+    fold = cpu._make_fold(order)
 
     @numba.njit
     def run(lanes):

@@ -159,11 +159,18 @@ NIBBLE_SPLIT = ((32, 2), (1, 0))
 BYTE_SHUFFLE_SPLIT = ((2, 2, 4, 2, 2), (4, 1, 3, 0, 2))
 BYTE_SHUFFLE_NIBBLES = simd.HAS_AVX2 and not simd.HAS_AVX512F  # (AVX-512 CPUs sum four rows at once instead)
 FOUR_BIT_SPLIT = BYTE_SHUFFLE_SPLIT if BYTE_SHUFFLE_NIBBLES else NIBBLE_SPLIT
+# HiFloat4 on those CPUs (hifloat4_bf16_step): value bytes 0-15, then 16-31, each in both 128-bit lanes of a
+# register, the low lane's low nibbles and the high lane's high nibbles looked up, then unpacked as above:
+# register (bytes half, unpack half h, word parity) holds, in lane 4 * nibble + d, element 32 * half + 16 h +
+# 4 d + 2 parity + nibble.
+HIFLOAT4_SHUFFLE_SPLIT = ((2, 2, 4, 2, 2), (0, 1, 3, 4, 2))
+HIFLOAT4_SPLIT = HIFLOAT4_SHUFFLE_SPLIT if BYTE_SHUFFLE_NIBBLES else NIBBLE_SPLIT
 CODE8_HALVES = BYTE_SHUFFLE_NIBBLES  # the CPUs that sum rows one by one and look bytes up by vpshufb
 CODE8_SPLIT = CODE8_HALVES_SPLIT if CODE8_HALVES else CODE8_BLOCK_SPLIT
 CODE8_ORDER = _order(*CODE8_SPLIT)
 NIBBLE_ORDER = _order(*NIBBLE_SPLIT)
 FOUR_BIT_ORDER = _order(*FOUR_BIT_SPLIT)
+HIFLOAT4_ORDER = _order(*HIFLOAT4_SPLIT)
 _CODE8_ELEMENTS = np.array(CODE8_ORDER)
 _SECOND_BLOCK = (_CODE8_ELEMENTS >= 32).astype(np.int32)  # MXFP8: lanes of the step's second 32-block
 _FIRST_BLOCK = 1 - _SECOND_BLOCK
@@ -220,20 +227,17 @@ def _fold_levels(order):
     return levels
 
 
-def _make_fold(order, permute_first=False):
-    levels = _fold_levels(range(LANES) if permute_first else order)
-    inverse = [order.index(lane) for lane in range(LANES)] if permute_first else list(range(LANES))
+def _make_fold(order):
+    levels = _fold_levels(order)
 
     @intrinsic
     def fold(typingctx, first, second):
         """The float32 sum of the 64 lanes of (``first``, ``second``), kept in this register order, folded
         as the reference does: lane[i] + lane[i + 32] in logical order, then f32v_sum_tree. Each level adds
-        the lanes of the lower elements to their partners where they lie; with ``permute_first``, the lanes
-        are put in the logical order first (for AVX2's byte-shuffle order that took about 50 cycles more per
-        row, but LLVM allocated HiFloat4's loop better so: 79 against 91 instructions per block)."""
+        the lanes of the lower elements to their partners where they lie (docs/weight_only.md, 'Kernels')."""
 
         def codegen(context, builder, sig, args):
-            vector = builder.shuffle_vector(args[0], args[1], _mask(inverse))
+            vector = builder.shuffle_vector(args[0], args[1], _mask(range(LANES)))
             for lower, upper in levels:
                 vector = builder.fadd(builder.shuffle_vector(vector, vector, _mask(lower)),
                                       builder.shuffle_vector(vector, vector, _mask(upper)))
@@ -246,10 +250,11 @@ def _make_fold(order, permute_first=False):
 
 code8_logical = _make_logical(CODE8_ORDER)
 four_bit_logical = _make_logical(FOUR_BIT_ORDER)
+hifloat4_logical = _make_logical(HIFLOAT4_ORDER)
 _row_sum_code8 = _make_fold(CODE8_ORDER)
 _row_sum_nibbles = _make_fold(NIBBLE_ORDER)
 _row_sum_4bit = _make_fold(FOUR_BIT_ORDER)
-_row_sum_hifloat4 = _make_fold(FOUR_BIT_ORDER, permute_first=True)  # see fold's docstring
+_row_sum_hifloat4 = _make_fold(HIFLOAT4_ORDER)
 _to_4bit_order = _make_reorder(NIBBLE_ORDER, FOUR_BIT_ORDER)  # the float32 tables' steps in FOUR_BIT_ORDER
 
 # ---- 8-bit codes (HiFloat8, FP8 E4M3): 64 codes -> two F32V in CODE8_ORDER -------------------------------
@@ -699,21 +704,34 @@ _MXFP4_BF16_BYTES = _bf16_byte_table(_MXFP4_TABLES)
 _UNPACK_LOW_BYTES = [i for lane in (0, 16) for j in range(lane, lane + 8) for i in (j, 32 + j)]  # vpunpcklbw
 _UNPACK_HIGH_BYTES = [i + 8 for i in _UNPACK_LOW_BYTES]  # vpunpckhbw
 _V32x8, _V16x8, _V8x32 = ir.VectorType(ir.IntType(8), 32), ir.VectorType(ir.IntType(8), 16), ir.VectorType(_I32, 8)
+_V16x16 = ir.VectorType(ir.IntType(16), 16)
+
+
+def _bf16_byte_words(builder, raw, low_bytes, high_bytes):
+    """The 4 registers (<16 x i16>; register 2 nibble + unpack half) of the BF16 bits of the weights of the 64
+    nibbles of ``raw`` (<32 x i8>), whose low and high bytes ``low_bytes`` and ``high_bytes`` (<32 x i8>: 16-entry
+    tables for the low 128-bit lane's bytes, then the high lane's) look up (AVX2 vpshufb). Word w of 128-bit
+    lane l of register (nibble, h) is that nibble of value byte 16 l + 8 h + w."""
+    fifteen = ir.Constant(_V32x8, [15] * 32)
+    words = []
+    for nibble in (builder.and_(raw, fifteen), builder.and_(builder.lshr(raw, ir.Constant(_V32x8, [4] * 32)), fifteen)):
+        low, high = simd.vpshufb(builder, low_bytes, nibble), simd.vpshufb(builder, high_bytes, nibble)
+        words.extend(builder.bitcast(builder.shuffle_vector(low, high, _mask(unpack)), _V16x16)
+                     for unpack in (_UNPACK_LOW_BYTES, _UNPACK_HIGH_BYTES))
+    return words
+
+
+def _float32_lanes(builder, words):
+    """The float32 bits (two <8 x i32>: the even words, then the odd ones) of the BF16 bits ``words``
+    (<16 x i16>)."""
+    pairs = builder.bitcast(words, _V8x32)
+    return [builder.shl(pairs, ir.Constant(_V8x32, [16] * 8)), builder.and_(pairs, ir.Constant(_V8x32, [-65536] * 8))]
 
 
 def _bf16_byte_lookups(builder, raw, low_bytes, high_bytes):
-    """The 8 registers (<8 x i32>, BYTE_SHUFFLE_SPLIT's order) of the float32 weights of the 64 nibbles of
-    ``raw`` (<32 x i8>), whose BF16 bits' low and high bytes ``low_bytes`` and ``high_bytes`` (<32 x i8>:
-    16-entry tables for the low 128-bit lane's bytes, then the high lane's) look up (AVX2 vpshufb)."""
-    fifteen = ir.Constant(_V32x8, [15] * 32)
-    registers = []
-    for nibble in (builder.and_(raw, fifteen), builder.and_(builder.lshr(raw, ir.Constant(_V32x8, [4] * 32)), fifteen)):
-        low, high = simd.vpshufb(builder, low_bytes, nibble), simd.vpshufb(builder, high_bytes, nibble)
-        for unpack in (_UNPACK_LOW_BYTES, _UNPACK_HIGH_BYTES):
-            words = builder.bitcast(builder.shuffle_vector(low, high, _mask(unpack)), _V8x32)
-            registers.append(builder.shl(words, ir.Constant(_V8x32, [16] * 8)))  # even words
-            registers.append(builder.and_(words, ir.Constant(_V8x32, [-65536] * 8)))  # odd words
-    return registers
+    """The 8 registers (<8 x i32>, BYTE_SHUFFLE_SPLIT's order) of the float32 weights of _bf16_byte_words."""
+    return [lanes for words in _bf16_byte_words(builder, raw, low_bytes, high_bytes)
+            for lanes in _float32_lanes(builder, words)]
 
 
 def _f32v_pair(builder, registers):
@@ -753,177 +771,114 @@ def mxfp4_bf16_step(typingctx, codes, start, scales, block):
     return types.UniTuple(simd.F32V, 2)(codes, start, scales, block), codegen
 
 
-# HiFloat4 (hifloat4_bf16_step): per E6M2 byte, the low and high bytes of the BF16 bits of its 16 weights
-# (-1)^s c/4 times the scale, both 128-bit lanes from the one table; then each lane times 2^(e2 + e3), its
-# byte's flags. A register's lanes hold bytes 16 * half + 8 h + 2 d + parity (lane 4 * half + d); the two bytes
-# of a word share their 4-group and 8-group, so the four lanes of a quarter (half, h) need the e3 flags of
-# four consecutive 4-groups and the e2 flags of two 8-groups: four and two adjacent bits of the scale word,
-# shifted out by scalar instructions into the row of a 64 x 4 table of the quarter's multipliers (1 KiB).
-# Shifting the word per lane in vector registers took 14 vector instructions and six constant registers per
-# block instead: 22-23 -> 19-20 cycles per block on an AMD Zen 3.
-_HIFLOAT4_BF16_BYTES = _bf16_byte_table(_HIFLOAT4_TABLES)
+# HiFloat4 (hifloat4_bf16_step): per E6M2 byte, the low and high bytes of the BF16 bits of four times its 16
+# weights, (-1)^s c times the scale (exact and normal: at least 2^-48; -0 as +0, which changes no sum, as a lane
+# sum is never -0: docs/weight_only.md, 'CPUs without AVX-512'), in both 128-bit lanes. A block's 32 value
+# bytes are two registers, bytes 0-15 and 16-31 each in both lanes, whose low 128-bit lane looks up the low
+# nibbles and the high lane the high ones (HIFLOAT4_SHUFFLE_SPLIT): so both lanes of a register of words hold
+# the same 4-groups and 8-groups. Each BF16 word then loses 2 - e2 - e3 from its exponent by one unsigned
+# saturating subtraction of (2 - e2 - e3) << 7 (vpsubusw; +0 stays +0 and no weight leaves the normal range):
+# the weight times 2^(e2 + e3), exact. The 16 words of a register need the e3 flags of four consecutive
+# 4-groups and the e2 flags of two 8-groups: four and two adjacent bits of the scale word, shifted out by
+# scalar instructions into the row of a 64 x 16 table of subtrahends (2 KiB) that the subtraction reads from
+# memory. A poisoned block (E6M2 byte 0xFF: NaN weights) subtracts nothing: its rows come from a second, zero
+# table. Multiplying the float32 lanes by 2^(e2 + e3) instead took eight vmulps per block on the two pipes the
+# fused multiply-adds run on.
+_HIFLOAT4_QUADRUPLED = np.where(_HIFLOAT4_TABLES == 0, np.float32(0), _HIFLOAT4_TABLES * np.float32(4))
+_HIFLOAT4_BF16_BYTES = _bf16_byte_table(_HIFLOAT4_QUADRUPLED)
 
 
-def _level_quarters() -> tuple[dict, np.ndarray]:
-    """(shifts, table): the row of quarter (half, h) is ``(word >> a) & 15 | ((word >> b) & 3) << 4`` for
-    (a, b) = shifts[h, half], the lowest bits of its e3 and e2 flags in the scale word (those of bytes
-    16 half + 8 h + 2 d, d = 0..3), and row i of ``table`` (64, 4) float32 holds lane d's 2^(e2 + e3).
-    ValueError unless each quarter's flags are adjacent bits and the rows are the same for all four."""
+def _level_subtrahends() -> tuple[dict, np.ndarray]:
+    """(shifts, table): the row of word register (half, h) (value bytes 16 half + 8 h .. + 7) is ``(word >> a)
+    & 15 | ((word >> b) & 3) << 4`` for (a, b) = shifts[h, half], the lowest bits of its e3 and e2 flags in the
+    scale word, and row i of ``table[0]`` ((2, 64, 16) int16) holds, in word w and w + 8 (both 128-bit lanes),
+    (2 - e2 - e3) << 7 of value byte 16 half + 8 h + w; ``table[1]`` is zeros (poisoned blocks). ValueError
+    unless each register's flags are adjacent bits, the rows are the same for all four registers and the
+    subtraction keeps every nonzero finite entry of _HIFLOAT4_QUADRUPLED normal."""
     shifts, tables = {}, []
     for h in (0, 1):
         for half in (0, 1):
-            bytes_ = [16 * half + 8 * h + 2 * d for d in range(4)]
+            bytes_ = [16 * half + 8 * h + w for w in range(8)]
             e3, e2 = ({_flag_bit(flag, b) for b in bytes_} for flag in ("e3", "e2"))
             if e3 != set(range(min(e3), min(e3) + 4)) or e2 != set(range(min(e2), min(e2) + 2)):
-                raise ValueError("a quarter's flags are not adjacent bits")
+                raise ValueError("a register's flags are not adjacent bits")
             index_bit = {**{bit: bit - min(e3) for bit in e3}, **{bit: 4 + bit - min(e2) for bit in e2}}
-            table = np.array([[2.0 ** sum((i >> index_bit[_flag_bit(flag, b)]) & 1 for flag in ("e2", "e3"))
-                               for b in bytes_] for i in range(64)], dtype=np.float32)
+            table = np.array([[(2 - sum((i >> index_bit[_flag_bit(flag, b)]) & 1 for flag in ("e2", "e3"))) << 7
+                               for b in bytes_] * 2 for i in range(64)], dtype=np.int16)
             shifts[h, half] = min(e3), min(e2)
             tables.append(table)
     if not all(np.array_equal(t, tables[0]) for t in tables):
-        raise ValueError("the quarters' level tables differ")
-    return shifts, tables[0]
+        raise ValueError("the registers' level tables differ")
+    bits = (_HIFLOAT4_QUADRUPLED.view(np.uint32) >> 16).reshape(256, 16)[:255]  # the NaN byte subtracts nothing
+    if (((bits >> 7) & 0xFF)[(bits & 0x7FFF) != 0] <= 2).any():
+        raise ValueError("a weight would leave the normal range")
+    return shifts, np.stack([tables[0], np.zeros_like(tables[0])])
 
 
-_LEVEL_SHIFTS, _LEVEL_QUARTERS = _level_quarters()
+_LEVEL_SHIFTS, _LEVEL_SUBTRAHENDS = _level_subtrahends()
+_POISONED_ROWS = _LEVEL_SUBTRAHENDS[1].nbytes  # byte offset of the zero table
+
+
+# The word registers (unpack half h, value bytes half) in the order of their rows' offsets (_hifloat4_shuffled_weights).
+_WORD_REGISTERS = ((0, 0), (1, 0), (0, 1), (1, 1))
+
+
+def _hifloat4_shuffled_weights(context, builder, value_type, value, start, table_offset, row_offsets):
+    """The two F32V of hifloat4_bf16_step from its value bytes (``value``: a 1-D uint8 array of ``value_type``,
+    32 bytes at ``start``), the byte offset of its E6M2 byte's row in _HIFLOAT4_BF16_BYTES (i64) and those of
+    its four word registers' rows of subtrahends in _LEVEL_SUBTRAHENDS (i64, _WORD_REGISTERS' order)."""
+    table = simd.aligned_constant(builder, "lowbit.hifloat4.bf16_bytes4", _HIFLOAT4_BF16_BYTES)
+    low_bytes, high_bytes = (simd.broadcast_lanes(builder, builder.bitcast(builder.gep(table, [
+        builder.add(table_offset, ir.Constant(table_offset.type, 16 * h))]), _V16x8.as_pointer())) for h in (0, 1))
+    levels = simd.aligned_constant(builder, "lowbit.hifloat4.level_subtrahends", _LEVEL_SUBTRAHENDS)
+    subtract = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16x16, [_V16x16] * 2),
+                                              "llvm.usub.sat.v16i16")
+    nibble_shift = ir.Constant(_V8x32, [0] * 4 + [4] * 4)  # the high lane's bytes give their high nibbles
+    registers = []
+    for half in (0, 1):
+        at = builder.add(start, ir.Constant(start.type, 16 * half))
+        raw = simd.broadcast_lanes(builder, builder.bitcast(
+            simd._element_ptr(context, builder, value_type, value, at, ir.IntType(8)), _V16x8.as_pointer()), 1)
+        nibbles = builder.and_(builder.bitcast(builder.lshr(builder.bitcast(raw, _V8x32), nibble_shift), _V32x8),
+                               ir.Constant(_V32x8, [15] * 32))
+        low, high = simd.vpshufb(builder, low_bytes, nibbles), simd.vpshufb(builder, high_bytes, nibbles)
+        for h, unpack in enumerate((_UNPACK_LOW_BYTES, _UNPACK_HIGH_BYTES)):
+            words = builder.bitcast(builder.shuffle_vector(low, high, _mask(unpack)), _V16x16)
+            row = builder.gep(levels, [row_offsets[_WORD_REGISTERS.index((h, half))]])
+            subtrahends = builder.load(builder.bitcast(row, _V16x16.as_pointer()), align=32)
+            registers.extend(_float32_lanes(builder, builder.call(subtract, [words, subtrahends])))
+    return _f32v_pair(builder, registers)
 
 
 @intrinsic
 def hifloat4_bf16_step(typingctx, value, start, words, block):
     """HiFloat4 block ``block`` (flat): scale word at ``words[block]`` (1-D int32), 32 value bytes at
-    ``value[start]`` (1-D uint8), as two F32V in BYTE_SHUFFLE_SPLIT's order: the weights from
-    _HIFLOAT4_BF16_BYTES by byte shuffles (_bf16_byte_lookups), each times 2^(e2 + e3) from _LEVEL_QUARTERS
-    (exact). The NaN E6M2 byte gives NaN weights. AVX2."""
+    ``value[start]`` (1-D uint8), as two F32V in HIFLOAT4_SHUFFLE_SPLIT's order: four times the weights from
+    _HIFLOAT4_BF16_BYTES by byte shuffles (_bf16_byte_words), each BF16 word's exponent less 2 - e2 - e3
+    (_LEVEL_SUBTRAHENDS; exact). The NaN E6M2 byte gives NaN weights; -0 weights come out as +0. AVX2."""
 
     def codegen(context, builder, sig, args):
-        raw = builder.load(simd._element_ptr(context, builder, sig.args[0], args[0], args[1], _V32x8), align=1)
-        word = builder.load(simd._element_ptr(context, builder, sig.args[2], args[2], args[3], _I32))
-        table = simd.aligned_constant(builder, "lowbit.hifloat4.bf16_bytes", _HIFLOAT4_BF16_BYTES)
-        scale_byte = builder.trunc(word, ir.IntType(8))
-        low_bytes, high_bytes = (simd.broadcast_lanes(builder, _table_half(context, builder, table, scale_byte, h))
-                                 for h in (0, 1))
-        registers = _bf16_byte_lookups(builder, raw, low_bytes, high_bytes)
-        v8f, v4f = ir.VectorType(ir.FloatType(), 8), ir.VectorType(ir.FloatType(), 4)
-        quarters = builder.bitcast(simd.aligned_constant(builder, "lowbit.hifloat4.level_quarters", _LEVEL_QUARTERS),
-                                   v4f.as_pointer())
+        i64 = ir.IntType(64)
+        word = builder.zext(builder.load(simd._element_ptr(context, builder, sig.args[2], args[2], args[3], _I32)),
+                            i64)
+        scale_byte = builder.and_(word, ir.Constant(i64, 0xFF))
+        poisoned = builder.icmp_unsigned("==", scale_byte, ir.Constant(i64, 0xFF))
+        zero_rows = builder.select(poisoned, ir.Constant(i64, _POISONED_ROWS), ir.Constant(i64, 0))
 
         def flags(at, count):
-            return builder.and_(builder.lshr(word, ir.Constant(_I32, at)), ir.Constant(_I32, (1 << count) - 1))
+            return builder.and_(builder.lshr(word, ir.Constant(i64, at)), ir.Constant(i64, (1 << count) - 1))
 
-        levels = []
-        for h in (0, 1):
-            pieces = []
-            for half in (0, 1):
-                e3_at, e2_at = _LEVEL_SHIFTS[h, half]
-                row = builder.or_(flags(e3_at, 4), builder.shl(flags(e2_at, 2), ir.Constant(_I32, 4)))
-                pieces.append(builder.load(builder.gep(quarters, [builder.zext(row, ir.IntType(64))]), align=16))
-            levels.append(builder.shuffle_vector(pieces[0], pieces[1], _mask(range(8))))
-        # register 4 * nibble + 2 h + parity
-        scaled = [builder.bitcast(builder.fmul(builder.bitcast(reg, v8f), levels[i % 4 // 2]), _V8x32)
-                  for i, reg in enumerate(registers)]
-        return context.make_tuple(builder, sig.return_type, _f32v_pair(builder, scaled))
+        def row(register):  # the byte offset of the word register's row of subtrahends
+            e3_at, e2_at = _LEVEL_SHIFTS[register]
+            index = builder.or_(flags(e3_at, 4), builder.shl(flags(e2_at, 2), ir.Constant(i64, 4)))
+            return builder.add(builder.mul(index, ir.Constant(i64, 32)), zero_rows)
+
+        weights = _hifloat4_shuffled_weights(context, builder, sig.args[0], args[0], args[1],
+                                             builder.mul(scale_byte, ir.Constant(i64, 32)),
+                                             [row(register) for register in _WORD_REGISTERS])
+        return context.make_tuple(builder, sig.return_type, weights)
 
     return types.UniTuple(simd.F32V, 2)(value, start, words, block), codegen
-
-
-@intrinsic
-def mxfp4_pairs(typingctx, codes, start, scales, block):
-    """The BF16 pairs of the MXFP4 pair step of blocks ``block`` .. ``block + 3`` (flat; E8M0 bytes at
-    ``scales[block]``, 1-D uint8): 64 code bytes at ``codes[start]`` (1-D uint8), the first step's two
-    blocks, then the second's. Two I32V (low nibbles, high nibbles; PAIR_ORDER); the table: the four blocks'
-    16 weights from _MXFP4_WORDS (built into the code, 64-byte aligned). AVX512-BW (VBMI: one vpermb)."""
-
-    def codegen(context, builder, sig, args):
-        vperm = _vpermi2w(builder)
-        v8x64, v16x16 = ir.VectorType(ir.IntType(8), LANES), ir.VectorType(ir.IntType(16), 16)
-        raw = builder.load(simd._element_ptr(context, builder, sig.args[0], args[0], args[1], v8x64), align=1)
-        table = builder.bitcast(simd.aligned_constant(builder, "lowbit.mxfp4.words", _MXFP4_WORDS),
-                                ir.IntType(16).as_pointer())
-        i64 = ir.IntType(64)
-
-        def block_row(i):  # block + i's 16 words: 32 bytes at a multiple of 32
-            at = builder.add(args[3], ir.Constant(args[3].type, i))
-            byte = builder.load(simd._element_ptr(context, builder, sig.args[2], args[2], at, ir.IntType(8)))
-            at = builder.mul(builder.zext(byte, i64), ir.Constant(i64, 16))
-            return builder.load(builder.bitcast(builder.gep(table, [at]), v16x16.as_pointer()), align=32)
-
-        tables = [builder.shuffle_vector(block_row(i), block_row(i + 1), _mask(range(HALF))) for i in (0, 2)]
-        registers = [[], []]
-        for byte_half in (0, 1):
-            words = _pair_words(builder, raw, byte_half)
-            block_bits = ir.Constant(_V16x32, [b + 16 * byte_half for b in _SECOND_STEP])  # bit 4: bytes 16-31
-            high = builder.lshr(words, ir.Constant(_V16x32, [4] * HALF))
-            for register, nibble in zip(registers, (words, high)):
-                index = builder.or_(builder.and_(nibble, ir.Constant(_V16x32, [15] * HALF)), block_bits)
-                register.append(builder.call(vperm, [tables[0], index, tables[1]]))
-        return context.make_tuple(builder, sig.return_type, _pair_registers(builder, registers))
-
-    return types.UniTuple(simd.I32V, 2)(codes, start, scales, block), codegen
-
-
-# HiFloat4 (hifloat4_pairs): row b of _HIFLOAT4_MAGNITUDES holds 32 words, at index magnitude | e2 << 3 |
-# e3 << 4 the BF16 bits of the weight of that magnitude (nibble & 7) and flags for E6M2 byte b, without its
-# sign, so the rows of the pair's two blocks fill the 64 words of one vpermi2w; the nibble's sign (bit 3) is
-# put into bit 15 of the word looked up.
-_HIFLOAT4_MAGNITUDES = _hifloat4_word_tables(8)
-
-
-def _pair_flag_bits(byte_half: int) -> list[int]:
-    """vpshufbitqmb's 64 bit indices into the 64-bit word [first block's scale word, second's] for the words
-    of byte half ``byte_half`` (value bytes 16 * byte_half + i): index w (< 32) the bit of word w's e2 flag,
-    index 32 + w the bit of its e3 flag."""
-    def bits(flag):  # even words: the second block's byte
-        return [_flag_bit(flag, w // 2 + 16 * byte_half) + (32 if w % 2 == 0 else 0) for w in range(HALF)]
-
-    return bits("e2") + bits("e3")
-
-
-@intrinsic
-def hifloat4_pairs(typingctx, value, start, words, block):
-    """The BF16 pairs of the HiFloat4 blocks ``block`` and ``block + 1`` (flat): scale words at ``words[block]``
-    (1-D int32), 64 value bytes at ``value[start]`` (1-D uint8). Two I32V (low nibbles, high nibbles;
-    PAIR_ORDER), each dword the first block's weight (high word) and the second's (low word) of
-    one element. AVX512-BITALG (vpshufbitqmb; with VBMI and VBMI2 one vpermb and one vpshldw per 32 words).
-    The NaN E6M2 byte gives NaN weights (with the sign bit of their nibble)."""
-
-    def codegen(context, builder, sig, args):
-        vperm = _vpermi2w(builder)
-        rotate = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16x32, [_V16x32] * 3),
-                                                "llvm.fshl.v32i16")
-        v1x64, v8x64 = ir.VectorType(ir.IntType(1), LANES), ir.VectorType(ir.IntType(8), LANES)
-        bit_shuffle = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v1x64, [v8x64, v8x64]),
-                                                     "llvm.x86.avx512.vpshufbitqmb.512")
-        i16, i64 = ir.IntType(16), ir.IntType(64)
-        raw = builder.load(simd._element_ptr(context, builder, sig.args[0], args[0], args[1], v8x64), align=1)
-        both = builder.load(simd._element_ptr(context, builder, sig.args[2], args[2], args[3], i64), align=4)
-        scale_words = builder.bitcast(simd._splat(builder, both, ir.VectorType(i64, 8)), v8x64)
-        table = builder.bitcast(simd.aligned_constant(builder, "lowbit.hifloat4.magnitudes", _HIFLOAT4_MAGNITUDES),
-                                i16.as_pointer())
-
-        def row(shift):  # the 32 words of the E6M2 byte at bit ``shift``: 64 bytes at a multiple of 64
-            byte = builder.and_(builder.lshr(both, ir.Constant(i64, shift)), ir.Constant(i64, 0xFF))
-            at = builder.mul(byte, ir.Constant(i64, HALF))
-            return builder.load(builder.bitcast(builder.gep(table, [at]), _V16x32.as_pointer()), align=64)
-
-        tables = row(0), row(32)
-        registers = [[], []]
-        for byte_half in (0, 1):
-            words = _pair_words(builder, raw, byte_half)
-            flags = builder.call(bit_shuffle, [scale_words, ir.Constant(v8x64, _pair_flag_bits(byte_half))])
-            e2, e3 = (builder.shuffle_vector(flags, flags, _mask(range(at, at + HALF))) for at in (0, HALF))
-            index_bits = builder.select(e2, ir.Constant(_V16x32, [b + 8 for b in _SECOND_STEP]),
-                                        ir.Constant(_V16x32, _SECOND_STEP))
-            index_bits = builder.select(e3, builder.add(index_bits, ir.Constant(_V16x32, [16] * HALF)), index_bits)
-            # rotated by 4: bits 0-2 the high nibble's magnitude, bit 15 the low nibble's sign (one vpshldw)
-            rotated = builder.call(rotate, [words, words, ir.Constant(_V16x32, [4] * HALF)])
-            for register, (magnitude_bits, sign_bit) in zip(registers, ((words, rotated), (rotated, words))):
-                index = builder.or_(builder.and_(magnitude_bits, ir.Constant(_V16x32, [7] * HALF)), index_bits)
-                magnitude = builder.call(vperm, [tables[0], index, tables[1]])
-                register.append(builder.or_(magnitude, builder.and_(sign_bit, ir.Constant(_V16x32, [-32768] * HALF))))
-        return context.make_tuple(builder, sig.return_type, _pair_registers(builder, registers))
-
-    return types.UniTuple(simd.I32V, 2)(value, start, words, block), codegen
 
 
 # ---- one step: the 64 weights k0 .. k0 + 63 of a row, as two F32V in the format's register order ----------
@@ -962,11 +917,11 @@ def _hifloat4_step_words(words, value, block):
 
 @numba.njit(**_INLINE)
 def _hifloat4_step_shuffled(words, value, block):
-    """The same by byte shuffles (hifloat4_bf16_step; AVX2 without AVX-512), in FOUR_BIT_ORDER."""
+    """The same by byte shuffles (hifloat4_bf16_step; AVX2 without AVX-512), in HIFLOAT4_ORDER."""
     return hifloat4_bf16_step(value, 32 * block, words, np.uint64(block))
 
 
-# A HiFloat4 block as this CPU decodes it fastest, in FOUR_BIT_ORDER.
+# A HiFloat4 block as this CPU decodes it fastest, in HIFLOAT4_ORDER.
 _hifloat4_step = (_hifloat4_step_words if simd.HAS_AVX512BW else
                   _hifloat4_step_shuffled if BYTE_SHUFFLE_NIBBLES else _hifloat4_step_flags)
 
@@ -1822,6 +1777,12 @@ def _store_4bit(w_flat, at, w0, w1):
 
 
 @numba.njit(**_INLINE)
+def _store_hifloat4(w_flat, at, w0, w1):
+    low, high = hifloat4_logical(w0, w1)
+    _store_logical(w_flat, at, low, high)
+
+
+@numba.njit(**_INLINE)
 def _code8_tile_row(store, codes_flat, k, row, table, nan_code, keep, scratch, w_flat, at):
     """Row ``row`` of an 8-bit row-table weight (its ``table`` filled) into w_flat[at:] by ``store``."""
     full = k // LANES
@@ -1934,7 +1895,7 @@ def _hifloat4_tile_rows(words, value, r0, row, end, w32):
     kp = w32.shape[1]
     w_flat, words_flat, value_flat = simd.flat(w32), simd.flat(words), simd.flat(value)
     for i in range(row, end):
-        _hifloat4_tile_row(_store_4bit, words_flat, value_flat, r0 + i, blocks, w_flat, i * kp)
+        _hifloat4_tile_row(_store_hifloat4, words_flat, value_flat, r0 + i, blocks, w_flat, i * kp)
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
@@ -2635,5 +2596,5 @@ MXFP4_LINEAR = WeightOnlyLinear((_mxfp4_rows, _mxfp4_gemv), (_mxfp4_batched_rows
                                 (_mxfp4_tile_rows, _mxfp4_tile), FOUR_BIT_SPLIT, _mxfp4_operands, _MXFP4_EXPONENTS,
                                 PAIR_ORDER)
 HIFLOAT4_LINEAR = WeightOnlyLinear((_hifloat4_rows, _hifloat4_gemv), (_hifloat4_batched_rows, _hifloat4_batched),
-                                   (_hifloat4_tile_rows, _hifloat4_tile), FOUR_BIT_SPLIT, _hifloat4_operands,
+                                   (_hifloat4_tile_rows, _hifloat4_tile), HIFLOAT4_SPLIT, _hifloat4_operands,
                                    _HIFLOAT4_EXPONENTS, PAIR_ORDER if _HIFLOAT4_PAIRS else None)
