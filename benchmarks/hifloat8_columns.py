@@ -1,6 +1,6 @@
 """HiFloat8 GEMV kernel alone (M = 1, BF16 x, the calling thread): the telescoped table decode (the operands
 the operator makes on every call) against the decode by columns (the operands of a prepared weight, where
-lowbit.kernels.cpu.weight_only.HIFLOAT8_COLUMNS), the latter with fused multiply-adds (as x's exponent range
+lowbit.kernels.cpu.weight_only.CODE8_COLUMNS), the latter with fused multiply-adds (as x's exponent range
 allows here) and with a multiply then an add (x bounds given to the rows kernel that rule the fused form
 out), interleaved; median of 9 rounds of 12 calls, in cycles per 32 codes at --ghz. Also the time to
 prepare (re-encode) one weight. Weights: random normal rows, per-row scales putting each row's largest
@@ -30,7 +30,7 @@ def main() -> None:
     parser.add_argument("--ghz", type=float, default=3.1)
     args = parser.parse_args()
     kernel = wo.HIFLOAT8_LINEAR
-    print(f"decode by columns on this CPU: {wo.HIFLOAT8_COLUMNS}")
+    print(f"decode by columns on this CPU: {wo.CODE8_COLUMNS}")
     for n, k, copies in ((64, 4096, 1), (1024, 4096, 1), (4096, 4096, 4)):
         weights = []
         for _ in range(copies):

@@ -12,7 +12,7 @@ import lowbit
 from lowbit.errors import DeviceError, DtypeError, ShapeError
 from lowbit.formats import hifloat4, hifloat8, mxfp4, mxfp8
 from lowbit.formats import weight_only as reference
-from lowbit.kernels.cpu import _hifloat8_columns as columns
+from lowbit.kernels.cpu import _code8_columns as columns
 from lowbit.kernels.cpu import _simd as simd
 from lowbit.kernels.cpu import weight_only as cpu
 from lowbit.kernels.cpu._runtime import run_tasks
@@ -866,7 +866,7 @@ def test_row_table_decodes_every_8bit_code(fmt, dtype, kind, scale):
     skip_without_the_instructions_of(kind, dtype)
     operands, weight = CODE8[fmt]
     codes = torch.arange(256, dtype=torch.uint8).reshape(1, 256)
-    _, scale_x, bf16, magnitudes, nan_code, table_like, _, _ = operands(codes, torch.tensor([scale]), 256, dtype, kind)
+    _, scale_x, bf16, magnitudes, nan_code, table_like, *_ = operands(codes, torch.tensor([scale]), 256, dtype, kind)
     out = np.empty(256, dtype=np.float32)
     _decode_row(magnitudes, scale_x[0], bf16, nan_code, np.empty_like(table_like), codes.numpy().reshape(-1), out)
     order = np.array(cpu.CODE8_ORDER)
@@ -1064,74 +1064,132 @@ def test_every_register_order_folds_as_the_reference(split):
 # --- HiFloat8 codes re-encoded by columns (prepared BF16-x weights on AVX2 CPUs) -------------------------------
 
 COLUMN_HIF8 = [c for c in FINITE_HIF8 if not 1 <= c & 0x7F <= 7]  # 239 codes: no NaN, Inf or subnormal code
+COLUMN_E4M3 = [c for c in FINITE_E4M3 if c & 0x7F not in (1, 2, 3)]  # 248 codes: no NaN or the 3 smallest
+COLUMN_CODES = {"hifloat8": columns.HIFLOAT8, "float8_e4m3fn": columns.FLOAT8_E4M3}
+COLUMN_FORMATS = {  # format: (its codes the column decode takes, its operator, its BF16-x weight, its kernel)
+    "hifloat8": (COLUMN_HIF8, ops.HIFLOAT8_LINEAR, reference.hifloat8_weight, cpu.HIFLOAT8_LINEAR),
+    "float8_e4m3fn": (COLUMN_E4M3, ops.FLOAT8_E4M3FN_LINEAR, reference.float8_e4m3fn_weight,
+                      cpu.FLOAT8_E4M3FN_LINEAR),
+}
 
 
-def test_hifloat8_columns_encoding_is_a_bijection_that_keeps_the_sign_bit():
-    encode = columns.ENCODE
-    assert sorted(encode.tolist()) == list(range(256))
-    for c in range(256):
-        assert encode[c] & 0x80 == c & 0x80 and encode[c] & 0x7F == encode[c ^ 0x80] & 0x7F
-    assert encode[0] == columns.ZERO_CODE and encode[hifloat8.NAN_CODE] == columns.ENCODED_NAN
+def _column_tables(fmt: str, codes: torch.Tensor, scale: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """(fast, tables) of encode_rows for ``codes`` (N, K) with float32 ``scale`` (N,)."""
+    n, k = codes.shape
+    encoded, fast, tables = np.empty((n, k), np.uint8), np.empty(n, np.uint8), np.empty((n, 32), np.uint8)
+    COLUMN_CODES[fmt].encode_rows(codes.numpy(), scale.numpy(), encoded, fast, tables)
+    return fast, tables
+
+
+@pytest.mark.parametrize("fmt", ["hifloat8", "float8_e4m3fn"])
+def test_code8_columns_encoding_is_a_bijection_that_keeps_the_sign_bit(fmt):
+    code = COLUMN_CODES[fmt]
+    encode = code.encode
+    if fmt == "hifloat8":
+        assert sorted(encode.tolist()) == list(range(256))
+    else:  # FP8's -0 is re-encoded as +0; 0x80 | ZERO_CODE is no code's
+        assert encode[0x80] == columns.ZERO_CODE
+        assert sorted(encode.tolist()) == sorted([*(set(range(256)) - {0x80 | columns.ZERO_CODE}), columns.ZERO_CODE])
+    for c in range(1, 256):
+        if c != 0x80:  # HiFloat8's NaN 0x80 takes -0's slot; FP8's -0 is +0
+            assert encode[c] & 0x80 == c & 0x80 and encode[c] & 0x7F == encode[c ^ 0x80] & 0x7F
+    assert encode[0] == columns.ZERO_CODE
+    assert code.encoded_nan == (0x80 | columns.ZERO_CODE if fmt == "hifloat8" else encode[0x7F])
     magnitudes = np.arange(128, dtype=np.float32)
-    assert (columns.encoded_magnitudes(magnitudes)[encode[:128] & 0x7F] == magnitudes).all()
+    assert (code.encoded_magnitudes(magnitudes)[encode[:128] & 0x7F] == magnitudes).all()
+    slow = [c for c in range(256) if code.slow_codes[c]]
+    assert slow == ([*range(1, 8), 0x6F, 0x80, *range(0x81, 0x88), 0xEF] if fmt == "hifloat8" else
+                    [1, 2, 3, 0x7F, 0x81, 0x82, 0x83, 0xFF])
+    assert sorted(set(range(256)) - set(slow)) == sorted(COLUMN_FORMATS[fmt][0])
 
 
-@pytest.mark.parametrize("scale", [1.0, 2.0**-110, 2.0**110, 0.0078125 * 1.4921875, 3.0e-5, 1.9921875 * 2.0**109])
-def test_hifloat8_column_table_gives_every_code_its_bf16_weight(scale):
-    """T[j] + (o << 7) + (sign << 15) (mod 2^16) of every code the column decode takes is the bits of
-    bf16(value * scale), at BF16 scales across the fast range, zero's slot aside (looked up as 0)."""
-    s = torch.tensor([scale]).bfloat16().float()
-    table = np.empty(32, dtype=np.uint8)
-    columns.fill_column_table(np.float32(s.item()), table, np.empty(8, dtype=np.float32))
-    codes = torch.tensor(COLUMN_HIF8, dtype=torch.uint8)
-    want = bits(reference.hifloat8_weight(codes[None], s, torch.bfloat16).bfloat16()[0])
-    for c, w in zip(COLUMN_HIF8, want.tolist()):
-        r = int(columns.ENCODE[c])
+@pytest.mark.parametrize("fmt", list(COLUMN_FORMATS))
+@pytest.mark.parametrize("scale", [1.0, 2.0**-110, 2.0**110, 0.0078125 * 1.4921875, 3.0e-5, 1.9921875 * 2.0**109,
+                                   0.70710677, 1.2345678e30, 2.0**-110 * 1.0000001])
+def test_code8_column_table_gives_every_code_its_bf16_weight(fmt, scale):
+    """T[j] + (o << 7) + (sign << 15) (mod 2^16) of every code the column decode takes is the bits of its
+    BF16 weight (HiFloat8: bf16(value * bf16(scale)); FP8: bf16(fl32(value * scale)), the float32 product
+    rounded twice), at scales across the fast range, zero's slot aside (looked up as 0; FP8's -0 as +0)."""
+    fast_codes, _, weight, _ = COLUMN_FORMATS[fmt]
+    s = torch.tensor([scale], dtype=torch.float32)
+    if fmt == "hifloat8":
+        s = s.bfloat16().float()
+    codes = torch.tensor(fast_codes, dtype=torch.uint8)
+    fast, tables = _column_tables(fmt, codes[None], s)
+    assert fast.tolist() == [1]
+    code, table = COLUMN_CODES[fmt], tables[0]
+    want = bits(weight(codes[None], s, torch.bfloat16).bfloat16()[0])
+    for c, w in zip(fast_codes, want.tolist()):
+        r = int(code.encode[c])
         j, h = r & 0x0F, r >> 4
         base = 0 if r == columns.ZERO_CODE else int(table[j]) | int(table[16 + j]) << 8
         addend = int(columns.ADDENDS[h]) | int(columns.ADDENDS[16 + h]) << 8
-        assert (base + addend) & 0xFFFF == w & 0xFFFF, hex(c)
+        assert (base + addend) & 0xFFFF == (0 if c == 0x80 else w & 0xFFFF), hex(c)
 
 
+SLOW_ROWS = {  # format: (row, column, code) of three rows with a code the column decode leaves to the table
+    "hifloat8": ((8, 5, 0x03), (9, 17, hifloat8.NAN_CODE), (10, 200, 0xEF)),
+    "float8_e4m3fn": ((8, 5, 0x02), (9, 17, 0x7F), (10, 200, 0x83)),
+}
+
+
+@pytest.mark.parametrize("fmt", list(COLUMN_FORMATS))
 @pytest.mark.parametrize("m", [1, 2, 4])
-def test_hifloat8_prepared_rows_by_columns_equal_the_reference(m, monkeypatch):
-    """A prepared HiFloat8 weight (PreparedCall, BF16 x): every code the column decode takes in every row, at
-    scales across its range, equals the reference bit for bit; rows with a NaN, Inf or subnormal code, or a
-    scale outside [2^-110, 2^110] (zero, negative, tiny, huge), take the table decode; x with NaN, Inf and
-    -0; one thread and the parallel loop."""
+def test_code8_prepared_rows_by_columns_equal_the_reference(fmt, m, monkeypatch):
+    """A prepared HiFloat8 or FP8 weight (PreparedCall, BF16 x): every code the column decode takes in every
+    row, at scales across its range, equals the reference bit for bit; rows with a slow code (NaN, Inf,
+    subnormal ones) or a scale outside [2^-110, 2^110] (zero, negative, tiny, huge) take the table decode; x
+    with NaN, Inf and -0; one thread and the parallel loop."""
+    fast_codes, op, weight, kernel = COLUMN_FORMATS[fmt]
     g = gen(40 + m)
     k = 256
-    row_codes = torch.tensor(COLUMN_HIF8 + [0] * (k - len(COLUMN_HIF8)), dtype=torch.uint8)
+    row_codes = torch.tensor(fast_codes + [0] * (k - len(fast_codes)), dtype=torch.uint8)
     codes = torch.stack([row_codes[torch.randperm(k, generator=g)] for _ in range(14)])
-    codes[8, 5], codes[9, 17], codes[10, 200] = 0x03, hifloat8.NAN_CODE, 0xEF  # rows with a slow code
+    for row, column, code in SLOW_ROWS[fmt]:
+        codes[row, column] = code
     scale = torch.tensor([1.0, 2.0**-110, 2.0**110, 3e-5, 0.7, 1e-3, 5.0, 2.0**-60, 0.5, 0.5, 0.5,
                           2.0**-112, 0.0, -0.25])
     fast = [1] * 8 + [0] * 6
     x = torch.randn(m, k, generator=g).bfloat16()
-    prepared = PreparedCall(ops.HIFLOAT8_LINEAR, (codes, scale, None))
-    want = ops.HIFLOAT8_LINEAR(x, codes, scale, None, backend="reference")
+    prepared = PreparedCall(op, (codes, scale, None))
+    want = op(x, codes, scale, None, backend="reference")
     assert_bits(prepared(x), want)
-    if cpu.HIFLOAT8_COLUMNS:  # the rows above went by columns
-        assert prepared._prepared[(torch.bfloat16, k)][0][-1].tolist() == fast
+    if cpu.CODE8_COLUMNS:  # the rows above went by columns
+        assert prepared._prepared[(torch.bfloat16, k)][0][-2].tolist() == fast
     # the float32 sums before their rounding to BF16 (which would hide a small error in one weight)
-    kernel = cpu.HIFLOAT8_LINEAR
     operands = kernel.prepare(torch.bfloat16, k, codes, scale, None)[0]
     y32 = torch.empty(m, codes.shape[0])
     kernel.gemv_sums(cpu._reorder(x.float(), *kernel.split).numpy(), operands, y32.numpy(), serial=True)
-    want32 = reference.lane_sums(x.float(), reference.hifloat8_weight(codes, scale, torch.bfloat16))
+    want32 = reference.lane_sums(x.float(), weight(codes, scale, torch.bfloat16))
     assert torch.equal(y32.isnan(), want32.isnan())
     assert torch.equal(y32.nan_to_num().view(torch.int32), want32.nan_to_num().view(torch.int32))
     x[0, 3], x[-1, 100], x[-1, 7], x[-1, 11] = float("nan"), float("inf"), -0.0, 2.0**-130  # and a subnormal
     strided = torch.stack([x, -x], dim=-1)[..., 0]  # a non-contiguous x
     assert not strided.is_contiguous()
-    assert_bits(prepared(strided), ops.HIFLOAT8_LINEAR(x, codes, scale, None, backend="reference"))
+    assert_bits(prepared(strided), op(x, codes, scale, None, backend="reference"))
     monkeypatch.setattr(cpu, "GEMV_ONE_THREAD_WEIGHTS", 0)
     previous = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        assert_bits(prepared(x), ops.HIFLOAT8_LINEAR(x, codes, scale, None, backend="reference"))
+        assert_bits(prepared(x), op(x, codes, scale, None, backend="reference"))
     finally:
         torch.set_num_threads(previous)
+
+
+def test_float8_prepared_rows_by_columns_sum_minus_zero_weights_as_the_reference():
+    """FP8's -0 (0x80) is re-encoded as +0: rows of -0 weights (alone, and among others) times x of both signs
+    give the reference's bits, with and without a -0 bias; so do the table decode's rows."""
+    k = 128
+    codes = torch.full((3, k), 0x80, dtype=torch.uint8)
+    codes[1, ::2] = 0x38  # 1.0
+    codes[2, 5] = 0x01  # a slow code: the table decode
+    scale = torch.tensor([1.0, 0.5, 2.0])
+    for x in (torch.rand(2, k).bfloat16() + 1, -torch.rand(2, k).bfloat16() - 1, torch.zeros(2, k).bfloat16()):
+        for bias in (None, torch.tensor([-0.0, -0.0, -0.0]).bfloat16()):
+            prepared = PreparedCall(ops.FLOAT8_E4M3FN_LINEAR, (codes, scale, bias))
+            assert_bits(prepared(x), ops.FLOAT8_E4M3FN_LINEAR(x, codes, scale, bias, backend="reference"))
+            if cpu.CODE8_COLUMNS:
+                assert prepared._prepared[(torch.bfloat16, k)][0][-2].tolist() == [1, 1, 0]
 
 
 def test_x_exponents_are_the_bounds_of_the_finite_nonzero_values():
@@ -1157,17 +1215,21 @@ def test_x_exponents_are_the_bounds_of_the_finite_nonzero_values():
             assert cpu._x_exponents(x, 3, count) == want, (count, case)
 
 
+@pytest.mark.parametrize("fmt", list(COLUMN_FORMATS))
 @pytest.mark.parametrize("scale", [2.0**-110, 3.0e-5, 1.0, 1.9921875, 1.9921875 * 2.0**109, 2.0**110])
-def test_hifloat8_column_weight_exponents_lie_in_the_fused_bounds(scale):
+def test_code8_column_weight_exponents_lie_in_the_fused_bounds(fmt, scale):
     """floor(log2 |w|) - floor(log2 s) of every nonzero weight a fast row of scale s can hold lies in
-    [_COLUMN_LOW, _COLUMN_HIGH], the bounds _columns_fused takes; the low one is reached, the high one is at
-    most one above the largest (it allows for a product rounded up to the next binade)."""
+    [_COLUMN_LOW, _COLUMN_HIGH], the bounds _columns_fused takes (both formats' at once); the format's own
+    bounds (fast_exponents) are reached, the high one up to one above (a product rounded up to the next
+    binade)."""
+    fast_codes, _, weight, _ = COLUMN_FORMATS[fmt]
     s = torch.tensor([scale]).bfloat16().float()
-    codes = torch.tensor([c for c in COLUMN_HIF8 if c & 0x7F], dtype=torch.uint8)
-    w = reference.hifloat8_weight(codes[None], s, torch.bfloat16)[0].double().abs()
+    codes = torch.tensor([c for c in fast_codes if c & 0x7F], dtype=torch.uint8)
+    w = weight(codes[None], s, torch.bfloat16)[0].double().abs()
     relative = torch.floor(torch.log2(w)) - math.floor(math.log2(s.item()))
-    assert relative.min().item() == cpu._COLUMN_LOW and relative.max().item() in (cpu._COLUMN_HIGH - 1,
-                                                                                   cpu._COLUMN_HIGH)
+    low, high = COLUMN_CODES[fmt].fast_exponents
+    assert relative.min().item() == low and relative.max().item() in (high, high + 1)
+    assert cpu._COLUMN_LOW <= low and high + 1 <= cpu._COLUMN_HIGH
 
 
 def test_hifloat8_columns_fused_only_where_every_product_is_exact():
@@ -1209,8 +1271,8 @@ def test_hifloat8_prepared_rows_by_columns_where_a_fused_multiply_add_would_diff
     fused = torch.tensor([x0 * w0 * s + x1 * w1 * s] * 2, dtype=torch.float64).float()  # one rounding
     assert not torch.equal(want[0, :1], fused[:1])  # the case is one where the two differ
     assert torch.equal(y32.view(torch.int32), want.view(torch.int32))
-    if cpu.HIFLOAT8_COLUMNS:
-        assert operands[-1].tolist() == [1, 1]
+    if cpu.CODE8_COLUMNS:
+        assert operands[-2].tolist() == [1, 1]
 
 
 def test_hifloat8_prepared_weight_with_a_k_tail_keeps_the_table():
@@ -1222,20 +1284,23 @@ def test_hifloat8_prepared_weight_with_a_k_tail_keeps_the_table():
     prepared = PreparedCall(ops.HIFLOAT8_LINEAR, (codes, scale, None))
     x = torch.randn(3, k, generator=g).bfloat16()
     assert_bits(prepared(x), ops.HIFLOAT8_LINEAR(x, codes, scale, None, backend="reference"))
-    assert prepared._prepared[(torch.bfloat16, k)][0][-1].size == 0
+    assert prepared._prepared[(torch.bfloat16, k)][0][-2].size == 0
 
 
-def test_hifloat8_prepared_batched_rows_by_columns_equal_the_operator():
-    """5-64 rows of x (the batched kernel): a prepared HiFloat8 weight's rows decoded by columns give the
-    operator's float32 sums, bit for bit, and its outputs (rows with a slow code or scale take the table)."""
+@pytest.mark.parametrize("fmt", list(COLUMN_FORMATS))
+def test_code8_prepared_batched_rows_by_columns_equal_the_operator(fmt):
+    """5-64 rows of x (the batched kernel): a prepared HiFloat8 or FP8 weight's rows decoded by columns give
+    the operator's float32 sums, bit for bit, and its outputs (rows with a slow code or scale take the
+    table)."""
+    fast_codes, op, _, kernel = COLUMN_FORMATS[fmt]
     g = gen(50)
     k, n = 256, 70
-    row_codes = torch.tensor(COLUMN_HIF8 + [0] * (k - len(COLUMN_HIF8)), dtype=torch.uint8)
+    row_codes = torch.tensor(fast_codes + [0] * (k - len(fast_codes)), dtype=torch.uint8)
     codes = torch.stack([row_codes[torch.randperm(k, generator=g)] for _ in range(n)])
-    codes[3, 9], codes[40, 100] = 0x85, hifloat8.POS_INF_CODE
+    for row, column, code in SLOW_ROWS[fmt]:
+        codes[row + 30, column] = code
     scale = torch.rand(n, generator=g) * 2.0 ** torch.randint(-60, 60, (n,), generator=g).float()
     scale[7], scale[8] = 2.0**-115, 0.0
-    kernel = cpu.HIFLOAT8_LINEAR
     prepared_operands = kernel.prepare(torch.bfloat16, k, codes, scale, None)[0]
     operator_operands = kernel._operands(codes, scale, k, torch.bfloat16)
     for m in (5, 8, 33):
@@ -1252,8 +1317,8 @@ def test_hifloat8_prepared_batched_rows_by_columns_equal_the_operator():
             sums.append(y32)
         assert torch.equal(sums[0].isnan(), sums[1].isnan())
         assert torch.equal(sums[0].nan_to_num().view(torch.int32), sums[1].nan_to_num().view(torch.int32))
-        prepared = PreparedCall(ops.HIFLOAT8_LINEAR, (codes, scale, None))
-        assert_bits(prepared(x), ops.HIFLOAT8_LINEAR(x, codes, scale, None))
+        prepared = PreparedCall(op, (codes, scale, None))
+        assert_bits(prepared(x), op(x, codes, scale, None))
 
 
 # --- the prepared call of a fixed weight ----------------------------------------------------------------------

@@ -43,7 +43,7 @@ from numba.extending import intrinsic, overload
 from lowbit.backends import Kernel
 from lowbit.formats import hifloat8, mxfp4, mxfp8
 from lowbit.formats import weight_only as reference
-from lowbit.kernels.cpu import _hifloat8_columns as _columns
+from lowbit.kernels.cpu import _code8_columns as _columns
 from lowbit.kernels.cpu import _simd as simd
 from lowbit.kernels.cpu._runtime import (NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, as_numpy, bound_njit, call_in_chunks,
                                          copy_elements, run_tasks, runs_serially)
@@ -405,11 +405,12 @@ def code8_decode_half(typingctx, codes, index, table, nan_code):
     return simd.F32V(codes, index, table, nan_code), codegen
 
 
-# HiFloat8 codes re-encoded by columns (lowbit.kernels.cpu._hifloat8_columns): a prepared BF16-x weight on the
-# CPUs that look bytes up by vpshufb (CODE8_HALVES) decodes in about half the vector instructions of the
-# telescoped 128-entry table (docs/weight_only.md, 'HiFloat8 by columns').
-HIFLOAT8_COLUMNS = CODE8_HALVES
+# HiFloat8 and FP8 E4M3 codes re-encoded by columns (lowbit.kernels.cpu._code8_columns): a prepared BF16-x weight
+# on the CPUs that look bytes up by vpshufb (CODE8_HALVES) decodes in about half the vector instructions of
+# the telescoped 128-entry table (docs/weight_only.md, '8-bit codes by columns').
+CODE8_COLUMNS = CODE8_HALVES
 _NO_FAST_ROWS = np.zeros(0, dtype=np.uint8)
+_NO_COLUMN_TABLES = np.zeros((0, _columns.TABLE_BYTES), dtype=np.uint8)
 # Rows ahead that a row's first pass prefetches (the GEMV from memory, AMD Zen 3: 12.2-12.6 -> 10.0-10.4 cycles
 # per 32 codes; 1, 2 and 4 rows alike).
 _COLUMN_AHEAD_ROWS = 2
@@ -424,11 +425,11 @@ def _both_lanes(builder, data, offset):
 
 @intrinsic
 def code8_columns_half(typingctx, codes, index, columns, addends):
-    """code8_decode_half of 32 re-encoded HiFloat8 codes ``codes[index : index + 32]`` (uint8) of a row whose
-    column table ``columns`` (uint8[32]: T's low, then high bytes; _hifloat8_columns.fill_column_table) is
-    filled, with ``addends`` = _hifloat8_columns.ADDENDS: per code, T[j] and the addend of its high nibble
+    """code8_decode_half of 32 re-encoded 8-bit codes ``codes[index : index + 32]`` (uint8) of a row whose
+    column table is ``columns`` (uint8[32]: T's low, then high bytes; _code8_columns.fill_column_table), with
+    ``addends`` = _code8_columns.ADDENDS: per code, T[j] and the addend of its high nibble
     (one vpshufb each for the low and the high bytes; zero's slot looked up as 0), paired into words and
-    added, widened in CODE8_ORDER. AVX2; rows of _hifloat8_columns.encode_rows's ``fast`` only."""
+    added, widened in CODE8_ORDER. AVX2; rows of _code8_columns.encode_rows's ``fast`` only."""
 
     def codegen(context, builder, sig, args):
         i8p = ir.IntType(8).as_pointer()
@@ -1228,16 +1229,17 @@ def _code8_row_sum(x_flat, x0, codes_flat, c0, k, table, nan_code, keep, scratch
 
 @numba.njit(**_INLINE)
 def _by_columns(fast, k, row):
-    """Whether W's row ``row`` is decoded by columns: HiFloat8 codes re-encoded (``fast`` not empty:
-    _hifloat8_columns.encode_rows) with K a multiple of 64 and the row among the fast ones."""
-    return HIFLOAT8_COLUMNS and fast.size > 0 and k % LANES == 0 and fast[row] != 0
+    """Whether W's row ``row`` is decoded by columns: 8-bit codes re-encoded (``fast`` not empty:
+    _code8_columns.encode_rows) with K a multiple of 64 and the row among the fast ones."""
+    return CODE8_COLUMNS and fast.size > 0 and k % LANES == 0 and fast[row] != 0
 
 
 @numba.njit(**_INLINE)
 def _column_pass(accumulate, x_flat, x0, codes_flat, c0, steps, columns, half):
-    """The lanes of codes ``half`` .. ``half`` + 31 of every step of a row of re-encoded HiFloat8 codes
-    (code8_columns_half), each product added by ``accumulate`` (_mul_then_add or _fused_multiply_add); the
-    first pass (``half`` 0) prefetches the row _COLUMN_AHEAD_ROWS on."""
+    """The lanes of codes ``half`` .. ``half`` + 31 of every step of a row of re-encoded 8-bit codes
+    (code8_columns_half, the row's column table ``columns``), each product added by ``accumulate``
+    (_mul_then_add or _fused_multiply_add); the first pass (``half`` 0) prefetches the row
+    _COLUMN_AHEAD_ROWS on."""
     acc = simd.f32v_zero()
     for t in range(steps):
         if half == 0:
@@ -1261,7 +1263,9 @@ def _fused_multiply_add(acc, x, w):
 
 # Bounds of floor(log2 |w|) - floor(log2 s) over a fast row's nonzero weights w = bf16(v s): |v| s <= |w| <=
 # |v| 2^(floor(log2 s) + 1) (rounding stays within the binade's end).
-_COLUMN_LOW, _COLUMN_HIGH = _columns.FAST_EXPONENTS[0], _columns.FAST_EXPONENTS[1] + 1
+# (both formats' bounds at once: a wider range only declines a fused multiply-add somewhat earlier).
+_COLUMN_LOW = min(_columns.HIFLOAT8.fast_exponents[0], _columns.FLOAT8_E4M3.fast_exponents[0])
+_COLUMN_HIGH = max(_columns.HIFLOAT8.fast_exponents[1], _columns.FLOAT8_E4M3.fast_exponents[1]) + 1
 
 
 @numba.njit(**_INLINE)
@@ -1275,8 +1279,8 @@ def _columns_fused(x_bounds, m, s):
 
 @numba.njit(**_INLINE)
 def _code8_column_row_sum(x_flat, x0, codes_flat, c0, k, columns, fused):
-    """_code8_row_sum of a fast row of re-encoded HiFloat8 codes (K a multiple of 64): the same bits, by fused
-    multiply-adds where ``fused`` (_columns_fused)."""
+    """_code8_row_sum of a fast row of re-encoded 8-bit codes (K a multiple of 64; its column table
+    ``columns``): the same bits, by fused multiply-adds where ``fused`` (_columns_fused)."""
     steps = k // LANES
     if fused:
         return _row_sum_code8(_column_pass(_fused_multiply_add, x_flat, x0, codes_flat, c0, steps, columns, 0),
@@ -1295,8 +1299,8 @@ def _code8_block_step(operands, start, r, t):
 
 
 @numba.njit(**NJIT_OPTIONS)
-def _code8_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, x_bounds, row, end,
-                y32):
+def _code8_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, column_tables, x_bounds,
+                row, end, y32):
     """Rows row .. end - 1 of _code8_gemv (one task; a function of its own, so that numba's parallel
     passes do not analyse its body)."""
     k = codes.shape[1]
@@ -1313,10 +1317,9 @@ def _code8_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, kee
             _code8_block_rows(_code8_block_step, x_flat, kp, k // LANES, operands, starts, row, y32)
             row += ROW_BLOCK
     scratch = simd.stack_bytes(LANES)
-    columns, factors = simd.stack_bytes(32), np.empty(8, dtype=np.float32)
     for row in range(row, end):
         if _by_columns(fast, k, row):
-            _columns.fill_column_table(scale[row], columns, factors)
+            columns = column_tables[row]
             for m in range(m_rows):
                 y32[m, row] = _code8_column_row_sum(x_flat, m * kp, codes_flat, row * k, k, columns,
                                                     _columns_fused(x_bounds, m, scale[row]))
@@ -1327,18 +1330,20 @@ def _code8_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, kee
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _code8_gemv(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, x_bounds, y32):
+def _code8_gemv(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, column_tables, x_bounds,
+                y32):
     """codes (N, K) uint8; scale (N,) float32 and magnitudes (128,) float32 as _fill_row_table takes them;
     bf16: x is BF16 (else FP16); nan_code: the code that decodes to NaN; table_like: an array of the
     row-table kind (see code8_decode); keep int32[64] (the tail's lanes); fast (N,) uint8, or empty: the
-    rows of HiFloat8 codes re-encoded by columns that code8_columns_half decodes (the rest take the table,
-    whose magnitudes and NaN code are then the re-encoded ones); x_bounds (M, 2) int64: _x_bounds of x_reg
+    rows of 8-bit codes re-encoded by columns that code8_columns_half decodes, with their column tables
+    column_tables (N, _columns.TABLE_BYTES) uint8 (the rest take the table, whose magnitudes and NaN code
+    are then the re-encoded ones); x_bounds (M, 2) int64: _x_bounds of x_reg
     where ``fast`` is not empty (else not read: _code8_x_operands); x_reg (M, Kp) float32 (register order,
     zero-padded); y32 (M, N) float32. Every row, in numba's parallel loop (_code8_rows: some rows on the
     calling thread)."""
     n = codes.shape[0]
     for task in numba.prange((n + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
-        _code8_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, x_bounds,
+        _code8_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, column_tables, x_bounds,
                     task * _ROWS_PER_TASK, min(n, (task + 1) * _ROWS_PER_TASK), y32)
 
 
@@ -1353,8 +1358,8 @@ def _no_x_operands(x_reg, operands, x_consts):
 
 @numba.njit(**NJIT_OPTIONS)
 def _code8_x_operands(x_reg, operands, x_consts):
-    """(x_bounds,) of _code8_gemv: _x_bounds of x_reg where the weight has rows decoded by columns (``fast``,
-    the operands' last, not empty), else an empty (0, 2) array (not read)."""
+    """(x_bounds,) of _code8_gemv: _x_bounds of x_reg where the weight has rows decoded by columns (their
+    column tables, the operands' last, not empty), else an empty (0, 2) array (not read)."""
     if operands[-1].size:
         return (_x_bounds(x_reg),)
     return (np.zeros((0, 2), dtype=np.int64),)
@@ -1796,7 +1801,8 @@ def _code8_tile_row(store, codes_flat, k, row, table, nan_code, keep, scratch, w
 
 
 @numba.njit(**NJIT_OPTIONS)
-def _code8_tile_rows(codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, r0, row, end, w32):
+def _code8_tile_rows(codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, column_tables, r0, row, end,
+                     w32):
     """Rows row .. end - 1 of the tile (W's rows r0 + row ...): the serial part of _code8_tile."""
     k = codes.shape[1]
     kp = w32.shape[1]
@@ -1809,11 +1815,11 @@ def _code8_tile_rows(codes, scale, bf16, magnitudes, nan_code, table_like, keep,
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _code8_tile(codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, r0, w32):
+def _code8_tile(codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, column_tables, r0, w32):
     rows = w32.shape[0]
     for task in numba.prange((rows + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
-        _code8_tile_rows(codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, r0, task * _ROWS_PER_TASK,
-                         min(rows, (task + 1) * _ROWS_PER_TASK), w32)
+        _code8_tile_rows(codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, column_tables, r0,
+                         task * _ROWS_PER_TASK, min(rows, (task + 1) * _ROWS_PER_TASK), w32)
 
 
 @numba.njit(**_INLINE)
@@ -2067,9 +2073,9 @@ def _batch_rows(decode_row, operands, first, end, x_flat, kp, m_rows, y32):
 
 @numba.njit(**_INLINE)
 def _code8_batch_row(operands, row, w, at):
-    codes_flat, k, scale, bf16, magnitudes, nan_code, table, keep, scratch, fast, columns, factors = operands
+    codes_flat, k, scale, bf16, magnitudes, nan_code, table, keep, scratch, fast, column_tables = operands
     if _by_columns(fast, k, row):
-        _columns.fill_column_table(scale[row], columns, factors)
+        columns = column_tables[row]
         for t in range(k // LANES):
             _prefetch_ahead(codes_flat, np.uint64(row * k + LANES * t), np.uint64(ROW_BLOCK * k))
             start = row * k + LANES * t
@@ -2102,20 +2108,21 @@ def _hifloat4_batch_row(operands, row, w, at):
 
 
 @numba.njit(**NJIT_OPTIONS)
-def _code8_batched_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, row, end, y32):
+def _code8_batched_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, column_tables, row,
+                        end, y32):
     """Rows row .. end - 1 of W: the serial part of _code8_batched."""
     k = codes.shape[1]
     m_rows, kp = x_reg.shape
     operands = (simd.flat(codes), k, scale, bf16, magnitudes, nan_code, np.empty_like(table_like), keep,
-                np.zeros(LANES, dtype=np.uint8), fast, np.empty(32, dtype=np.uint8), np.empty(8, dtype=np.float32))
+                np.zeros(LANES, dtype=np.uint8), fast, column_tables)
     _batch_rows(_code8_batch_row, operands, row, end, simd.flat(x_reg), kp, m_rows, y32)
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _code8_batched(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, y32):
+def _code8_batched(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, column_tables, y32):
     n = codes.shape[0]
     for task in numba.prange(-(-n // _BATCH_ROWS_PER_TASK)):
-        _code8_batched_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast,
+        _code8_batched_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, column_tables,
                             task * _BATCH_ROWS_PER_TASK, min(n, (task + 1) * _BATCH_ROWS_PER_TASK), y32)
 
 
@@ -2397,8 +2404,9 @@ class WeightOnlyLinear(Kernel):
     def prepare(self, dtype: torch.dtype, k: int, *args) -> tuple:
         """(numba operands, bias, _bias_bits of the bias) of a validated, contiguous packed weight of K = ``k``
         and its bias, for x of ``dtype``, made once for many calls: the operands are views of the weight's
-        tensors (and, for HiFloat8, its scales rounded to ``dtype``; with BF16 x where HIFLOAT8_COLUMNS, its
-        codes re-encoded), valid while those keep their memory and values (lowbit.ops.library.PreparedCall)."""
+        tensors (and, for HiFloat8, its scales rounded to ``dtype``; for HiFloat8 and FP8 with BF16 x where
+        CODE8_COLUMNS, their codes re-encoded and their rows' column tables), valid while those keep their
+        memory and values (lowbit.ops.library.PreparedCall)."""
         *weight, bias = args
         return self._prepared_operands(*weight, k, dtype), bias, _bias_bits(bias)
 
@@ -2540,7 +2548,7 @@ def _code8_operands(codes, scale, magnitudes, nan_code, k, dtype, table_kind):
     bf16 = dtype == torch.bfloat16
     table_like = _ROW_TABLES_LIKE[table_kind or _default_table_kind(), bf16]
     return (as_numpy(codes), as_numpy(scale.contiguous()), bf16, magnitudes, nan_code, table_like, _KEEP[k % LANES],
-            _NO_FAST_ROWS)
+            _NO_FAST_ROWS, _NO_COLUMN_TABLES)
 
 
 def _hifloat8_operands(codes, scale, k, dtype, table_kind=None):
@@ -2549,25 +2557,35 @@ def _hifloat8_operands(codes, scale, k, dtype, table_kind=None):
                            dtype, table_kind)
 
 
-def _hifloat8_prepared_operands(codes, scale, k, dtype):
-    """_hifloat8_operands of a weight prepared once (WeightOnlyLinear.prepare): for BF16 x where
-    HIFLOAT8_COLUMNS and K is a multiple of 64, the codes re-encoded by columns (a copy: one more byte per
-    weight) and the rows the column decode serves."""
-    operands = _hifloat8_operands(codes, scale, k, dtype)
-    if not (HIFLOAT8_COLUMNS and dtype == torch.bfloat16 and k % LANES == 0):
+def _by_columns_operands(operands, codes, k, dtype, column_code):
+    """A code-8 weight's ``operands`` (_code8_operands) for a weight prepared once (WeightOnlyLinear.prepare):
+    for BF16 x where CODE8_COLUMNS and K is a multiple of 64, its ``codes`` re-encoded by ``column_code``'s
+    columns (a copy: one more byte per weight), the rows the column decode serves and their column tables."""
+    if not (CODE8_COLUMNS and dtype == torch.bfloat16 and k % LANES == 0):
         return operands
-    codes_np, scale_np, bf16, magnitudes, _, table_like, keep, _ = operands
+    codes_np, scale_np, bf16, magnitudes, _, table_like, keep, _, _ = operands
     copy = huge_page_copy(codes)  # in 2 MiB pages, as the deploy modules keep their weights (docs/quantize.md)
     encoded = as_numpy(copy if copy is not codes else torch.empty_like(codes))
     fast = np.empty(codes_np.shape[0], dtype=np.uint8)
-    _columns.encode_rows(codes_np, scale_np, encoded, fast)
-    return (encoded, scale_np, bf16, _columns.encoded_magnitudes(magnitudes), _columns.ENCODED_NAN, table_like, keep,
-            fast)
+    tables = np.empty((codes_np.shape[0], _columns.TABLE_BYTES), dtype=np.uint8)
+    column_code.encode_rows(codes_np, scale_np, encoded, fast, tables)
+    return (encoded, scale_np, bf16, column_code.encoded_magnitudes(magnitudes), column_code.encoded_nan, table_like,
+            keep, fast, tables)
+
+
+def _hifloat8_prepared_operands(codes, scale, k, dtype):
+    """_hifloat8_operands of a weight prepared once: _by_columns_operands."""
+    return _by_columns_operands(_hifloat8_operands(codes, scale, k, dtype), codes, k, dtype, _columns.HIFLOAT8)
 
 
 def _float8_operands(codes, scale, k, dtype, table_kind=None):
     """FP8 E4M3: exact code values times the FP32 row scales (0x7F / 0xFF are NaN codes)."""
     return _code8_operands(codes, scale, _E4M3_MAGNITUDES, _E4M3_NAN_CODE, k, dtype, table_kind)
+
+
+def _float8_prepared_operands(codes, scale, k, dtype):
+    """_float8_operands of a weight prepared once: _by_columns_operands."""
+    return _by_columns_operands(_float8_operands(codes, scale, k, dtype), codes, k, dtype, _columns.FLOAT8_E4M3)
 
 
 def _mxfp8_operands(codes, scales, k, dtype, table_kind=None):
@@ -2589,7 +2607,8 @@ def _hifloat4_operands(scale, value, k, dtype):
 _CODE8 = ((_code8_rows, _code8_gemv), (_code8_batched_rows, _code8_batched), (_code8_tile_rows, _code8_tile))
 HIFLOAT8_LINEAR = WeightOnlyLinear(*_CODE8, CODE8_SPLIT, _hifloat8_operands,
                                   prepared_operands=_hifloat8_prepared_operands, gemv_x_bounds=True)
-FLOAT8_E4M3FN_LINEAR = WeightOnlyLinear(*_CODE8, CODE8_SPLIT, _float8_operands, gemv_x_bounds=True)
+FLOAT8_E4M3FN_LINEAR = WeightOnlyLinear(*_CODE8, CODE8_SPLIT, _float8_operands,
+                                        prepared_operands=_float8_prepared_operands, gemv_x_bounds=True)
 MXFP8_LINEAR = WeightOnlyLinear((_mxfp8_rows, _mxfp8_gemv), (_mxfp8_batched_rows, _mxfp8_batched),
                                 (_mxfp8_tile_rows, _mxfp8_tile), CODE8_SPLIT, _mxfp8_operands)
 MXFP4_LINEAR = WeightOnlyLinear((_mxfp4_rows, _mxfp4_gemv), (_mxfp4_batched_rows, _mxfp4_batched),
