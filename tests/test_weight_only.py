@@ -181,15 +181,15 @@ def _scale_words(rng, e6m2_bytes):
                            | rng.permutation(flags) << 24 for b in range(e6m2_bytes)]).astype(np.uint32).view(np.int32)
 
 
-def _every_block_both_ways(decode, seed):
-    """The 64 weights of every block decoded by ``decode(words, value, out)`` and by the portable decode (float32
-    tables, then the e2 / e3 doublings), each in its register order: every E6M2 byte (the poisoned 0xFF included) under
+def _every_block_both_ways(step, seed):
+    """The 64 weights of every block decoded by ``step`` and by the portable decode (float32 tables, then
+    the e2 / e3 doublings), each in its register order: every E6M2 byte (the poisoned 0xFF included) under
     every e2 byte and every e3 byte in both halves, with random value bytes (every nibble, both signs)."""
     rng = np.random.default_rng(seed)
     words = _scale_words(rng, 256)
     value = rng.integers(0, 256, 32 * words.size, dtype=np.uint8)
     got, by_flags = (np.empty(64 * words.size, dtype=np.float32) for _ in range(2))
-    decode(words, value, got)
+    _hifloat4_steps(step, words, value, got)
     _hifloat4_steps(cpu._hifloat4_step_flags, words, value, by_flags)
     return got, by_flags
 
@@ -199,8 +199,7 @@ def test_hifloat4_byte_shuffle_step_decodes_every_block_as_the_flag_doublings():
     """The AVX2 decode (BF16 bytes of four times the weight by vpshufb, then 2 - e2 - e3 off each exponent)
     gives the portable one's weights, bit for bit, in HIFLOAT4_ORDER (_every_block_both_ways), but for -0,
     which it gives as +0 (no lane sum changes: docs/weight_only.md, 'CPUs without AVX-512')."""
-    shuffled, by_flags = _every_block_both_ways(
-        lambda words, value, out: _hifloat4_steps(cpu._hifloat4_step_shuffled, words, value, out), 10)
+    shuffled, by_flags = _every_block_both_ways(cpu._hifloat4_step_shuffled, 10)
     want = by_flags.reshape(-1, 64)[:, np.argsort(cpu.NIBBLE_ORDER)][:, cpu.HIFLOAT4_ORDER].reshape(-1)
     assert (want.view(np.uint32) == 0x80000000).sum() > 200_000  # every block's -0 nibbles
     want[want == 0] = 0.0
@@ -210,13 +209,31 @@ def test_hifloat4_byte_shuffle_step_decodes_every_block_as_the_flag_doublings():
     assert np.array_equal(shuffled[finite].view(np.uint32), want[finite].view(np.uint32))
 
 
+def test_hifloat4_rows_of_minus_zero_weights_sum_as_the_reference():
+    """The AVX2 step holds -0 weights as +0: rows of -0 weights (alone, among others, under every level
+    flag, poisoned and extreme scale bytes) times x of either sign or zero, with and without a -0 bias, give
+    the reference's bits, by the operator and by a prepared weight (its one-call GEMV)."""
+    g = gen(61)
+    n, k = 6, 192
+    value = torch.full((n, k // 2), 0x88, dtype=torch.uint8)  # both nibbles: sign, c = 0
+    value[1, ::3] = 0x3B  # +0.75 and -0.75 (times the levels)
+    value[2] = torch.randint(0, 256, (k // 2,), generator=g, dtype=torch.uint8)
+    scale = torch.randint(0, 256, (n, k // 64, 4), generator=g, dtype=torch.uint8)
+    scale[:, :, 0] = torch.tensor([0x00, 0x7C, 0xFE, 0x20, 0xFF, 0x90]).unsqueeze(1)  # 0xFF: poisoned
+    for x in (torch.rand(2, k, generator=g) + 1, -torch.rand(2, k, generator=g) - 1, torch.zeros(2, k)):
+        for dtype in (torch.bfloat16, torch.float16):
+            for bias in (None, torch.full((n,), -0.0, dtype=dtype)):
+                want = ops.HIFLOAT4_LINEAR(x.to(dtype), scale, value, bias, backend="reference")
+                assert_bits(ops.HIFLOAT4_LINEAR(x.to(dtype), scale, value, bias, backend="native"), want)
+                assert_bits(PreparedCall(ops.HIFLOAT4_LINEAR, (scale, value, bias))(x.to(dtype)), want)
+
+
 def test_hifloat4_word_tables_decode_every_block_as_the_flag_doublings():
     """The AVX512-BW decode (64-word tables, one look-up per weight) gives the portable one's weights, bit for
     bit (_every_block_both_ways)."""
     if not simd.HAS_AVX512BW:
         pytest.skip("no AVX512-BW on this CPU")
-    by_words, by_flags = _every_block_both_ways(
-        lambda words, value, out: _hifloat4_steps(cpu._hifloat4_step_words, words, value, out), 5)
+    by_words, by_flags = _every_block_both_ways(cpu._hifloat4_step_words, 5)
     assert np.isnan(by_flags).sum() == 256 * 64  # the 256 blocks of the poisoned byte, all of their weights
     assert np.array_equal(by_words.view(np.uint32), by_flags.view(np.uint32))
 
@@ -1223,7 +1240,8 @@ def test_code8_column_weight_exponents_lie_in_the_fused_bounds(fmt, scale):
     bounds (fast_exponents) are reached, the high one up to one above (a product rounded up to the next
     binade)."""
     fast_codes, _, weight, _ = COLUMN_FORMATS[fmt]
-    s = torch.tensor([scale]).bfloat16().float()
+    s = torch.tensor([scale * (1.0 if fmt == "hifloat8" else 1.2345678)], dtype=torch.float32)  # FP8: any float32
+    s = s.bfloat16().float() if fmt == "hifloat8" else s
     codes = torch.tensor([c for c in fast_codes if c & 0x7F], dtype=torch.uint8)
     w = weight(codes[None], s, torch.bfloat16)[0].double().abs()
     relative = torch.floor(torch.log2(w)) - math.floor(math.log2(s.item()))

@@ -708,20 +708,6 @@ _V32x8, _V16x8, _V8x32 = ir.VectorType(ir.IntType(8), 32), ir.VectorType(ir.IntT
 _V16x16 = ir.VectorType(ir.IntType(16), 16)
 
 
-def _bf16_byte_words(builder, raw, low_bytes, high_bytes):
-    """The 4 registers (<16 x i16>; register 2 nibble + unpack half) of the BF16 bits of the weights of the 64
-    nibbles of ``raw`` (<32 x i8>), whose low and high bytes ``low_bytes`` and ``high_bytes`` (<32 x i8>: 16-entry
-    tables for the low 128-bit lane's bytes, then the high lane's) look up (AVX2 vpshufb). Word w of 128-bit
-    lane l of register (nibble, h) is that nibble of value byte 16 l + 8 h + w."""
-    fifteen = ir.Constant(_V32x8, [15] * 32)
-    words = []
-    for nibble in (builder.and_(raw, fifteen), builder.and_(builder.lshr(raw, ir.Constant(_V32x8, [4] * 32)), fifteen)):
-        low, high = simd.vpshufb(builder, low_bytes, nibble), simd.vpshufb(builder, high_bytes, nibble)
-        words.extend(builder.bitcast(builder.shuffle_vector(low, high, _mask(unpack)), _V16x16)
-                     for unpack in (_UNPACK_LOW_BYTES, _UNPACK_HIGH_BYTES))
-    return words
-
-
 def _float32_lanes(builder, words):
     """The float32 bits (two <8 x i32>: the even words, then the odd ones) of the BF16 bits ``words``
     (<16 x i16>)."""
@@ -730,9 +716,17 @@ def _float32_lanes(builder, words):
 
 
 def _bf16_byte_lookups(builder, raw, low_bytes, high_bytes):
-    """The 8 registers (<8 x i32>, BYTE_SHUFFLE_SPLIT's order) of the float32 weights of _bf16_byte_words."""
-    return [lanes for words in _bf16_byte_words(builder, raw, low_bytes, high_bytes)
-            for lanes in _float32_lanes(builder, words)]
+    """The 8 registers (<8 x i32>, BYTE_SHUFFLE_SPLIT's order) of the float32 weights of the 64 nibbles of
+    ``raw`` (<32 x i8>), whose BF16 bits' low and high bytes ``low_bytes`` and ``high_bytes`` (<32 x i8>:
+    16-entry tables for the low 128-bit lane's bytes, then the high lane's) look up (AVX2 vpshufb)."""
+    fifteen = ir.Constant(_V32x8, [15] * 32)
+    registers = []
+    for nibble in (builder.and_(raw, fifteen), builder.and_(builder.lshr(raw, ir.Constant(_V32x8, [4] * 32)), fifteen)):
+        low, high = simd.vpshufb(builder, low_bytes, nibble), simd.vpshufb(builder, high_bytes, nibble)
+        for unpack in (_UNPACK_LOW_BYTES, _UNPACK_HIGH_BYTES):
+            words = builder.bitcast(builder.shuffle_vector(low, high, _mask(unpack)), _V16x16)
+            registers.extend(_float32_lanes(builder, words))
+    return registers
 
 
 def _f32v_pair(builder, registers):
@@ -855,8 +849,9 @@ def _hifloat4_shuffled_weights(context, builder, value_type, value, start, table
 def hifloat4_bf16_step(typingctx, value, start, words, block):
     """HiFloat4 block ``block`` (flat): scale word at ``words[block]`` (1-D int32), 32 value bytes at
     ``value[start]`` (1-D uint8), as two F32V in HIFLOAT4_SHUFFLE_SPLIT's order: four times the weights from
-    _HIFLOAT4_BF16_BYTES by byte shuffles (_bf16_byte_words), each BF16 word's exponent less 2 - e2 - e3
-    (_LEVEL_SUBTRAHENDS; exact). The NaN E6M2 byte gives NaN weights; -0 weights come out as +0. AVX2."""
+    _HIFLOAT4_BF16_BYTES by byte shuffles, each BF16 word's exponent less 2 - e2 - e3 (_LEVEL_SUBTRAHENDS;
+    exact: _hifloat4_shuffled_weights). The NaN E6M2 byte gives NaN weights; -0 weights come out as +0.
+    AVX2."""
 
     def codegen(context, builder, sig, args):
         i64 = ir.IntType(64)
@@ -880,6 +875,105 @@ def hifloat4_bf16_step(typingctx, value, start, words, block):
         return context.make_tuple(builder, sig.return_type, weights)
 
     return types.UniTuple(simd.F32V, 2)(value, start, words, block), codegen
+
+
+@intrinsic
+def mxfp4_pairs(typingctx, codes, start, scales, block):
+    """The BF16 pairs of the MXFP4 pair step of blocks ``block`` .. ``block + 3`` (flat; E8M0 bytes at
+    ``scales[block]``, 1-D uint8): 64 code bytes at ``codes[start]`` (1-D uint8), the first step's two
+    blocks, then the second's. Two I32V (low nibbles, high nibbles; PAIR_ORDER); the table: the four blocks'
+    16 weights from _MXFP4_WORDS (built into the code, 64-byte aligned). AVX512-BW (VBMI: one vpermb)."""
+
+    def codegen(context, builder, sig, args):
+        vperm = _vpermi2w(builder)
+        v8x64, v16x16 = ir.VectorType(ir.IntType(8), LANES), ir.VectorType(ir.IntType(16), 16)
+        raw = builder.load(simd._element_ptr(context, builder, sig.args[0], args[0], args[1], v8x64), align=1)
+        table = builder.bitcast(simd.aligned_constant(builder, "lowbit.mxfp4.words", _MXFP4_WORDS),
+                                ir.IntType(16).as_pointer())
+        i64 = ir.IntType(64)
+
+        def block_row(i):  # block + i's 16 words: 32 bytes at a multiple of 32
+            at = builder.add(args[3], ir.Constant(args[3].type, i))
+            byte = builder.load(simd._element_ptr(context, builder, sig.args[2], args[2], at, ir.IntType(8)))
+            at = builder.mul(builder.zext(byte, i64), ir.Constant(i64, 16))
+            return builder.load(builder.bitcast(builder.gep(table, [at]), v16x16.as_pointer()), align=32)
+
+        tables = [builder.shuffle_vector(block_row(i), block_row(i + 1), _mask(range(HALF))) for i in (0, 2)]
+        registers = [[], []]
+        for byte_half in (0, 1):
+            words = _pair_words(builder, raw, byte_half)
+            block_bits = ir.Constant(_V16x32, [b + 16 * byte_half for b in _SECOND_STEP])  # bit 4: bytes 16-31
+            high = builder.lshr(words, ir.Constant(_V16x32, [4] * HALF))
+            for register, nibble in zip(registers, (words, high)):
+                index = builder.or_(builder.and_(nibble, ir.Constant(_V16x32, [15] * HALF)), block_bits)
+                register.append(builder.call(vperm, [tables[0], index, tables[1]]))
+        return context.make_tuple(builder, sig.return_type, _pair_registers(builder, registers))
+
+    return types.UniTuple(simd.I32V, 2)(codes, start, scales, block), codegen
+
+
+# HiFloat4 (hifloat4_pairs): row b of _HIFLOAT4_MAGNITUDES holds 32 words, at index magnitude | e2 << 3 |
+# e3 << 4 the BF16 bits of the weight of that magnitude (nibble & 7) and flags for E6M2 byte b, without its
+# sign, so the rows of the pair's two blocks fill the 64 words of one vpermi2w; the nibble's sign (bit 3) is
+# put into bit 15 of the word looked up.
+_HIFLOAT4_MAGNITUDES = _hifloat4_word_tables(8)
+
+
+def _pair_flag_bits(byte_half: int) -> list[int]:
+    """vpshufbitqmb's 64 bit indices into the 64-bit word [first block's scale word, second's] for the words
+    of byte half ``byte_half`` (value bytes 16 * byte_half + i): index w (< 32) the bit of word w's e2 flag,
+    index 32 + w the bit of its e3 flag."""
+    def bits(flag):  # even words: the second block's byte
+        return [_flag_bit(flag, w // 2 + 16 * byte_half) + (32 if w % 2 == 0 else 0) for w in range(HALF)]
+
+    return bits("e2") + bits("e3")
+
+
+@intrinsic
+def hifloat4_pairs(typingctx, value, start, words, block):
+    """The BF16 pairs of the HiFloat4 blocks ``block`` and ``block + 1`` (flat): scale words at ``words[block]``
+    (1-D int32), 64 value bytes at ``value[start]`` (1-D uint8). Two I32V (low nibbles, high nibbles;
+    PAIR_ORDER), each dword the first block's weight (high word) and the second's (low word) of
+    one element. AVX512-BITALG (vpshufbitqmb; with VBMI and VBMI2 one vpermb and one vpshldw per 32 words).
+    The NaN E6M2 byte gives NaN weights (with the sign bit of their nibble)."""
+
+    def codegen(context, builder, sig, args):
+        vperm = _vpermi2w(builder)
+        rotate = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16x32, [_V16x32] * 3),
+                                                "llvm.fshl.v32i16")
+        v1x64, v8x64 = ir.VectorType(ir.IntType(1), LANES), ir.VectorType(ir.IntType(8), LANES)
+        bit_shuffle = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v1x64, [v8x64, v8x64]),
+                                                     "llvm.x86.avx512.vpshufbitqmb.512")
+        i16, i64 = ir.IntType(16), ir.IntType(64)
+        raw = builder.load(simd._element_ptr(context, builder, sig.args[0], args[0], args[1], v8x64), align=1)
+        both = builder.load(simd._element_ptr(context, builder, sig.args[2], args[2], args[3], i64), align=4)
+        scale_words = builder.bitcast(simd._splat(builder, both, ir.VectorType(i64, 8)), v8x64)
+        table = builder.bitcast(simd.aligned_constant(builder, "lowbit.hifloat4.magnitudes", _HIFLOAT4_MAGNITUDES),
+                                i16.as_pointer())
+
+        def row(shift):  # the 32 words of the E6M2 byte at bit ``shift``: 64 bytes at a multiple of 64
+            byte = builder.and_(builder.lshr(both, ir.Constant(i64, shift)), ir.Constant(i64, 0xFF))
+            at = builder.mul(byte, ir.Constant(i64, HALF))
+            return builder.load(builder.bitcast(builder.gep(table, [at]), _V16x32.as_pointer()), align=64)
+
+        tables = row(0), row(32)
+        registers = [[], []]
+        for byte_half in (0, 1):
+            words = _pair_words(builder, raw, byte_half)
+            flags = builder.call(bit_shuffle, [scale_words, ir.Constant(v8x64, _pair_flag_bits(byte_half))])
+            e2, e3 = (builder.shuffle_vector(flags, flags, _mask(range(at, at + HALF))) for at in (0, HALF))
+            index_bits = builder.select(e2, ir.Constant(_V16x32, [b + 8 for b in _SECOND_STEP]),
+                                        ir.Constant(_V16x32, _SECOND_STEP))
+            index_bits = builder.select(e3, builder.add(index_bits, ir.Constant(_V16x32, [16] * HALF)), index_bits)
+            # rotated by 4: bits 0-2 the high nibble's magnitude, bit 15 the low nibble's sign (one vpshldw)
+            rotated = builder.call(rotate, [words, words, ir.Constant(_V16x32, [4] * HALF)])
+            for register, (magnitude_bits, sign_bit) in zip(registers, ((words, rotated), (rotated, words))):
+                index = builder.or_(builder.and_(magnitude_bits, ir.Constant(_V16x32, [7] * HALF)), index_bits)
+                magnitude = builder.call(vperm, [tables[0], index, tables[1]])
+                register.append(builder.or_(magnitude, builder.and_(sign_bit, ir.Constant(_V16x32, [-32768] * HALF))))
+        return context.make_tuple(builder, sig.return_type, _pair_registers(builder, registers))
+
+    return types.UniTuple(simd.I32V, 2)(value, start, words, block), codegen
 
 
 # ---- one step: the 64 weights k0 .. k0 + 63 of a row, as two F32V in the format's register order ----------
@@ -1112,7 +1206,8 @@ ROW_BLOCK = 4  # _block_sums, _store_block and the callers' ``starts`` are writt
 # 8 AVX2 ones, so a block's accumulators alone need 32 AVX2 registers of the 16 there are; the spills made an
 # AVX2 GEMV (AMD Zen 3) 6-9 times slower than summing the rows one by one (docs/weight_only.md, 'Kernels').
 BLOCK_ROWS = simd.HAS_AVX512F
-assert not BLOCK_ROWS or FOUR_BIT_ORDER == NIBBLE_ORDER  # the row blocks decode 4-bit steps in NIBBLE_ORDER
+# the row blocks decode 4-bit steps in NIBBLE_ORDER
+assert not BLOCK_ROWS or FOUR_BIT_ORDER == HIFLOAT4_ORDER == NIBBLE_ORDER
 
 
 @numba.njit(**_INLINE)
@@ -1371,8 +1466,9 @@ def _no_x_operands(x_reg, operands, x_consts):
 
 @numba.njit(**NJIT_OPTIONS)
 def _code8_x_operands(x_reg, operands, x_consts):
-    """(x_bounds,) of _code8_gemv: _x_bounds of x_reg where the weight has rows decoded by columns (their
-    column tables, the operands' last, not empty), else an empty (0, 2) array (not read)."""
+    """(x_bounds,) of _code8_gemv: _x_bounds of x_reg where the weight was re-encoded by columns (its rows'
+    column tables, the operands' last, not empty, though no row may be fast), else an empty (0, 2) array (not
+    read)."""
     if operands[-1].size:
         return (_x_bounds(x_reg),)
     return (np.zeros((0, 2), dtype=np.int64),)
