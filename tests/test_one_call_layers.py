@@ -235,11 +235,12 @@ def test_the_rounding_and_bias_add_are_torchs(dtype, has_bias):
             assert torch.equal(bits(out[0]), bits(want[row])), row
 
 
-@pytest.mark.parametrize("scheme", ["int4-a16w4", "mxfp4-wo"])
+@pytest.mark.parametrize("scheme", ["int4-a16w4", "mxfp4-wo", "hif4-wo", "fp8-wo", "hif8-wo"])
 def test_a_real_model_on_real_text_gives_the_full_paths_bits(scheme, minilm, monkeypatch):
     """all-MiniLM-L6-v2 in BF16, quantized, on short real text one item at a time (M = its tokens: int4
-    layers take up to 48 rows in one call, MXFP4's GEMV up to GEMV_MAX_M): the same embeddings, bit for bit,
-    with the one call and by the full path with the operator's own run (not the bound GEMV's), and the one
+    layers take up to 48 rows in one call, the weight-only GEMV up to GEMV_MAX_M): the same embeddings, bit
+    for bit, with the one call and by the full path with the operator's own run (not the bound GEMV's: for
+    FP8 and HiFloat8 on AVX2 CPUs the table decode instead of the prepared weight's columns), and the one
     call ran."""
     from lowbit.evaluation.embeddings import sentence_embeddings
     from lowbit.evaluation.text import all_sentences
@@ -248,7 +249,7 @@ def test_a_real_model_on_real_text_gives_the_full_paths_bits(scheme, minilm, mon
     model = copy.deepcopy(minilm.model).to(torch.bfloat16)
     lowbit.quantize_(model, scheme)
     limit = 48 if scheme == "int4-a16w4" else GEMV_MAX_M  # tokens, [CLS] and [SEP] included
-    words = 100 if scheme == "int4-a16w4" else 2  # MXFP4: the sentences' first two words
+    words = 100 if scheme == "int4-a16w4" else 2  # weight-only: the sentences' first two words
     texts = dict.fromkeys(" ".join(s.split()[:words]) for s in all_sentences())
     sentences = [t for t in texts if len(minilm.tokenizer(t)["input_ids"]) <= limit][:4]
     assert len(sentences) == 4
