@@ -531,7 +531,7 @@ def _telescoped_lookup(builder, index, chunks):
 
 def _byte_lookup_avx2(builder, codes, table, plane):
     """<64 x i8>: bytes ``table[plane + (code & 0x7F)]`` of the 64 ``codes`` (the table telescoped)."""
-    v16, v32 = ir.VectorType(_I8, 16), ir.VectorType(_I8, 32)
+    v16 = ir.VectorType(_I8, 16)
     chunks = []
     for i in range(8):
         chunk = builder.load(builder.bitcast(builder.gep(table, [ir.Constant(_I32, plane + 16 * i)]),

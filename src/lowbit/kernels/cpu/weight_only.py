@@ -2619,7 +2619,7 @@ class WeightOnlyLinear(Kernel):
         sums before that rounding (the same bits as the bias as one more column of W and of x, a column of
         ones; tests/test_weight_only.py checks this of torch), without the strided K + 1 columns (0.8 ms at
         M = 256, N = K = 4096)."""
-        (m, k), n = x.shape, out.shape[1]
+        k, n = x.shape[1], out.shape[1]
         for r0, tile in self._tiles(operands, n, k, torch.bfloat16, _padded_k(k), serial):
             if tile.shape[0] == n:  # one tile: written straight into out (addmm and mm are what F.linear runs)
                 if bias is None:

@@ -11,7 +11,6 @@ BackendUnavailable.
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 
 from lowbit.backends import Kernel
