@@ -1323,11 +1323,16 @@ def _code8_row_sum(x_flat, x0, codes_flat, c0, k, table, nan_code, keep, scratch
 
 
 @numba.njit(**_INLINE)
+def _any_by_columns(fast, k):
+    """Whether any row of W may be decoded by columns: 8-bit codes re-encoded (``fast`` not empty:
+    _code8_columns.encode_rows) with K a multiple of 64."""
+    return CODE8_COLUMNS and fast.size > 0 and k % LANES == 0
+
+
+@numba.njit(**_INLINE)
 def _by_columns(fast, k, row):
-    """Whether W's row ``row`` is decoded by columns: 8-bit codes re-encoded (``fast`` not empty:
-    _code8_columns.encode_rows) with K a multiple of 64 and the row among the fast ones (``row`` -1: whether
-    any row may be)."""
-    return CODE8_COLUMNS and fast.size > 0 and k % LANES == 0 and (row < 0 or fast[row] != 0)
+    """Whether W's row ``row`` is decoded by columns: _any_by_columns, and the row among the fast ones."""
+    return _any_by_columns(fast, k) and fast[row] != 0
 
 
 @numba.njit(**_INLINE)
@@ -1413,7 +1418,7 @@ def _code8_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, kee
             _code8_block_rows(_code8_block_step, x_flat, kp, k // LANES, operands, starts, row, y32)
             row += ROW_BLOCK
     scratch = simd.stack_bytes(LANES)
-    if not _by_columns(fast, k, -1):  # a loop of its own: with the column rows' branch in it, LLVM compiled the
+    if not _any_by_columns(fast, k):  # a loop of its own: with the column rows' branch in it, LLVM compiled the
         for row in range(row, end):  # table decode 8 % slower (AMD EPYC Zen 3)
             _code8_table_row(x_flat, kp, codes_flat, k, scale, bf16, magnitudes, nan_code, tables[0], keep, scratch,
                              row, y32)
