@@ -12,6 +12,7 @@ from torch import nn
 
 import lowbit
 from helpers import SeenOps, bits
+from lowbit.kernels.cpu import weight_only as cpu
 from lowbit.kernels.cpu.weight_only import GEMV_MAX_M
 from lowbit.ops.library import PreparedCall
 from lowbit.quantize.modules import INT4_MSD_MAX_ROWS, Int4Linear, PackedLinear
@@ -235,13 +236,19 @@ def test_the_rounding_and_bias_add_are_torchs(dtype, has_bias):
             assert torch.equal(bits(out[0]), bits(want[row])), row
 
 
-@pytest.mark.parametrize("scheme", ["int4-a16w4", "mxfp4-wo", "hif4-wo", "fp8-wo", "hif8-wo"])
+def _prepared_calls(model: nn.Module) -> list[PreparedCall]:
+    """The PreparedCall each quantized layer of ``model`` keeps (QuantizedLinearBase.prepared_call)."""
+    return [m.__dict__["_prepared"][0] for m in model.modules() if "_prepared" in m.__dict__]
+
+
+@pytest.mark.parametrize("scheme", ["int4-a16w4", "mxfp4-wo", "hif4-wo", "fp8-wo", "hif8-wo", "mxfp8-w8a8"])
 def test_a_real_model_on_real_text_gives_the_full_paths_bits(scheme, minilm, monkeypatch):
     """all-MiniLM-L6-v2 in BF16, quantized, on short real text one item at a time (M = its tokens: int4
     layers take up to 48 rows in one call, the weight-only GEMV up to GEMV_MAX_M): the same embeddings, bit
     for bit, with the one call and by the full path with the operator's own run (not the bound GEMV's: for
     FP8 and HiFloat8 on AVX2 CPUs the table decode instead of the prepared weight's columns), and the one
-    call ran."""
+    call ran; MXFP8 layers (quantized activations: no one call) by their prepared weight (on AVX2 CPUs most
+    rows by columns) and by the operator's own run (the table decode)."""
     from lowbit.evaluation.embeddings import sentence_embeddings
     from lowbit.evaluation.text import all_sentences
     from lowbit.quantize.modules import QuantizedLinearBase
@@ -264,7 +271,13 @@ def test_a_real_model_on_real_text_gives_the_full_paths_bits(scheme, minilm, mon
     monkeypatch.setattr(QuantizedLinearBase, "_run_one_call", counted)
     sentence_embeddings(model, minilm.tokenizer, sentences[:1], batch_size=1)  # first calls: full path, binding
     with_one_call = sentence_embeddings(model, minilm.tokenizer, sentences, batch_size=1)
-    assert ran and all(ran[-len(ran) // 2:])
+    if scheme == "mxfp8-w8a8":
+        assert not any(ran)
+        if cpu.CODE8_COLUMNS:
+            fast = [p._prepared[(torch.bfloat16, p.fixed[0].shape[1])][0][-2] for p in _prepared_calls(model)]
+            assert fast and all(f.mean() > 0.5 for f in fast)
+    else:
+        assert ran and all(ran[-len(ran) // 2:])
     monkeypatch.setattr(QuantizedLinearBase, "_run_one_call", lambda self, *args, **kwargs: None)
     monkeypatch.setattr(PreparedCall, "__call__", lambda self, x: self.op(x, *self.fixed))  # the operator's run
     without = sentence_embeddings(model, minilm.tokenizer, sentences, batch_size=1)

@@ -929,8 +929,9 @@ def test_mxfp8_every_code_under_every_scale_byte(dtype, kind):
     x_reg = torch.zeros(2, 768)
     x_reg[:, :736] = x.float()
     y32 = torch.empty(2, 32)
-    cpu._mxfp8_gemv(cpu._reorder(x_reg, *cpu.CODE8_SPLIT).numpy(),
-                    *cpu._mxfp8_operands(codes, scales, 736, dtype, kind), y32.numpy())
+    x_reg = cpu._reorder(x_reg, *cpu.CODE8_SPLIT).numpy()
+    operands = cpu._mxfp8_operands(codes, scales, 736, dtype, kind)
+    cpu._mxfp8_gemv(x_reg, *operands, *cpu._code8_x_operands(x_reg, operands, ()), y32.numpy())
     want = reference.lane_sums(x.float(), reference.mxfp8_weight(codes, scales, dtype))
     assert torch.equal(y32.isnan(), want.isnan())
     finite = ~want.isnan()
@@ -1250,15 +1251,18 @@ def test_code8_column_weight_exponents_lie_in_the_fused_bounds(fmt, scale):
     assert cpu._COLUMN_LOW <= low and high + 1 <= cpu._COLUMN_HIGH
 
 
-def test_hifloat8_columns_fused_only_where_every_product_is_exact():
-    """_columns_fused's bounds: every nonzero |x w| in [2^-126, 2^128) (x exponents (low, high), scale s)."""
+def test_columns_fused_only_where_every_product_is_exact():
+    """_columns_fused's bounds: every nonzero |x w| in [2^-126, 2^128) (x exponents (low, high), the row's
+    scales' exponents from e_low to e_high: one for HiFloat8 / FP8, MXFP8's blocks' range)."""
     low, high = cpu._COLUMN_LOW, cpu._COLUMN_HIGH
-    for e_s in (-110, -3, 0, 7, 110):
-        s = np.float32(1.5 * 2.0**e_s)
-        x_low, x_high = -126 - e_s - low, 126 - e_s - high  # the smallest |x w| 2^-126, the largest below 2^128
+    for e_low, e_high in ((-110, -110), (-3, -3), (0, 0), (7, 7), (110, 110), (-20, 5), (-110, 110)):
+        x_low, x_high = -126 - e_low - low, 126 - e_high - high  # the smallest |x w| 2^-126, the largest < 2^128
         for bounds, want in (((x_low, x_high), True), ((x_low - 1, x_high), False), ((x_low, x_high + 1), False)):
-            assert cpu._columns_fused(np.array([bounds], dtype=np.int64), 0, s) == want
-    assert cpu._columns_fused(np.array([[-10, 10]], dtype=np.int64), 0, np.float32(1.0))
+            assert cpu._columns_fused(np.array([bounds], dtype=np.int64), 0, e_low, e_high) == want
+    assert cpu._columns_fused(np.array([[-10, 10]], dtype=np.int64), 0, 0, 0)
+    for e in (-126, -110, -1, 0, 5, 127):
+        for mantissa in (1.0, 1.5, 1.9921875):
+            assert cpu._scale_exponent(np.float32(mantissa * 2.0**e)) == e
 
 
 @pytest.mark.parametrize("case", ["overflow", "subnormal tie"])
@@ -1337,6 +1341,176 @@ def test_code8_prepared_batched_rows_by_columns_equal_the_operator(fmt):
         assert torch.equal(sums[0].nan_to_num().view(torch.int32), sums[1].nan_to_num().view(torch.int32))
         prepared = PreparedCall(op, (codes, scale, None))
         assert_bits(prepared(x), op(x, codes, scale, None))
+
+
+# --- MXFP8 codes by columns: FP8's re-encoding, a column table per E8M0 byte ----------------------------------
+
+def test_mxfp8_column_tables_give_every_code_its_bf16_weight_under_every_scale_byte():
+    """T_b[j] + (o << 7) + (sign << 15) (mod 2^16) of every code the columns take, under every E8M0 byte b of
+    the column range, is the bits of the reference's BF16 weight (E4M3 value times 2^(b - 127), one
+    rounding); FP8's -0 is +0; bytes outside the range have zero tables (no fast row holds them)."""
+    table, tables = cpu._mxfp8_column_operands()
+    low, high = cpu._MXFP8_COLUMN_BYTES
+    assert cpu._MXFP8_EXACT_BYTES_BF16[0] <= low and high <= cpu._MXFP8_EXACT_BYTES_BF16[1]
+    assert not tables[:low].any() and not tables[high + 1 :].any()
+    codes = torch.tensor(COLUMN_E4M3, dtype=torch.uint8)
+    r = torch.from_numpy(columns.FLOAT8_E4M3.encode[codes.numpy()].astype(np.int64))
+    j, h = r & 0x0F, r >> 4
+    addends = columns.ADDENDS.astype(np.int64)
+    addend = torch.from_numpy(addends[h.numpy()] | addends[16 + h.numpy()] << 8)
+    for b in range(low, high + 1):
+        t = torch.from_numpy(tables[b].astype(np.int64))
+        base = torch.where(r == columns.ZERO_CODE, 0, t[j] | t[16 + j] << 8)
+        scales = torch.full((1, len(COLUMN_E4M3) // 32 + 1), b, dtype=torch.uint8)
+        padded = torch.cat([codes, torch.zeros(32 - len(COLUMN_E4M3) % 32, dtype=torch.uint8)])
+        want = bits(reference.mxfp8_weight(padded[None], scales, torch.bfloat16).bfloat16()[0, : len(COLUMN_E4M3)])
+        want = torch.where(codes == 0x80, 0, want.long() & 0xFFFF)
+        assert torch.equal((base + addend) & 0xFFFF, want), b
+
+
+def _mxfp8_column_weight(g, n, k, byte_range):
+    """(codes, scales) (n, k): every code the columns take in each row (shuffled, zeros after), the scale bytes
+    drawn from ``byte_range``."""
+    row_codes = torch.tensor(COLUMN_E4M3 + [0] * (k - len(COLUMN_E4M3)), dtype=torch.uint8)
+    codes = torch.stack([row_codes[torch.randperm(k, generator=g)] for _ in range(n)])
+    scales = torch.randint(byte_range[0], byte_range[1] + 1, (n, k // 32), generator=g, dtype=torch.int64)
+    return codes, scales.to(torch.uint8)
+
+
+@pytest.mark.parametrize("m", [1, 2, 4])
+def test_mxfp8_prepared_rows_by_columns_equal_the_reference(m, monkeypatch):
+    """A prepared MXFP8 weight (PreparedCall, BF16 x): every code the columns take in every row, under scale
+    bytes across the column range (both ends), equals the reference bit for bit, float32 sums too; rows with
+    a slow code (the three smallest subnormals, NaN) or a scale byte outside the range (just outside, in the
+    exact range; far outside; NaN 0xFF) take the table decode of the re-encoded codes; x with NaN, Inf, -0
+    and a subnormal, strided; one thread and the parallel loop."""
+    g = gen(60 + m)
+    k = 256
+    low, high = cpu._MXFP8_COLUMN_BYTES
+    codes, scales = _mxfp8_column_weight(g, 16, k, (100, 140))
+    scales[0], scales[1], scales[2] = low, high, torch.tensor([low, high] * 4)
+    scales[3] = torch.tensor([low, low + 1, 120, 130, high - 1, high, 127, 127])
+    codes[8, 5], codes[9, 17], codes[10, 200], codes[11, 30] = 0x02, 0x7F, 0x83, 0xFF
+    scales[12, 3], scales[13, 0], scales[14, 7], scales[15, 2] = low - 1, high + 1, 3, 0xFF
+    fast = [1] * 8 + [0] * 8
+    x = torch.randn(m, k, generator=g).bfloat16()
+    op, kernel = ops.MXFP8_LINEAR, cpu.MXFP8_LINEAR
+    prepared = PreparedCall(op, (codes, scales, None))
+    assert_bits(prepared(x), op(x, codes, scales, None, backend="reference"))
+    operands = kernel.prepare(torch.bfloat16, k, codes, scales, None)[0]
+    if cpu.CODE8_COLUMNS:  # the rows above went by columns
+        assert operands[-2].tolist() == fast
+    y32 = torch.empty(m, codes.shape[0])
+    kernel.gemv_sums(cpu._reorder(x.float(), *kernel.split).numpy(), operands, y32.numpy(), serial=True)
+    want32 = reference.lane_sums(x.float(), reference.mxfp8_weight(codes, scales, torch.bfloat16))
+    assert torch.equal(y32.isnan(), want32.isnan())
+    assert torch.equal(y32.nan_to_num().view(torch.int32), want32.nan_to_num().view(torch.int32))
+    x[0, 3], x[-1, 100], x[-1, 7], x[-1, 11] = float("nan"), float("inf"), -0.0, 2.0**-130
+    strided = torch.stack([x, -x], dim=-1)[..., 0]
+    assert not strided.is_contiguous()
+    assert_bits(prepared(strided), op(x, codes, scales, None, backend="reference"))
+    monkeypatch.setattr(cpu, "GEMV_ONE_THREAD_WEIGHTS", 0)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert_bits(prepared(x), op(x, codes, scales, None, backend="reference"))
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("x_exponent", [-120, -100, 0, 12, 17, 30])
+def test_mxfp8_prepared_rows_by_columns_at_the_ends_of_float32(x_exponent):
+    """Rows by columns under the column range's end bytes with x far from 1: products near float32's
+    smallest normal (the multiply and the add, rounding as the reference's) and past its largest (Inf, NaN
+    where Inf meets -Inf) take the reference's bits, by fused multiply-adds only where every product is
+    exact."""
+    g = gen(70)
+    k = 256
+    low, high = cpu._MXFP8_COLUMN_BYTES
+    codes, scales = _mxfp8_column_weight(g, 6, k, (low, low + 3))
+    scales[3:] = torch.randint(high - 3, high + 1, (3, k // 32), generator=g).to(torch.uint8)
+    x = (torch.randn(2, k, generator=g) * 2.0**x_exponent).bfloat16()
+    prepared = PreparedCall(ops.MXFP8_LINEAR, (codes, scales, None))
+    if cpu.CODE8_COLUMNS:
+        assert cpu.MXFP8_LINEAR.prepare(torch.bfloat16, k, codes, scales, None)[0][-2].tolist() == [1] * 6
+    assert_bits(prepared(x), ops.MXFP8_LINEAR(x, codes, scales, None, backend="reference"))
+    kernel = cpu.MXFP8_LINEAR
+    y32 = torch.empty(2, 6)
+    kernel.gemv_sums(cpu._reorder(x.float(), *kernel.split).numpy(),
+                     kernel.prepare(torch.bfloat16, k, codes, scales, None)[0], y32.numpy(), serial=True)
+    want32 = reference.lane_sums(x.float(), reference.mxfp8_weight(codes, scales, torch.bfloat16))
+    assert torch.equal(y32.isnan(), want32.isnan())
+    assert torch.equal(y32.nan_to_num().view(torch.int32), want32.nan_to_num().view(torch.int32))
+
+
+@pytest.mark.parametrize("case", ["overflow", "subnormal tie"])
+def test_mxfp8_prepared_rows_by_columns_where_a_fused_multiply_add_would_differ(case):
+    """A row by columns whose blocks' scales span the column range (2^-110 and 2^110 side by side), with
+    products at the ends of float32's range in one lane, where fma(x, w, acc) and acc + x * w differ: one
+    that overflows after a large negative one under the large scale (finite by fma, Inf by the reference),
+    or a subnormal product of half a unit after one unit under the small scale (2 units by fma, 1 by the
+    reference's tie to even). The fused bound takes the row's smallest scale below and its largest above."""
+    k = 256
+    low, high = cpu._MXFP8_COLUMN_BYTES
+    if case == "overflow":
+        byte, w0, w1, x0, x1 = high, 1.0, 4.0, -(2.0**17), 1.25 * 2.0**16  # products -2^127, 1.25 * 2^128
+    else:
+        byte, w0, w1, x0, x1 = low, 2.0**-7, 2.0**-7, 2.0**-32, 2.0**-33  # products 2^-149, 2^-150 (scale 2^-110)
+    codes = torch.zeros(1, k, dtype=torch.uint8)
+    codes[0, 0], codes[0, 64] = mxfp8.e4m3_codes(torch.tensor([w0, w1]))
+    codes[0, 128:192] = mxfp8.e4m3_codes(torch.full((64,), 1.5))  # products with x's zeros
+    scales = torch.full((1, k // 32), 127, dtype=torch.uint8)
+    scales[0, 0] = scales[0, 2] = byte  # the blocks of columns 0 and 64
+    scales[0, 4] = low if case == "overflow" else high  # the other end of the range
+    assert all(c in COLUMN_E4M3 for c in codes.unique().tolist())
+    x = torch.zeros(1, k)
+    x[0, 0], x[0, 64] = x0, x1
+    x = x.bfloat16()
+    assert x.float()[0, 0] == x0 and x.float()[0, 64] == x1
+    kernel = cpu.MXFP8_LINEAR
+    operands = kernel.prepare(torch.bfloat16, k, codes, scales, None)[0]
+    y32 = torch.empty(1, 1)
+    kernel.gemv_sums(cpu._reorder(x.float(), *kernel.split).numpy(), operands, y32.numpy(), serial=True)
+    w = reference.mxfp8_weight(codes, scales, torch.bfloat16)
+    want = reference.lane_sums(x.float(), w)
+    fused = torch.tensor([x0 * w[0, 0].item() + x1 * w[0, 64].item()], dtype=torch.float64).float()  # one rounding
+    assert not torch.equal(want[0], fused)  # the case is one where the two differ
+    assert torch.equal(y32.view(torch.int32), want.view(torch.int32))
+    if cpu.CODE8_COLUMNS:
+        assert operands[-2].tolist() == [1]
+
+
+def test_mxfp8_prepared_rows_by_columns_sum_minus_zero_weights_as_the_reference():
+    """E4M3's -0 (0x80) is re-encoded as +0: rows of -0 weights (alone, among others, with a slow code) times x
+    of both signs and zeros give the reference's bits, with and without a -0 bias, at M = 1 (the GEMV) and
+    M = 300 (the GEMM path on decoded tiles)."""
+    k = 128
+    codes = torch.full((3, k), 0x80, dtype=torch.uint8)
+    codes[1, ::2] = 0x38  # 1.0
+    codes[2, 5] = 0x01  # a slow code: the table decode
+    scales = torch.full((3, k // 32), 120, dtype=torch.uint8)
+    for m in (1, 300):
+        for x in (torch.rand(m, k).bfloat16() + 1, -torch.rand(m, k).bfloat16() - 1, torch.zeros(m, k).bfloat16()):
+            for bias in (None, torch.tensor([-0.0, -0.0, -0.0]).bfloat16()):
+                prepared = PreparedCall(ops.MXFP8_LINEAR, (codes, scales, bias))
+                assert_bits(prepared(x), ops.MXFP8_LINEAR(x, codes, scales, bias, backend="reference"))
+                if cpu.CODE8_COLUMNS:
+                    assert prepared._prepared[(torch.bfloat16, k)][0][-2].tolist() == [1, 1, 0]
+
+
+def test_mxfp8_prepared_batched_and_gemm_rows_equal_the_operator():
+    """5-64 rows of x (the batched kernel) and 300 (the GEMM path): a prepared MXFP8 weight (codes re-encoded
+    where CODE8_COLUMNS, decoded there by the re-encoded table) gives the operator's outputs, bit for bit;
+    FP16 x keeps the operator's operands."""
+    g = gen(75)
+    k, n = 256, 70
+    codes, scales = _mxfp8_column_weight(g, n, k, (90, 150))
+    codes[40, 9], scales[41, 2] = 0x01, 250
+    for dtype in (torch.bfloat16, torch.float16):
+        prepared = PreparedCall(ops.MXFP8_LINEAR, (codes, scales, None))
+        for m in (1, 5, 33, 300):
+            x = torch.randn(m, k, generator=g).to(dtype)
+            assert_bits(prepared(x), ops.MXFP8_LINEAR(x, codes, scales, None, backend="native"))
 
 
 # --- the prepared call of a fixed weight ----------------------------------------------------------------------

@@ -106,6 +106,23 @@ class ColumnCode:
         _encode_rows(codes, scale, self.encode, self.slow_codes, self._column_m, self._column_first, encoded, fast,
                      tables)
 
+    def scale_tables(self, scales: np.ndarray) -> np.ndarray:
+        """(S, TABLE_BYTES) uint8: the column tables (fill_column_table) of the float32 ``scales`` (S,), each
+        in [2^-110, 2^110] (ValueError otherwise)."""
+        scales = np.asarray(scales, dtype=np.float32)
+        if not ((scales >= _SCALE_LOW) & (scales <= _SCALE_HIGH)).all():
+            raise ValueError("a scale lies outside the columns' range [2^-110, 2^110]")
+        tables = np.empty((scales.size, TABLE_BYTES), dtype=np.uint8)
+        _scale_tables(scales, self._column_m, self._column_first, tables)
+        return tables
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _scale_tables(scales, column_m, column_first, tables):
+    scratch = np.empty(8, dtype=np.float32)
+    for i in range(scales.size):
+        fill_column_table(scales[i], column_m, column_first, tables[i], scratch)
+
 
 @numba.njit(**NJIT_OPTIONS)
 def _encode_rows(codes, scale, encode, slow_codes, column_m, column_first, encoded, fast, tables):

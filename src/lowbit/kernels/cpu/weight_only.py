@@ -30,6 +30,7 @@ Decoding (docs/weight_only.md, 'Weights'):
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numba
@@ -73,6 +74,7 @@ _HIF8_MAGNITUDES = {dtype: hifloat8.decode_table(dtype)[:128].to(torch.float32).
                     for dtype in (torch.bfloat16, torch.float16)}
 _E4M3_MAGNITUDES = mxfp8.e4m3_values(torch.arange(128, dtype=torch.uint8)).numpy()
 _E4M3_NAN_CODE = 0x7F
+assert _columns.FLOAT8_E4M3.encoded_nan == _E4M3_NAN_CODE  # so the code tables serve re-encoded MXFP8 codes too
 # MXFP8: fixed code tables (E4M3 values are exact in BF16 and float32) of both kinds (see code8_decode), the
 # E8M0 scale values, and which register lanes of a 64-element step hold its second 32-block.
 _E4M3_VALUES = mxfp8.e4m3_values(torch.arange(256, dtype=torch.uint8)).numpy()
@@ -424,19 +426,23 @@ def _both_lanes(builder, data, offset):
 
 
 @intrinsic
-def code8_columns_half(typingctx, codes, index, columns, addends):
-    """code8_decode_half of 32 re-encoded 8-bit codes ``codes[index : index + 32]`` (uint8) of a row whose
-    column table is ``columns`` (uint8[32]: T's low, then high bytes; _code8_columns.fill_column_table), with
-    ``addends`` = _code8_columns.ADDENDS: per code, T[j] and the addend of its high nibble
-    (one vpshufb each for the low and the high bytes; zero's slot looked up as 0), paired into words and
-    added, widened in CODE8_ORDER. AVX2; rows of _code8_columns.encode_rows's ``fast`` only."""
+def code8_columns_half(typingctx, codes, index, tables, row, addends):
+    """code8_decode_half of 32 re-encoded 8-bit codes ``codes[index : index + 32]`` (uint8) whose column table
+    is ``tables[row]`` (``tables``: (R, _code8_columns.TABLE_BYTES) uint8, C-contiguous, a table a row: T's
+    low, then high bytes; _code8_columns.fill_column_table), with ``addends`` = _code8_columns.ADDENDS: per
+    code, T[j] and the addend of its high nibble (one vpshufb each for the low and the high bytes; zero's
+    slot looked up as 0), paired into words and added, widened in CODE8_ORDER. AVX2; codes whose weights the
+    table gives only (rows of _code8_columns.encode_rows's ``fast``)."""
 
     def codegen(context, builder, sig, args):
-        i8p = ir.IntType(8).as_pointer()
+        i8p, i64 = ir.IntType(8).as_pointer(), ir.IntType(64)
         v32, v16 = ir.VectorType(ir.IntType(8), 32), ir.VectorType(ir.IntType(16), 16)
         r = builder.load(simd._element_ptr(context, builder, sig.args[0], args[0], args[1], v32), align=1)
-        table, fixed = (builder.bitcast(context.make_array(sig.args[i])(context, builder, args[i]).data, i8p)
-                        for i in (2, 3))
+        tables_data, fixed = (builder.bitcast(context.make_array(sig.args[i])(context, builder, args[i]).data, i8p)
+                              for i in (2, 4))
+        row_at = builder.mul(context.cast(builder, args[3], sig.args[3], types.int64),
+                             ir.Constant(i64, _columns.TABLE_BYTES))
+        table = builder.gep(tables_data, [row_at])
         column = builder.and_(r, ir.Constant(v32, [0x0F] * 32))
         zero = builder.sext(builder.icmp_unsigned("==", r, ir.Constant(v32, [_columns.ZERO_CODE] * 32)), v32)
         column = builder.or_(column, zero)  # index bit 7: vpshufb gives 0
@@ -449,7 +455,7 @@ def code8_columns_half(typingctx, codes, index, columns, addends):
             pieces.extend(_bf16_words_widened(builder, builder.add(base, addend), 2))
         return simd._concatenated(builder, pieces)
 
-    return simd.F32V(codes, index, columns, addends), codegen
+    return simd.F32V(codes, index, tables, row, addends), codegen
 
 
 def _fill_row_table(magnitudes, scale, bf16, nan_code, table):
@@ -1336,18 +1342,32 @@ def _by_columns(fast, k, row):
 
 
 @numba.njit(**_INLINE)
-def _column_pass(accumulate, x_flat, x0, codes_flat, c0, steps, columns, half):
-    """The lanes of codes ``half`` .. ``half`` + 31 of every step of a row of re-encoded 8-bit codes
-    (code8_columns_half, the row's column table ``columns``), each product added by ``accumulate``
-    (_mul_then_add or _fused_multiply_add); the first pass (``half`` 0) prefetches the row
+def _column_pass(accumulate, x_flat, x0, codes_flat, c0, steps, tables, table_row, rows, half):
+    """The lanes of codes ``half`` .. ``half`` + 31 of every step t of a row of re-encoded 8-bit codes
+    (code8_columns_half with the column table ``tables[table_row(rows, t, half)]``), each product added by
+    ``accumulate`` (_mul_then_add or _fused_multiply_add); the first pass (``half`` 0) prefetches the row
     _COLUMN_AHEAD_ROWS on."""
     acc = simd.f32v_zero()
     for t in range(steps):
         if half == 0:
             _prefetch_ahead(codes_flat, np.uint64(c0 + LANES * t), np.uint64(_COLUMN_AHEAD_ROWS * LANES * steps))
-        w = code8_columns_half(codes_flat, c0 + LANES * t + half, columns, _columns.ADDENDS)
+        w = code8_columns_half(codes_flat, c0 + LANES * t + half, tables, table_row(rows, t, half), _columns.ADDENDS)
         acc = accumulate(acc, simd.f32v_load(x_flat, x0 + LANES * t + half), w)
     return acc
+
+
+@numba.njit(**_INLINE)
+def _row_table(row, t, half):
+    """HiFloat8 / FP8: the weight row's own column table (index ``row``) at every step."""
+    return row
+
+
+@numba.njit(**_INLINE)
+def _block_table(blocks, t, half):
+    """MXFP8: the column table of the 32-block of step t, ``half`` (its E8M0 byte): ``blocks`` = (the E8M0
+    bytes, flat; the index of the row's first)."""
+    scales_flat, b0 = blocks
+    return scales_flat[b0 + 2 * t + half // HALF]
 
 
 @numba.njit(**_INLINE)
@@ -1370,24 +1390,33 @@ _COLUMN_HIGH = max(_columns.HIFLOAT8.fast_exponents[1], _columns.FLOAT8_E4M3.fas
 
 
 @numba.njit(**_INLINE)
-def _columns_fused(x_bounds, m, s):
-    """Whether every nonzero product of x row m (its exponent bounds: _x_bounds) with a fast row of scale ``s``
-    (a normal float32) lies in [2^-126, 2^128), so that it is exact in float32 (BF16 x BF16: 16 significant
-    bits) and a fused multiply-add gives _mul_then_add's bits (as _fused_bytes for the 4-bit formats)."""
-    e_s = math.frexp(s)[1] - 1  # floor(log2 s)
-    return x_bounds[m, 0] + e_s + _COLUMN_LOW >= -126 and x_bounds[m, 1] + e_s + _COLUMN_HIGH <= 126
+def _columns_fused(x_bounds, m, e_low, e_high):
+    """Whether every nonzero product of x row m (its exponent bounds: _x_bounds) with a fast row whose scales
+    s have floor(log2 s) in [e_low, e_high] (HiFloat8 / FP8: the row's one scale; MXFP8: its blocks' powers of
+    two) lies in [2^-126, 2^128), so that it is exact in float32 (BF16 x BF16: 16 significant bits) and a
+    fused multiply-add gives _mul_then_add's bits (as _fused_bytes for the 4-bit formats)."""
+    return x_bounds[m, 0] + e_low + _COLUMN_LOW >= -126 and x_bounds[m, 1] + e_high + _COLUMN_HIGH <= 126
 
 
 @numba.njit(**_INLINE)
-def _code8_column_row_sum(x_flat, x0, codes_flat, c0, k, columns, fused):
-    """_code8_row_sum of a fast row of re-encoded 8-bit codes (K a multiple of 64; its column table
-    ``columns``): the same bits, by fused multiply-adds where ``fused`` (_columns_fused)."""
+def _scale_exponent(s):
+    """floor(log2 s) of a normal float32 ``s``."""
+    return math.frexp(s)[1] - 1
+
+
+@numba.njit(**_INLINE)
+def _code8_column_row_sum(x_flat, x0, codes_flat, c0, k, tables, table_row, rows, fused):
+    """_code8_row_sum of a fast row of re-encoded 8-bit codes (K a multiple of 64; its column tables picked by
+    ``table_row(rows, t, half)``: _column_pass): the same bits, by fused multiply-adds where ``fused``
+    (_columns_fused)."""
     steps = k // LANES
     if fused:
-        return _row_sum_code8(_column_pass(_fused_multiply_add, x_flat, x0, codes_flat, c0, steps, columns, 0),
-                              _column_pass(_fused_multiply_add, x_flat, x0, codes_flat, c0, steps, columns, HALF))
-    return _row_sum_code8(_column_pass(_mul_then_add, x_flat, x0, codes_flat, c0, steps, columns, 0),
-                          _column_pass(_mul_then_add, x_flat, x0, codes_flat, c0, steps, columns, HALF))
+        return _row_sum_code8(
+            _column_pass(_fused_multiply_add, x_flat, x0, codes_flat, c0, steps, tables, table_row, rows, 0),
+            _column_pass(_fused_multiply_add, x_flat, x0, codes_flat, c0, steps, tables, table_row, rows, HALF))
+    return _row_sum_code8(
+        _column_pass(_mul_then_add, x_flat, x0, codes_flat, c0, steps, tables, table_row, rows, 0),
+        _column_pass(_mul_then_add, x_flat, x0, codes_flat, c0, steps, tables, table_row, rows, HALF))
 
 
 @numba.njit(**_INLINE)
@@ -1425,10 +1454,10 @@ def _code8_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, kee
         return
     for row in range(row, end):
         if fast[row]:
-            columns = column_tables[row]
+            e_s = _scale_exponent(scale[row])
             for m in range(m_rows):
-                y32[m, row] = _code8_column_row_sum(x_flat, m * kp, codes_flat, row * k, k, columns,
-                                                    _columns_fused(x_bounds, m, scale[row]))
+                y32[m, row] = _code8_column_row_sum(x_flat, m * kp, codes_flat, row * k, k, column_tables, _row_table,
+                                                    row, _columns_fused(x_bounds, m, e_s, e_s))
         else:
             _code8_table_row(x_flat, kp, codes_flat, k, scale, bf16, magnitudes, nan_code, tables[0], keep, scratch,
                              row, y32)
@@ -1464,16 +1493,10 @@ def _code8_gemv(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, kee
 
 
 @numba.njit(**NJIT_OPTIONS)
-def _no_x_operands(x_reg, operands, x_consts):
-    """No per-call operands of x (MXFP8): an empty tuple."""
-    return ()
-
-
-@numba.njit(**NJIT_OPTIONS)
 def _code8_x_operands(x_reg, operands, x_consts):
-    """(x_bounds,) of _code8_gemv: _x_bounds of x_reg where the weight was re-encoded by columns (its rows'
-    column tables, the operands' last, not empty, though no row may be fast), else an empty (0, 2) array (not
-    read)."""
+    """(x_bounds,) of _code8_gemv and _mxfp8_gemv: _x_bounds of x_reg where the weight was re-encoded by
+    columns (its column tables, the operands' last, not empty, though no row may be fast), else an empty
+    (0, 2) array (not read)."""
     if operands[-1].size:
         return (_x_bounds(x_reg),)
     return (np.zeros((0, 2), dtype=np.int64),)
@@ -1519,7 +1542,8 @@ _MXFP8_EXACT_BYTES_F16 = (112, 134)
 @numba.njit(**_INLINE)
 def _mxfp8_step(round_to, codes, start, table, byte_a, byte_b):
     """MXFP8: 64 codes at ``codes[start]`` (two 32-blocks with E8M0 bytes ``byte_a``, ``byte_b``) as weights:
-    the E4M3 value times the block's scale in float32, then ``round_to`` x's dtype (docs/weight_only.md)."""
+    the E4M3 value (``table``: of the codes or of their re-encoding by columns, _mxfp8_prepared_operands)
+    times the block's scale in float32, then ``round_to`` x's dtype (docs/weight_only.md)."""
     w0, w1 = code8_decode(codes, start, table, _E4M3_NAN_CODE)
     scale_a, scale_b = _E8M0_SCALES[byte_a], _E8M0_SCALES[byte_b]
     s0 = simd.f32v_choose(simd.i32v_load(_SECOND_BLOCK, 0), scale_b, scale_a)
@@ -1562,53 +1586,74 @@ def _mxfp8_block_step(operands, start, r, t):
     return _mxfp8_step(_exact, codes_flat, start + LANES * t, table, scales_flat[s], scales_flat[s + 1])
 
 
+@numba.njit(**_INLINE)
+def _mxfp8_table_row(x_flat, kp, codes_flat, scales_flat, k, blocks, bf16, table, scratch, row, y32):
+    """y32[:, row] of a row of W decoded by the table (_mxfp8_step), for every row of x: the rounding to x's
+    dtype skipped where every scale byte of the row lies in the exact range."""
+    low, high = _low_byte_range(scales_flat, row * blocks, blocks)
+    exact_range = _MXFP8_EXACT_BYTES_BF16 if bf16 else _MXFP8_EXACT_BYTES_F16
+    exact = exact_range[0] <= low and high <= exact_range[1]
+    c0, s0 = row * k, row * blocks
+    for m in range(y32.shape[0]):
+        if exact:
+            y32[m, row] = _mxfp8_row_sum(_exact, x_flat, m * kp, codes_flat, scales_flat, c0, s0, k, table,
+                                         scratch)
+        elif bf16:
+            y32[m, row] = _mxfp8_row_sum(_round_bf16, x_flat, m * kp, codes_flat, scales_flat, c0, s0, k, table,
+                                         scratch)
+        else:
+            y32[m, row] = _mxfp8_row_sum(_round_f16, x_flat, m * kp, codes_flat, scales_flat, c0, s0, k, table,
+                                         scratch)
+
+
 @numba.njit(**NJIT_OPTIONS)
-def _mxfp8_rows(x_reg, codes, scales, bf16, table, row, end, y32):
-    """Rows row .. end - 1 of _mxfp8_gemv (one task). Blocks of ROW_BLOCK rows whose scale bytes all lie in
-    the exact range (and K a multiple of 64) go through _block_sums; other rows one by one."""
+def _mxfp8_rows(x_reg, codes, scales, bf16, table, fast, column_tables, x_bounds, row, end, y32):
+    """Rows row .. end - 1 of _mxfp8_gemv (one task). The rows of ``fast`` by columns (the table of each
+    32-block's E8M0 byte in ``column_tables``); else blocks of ROW_BLOCK rows whose scale bytes all lie in the
+    exact range (and K a multiple of 64) go through _block_sums; other rows one by one."""
     k = codes.shape[1]
     blocks = scales.shape[1]
     m_rows, kp = x_reg.shape
     x_flat, codes_flat, scales_flat = simd.borrowed_flat(x_reg), simd.borrowed_flat(codes), simd.borrowed_flat(scales)
-    exact_range = _MXFP8_EXACT_BYTES_BF16 if bf16 else _MXFP8_EXACT_BYTES_F16
     scratch = simd.stack_bytes(LANES)
+    if _any_by_columns(fast, k):
+        for row in range(row, end):
+            if fast[row]:
+                low, high = _low_byte_range(scales_flat, row * blocks, blocks)
+                for m in range(m_rows):
+                    y32[m, row] = _code8_column_row_sum(x_flat, m * kp, codes_flat, row * k, k, column_tables,
+                                                        _block_table, (scales_flat, row * blocks),
+                                                        _columns_fused(x_bounds, m, low - 127, high - 127))
+            else:
+                _mxfp8_table_row(x_flat, kp, codes_flat, scales_flat, k, blocks, bf16, table, scratch, row,
+                                 y32)
+        return
+    exact_range = _MXFP8_EXACT_BYTES_BF16 if bf16 else _MXFP8_EXACT_BYTES_F16
     while row < end:
-        count = 1
         if BLOCK_ROWS and k % LANES == 0 and row + ROW_BLOCK <= end:
             low, high = _low_byte_range(scales_flat, row * blocks, ROW_BLOCK * blocks)  # four consecutive rows
             if exact_range[0] <= low and high <= exact_range[1]:
-                count = ROW_BLOCK
-        if count == ROW_BLOCK:
-            starts = (row * k, (row + 1) * k, (row + 2) * k, (row + 3) * k)
-            operands = (codes_flat, scales_flat, table, np.uint64(ROW_BLOCK * k))
-            _code8_block_rows(_mxfp8_block_step, x_flat, kp, k // LANES, operands, starts, row, y32)
-            row += ROW_BLOCK
-            continue
-        low, high = _low_byte_range(scales_flat, row * blocks, blocks)
-        exact = exact_range[0] <= low and high <= exact_range[1]
-        c0, s0 = row * k, row * blocks
-        for m in range(m_rows):
-            if exact:
-                y32[m, row] = _mxfp8_row_sum(_exact, x_flat, m * kp, codes_flat, scales_flat, c0, s0, k, table,
-                                             scratch)
-            elif bf16:
-                y32[m, row] = _mxfp8_row_sum(_round_bf16, x_flat, m * kp, codes_flat, scales_flat, c0, s0, k, table,
-                                             scratch)
-            else:
-                y32[m, row] = _mxfp8_row_sum(_round_f16, x_flat, m * kp, codes_flat, scales_flat, c0, s0, k, table,
-                                             scratch)
+                starts = (row * k, (row + 1) * k, (row + 2) * k, (row + 3) * k)
+                operands = (codes_flat, scales_flat, table, np.uint64(ROW_BLOCK * k))
+                _code8_block_rows(_mxfp8_block_step, x_flat, kp, k // LANES, operands, starts, row, y32)
+                row += ROW_BLOCK
+                continue
+        _mxfp8_table_row(x_flat, kp, codes_flat, scales_flat, k, blocks, bf16, table, scratch, row, y32)
         row += 1
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _mxfp8_gemv(x_reg, codes, scales, bf16, table, y32):
+def _mxfp8_gemv(x_reg, codes, scales, bf16, table, fast, column_tables, x_bounds, y32):
     """codes (N, K) uint8 E4M3, scales (N, K/32) uint8 E8M0; bf16: x is BF16 (else FP16); table: the E4M3
-    code table of the kind code8_decode reads; x_reg (M, Kp) float32 (CODE8_ORDER, zero-padded); y32 (M, N)
-    float32. Every row, as _code8_gemv."""
+    code table of the kind code8_decode reads its NaN code; fast (N,) uint8, or empty: the rows of
+    codes re-encoded by columns (_mxfp8_prepared_operands) that code8_columns_half decodes, with the column
+    tables of the 256 E8M0 bytes column_tables (256, _columns.TABLE_BYTES) uint8; x_bounds (M, 2) int64:
+    _x_bounds of x_reg where ``fast`` is not empty (else not read); x_reg (M, Kp) float32 (CODE8_ORDER,
+    zero-padded); y32 (M, N) float32. Every row, as _code8_gemv."""
     n = codes.shape[0]
     for task in numba.prange((n + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
-        _mxfp8_rows(x_reg, codes, scales, bf16, table, task * _ROWS_PER_TASK, min(n, (task + 1) * _ROWS_PER_TASK),
-                    y32)
+        _mxfp8_rows(x_reg, codes, scales, bf16, table, fast, column_tables, x_bounds, task * _ROWS_PER_TASK,
+                    min(n, (task + 1) * _ROWS_PER_TASK), y32)
 
 
 @numba.njit(**_INLINE)
@@ -1946,8 +1991,9 @@ def _mxfp8_tile_row(round_to, store, codes_flat, scales_flat, row, k, blocks, ta
 
 
 @numba.njit(**NJIT_OPTIONS)
-def _mxfp8_tile_rows(codes, scales, bf16, table, r0, row, end, w32):
-    """Rows row .. end - 1 of the tile: the serial part of _mxfp8_tile."""
+def _mxfp8_tile_rows(codes, scales, bf16, table, fast, column_tables, r0, row, end, w32):
+    """Rows row .. end - 1 of the tile: the serial part of _mxfp8_tile (every row by the table; ``fast`` and
+    ``column_tables``, the GEMV's, not read)."""
     k, blocks, kp = codes.shape[1], scales.shape[1], w32.shape[1]
     codes_flat, scales_flat, w_flat = simd.flat(codes), simd.flat(scales), simd.flat(w32)
     for i in range(row, end):
@@ -1960,11 +2006,11 @@ def _mxfp8_tile_rows(codes, scales, bf16, table, r0, row, end, w32):
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _mxfp8_tile(codes, scales, bf16, table, r0, w32):
+def _mxfp8_tile(codes, scales, bf16, table, fast, column_tables, r0, w32):
     rows = w32.shape[0]
     for task in numba.prange((rows + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
-        _mxfp8_tile_rows(codes, scales, bf16, table, r0, task * _ROWS_PER_TASK, min(rows, (task + 1) * _ROWS_PER_TASK),
-                         w32)
+        _mxfp8_tile_rows(codes, scales, bf16, table, fast, column_tables, r0, task * _ROWS_PER_TASK,
+                         min(rows, (task + 1) * _ROWS_PER_TASK), w32)
 
 
 @numba.njit(**_INLINE)
@@ -2189,12 +2235,11 @@ def _batch_rows(decode_row, operands, first, end, x_flat, kp, m_rows, y32):
 def _code8_batch_row(operands, row, w, at):
     codes_flat, k, scale, bf16, magnitudes, nan_code, table, keep, scratch, fast, column_tables = operands
     if _by_columns(fast, k, row):
-        columns = column_tables[row]
         for t in range(k // LANES):
             _prefetch_ahead(codes_flat, np.uint64(row * k + LANES * t), np.uint64(ROW_BLOCK * k))
             start = row * k + LANES * t
-            _store_steps(w, at + LANES * t, code8_columns_half(codes_flat, start, columns, _columns.ADDENDS),
-                         code8_columns_half(codes_flat, start + HALF, columns, _columns.ADDENDS))
+            _store_steps(w, at + LANES * t, code8_columns_half(codes_flat, start, column_tables, row, _columns.ADDENDS),
+                         code8_columns_half(codes_flat, start + HALF, column_tables, row, _columns.ADDENDS))
         return
     _fill_row_table(magnitudes, scale[row], bf16, nan_code, table)
     _code8_tile_row(_store_steps, codes_flat, k, row, table, nan_code, keep, scratch, w, at)
@@ -2241,8 +2286,8 @@ def _code8_batched(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, 
 
 
 @numba.njit(**NJIT_OPTIONS)
-def _mxfp8_batched_rows(x_reg, codes, scales, bf16, table, row, end, y32):
-    """Rows row .. end - 1 of W: the serial part of _mxfp8_batched."""
+def _mxfp8_batched_rows(x_reg, codes, scales, bf16, table, fast, column_tables, row, end, y32):
+    """Rows row .. end - 1 of W: the serial part of _mxfp8_batched (every row by the table)."""
     k = codes.shape[1]
     m_rows, kp = x_reg.shape
     operands = (simd.flat(codes), simd.flat(scales), k, scales.shape[1], table, bf16)
@@ -2250,10 +2295,10 @@ def _mxfp8_batched_rows(x_reg, codes, scales, bf16, table, row, end, y32):
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _mxfp8_batched(x_reg, codes, scales, bf16, table, y32):
+def _mxfp8_batched(x_reg, codes, scales, bf16, table, fast, column_tables, y32):
     n = codes.shape[0]
     for task in numba.prange(-(-n // _BATCH_ROWS_PER_TASK)):
-        _mxfp8_batched_rows(x_reg, codes, scales, bf16, table, task * _BATCH_ROWS_PER_TASK,
+        _mxfp8_batched_rows(x_reg, codes, scales, bf16, table, fast, column_tables, task * _BATCH_ROWS_PER_TASK,
                             min(n, (task + 1) * _BATCH_ROWS_PER_TASK), y32)
 
 
@@ -2486,9 +2531,9 @@ class WeightOnlyLinear(Kernel):
     paired][, x_bounds]) for the GEMV, (x_reg, *operands) batched, (*operands, r0) for a tile of rows r0 ... of W.
     ``split``: the register order (see _reorder); ``operands(a, b, k, dtype)``: the numba kernels' weight
     operands for x of ``dtype``; ``exponents``: a 4-bit format's table for _exact_bytes, whose results (fused,
-    x_pairs, paired) the GEMV kernels take after the operands (None: an 8-bit format, no such arguments);
-    ``pair_order``: the format's BF16 pair order (None: no pair kernel); ``gemv_x_bounds``: the GEMV takes
-    x's exponent bounds after the operands (the 8-bit formats of _code8_gemv: _code8_x_operands). The GEMV's
+    x_pairs, paired) the GEMV kernels take after the operands (None: an 8-bit format, whose GEMV takes x's
+    exponent bounds there instead: _code8_x_operands); ``pair_order``: the format's BF16 pair order (None: no
+    pair kernel). The GEMV's
     per-call operands of x: ``x_operands(x_reg, operands, x_consts)``; on the calling thread the whole call
     is one numba function, ``serial_gemv`` (_serial_gemv), and so it is on numba's threads,
     ``parallel_gemv`` (_parallel_gemv). With BF16 x every
@@ -2496,7 +2541,7 @@ class WeightOnlyLinear(Kernel):
     """
 
     def __init__(self, gemv: tuple, batched: tuple, tile: tuple, split: tuple, operands, exponents=None,
-                 pair_order=None, prepared_operands=None, gemv_x_bounds=False):
+                 pair_order=None, prepared_operands=None):
         self.gemv, self.batched, self.tile, self.split, self._operands = gemv, batched, tile, split, operands
         self._prepared_operands = prepared_operands or operands
         self.exponents = exponents
@@ -2506,8 +2551,8 @@ class WeightOnlyLinear(Kernel):
         if exponents is not None:  # a 4-bit format: fused multiply-adds and BF16 pairs where exact
             sources = _NO_PAIR_SOURCES if self.pair_sources is None else self.pair_sources
             self.x_operands, self.x_consts = _four_bit_x_operands, (exponents, sources, self.pair_sources is not None)
-        else:  # 8-bit codes by columns: fused multiply-adds where exact (gemv_x_bounds)
-            self.x_operands, self.x_consts = (_code8_x_operands if gemv_x_bounds else _no_x_operands), ()
+        else:  # 8-bit codes by columns: fused multiply-adds where exact
+            self.x_operands, self.x_consts = _code8_x_operands, ()
         self.serial_gemv = _one_call_gemv(_serial_gemv, gemv[0], self.x_operands)
         self.parallel_gemv = _one_call_gemv(_parallel_gemv, gemv[1], self.x_operands)
 
@@ -2671,18 +2716,26 @@ def _hifloat8_operands(codes, scale, k, dtype, table_kind=None):
                            dtype, table_kind)
 
 
+def _encoded_by_columns(codes, column_code, scale):
+    """(encoded, fast, tables) of column_code.encode_rows for ``codes`` (N, K) uint8 and the rows' float32
+    ``scale`` (N,) numpy: the re-encoded codes in a copy (one more byte per weight; in 2 MiB pages, as the
+    deploy modules keep their weights: docs/quantize.md)."""
+    copy = huge_page_copy(codes)
+    encoded = as_numpy(copy if copy is not codes else torch.empty_like(codes))
+    fast = np.empty(codes.shape[0], dtype=np.uint8)
+    tables = np.empty((codes.shape[0], _columns.TABLE_BYTES), dtype=np.uint8)
+    column_code.encode_rows(as_numpy(codes), scale, encoded, fast, tables)
+    return encoded, fast, tables
+
+
 def _by_columns_operands(operands, codes, k, dtype, column_code):
     """A code-8 weight's ``operands`` (_code8_operands) for a weight prepared once (WeightOnlyLinear.prepare):
     for BF16 x where CODE8_COLUMNS and K is a multiple of 64, its ``codes`` re-encoded by ``column_code``'s
-    columns (a copy: one more byte per weight), the rows the column decode serves and their column tables."""
+    columns, the rows the column decode serves and their column tables (_encoded_by_columns)."""
     if not (CODE8_COLUMNS and dtype == torch.bfloat16 and k % LANES == 0):
         return operands
-    codes_np, scale_np, bf16, magnitudes, _, table_like, keep, _, _ = operands
-    copy = huge_page_copy(codes)  # in 2 MiB pages, as the deploy modules keep their weights (docs/quantize.md)
-    encoded = as_numpy(copy if copy is not codes else torch.empty_like(codes))
-    fast = np.empty(codes_np.shape[0], dtype=np.uint8)
-    tables = np.empty((codes_np.shape[0], _columns.TABLE_BYTES), dtype=np.uint8)
-    column_code.encode_rows(codes_np, scale_np, encoded, fast, tables)
+    _, scale_np, bf16, magnitudes, _, table_like, keep, _, _ = operands
+    encoded, fast, tables = _encoded_by_columns(codes, column_code, scale_np)
     return (encoded, scale_np, bf16, column_code.encoded_magnitudes(magnitudes), column_code.encoded_nan, table_like,
             keep, fast, tables)
 
@@ -2703,10 +2756,47 @@ def _float8_prepared_operands(codes, scale, k, dtype):
 
 
 def _mxfp8_operands(codes, scales, k, dtype, table_kind=None):
-    """``table_kind`` as for _code8_operands (E4M3 values are BF16 values: BF16 tables serve FP16 x too)."""
+    """``table_kind`` as for _code8_operands (E4M3 values are BF16 values: BF16 tables serve FP16 x too); no
+    rows by columns."""
     table = {"bytes": _E4M3_BYTE_TABLES, "words": _E4M3_BF16_WORDS,
              "values": _E4M3_VALUES}[table_kind or _default_table_kind()]
-    return as_numpy(codes), as_numpy(scales), dtype == torch.bfloat16, table
+    return as_numpy(codes), as_numpy(scales), dtype == torch.bfloat16, table, _NO_FAST_ROWS, _NO_COLUMN_TABLES
+
+
+# MXFP8 rows by columns: E8M0 bytes whose scale 2^(b - 127) lies in the column decode's range [2^-110, 2^110]
+# (within _MXFP8_EXACT_BYTES_BF16: every weight such a row holds is a normal BF16 value, the reference's exactly).
+_MXFP8_COLUMN_BYTES = (17, 237)
+
+
+@functools.cache
+def _mxfp8_column_operands() -> tuple[np.ndarray, np.ndarray]:
+    """(the E4M3 byte table of FP8's re-encoded codes, the column tables of the 256 E8M0 bytes): byte b's
+    the FP8 column table of the scale 2^(b - 127) where b lies in _MXFP8_COLUMN_BYTES, zeros elsewhere (no
+    fast row holds such a byte)."""
+    code = _columns.FLOAT8_E4M3
+    halves = _E4M3_BF16_BYTES.reshape(2, 128)  # the high bytes of codes 0..127, then their low bytes
+    table = simd.byte_tables(np.concatenate([code.encoded_magnitudes(half) for half in halves]))
+    low, high = _MXFP8_COLUMN_BYTES
+    tables = np.zeros((256, _columns.TABLE_BYTES), dtype=np.uint8)
+    tables[low : high + 1] = code.scale_tables(_E8M0_SCALES[low : high + 1])
+    return table, tables
+
+
+def _mxfp8_prepared_operands(codes, scales, k, dtype):
+    """_mxfp8_operands of a weight prepared once: for BF16 x where CODE8_COLUMNS and K is a multiple of 64, its
+    codes re-encoded by FP8 E4M3's columns (_encoded_by_columns: the codes' own values, scale 1), the rows whose codes
+    the columns all take and whose E8M0 bytes all lie in _MXFP8_COLUMN_BYTES decoded by columns, the
+    column table of each 32-block's byte (_mxfp8_column_operands; the rest by the table of the re-encoded
+    codes). docs/weight_only.md, '8-bit codes by columns'."""
+    operands = _mxfp8_operands(codes, scales, k, dtype)
+    if not (CODE8_COLUMNS and dtype == torch.bfloat16 and k % LANES == 0 and _default_table_kind() == "bytes"):
+        return operands
+    scales_np = operands[1]
+    encoded, fast, _ = _encoded_by_columns(codes, _columns.FLOAT8_E4M3, np.ones(codes.shape[0], dtype=np.float32))
+    low, high = _MXFP8_COLUMN_BYTES
+    fast &= ((scales_np >= low) & (scales_np <= high)).all(axis=1)
+    table, column_tables = _mxfp8_column_operands()
+    return encoded, scales_np, True, table, fast, column_tables
 
 
 def _mxfp4_operands(codes, scales, k, dtype):
@@ -2720,11 +2810,12 @@ def _hifloat4_operands(scale, value, k, dtype):
 
 _CODE8 = ((_code8_rows, _code8_gemv), (_code8_batched_rows, _code8_batched), (_code8_tile_rows, _code8_tile))
 HIFLOAT8_LINEAR = WeightOnlyLinear(*_CODE8, CODE8_SPLIT, _hifloat8_operands,
-                                  prepared_operands=_hifloat8_prepared_operands, gemv_x_bounds=True)
+                                  prepared_operands=_hifloat8_prepared_operands)
 FLOAT8_E4M3FN_LINEAR = WeightOnlyLinear(*_CODE8, CODE8_SPLIT, _float8_operands,
-                                        prepared_operands=_float8_prepared_operands, gemv_x_bounds=True)
+                                        prepared_operands=_float8_prepared_operands)
 MXFP8_LINEAR = WeightOnlyLinear((_mxfp8_rows, _mxfp8_gemv), (_mxfp8_batched_rows, _mxfp8_batched),
-                                (_mxfp8_tile_rows, _mxfp8_tile), CODE8_SPLIT, _mxfp8_operands)
+                                (_mxfp8_tile_rows, _mxfp8_tile), CODE8_SPLIT, _mxfp8_operands,
+                                prepared_operands=_mxfp8_prepared_operands)
 MXFP4_LINEAR = WeightOnlyLinear((_mxfp4_rows, _mxfp4_gemv), (_mxfp4_batched_rows, _mxfp4_batched),
                                 (_mxfp4_tile_rows, _mxfp4_tile), FOUR_BIT_SPLIT, _mxfp4_operands, _MXFP4_EXPONENTS,
                                 PAIR_ORDER)
