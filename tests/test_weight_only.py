@@ -1381,9 +1381,10 @@ def _mxfp8_column_weight(g, n, k, byte_range):
 def test_mxfp8_prepared_rows_by_columns_equal_the_reference(m, monkeypatch):
     """A prepared MXFP8 weight (PreparedCall, BF16 x): every code the columns take in every row, under scale
     bytes across the column range (both ends), equals the reference bit for bit, float32 sums too; rows with
-    a slow code (the three smallest subnormals, NaN) or a scale byte outside the range (just outside, in the
-    exact range; far outside; NaN 0xFF) take the table decode of the re-encoded codes; x with NaN, Inf, -0
-    and a subnormal, strided; one thread and the parallel loop."""
+    a slow code (the three smallest subnormals, NaN; one or several, in the first, a middle and the last
+    block, in either half of a step) take the table decode in those blocks; rows with a scale byte outside
+    the range (just outside, in the exact range; far outside; NaN 0xFF) take the table decode of the
+    re-encoded codes; x with NaN, Inf, -0 and a subnormal, strided; one thread and the parallel loop."""
     g = gen(60 + m)
     k = 256
     low, high = cpu._MXFP8_COLUMN_BYTES
@@ -1391,15 +1392,18 @@ def test_mxfp8_prepared_rows_by_columns_equal_the_reference(m, monkeypatch):
     scales[0], scales[1], scales[2] = low, high, torch.tensor([low, high] * 4)
     scales[3] = torch.tensor([low, low + 1, 120, 130, high - 1, high, 127, 127])
     codes[8, 5], codes[9, 17], codes[10, 200], codes[11, 30] = 0x02, 0x7F, 0x83, 0xFF
+    codes[8, 40], codes[8, 255], codes[10, 0], codes[10, 31], codes[10, 100] = 0x01, 0x81, 0x03, 0x82, 0x01
     scales[12, 3], scales[13, 0], scales[14, 7], scales[15, 2] = low - 1, high + 1, 3, 0xFF
-    fast = [1] * 8 + [0] * 8
+    fast = [1] * 8 + [2] * 4 + [0] * 4
     x = torch.randn(m, k, generator=g).bfloat16()
     op, kernel = ops.MXFP8_LINEAR, cpu.MXFP8_LINEAR
     prepared = PreparedCall(op, (codes, scales, None))
     assert_bits(prepared(x), op(x, codes, scales, None, backend="reference"))
     operands = kernel.prepare(torch.bfloat16, k, codes, scales, None)[0]
     if cpu.CODE8_COLUMNS:  # the rows above went by columns
-        assert operands[-2].tolist() == fast
+        assert operands[4].tolist() == fast
+        assert np.argwhere(operands[5][8:12]).tolist() == [[0, 0], [0, 1], [0, 7], [1, 0], [2, 0], [2, 3], [2, 6],
+                                                           [3, 0]]
     y32 = torch.empty(m, codes.shape[0])
     kernel.gemv_sums(cpu._reorder(x.float(), *kernel.split).numpy(), operands, y32.numpy(), serial=True)
     want32 = reference.lane_sums(x.float(), reference.mxfp8_weight(codes, scales, torch.bfloat16))
@@ -1432,7 +1436,7 @@ def test_mxfp8_prepared_rows_by_columns_at_the_ends_of_float32(x_exponent):
     x = (torch.randn(2, k, generator=g) * 2.0**x_exponent).bfloat16()
     prepared = PreparedCall(ops.MXFP8_LINEAR, (codes, scales, None))
     if cpu.CODE8_COLUMNS:
-        assert cpu.MXFP8_LINEAR.prepare(torch.bfloat16, k, codes, scales, None)[0][-2].tolist() == [1] * 6
+        assert cpu.MXFP8_LINEAR.prepare(torch.bfloat16, k, codes, scales, None)[0][4].tolist() == [1] * 6
     assert_bits(prepared(x), ops.MXFP8_LINEAR(x, codes, scales, None, backend="reference"))
     kernel = cpu.MXFP8_LINEAR
     y32 = torch.empty(2, 6)
@@ -1477,7 +1481,7 @@ def test_mxfp8_prepared_rows_by_columns_where_a_fused_multiply_add_would_differ(
     assert not torch.equal(want[0], fused)  # the case is one where the two differ
     assert torch.equal(y32.view(torch.int32), want.view(torch.int32))
     if cpu.CODE8_COLUMNS:
-        assert operands[-2].tolist() == [1]
+        assert operands[4].tolist() == [1]
 
 
 def test_mxfp8_prepared_rows_by_columns_sum_minus_zero_weights_as_the_reference():
@@ -1487,7 +1491,7 @@ def test_mxfp8_prepared_rows_by_columns_sum_minus_zero_weights_as_the_reference(
     k = 128
     codes = torch.full((3, k), 0x80, dtype=torch.uint8)
     codes[1, ::2] = 0x38  # 1.0
-    codes[2, 5] = 0x01  # a slow code: the table decode
+    codes[2, 5] = 0x01  # a slow code: the table decode of its block
     scales = torch.full((3, k // 32), 120, dtype=torch.uint8)
     for m in (1, 300):
         for x in (torch.rand(m, k).bfloat16() + 1, -torch.rand(m, k).bfloat16() - 1, torch.zeros(m, k).bfloat16()):
@@ -1495,7 +1499,7 @@ def test_mxfp8_prepared_rows_by_columns_sum_minus_zero_weights_as_the_reference(
                 prepared = PreparedCall(ops.MXFP8_LINEAR, (codes, scales, bias))
                 assert_bits(prepared(x), ops.MXFP8_LINEAR(x, codes, scales, bias, backend="reference"))
                 if cpu.CODE8_COLUMNS:
-                    assert prepared._prepared[(torch.bfloat16, k)][0][-2].tolist() == [1, 1, 0]
+                    assert prepared._prepared[(torch.bfloat16, k)][0][4].tolist() == [1, 1, 2]
 
 
 def test_mxfp8_prepared_batched_and_gemm_rows_equal_the_operator():

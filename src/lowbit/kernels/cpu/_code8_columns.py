@@ -117,6 +117,27 @@ class ColumnCode:
         return tables
 
 
+    def slow_blocks(self, codes: np.ndarray, block: int) -> np.ndarray:
+        """(N, K / block) uint8: 1 for each block of ``block`` consecutive codes of a row of ``codes`` (N, K)
+        uint8 (K a multiple of ``block``) that holds a code the column decode leaves out (``slow_codes``)."""
+        n, k = codes.shape
+        if k % block:
+            raise ValueError(f"K = {k} is not a multiple of the block, {block}")
+        out = np.empty((n, k // block), dtype=np.uint8)
+        _slow_blocks(codes, self.slow_codes, block, out)
+        return out
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _slow_blocks(codes, slow_codes, block, out):
+    for row in range(out.shape[0]):
+        for b in range(out.shape[1]):
+            slow = np.uint8(0)
+            for i in range(b * block, (b + 1) * block):
+                slow |= slow_codes[codes[row, i]]
+            out[row, b] = slow
+
+
 @numba.njit(**NJIT_OPTIONS)
 def _scale_tables(scales, column_m, column_first, tables):
     scratch = np.empty(8, dtype=np.float32)

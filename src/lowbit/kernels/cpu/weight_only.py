@@ -413,6 +413,7 @@ def code8_decode_half(typingctx, codes, index, table, nan_code):
 CODE8_COLUMNS = CODE8_HALVES
 _NO_FAST_ROWS = np.zeros(0, dtype=np.uint8)
 _NO_COLUMN_TABLES = np.zeros((0, _columns.TABLE_BYTES), dtype=np.uint8)
+_NO_SLOW_BLOCKS = np.zeros((0, 1), dtype=np.uint8)
 # Rows ahead that a row's first pass prefetches (the GEMV from memory, AMD Zen 3: 12.2-12.6 -> 10.0-10.4 cycles
 # per 32 codes; 1, 2 and 4 rows alike).
 _COLUMN_AHEAD_ROWS = 2
@@ -1342,32 +1343,45 @@ def _by_columns(fast, k, row):
 
 
 @numba.njit(**_INLINE)
-def _column_pass(accumulate, x_flat, x0, codes_flat, c0, steps, tables, table_row, rows, half):
-    """The lanes of codes ``half`` .. ``half`` + 31 of every step t of a row of re-encoded 8-bit codes
-    (code8_columns_half with the column table ``tables[table_row(rows, t, half)]``), each product added by
-    ``accumulate`` (_mul_then_add or _fused_multiply_add); the first pass (``half`` 0) prefetches the row
-    _COLUMN_AHEAD_ROWS on."""
+def _column_pass(accumulate, x_flat, x0, codes_flat, c0, steps, decode, rows, half):
+    """The lanes of codes ``half`` .. ``half`` + 31 of every step t of a row of re-encoded 8-bit codes, their
+    weights ``decode(rows, codes_flat, start, t, half)`` (the F32V of the 32 codes at ``start``: _row_columns,
+    _block_columns, _block_columns_or_table), each product added by ``accumulate`` (_mul_then_add or
+    _fused_multiply_add); the first pass (``half`` 0) prefetches the row _COLUMN_AHEAD_ROWS on."""
     acc = simd.f32v_zero()
     for t in range(steps):
         if half == 0:
             _prefetch_ahead(codes_flat, np.uint64(c0 + LANES * t), np.uint64(_COLUMN_AHEAD_ROWS * LANES * steps))
-        w = code8_columns_half(codes_flat, c0 + LANES * t + half, tables, table_row(rows, t, half), _columns.ADDENDS)
+        w = decode(rows, codes_flat, c0 + LANES * t + half, t, half)
         acc = accumulate(acc, simd.f32v_load(x_flat, x0 + LANES * t + half), w)
     return acc
 
 
 @numba.njit(**_INLINE)
-def _row_table(row, t, half):
-    """HiFloat8 / FP8: the weight row's own column table (index ``row``) at every step."""
-    return row
+def _row_columns(rows, codes_flat, start, t, half):
+    """HiFloat8 / FP8: by the weight row's own column table; rows = (the rows' column tables, the row)."""
+    tables, row = rows
+    return code8_columns_half(codes_flat, start, tables, row, _columns.ADDENDS)
 
 
 @numba.njit(**_INLINE)
-def _block_table(blocks, t, half):
-    """MXFP8: the column table of the 32-block of step t, ``half`` (its E8M0 byte): ``blocks`` = (the E8M0
-    bytes, flat; the index of the row's first)."""
-    scales_flat, b0 = blocks
-    return scales_flat[b0 + 2 * t + half // HALF]
+def _block_columns(rows, codes_flat, start, t, half):
+    """MXFP8: by the column table of the 32-block's E8M0 byte; rows = (the 256 bytes' column tables, the E8M0
+    bytes (flat), the index of the row's first, ...)."""
+    tables, scales_flat, b0 = rows[0], rows[1], rows[2]
+    return code8_columns_half(codes_flat, start, tables, scales_flat[b0 + 2 * t + half // HALF], _columns.ADDENDS)
+
+
+@numba.njit(**_INLINE)
+def _block_columns_or_table(rows, codes_flat, start, t, half):
+    """MXFP8 rows with a code the columns leave out: _block_columns, but the blocks ``slow_flat`` marks by the
+    table of the (re-encoded) E4M3 values times the block's scale: exactly the reference's weights, as the
+    columns' (bytes of the column range); rows = (as _block_columns', slow_flat, the table)."""
+    tables, scales_flat, b0, slow_flat, table = rows
+    b = b0 + 2 * t + half // HALF
+    if slow_flat[b]:
+        return simd.f32v_mul(code8_decode_half(codes_flat, start, table, _E4M3_NAN_CODE), _E8M0_SCALES[scales_flat[b]])
+    return code8_columns_half(codes_flat, start, tables, scales_flat[b], _columns.ADDENDS)
 
 
 @numba.njit(**_INLINE)
@@ -1405,18 +1419,15 @@ def _scale_exponent(s):
 
 
 @numba.njit(**_INLINE)
-def _code8_column_row_sum(x_flat, x0, codes_flat, c0, k, tables, table_row, rows, fused):
-    """_code8_row_sum of a fast row of re-encoded 8-bit codes (K a multiple of 64; its column tables picked by
-    ``table_row(rows, t, half)``: _column_pass): the same bits, by fused multiply-adds where ``fused``
-    (_columns_fused)."""
+def _code8_column_row_sum(x_flat, x0, codes_flat, c0, k, decode, rows, fused):
+    """_code8_row_sum of a fast row of re-encoded 8-bit codes (K a multiple of 64; its weights by ``decode(rows,
+    ...)``: _column_pass): the same bits, by fused multiply-adds where ``fused`` (_columns_fused)."""
     steps = k // LANES
     if fused:
-        return _row_sum_code8(
-            _column_pass(_fused_multiply_add, x_flat, x0, codes_flat, c0, steps, tables, table_row, rows, 0),
-            _column_pass(_fused_multiply_add, x_flat, x0, codes_flat, c0, steps, tables, table_row, rows, HALF))
-    return _row_sum_code8(
-        _column_pass(_mul_then_add, x_flat, x0, codes_flat, c0, steps, tables, table_row, rows, 0),
-        _column_pass(_mul_then_add, x_flat, x0, codes_flat, c0, steps, tables, table_row, rows, HALF))
+        return _row_sum_code8(_column_pass(_fused_multiply_add, x_flat, x0, codes_flat, c0, steps, decode, rows, 0),
+                              _column_pass(_fused_multiply_add, x_flat, x0, codes_flat, c0, steps, decode, rows, HALF))
+    return _row_sum_code8(_column_pass(_mul_then_add, x_flat, x0, codes_flat, c0, steps, decode, rows, 0),
+                          _column_pass(_mul_then_add, x_flat, x0, codes_flat, c0, steps, decode, rows, HALF))
 
 
 @numba.njit(**_INLINE)
@@ -1456,8 +1467,8 @@ def _code8_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, kee
         if fast[row]:
             e_s = _scale_exponent(scale[row])
             for m in range(m_rows):
-                y32[m, row] = _code8_column_row_sum(x_flat, m * kp, codes_flat, row * k, k, column_tables, _row_table,
-                                                    row, _columns_fused(x_bounds, m, e_s, e_s))
+                y32[m, row] = _code8_column_row_sum(x_flat, m * kp, codes_flat, row * k, k, _row_columns,
+                                                    (column_tables, row), _columns_fused(x_bounds, m, e_s, e_s))
         else:
             _code8_table_row(x_flat, kp, codes_flat, k, scale, bf16, magnitudes, nan_code, tables[0], keep, scratch,
                              row, y32)
@@ -1607,26 +1618,32 @@ def _mxfp8_table_row(x_flat, kp, codes_flat, scales_flat, k, blocks, bf16, table
 
 
 @numba.njit(**NJIT_OPTIONS)
-def _mxfp8_rows(x_reg, codes, scales, bf16, table, fast, column_tables, x_bounds, row, end, y32):
+def _mxfp8_rows(x_reg, codes, scales, bf16, table, fast, slow_blocks, column_tables, x_bounds, row, end, y32):
     """Rows row .. end - 1 of _mxfp8_gemv (one task). The rows of ``fast`` by columns (the table of each
-    32-block's E8M0 byte in ``column_tables``); else blocks of ROW_BLOCK rows whose scale bytes all lie in the
-    exact range (and K a multiple of 64) go through _block_sums; other rows one by one."""
+    32-block's E8M0 byte in ``column_tables``; in the rows marked 2 the blocks ``slow_blocks`` marks by the
+    table: _block_columns_or_table); else blocks of ROW_BLOCK rows whose scale bytes all lie in the exact
+    range (and K a multiple of 64) go through _block_sums; other rows one by one."""
     k = codes.shape[1]
     blocks = scales.shape[1]
     m_rows, kp = x_reg.shape
     x_flat, codes_flat, scales_flat = simd.borrowed_flat(x_reg), simd.borrowed_flat(codes), simd.borrowed_flat(scales)
     scratch = simd.stack_bytes(LANES)
     if _any_by_columns(fast, k):
+        slow_flat = simd.borrowed_flat(slow_blocks)
         for row in range(row, end):
-            if fast[row]:
-                low, high = _low_byte_range(scales_flat, row * blocks, blocks)
-                for m in range(m_rows):
-                    y32[m, row] = _code8_column_row_sum(x_flat, m * kp, codes_flat, row * k, k, column_tables,
-                                                        _block_table, (scales_flat, row * blocks),
-                                                        _columns_fused(x_bounds, m, low - 127, high - 127))
-            else:
-                _mxfp8_table_row(x_flat, kp, codes_flat, scales_flat, k, blocks, bf16, table, scratch, row,
-                                 y32)
+            if fast[row] == 0:
+                _mxfp8_table_row(x_flat, kp, codes_flat, scales_flat, k, blocks, bf16, table, scratch, row, y32)
+                continue
+            low, high = _low_byte_range(scales_flat, row * blocks, blocks)
+            rows = (column_tables, scales_flat, row * blocks, slow_flat, table)
+            for m in range(m_rows):
+                fused = _columns_fused(x_bounds, m, low - 127, high - 127)
+                if fast[row] == 1:
+                    y32[m, row] = _code8_column_row_sum(x_flat, m * kp, codes_flat, row * k, k, _block_columns, rows,
+                                                        fused)
+                else:
+                    y32[m, row] = _code8_column_row_sum(x_flat, m * kp, codes_flat, row * k, k,
+                                                        _block_columns_or_table, rows, fused)
         return
     exact_range = _MXFP8_EXACT_BYTES_BF16 if bf16 else _MXFP8_EXACT_BYTES_F16
     while row < end:
@@ -1643,17 +1660,18 @@ def _mxfp8_rows(x_reg, codes, scales, bf16, table, fast, column_tables, x_bounds
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _mxfp8_gemv(x_reg, codes, scales, bf16, table, fast, column_tables, x_bounds, y32):
+def _mxfp8_gemv(x_reg, codes, scales, bf16, table, fast, slow_blocks, column_tables, x_bounds, y32):
     """codes (N, K) uint8 E4M3, scales (N, K/32) uint8 E8M0; bf16: x is BF16 (else FP16); table: the E4M3
-    code table of the kind code8_decode reads its NaN code; fast (N,) uint8, or empty: the rows of
-    codes re-encoded by columns (_mxfp8_prepared_operands) that code8_columns_half decodes, with the column
-    tables of the 256 E8M0 bytes column_tables (256, _columns.TABLE_BYTES) uint8; x_bounds (M, 2) int64:
-    _x_bounds of x_reg where ``fast`` is not empty (else not read); x_reg (M, Kp) float32 (CODE8_ORDER,
-    zero-padded); y32 (M, N) float32. Every row, as _code8_gemv."""
+    code table of the kind code8_decode reads; fast (N,) uint8, or empty: for codes re-encoded by columns
+    (_mxfp8_prepared_operands), per row 1 where code8_columns_half decodes it with the column tables of the
+    256 E8M0 bytes, column_tables (256, _columns.TABLE_BYTES) uint8, 2 where it does but for the 32-blocks
+    marked in slow_blocks (N, K/32) uint8 (by the table), 0 where the table decodes it; x_bounds (M, 2)
+    int64: _x_bounds of x_reg where ``fast`` is not empty (else not read); x_reg (M, Kp) float32
+    (CODE8_ORDER, zero-padded); y32 (M, N) float32. Every row, as _code8_gemv."""
     n = codes.shape[0]
     for task in numba.prange((n + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
-        _mxfp8_rows(x_reg, codes, scales, bf16, table, fast, column_tables, x_bounds, task * _ROWS_PER_TASK,
-                    min(n, (task + 1) * _ROWS_PER_TASK), y32)
+        _mxfp8_rows(x_reg, codes, scales, bf16, table, fast, slow_blocks, column_tables, x_bounds,
+                    task * _ROWS_PER_TASK, min(n, (task + 1) * _ROWS_PER_TASK), y32)
 
 
 @numba.njit(**_INLINE)
@@ -1991,9 +2009,9 @@ def _mxfp8_tile_row(round_to, store, codes_flat, scales_flat, row, k, blocks, ta
 
 
 @numba.njit(**NJIT_OPTIONS)
-def _mxfp8_tile_rows(codes, scales, bf16, table, fast, column_tables, r0, row, end, w32):
-    """Rows row .. end - 1 of the tile: the serial part of _mxfp8_tile (every row by the table; ``fast`` and
-    ``column_tables``, the GEMV's, not read)."""
+def _mxfp8_tile_rows(codes, scales, bf16, table, fast, slow_blocks, column_tables, r0, row, end, w32):
+    """Rows row .. end - 1 of the tile: the serial part of _mxfp8_tile (every row by the table; ``fast``,
+    ``slow_blocks`` and ``column_tables``, the GEMV's, not read)."""
     k, blocks, kp = codes.shape[1], scales.shape[1], w32.shape[1]
     codes_flat, scales_flat, w_flat = simd.flat(codes), simd.flat(scales), simd.flat(w32)
     for i in range(row, end):
@@ -2006,10 +2024,10 @@ def _mxfp8_tile_rows(codes, scales, bf16, table, fast, column_tables, r0, row, e
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _mxfp8_tile(codes, scales, bf16, table, fast, column_tables, r0, w32):
+def _mxfp8_tile(codes, scales, bf16, table, fast, slow_blocks, column_tables, r0, w32):
     rows = w32.shape[0]
     for task in numba.prange((rows + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
-        _mxfp8_tile_rows(codes, scales, bf16, table, fast, column_tables, r0, task * _ROWS_PER_TASK,
+        _mxfp8_tile_rows(codes, scales, bf16, table, fast, slow_blocks, column_tables, r0, task * _ROWS_PER_TASK,
                          min(rows, (task + 1) * _ROWS_PER_TASK), w32)
 
 
@@ -2286,7 +2304,7 @@ def _code8_batched(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, 
 
 
 @numba.njit(**NJIT_OPTIONS)
-def _mxfp8_batched_rows(x_reg, codes, scales, bf16, table, fast, column_tables, row, end, y32):
+def _mxfp8_batched_rows(x_reg, codes, scales, bf16, table, fast, slow_blocks, column_tables, row, end, y32):
     """Rows row .. end - 1 of W: the serial part of _mxfp8_batched (every row by the table)."""
     k = codes.shape[1]
     m_rows, kp = x_reg.shape
@@ -2295,11 +2313,11 @@ def _mxfp8_batched_rows(x_reg, codes, scales, bf16, table, fast, column_tables, 
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _mxfp8_batched(x_reg, codes, scales, bf16, table, fast, column_tables, y32):
+def _mxfp8_batched(x_reg, codes, scales, bf16, table, fast, slow_blocks, column_tables, y32):
     n = codes.shape[0]
     for task in numba.prange(-(-n // _BATCH_ROWS_PER_TASK)):
-        _mxfp8_batched_rows(x_reg, codes, scales, bf16, table, fast, column_tables, task * _BATCH_ROWS_PER_TASK,
-                            min(n, (task + 1) * _BATCH_ROWS_PER_TASK), y32)
+        _mxfp8_batched_rows(x_reg, codes, scales, bf16, table, fast, slow_blocks, column_tables,
+                            task * _BATCH_ROWS_PER_TASK, min(n, (task + 1) * _BATCH_ROWS_PER_TASK), y32)
 
 
 @numba.njit(**NJIT_OPTIONS)
@@ -2760,7 +2778,8 @@ def _mxfp8_operands(codes, scales, k, dtype, table_kind=None):
     rows by columns."""
     table = {"bytes": _E4M3_BYTE_TABLES, "words": _E4M3_BF16_WORDS,
              "values": _E4M3_VALUES}[table_kind or _default_table_kind()]
-    return as_numpy(codes), as_numpy(scales), dtype == torch.bfloat16, table, _NO_FAST_ROWS, _NO_COLUMN_TABLES
+    return (as_numpy(codes), as_numpy(scales), dtype == torch.bfloat16, table, _NO_FAST_ROWS, _NO_SLOW_BLOCKS,
+            _NO_COLUMN_TABLES)
 
 
 # MXFP8 rows by columns: E8M0 bytes whose scale 2^(b - 127) lies in the column decode's range [2^-110, 2^110]
@@ -2784,19 +2803,23 @@ def _mxfp8_column_operands() -> tuple[np.ndarray, np.ndarray]:
 
 def _mxfp8_prepared_operands(codes, scales, k, dtype):
     """_mxfp8_operands of a weight prepared once: for BF16 x where CODE8_COLUMNS and K is a multiple of 64, its
-    codes re-encoded by FP8 E4M3's columns (_encoded_by_columns: the codes' own values, scale 1), the rows whose codes
-    the columns all take and whose E8M0 bytes all lie in _MXFP8_COLUMN_BYTES decoded by columns, the
-    column table of each 32-block's byte (_mxfp8_column_operands; the rest by the table of the re-encoded
-    codes). docs/weight_only.md, '8-bit codes by columns'."""
+    codes re-encoded by FP8 E4M3's columns (_encoded_by_columns: the codes' own values, scale 1) and decoded
+    by columns, with the column table of each 32-block's byte (_mxfp8_column_operands), in the rows whose
+    E8M0 bytes all lie in _MXFP8_COLUMN_BYTES: fast 1 where the columns take all of the row's codes, else 2,
+    its blocks holding a code they leave out marked in slow_blocks (decoded by the table of the re-encoded
+    codes, as the other rows are). docs/weight_only.md, '8-bit codes by columns'."""
     operands = _mxfp8_operands(codes, scales, k, dtype)
     if not (CODE8_COLUMNS and dtype == torch.bfloat16 and k % LANES == 0 and _default_table_kind() == "bytes"):
         return operands
     scales_np = operands[1]
-    encoded, fast, _ = _encoded_by_columns(codes, _columns.FLOAT8_E4M3, np.ones(codes.shape[0], dtype=np.float32))
+    code = _columns.FLOAT8_E4M3
+    encoded, fast, _ = _encoded_by_columns(codes, code, np.ones(codes.shape[0], dtype=np.float32))
+    slow_blocks = code.slow_blocks(as_numpy(codes), mxfp8.BLOCK)
     low, high = _MXFP8_COLUMN_BYTES
-    fast &= ((scales_np >= low) & (scales_np <= high)).all(axis=1)
+    in_range = ((scales_np >= low) & (scales_np <= high)).all(axis=1)
+    fast = np.where(in_range, np.where(fast == 1, 1, 2), 0).astype(np.uint8)
     table, column_tables = _mxfp8_column_operands()
-    return encoded, scales_np, True, table, fast, column_tables
+    return encoded, scales_np, True, table, fast, slow_blocks, column_tables
 
 
 def _mxfp4_operands(codes, scales, k, dtype):
