@@ -1167,13 +1167,15 @@ def test_code8_prepared_rows_by_columns_equal_the_reference(fmt, m, monkeypatch)
         codes[row, column] = code
     scale = torch.tensor([1.0, 2.0**-110, 2.0**110, 3e-5, 0.7, 1e-3, 5.0, 2.0**-60, 0.5, 0.5, 0.5,
                           2.0**-112, 0.0, -0.25])
-    fast = [1] * 8 + [0] * 6
+    fast = [1] * 8 + [2] * 3 + [0] * 3
     x = torch.randn(m, k, generator=g).bfloat16()
     prepared = PreparedCall(op, (codes, scale, None))
     want = op(x, codes, scale, None, backend="reference")
     assert_bits(prepared(x), want)
-    if cpu.CODE8_COLUMNS:  # the rows above went by columns
-        assert prepared._prepared[(torch.bfloat16, k)][0][-2].tolist() == fast
+    if cpu.CODE8_COLUMNS:  # the rows above went by columns, the slow codes' blocks (columns 0-31, 192-223) aside
+        operands = prepared._prepared[(torch.bfloat16, k)][0]
+        assert operands[7].tolist() == fast
+        assert np.argwhere(operands[8]).tolist() == [[8, 0], [9, 0], [10, 6]]
     # the float32 sums before their rounding to BF16 (which would hide a small error in one weight)
     operands = kernel.prepare(torch.bfloat16, k, codes, scale, None)[0]
     y32 = torch.empty(m, codes.shape[0])
@@ -1207,7 +1209,7 @@ def test_float8_prepared_rows_by_columns_sum_minus_zero_weights_as_the_reference
             prepared = PreparedCall(ops.FLOAT8_E4M3FN_LINEAR, (codes, scale, bias))
             assert_bits(prepared(x), ops.FLOAT8_E4M3FN_LINEAR(x, codes, scale, bias, backend="reference"))
             if cpu.CODE8_COLUMNS:
-                assert prepared._prepared[(torch.bfloat16, k)][0][-2].tolist() == [1, 1, 0]
+                assert prepared._prepared[(torch.bfloat16, k)][0][7].tolist() == [1, 1, 2]
 
 
 def test_x_exponents_are_the_bounds_of_the_finite_nonzero_values():
@@ -1253,13 +1255,16 @@ def test_code8_column_weight_exponents_lie_in_the_fused_bounds(fmt, scale):
 
 def test_columns_fused_only_where_every_product_is_exact():
     """_columns_fused's bounds: every nonzero |x w| in [2^-126, 2^128) (x exponents (low, high), the row's
-    scales' exponents from e_low to e_high: one for HiFloat8 / FP8, MXFP8's blocks' range)."""
-    low, high = cpu._COLUMN_LOW, cpu._COLUMN_HIGH
-    for e_low, e_high in ((-110, -110), (-3, -3), (0, 0), (7, 7), (110, 110), (-20, 5), (-110, 110)):
-        x_low, x_high = -126 - e_low - low, 126 - e_high - high  # the smallest |x w| 2^-126, the largest < 2^128
-        for bounds, want in (((x_low, x_high), True), ((x_low - 1, x_high), False), ((x_low, x_high + 1), False)):
-            assert cpu._columns_fused(np.array([bounds], dtype=np.int64), 0, e_low, e_high) == want
-    assert cpu._columns_fused(np.array([[-10, 10]], dtype=np.int64), 0, 0, 0)
+    scales' exponents from e_low to e_high: one for HiFloat8 / FP8, MXFP8's blocks' range; the weights'
+    lowest exponent relative to the scale: the columns' or every code's)."""
+    high = cpu._COLUMN_HIGH
+    assert cpu._CODE8_LOW < cpu._COLUMN_LOW
+    for low in (cpu._COLUMN_LOW, cpu._CODE8_LOW):
+        for e_low, e_high in ((-110, -110), (-3, -3), (0, 0), (7, 7), (110, 110), (-20, 5), (-110, 110)):
+            x_low, x_high = -126 - e_low - low, 126 - e_high - high  # the smallest |x w| 2^-126, the largest < 2^128
+            for bounds, want in (((x_low, x_high), True), ((x_low - 1, x_high), False), ((x_low, x_high + 1), False)):
+                assert cpu._columns_fused(np.array([bounds], dtype=np.int64), 0, e_low, e_high, low) == want
+    assert cpu._columns_fused(np.array([[-10, 10]], dtype=np.int64), 0, 0, 0, cpu._COLUMN_LOW)
     for e in (-126, -110, -1, 0, 5, 127):
         for mantissa in (1.0, 1.5, 1.9921875):
             assert cpu._scale_exponent(np.float32(mantissa * 2.0**e)) == e
@@ -1294,7 +1299,7 @@ def test_hifloat8_prepared_rows_by_columns_where_a_fused_multiply_add_would_diff
     assert not torch.equal(want[0, :1], fused[:1])  # the case is one where the two differ
     assert torch.equal(y32.view(torch.int32), want.view(torch.int32))
     if cpu.CODE8_COLUMNS:
-        assert operands[-2].tolist() == [1, 1]
+        assert operands[7].tolist() == [1, 1]
 
 
 def test_hifloat8_prepared_weight_with_a_k_tail_keeps_the_table():
@@ -1306,7 +1311,7 @@ def test_hifloat8_prepared_weight_with_a_k_tail_keeps_the_table():
     prepared = PreparedCall(ops.HIFLOAT8_LINEAR, (codes, scale, None))
     x = torch.randn(3, k, generator=g).bfloat16()
     assert_bits(prepared(x), ops.HIFLOAT8_LINEAR(x, codes, scale, None, backend="reference"))
-    assert prepared._prepared[(torch.bfloat16, k)][0][-2].size == 0
+    assert prepared._prepared[(torch.bfloat16, k)][0][7].size == 0
 
 
 @pytest.mark.parametrize("fmt", list(COLUMN_FORMATS))

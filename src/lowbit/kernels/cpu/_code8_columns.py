@@ -13,9 +13,9 @@ eight exponents E0 .. E0 + 7; a re-encoded code is ``r = sign << 7 | o << 4 | j`
 row's 16-entry table ``T[j] = bits(mu_m) + (E0 << 7)`` (made once per row: ``encode_rows``). The free slots
 hold zero (slot ZERO_CODE, looked up as 0), NaN and the codes left to the table decode (HiFloat8: the
 infinities and the seven subnormal codes; FP8 E4M3: its three smallest subnormal codes, 2^-9, 2^-8 and
-1.5 * 2^-8): a row holding any of those takes the table decode. FP8's -0 is re-encoded as +0: no lane sum
-of the reference can show a zero weight's sign (a lane starts at +0, and +0 + -0 is +0), so the weights'
-sums are the same; HiFloat8 has no -0 (its code 0x80 is NaN, which takes -0's slot).
+1.5 * 2^-8): a block of codes holding any of those (``slow_blocks``) takes the table decode. FP8's -0 is
+re-encoded as +0: no lane sum of the reference can show a zero weight's sign (a lane starts at +0, and +0 +
+-0 is +0), so the weights' sums are the same; HiFloat8 has no -0 (its code 0x80 is NaN, which takes -0's slot).
 
 The sign bit stays bit 7 (but for FP8's -0) and a code's magnitude slot does not depend on its sign, so the
 table decode serves re-encoded codes too, with its magnitudes permuted (``encoded_magnitudes``) and NaN at
@@ -58,9 +58,10 @@ class ColumnCode:
     offset 0 free for zero; ``slow``: the magnitude codes left to the table decode, placed in the free slots
     with the NaN magnitude. Attributes: ``encode`` (uint8[256]: code -> re-encoded code), ``encoded_nan``
     (the re-encoded NaN code for the table decode), ``fast_exponents`` (floor(log2) of the smallest and the
-    largest magnitude the column decode takes), ``slow_codes`` (uint8[256]: 1 for the codes that send a row to
-    the table decode). ValueError unless the encoding is a bijection of the 256 codes that keeps the sign
-    bit, but that FP8's -0 (``nan_code`` None) is +0's code."""
+    largest magnitude the column decode takes), ``lowest_exponent`` (floor(log2) of the smallest nonzero
+    magnitude), ``slow_codes`` (uint8[256]: 1 for the codes the column decode leaves to the table).
+    ValueError unless the encoding is a bijection of the 256 codes that keeps the sign bit, but that FP8's -0
+    (``nan_code`` None) is +0's code."""
 
     def __init__(self, magnitudes, nan_code, columns, slow):
         slots = {(m, first + o): (o << 4) | j for j, (m, first) in enumerate(columns) for o in range(8)}
@@ -84,6 +85,7 @@ class ColumnCode:
         self.encoded_nan = int(encode[nan_code if nan_code is not None else nan_magnitude[0]])
         fast = [abs(magnitudes[c]) for c in range(1, 128) if c not in left]
         self.fast_exponents = tuple(f(math.floor(math.log2(v)) for v in fast) for f in (min, max))
+        self.lowest_exponent = min(math.floor(math.log2(abs(v))) for v in magnitudes[1:] if math.isfinite(v))
         slow_codes = np.zeros(256, dtype=np.uint8)
         for c in left:
             slow_codes[c] = slow_codes[c | 0x80] = 1
@@ -100,9 +102,11 @@ class ColumnCode:
 
     def encode_rows(self, codes: np.ndarray, scale: np.ndarray, encoded: np.ndarray, fast: np.ndarray,
                     tables: np.ndarray) -> None:
-        """encoded (N, K) uint8 <- the re-encoded codes (N, K) uint8; fast (N,) uint8 <- 1 for the rows the
-        column decode serves (no slow code, the row's ``scale``, float32, in [2^-110, 2^110]); tables (N,
-        TABLE_BYTES) uint8 <- those rows' column tables (fill_column_table; other rows not written)."""
+        """encoded (N, K) uint8 <- the re-encoded codes (N, K) uint8; fast (N,) uint8 <- for the rows whose
+        ``scale`` (float32) lies in [2^-110, 2^110], 1 where the column decode takes all of the row's codes and
+        2 where it holds a slow code (the column decode serves it but for the blocks holding one:
+        slow_blocks), else 0; tables (N, TABLE_BYTES) uint8 <- the column tables of the rows of fast != 0
+        (fill_column_table; other rows not written)."""
         _encode_rows(codes, scale, self.encode, self.slow_codes, self._column_m, self._column_first, encoded, fast,
                      tables)
 
@@ -156,7 +160,7 @@ def _encode_rows(codes, scale, encode, slow_codes, column_m, column_first, encod
             encoded[row, i] = encode[c]
             slow |= slow_codes[c]
         s = scale[row]
-        fast[row] = 1 if slow == 0 and s >= _SCALE_LOW and s <= _SCALE_HIGH else 0
+        fast[row] = (1 if slow == 0 else 2) if s >= _SCALE_LOW and s <= _SCALE_HIGH else 0
         if fast[row]:
             fill_column_table(s, column_m, column_first, tables[row], scratch)
 

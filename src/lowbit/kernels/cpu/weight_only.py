@@ -1338,8 +1338,9 @@ def _any_by_columns(fast, k):
 
 @numba.njit(**_INLINE)
 def _by_columns(fast, k, row):
-    """Whether W's row ``row`` is decoded by columns: _any_by_columns, and the row among the fast ones."""
-    return _any_by_columns(fast, k) and fast[row] != 0
+    """Whether W's row ``row`` is decoded by columns throughout: _any_by_columns, and the row's codes all taken
+    by them (fast 1)."""
+    return _any_by_columns(fast, k) and fast[row] == 1
 
 
 @numba.njit(**_INLINE)
@@ -1361,6 +1362,17 @@ def _column_pass(accumulate, x_flat, x0, codes_flat, c0, steps, decode, rows, ha
 def _row_columns(rows, codes_flat, start, t, half):
     """HiFloat8 / FP8: by the weight row's own column table; rows = (the rows' column tables, the row)."""
     tables, row = rows
+    return code8_columns_half(codes_flat, start, tables, row, _columns.ADDENDS)
+
+
+@numba.njit(**_INLINE)
+def _row_columns_or_table(rows, codes_flat, start, t, half):
+    """HiFloat8 / FP8 rows with a code the columns leave out: _row_columns, but the blocks of 32 codes
+    ``slow_flat`` marks by the row's table (_fill_row_table); rows = (the rows' column tables, the row,
+    slow_flat, the index of the row's first block, the row's table, its NaN code)."""
+    tables, row, slow_flat, b0, table, nan_code = rows
+    if slow_flat[b0 + 2 * t + half // HALF]:
+        return code8_decode_half(codes_flat, start, table, nan_code)
     return code8_columns_half(codes_flat, start, tables, row, _columns.ADDENDS)
 
 
@@ -1397,19 +1409,23 @@ def _fused_multiply_add(acc, x, w):
 
 
 # Bounds of floor(log2 |w|) - floor(log2 s) over a fast row's nonzero weights w = bf16(v s): |v| s <= |w| <=
-# |v| 2^(floor(log2 s) + 1) (rounding stays within the binade's end).
+# |v| 2^(floor(log2 s) + 1) (rounding stays within the binade's end); _CODE8_LOW: the low bound of every
+# code's (a row with blocks by the table: slow_blocks).
 # (both formats' bounds at once: a wider range only declines a fused multiply-add somewhat earlier).
 _COLUMN_LOW = min(_columns.HIFLOAT8.fast_exponents[0], _columns.FLOAT8_E4M3.fast_exponents[0])
 _COLUMN_HIGH = max(_columns.HIFLOAT8.fast_exponents[1], _columns.FLOAT8_E4M3.fast_exponents[1]) + 1
+_CODE8_LOW = min(_columns.HIFLOAT8.lowest_exponent, _columns.FLOAT8_E4M3.lowest_exponent)
 
 
 @numba.njit(**_INLINE)
-def _columns_fused(x_bounds, m, e_low, e_high):
-    """Whether every nonzero product of x row m (its exponent bounds: _x_bounds) with a fast row whose scales
-    s have floor(log2 s) in [e_low, e_high] (HiFloat8 / FP8: the row's one scale; MXFP8: its blocks' powers of
-    two) lies in [2^-126, 2^128), so that it is exact in float32 (BF16 x BF16: 16 significant bits) and a
-    fused multiply-add gives _mul_then_add's bits (as _fused_bytes for the 4-bit formats)."""
-    return x_bounds[m, 0] + e_low + _COLUMN_LOW >= -126 and x_bounds[m, 1] + e_high + _COLUMN_HIGH <= 126
+def _columns_fused(x_bounds, m, e_low, e_high, lowest):
+    """Whether every nonzero product of x row m (its exponent bounds: _x_bounds) with a row by columns whose
+    scales s have floor(log2 s) in [e_low, e_high] (HiFloat8 / FP8: the row's one scale; MXFP8: its blocks'
+    powers of two) and whose weights' floor(log2 |w|) - floor(log2 s) are at least ``lowest`` (_COLUMN_LOW, or
+    _CODE8_LOW where blocks go by the table) lies in [2^-126, 2^128), so that it is exact in float32 (BF16 x
+    BF16: 16 significant bits) and a fused multiply-add gives _mul_then_add's bits (as _fused_bytes for the
+    4-bit formats). Infinite weights (HiFloat8's, by the table) give Inf or NaN by either."""
+    return x_bounds[m, 0] + e_low + lowest >= -126 and x_bounds[m, 1] + e_high + _COLUMN_HIGH <= 126
 
 
 @numba.njit(**_INLINE)
@@ -1440,8 +1456,8 @@ def _code8_block_step(operands, start, r, t):
 
 
 @numba.njit(**NJIT_OPTIONS)
-def _code8_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, column_tables, x_bounds,
-                row, end, y32):
+def _code8_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, slow_blocks, column_tables,
+                x_bounds, row, end, y32):
     """Rows row .. end - 1 of _code8_gemv (one task; a function of its own, so that numba's parallel
     passes do not analyse its body)."""
     k = codes.shape[1]
@@ -1463,15 +1479,24 @@ def _code8_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, kee
             _code8_table_row(x_flat, kp, codes_flat, k, scale, bf16, magnitudes, nan_code, tables[0], keep, scratch,
                              row, y32)
         return
+    slow_flat = simd.borrowed_flat(slow_blocks)
     for row in range(row, end):
-        if fast[row]:
-            e_s = _scale_exponent(scale[row])
-            for m in range(m_rows):
-                y32[m, row] = _code8_column_row_sum(x_flat, m * kp, codes_flat, row * k, k, _row_columns,
-                                                    (column_tables, row), _columns_fused(x_bounds, m, e_s, e_s))
-        else:
+        if fast[row] == 0:
             _code8_table_row(x_flat, kp, codes_flat, k, scale, bf16, magnitudes, nan_code, tables[0], keep, scratch,
                              row, y32)
+            continue
+        e_s = _scale_exponent(scale[row])
+        if fast[row] == 1:
+            for m in range(m_rows):
+                y32[m, row] = _code8_column_row_sum(x_flat, m * kp, codes_flat, row * k, k, _row_columns,
+                                                    (column_tables, row),
+                                                    _columns_fused(x_bounds, m, e_s, e_s, _COLUMN_LOW))
+            continue
+        _fill_row_table(magnitudes, scale[row], bf16, nan_code, tables[0])
+        rows = (column_tables, row, slow_flat, row * (k // HALF), tables[0], nan_code)
+        for m in range(m_rows):
+            y32[m, row] = _code8_column_row_sum(x_flat, m * kp, codes_flat, row * k, k, _row_columns_or_table, rows,
+                                                _columns_fused(x_bounds, m, e_s, e_s, _CODE8_LOW))
 
 
 @numba.njit(**_INLINE)
@@ -1483,21 +1508,22 @@ def _code8_table_row(x_flat, kp, codes_flat, k, scale, bf16, magnitudes, nan_cod
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _code8_gemv(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, column_tables, x_bounds,
-                y32):
+def _code8_gemv(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, slow_blocks, column_tables,
+                x_bounds, y32):
     """codes (N, K) uint8; scale (N,) float32 and magnitudes (128,) float32 as _fill_row_table takes them;
     bf16: x is BF16 (else FP16); nan_code: the code that decodes to NaN; table_like: an array of the
-    row-table kind (see code8_decode); keep int32[64] (the tail's lanes); fast (N,) uint8, or empty: the
-    rows of 8-bit codes re-encoded by columns that code8_columns_half decodes, with their column tables
-    column_tables (N, _columns.TABLE_BYTES) uint8 (the rest take the table, whose magnitudes and NaN code
-    are then the re-encoded ones); x_bounds (M, 2) int64: _x_bounds of x_reg
+    row-table kind (see code8_decode); keep int32[64] (the tail's lanes); fast (N,) uint8, or empty: for
+    8-bit codes re-encoded by columns, per row 1 where code8_columns_half decodes it with its column table
+    (column_tables (N, _columns.TABLE_BYTES) uint8), 2 where it does but for the blocks of 32 codes marked in
+    slow_blocks (N, K/32) uint8 (by the row's table), 0 where the table decodes it (whose magnitudes and NaN
+    code are then the re-encoded ones); x_bounds (M, 2) int64: _x_bounds of x_reg
     where ``fast`` is not empty (else not read: _code8_x_operands); x_reg (M, Kp) float32 (register order,
     zero-padded); y32 (M, N) float32. Every row, in numba's parallel loop (_code8_rows: some rows on the
     calling thread)."""
     n = codes.shape[0]
     for task in numba.prange((n + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
-        _code8_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, column_tables, x_bounds,
-                    task * _ROWS_PER_TASK, min(n, (task + 1) * _ROWS_PER_TASK), y32)
+        _code8_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, slow_blocks,
+                    column_tables, x_bounds, task * _ROWS_PER_TASK, min(n, (task + 1) * _ROWS_PER_TASK), y32)
 
 
 # ---- x's per-call operands of the GEMV kernels (after the weight's): f(x_reg, operands, x_consts) ----------
@@ -1635,9 +1661,10 @@ def _mxfp8_rows(x_reg, codes, scales, bf16, table, fast, slow_blocks, column_tab
                 _mxfp8_table_row(x_flat, kp, codes_flat, scales_flat, k, blocks, bf16, table, scratch, row, y32)
                 continue
             low, high = _low_byte_range(scales_flat, row * blocks, blocks)
+            lowest = _COLUMN_LOW if fast[row] == 1 else _CODE8_LOW
             rows = (column_tables, scales_flat, row * blocks, slow_flat, table)
             for m in range(m_rows):
-                fused = _columns_fused(x_bounds, m, low - 127, high - 127)
+                fused = _columns_fused(x_bounds, m, low - 127, high - 127, lowest)
                 if fast[row] == 1:
                     y32[m, row] = _code8_column_row_sum(x_flat, m * kp, codes_flat, row * k, k, _block_columns, rows,
                                                         fused)
@@ -1978,8 +2005,8 @@ def _code8_tile_row(store, codes_flat, k, row, table, nan_code, keep, scratch, w
 
 
 @numba.njit(**NJIT_OPTIONS)
-def _code8_tile_rows(codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, column_tables, r0, row, end,
-                     w32):
+def _code8_tile_rows(codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, slow_blocks, column_tables, r0,
+                     row, end, w32):
     """Rows row .. end - 1 of the tile (W's rows r0 + row ...): the serial part of _code8_tile."""
     k = codes.shape[1]
     kp = w32.shape[1]
@@ -1992,11 +2019,11 @@ def _code8_tile_rows(codes, scale, bf16, magnitudes, nan_code, table_like, keep,
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _code8_tile(codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, column_tables, r0, w32):
+def _code8_tile(codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, slow_blocks, column_tables, r0, w32):
     rows = w32.shape[0]
     for task in numba.prange((rows + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
-        _code8_tile_rows(codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, column_tables, r0,
-                         task * _ROWS_PER_TASK, min(rows, (task + 1) * _ROWS_PER_TASK), w32)
+        _code8_tile_rows(codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, slow_blocks, column_tables,
+                         r0, task * _ROWS_PER_TASK, min(rows, (task + 1) * _ROWS_PER_TASK), w32)
 
 
 @numba.njit(**_INLINE)
@@ -2285,8 +2312,8 @@ def _hifloat4_batch_row(operands, row, w, at):
 
 
 @numba.njit(**NJIT_OPTIONS)
-def _code8_batched_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, column_tables, row,
-                        end, y32):
+def _code8_batched_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, slow_blocks,
+                        column_tables, row, end, y32):
     """Rows row .. end - 1 of W: the serial part of _code8_batched."""
     k = codes.shape[1]
     m_rows, kp = x_reg.shape
@@ -2296,11 +2323,12 @@ def _code8_batched_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_l
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _code8_batched(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, column_tables, y32):
+def _code8_batched(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, slow_blocks, column_tables,
+                   y32):
     n = codes.shape[0]
     for task in numba.prange(-(-n // _BATCH_ROWS_PER_TASK)):
-        _code8_batched_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, column_tables,
-                            task * _BATCH_ROWS_PER_TASK, min(n, (task + 1) * _BATCH_ROWS_PER_TASK), y32)
+        _code8_batched_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, slow_blocks,
+                            column_tables, task * _BATCH_ROWS_PER_TASK, min(n, (task + 1) * _BATCH_ROWS_PER_TASK), y32)
 
 
 @numba.njit(**NJIT_OPTIONS)
@@ -2725,7 +2753,7 @@ def _code8_operands(codes, scale, magnitudes, nan_code, k, dtype, table_kind):
     bf16 = dtype == torch.bfloat16
     table_like = _ROW_TABLES_LIKE[table_kind or _default_table_kind(), bf16]
     return (as_numpy(codes), as_numpy(scale.contiguous()), bf16, magnitudes, nan_code, table_like, _KEEP[k % LANES],
-            _NO_FAST_ROWS, _NO_COLUMN_TABLES)
+            _NO_FAST_ROWS, _NO_SLOW_BLOCKS, _NO_COLUMN_TABLES)
 
 
 def _hifloat8_operands(codes, scale, k, dtype, table_kind=None):
@@ -2749,13 +2777,14 @@ def _encoded_by_columns(codes, column_code, scale):
 def _by_columns_operands(operands, codes, k, dtype, column_code):
     """A code-8 weight's ``operands`` (_code8_operands) for a weight prepared once (WeightOnlyLinear.prepare):
     for BF16 x where CODE8_COLUMNS and K is a multiple of 64, its ``codes`` re-encoded by ``column_code``'s
-    columns, the rows the column decode serves and their column tables (_encoded_by_columns)."""
+    columns, the rows the column decode serves (fast 1; 2: but for the blocks of 32 codes holding one it
+    leaves to the table, slow_blocks) and their column tables (_encoded_by_columns)."""
     if not (CODE8_COLUMNS and dtype == torch.bfloat16 and k % LANES == 0):
         return operands
-    _, scale_np, bf16, magnitudes, _, table_like, keep, _, _ = operands
+    codes_np, scale_np, bf16, magnitudes, _, table_like, keep, _, _, _ = operands
     encoded, fast, tables = _encoded_by_columns(codes, column_code, scale_np)
     return (encoded, scale_np, bf16, column_code.encoded_magnitudes(magnitudes), column_code.encoded_nan, table_like,
-            keep, fast, tables)
+            keep, fast, column_code.slow_blocks(codes_np, HALF), tables)
 
 
 def _hifloat8_prepared_operands(codes, scale, k, dtype):
@@ -2817,7 +2846,7 @@ def _mxfp8_prepared_operands(codes, scales, k, dtype):
     slow_blocks = code.slow_blocks(as_numpy(codes), mxfp8.BLOCK)
     low, high = _MXFP8_COLUMN_BYTES
     in_range = ((scales_np >= low) & (scales_np <= high)).all(axis=1)
-    fast = np.where(in_range, np.where(fast == 1, 1, 2), 0).astype(np.uint8)
+    fast[~in_range] = 0
     table, column_tables = _mxfp8_column_operands()
     return encoded, scales_np, True, table, fast, slow_blocks, column_tables
 
