@@ -411,9 +411,29 @@ def code8_decode_half(typingctx, codes, index, table, nan_code):
 # on the CPUs that look bytes up by vpshufb (CODE8_HALVES) decodes in about half the vector instructions of
 # the telescoped 128-entry table (docs/weight_only.md, '8-bit codes by columns').
 CODE8_COLUMNS = CODE8_HALVES
+# The column operands (fast, slow_blocks, column_tables) of codes not re-encoded: column tables of a type of
+# their own (int8), on which _by_column_tables chooses the table decode when numba compiles a kernel.
 _NO_FAST_ROWS = np.zeros(0, dtype=np.uint8)
-_NO_COLUMN_TABLES = np.zeros((0, _columns.TABLE_BYTES), dtype=np.uint8)
 _NO_SLOW_BLOCKS = np.zeros((0, 1), dtype=np.uint8)
+_NOT_BY_COLUMNS = np.zeros((0, _columns.TABLE_BYTES), dtype=np.int8)
+
+
+def _by_column_tables(by_columns, by_table):
+    """A numba function ``f(column_tables, args)``: ``by_columns(*args)`` where ``column_tables`` are column
+    tables (uint8: codes re-encoded by columns), else ``by_table(*args)`` (_NOT_BY_COLUMNS), chosen when numba
+    compiles the caller, which compiles only that one (a weight's operator calls, as in ``lowbit smoke``,
+    compile no column code). ``by_columns``, ``by_table``: numba functions."""
+
+    def choose(column_tables, args):
+        raise NotImplementedError("numba only")
+
+    @overload(choose, jit_options=NJIT_OPTIONS)
+    def choose_typed(column_tables, args):
+        if column_tables.dtype == types.int8:
+            return lambda column_tables, args: by_table(*args)
+        return lambda column_tables, args: by_columns(*args)
+
+    return choose
 # Rows ahead that a row's first pass prefetches (the GEMV from memory, AMD Zen 3: 12.2-12.6 -> 10.0-10.4 cycles
 # per 32 codes; 1, 2 and 4 rows alike).
 _COLUMN_AHEAD_ROWS = 2
@@ -429,8 +449,8 @@ def _both_lanes(builder, data, offset):
 @intrinsic
 def code8_columns_half(typingctx, codes, index, tables, row, addends):
     """code8_decode_half of 32 re-encoded 8-bit codes ``codes[index : index + 32]`` (uint8) whose column table
-    is ``tables[row]`` (``tables``: (R, _code8_columns.TABLE_BYTES) uint8, C-contiguous, a table a row: T's
-    low, then high bytes; _code8_columns.fill_column_table), with ``addends`` = _code8_columns.ADDENDS: per
+    is ``tables[row]`` (``tables``: (R, _code8_columns.TABLE_BYTES) uint8, C-contiguous, or its flat view, a
+    table a row: T's low, then high bytes; _code8_columns.fill_column_table), with ``addends`` = _code8_columns.ADDENDS: per
     code, T[j] and the addend of its high nibble (one vpshufb each for the low and the high bytes; zero's
     slot looked up as 0), paired into words and added, widened in CODE8_ORDER. AVX2; codes whose weights the
     table gives only (rows of _code8_columns.encode_rows's ``fast``)."""
@@ -1330,20 +1350,6 @@ def _code8_row_sum(x_flat, x0, codes_flat, c0, k, table, nan_code, keep, scratch
 
 
 @numba.njit(**_INLINE)
-def _any_by_columns(fast, k):
-    """Whether any row of W may be decoded by columns: 8-bit codes re-encoded (``fast`` not empty:
-    _code8_columns.encode_rows) with K a multiple of 64."""
-    return CODE8_COLUMNS and fast.size > 0 and k % LANES == 0
-
-
-@numba.njit(**_INLINE)
-def _by_columns(fast, k, row):
-    """Whether W's row ``row`` is decoded by columns throughout: _any_by_columns, and the row's codes all taken
-    by them (fast 1)."""
-    return _any_by_columns(fast, k) and fast[row] == 1
-
-
-@numba.njit(**_INLINE)
 def _column_pass(accumulate, x_flat, x0, codes_flat, c0, steps, decode, rows, half):
     """The lanes of codes ``half`` .. ``half`` + 31 of every step t of a row of re-encoded 8-bit codes, their
     weights ``decode(rows, codes_flat, start, t, half)`` (the F32V of the 32 codes at ``start``: _row_columns,
@@ -1459,9 +1465,10 @@ def _code8_block_step(operands, start, r, t):
 def _code8_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, slow_blocks, column_tables,
                 x_bounds, row, end, y32):
     """Rows row .. end - 1 of _code8_gemv (one task; a function of its own, so that numba's parallel
-    passes do not analyse its body)."""
+    passes do not analyse its body): on AVX-512 CPUs blocks of ROW_BLOCK rows first, then the rest one by one,
+    by columns where the codes are re-encoded (_code8_column_rows), else by the table (_code8_table_rows)."""
     k = codes.shape[1]
-    m_rows, kp = x_reg.shape
+    kp = x_reg.shape[1]
     codes_flat, x_flat = simd.borrowed_flat(codes), simd.borrowed_flat(x_reg)
     tables = (np.empty_like(table_like), np.empty_like(table_like), np.empty_like(table_like),
               np.empty_like(table_like))
@@ -1473,32 +1480,54 @@ def _code8_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, kee
             operands = (codes_flat, tables, nan_code, np.uint64(ROW_BLOCK * k))
             _code8_block_rows(_code8_block_step, x_flat, kp, k // LANES, operands, starts, row, y32)
             row += ROW_BLOCK
-    scratch = simd.stack_bytes(LANES)
-    if not _any_by_columns(fast, k):  # a loop of its own: with the column rows' branch in it, LLVM compiled the
-        for row in range(row, end):  # table decode 8 % slower (AMD EPYC Zen 3)
-            _code8_table_row(x_flat, kp, codes_flat, k, scale, bf16, magnitudes, nan_code, tables[0], keep, scratch,
-                             row, y32)
-        return
-    slow_flat = simd.borrowed_flat(slow_blocks)
+    args = (x_flat, kp, codes_flat, k, scale, bf16, magnitudes, nan_code, table_like, keep, fast, slow_blocks,
+            column_tables, x_bounds, row, end, y32)
+    _code8_rows_by(column_tables, args)
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _code8_table_rows(x_flat, kp, codes_flat, k, scale, bf16, magnitudes, nan_code, table_like, keep, fast,
+                      slow_blocks, column_tables, x_bounds, row, end, y32):
+    """Rows row .. end - 1 of _code8_rows one by one, by the table (codes not re-encoded)."""
+    x_flat, codes_flat = simd.borrowed_flat(x_flat), simd.borrowed_flat(codes_flat)  # see _code8_column_rows
+    table, scratch = np.empty_like(table_like), simd.stack_bytes(LANES)
+    for row in range(row, end):
+        _code8_table_row(x_flat, kp, codes_flat, k, scale, bf16, magnitudes, nan_code, table, keep, scratch, row, y32)
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _code8_column_rows(x_flat, kp, codes_flat, k, scale, bf16, magnitudes, nan_code, table_like, keep, fast,
+                       slow_blocks, column_tables, x_bounds, row, end, y32):
+    """Rows row .. end - 1 of _code8_rows one by one, codes re-encoded by columns: as ``fast`` says."""
+    # The loops take views without reference counting (the arrays, though borrowed views in the caller, again:
+    # an argument's reference counting is not compiled away; numba counts references at every step of an
+    # inlined loop: 2-3x the time) and this function's own scratch and row table (the caller's, which might
+    # alias anything: 8-10 % more time); the row's table is a 1-D byte table (BF16 x only, as every row by
+    # columns).
+    table, scratch = np.empty_like(table_like), simd.stack_bytes(LANES)
+    x_flat, codes_flat = simd.borrowed_flat(x_flat), simd.borrowed_flat(codes_flat)
+    slow_flat, tables, row_table = (simd.borrowed_flat(slow_blocks), simd.borrowed_flat(column_tables),
+                                    simd.borrowed_flat(table))
     for row in range(row, end):
         if fast[row] == 0:
-            _code8_table_row(x_flat, kp, codes_flat, k, scale, bf16, magnitudes, nan_code, tables[0], keep, scratch,
-                             row, y32)
+            _code8_table_row(x_flat, kp, codes_flat, k, scale, bf16, magnitudes, nan_code, table, keep, scratch, row,
+                             y32)
             continue
         e_s = _scale_exponent(scale[row])
         if fast[row] == 1:
-            for m in range(m_rows):
+            for m in range(y32.shape[0]):
                 y32[m, row] = _code8_column_row_sum(x_flat, m * kp, codes_flat, row * k, k, _row_columns,
-                                                    (column_tables, row),
+                                                    (tables, row),
                                                     _columns_fused(x_bounds, m, e_s, e_s, _COLUMN_LOW))
             continue
-        _fill_row_table(magnitudes, scale[row], bf16, nan_code, tables[0])
-        # the row's table without reference counting (per step of the inlined loop, else: 3x the time); BF16 x
-        # only, as every row by columns: a 1-D byte table, the view's shape
-        rows = (column_tables, row, slow_flat, row * (k // HALF), simd.borrowed_flat(tables[0]), nan_code)
-        for m in range(m_rows):
+        _fill_row_table(magnitudes, scale[row], bf16, nan_code, table)
+        rows = (tables, row, slow_flat, row * (k // HALF), row_table, nan_code)
+        for m in range(y32.shape[0]):
             y32[m, row] = _code8_column_row_sum(x_flat, m * kp, codes_flat, row * k, k, _row_columns_or_table, rows,
                                                 _columns_fused(x_bounds, m, e_s, e_s, _CODE8_LOW))
+
+
+_code8_rows_by = _by_column_tables(_code8_column_rows, _code8_table_rows)
 
 
 @numba.njit(**_INLINE)
@@ -1534,11 +1563,17 @@ def _code8_gemv(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, kee
 @numba.njit(**NJIT_OPTIONS)
 def _code8_x_operands(x_reg, operands, x_consts):
     """(x_bounds,) of _code8_gemv and _mxfp8_gemv: _x_bounds of x_reg where the weight was re-encoded by
-    columns (its column tables, the operands' last, not empty, though no row may be fast), else an empty
-    (0, 2) array (not read)."""
-    if operands[-1].size:
-        return (_x_bounds(x_reg),)
-    return (np.zeros((0, 2), dtype=np.int64),)
+    columns (its column tables, the operands' last: _by_column_tables), else an empty (0, 2) array (not
+    read)."""
+    return (_x_bounds_by(operands[-1], (x_reg,)),)
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _no_x_bounds(x_reg):
+    return np.zeros((0, 2), dtype=np.int64)
+
+
+_x_bounds_by = _by_column_tables(_x_bounds, _no_x_bounds)
 
 
 @numba.njit(**NJIT_OPTIONS)
@@ -1647,33 +1682,26 @@ def _mxfp8_table_row(x_flat, kp, codes_flat, scales_flat, k, blocks, bf16, table
 
 @numba.njit(**NJIT_OPTIONS)
 def _mxfp8_rows(x_reg, codes, scales, bf16, table, fast, slow_blocks, column_tables, x_bounds, row, end, y32):
-    """Rows row .. end - 1 of _mxfp8_gemv (one task). The rows of ``fast`` by columns (the table of each
-    32-block's E8M0 byte in ``column_tables``; in the rows marked 2 the blocks ``slow_blocks`` marks by the
-    table: _block_columns_or_table); else blocks of ROW_BLOCK rows whose scale bytes all lie in the exact
-    range (and K a multiple of 64) go through _block_sums; other rows one by one."""
+    """Rows row .. end - 1 of _mxfp8_gemv (one task). Codes re-encoded by columns (_mxfp8_column_rows): the rows
+    of ``fast`` by columns (the table of each 32-block's E8M0 byte in ``column_tables``; in the rows marked 2
+    the blocks ``slow_blocks`` marks by the table: _block_columns_or_table), the others one by one by the
+    table. Else (_mxfp8_table_rows) blocks of ROW_BLOCK rows whose scale bytes all lie in the exact range (and
+    K a multiple of 64) go through _block_sums, other rows one by one."""
     k = codes.shape[1]
     blocks = scales.shape[1]
-    m_rows, kp = x_reg.shape
+    kp = x_reg.shape[1]
     x_flat, codes_flat, scales_flat = simd.borrowed_flat(x_reg), simd.borrowed_flat(codes), simd.borrowed_flat(scales)
-    scratch = simd.stack_bytes(LANES)
-    if _any_by_columns(fast, k):
-        slow_flat = simd.borrowed_flat(slow_blocks)
-        for row in range(row, end):
-            if fast[row] == 0:
-                _mxfp8_table_row(x_flat, kp, codes_flat, scales_flat, k, blocks, bf16, table, scratch, row, y32)
-                continue
-            low, high = _low_byte_range(scales_flat, row * blocks, blocks)
-            lowest = _COLUMN_LOW if fast[row] == 1 else _CODE8_LOW
-            rows = (column_tables, scales_flat, row * blocks, slow_flat, table)
-            for m in range(m_rows):
-                fused = _columns_fused(x_bounds, m, low - 127, high - 127, lowest)
-                if fast[row] == 1:
-                    y32[m, row] = _code8_column_row_sum(x_flat, m * kp, codes_flat, row * k, k, _block_columns, rows,
-                                                        fused)
-                else:
-                    y32[m, row] = _code8_column_row_sum(x_flat, m * kp, codes_flat, row * k, k,
-                                                        _block_columns_or_table, rows, fused)
-        return
+    args = (x_flat, kp, codes_flat, scales_flat, k, blocks, bf16, table, fast, slow_blocks, column_tables, x_bounds,
+            row, end, y32)
+    _mxfp8_rows_by(column_tables, args)
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _mxfp8_table_rows(x_flat, kp, codes_flat, scales_flat, k, blocks, bf16, table, fast, slow_blocks, column_tables,
+                      x_bounds, row, end, y32):
+    """Rows row .. end - 1 of _mxfp8_rows, codes not re-encoded: by the table."""
+    x_flat, codes_flat = simd.borrowed_flat(x_flat), simd.borrowed_flat(codes_flat)  # see _code8_column_rows
+    scales_flat, scratch = simd.borrowed_flat(scales_flat), simd.stack_bytes(LANES)
     exact_range = _MXFP8_EXACT_BYTES_BF16 if bf16 else _MXFP8_EXACT_BYTES_F16
     while row < end:
         if BLOCK_ROWS and k % LANES == 0 and row + ROW_BLOCK <= end:
@@ -1686,6 +1714,35 @@ def _mxfp8_rows(x_reg, codes, scales, bf16, table, fast, slow_blocks, column_tab
                 continue
         _mxfp8_table_row(x_flat, kp, codes_flat, scales_flat, k, blocks, bf16, table, scratch, row, y32)
         row += 1
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _mxfp8_column_rows(x_flat, kp, codes_flat, scales_flat, k, blocks, bf16, table, fast, slow_blocks, column_tables,
+                       x_bounds, row, end, y32):
+    """Rows row .. end - 1 of _mxfp8_rows, codes re-encoded by columns: as ``fast`` says."""
+    # views without reference counting and a scratch of its own (as _code8_column_rows')
+    x_flat, codes_flat = simd.borrowed_flat(x_flat), simd.borrowed_flat(codes_flat)
+    scales_flat, scratch = simd.borrowed_flat(scales_flat), simd.stack_bytes(LANES)
+    slow_flat, tables, flat_table = (simd.borrowed_flat(slow_blocks), simd.borrowed_flat(column_tables),
+                                     simd.borrowed_flat(table))
+    for row in range(row, end):
+        if fast[row] == 0:
+            _mxfp8_table_row(x_flat, kp, codes_flat, scales_flat, k, blocks, bf16, table, scratch, row, y32)
+            continue
+        low, high = _low_byte_range(scales_flat, row * blocks, blocks)
+        lowest = _COLUMN_LOW if fast[row] == 1 else _CODE8_LOW
+        rows = (tables, scales_flat, row * blocks, slow_flat, flat_table)
+        for m in range(y32.shape[0]):
+            fused = _columns_fused(x_bounds, m, low - 127, high - 127, lowest)
+            if fast[row] == 1:
+                y32[m, row] = _code8_column_row_sum(x_flat, m * kp, codes_flat, row * k, k, _block_columns, rows,
+                                                    fused)
+            else:
+                y32[m, row] = _code8_column_row_sum(x_flat, m * kp, codes_flat, row * k, k, _block_columns_or_table,
+                                                    rows, fused)
+
+
+_mxfp8_rows_by = _by_column_tables(_mxfp8_column_rows, _mxfp8_table_rows)
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
@@ -2279,15 +2336,24 @@ def _batch_rows(decode_row, operands, first, end, x_flat, kp, m_rows, y32):
 
 
 @numba.njit(**_INLINE)
-def _code8_batch_row(operands, row, w, at):
-    codes_flat, k, scale, bf16, magnitudes, nan_code, table, keep, scratch, fast, column_tables = operands
-    if _by_columns(fast, k, row):
+def _code8_column_batch_row(operands, row, w, at):
+    """A row of codes re-encoded by columns: by columns where they take all of its codes (fast 1), else by its
+    table (_code8_table_batch_row)."""
+    codes_flat, k, fast, column_tables = operands[0], operands[1], operands[-2], operands[-1]
+    if fast[row] == 1:
         for t in range(k // LANES):
             _prefetch_ahead(codes_flat, np.uint64(row * k + LANES * t), np.uint64(ROW_BLOCK * k))
             start = row * k + LANES * t
             _store_steps(w, at + LANES * t, code8_columns_half(codes_flat, start, column_tables, row, _columns.ADDENDS),
                          code8_columns_half(codes_flat, start + HALF, column_tables, row, _columns.ADDENDS))
         return
+    _code8_table_batch_row(operands, row, w, at)
+
+
+@numba.njit(**_INLINE)
+def _code8_table_batch_row(operands, row, w, at):
+    """A row by its table (_fill_row_table)."""
+    codes_flat, k, scale, bf16, magnitudes, nan_code, table, keep, scratch = operands[:9]
     _fill_row_table(magnitudes, scale[row], bf16, nan_code, table)
     _code8_tile_row(_store_steps, codes_flat, k, row, table, nan_code, keep, scratch, w, at)
 
@@ -2321,7 +2387,21 @@ def _code8_batched_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_l
     m_rows, kp = x_reg.shape
     operands = (simd.flat(codes), k, scale, bf16, magnitudes, nan_code, np.empty_like(table_like), keep,
                 np.zeros(LANES, dtype=np.uint8), fast, column_tables)
-    _batch_rows(_code8_batch_row, operands, row, end, simd.flat(x_reg), kp, m_rows, y32)
+    args = (operands, row, end, simd.flat(x_reg), kp, m_rows, y32)
+    _code8_batch_rows_by(column_tables, args)
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _code8_column_batch_rows(operands, first, end, x_flat, kp, m_rows, y32):
+    _batch_rows(_code8_column_batch_row, operands, first, end, x_flat, kp, m_rows, y32)
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _code8_table_batch_rows(operands, first, end, x_flat, kp, m_rows, y32):
+    _batch_rows(_code8_table_batch_row, operands, first, end, x_flat, kp, m_rows, y32)
+
+
+_code8_batch_rows_by = _by_column_tables(_code8_column_batch_rows, _code8_table_batch_rows)
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
@@ -2755,7 +2835,7 @@ def _code8_operands(codes, scale, magnitudes, nan_code, k, dtype, table_kind):
     bf16 = dtype == torch.bfloat16
     table_like = _ROW_TABLES_LIKE[table_kind or _default_table_kind(), bf16]
     return (as_numpy(codes), as_numpy(scale.contiguous()), bf16, magnitudes, nan_code, table_like, _KEEP[k % LANES],
-            _NO_FAST_ROWS, _NO_SLOW_BLOCKS, _NO_COLUMN_TABLES)
+            _NO_FAST_ROWS, _NO_SLOW_BLOCKS, _NOT_BY_COLUMNS)
 
 
 def _hifloat8_operands(codes, scale, k, dtype, table_kind=None):
@@ -2810,7 +2890,7 @@ def _mxfp8_operands(codes, scales, k, dtype, table_kind=None):
     table = {"bytes": _E4M3_BYTE_TABLES, "words": _E4M3_BF16_WORDS,
              "values": _E4M3_VALUES}[table_kind or _default_table_kind()]
     return (as_numpy(codes), as_numpy(scales), dtype == torch.bfloat16, table, _NO_FAST_ROWS, _NO_SLOW_BLOCKS,
-            _NO_COLUMN_TABLES)
+            _NOT_BY_COLUMNS)
 
 
 # MXFP8 rows by columns: E8M0 bytes whose scale 2^(b - 127) lies in the column decode's range [2^-110, 2^110]
