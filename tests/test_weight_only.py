@@ -1156,8 +1156,9 @@ SLOW_ROWS = {  # format: (row, column, code) of three rows with a code the colum
 def test_code8_prepared_rows_by_columns_equal_the_reference(fmt, m, monkeypatch):
     """A prepared HiFloat8 or FP8 weight (PreparedCall, BF16 x): every code the column decode takes in every
     row, at scales across its range, equals the reference bit for bit; rows with a slow code (NaN, Inf,
-    subnormal ones) or a scale outside [2^-110, 2^110] (zero, negative, tiny, huge) take the table decode; x
-    with NaN, Inf and -0; one thread and the parallel loop."""
+    subnormal ones) are decoded by columns but for those codes' blocks of 32, rows with a scale outside
+    [2^-110, 2^110] (zero, negative, tiny, huge) by the table; x with NaN, Inf and -0; one thread and the
+    parallel loop."""
     fast_codes, op, weight, kernel = COLUMN_FORMATS[fmt]
     g = gen(40 + m)
     k = 256
@@ -1176,22 +1177,47 @@ def test_code8_prepared_rows_by_columns_equal_the_reference(fmt, m, monkeypatch)
         operands = prepared._prepared[(torch.bfloat16, k)][0]
         assert operands[7].tolist() == fast
         assert np.argwhere(operands[8]).tolist() == [[8, 0], [9, 0], [10, 6]]
-    # the float32 sums before their rounding to BF16 (which would hide a small error in one weight)
-    operands = kernel.prepare(torch.bfloat16, k, codes, scale, None)[0]
-    y32 = torch.empty(m, codes.shape[0])
+    _check_prepared_rows(prepared, kernel, x, (codes, scale), weight(codes, scale, torch.bfloat16), monkeypatch)
+
+
+def _prepared_sums(kernel, x, weight):
+    """The GEMV's float32 sums (M, N) for BF16 ``x`` (M, K) with the operands of ``weight`` (a tuple of
+    tensors) prepared for BF16 x, on the calling thread."""
+    y32 = torch.empty(x.shape[0], weight[0].shape[0])
+    operands = kernel.prepare(torch.bfloat16, x.shape[1], *weight, None)[0]
     kernel.gemv_sums(cpu._reorder(x.float(), *kernel.split).numpy(), operands, y32.numpy(), serial=True)
-    want32 = reference.lane_sums(x.float(), weight(codes, scale, torch.bfloat16))
+    return y32
+
+
+def _two_values(k, x0, x1):
+    """(1, k) BF16 zeros but x0 at column 0 and x1 at column 64 (the same lane of two steps)."""
+    x = torch.zeros(1, k)
+    x[0, 0], x[0, 64] = x0, x1
+    x = x.bfloat16()
+    assert x.float()[0, 0] == x0 and x.float()[0, 64] == x1
+    return x
+
+
+def _check_prepared_rows(prepared, kernel, x, weight, dense, monkeypatch):
+    """A prepared weight's float32 sums for BF16 ``x`` (before their rounding to BF16, which would hide a small
+    error in one weight) equal the reference's lane sums with its ``dense`` (N, K) float32 weights; with NaN,
+    Inf, -0 and a subnormal in x, a non-contiguous x and the parallel loop on two threads, ``prepared``
+    (its PreparedCall on ``weight``, a tuple of tensors) gives the reference's bits."""
+    op = prepared.op
+    y32 = _prepared_sums(kernel, x, weight)
+    want32 = reference.lane_sums(x.float(), dense)
     assert torch.equal(y32.isnan(), want32.isnan())
     assert torch.equal(y32.nan_to_num().view(torch.int32), want32.nan_to_num().view(torch.int32))
+    x = x.clone()
     x[0, 3], x[-1, 100], x[-1, 7], x[-1, 11] = float("nan"), float("inf"), -0.0, 2.0**-130  # and a subnormal
     strided = torch.stack([x, -x], dim=-1)[..., 0]  # a non-contiguous x
     assert not strided.is_contiguous()
-    assert_bits(prepared(strided), op(x, codes, scale, None, backend="reference"))
+    assert_bits(prepared(strided), op(x, *weight, None, backend="reference"))
     monkeypatch.setattr(cpu, "GEMV_ONE_THREAD_WEIGHTS", 0)
     previous = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        assert_bits(prepared(x), op(x, codes, scale, None, backend="reference"))
+        assert_bits(prepared(x), op(x, *weight, None, backend="reference"))
     finally:
         torch.set_num_threads(previous)
 
@@ -1286,14 +1312,10 @@ def test_hifloat8_prepared_rows_by_columns_where_a_fused_multiply_add_would_diff
     codes[1, 1:64] = hifloat8.encode(torch.full((63,), 1.5))  # products with x's zeros
     assert all(c in COLUMN_HIF8 for c in codes.unique().tolist())
     scale = torch.tensor([s, s])
-    x = torch.zeros(1, k)
-    x[0, 0], x[0, 64] = x0, x1
-    x = x.bfloat16()
-    assert x.float()[0, 0] == x0 and x.float()[0, 64] == x1
+    x = _two_values(k, x0, x1)
     kernel = cpu.HIFLOAT8_LINEAR
     operands = kernel.prepare(torch.bfloat16, k, codes, scale, None)[0]
-    y32 = torch.empty(1, 2)
-    kernel.gemv_sums(cpu._reorder(x.float(), *kernel.split).numpy(), operands, y32.numpy(), serial=True)
+    y32 = _prepared_sums(kernel, x, (codes, scale))
     want = reference.lane_sums(x.float(), reference.hifloat8_weight(codes, scale, torch.bfloat16))
     fused = torch.tensor([x0 * w0 * s + x1 * w1 * s] * 2, dtype=torch.float64).float()  # one rounding
     assert not torch.equal(want[0, :1], fused[:1])  # the case is one where the two differ
@@ -1409,22 +1431,8 @@ def test_mxfp8_prepared_rows_by_columns_equal_the_reference(m, monkeypatch):
         assert operands[4].tolist() == fast
         assert np.argwhere(operands[5][8:12]).tolist() == [[0, 0], [0, 1], [0, 7], [1, 0], [2, 0], [2, 3], [2, 6],
                                                            [3, 0]]
-    y32 = torch.empty(m, codes.shape[0])
-    kernel.gemv_sums(cpu._reorder(x.float(), *kernel.split).numpy(), operands, y32.numpy(), serial=True)
-    want32 = reference.lane_sums(x.float(), reference.mxfp8_weight(codes, scales, torch.bfloat16))
-    assert torch.equal(y32.isnan(), want32.isnan())
-    assert torch.equal(y32.nan_to_num().view(torch.int32), want32.nan_to_num().view(torch.int32))
-    x[0, 3], x[-1, 100], x[-1, 7], x[-1, 11] = float("nan"), float("inf"), -0.0, 2.0**-130
-    strided = torch.stack([x, -x], dim=-1)[..., 0]
-    assert not strided.is_contiguous()
-    assert_bits(prepared(strided), op(x, codes, scales, None, backend="reference"))
-    monkeypatch.setattr(cpu, "GEMV_ONE_THREAD_WEIGHTS", 0)
-    previous = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        assert_bits(prepared(x), op(x, codes, scales, None, backend="reference"))
-    finally:
-        torch.set_num_threads(previous)
+    dense = reference.mxfp8_weight(codes, scales, torch.bfloat16)
+    _check_prepared_rows(prepared, kernel, x, (codes, scales), dense, monkeypatch)
 
 
 @pytest.mark.parametrize("x_exponent", [-120, -100, 0, 12, 17, 30])
@@ -1443,10 +1451,7 @@ def test_mxfp8_prepared_rows_by_columns_at_the_ends_of_float32(x_exponent):
     if cpu.CODE8_COLUMNS:
         assert cpu.MXFP8_LINEAR.prepare(torch.bfloat16, k, codes, scales, None)[0][4].tolist() == [1] * 6
     assert_bits(prepared(x), ops.MXFP8_LINEAR(x, codes, scales, None, backend="reference"))
-    kernel = cpu.MXFP8_LINEAR
-    y32 = torch.empty(2, 6)
-    kernel.gemv_sums(cpu._reorder(x.float(), *kernel.split).numpy(),
-                     kernel.prepare(torch.bfloat16, k, codes, scales, None)[0], y32.numpy(), serial=True)
+    y32 = _prepared_sums(cpu.MXFP8_LINEAR, x, (codes, scales))
     want32 = reference.lane_sums(x.float(), reference.mxfp8_weight(codes, scales, torch.bfloat16))
     assert torch.equal(y32.isnan(), want32.isnan())
     assert torch.equal(y32.nan_to_num().view(torch.int32), want32.nan_to_num().view(torch.int32))
@@ -1472,14 +1477,10 @@ def test_mxfp8_prepared_rows_by_columns_where_a_fused_multiply_add_would_differ(
     scales[0, 0] = scales[0, 2] = byte  # the blocks of columns 0 and 64
     scales[0, 4] = low if case == "overflow" else high  # the other end of the range
     assert all(c in COLUMN_E4M3 for c in codes.unique().tolist())
-    x = torch.zeros(1, k)
-    x[0, 0], x[0, 64] = x0, x1
-    x = x.bfloat16()
-    assert x.float()[0, 0] == x0 and x.float()[0, 64] == x1
+    x = _two_values(k, x0, x1)
     kernel = cpu.MXFP8_LINEAR
     operands = kernel.prepare(torch.bfloat16, k, codes, scales, None)[0]
-    y32 = torch.empty(1, 1)
-    kernel.gemv_sums(cpu._reorder(x.float(), *kernel.split).numpy(), operands, y32.numpy(), serial=True)
+    y32 = _prepared_sums(kernel, x, (codes, scales))
     w = reference.mxfp8_weight(codes, scales, torch.bfloat16)
     want = reference.lane_sums(x.float(), w)
     fused = torch.tensor([x0 * w[0, 0].item() + x1 * w[0, 64].item()], dtype=torch.float64).float()  # one rounding
