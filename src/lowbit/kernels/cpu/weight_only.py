@@ -1543,12 +1543,13 @@ def _code8_gemv(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, kee
                 x_bounds, y32):
     """codes (N, K) uint8; scale (N,) float32 and magnitudes (128,) float32 as _fill_row_table takes them;
     bf16: x is BF16 (else FP16); nan_code: the code that decodes to NaN; table_like: an array of the
-    row-table kind (see code8_decode); keep int32[64] (the tail's lanes); fast (N,) uint8, or empty: for
-    8-bit codes re-encoded by columns, per row 1 where code8_columns_half decodes it with its column table
-    (column_tables (N, _columns.TABLE_BYTES) uint8), 2 where it does but for the blocks of 32 codes marked in
-    slow_blocks (N, K/32) uint8 (by the row's table), 0 where the table decodes it (whose magnitudes and NaN
-    code are then the re-encoded ones); x_bounds (M, 2) int64: _x_bounds of x_reg
-    where ``fast`` is not empty (else not read: _code8_x_operands); x_reg (M, Kp) float32 (register order,
+    row-table kind (see code8_decode); keep int32[64] (the tail's lanes); fast (N,) uint8: for 8-bit codes
+    re-encoded by columns, per row 1 where code8_columns_half decodes it with its column table (column_tables
+    (N, _columns.TABLE_BYTES) uint8), 2 where it does but for the blocks of 32 codes marked in slow_blocks
+    (N, K/32) uint8 (by the row's table), 0 where the table decodes it (whose magnitudes and NaN code are then
+    the re-encoded ones); for codes not re-encoded the three are empty, column_tables int8 (_NOT_BY_COLUMNS:
+    the kernels are compiled without the columns' code); x_bounds (M, 2) int64: _x_bounds of x_reg where the
+    codes are re-encoded (else empty, not read: _code8_x_operands); x_reg (M, Kp) float32 (register order,
     zero-padded); y32 (M, N) float32. Every row, in numba's parallel loop (_code8_rows: some rows on the
     calling thread)."""
     n = codes.shape[0]
@@ -1748,12 +1749,13 @@ _mxfp8_rows_by = _by_column_tables(_mxfp8_column_rows, _mxfp8_table_rows)
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
 def _mxfp8_gemv(x_reg, codes, scales, bf16, table, fast, slow_blocks, column_tables, x_bounds, y32):
     """codes (N, K) uint8 E4M3, scales (N, K/32) uint8 E8M0; bf16: x is BF16 (else FP16); table: the E4M3
-    code table of the kind code8_decode reads; fast (N,) uint8, or empty: for codes re-encoded by columns
+    code table of the kind code8_decode reads; fast (N,) uint8: for codes re-encoded by columns
     (_mxfp8_prepared_operands), per row 1 where code8_columns_half decodes it with the column tables of the
     256 E8M0 bytes, column_tables (256, _columns.TABLE_BYTES) uint8, 2 where it does but for the 32-blocks
-    marked in slow_blocks (N, K/32) uint8 (by the table), 0 where the table decodes it; x_bounds (M, 2)
-    int64: _x_bounds of x_reg where ``fast`` is not empty (else not read); x_reg (M, Kp) float32
-    (CODE8_ORDER, zero-padded); y32 (M, N) float32. Every row, as _code8_gemv."""
+    marked in slow_blocks (N, K/32) uint8 (by the table), 0 where the table decodes it; for codes not
+    re-encoded the three are empty, column_tables int8 (as _code8_gemv's); x_bounds (M, 2) int64: _x_bounds
+    of x_reg where the codes are re-encoded (else empty, not read); x_reg (M, Kp) float32 (CODE8_ORDER,
+    zero-padded); y32 (M, N) float32. Every row, as _code8_gemv."""
     n = codes.shape[0]
     for task in numba.prange((n + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
         _mxfp8_rows(x_reg, codes, scales, bf16, table, fast, slow_blocks, column_tables, x_bounds,
