@@ -1095,7 +1095,9 @@ def _column_tables(fmt: str, codes: torch.Tensor, scale: torch.Tensor) -> tuple[
     """(fast, tables) of encode_rows for ``codes`` (N, K) with float32 ``scale`` (N,)."""
     n, k = codes.shape
     encoded, fast, tables = np.empty((n, k), np.uint8), np.empty(n, np.uint8), np.empty((n, 32), np.uint8)
-    COLUMN_CODES[fmt].encode_rows(codes.numpy(), scale.numpy(), encoded, fast, tables)
+    slow_blocks = np.empty((n, -(-k // columns.BLOCK)), np.uint8)
+    COLUMN_CODES[fmt].encode_rows(codes.numpy(), scale.numpy(), encoded, fast, tables, slow_blocks)
+    assert not slow_blocks.any()  # only codes the columns take
     return fast, tables
 
 

@@ -39,6 +39,7 @@ ZERO_CODE = ZERO_COLUMN  # zero's slot (offset 0 of column ZERO_COLUMN)
 ADDENDS = np.array([((h & 1) << 7) for h in range(16)] + [((h >> 3) << 7) | ((h & 7) >> 1) for h in range(16)],
                    dtype=np.uint8)
 TABLE_BYTES = 32  # a row's column table: T's 16 low bytes, then its 16 high bytes
+BLOCK = 32  # codes of a block, which slow_blocks marks as a whole (the column decode's unit: 32 codes)
 _M_FACTORS = np.array([1 + m / 8 for m in range(8)], dtype=np.float32)
 # Row scales (float32) whose every column value is a normal BF16 number, for both formats (magnitudes 2^-15
 # .. 2^16): 2^-15 s >= 2^-126 and 2^16 s < 2^128, with a margin.
@@ -101,14 +102,15 @@ class ColumnCode:
         return np.ascontiguousarray(magnitudes[self._decode_magnitude])
 
     def encode_rows(self, codes: np.ndarray, scale: np.ndarray, encoded: np.ndarray, fast: np.ndarray,
-                    tables: np.ndarray) -> None:
-        """encoded (N, K) uint8 <- the re-encoded codes (N, K) uint8; fast (N,) uint8 <- for the rows whose
-        ``scale`` (float32) lies in [2^-110, 2^110], 1 where the column decode takes all of the row's codes and
-        2 where it holds a slow code (the column decode serves it but for the blocks holding one:
-        slow_blocks), else 0; tables (N, TABLE_BYTES) uint8 <- the column tables of the rows of fast != 0
-        (fill_column_table; other rows not written)."""
+                    tables: np.ndarray, slow_blocks: np.ndarray) -> None:
+        """encoded (N, K) uint8 <- the re-encoded codes (N, K) uint8; slow_blocks (N, ceil(K / BLOCK)) uint8 <-
+        1 for each block of BLOCK codes of a row (the last one may be shorter) holding a slow code; fast (N,)
+        uint8 <- for the rows whose ``scale`` (float32) lies in [2^-110, 2^110], 1 where the column decode
+        takes all of the row's codes and 2 where it holds a slow code (the column decode serves it but for the
+        blocks holding one), else 0; tables (N, TABLE_BYTES) uint8 <- the column tables of the rows of fast != 0
+        (fill_column_table; other rows not written). One pass over the codes."""
         _encode_rows(codes, scale, self.encode, self.slow_codes, self._column_m, self._column_first, encoded, fast,
-                     tables)
+                     tables, slow_blocks)
 
     def scale_tables(self, scales: np.ndarray) -> np.ndarray:
         """(S, TABLE_BYTES) uint8: the column tables (fill_column_table) of the float32 ``scales`` (S,), each
@@ -121,27 +123,6 @@ class ColumnCode:
         return tables
 
 
-    def slow_blocks(self, codes: np.ndarray, block: int) -> np.ndarray:
-        """(N, K / block) uint8: 1 for each block of ``block`` consecutive codes of a row of ``codes`` (N, K)
-        uint8 (K a multiple of ``block``) that holds a code the column decode leaves out (``slow_codes``)."""
-        n, k = codes.shape
-        if k % block:
-            raise ValueError(f"K = {k} is not a multiple of the block, {block}")
-        out = np.empty((n, k // block), dtype=np.uint8)
-        _slow_blocks(codes, self.slow_codes, block, out)
-        return out
-
-
-@numba.njit(**NJIT_OPTIONS)
-def _slow_blocks(codes, slow_codes, block, out):
-    for row in range(out.shape[0]):
-        for b in range(out.shape[1]):
-            slow = np.uint8(0)
-            for i in range(b * block, (b + 1) * block):
-                slow |= slow_codes[codes[row, i]]
-            out[row, b] = slow
-
-
 @numba.njit(**NJIT_OPTIONS)
 def _scale_tables(scales, column_m, column_first, tables):
     scratch = np.empty(8, dtype=np.float32)
@@ -150,15 +131,19 @@ def _scale_tables(scales, column_m, column_first, tables):
 
 
 @numba.njit(**NJIT_OPTIONS)
-def _encode_rows(codes, scale, encode, slow_codes, column_m, column_first, encoded, fast, tables):
+def _encode_rows(codes, scale, encode, slow_codes, column_m, column_first, encoded, fast, tables, slow_blocks):
     n, k = codes.shape
     scratch = np.empty(8, dtype=np.float32)
     for row in range(n):
         slow = np.uint8(0)
-        for i in range(k):
-            c = codes[row, i]
-            encoded[row, i] = encode[c]
-            slow |= slow_codes[c]
+        for b in range(slow_blocks.shape[1]):
+            block_slow = np.uint8(0)
+            for i in range(b * BLOCK, min(k, (b + 1) * BLOCK)):
+                c = codes[row, i]
+                encoded[row, i] = encode[c]
+                block_slow |= slow_codes[c]
+            slow_blocks[row, b] = block_slow
+            slow |= block_slow
         s = scale[row]
         fast[row] = (1 if slow == 0 else 2) if s >= _SCALE_LOW and s <= _SCALE_HIGH else 0
         if fast[row]:

@@ -1364,6 +1364,15 @@ def _column_pass(accumulate, x_flat, x0, codes_flat, c0, steps, decode, rows, ha
     return acc
 
 
+assert _columns.BLOCK == HALF == mxfp8.BLOCK  # a block marked in slow_blocks, and MXFP8's, is half a step
+
+
+@numba.njit(**_INLINE)
+def _step_block(b0, t, half):
+    """The index of the 32-code block of step t's ``half`` (0 or HALF) in a row whose first block is b0."""
+    return b0 + 2 * t + half // HALF
+
+
 @numba.njit(**_INLINE)
 def _row_columns(rows, codes_flat, start, t, half):
     """HiFloat8 / FP8: by the weight row's own column table; rows = (the rows' column tables, the row)."""
@@ -1377,7 +1386,7 @@ def _row_columns_or_table(rows, codes_flat, start, t, half):
     ``slow_flat`` marks by the row's table (_fill_row_table); rows = (the rows' column tables, the row,
     slow_flat, the index of the row's first block, the row's table, its NaN code)."""
     tables, row, slow_flat, b0, table, nan_code = rows
-    if slow_flat[b0 + 2 * t + half // HALF]:
+    if slow_flat[_step_block(b0, t, half)]:
         return code8_decode_half(codes_flat, start, table, nan_code)
     return code8_columns_half(codes_flat, start, tables, row, _columns.ADDENDS)
 
@@ -1387,7 +1396,7 @@ def _block_columns(rows, codes_flat, start, t, half):
     """MXFP8: by the column table of the 32-block's E8M0 byte; rows = (the 256 bytes' column tables, the E8M0
     bytes (flat), the index of the row's first, ...)."""
     tables, scales_flat, b0 = rows[0], rows[1], rows[2]
-    return code8_columns_half(codes_flat, start, tables, scales_flat[b0 + 2 * t + half // HALF], _columns.ADDENDS)
+    return code8_columns_half(codes_flat, start, tables, scales_flat[_step_block(b0, t, half)], _columns.ADDENDS)
 
 
 @numba.njit(**_INLINE)
@@ -1396,7 +1405,7 @@ def _block_columns_or_table(rows, codes_flat, start, t, half):
     table of the (re-encoded) E4M3 values times the block's scale: exactly the reference's weights, as the
     columns' (bytes of the column range); rows = (as _block_columns', slow_flat, the table)."""
     tables, scales_flat, b0, slow_flat, table = rows
-    b = b0 + 2 * t + half // HALF
+    b = _step_block(b0, t, half)
     if slow_flat[b]:
         return simd.f32v_mul(code8_decode_half(codes_flat, start, table, _E4M3_NAN_CODE), _E8M0_SCALES[scales_flat[b]])
     return code8_columns_half(codes_flat, start, tables, scales_flat[b], _columns.ADDENDS)
@@ -1521,7 +1530,7 @@ def _code8_column_rows(x_flat, kp, codes_flat, k, scale, bf16, magnitudes, nan_c
                                                     _columns_fused(x_bounds, m, e_s, e_s, _COLUMN_LOW))
             continue
         _fill_row_table(magnitudes, scale[row], bf16, nan_code, table)
-        rows = (tables, row, slow_flat, row * (k // HALF), row_table, nan_code)
+        rows = (tables, row, slow_flat, row * (k // _columns.BLOCK), row_table, nan_code)
         for m in range(y32.shape[0]):
             y32[m, row] = _code8_column_row_sum(x_flat, m * kp, codes_flat, row * k, k, _row_columns_or_table, rows,
                                                 _columns_fused(x_bounds, m, e_s, e_s, _CODE8_LOW))
@@ -2847,15 +2856,17 @@ def _hifloat8_operands(codes, scale, k, dtype, table_kind=None):
 
 
 def _encoded_by_columns(codes, column_code, scale):
-    """(encoded, fast, tables) of column_code.encode_rows for ``codes`` (N, K) uint8 and the rows' float32
-    ``scale`` (N,) numpy: the re-encoded codes in a copy (one more byte per weight; in 2 MiB pages, as the
-    deploy modules keep their weights: docs/quantize.md)."""
+    """(encoded, fast, tables, slow_blocks) of column_code.encode_rows for ``codes`` (N, K) uint8, K a multiple
+    of 64, and the rows' float32 ``scale`` (N,) numpy: the re-encoded codes in a copy (one more byte per
+    weight; in 2 MiB pages, as the deploy modules keep their weights: docs/quantize.md)."""
+    n, k = codes.shape
     copy = huge_page_copy(codes)
     encoded = as_numpy(copy if copy is not codes else torch.empty_like(codes))
-    fast = np.empty(codes.shape[0], dtype=np.uint8)
-    tables = np.empty((codes.shape[0], _columns.TABLE_BYTES), dtype=np.uint8)
-    column_code.encode_rows(as_numpy(codes), scale, encoded, fast, tables)
-    return encoded, fast, tables
+    fast = np.empty(n, dtype=np.uint8)
+    tables = np.empty((n, _columns.TABLE_BYTES), dtype=np.uint8)
+    slow_blocks = np.empty((n, k // _columns.BLOCK), dtype=np.uint8)
+    column_code.encode_rows(as_numpy(codes), scale, encoded, fast, tables, slow_blocks)
+    return encoded, fast, tables, slow_blocks
 
 
 def _by_columns_operands(operands, codes, k, dtype, column_code):
@@ -2865,10 +2876,10 @@ def _by_columns_operands(operands, codes, k, dtype, column_code):
     leaves to the table, slow_blocks) and their column tables (_encoded_by_columns)."""
     if not (CODE8_COLUMNS and dtype == torch.bfloat16 and k % LANES == 0):
         return operands
-    codes_np, scale_np, bf16, magnitudes, _, table_like, keep, _, _, _ = operands
-    encoded, fast, tables = _encoded_by_columns(codes, column_code, scale_np)
+    _, scale_np, bf16, magnitudes, _, table_like, keep, _, _, _ = operands
+    encoded, fast, tables, slow_blocks = _encoded_by_columns(codes, column_code, scale_np)
     return (encoded, scale_np, bf16, column_code.encoded_magnitudes(magnitudes), column_code.encoded_nan, table_like,
-            keep, fast, column_code.slow_blocks(codes_np, HALF), tables)
+            keep, fast, slow_blocks, tables)
 
 
 def _hifloat8_prepared_operands(codes, scale, k, dtype):
@@ -2926,8 +2937,7 @@ def _mxfp8_prepared_operands(codes, scales, k, dtype):
         return operands
     scales_np = operands[1]
     code = _columns.FLOAT8_E4M3
-    encoded, fast, _ = _encoded_by_columns(codes, code, np.ones(codes.shape[0], dtype=np.float32))
-    slow_blocks = code.slow_blocks(as_numpy(codes), mxfp8.BLOCK)
+    encoded, fast, _, slow_blocks = _encoded_by_columns(codes, code, np.ones(codes.shape[0], dtype=np.float32))
     low, high = _MXFP8_COLUMN_BYTES
     in_range = ((scales_np >= low) & (scales_np <= high)).all(axis=1)
     fast[~in_range] = 0
