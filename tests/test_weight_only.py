@@ -181,25 +181,36 @@ def _scale_words(rng, e6m2_bytes):
                            | rng.permutation(flags) << 24 for b in range(e6m2_bytes)]).astype(np.uint32).view(np.int32)
 
 
-def _every_block_both_ways(step, seed):
+def _every_block_both_ways(step, seed, prepared=False):
     """The 64 weights of every block decoded by ``step`` and by the portable decode (float32 tables, then
     the e2 / e3 doublings), each in its register order: every E6M2 byte (the poisoned 0xFF included) under
-    every e2 byte and every e3 byte in both halves, with random value bytes (every nibble, both signs)."""
+    every e2 byte and every e3 byte in both halves, with random value bytes (every nibble, both signs).
+    ``prepared``: ``step`` gets them as _hifloat4_prepared_operands makes them on AVX2 CPUs."""
     rng = np.random.default_rng(seed)
     words = _scale_words(rng, 256)
     value = rng.integers(0, 256, 32 * words.size, dtype=np.uint8)
     got, by_flags = (np.empty(64 * words.size, dtype=np.float32) for _ in range(2))
-    _hifloat4_steps(step, words, value, got)
+    if prepared:
+        step_value = np.empty_like(value)
+        cpu._hifloat4_prepare_values(value, step_value)
+        step_words = cpu._hifloat4_prepared_words(words)
+        assert step_words.dtype == np.uint32 and not np.array_equal(step_value, value)
+        _hifloat4_steps(step, step_words, step_value, got)
+    else:
+        _hifloat4_steps(step, words, value, got)
     _hifloat4_steps(cpu._hifloat4_step_flags, words, value, by_flags)
     return got, by_flags
 
 
 @pytest.mark.skipif(not cpu.BYTE_SHUFFLE_NIBBLES, reason="the byte-shuffle step is the AVX2 (no AVX-512) one")
-def test_hifloat4_byte_shuffle_step_decodes_every_block_as_the_flag_doublings():
+@pytest.mark.parametrize("layout", ["packed", "prepared"])
+def test_hifloat4_byte_shuffle_step_decodes_every_block_as_the_flag_doublings(layout):
     """The AVX2 decode (BF16 bytes of four times the weight by vpshufb, then 2 - e2 - e3 off each exponent)
     gives the portable one's weights, bit for bit, in HIFLOAT4_ORDER (_every_block_both_ways), but for -0,
-    which it gives as +0 (no lane sum changes: docs/weight_only.md, 'CPUs without AVX-512')."""
-    shuffled, by_flags = _every_block_both_ways(cpu._hifloat4_step_shuffled, 10)
+    which it gives as +0 (no lane sum changes: docs/weight_only.md, 'CPUs without AVX-512'); so it does from
+    a prepared weight's rearranged scale words (uint32: row indices, poisoned blocks' flags all set) and value
+    bytes."""
+    shuffled, by_flags = _every_block_both_ways(cpu._hifloat4_step_shuffled, 10, layout == "prepared")
     want = by_flags.reshape(-1, 64)[:, np.argsort(cpu.NIBBLE_ORDER)][:, cpu.HIFLOAT4_ORDER].reshape(-1)
     assert (want.view(np.uint32) == 0x80000000).sum() > 200_000  # every block's -0 nibbles
     want[want == 0] = 0.0
@@ -1523,6 +1534,33 @@ def test_mxfp8_prepared_batched_and_gemm_rows_equal_the_operator():
         for m in (1, 5, 33, 300):
             x = torch.randn(m, k, generator=g).to(dtype)
             assert_bits(prepared(x), ops.MXFP8_LINEAR(x, codes, scales, None, backend="native"))
+
+
+def test_hifloat4_prepared_rows_sum_as_the_reference(monkeypatch):
+    """A prepared HiFloat4 weight (on AVX2 CPUs: its scale words and value bytes rearranged,
+    _hifloat4_prepared_operands) of every E6M2 byte (0xFF: a poisoned block, NaN row), random and extreme
+    flag patterns (none set, all set), rows of one narrow scale range (fused multiply-adds) and of wide ones:
+    its float32 sums equal the reference's lane sums (_check_prepared_rows: x specials, non-contiguous x, two
+    threads); at M = 1, 2 (GEMV), 9 (batched) and 300 (GEMM path) it gives the operator's bits for BF16 and
+    FP16 x."""
+    g = gen(71)
+    n, k = 48, 512
+    scale = torch.randint(0, 256, (n, k // 64, 4), generator=g, dtype=torch.uint8)
+    scale[:32, :, 0] = torch.arange(256, dtype=torch.uint8).reshape(32, 8)[torch.randperm(32, generator=g)]
+    scale[32:, :, 0] = torch.randint(0x70, 0x78, (16, k // 64), generator=g, dtype=torch.uint8)
+    scale[40, :, 1:], scale[41, :, 1:] = 0x00, 0xFF  # no level flag set; every one
+    value = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
+    if cpu.BYTE_SHUFFLE_NIBBLES:
+        words, values = cpu.HIFLOAT4_LINEAR.prepare(torch.bfloat16, k, scale, value, None)[0]
+        assert words.dtype == np.uint32 and values.shape == value.shape
+    x = torch.randn(3, k, generator=g).bfloat16()
+    prepared = PreparedCall(ops.HIFLOAT4_LINEAR, (scale, value, None))
+    _check_prepared_rows(prepared, cpu.HIFLOAT4_LINEAR, x, (scale, value), reference.hifloat4_weight(scale, value),
+                         monkeypatch)
+    for dtype in (torch.bfloat16, torch.float16):
+        for m in (1, 2, 9, 300):
+            x = torch.randn(m, k, generator=g).to(dtype)
+            assert_bits(prepared(x), ops.HIFLOAT4_LINEAR(x, scale, value, None, backend="native"))
 
 
 # --- the prepared call of a fixed weight ----------------------------------------------------------------------

@@ -737,9 +737,16 @@ _V16x16 = ir.VectorType(ir.IntType(16), 16)
 
 def _float32_lanes(builder, words):
     """The float32 bits (two <8 x i32>: the even words, then the odd ones) of the BF16 bits ``words``
-    (<16 x i16>)."""
+    (<16 x i16>). The even words move up by a multiply by 2^16 on AMD Zen CPUs (simd.HOST_IS_AMD_ZEN: off
+    the pipes that the byte shuffles and shifts of the 4-bit decodes crowd; written as an instruction, as
+    LLVM would make any multiply by a power of two a shift), else by a shift."""
     pairs = builder.bitcast(words, _V8x32)
-    return [builder.shl(pairs, ir.Constant(_V8x32, [16] * 8)), builder.and_(pairs, ir.Constant(_V8x32, [-65536] * 8))]
+    if simd.HOST_IS_AMD_ZEN:
+        even = builder.asm(ir.FunctionType(_V8x32, [_V8x32] * 2), "vpmulld $2, $1, $0", "=x,x,x",
+                           [pairs, ir.Constant(_V8x32, [1 << 16] * 8)], False)
+    else:
+        even = builder.shl(pairs, ir.Constant(_V8x32, [16] * 8))
+    return [even, builder.and_(pairs, ir.Constant(_V8x32, [-65536] * 8))]
 
 
 def _bf16_byte_lookups(builder, raw, low_bytes, high_bytes):
@@ -795,19 +802,22 @@ def mxfp4_bf16_step(typingctx, codes, start, scales, block):
 
 # HiFloat4 (hifloat4_bf16_step): per E6M2 byte, the low and high bytes of the BF16 bits of four times its 16
 # weights, (-1)^s c times the scale (exact and normal: at least 2^-48; -0 as +0, which changes no sum, as a lane
-# sum is never -0: docs/weight_only.md, 'CPUs without AVX-512'), in both 128-bit lanes. A block's 32 value
-# bytes are two registers, bytes 0-15 and 16-31 each in both lanes, whose low 128-bit lane looks up the low
-# nibbles and the high lane the high ones (HIFLOAT4_SHUFFLE_SPLIT): so both lanes of a register of words hold
-# the same 4-groups and 8-groups. Each BF16 word then loses 2 - e2 - e3 from its exponent by one unsigned
-# saturating subtraction of (2 - e2 - e3) << 7 (vpsubusw; +0 stays +0 and no weight leaves the normal range):
-# the weight times 2^(e2 + e3), exact. The 16 words of a register need the e3 flags of four consecutive
-# 4-groups and the e2 flags of two 8-groups: four and two adjacent bits of the scale word, shifted out by
-# scalar instructions into the row of a 64 x 16 table of subtrahends (2 KiB) that the subtraction reads from
-# memory. A poisoned block (E6M2 byte 0xFF: NaN weights) subtracts nothing: its rows come from a second, zero
-# table. Multiplying the float32 lanes by 2^(e2 + e3) instead took eight vmulps per block on the two pipes the
-# fused multiply-adds run on.
+# sum is never -0: docs/weight_only.md, 'CPUs without AVX-512'), each in both 128-bit lanes (a plain load;
+# a 16-byte broadcast would take one of Zen 3's two shuffle pipes). A block's 32 value bytes are two
+# registers, bytes 0-15 and 16-31 each in both lanes, whose low 128-bit lane looks up the low nibbles and the
+# high lane the high ones (HIFLOAT4_SHUFFLE_SPLIT): so both lanes of a register of words hold the same 4-groups
+# and 8-groups. Each BF16 word then loses 2 - e2 - e3 from its exponent by one unsigned saturating subtraction
+# of (2 - e2 - e3) << 7 (vpsubusw; +0 stays +0 and no weight leaves the normal range): the weight times
+# 2^(e2 + e3), exact. The 16 words of a register need the e3 flags of four consecutive 4-groups and the e2
+# flags of two 8-groups: four and two adjacent bits of the scale word, shifted out by scalar instructions into
+# the row of a 64 x 16 table of subtrahends (2 KiB) that the subtraction reads from memory. A poisoned block
+# (E6M2 byte 0xFF: NaN weights) subtracts nothing: its rows come from a second, zero table. Multiplying the
+# float32 lanes by 2^(e2 + e3) instead took eight vmulps per block on the two pipes the fused multiply-adds
+# run on. A weight prepared once has its scale words and value bytes rearranged so that the step does less
+# (_hifloat4_prepared_words, _hifloat4_prepare_values; docs/weight_only.md, 'Prepared HiFloat4 weights').
 _HIFLOAT4_QUADRUPLED = np.where(_HIFLOAT4_TABLES == 0, np.float32(0), _HIFLOAT4_TABLES * np.float32(4))
-_HIFLOAT4_BF16_BYTES = _bf16_byte_table(_HIFLOAT4_QUADRUPLED)
+# Row b: the low bytes in both 128-bit lanes, then the high bytes (64 bytes): a register is one plain load.
+_HIFLOAT4_BF16_BYTES = np.repeat(_bf16_byte_table(_HIFLOAT4_QUADRUPLED).reshape(256, 2, 1, 16), 2, axis=2)
 
 
 def _level_subtrahends() -> tuple[dict, np.ndarray]:
@@ -839,30 +849,80 @@ def _level_subtrahends() -> tuple[dict, np.ndarray]:
 
 _LEVEL_SHIFTS, _LEVEL_SUBTRAHENDS = _level_subtrahends()
 _POISONED_ROWS = _LEVEL_SUBTRAHENDS[1].nbytes  # byte offset of the zero table
+_ALL_FLAGS_ROW = 63  # e2 and e3 set in every word: subtracts nothing
+assert not _LEVEL_SUBTRAHENDS[0][_ALL_FLAGS_ROW].any()
 
 
 # The word registers (unpack half h, value bytes half) in the order of their rows' offsets (_hifloat4_shuffled_weights).
 _WORD_REGISTERS = ((0, 0), (1, 0), (0, 1), (1, 1))
+# A prepared weight's scale words (_hifloat4_prepared_words) hold each register's row index (six bits) at
+# 8 + 6 i for register _WORD_REGISTERS[i]: two scalar instructions per row instead of about eight.
+_ROW_INDEX_BITS = 6
 
 
-def _hifloat4_shuffled_weights(context, builder, value_type, value, start, table_offset, row_offsets):
-    """The two F32V of hifloat4_bf16_step from its value bytes (``value``: a 1-D uint8 array of ``value_type``,
-    32 bytes at ``start``), the byte offset of its E6M2 byte's row in _HIFLOAT4_BF16_BYTES (i64) and those of
-    its four word registers' rows of subtrahends in _LEVEL_SUBTRAHENDS (i64, _WORD_REGISTERS' order)."""
-    table = simd.aligned_constant(builder, "lowbit.hifloat4.bf16_bytes4", _HIFLOAT4_BF16_BYTES)
-    low_bytes, high_bytes = (simd.broadcast_lanes(builder, builder.bitcast(builder.gep(table, [
-        builder.add(table_offset, ir.Constant(table_offset.type, 16 * h))]), _V16x8.as_pointer())) for h in (0, 1))
-    levels = simd.aligned_constant(builder, "lowbit.hifloat4.level_subtrahends", _LEVEL_SUBTRAHENDS)
-    subtract = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16x16, [_V16x16] * 2),
-                                              "llvm.usub.sat.v16i16")
+def _hifloat4_prepare_values(value: np.ndarray, out: np.ndarray) -> None:
+    """out <- HiFloat4 value bytes ``value`` (uint8, 32 per block, any shape) rearranged for
+    hifloat4_bf16_step (``out``: C-contiguous, value's shape): byte j < 16 of a block holds the low nibbles
+    of bytes j and 16 + j, byte 16 + j their high nibbles, so that the block's 32 bytes as one register give
+    both registers of nibbles (its low nibbles: bytes 0-15's low then high nibbles; its high nibbles: bytes
+    16-31's)."""
+    blocks, prepared = value.reshape(-1, 2, 16), out.reshape(-1, 2, 16)
+    first, second = blocks[:, 0], blocks[:, 1]
+    prepared[:, 0] = first & 15 | second << 4
+    prepared[:, 1] = first >> 4 | second & 0xF0
+
+
+def _hifloat4_prepared_words(words: np.ndarray) -> np.ndarray:
+    """HiFloat4 scale words (int32, any shape) rearranged for hifloat4_bf16_step, as uint32 of the same shape:
+    the E6M2 byte stays the low byte; above it, the row index in _LEVEL_SUBTRAHENDS[0] of each word register
+    (_WORD_REGISTERS' order, _ROW_INDEX_BITS each). A poisoned block (E6M2 byte 0xFF) gets _ALL_FLAGS_ROW,
+    whose subtrahends are zero: its NaN weights stay NaN without the kernel testing its byte."""
+    bits = words.view(np.uint32)
+    prepared = bits & np.uint32(0xFF)
+    poisoned = prepared == 0xFF
+    for i, register in enumerate(_WORD_REGISTERS):
+        e3_at, e2_at = _LEVEL_SHIFTS[register]
+        e3, e2 = (bits >> np.uint32(e3_at)) & np.uint32(15), (bits >> np.uint32(e2_at)) & np.uint32(3)
+        index = e3 | e2 << np.uint32(4)
+        index[poisoned] = _ALL_FLAGS_ROW
+        prepared |= index << np.uint32(8 + _ROW_INDEX_BITS * i)
+    return prepared
+
+
+def _hifloat4_nibbles(context, builder, value_type, value, start, prepared):
+    """The two <32 x i8> of nibbles of hifloat4_bf16_step, value bytes 0-15 then 16-31, each with the bytes'
+    low nibbles in its low 128-bit lane and their high nibbles in the high lane: from 32 value bytes at
+    ``start`` (``value``: a 1-D uint8 array of ``value_type``), in _hifloat4_prepare_values' order where
+    ``prepared`` (one load, a mask and a shift), else as packed (each half loaded into both lanes)."""
+    mask = ir.Constant(_V32x8, [15] * 32)
+    if prepared:
+        raw = builder.load(simd._element_ptr(context, builder, value_type, value, start, _V32x8), align=1)
+        shifted = builder.bitcast(builder.lshr(builder.bitcast(raw, _V16x16), ir.Constant(_V16x16, [4] * 16)), _V32x8)
+        return builder.and_(raw, mask), builder.and_(shifted, mask)
     nibble_shift = ir.Constant(_V8x32, [0] * 4 + [4] * 4)  # the high lane's bytes give their high nibbles
     registers = []
     for half in (0, 1):
         at = builder.add(start, ir.Constant(start.type, 16 * half))
         raw = simd.broadcast_lanes(builder, builder.bitcast(
             simd._element_ptr(context, builder, value_type, value, at, ir.IntType(8)), _V16x8.as_pointer()), 1)
-        nibbles = builder.and_(builder.bitcast(builder.lshr(builder.bitcast(raw, _V8x32), nibble_shift), _V32x8),
-                               ir.Constant(_V32x8, [15] * 32))
+        registers.append(builder.and_(builder.bitcast(builder.lshr(builder.bitcast(raw, _V8x32), nibble_shift),
+                                                      _V32x8), mask))
+    return registers
+
+
+def _hifloat4_shuffled_weights(context, builder, nibble_registers, table_offset, row_offsets):
+    """The two F32V of hifloat4_bf16_step from its two registers of nibbles (_hifloat4_nibbles), the byte
+    offset of its E6M2 byte's row in _HIFLOAT4_BF16_BYTES (i64) and those of its four word registers' rows
+    of subtrahends in _LEVEL_SUBTRAHENDS (i64, _WORD_REGISTERS' order)."""
+    table = simd.aligned_constant(builder, "lowbit.hifloat4.bf16_bytes_wide", _HIFLOAT4_BF16_BYTES)
+    low_bytes, high_bytes = (builder.load(builder.bitcast(builder.gep(table, [
+        builder.add(table_offset, ir.Constant(table_offset.type, 32 * h))]), _V32x8.as_pointer()), align=32)
+        for h in (0, 1))
+    levels = simd.aligned_constant(builder, "lowbit.hifloat4.level_subtrahends", _LEVEL_SUBTRAHENDS)
+    subtract = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16x16, [_V16x16] * 2),
+                                              "llvm.usub.sat.v16i16")
+    registers = []
+    for half, nibbles in enumerate(nibble_registers):
         low, high = simd.vpshufb(builder, low_bytes, nibbles), simd.vpshufb(builder, high_bytes, nibbles)
         for h, unpack in enumerate((_UNPACK_LOW_BYTES, _UNPACK_HIGH_BYTES)):
             words = builder.bitcast(builder.shuffle_vector(low, high, _mask(unpack)), _V16x16)
@@ -874,17 +934,26 @@ def _hifloat4_shuffled_weights(context, builder, value_type, value, start, table
 
 @intrinsic
 def hifloat4_bf16_step(typingctx, value, start, words, block):
-    """HiFloat4 block ``block`` (flat): scale word at ``words[block]`` (1-D int32), 32 value bytes at
-    ``value[start]`` (1-D uint8), as two F32V in HIFLOAT4_SHUFFLE_SPLIT's order: four times the weights from
-    _HIFLOAT4_BF16_BYTES by byte shuffles, each BF16 word's exponent less 2 - e2 - e3 (_LEVEL_SUBTRAHENDS;
-    exact: _hifloat4_shuffled_weights). The NaN E6M2 byte gives NaN weights; -0 weights come out as +0.
-    AVX2."""
+    """HiFloat4 block ``block`` (flat): scale word at ``words[block]`` (1-D: int32 as packed, or uint32 from
+    _hifloat4_prepared_words), 32 value bytes at ``value[start]`` (1-D uint8), as two F32V in
+    HIFLOAT4_SHUFFLE_SPLIT's order: four times the weights from _HIFLOAT4_BF16_BYTES by byte shuffles, each
+    BF16 word's exponent less 2 - e2 - e3 (_LEVEL_SUBTRAHENDS; exact: _hifloat4_shuffled_weights). The NaN
+    E6M2 byte gives NaN weights; -0 weights come out as +0. AVX2."""
+    prepared = words.dtype == types.uint32
 
     def codegen(context, builder, sig, args):
         i64 = ir.IntType(64)
         word = builder.zext(builder.load(simd._element_ptr(context, builder, sig.args[2], args[2], args[3], _I32)),
                             i64)
         scale_byte = builder.and_(word, ir.Constant(i64, 0xFF))
+        table_offset = builder.mul(scale_byte, ir.Constant(i64, _HIFLOAT4_BF16_BYTES[0].nbytes))
+        nibbles = _hifloat4_nibbles(context, builder, sig.args[0], args[0], args[1], prepared)
+        if prepared:  # row i's byte offset: its index times 32 (a row of 16 words)
+            field = ir.Constant(i64, ((1 << _ROW_INDEX_BITS) - 1) << 5)
+            rows = [builder.and_(builder.lshr(word, ir.Constant(i64, 8 + _ROW_INDEX_BITS * i - 5)), field)
+                    for i in range(len(_WORD_REGISTERS))]
+            weights = _hifloat4_shuffled_weights(context, builder, nibbles, table_offset, rows)
+            return context.make_tuple(builder, sig.return_type, weights)
         poisoned = builder.icmp_unsigned("==", scale_byte, ir.Constant(i64, 0xFF))
         zero_rows = builder.select(poisoned, ir.Constant(i64, _POISONED_ROWS), ir.Constant(i64, 0))
 
@@ -896,8 +965,7 @@ def hifloat4_bf16_step(typingctx, value, start, words, block):
             index = builder.or_(flags(e3_at, 4), builder.shl(flags(e2_at, 2), ir.Constant(i64, 4)))
             return builder.add(builder.mul(index, ir.Constant(i64, 32)), zero_rows)
 
-        weights = _hifloat4_shuffled_weights(context, builder, sig.args[0], args[0], args[1],
-                                             builder.mul(scale_byte, ir.Constant(i64, 32)),
+        weights = _hifloat4_shuffled_weights(context, builder, nibbles, table_offset,
                                              [row(register) for register in _WORD_REGISTERS])
         return context.make_tuple(builder, sig.return_type, weights)
 
@@ -1190,7 +1258,7 @@ def _exact_bytes(x_reg, exponents, sources, x_pairs):
 @numba.njit(**_INLINE)
 def _low_byte_range(flat, start, count):
     """(min, max) of the low bytes of ``flat[start : start + count]``: a uint8 array (MXFP4's E8M0 bytes of a
-    row) or an int32 one (HiFloat4's scale words, whose low byte is the E6M2 scale)."""
+    row) or an int32 / uint32 one (HiFloat4's scale words, whose low byte is the E6M2 scale)."""
     low, high = np.int64(255), np.int64(0)  # not literals: callers would compile a specialization for them
     full = start + count - count % HALF
     for i in range(start, full, HALF):
@@ -2855,13 +2923,20 @@ def _hifloat8_operands(codes, scale, k, dtype, table_kind=None):
                            dtype, table_kind)
 
 
+def _huge_page_empty(t: torch.Tensor) -> np.ndarray:
+    """A C-contiguous array of the CPU tensor ``t``'s shape and dtype, to be overwritten: in 2 MiB pages
+    where huge_page_copy gives them, as the deploy modules keep their weights (docs/quantize.md), for the
+    re-encoded copy of a prepared weight."""
+    copy = huge_page_copy(t)
+    return as_numpy(copy if copy is not t else torch.empty_like(t, memory_format=torch.contiguous_format))
+
+
 def _encoded_by_columns(codes, column_code, scale):
     """(encoded, fast, tables, slow_blocks) of column_code.encode_rows for ``codes`` (N, K) uint8, K a multiple
     of 64, and the rows' float32 ``scale`` (N,) numpy: the re-encoded codes in a copy (one more byte per
     weight; in 2 MiB pages, as the deploy modules keep their weights: docs/quantize.md)."""
     n, k = codes.shape
-    copy = huge_page_copy(codes)
-    encoded = as_numpy(copy if copy is not codes else torch.empty_like(codes))
+    encoded = _huge_page_empty(codes)
     fast = np.empty(n, dtype=np.uint8)
     tables = np.empty((n, _columns.TABLE_BYTES), dtype=np.uint8)
     slow_blocks = np.empty((n, k // _columns.BLOCK), dtype=np.uint8)
@@ -2954,6 +3029,18 @@ def _hifloat4_operands(scale, value, k, dtype):
     return words, as_numpy(value)
 
 
+def _hifloat4_prepared_operands(scale, value, k, dtype):
+    """_hifloat4_operands of a weight prepared once: on AVX2 CPUs without AVX-512 (the byte-shuffle step),
+    copies of its scale words and value bytes rearranged for hifloat4_bf16_step (_hifloat4_prepared_words,
+    _hifloat4_prepare_values: half a byte more per weight), else views."""
+    words, value_np = _hifloat4_operands(scale, value, k, dtype)
+    if not BYTE_SHUFFLE_NIBBLES:
+        return words, value_np
+    prepared = _huge_page_empty(value)
+    _hifloat4_prepare_values(value_np, prepared)
+    return _hifloat4_prepared_words(words), prepared
+
+
 _CODE8 = ((_code8_rows, _code8_gemv), (_code8_batched_rows, _code8_batched), (_code8_tile_rows, _code8_tile))
 HIFLOAT8_LINEAR = WeightOnlyLinear(*_CODE8, CODE8_SPLIT, _hifloat8_operands,
                                   prepared_operands=_hifloat8_prepared_operands)
@@ -2967,4 +3054,5 @@ MXFP4_LINEAR = WeightOnlyLinear((_mxfp4_rows, _mxfp4_gemv), (_mxfp4_batched_rows
                                 PAIR_ORDER)
 HIFLOAT4_LINEAR = WeightOnlyLinear((_hifloat4_rows, _hifloat4_gemv), (_hifloat4_batched_rows, _hifloat4_batched),
                                    (_hifloat4_tile_rows, _hifloat4_tile), HIFLOAT4_SPLIT, _hifloat4_operands,
-                                   _HIFLOAT4_EXPONENTS, PAIR_ORDER if _HIFLOAT4_PAIRS else None)
+                                   _HIFLOAT4_EXPONENTS, PAIR_ORDER if _HIFLOAT4_PAIRS else None,
+                                   _hifloat4_prepared_operands)
