@@ -802,22 +802,21 @@ def mxfp4_bf16_step(typingctx, codes, start, scales, block):
 
 # HiFloat4 (hifloat4_bf16_step): per E6M2 byte, the low and high bytes of the BF16 bits of four times its 16
 # weights, (-1)^s c times the scale (exact and normal: at least 2^-48; -0 as +0, which changes no sum, as a lane
-# sum is never -0: docs/weight_only.md, 'CPUs without AVX-512'), each in both 128-bit lanes (a plain load;
-# a 16-byte broadcast would take one of Zen 3's two shuffle pipes). A block's 32 value bytes are two
-# registers, bytes 0-15 and 16-31 each in both lanes, whose low 128-bit lane looks up the low nibbles and the
-# high lane the high ones (HIFLOAT4_SHUFFLE_SPLIT): so both lanes of a register of words hold the same 4-groups
-# and 8-groups. Each BF16 word then loses 2 - e2 - e3 from its exponent by one unsigned saturating subtraction
-# of (2 - e2 - e3) << 7 (vpsubusw; +0 stays +0 and no weight leaves the normal range): the weight times
-# 2^(e2 + e3), exact. The 16 words of a register need the e3 flags of four consecutive 4-groups and the e2
-# flags of two 8-groups: four and two adjacent bits of the scale word, shifted out by scalar instructions into
-# the row of a 64 x 16 table of subtrahends (2 KiB) that the subtraction reads from memory. A poisoned block
-# (E6M2 byte 0xFF: NaN weights) subtracts nothing: its rows come from a second, zero table. Multiplying the
-# float32 lanes by 2^(e2 + e3) instead took eight vmulps per block on the two pipes the fused multiply-adds
-# run on. A weight prepared once has its scale words and value bytes rearranged so that the step does less
-# (_hifloat4_prepared_words, _hifloat4_prepare_values; docs/weight_only.md, 'Prepared HiFloat4 weights').
+# sum is never -0: docs/weight_only.md, 'CPUs without AVX-512'), in both 128-bit lanes. A block's 32 value
+# bytes are two registers, bytes 0-15 and 16-31 each in both lanes, whose low 128-bit lane looks up the low
+# nibbles and the high lane the high ones (HIFLOAT4_SHUFFLE_SPLIT): so both lanes of a register of words hold
+# the same 4-groups and 8-groups. Each BF16 word then loses 2 - e2 - e3 from its exponent by one unsigned
+# saturating subtraction of (2 - e2 - e3) << 7 (vpsubusw; +0 stays +0 and no weight leaves the normal range):
+# the weight times 2^(e2 + e3), exact. The 16 words of a register need the e3 flags of four consecutive
+# 4-groups and the e2 flags of two 8-groups: four and two adjacent bits of the scale word, shifted out by
+# scalar instructions into the row of a 64 x 16 table of subtrahends (2 KiB) that the subtraction reads from
+# memory. A poisoned block (E6M2 byte 0xFF: NaN weights) subtracts nothing: its rows come from a second, zero
+# table. Multiplying the float32 lanes by 2^(e2 + e3) instead took eight vmulps per block on the two pipes the
+# fused multiply-adds run on. A weight prepared once has its scale words and value bytes rearranged so that
+# the step does less (_hifloat4_prepared_words, _hifloat4_prepare_values; docs/weight_only.md, 'Prepared
+# HiFloat4 weights').
 _HIFLOAT4_QUADRUPLED = np.where(_HIFLOAT4_TABLES == 0, np.float32(0), _HIFLOAT4_TABLES * np.float32(4))
-# Row b: the low bytes in both 128-bit lanes, then the high bytes (64 bytes): a register is one plain load.
-_HIFLOAT4_BF16_BYTES = np.repeat(_bf16_byte_table(_HIFLOAT4_QUADRUPLED).reshape(256, 2, 1, 16), 2, axis=2)
+_HIFLOAT4_BF16_BYTES = _bf16_byte_table(_HIFLOAT4_QUADRUPLED)
 
 
 def _level_subtrahends() -> tuple[dict, np.ndarray]:
@@ -914,10 +913,9 @@ def _hifloat4_shuffled_weights(context, builder, nibble_registers, table_offset,
     """The two F32V of hifloat4_bf16_step from its two registers of nibbles (_hifloat4_nibbles), the byte
     offset of its E6M2 byte's row in _HIFLOAT4_BF16_BYTES (i64) and those of its four word registers' rows
     of subtrahends in _LEVEL_SUBTRAHENDS (i64, _WORD_REGISTERS' order)."""
-    table = simd.aligned_constant(builder, "lowbit.hifloat4.bf16_bytes_wide", _HIFLOAT4_BF16_BYTES)
-    low_bytes, high_bytes = (builder.load(builder.bitcast(builder.gep(table, [
-        builder.add(table_offset, ir.Constant(table_offset.type, 32 * h))]), _V32x8.as_pointer()), align=32)
-        for h in (0, 1))
+    table = simd.aligned_constant(builder, "lowbit.hifloat4.bf16_bytes4", _HIFLOAT4_BF16_BYTES)
+    low_bytes, high_bytes = (simd.broadcast_lanes(builder, builder.bitcast(builder.gep(table, [
+        builder.add(table_offset, ir.Constant(table_offset.type, 16 * h))]), _V16x8.as_pointer())) for h in (0, 1))
     levels = simd.aligned_constant(builder, "lowbit.hifloat4.level_subtrahends", _LEVEL_SUBTRAHENDS)
     subtract = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16x16, [_V16x16] * 2),
                                               "llvm.usub.sat.v16i16")
@@ -946,7 +944,7 @@ def hifloat4_bf16_step(typingctx, value, start, words, block):
         word = builder.zext(builder.load(simd._element_ptr(context, builder, sig.args[2], args[2], args[3], _I32)),
                             i64)
         scale_byte = builder.and_(word, ir.Constant(i64, 0xFF))
-        table_offset = builder.mul(scale_byte, ir.Constant(i64, _HIFLOAT4_BF16_BYTES[0].nbytes))
+        table_offset = builder.mul(scale_byte, ir.Constant(i64, 32))
         nibbles = _hifloat4_nibbles(context, builder, sig.args[0], args[0], args[1], prepared)
         if prepared:  # row i's byte offset: its index times 32 (a row of 16 words)
             field = ir.Constant(i64, ((1 << _ROW_INDEX_BITS) - 1) << 5)
