@@ -2768,9 +2768,10 @@ class WeightOnlyLinear(Kernel):
     def prepare(self, dtype: torch.dtype, k: int, *args) -> tuple:
         """(numba operands, bias, _bias_bits of the bias) of a validated, contiguous packed weight of K = ``k``
         and its bias, for x of ``dtype``, made once for many calls: the operands are views of the weight's
-        tensors (and, for HiFloat8, its scales rounded to ``dtype``; for HiFloat8 and FP8 with BF16 x where
-        CODE8_COLUMNS, their codes re-encoded and their rows' column tables), valid while those keep their
-        memory and values (lowbit.ops.library.PreparedCall)."""
+        tensors (and, for HiFloat8, its scales rounded to ``dtype``; for HiFloat8, FP8 and MXFP8 with BF16 x
+        where CODE8_COLUMNS, their codes re-encoded and their rows' column tables; for HiFloat4 on AVX2 CPUs
+        without AVX-512, its scale words and value bytes rearranged), valid while those keep their memory and
+        values (lowbit.ops.library.PreparedCall)."""
         *weight, bias = args
         return self._prepared_operands(*weight, k, dtype), bias, _bias_bits(bias)
 
