@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import lowbit
-from lowbit.kernels.cpu.memory import HUGE_PAGE, huge_page_copy, thread_scratch
+from lowbit.kernels.cpu.memory import HUGE_PAGE, huge_page_copy, huge_page_empty, thread_scratch
 
 MIB3 = 3 << 20
 advised = pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no MADV_HUGEPAGE on this platform")
@@ -50,6 +50,20 @@ def test_a_refused_mapping_keeps_the_tensor_where_it_is(monkeypatch):
     monkeypatch.setattr(mmap, "mmap", refuse)
     t = torch.ones(MIB3 // 4)
     assert huge_page_copy(t) is t
+
+
+@pytest.mark.parametrize("shape", [(MIB3 // 2, 2), (HUGE_PAGE - 1,), (3, 7)])
+def test_empty_has_the_shape_and_dtype_in_huge_pages_where_large_enough(shape, monkeypatch):
+    """huge_page_empty: a contiguous CPU tensor of the shape and dtype asked for, 2 MiB aligned where it holds
+    at least a huge page (and the platform advises them), else an ordinary one; also when the OS refuses."""
+    empty = huge_page_empty(shape, torch.uint8)
+    assert empty.shape == shape and empty.dtype == torch.uint8 and empty.is_contiguous()
+    large = empty.numel() >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE")
+    assert (empty.data_ptr() % HUGE_PAGE == 0) == large
+    empty.fill_(7)  # writable
+    monkeypatch.setattr(mmap, "mmap", lambda *args, **kwargs: (_ for _ in ()).throw(OSError(12, "no memory")))
+    refused = huge_page_empty(shape, torch.int16)
+    assert refused.shape == shape and refused.dtype == torch.int16 and refused.is_contiguous()
 
 
 def test_small_and_non_cpu_tensors_are_returned_as_they_are():

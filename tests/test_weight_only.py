@@ -220,6 +220,48 @@ def test_hifloat4_byte_shuffle_step_decodes_every_block_as_the_flag_doublings(la
     assert np.array_equal(shuffled[finite].view(np.uint32), want[finite].view(np.uint32))
 
 
+def _float32_lanes_kernel():
+    """A new jitted ``run(words, out)``: out (16 uint32) <- cpu._float32_lanes of words (16 int16), compiled on
+    its first call with simd.HOST_IS_AMD_ZEN as it is then (not cached)."""
+    from llvmlite import ir
+    from numba import types
+    from numba.extending import intrinsic
+
+    @intrinsic
+    def float32_lanes(typingctx, words, out):
+        def codegen(context, builder, sig, args):
+            i64 = ir.IntType(64)
+            raw = builder.load(simd._element_ptr(context, builder, sig.args[0], args[0], ir.Constant(i64, 0),
+                                                 cpu._V16x16), align=1)
+            for at, lanes in zip((0, 8), cpu._float32_lanes(builder, raw)):
+                builder.store(lanes, simd._element_ptr(context, builder, sig.args[1], args[1],
+                                                       ir.Constant(i64, at), cpu._V8x32), align=1)
+            return context.get_dummy_value()
+
+        return types.none(words, out), codegen
+
+    @numba.njit
+    def run(words, out):
+        float32_lanes(words, out)
+
+    return run
+
+
+@pytest.mark.skipif(not simd.HAS_AVX2, reason="vpmulld needs AVX2")
+@pytest.mark.parametrize("zen", [True, False])
+def test_float32_lanes_by_multiply_and_by_shift(zen, monkeypatch):
+    """_float32_lanes gives the float32 bits of BF16 words (even words, then odd) both ways: by vpmulld (AMD
+    Zen) and by a shift (other CPUs), whichever this CPU compiles, for words with every bit pattern class."""
+    monkeypatch.setattr(simd, "HOST_IS_AMD_ZEN", zen)
+    rng = np.random.default_rng(4)
+    for words in (rng.integers(-(1 << 15), 1 << 15, 16, dtype=np.int16),
+                  np.array([0, -1, -32768, 32767, 1, 0x7FC0, -128, 0x3F80] * 2, dtype=np.int16)):
+        out = np.empty(16, dtype=np.uint32)
+        _float32_lanes_kernel()(words, out)
+        bits = words.view(np.uint16).astype(np.uint32)
+        assert np.array_equal(out, np.concatenate([bits[0::2] << 16, bits[1::2] << 16]))
+
+
 def test_hifloat4_rows_of_minus_zero_weights_sum_as_the_reference():
     """The AVX2 step holds -0 weights as +0: rows of -0 weights (alone, among others, under every level
     flag, poisoned and extreme scale bytes) times x of either sign or zero, with and without a -0 bias, give
@@ -1544,15 +1586,18 @@ def test_hifloat4_prepared_rows_sum_as_the_reference(monkeypatch):
     threads); at M = 1, 2 (GEMV), 9 (batched) and 300 (GEMM path) it gives the operator's bits for BF16 and
     FP16 x."""
     g = gen(71)
-    n, k = 48, 512
+    n, k = 48, 2048  # 32 blocks a row: _low_byte_range's vector loop reads the prepared words
     scale = torch.randint(0, 256, (n, k // 64, 4), generator=g, dtype=torch.uint8)
-    scale[:32, :, 0] = torch.arange(256, dtype=torch.uint8).reshape(32, 8)[torch.randperm(32, generator=g)]
+    scale[:32, :8, 0] = torch.arange(256, dtype=torch.uint8).reshape(32, 8)[torch.randperm(32, generator=g)]
     scale[32:, :, 0] = torch.randint(0x70, 0x78, (16, k // 64), generator=g, dtype=torch.uint8)
     scale[40, :, 1:], scale[41, :, 1:] = 0x00, 0xFF  # no level flag set; every one
     value = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
     if cpu.BYTE_SHUFFLE_NIBBLES:
         words, values = cpu.HIFLOAT4_LINEAR.prepare(torch.bfloat16, k, scale, value, None)[0]
         assert words.dtype == np.uint32 and values.shape == value.shape
+        low = scale[..., 0].numpy()
+        for row in (0, 5, 40):  # the E6M2 range of a row, as the GEMV's choice of the fused path reads it
+            assert cpu._low_byte_range(words.reshape(-1), row * (k // 64), k // 64) == (low[row].min(), low[row].max())
     x = torch.randn(3, k, generator=g).bfloat16()
     prepared = PreparedCall(ops.HIFLOAT4_LINEAR, (scale, value, None))
     _check_prepared_rows(prepared, cpu.HIFLOAT4_LINEAR, x, (scale, value), reference.hifloat4_weight(scale, value),

@@ -9,8 +9,11 @@ stream. Backed by 2 MiB pages the same read is faster (benchmarks/results_weight
 from __future__ import annotations
 
 import contextlib
+import math
 import mmap
 import threading
+from collections.abc import Sequence
+from typing import Optional
 
 import torch
 
@@ -26,23 +29,40 @@ def huge_page_copy(t: torch.Tensor) -> torch.Tensor:
     Returns ``t`` itself where this does not apply: a tensor that is not on the CPU, is smaller than one
     huge page, a platform without ``MADV_HUGEPAGE``, or a mapping the OS refuses (out of memory). The copy
     never requires grad."""
-    nbytes = t.numel() * t.element_size()
-    if t.device.type != "cpu" or nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+    if t.device.type != "cpu":
         return t
+    copy = _huge_page_tensor(t.shape, t.dtype)
+    if copy is None:
+        return t
+    with torch.no_grad():
+        copy.copy_(t)
+    return copy
+
+
+def huge_page_empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """A new contiguous CPU tensor of ``shape`` and ``dtype``, contents undefined: in huge pages as
+    huge_page_copy makes them where that applies (at least one huge page of bytes, Linux), else torch.empty."""
+    empty = _huge_page_tensor(shape, dtype)
+    return torch.empty(shape, dtype=dtype) if empty is None else empty
+
+
+def _huge_page_tensor(shape: Sequence[int], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """An uninitialized contiguous CPU tensor in a 2 MiB-aligned anonymous mapping advised for huge pages, or
+    None where that does not apply (fewer bytes than a huge page, no ``MADV_HUGEPAGE``, a refused mapping)."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return None
     try:  # private: a shared anonymous mapping is shmem, which has no transparent huge pages by default
         region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    except OSError:  # no address space or memory for a second copy now: keep the tensor where it is
-        return t
+    except OSError:  # no address space or memory for a second copy now
+        return None
     offset = -torch.frombuffer(region, dtype=torch.uint8, count=1).data_ptr() % HUGE_PAGE  # a multiple of 4 KiB
     try:
         region.madvise(mmap.MADV_HUGEPAGE, offset, nbytes)
     except OSError:  # a kernel without transparent huge pages: ordinary pages
         pass
     # storage of exactly nbytes (torch.save and deepcopy copy whole storages), holding a reference to region
-    copy = torch.frombuffer(region, dtype=torch.uint8, offset=offset, count=nbytes).view(t.dtype).view(t.shape)
-    with torch.no_grad():
-        copy.copy_(t)
-    return copy
+    return torch.frombuffer(region, dtype=torch.uint8, offset=offset, count=nbytes).view(dtype).view(tuple(shape))
 
 
 class _ThreadScratch(threading.local):

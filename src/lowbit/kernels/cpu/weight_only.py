@@ -48,7 +48,7 @@ from lowbit.kernels.cpu import _code8_columns as _columns
 from lowbit.kernels.cpu import _simd as simd
 from lowbit.kernels.cpu._runtime import (NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, as_numpy, bound_njit, call_in_chunks,
                                          copy_elements, run_tasks, runs_serially)
-from lowbit.kernels.cpu.memory import huge_page_copy, thread_scratch
+from lowbit.kernels.cpu.memory import huge_page_empty, thread_scratch
 
 LANES = reference.LANES  # 64 = two F32V
 HALF = simd.LANES  # 32
@@ -864,7 +864,9 @@ def _hifloat4_prepare_values(value: np.ndarray, out: np.ndarray) -> None:
     hifloat4_bf16_step (``out``: C-contiguous, value's shape): byte j < 16 of a block holds the low nibbles
     of bytes j and 16 + j, byte 16 + j their high nibbles, so that the block's 32 bytes as one register give
     both registers of nibbles (its low nibbles: bytes 0-15's low then high nibbles; its high nibbles: bytes
-    16-31's)."""
+    16-31's). ValueError if ``out`` is not C-contiguous (its reshape would be a copy)."""
+    if not out.flags.c_contiguous:
+        raise ValueError("_hifloat4_prepare_values: out must be C-contiguous")
     blocks, prepared = value.reshape(-1, 2, 16), out.reshape(-1, 2, 16)
     first, second = blocks[:, 0], blocks[:, 1]
     prepared[:, 0] = first & 15 | second << 4
@@ -2089,7 +2091,8 @@ def _mxfp4_gemv(x_reg, scales, codes, fused, x_pairs, paired, y32):
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
 def _hifloat4_gemv(x_reg, words, value, fused, x_pairs, paired, y32):
-    """words (N, K/64) int32 (the scale bytes), value (N, K/2) uint8; x_reg (M, Kp) register order; fused, paired:
+    """words (N, K/64) int32 (the scale bytes; or uint32 from _hifloat4_prepared_words, with value in
+    _hifloat4_prepare_values' order), value (N, K/2) uint8; x_reg (M, Kp) register order; fused, paired:
     _exact_bytes(x_reg, _HIFLOAT4_EXPONENTS, sources, x_pairs), which fills x_pairs; y32 (M, N). Every row, as
     _code8_gemv."""
     n = words.shape[0]
@@ -2922,20 +2925,12 @@ def _hifloat8_operands(codes, scale, k, dtype, table_kind=None):
                            dtype, table_kind)
 
 
-def _huge_page_empty(t: torch.Tensor) -> np.ndarray:
-    """A C-contiguous array of the CPU tensor ``t``'s shape and dtype, to be overwritten: in 2 MiB pages
-    where huge_page_copy gives them, as the deploy modules keep their weights (docs/quantize.md), for the
-    re-encoded copy of a prepared weight."""
-    copy = huge_page_copy(t)
-    return as_numpy(copy if copy is not t else torch.empty_like(t, memory_format=torch.contiguous_format))
-
-
 def _encoded_by_columns(codes, column_code, scale):
     """(encoded, fast, tables, slow_blocks) of column_code.encode_rows for ``codes`` (N, K) uint8, K a multiple
     of 64, and the rows' float32 ``scale`` (N,) numpy: the re-encoded codes in a copy (one more byte per
     weight; in 2 MiB pages, as the deploy modules keep their weights: docs/quantize.md)."""
     n, k = codes.shape
-    encoded = _huge_page_empty(codes)
+    encoded = as_numpy(huge_page_empty(codes.shape, codes.dtype))
     fast = np.empty(n, dtype=np.uint8)
     tables = np.empty((n, _columns.TABLE_BYTES), dtype=np.uint8)
     slow_blocks = np.empty((n, k // _columns.BLOCK), dtype=np.uint8)
@@ -3031,11 +3026,11 @@ def _hifloat4_operands(scale, value, k, dtype):
 def _hifloat4_prepared_operands(scale, value, k, dtype):
     """_hifloat4_operands of a weight prepared once: on AVX2 CPUs without AVX-512 (the byte-shuffle step),
     copies of its scale words and value bytes rearranged for hifloat4_bf16_step (_hifloat4_prepared_words,
-    _hifloat4_prepare_values: half a byte more per weight), else views."""
+    _hifloat4_prepare_values: 0.5625 bytes more per weight; the values in huge pages), else views."""
     words, value_np = _hifloat4_operands(scale, value, k, dtype)
     if not BYTE_SHUFFLE_NIBBLES:
         return words, value_np
-    prepared = _huge_page_empty(value)
+    prepared = as_numpy(huge_page_empty(value.shape, value.dtype))
     _hifloat4_prepare_values(value_np, prepared)
     return _hifloat4_prepared_words(words), prepared
 
