@@ -7,6 +7,9 @@ import numba
 import numpy as np
 import pytest
 import torch
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
 
 import lowbit
 from lowbit.errors import DeviceError, DtypeError, ShapeError
@@ -223,9 +226,6 @@ def test_hifloat4_byte_shuffle_step_decodes_every_block_as_the_flag_doublings(la
 def _float32_lanes_kernel():
     """A new jitted ``run(words, out)``: out (16 uint32) <- cpu._float32_lanes of words (16 int16), compiled on
     its first call with simd.HOST_IS_AMD_ZEN as it is then (not cached)."""
-    from llvmlite import ir
-    from numba import types
-    from numba.extending import intrinsic
 
     @intrinsic
     def float32_lanes(typingctx, words, out):
