@@ -11,6 +11,7 @@ import torch
 import lowbit.ops.svd_quant as op
 from lowbit.formats import mxfp4
 from lowbit.formats import svd_quant as ref
+from lowbit.kernels.cpu import _block_sums
 from lowbit.kernels.cpu import _simd as simd
 from lowbit.kernels.cpu import svd_quant as cpu_backend
 from lowbit.kernels.cpu import weight_only
@@ -78,6 +79,65 @@ def test_spread_bytes_and_powers_of_two():
     run(scales, out)
     fields = np.repeat(scales[1:9].astype(np.int64), 4)
     assert np.array_equal(out, np.where(fields == 0, 0.0, np.exp2(fields - 127.0)).astype(np.float32))
+
+
+needs_block_sums = pytest.mark.skipif(not (simd.HAS_AVX2 and simd.NARROW == _block_sums.BLOCKS),
+                                      reason="the block sums need AVX2 with 8-lane F32N (no AVX-512)")
+
+
+@numba.njit
+def _block_sums_of(codes, low, high, x0, start, b0, out):
+    table = simd.i32v_load(cpu_backend._WEIGHT_BYTES, 0)
+    simd.f32n_store(out, 0, _block_sums.block_sums(table, simd.i32v_load(codes, 0), low, high, x0, start, b0))
+
+
+@needs_block_sums
+def test_block_sums_are_each_blocks_exact_dot():
+    """Each of the 8 blocks: start + sum over its 32 elements of (2 cw + 12)(2 cx), in block order, for random
+    code bytes, the largest sums of either sign (every weight 6, every activation +-6: 32 * 288 = 9216 before
+    the start) and mixed extremes; the activation bytes read at an offset x0, the starts at b0."""
+    rng = np.random.default_rng(11)
+    weight_bytes = cpu_backend._WEIGHT_BYTES[:16].astype(np.int64)  # code -> 2 cw + 12
+    cases = [(rng.integers(0, 256, 128, dtype=np.uint8), rng.integers(-12, 13, (2, 128), dtype=np.int8))]
+    for sign in (1, -1):
+        cases.append((np.full(128, 0x77, dtype=np.uint8), np.full((2, 128), 12 * sign, dtype=np.int8)))
+    mixed = np.where(np.arange(128) % 3 == 0, 0xFF, 0x77).astype(np.uint8)  # -6 and 6
+    cases.append((mixed, np.where(np.arange(128) % 2 == 0, 12, -12).astype(np.int8)[None].repeat(2, 0)))
+    for codes, (x_even, x_odd) in cases:
+        x0, b0 = 5, 3
+        low, high = (np.concatenate([np.zeros(x0, np.int8), x, np.ones(3, np.int8)]) for x in (x_even, x_odd))
+        start = rng.integers(-5000, 5000, b0 + 8, dtype=np.int32)
+        out = np.empty(8, dtype=np.float32)
+        _block_sums_of(codes.view(np.int32), low, high, x0, start, b0, out)
+        products = (weight_bytes[codes & 15] * x_even.astype(np.int64)
+                    + weight_bytes[codes >> 4] * x_odd.astype(np.int64))
+        want = start[b0:].astype(np.int64) + products.reshape(8, 16).sum(axis=1)
+        assert np.array_equal(out, want.astype(np.float32))
+
+
+@numba.njit
+def _block_powers_of(scale_codes, s0, count, field, b0, out, first):
+    if first:
+        simd.f32n_store(out, 0, _block_sums.block_powers_first(scale_codes, s0, count, field, b0))
+    else:
+        simd.f32n_store(out, 0, _block_sums.block_powers(scale_codes, s0, field, b0))
+
+
+@needs_block_sums
+@pytest.mark.parametrize("count", [None, 0, 1, 5, 8])
+def test_block_powers_of_the_scale_bytes_and_fields(count):
+    """2 ** (scale byte + field - 127) per block, for scale bytes over their range and fields that bring the
+    sum to 0..254 (0: +0.0); the masked form takes the bytes past ``count`` as 0 (the byte after the 8 is
+    0xFF)."""
+    scale_codes = np.array([200, 0, 1, 127, 128, 254, 3, 200, 100, 7, 0xFF], dtype=np.uint8)
+    field = np.array([9, 0, 0, 0, 126, 0, 5, 54, 1, 77], dtype=np.int32)
+    out = np.zeros(8, dtype=np.float32)
+    _block_powers_of(scale_codes, 1, 0 if count is None else count, field, 1, out, count is not None)
+    taken = np.where(np.arange(8) < (8 if count is None else count), scale_codes[1:9], 0)
+    exponent = taken.astype(np.int64) + field[1:9]
+    if count is None:
+        assert exponent.min() == 0 and exponent.max() == 254  # +0.0 and the largest power
+    assert np.array_equal(out, np.where(exponent == 0, 0.0, np.exp2(exponent - 127.0)).astype(np.float32))
 
 
 # ---- the GEMV -----------------------------------------------------------------------------------------

@@ -709,6 +709,7 @@ f32n_zero = _make_float_zero(_VF32N, F32N, "All +0.0 F32N.")
 f32v_load = _make_load(_VF32, F32V, "LANES float32 lanes from a 1-D C-contiguous float32 array at element ``index``.")
 f32v_store = _make_store(_VF32, "Store LANES float32 lanes into a 1-D C-contiguous float32 array at element ``index``.")
 f32n_load = _make_load(_VF32N, F32N, "NARROW float32 lanes from a 1-D C-contiguous float32 array at element ``index``.")
+f32n_store = _make_store(_VF32N, "Store NARROW float32 lanes into a 1-D C-contiguous float32 array at element ``index``.")
 
 
 @intrinsic

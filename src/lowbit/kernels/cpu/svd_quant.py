@@ -7,8 +7,8 @@ it with an MXFP4 weight. L is added in BF16: ``out = bf16(L + bf16(P))`` (docs/s
 final add'). ``P = deq(xq) @ deq(w)^T``:
 
 * At decode (up to GEMV_MAX_M rows), with AVX512-VNNI or AVX2: integer dot products over the packed codes of
-  both operands (:func:`product_gemv`, below; AVX2 emulates vpdpbusd with vpmaddubsw and vpmaddwd, exact for
-  the looked-up weights 0..24); the weight rows it cannot take exactly go to the float32 weight-only kernel
+  both operands (:func:`product_gemv`, below; AVX2 multiplies with vpmaddubsw, exact for the looked-up
+  weights 0..24); the weight rows it cannot take exactly go to the float32 weight-only kernel
   (lowbit.kernels.cpu.weight_only) on the dequantized activation, as does every row on a CPU with neither.
   Float32 sums, rounded once to BF16.
 * With more rows, the weight-only MXFP4 kernel on the dequantized activation: its batched kernel (up to its
@@ -25,8 +25,9 @@ of two with a fused multiply-add into float32 lane sums, which are added up at t
 'Weight handling on the CPU': P may differ from the reference's float32 matmul in its summation order
 only). vpdpbusd multiplies unsigned by signed bytes: the weight is looked up as ``2 cw + 12`` (0..24) and
 the activation as ``2 cx`` (-12..12); each lane starts from ``-12 * sum(2 cx)`` over its 8 elements, which
-cancels the offset. Exactness is checked per pair of (activation row, weight row) from the scale bytes
-(:func:`_safe`).
+cancels the offset. On AVX2 without AVX-512 (BLOCK_SUMS) a step sums each block's 32 products exactly in
+integers instead, so 8 lanes, one per block, are converted and scaled (lowbit.kernels.cpu._block_sums).
+Exactness is checked per pair of (activation row, weight row) from the scale bytes (:func:`_safe`).
 
 Memory: the activation's codes, scales and integer operands (at decode; its (M, K) BF16 dequantized copy
 only for rows that fall back, or at prefill), and with more than GEMV_MAX_M rows a temporary BF16 tile of
@@ -45,8 +46,8 @@ import torch
 from lowbit.backends import Kernel
 from lowbit.formats import mxfp4 as mxfp4_format
 from lowbit.formats.svd_quant import BLOCK, weight_scales
+from lowbit.kernels.cpu import _block_sums, mxfp4
 from lowbit.kernels.cpu import _simd as simd
-from lowbit.kernels.cpu import mxfp4
 from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, SerialOrParallel, as_numpy, copy_elements, kernel_threads
 from lowbit.kernels.cpu.weight_only import (GEMV_MAX_M, GEMV_ONE_THREAD_WEIGHTS, MXFP4_LINEAR, _low_byte_range,
                                              _prefetch_ahead)
@@ -69,8 +70,12 @@ _BF16_QUANTIZER = mxfp4.quantize_constants(torch.bfloat16, "floor", "ta")  # the
 # Each step prefetches its codes in the row this many rows on (weight_only._prefetch_ahead): N = 2816, K = 2048
 # at decode, the weight streamed from memory, Intel Xeon: 0.58 ms per call on one thread against 0.72 ms.
 _PREFETCH_ROWS = 4
-STEP = 256  # elements of a row per step: 128 code bytes, 8 blocks, 32 int32 lanes
-_LANE_ELEMENTS = 8  # consecutive elements summed into one int32 lane
+STEP = 256  # elements of a row per step: 128 code bytes, 8 blocks
+# AVX2 without AVX-512: each block summed exactly in integers, then scaled (lowbit.kernels.cpu._block_sums);
+# else 32 int32 lanes of 8 elements each, each scaled
+BLOCK_SUMS = simd.HAS_AVX2 and not simd.HAS_VNNI and simd.NARROW == _block_sums.BLOCKS
+_LANE_ELEMENTS = BLOCK if BLOCK_SUMS else 8  # consecutive elements summed into one int32 (one start, one field)
+_BLOCK_LANES = BLOCK // _LANE_ELEMENTS
 _DOUBLED = (2 * mxfp4_format.e2m1_values()).to(torch.int8).numpy()  # code -> 2 * its value
 _OFFSET = 12  # 2 * the largest E2M1 magnitude: the weight's offset that makes it unsigned
 # vpshufb's table: the 16 weight bytes 2 cw + 12, once per 16-byte piece of an I32V (128 bytes)
@@ -87,8 +92,9 @@ def activation_operands(codes, scales, kp):
     (block 32), ``kp`` a multiple of STEP >= K. Returns
 
     * low, high: (M, kp/2) int8, ``2 cx`` of the even / odd elements (element 2i, 2i + 1 at i), zeros past K;
-    * start: (M, kp/8) int32, each lane's starting value ``-12 * sum(2 cx)`` over its 8 elements;
-    * field: (M, kp/8) int32, ``sx - _EXPONENT_BIAS`` of the lane's block where the block is nonzero, else 0
+    * start: (M, kp/E) int32, each lane's starting value ``-12 * sum(2 cx)`` over its E = _LANE_ELEMENTS
+      elements (8, or with BLOCK_SUMS a block's 32);
+    * field: (M, kp/E) int32, ``sx - _EXPONENT_BIAS`` of the lane's block where the block is nonzero, else 0
       (its products are zero; the power of two stays finite);
     * bounds: (M, 3) int64: lowest and highest scale byte over the nonzero blocks, and whether the row has
       a NaN block (scale 0xFF: a NaN or Inf in x); (256, -1, nan) for a row with no nonzero block.
@@ -106,7 +112,7 @@ def activation_operands(codes, scales, kp):
             byte = codes[m, i]
             low[m, i] = _DOUBLED[byte & 15]
             high[m, i] = _DOUBLED[byte >> 4]
-            start[m, i // 4] -= _OFFSET * (np.int32(low[m, i]) + np.int32(high[m, i]))
+            start[m, 2 * i // _LANE_ELEMENTS] -= _OFFSET * (np.int32(low[m, i]) + np.int32(high[m, i]))
         for g in range(blocks):
             byte = np.int64(scales[m, g])
             nonzero = False
@@ -116,7 +122,7 @@ def activation_operands(codes, scales, kp):
                 nan = 1
             elif nonzero:
                 lowest, highest = min(lowest, byte), max(highest, byte)
-                field[m, 4 * g : 4 * g + 4] = byte - _EXPONENT_BIAS
+                field[m, g * _BLOCK_LANES : (g + 1) * _BLOCK_LANES] = byte - _EXPONENT_BIAS
         bounds[m, 0], bounds[m, 1], bounds[m, 2] = lowest, highest, nan
     return low, high, start, field, bounds
 
@@ -164,19 +170,40 @@ def _step_of(acc, table, packed, weight_scales, low, high, x0, start, field, lan
 
 
 @numba.njit(**{**NJIT_OPTIONS, "inline": "always"})
-def _step(acc, table, codes, c, low, high, x0, start, field, s0, scale_codes, lane0):
-    """acc + one step: the 128 code bytes at ``codes[c]`` (their scale bytes at ``scale_codes[s0]``), see
-    _step_of."""
+def _lane_step(acc, table, codes, c, low, high, x0, start, field, s0, scale_codes, lane0):
+    """acc (F32V) + one step: the 128 code bytes at ``codes[c]`` (their scale bytes at ``scale_codes[s0]``),
+    see _step_of."""
     return _step_of(acc, table, simd.i32v_load(codes, c), simd.spread_bytes4(scale_codes, s0), low, high, x0, start,
                     field, lane0)
 
 
 @numba.njit(**{**NJIT_OPTIONS, "inline": "always"})
-def _last_step(acc, table, codes, c, code_count, low, high, x0, start, field, s0, scale_codes, scale_count, lane0):
-    """:func:`_step` of a row's last, short step: only its ``code_count`` code bytes and ``scale_count`` scale
-    bytes are read (masked loads), the rest taken as 0 (the activation is zero there)."""
+def _last_lane_step(acc, table, codes, c, code_count, low, high, x0, start, field, s0, scale_codes, scale_count,
+                    lane0):
+    """:func:`_lane_step` of a row's last, short step: only its ``code_count`` code bytes and ``scale_count``
+    scale bytes are read (masked loads), the rest taken as 0 (the activation is zero there)."""
     return _step_of(acc, table, simd.i32v_load_first(codes, c, code_count),
                     simd.spread_bytes4_first(scale_codes, s0, scale_count), low, high, x0, start, field, lane0)
+
+
+@numba.njit(**{**NJIT_OPTIONS, "inline": "always"})
+def _block_step(acc, table, codes, c, low, high, x0, start, field, s0, scale_codes, block0):
+    """:func:`_lane_step` with BLOCK_SUMS: acc (F32N, one lane per block of the step) + each block's exact sum
+    (lowbit.kernels.cpu._block_sums) times its power of two; start / field per block, at block0."""
+    sums = _block_sums.block_sums(table, simd.i32v_load(codes, c), low, high, x0, start, block0)
+    return simd.f32n_fma(sums, _block_sums.block_powers(scale_codes, s0, field, block0), acc)
+
+
+@numba.njit(**{**NJIT_OPTIONS, "inline": "always"})
+def _last_block_step(acc, table, codes, c, code_count, low, high, x0, start, field, s0, scale_codes, scale_count,
+                     block0):
+    """:func:`_block_step` of a row's last, short step (see _last_lane_step)."""
+    sums = _block_sums.block_sums(table, simd.i32v_load_first(codes, c, code_count), low, high, x0, start, block0)
+    return simd.f32n_fma(sums, _block_sums.block_powers_first(scale_codes, s0, scale_count, field, block0), acc)
+
+
+_zero_sums, _step, _last_step = ((simd.f32n_zero, _block_step, _last_block_step) if BLOCK_SUMS
+                                 else (simd.f32v_zero, _lane_step, _last_lane_step))
 
 
 @SerialOrParallel
@@ -208,7 +235,7 @@ def product_gemv(low, high, start, field, bounds, codes, scales, y32, fallback):
                 continue
             for m in range(m_rows):
                 x0, lane0 = m * x_bytes, m * x_lanes
-                acc = simd.f32v_zero()
+                acc = _zero_sums()
                 for t in range(full):
                     at = np.uint64(c0 + t * STEP // 2)  # a step reads two cache lines of codes
                     _prefetch_ahead(codes_flat, at, ahead)
