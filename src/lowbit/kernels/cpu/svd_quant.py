@@ -48,7 +48,8 @@ from lowbit.formats import mxfp4 as mxfp4_format
 from lowbit.formats.svd_quant import BLOCK, weight_scales
 from lowbit.kernels.cpu import _block_sums, mxfp4
 from lowbit.kernels.cpu import _simd as simd
-from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, SerialOrParallel, as_numpy, copy_elements, kernel_threads
+from lowbit.kernels.cpu._runtime import (NJIT_OPTIONS, SerialOrParallel, as_numpy, bound_njit, copy_elements,
+                                         kernel_threads, sync_threads)
 from lowbit.kernels.cpu.weight_only import (GEMV_MAX_M, GEMV_ONE_THREAD_WEIGHTS, MXFP4_LINEAR, _low_byte_range,
                                              _prefetch_ahead)
 
@@ -357,6 +358,29 @@ def add_low_rank(x_bits, d_bits, u_bits, products, out_bits):
     return True
 
 
+def _decode_template(x_bits, kp, quantizer, codes, scales, d_bits, u_bits, out_bits):
+    """The decode in one numba call (bound by _one_call_decode: ``_PRODUCT`` is product_gemv's serial or
+    parallel form): x (M, K) BF16 bit patterns (int16, C-contiguous) quantized into its operands
+    (quantized_operands, with the quantizer's constants ``quantizer``), P by _PRODUCT with the weight codes
+    and scales, and where no row fell back the low-rank branch and the final add into ``out_bits``
+    (add_low_rank). Returns (rows that fell back, whether out_bits was written, y32 (M, N) float32, fallback
+    flags (N,) uint8). After a torch op each call from Python runs with cold caches (tens of microseconds
+    each: docs/weight_only.md, 'One call')."""
+    m_rows = x_bits.shape[0]
+    n = codes.shape[0]
+    operands = quantized_operands(simd.flat(x_bits).view(np.uint32), m_rows, kp, *quantizer)
+    y32 = np.empty((m_rows, n), dtype=np.float32)
+    fallback = np.zeros(n, dtype=np.uint8)
+    fell_back = _PRODUCT(*operands[:5], codes, scales, y32, fallback)  # noqa: F821 (bound by _one_call_decode)
+    done = fell_back == 0 and add_low_rank(x_bits, d_bits, u_bits, y32, out_bits)
+    return fell_back, done, y32, fallback
+
+
+def _one_call_decode(product):
+    """The numba dispatcher of _decode_template with ``_PRODUCT`` = ``product`` (a form of product_gemv)."""
+    return bound_njit(_decode_template, f"svd_quant_decode_{product.py_func.__name__}", _PRODUCT=product)
+
+
 _SMALLEST_NORMAL_SCALE = 2  # below this E8M0 byte, an MXFP4 block's nonzero values are BF16 subnormals
 
 
@@ -408,28 +432,34 @@ class SvdQuant(Kernel):
 
     @staticmethod
     def _decode(x2d, w, scales, d, u, out2d) -> None:
-        """Decode with integer products (VNNI or AVX2): the activation quantized and turned into operands in numba, P by
-        :func:`product_gemv` (the weight rows it leaves to the float32 path, non-finite or extreme scales,
-        by MXFP4_LINEAR on the dequantized activation), then the low-rank branch and the final add."""
+        """Decode with integer products (VNNI or AVX2) in one numba call (_decode_template): the activation
+        quantized and turned into operands, P by :func:`product_gemv`, the low-rank branch and the final add.
+        The weight rows it leaves to the float32 path (non-finite or extreme scales) are computed here by
+        MXFP4_LINEAR on the dequantized activation, then the low-rank branch and the add; where add_low_rank
+        declines, torch's matmuls."""
         (m, k), n = x2d.shape, out2d.shape[1]
-        pairs = as_numpy(x2d.view(torch.int32)).reshape(-1).view(np.uint32)
-        *operands, x_codes, x_scales = quantized_operands(pairs, m, -(-k // STEP) * STEP, *_BF16_QUANTIZER)
-        y32 = np.empty((m, n), dtype=np.float32)
-        fallback = np.zeros(n, dtype=np.uint8)
-        args = (*operands, as_numpy(w), as_numpy(scales), y32, fallback)
-        if n * k < _PRODUCT_SERIAL_WEIGHTS:
-            fell_back = product_gemv(*args, serial=True)
+        args = (as_numpy(x2d), -(-k // STEP) * STEP, _BF16_QUANTIZER, as_numpy(w), as_numpy(scales), as_numpy(d),
+                as_numpy(u), as_numpy(out2d))
+        work = n * k
+        if work < _PRODUCT_SERIAL_WEIGHTS:
+            fell_back, done, y32, fallback = _one_call_decode(product_gemv.serial)(*args)
+        elif work < _PRODUCT_ONE_THREAD_WEIGHTS:
+            with kernel_threads(work, _PRODUCT_ONE_THREAD_WEIGHTS):
+                fell_back, done, y32, fallback = _one_call_decode(product_gemv.parallel)(*args)
         else:
-            with kernel_threads(n * k, _PRODUCT_ONE_THREAD_WEIGHTS):
-                fell_back = product_gemv(*args, serial=False)
+            sync_threads()
+            fell_back, done, y32, fallback = _one_call_decode(product_gemv.parallel)(*args)
         if fell_back:
             rows = torch.from_numpy(np.flatnonzero(fallback))
             x_deq = torch.empty(m, k, dtype=torch.bfloat16)
-            mxfp4.DEQUANTIZE.run(torch.from_numpy(x_codes), torch.from_numpy(x_scales), torch.bfloat16, -1, out=x_deq)
+            x_codes = torch.empty(m, k // 2, dtype=torch.uint8)
+            x_scales = torch.empty(m, k // BLOCK, dtype=torch.uint8)
+            mxfp4.quantize_into(x2d, BLOCK, "floor", "ta", x_codes, x_scales, x_deq)
             products = torch.empty(m, len(rows), dtype=torch.bfloat16)
             MXFP4_LINEAR.run(x_deq, w[rows], scales[rows], None, out=products)
             y32[:, rows.numpy()] = products.float().numpy()
-        if not add_low_rank(as_numpy(x2d), as_numpy(d), as_numpy(u), y32, as_numpy(out2d)):
+            done = add_low_rank(as_numpy(x2d), as_numpy(d), as_numpy(u), y32, as_numpy(out2d))
+        if not done:
             out2d.copy_(torch.from_numpy(y32))
             out2d.add_((x2d @ d) @ u)
 
