@@ -86,12 +86,12 @@ class QuantizedLinearBase(nn.Module):
         self.__dict__["_prepared"] = (prepared, SourcesSeen(sources))
         return prepared
 
-    def _run_one_call(self, x: torch.Tensor, sources: tuple, bind: Callable[[], Any],
+    def _run_one_call(self, x: torch.Tensor, sources: tuple, bind: Callable[..., Any], bind_argument: Any,
                       max_rows: Optional[int] = None) -> Optional[torch.Tensor]:
         """This layer's output for ``x`` (..., K) of FP16 / BF16 (dtype and K checked by the caller) by a bound
         kernel call ``f(x_bits, out_bits) -> bool`` on x's and out's int16 bit patterns ((M, K), (M, N)), made
-        by ``bind()`` (None: there is none) from ``sources`` and kept while they, x's dtype and the backend
-        setting stay as they are (SourcesSeen). One numba call: the full path's torch, Python and numba calls
+        by ``bind(x, sources, bind_argument)`` (None: there is none) and kept while the sources, x's dtype and
+        the backend setting stay as they are (SourcesSeen; no function is made per call). One numba call: the full path's torch, Python and numba calls
         cost tens of microseconds each after a model's previous layer (docs/weight_only.md, 'One call'). None
         (the caller's full path) where x is not plain (plain_tensor, plain_context: no grad, no mode, CPU),
         has no rows or more than ``max_rows`` and ``f.max_rows``, or f returned False."""
@@ -102,7 +102,7 @@ class QuantizedLinearBase(nn.Module):
         setting = (x.dtype, get_backend())
         kept = self.__dict__.get("_one_call")  # (bound call, SourcesSeen, (x dtype, backend setting))
         if kept is None or kept[2] != setting or not kept[1].unchanged(sources):
-            kept = self.__dict__["_one_call"] = (bind(), SourcesSeen(sources), setting)
+            kept = self.__dict__["_one_call"] = (bind(x, sources, bind_argument), SourcesSeen(sources), setting)
         call = kept[0]
         if call is None or m > call.max_rows:
             return None
@@ -215,10 +215,17 @@ class SourcesSeen:
         return tuple(None if t is None else (t.data_ptr(), t.shape) for t in tensors)
 
     def unchanged(self, tensors: tuple) -> bool:
-        """Whether ``tensors`` are the ones seen, at the same addresses and shapes, unwritten since."""
-        return (len(tensors) == len(self.tensors) and all(a is b for a, b in zip(tensors, self.tensors))
-                and self._read_places(tensors) == self._places
-                and tuple(t._version for t in self._versioned) == self._versions)
+        """Whether ``tensors`` are the ones seen, at the same addresses and shapes, unwritten since. One loop,
+        no generator: each code object a call touches comes from memory after other work."""
+        if len(tensors) != len(self.tensors):
+            return False
+        for t, seen, place in zip(tensors, self.tensors, self._places):
+            if t is not seen or (t is not None and (t.data_ptr(), t.shape) != place):
+                return False
+        for t, version in zip(self._versioned, self._versions):
+            if t._version != version:
+                return False
+        return True
 
 
 _ROW_SCALED = ("hifloat8", "float8_e4m3fn")  # 8-bit codes with a per-row (or per-tensor) FP32 scale
@@ -258,19 +265,20 @@ class PackedLinear(QuantizedLinearBase):
         # costs tens of microseconds after other work: docs/weight_only.md, 'One call'), in one kernel call
         # for a GEMV's rows (_run_one_call), else by the PreparedCall where it requires no grad. Anything else
         # takes the full path, which also sets this.
-        fast = self.__dict__.get("_fused_input")  # (x dtype, (K,), operator, its buffer names)
+        fast = self.__dict__.get("_fused_input")  # (x dtype, (K,), operator, its two buffers' names)
         if fast is not None and x.dtype is fast[0] and x.shape[-1:] == fast[1]:
-            sources = (*(self._buffers[name] for name in fast[3]), self._parameters.get("bias"))
-
-            def prepared() -> PreparedCall:
-                return self.prepared_call(fast[2], sources, self._fused_arguments)
-
-            y = self._run_one_call(x, sources, lambda: prepared()._bound_gemv(x.dtype, self.in_features))
+            buffers, (first, second) = self._buffers, fast[3]
+            sources = (buffers[first], buffers[second], self._parameters.get("bias"))
+            y = self._run_one_call(x, sources, self._bind_fused, fast[2])
             if y is not None:
                 return y
             if self._records_no_graph(x):
-                return prepared()(x)
+                return self.prepared_call(fast[2], sources, self._fused_arguments)(x)
         return super().forward(x)
+
+    def _bind_fused(self, x: torch.Tensor, sources: tuple, op) -> Any:
+        """The fused operator ``op``'s bound GEMV for x's dtype (_run_one_call's ``bind``)."""
+        return self.prepared_call(op, sources, self._fused_arguments)._bound_gemv(x.dtype, self.in_features)
 
     def compute(self, x_q):
         fused = self.fused_kernel(x_q.dtype)
@@ -360,14 +368,16 @@ class Int4Linear(PackedLinear):
         if (x.dtype is self.weight_dtype and x.dtype is scale.dtype and x.shape[-1:] == (self.in_features,)
                 and "smooth" not in self._buffers and self.cfg_meta["act_kind"] == "none"):
             sources = (self._buffers["weight"], scale, self._buffers.get("antiquant_offset"), self._parameters.get("bias"))
-            y = self._run_one_call(x, sources, lambda: self._bind_decode(*sources[1:]), INT4_MSD_MAX_ROWS)
+            y = self._run_one_call(x, sources, self._bind_decode, None, INT4_MSD_MAX_ROWS)
             if y is not None:
                 return y
         return super().forward(x)
 
-    def _bind_decode(self, scale, offset, bias):
+    def _bind_decode(self, x, sources, _):
         """The plan's bound decode of this layer's PackedWeight (made again where stale), or None where the
-        plan has none (another backend or device) or the bias is not of the scale's dtype."""
+        plan has none (another backend or device) or the bias is not of the scale's dtype (_run_one_call's
+        ``bind``: ``sources`` are the weight, scale, offset and bias)."""
+        _, scale, offset, bias = sources
         if self.cfg_meta["geometry"]["type"] != "Linear" or (bias is not None and bias.dtype != scale.dtype):
             return None
         plan = self._plan(1, self.weight.device)
