@@ -307,20 +307,25 @@ def test_svd_quant_decode_with_flagged_rows_agrees_with_the_reference(m, n, k):
 @needs_vnni
 @pytest.mark.parametrize("flagged", [False, True])
 def test_decode_forms_give_the_same_bits(monkeypatch, flagged):
-    """The one-call decode by product_gemv's serial form, its parallel loop on one thread and on numba's
-    threads (each picked by the weight-count thresholds): the same bits, with and without a row left to the
-    float32 kernel."""
+    """The decode by product_gemv's serial form, its parallel loop on one thread and on numba's threads (each
+    picked by the weight-count thresholds), each in one numba call (a prepared weight) and as three (the
+    operator's direct call): the same bits, with and without a row left to the float32 kernel."""
     m, n, k = 2, 300, 544
     x, w, s, d, u = op.probe_inputs(m, n, k, 8, seed=12)
     if flagged:
         s.view(n, -1)[7, 0] = 0xFF
+    prepared = cpu_backend.SVD_QUANT.prepare(x.dtype, k, w, s, d, u)
     outs = []
     for serial_below, one_thread_below in ((1 << 40, 1 << 40), (0, 1 << 40), (0, 0)):
         monkeypatch.setattr(cpu_backend, "_PRODUCT_SERIAL_WEIGHTS", serial_below)
         monkeypatch.setattr(cpu_backend, "_PRODUCT_ONE_THREAD_WEIGHTS", one_thread_below)
-        out = torch.empty(m, n, dtype=torch.bfloat16)
-        cpu_backend.SVD_QUANT.run(x, w, s, d, u, out=out)
-        outs.append(out)
+        for one_call in (False, True):
+            out = torch.empty(m, n, dtype=torch.bfloat16)
+            if one_call:
+                cpu_backend.SVD_QUANT.run_prepared(x, prepared, out=out)
+            else:
+                cpu_backend.SVD_QUANT.run(x, w, s, d, u, out=out)
+            outs.append(out)
     assert op.agrees(outs[0], ref.svd_quant(x, w, s, d, u))
     assert outs[0][:, 7].isnan().all() == flagged
     assert all(torch.equal(o.view(torch.int16), outs[0].view(torch.int16)) for o in outs[1:])

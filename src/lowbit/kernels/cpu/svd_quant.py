@@ -360,7 +360,7 @@ def add_low_rank(x_bits, d_bits, u_bits, products, out_bits):
 
 def _decode_template(x_bits, kp, quantizer, codes, scales, d_bits, u_bits, out_bits):
     """The decode in one numba call (bound by _one_call_decode: ``_PRODUCT`` is product_gemv's serial or
-    parallel form): x (M, K) BF16 bit patterns (int16, C-contiguous) quantized into its operands
+    parallel form; its ``py_func`` runs the same steps from Python, as three numba calls): x (M, K) BF16 bit patterns (int16, C-contiguous) quantized into its operands
     (quantized_operands, with the quantizer's constants ``quantizer``), P by _PRODUCT with the weight codes
     and scales, and where no row fell back the low-rank branch and the final add into ``out_bits``
     (add_low_rank). Returns (rows that fell back, whether out_bits was written, y32 (M, N) float32, fallback
@@ -368,7 +368,7 @@ def _decode_template(x_bits, kp, quantizer, codes, scales, d_bits, u_bits, out_b
     each: docs/weight_only.md, 'One call')."""
     m_rows = x_bits.shape[0]
     n = codes.shape[0]
-    operands = quantized_operands(simd.flat(x_bits).view(np.uint32), m_rows, kp, *quantizer)
+    operands = quantized_operands(x_bits.reshape(-1).view(np.uint32), m_rows, kp, *quantizer)
     y32 = np.empty((m_rows, n), dtype=np.float32)
     fallback = np.zeros(n, dtype=np.uint8)
     fell_back = _PRODUCT(*operands[:5], codes, scales, y32, fallback)  # noqa: F821 (bound by _one_call_decode)
@@ -401,7 +401,7 @@ class SvdQuant(Kernel):
     """svd_quant on the CPU: contiguous x (B..., S, K) BF16 and the other inputs into contiguous BF16 ``out``."""
 
     def run(self, x, w, s, d, u, *, out) -> None:
-        self.run_prepared(x, self.prepare(x.dtype, x.shape[-1], w, s, d, u), out=out)
+        self._run(x, self.prepare(x.dtype, x.shape[-1], w, s, d, u), out, one_call=False)
 
     @staticmethod
     def prepare(dtype, k, w, s, d, u) -> tuple:
@@ -410,12 +410,17 @@ class SvdQuant(Kernel):
         return w, weight_scales(s, k).contiguous(), d, u
 
     def run_prepared(self, x, prepared, *, out) -> None:
-        """:meth:`run` with the weight's part from :meth:`prepare`."""
+        """:meth:`run` with the weight's part from :meth:`prepare`; the decode in one numba call
+        (_decode_template), which a weight bound for many calls repays the compiling of (about 1.6 s, once;
+        the operator's direct call, as in ``lowbit smoke``, runs the same steps as three numba calls)."""
+        self._run(x, prepared, out, one_call=True)
+
+    def _run(self, x, prepared, out, one_call: bool) -> None:
         w, scales, d, u = prepared
         k, n = x.shape[-1], u.shape[1]
         x2d, out2d = x.view(-1, k), out.view(-1, n)
         if x2d.shape[0] <= GEMV_MAX_M and INTEGER_PRODUCTS:
-            self._decode(x2d, w, scales, d, u, out2d)
+            self._decode(x2d, w, scales, d, u, out2d, one_call)
             return
         x_codes = torch.empty(x2d.shape[0], k // 2, dtype=torch.uint8)
         x_scales = torch.empty(x2d.shape[0], k // BLOCK, dtype=torch.uint8)
@@ -431,24 +436,26 @@ class SvdQuant(Kernel):
         out2d.add_((x2d @ d) @ u)
 
     @staticmethod
-    def _decode(x2d, w, scales, d, u, out2d) -> None:
-        """Decode with integer products (VNNI or AVX2) in one numba call (_decode_template): the activation
-        quantized and turned into operands, P by :func:`product_gemv`, the low-rank branch and the final add.
-        The weight rows it leaves to the float32 path (non-finite or extreme scales) are computed here by
+    def _decode(x2d, w, scales, d, u, out2d, one_call: bool) -> None:
+        """Decode with integer products (VNNI or AVX2) by _decode_template, compiled (one numba call) where
+        ``one_call``, else run by Python (its three numba calls): the activation quantized and turned into
+        operands, P by :func:`product_gemv`, the low-rank branch and the final add. The weight rows it leaves to the float32 path (non-finite or extreme scales) are computed here by
         MXFP4_LINEAR on the dequantized activation, then the low-rank branch and the add; where add_low_rank
         declines, torch's matmuls."""
         (m, k), n = x2d.shape, out2d.shape[1]
         args = (as_numpy(x2d), -(-k // STEP) * STEP, _BF16_QUANTIZER, as_numpy(w), as_numpy(scales), as_numpy(d),
                 as_numpy(u), as_numpy(out2d))
         work = n * k
+        decode = _one_call_decode(product_gemv.serial if work < _PRODUCT_SERIAL_WEIGHTS else product_gemv.parallel)
+        decode = decode if one_call else decode.py_func
         if work < _PRODUCT_SERIAL_WEIGHTS:
-            fell_back, done, y32, fallback = _one_call_decode(product_gemv.serial)(*args)
+            fell_back, done, y32, fallback = decode(*args)
         elif work < _PRODUCT_ONE_THREAD_WEIGHTS:
             with kernel_threads(work, _PRODUCT_ONE_THREAD_WEIGHTS):
-                fell_back, done, y32, fallback = _one_call_decode(product_gemv.parallel)(*args)
+                fell_back, done, y32, fallback = decode(*args)
         else:
             sync_threads()
-            fell_back, done, y32, fallback = _one_call_decode(product_gemv.parallel)(*args)
+            fell_back, done, y32, fallback = decode(*args)
         if fell_back:
             rows = torch.from_numpy(np.flatnonzero(fallback))
             x_deq = torch.empty(m, k, dtype=torch.bfloat16)
