@@ -360,12 +360,12 @@ def add_low_rank(x_bits, d_bits, u_bits, products, out_bits):
 
 def _decode_template(x_bits, kp, quantizer, codes, scales, d_bits, u_bits, out_bits):
     """The decode in one numba call (bound by _one_call_decode: ``_PRODUCT`` is product_gemv's serial or
-    parallel form; its ``py_func`` runs the same steps from Python, as three numba calls): x (M, K) BF16 bit patterns (int16, C-contiguous) quantized into its operands
-    (quantized_operands, with the quantizer's constants ``quantizer``), P by _PRODUCT with the weight codes
-    and scales, and where no row fell back the low-rank branch and the final add into ``out_bits``
-    (add_low_rank). Returns (rows that fell back, whether out_bits was written, y32 (M, N) float32, fallback
-    flags (N,) uint8). After a torch op each call from Python runs with cold caches (tens of microseconds
-    each: docs/weight_only.md, 'One call')."""
+    parallel form; its ``py_func`` runs the same steps from Python, as three numba calls): x (M, K) BF16 bit
+    patterns (int16, C-contiguous) quantized into its operands (quantized_operands, with the quantizer's
+    constants ``quantizer``), P by _PRODUCT with the weight codes and scales, and where no row fell back the
+    low-rank branch and the final add into ``out_bits`` (add_low_rank). Returns (rows that fell back, whether
+    out_bits was written, y32 (M, N) float32, fallback flags (N,) uint8). After a torch op each call from
+    Python runs with cold caches (tens of microseconds each: docs/weight_only.md, 'One call')."""
     m_rows = x_bits.shape[0]
     n = codes.shape[0]
     operands = quantized_operands(x_bits.reshape(-1).view(np.uint32), m_rows, kp, *quantizer)
@@ -439,9 +439,10 @@ class SvdQuant(Kernel):
     def _decode(x2d, w, scales, d, u, out2d, one_call: bool) -> None:
         """Decode with integer products (VNNI or AVX2) by _decode_template, compiled (one numba call) where
         ``one_call``, else run by Python (its three numba calls): the activation quantized and turned into
-        operands, P by :func:`product_gemv`, the low-rank branch and the final add. The weight rows it leaves to the float32 path (non-finite or extreme scales) are computed here by
-        MXFP4_LINEAR on the dequantized activation, then the low-rank branch and the add; where add_low_rank
-        declines, torch's matmuls."""
+        operands, P by :func:`product_gemv`, the low-rank branch and the final add. The weight rows it leaves
+        to the float32 path (non-finite or extreme scales) are computed here by MXFP4_LINEAR on the
+        dequantized activation, then the low-rank branch and the add; where add_low_rank declines, torch's
+        matmuls."""
         (m, k), n = x2d.shape, out2d.shape[1]
         args = (as_numpy(x2d), -(-k // STEP) * STEP, _BF16_QUANTIZER, as_numpy(w), as_numpy(scales), as_numpy(d),
                 as_numpy(u), as_numpy(out2d))
