@@ -15,6 +15,7 @@ from lowbit.kernels.cpu import _block_sums
 from lowbit.kernels.cpu import _simd as simd
 from lowbit.kernels.cpu import svd_quant as cpu_backend
 from lowbit.kernels.cpu import weight_only
+from lowbit.kernels.cpu._runtime import bound_njit
 from lowbit.kernels.cpu.weight_only import MXFP4_LINEAR
 from helpers import simd_binary
 
@@ -278,6 +279,37 @@ def test_thread_count_does_not_change_the_bits():
     finally:
         numba.set_num_threads(previous)
     assert torch.equal(serial, one) and torch.equal(one, many)
+
+
+@pytest.mark.skipif(not cpu_backend.BLOCK_SUMS, reason="compares the lane path with the block sums on one CPU")
+@pytest.mark.parametrize("spread", [0, 30])
+def test_lane_path_agrees_with_the_block_sums(spread):
+    """The 32-lane step (vpmaddubsw then vpmaddwd per 4 elements, each lane scaled: what AVX-512 CPUs without
+    VNNI run) compiled here beside the block sums: the same rows left to the float32 kernel, the exact products
+    where every sum is exact, both within the summation bound where exponents spread over 2^-30 .. 2^30."""
+    lanes = {"_LANE_ELEMENTS": 8, "_BLOCK_LANES": 4}
+    lane_operands = bound_njit(cpu_backend.activation_operands.py_func, "activation_operands_by_lanes", **lanes)
+    lane_gemv = bound_njit(cpu_backend.product_gemv.serial.py_func, "product_gemv_by_lanes", **lanes,
+                           _zero_sums=simd.f32v_zero, _step=cpu_backend._lane_step,
+                           _last_step=cpu_backend._last_lane_step)
+    g = gen(21 + spread)
+    m, n, k = 2, 37, 1056
+    x_codes, x_scales, x = quantized(m, k, g, spread)
+    w_codes, w_scales, w = quantized(n, k, g, spread)
+    w_scales[3, 5] = 0xFF  # a flagged row
+    y_blocks, flagged = run_gemv(x_codes, x_scales, w_codes, w_scales)
+    kp = -(-k // cpu_backend.STEP) * cpu_backend.STEP
+    y_lanes = np.full((m, n), np.nan, dtype=np.float32)
+    fallback = np.zeros(n, dtype=np.uint8)
+    lane_gemv(*lane_operands(x_codes.numpy(), x_scales.numpy(), kp), w_codes.numpy(), w_scales.numpy(), y_lanes,
+              fallback)
+    assert np.array_equal(fallback.astype(bool), flagged) and flagged.sum() == 1
+    computed = torch.from_numpy(~flagged)
+    exact, bound = x @ w.T, k / 8 * 2.0**-24 * (x.abs() @ w.abs().T)
+    for y in (y_blocks, torch.from_numpy(y_lanes).double()):
+        if spread == 0:
+            assert torch.equal(y[:, computed], exact[:, computed])
+        assert ((y - exact).abs()[:, computed] <= bound[:, computed]).all()
 
 
 # ---- svd_quant through it -------------------------------------------------------------------------------
