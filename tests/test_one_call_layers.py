@@ -1,7 +1,7 @@
 """Deploy layers' decode in one numba call (QuantizedLinearBase._run_one_call): Int4Linear (the plan's bound
-decode: the bits of its full path, the operator then torch's rounding and bias add) and PackedLinear's fused
-weight-only kernels (PreparedCall._bound_gemv: the operator's bits), for every x they take; the full path for
-every other x."""
+decode: the bits of its full path, the operator then torch's rounding and bias add), PackedLinear's fused
+weight-only kernels (PreparedCall._bound_gemv: the operator's bits) and SVDQuantLinearDeploy (svd_quant's
+decode and torch's bias add), for every x they take; the full path for every other x."""
 
 import copy
 import pickle
@@ -15,7 +15,9 @@ from helpers import SeenOps, bits
 from lowbit.kernels.cpu import weight_only as cpu
 from lowbit.kernels.cpu.weight_only import GEMV_MAX_M
 from lowbit.ops.library import PreparedCall
-from lowbit.quantize.modules import INT4_MSD_MAX_ROWS, Int4Linear, PackedLinear
+from lowbit.kernels.cpu import svd_quant as svd_cpu
+from lowbit.quantize.modules import (INT4_MSD_MAX_ROWS, Int4Linear, PackedLinear, QuantizedLinearBase,
+                                     SVDQuantLinearDeploy)
 
 K, N = 256, 70  # N not a multiple of the kernel's 32-column tiles
 
@@ -320,3 +322,89 @@ def test_int4_prefill_binds_nothing_and_old_pickles_pack_again():
     old.__dict__.pop("_packed_state")
     old.__dict__.update(_packed=module._packed, _packed_from=())
     assert torch.equal(bits(old(x)), bits(want)) and torch.equal(bits(PackedLinear.forward(old, x)), bits(want))
+
+
+# ---- SVDQuantLinearDeploy ---------------------------------------------------------------------------------
+
+
+def svd_layer(bias=True, k=K, n=N, seed=0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(k, n, bias=bias)).to(torch.bfloat16)
+    lowbit.quantize_(model, "svdquant-r32")
+    assert isinstance(model[0], SVDQuantLinearDeploy)
+    return model[0]
+
+
+def svd_full_path(module, x):
+    return QuantizedLinearBase.forward(module, x)  # the input checks, then compute: the operator, torch's add
+
+
+@pytest.mark.skipif(not svd_cpu.INTEGER_PRODUCTS, reason="the one call needs the integer products")
+@pytest.mark.parametrize("has_bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_svdquant_layer_decodes_and_adds_its_bias_in_one_call(has_bias, threads, monkeypatch):
+    """A BF16 svdquant layer's decode (x of 1 to 4 rows, any leading shape) with its bias added in the numba
+    call: the full path's bits (the operator, then torch's BF16 add), large layers on numba's threads too."""
+    layers = [svd_layer(has_bias), svd_layer(has_bias, k=2048, n=1600, seed=1)]
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for module in layers:
+            k = module.in_features
+            xs = [random_x(shape, torch.bfloat16, seed) for seed, shape in enumerate([(1, k), (k,), (3, k), (2, 2, k)])]
+            xs[2][1, :64] = 0  # zero blocks
+            wants = [svd_full_path(module, x) for x in xs]
+            with monkeypatch.context() as patch:
+                patch.setattr(SVDQuantLinearDeploy, "compute", lambda self, x_q: pytest.fail("took the full path"))
+                for x, want in zip(xs, wants):
+                    got = module(x)
+                    assert got.shape == want.shape and got.dtype == torch.bfloat16
+                    assert torch.equal(bits(got), bits(want)), x.shape
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.skipif(not svd_cpu.INTEGER_PRODUCTS, reason="the one call needs the integer products")
+def test_svdquant_inputs_the_one_call_leaves_to_the_full_path(monkeypatch):
+    """NaN in x (rows left to the float32 kernel), a weight block of NaN, a NaN bias (torch's NaN bits), five
+    rows, an FP16 layer, a bias that requires grad, the reference backend: the full path is taken and its bits
+    are the result; an infinite bias stays in the one call."""
+    compute, taken = SVDQuantLinearDeploy.compute, []
+
+    def spy(self, x_q):
+        taken.append(True)
+        return compute(self, x_q)
+
+    monkeypatch.setattr(SVDQuantLinearDeploy, "compute", spy)
+
+    def check(module, x, full_path_taken=True):
+        want = svd_full_path(module, x)
+        taken.clear()
+        got = module(x)
+        assert bool(taken) == full_path_taken and torch.equal(bits(got), bits(want))
+        return got
+
+    module = svd_layer()
+    x = random_x((1, K), torch.bfloat16, 5)
+    check(module, x, full_path_taken=False)
+    nan_x = x.clone()
+    nan_x[0, 3] = float("nan")
+    assert check(module, nan_x).isnan().all()
+    check(module, random_x((5, K), torch.bfloat16, 7))
+    with lowbit.use_backend("reference"):
+        check(module, x)
+    with torch.no_grad():
+        module.bias[:2] = torch.tensor([float("inf"), float("-inf")])
+    assert check(module, x, full_path_taken=False)[0, :2].isinf().all()
+    with torch.no_grad():
+        module.bias[2] = float("nan")
+    assert check(module, x)[0, 2].isnan()
+    module = svd_layer()
+    module.s.view(torch.uint8).view(N, -1)[5, 0] = 0xFF  # a NaN block of the weight: its row falls back
+    assert check(module, x)[0, 5].isnan()
+    module = svd_layer()
+    module.bias.requires_grad_(True)
+    check(module, x)
+    fp16 = nn.Sequential(nn.Linear(K, N)).to(torch.float16)
+    lowbit.quantize_(fp16, "svdquant-r32")
+    check(fp16[0], x.half())

@@ -254,14 +254,16 @@ class PreparedCall:
         self.op.record(name)
         return out
 
-    def _bound_gemv(self, dtype: torch.dtype, k: int) -> Optional[RecordedCall]:
-        """``f(x_bits, out_bits) -> True``: the operator on an x of ``dtype`` (FP16 / BF16) and K = ``k`` with at
-        most ``f.max_rows`` rows in one call of its kernel (``kernel.bind_gemv``), on x's and out's int16 bit
-        patterns ((M, K) and (M, N), C-contiguous), recorded as a run of the kernel chosen under the current
-        backend setting. Internal: for a caller that checks x itself (plain_tensor, plain_context, dtype, K,
-        rows; f checks neither array) and keeps the result while the fixed arguments and the backend setting
-        stay as they are (lowbit.quantize's PackedLinear). None where that kernel has no such call or a fixed
-        argument is not plain; the operator's errors for an x of that dtype and K."""
+    def _bound_gemv(self, dtype: torch.dtype, k: int, *extra) -> Optional[RecordedCall]:
+        """``f(x_bits, out_bits) -> bool``: the operator on an x of ``dtype`` (FP16 / BF16) and K = ``k`` with at
+        most ``f.max_rows`` rows in one call of its kernel (``kernel.bind_gemv(prepared, N, k, dtype,
+        *extra)``; svd_quant's takes a bias added after it, and returns False where its caller must take its
+        full path), on x's and out's int16 bit patterns ((M, K) and (M, N), C-contiguous), recorded as a run of
+        the kernel chosen under the current backend setting. Internal: for a caller that checks x itself
+        (plain_tensor, plain_context, dtype, K, rows; f checks neither array) and keeps the result while the
+        fixed arguments and the backend setting stay as they are (lowbit.quantize's deploy modules). None
+        where that kernel has no such call or declines these arguments, or a fixed argument is not plain; the
+        operator's errors for an x of that dtype and K."""
         if not self._plain:
             return None
         x = torch.zeros(1, k, dtype=dtype)
@@ -273,7 +275,8 @@ class PreparedCall:
         spec, name, kernel, prepared = plan
         if prepared is None or not hasattr(kernel, "bind_gemv"):
             return None
-        return RecordedCall(kernel.bind_gemv(prepared, spec.shape[-1], k, dtype), self.op, name)
+        bound = kernel.bind_gemv(prepared, spec.shape[-1], k, dtype, *extra)
+        return None if bound is None else RecordedCall(bound, self.op, name)
 
     def _plan(self, kind: tuple, spec, x: torch.Tensor) -> tuple:
         """(output spec, backend name, kernel, the kernel's prepare() result for x's dtype and K or None) for

@@ -91,8 +91,9 @@ class QuantizedLinearBase(nn.Module):
         """This layer's output for ``x`` (..., K) of FP16 / BF16 (dtype and K checked by the caller) by a bound
         kernel call ``f(x_bits, out_bits) -> bool`` on x's and out's int16 bit patterns ((M, K), (M, N)), made
         by ``bind(x, sources, bind_argument)`` (None: there is none) and kept while the sources, x's dtype and
-        the backend setting stay as they are (SourcesSeen; no function is made per call). One numba call: the full path's torch, Python and numba calls
-        cost tens of microseconds each after a model's previous layer (docs/weight_only.md, 'One call'). None
+        the backend setting stay as they are (SourcesSeen; no function is made per call). One numba call: the
+        full path's torch, Python and numba calls cost tens of microseconds each after a model's previous layer
+        (docs/weight_only.md, 'One call'). None
         (the caller's full path) where x is not plain (plain_tensor, plain_context: no grad, no mode, CPU),
         has no rows or more than ``max_rows`` and ``f.max_rows``, or f returned False."""
         k, n = self.in_features, self.out_features
@@ -404,6 +405,26 @@ class SVDQuantLinearDeploy(QuantizedLinearBase):
 
     def quantize_input(self, x, deploy=True):
         return x  # the operator quantizes the activations itself
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # A BF16 x of a BF16 Linear layer: the operator's decode and the bias add in one numba call, where it
+        # gives the full path's bits (_run_one_call; BoundDecode); anything else takes the full path.
+        if (x.dtype is torch.bfloat16 and self.weight_dtype is torch.bfloat16
+                and x.shape[-1:] == (self.in_features,) and self.cfg_meta["geometry"]["type"] == "Linear"):
+            buffers = self._buffers
+            sources = (buffers["w"], buffers["s"], buffers["down"], buffers["up"], self._parameters.get("bias"))
+            y = self._run_one_call(x, sources, self._bind_decode, None)
+            if y is not None:
+                return y
+        return super().forward(x)
+
+    def _bind_decode(self, x, sources, _):
+        """The svd_quant kernel's bound decode with this layer's bias (_run_one_call's ``bind``), or None where
+        the kernel has none or the bias is not a plain tensor."""
+        *factors, bias = sources
+        if bias is not None and not plain_tensor(bias):
+            return None
+        return self.prepared_call(SVD_QUANT, tuple(factors))._bound_gemv(x.dtype, self.in_features, bias)
 
     def compute(self, x_q):
         xb = x_q.to(torch.bfloat16)

@@ -358,14 +358,39 @@ def add_low_rank(x_bits, d_bits, u_bits, products, out_bits):
     return True
 
 
-def _decode_template(x_bits, kp, quantizer, codes, scales, d_bits, u_bits, out_bits):
+@numba.njit(**NJIT_OPTIONS)
+def _add_bias(out_bits, bias_bits):
+    """out (M, N) BF16 bit patterns <- bf16(out + bias) for ``bias_bits`` (N,) BF16 bit patterns: the float32 sum
+    rounded to nearest even, as torch's BF16 add. Returns False (out partly written) where a result is NaN,
+    whose bit pattern torch's add leaves to its code path (vectorized or not)."""
+    m_rows, n = out_bits.shape
+    lanes = simd.LANES
+    chunk, bias_chunk = np.zeros(lanes, dtype=np.int16), np.zeros(lanes, dtype=np.int16)
+    for m in range(m_rows):
+        for j in range(0, n, lanes):
+            count = min(lanes, n - j)
+            copy_elements(chunk, 0, out_bits[m], j, count)
+            copy_elements(bias_chunk, 0, bias_bits, j, count)
+            simd.f32v_store_as_bf16(chunk, 0, simd.f32v_add(simd.bf16v_load(chunk, 0), simd.bf16v_load(bias_chunk, 0)))
+            copy_elements(out_bits[m], j, chunk, 0, count)
+            for i in range(count):
+                if (chunk[i] & 0x7FFF) > 0x7F80:
+                    return False
+    return True
+
+
+_NO_BIAS = np.zeros(0, dtype=np.int16)
+
+
+def _decode_template(x_bits, kp, quantizer, codes, scales, d_bits, u_bits, out_bits, bias_bits):
     """The decode in one numba call (bound by _one_call_decode: ``_PRODUCT`` is product_gemv's serial or
     parallel form; its ``py_func`` runs the same steps from Python, as three numba calls): x (M, K) BF16 bit
     patterns (int16, C-contiguous) quantized into its operands (quantized_operands, with the quantizer's
     constants ``quantizer``), P by _PRODUCT with the weight codes and scales, and where no row fell back the
-    low-rank branch and the final add into ``out_bits`` (add_low_rank). Returns (rows that fell back, whether
-    out_bits was written, y32 (M, N) float32, fallback flags (N,) uint8). After a torch op each call from
-    Python runs with cold caches (tens of microseconds each: docs/weight_only.md, 'One call')."""
+    low-rank branch and the final add into ``out_bits`` (add_low_rank), then a bias (``bias_bits``, empty: none;
+    _add_bias). Returns (rows that fell back, whether out_bits holds the result, y32 (M, N) float32, fallback
+    flags (N,) uint8). After a torch op each call from Python runs with cold caches (tens of microseconds
+    each: docs/weight_only.md, 'One call')."""
     m_rows = x_bits.shape[0]
     n = codes.shape[0]
     operands = quantized_operands(x_bits.reshape(-1).view(np.uint32), m_rows, kp, *quantizer)
@@ -373,12 +398,48 @@ def _decode_template(x_bits, kp, quantizer, codes, scales, d_bits, u_bits, out_b
     fallback = np.zeros(n, dtype=np.uint8)
     fell_back = _PRODUCT(*operands[:5], codes, scales, y32, fallback)  # noqa: F821 (bound by _one_call_decode)
     done = fell_back == 0 and add_low_rank(x_bits, d_bits, u_bits, y32, out_bits)
+    if done and bias_bits.size:
+        done = _add_bias(out_bits, bias_bits)
     return fell_back, done, y32, fallback
 
 
 def _one_call_decode(product):
     """The numba dispatcher of _decode_template with ``_PRODUCT`` = ``product`` (a form of product_gemv)."""
     return bound_njit(_decode_template, f"svd_quant_decode_{product.py_func.__name__}", _PRODUCT=product)
+
+
+def _decode_call(work: int, one_call: bool, args: tuple) -> tuple:
+    """_decode_template's result for ``args`` on a weight of ``work`` = N * K weights: compiled (one numba
+    call) where ``one_call``, else run by Python (its three numba calls); product_gemv's serial form below
+    _PRODUCT_SERIAL_WEIGHTS, else its parallel loop, on one thread below _PRODUCT_ONE_THREAD_WEIGHTS."""
+    decode = _one_call_decode(product_gemv.serial if work < _PRODUCT_SERIAL_WEIGHTS else product_gemv.parallel)
+    decode = decode if one_call else decode.py_func
+    if work < _PRODUCT_SERIAL_WEIGHTS:
+        return decode(*args)
+    if work < _PRODUCT_ONE_THREAD_WEIGHTS:
+        with kernel_threads(work, _PRODUCT_ONE_THREAD_WEIGHTS):
+            return decode(*args)
+    sync_threads()
+    return decode(*args)
+
+
+class BoundDecode:
+    """A prepared weight's decode with a BF16 bias (or none) added as torch adds it, in one numba call, for BF16
+    x of at most ``max_rows`` = GEMV_MAX_M rows: ``f(x_bits, out_bits) -> bool`` on x's and out's int16 bit
+    patterns, (M, K) and (M, N), C-contiguous, not checked here (the caller's: lowbit.ops.library.PreparedCall
+    ._bound_gemv). True where out_bits holds the result; False (out_bits partly written) where a row needs
+    the float32 kernel, the low-rank branch torch's matmuls, or a result is NaN: the caller's full path."""
+
+    max_rows = GEMV_MAX_M
+
+    def __init__(self, prepared: tuple, n: int, k: int, bias) -> None:
+        w, scales, d, u = prepared
+        self._work = n * k
+        self._args = (-(-k // STEP) * STEP, _BF16_QUANTIZER, as_numpy(w), as_numpy(scales), as_numpy(d), as_numpy(u))
+        self._bias = _NO_BIAS if bias is None else as_numpy(bias)
+
+    def __call__(self, x_bits: np.ndarray, out_bits: np.ndarray) -> bool:
+        return bool(_decode_call(self._work, True, (x_bits, *self._args, out_bits, self._bias))[1])
 
 
 _SMALLEST_NORMAL_SCALE = 2  # below this E8M0 byte, an MXFP4 block's nonzero values are BF16 subnormals
@@ -408,6 +469,14 @@ class SvdQuant(Kernel):
         """(w, per-block scales (N, K/32), d, u) of validated, contiguous inputs of K = ``k``: the scales are
         made once where the weight stays as it is (lowbit.ops.library.PreparedCall)."""
         return w, weight_scales(s, k).contiguous(), d, u
+
+    @staticmethod
+    def bind_gemv(prepared, n: int, k: int, dtype: torch.dtype, bias=None):
+        """A BoundDecode of a prepared weight (N, K) with ``bias`` (N,) BF16 or None added, for BF16 x; None
+        where the decode has no integer products or x or the bias is not BF16."""
+        if not INTEGER_PRODUCTS or dtype != torch.bfloat16 or (bias is not None and bias.dtype != torch.bfloat16):
+            return None
+        return BoundDecode(prepared, n, k, bias)
 
     def run_prepared(self, x, prepared, *, out) -> None:
         """:meth:`run` with the weight's part from :meth:`prepare`; the decode in one numba call
@@ -445,18 +514,8 @@ class SvdQuant(Kernel):
         matmuls."""
         (m, k), n = x2d.shape, out2d.shape[1]
         args = (as_numpy(x2d), -(-k // STEP) * STEP, _BF16_QUANTIZER, as_numpy(w), as_numpy(scales), as_numpy(d),
-                as_numpy(u), as_numpy(out2d))
-        work = n * k
-        decode = _one_call_decode(product_gemv.serial if work < _PRODUCT_SERIAL_WEIGHTS else product_gemv.parallel)
-        decode = decode if one_call else decode.py_func
-        if work < _PRODUCT_SERIAL_WEIGHTS:
-            fell_back, done, y32, fallback = decode(*args)
-        elif work < _PRODUCT_ONE_THREAD_WEIGHTS:
-            with kernel_threads(work, _PRODUCT_ONE_THREAD_WEIGHTS):
-                fell_back, done, y32, fallback = decode(*args)
-        else:
-            sync_threads()
-            fell_back, done, y32, fallback = decode(*args)
+                as_numpy(u), as_numpy(out2d), _NO_BIAS)
+        fell_back, done, y32, fallback = _decode_call(n * k, one_call, args)
         if fell_back:
             rows = torch.from_numpy(np.flatnonzero(fallback))
             x_deq = torch.empty(m, k, dtype=torch.bfloat16)
