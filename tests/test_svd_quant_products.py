@@ -19,7 +19,8 @@ from lowbit.kernels.cpu._runtime import bound_njit
 from lowbit.kernels.cpu.weight_only import MXFP4_LINEAR
 from helpers import simd_binary
 
-needs_vnni = pytest.mark.skipif(not cpu_backend.INTEGER_PRODUCTS, reason="the integer path needs AVX512-VNNI")
+needs_integer_products = pytest.mark.skipif(not cpu_backend.INTEGER_PRODUCTS,
+                                            reason="the integer products need AVX512-VNNI or AVX2")
 
 
 def gen(seed):
@@ -99,13 +100,14 @@ def test_block_sums_are_each_blocks_exact_dot():
     the start) and mixed extremes; the activation bytes read at an offset x0, the starts at b0."""
     rng = np.random.default_rng(11)
     weight_bytes = cpu_backend._WEIGHT_BYTES[:16].astype(np.int64)  # code -> 2 cw + 12
-    cases = [(rng.integers(0, 256, 128, dtype=np.uint8), rng.integers(-12, 13, (2, 128), dtype=np.int8))]
+    cases = [(rng.integers(0, 256, 128, dtype=np.uint8), rng.integers(-12, 13, (2, 128), dtype=np.int8))
+             for _ in range(50)]
     for sign in (1, -1):
         cases.append((np.full(128, 0x77, dtype=np.uint8), np.full((2, 128), 12 * sign, dtype=np.int8)))
     mixed = np.where(np.arange(128) % 3 == 0, 0xFF, 0x77).astype(np.uint8)  # -6 and 6
     cases.append((mixed, np.where(np.arange(128) % 2 == 0, 12, -12).astype(np.int8)[None].repeat(2, 0)))
     for codes, (x_even, x_odd) in cases:
-        x0, b0 = 5, 3
+        x0, b0 = rng.integers(0, 40, 2)
         low, high = (np.concatenate([np.zeros(x0, np.int8), x, np.ones(3, np.int8)]) for x in (x_even, x_odd))
         start = rng.integers(-5000, 5000, b0 + 8, dtype=np.int32)
         out = np.empty(8, dtype=np.float32)
@@ -130,7 +132,7 @@ def test_block_powers_of_the_scale_bytes_and_fields(count):
     """2 ** (scale byte + field - 127) per block, for scale bytes over their range and fields that bring the
     sum to 0..254 (0: +0.0); the masked form takes the bytes past ``count`` as 0 (the byte after the 8 is
     0xFF)."""
-    scale_codes = np.array([200, 0, 1, 127, 128, 254, 3, 200, 100, 7, 0xFF], dtype=np.uint8)
+    scale_codes = np.array([200, 0, 1, 127, 128, 254, 3, 200, 100, 0xFF], dtype=np.uint8)
     field = np.array([9, 0, 0, 0, 126, 0, 5, 54, 1, 77], dtype=np.int32)
     out = np.zeros(8, dtype=np.float32)
     _block_powers_of(scale_codes, 1, 0 if count is None else count, field, 1, out, count is not None)
@@ -180,7 +182,7 @@ def test_quantized_operands_are_the_quantizer_codes_and_their_operands(m, k):
         assert np.array_equal(got, want)
 
 
-@needs_vnni
+@needs_integer_products
 @pytest.mark.parametrize("m, n, k", [(1, 1, 32), (1, 13, 96), (2, 9, 256), (3, 17, 288), (4, 40, 544), (1, 24, 2080)])
 def test_exact_when_the_sums_are_exact(m, n, k):
     """Inputs whose float32 sums are all exact (few significant bits, one exponent range): the same values
@@ -193,7 +195,7 @@ def test_exact_when_the_sums_are_exact(m, n, k):
     assert torch.equal(y, x @ w.T)
 
 
-@needs_vnni
+@needs_integer_products
 @pytest.mark.parametrize("k", [96, 288])
 def test_a_short_last_step_reads_nothing_of_the_next_row(k):
     """K not a multiple of the 256-element step: a row's last step reads only its own code and scale bytes
@@ -208,7 +210,7 @@ def test_a_short_last_step_reads_nothing_of_the_next_row(k):
     assert torch.equal(y[:, 0], (x @ w[:1].T)[:, 0])
 
 
-@needs_vnni
+@needs_integer_products
 @pytest.mark.parametrize("seed", range(4))
 def test_within_the_summation_bound_for_wide_exponents(seed):
     """Values spread over 2^-30 .. 2^30: only the float32 summation order may differ from the exact product,
@@ -223,7 +225,7 @@ def test_within_the_summation_bound_for_wide_exponents(seed):
     assert ((y - exact).abs() <= k / 8 * 2.0**-24 * (x.abs() @ w.abs().T)).all()
 
 
-@needs_vnni
+@needs_integer_products
 def test_rows_outside_the_safe_range_are_left_to_the_float_kernel():
     """NaN blocks (0xFF), weights that overflow (0xFD: 6 * 2^126), scales too small for normal products, and
     sums that could overflow are flagged; the other rows are computed; a NaN/Inf block of x flags every row."""
@@ -250,7 +252,7 @@ def test_rows_outside_the_safe_range_are_left_to_the_float_kernel():
     assert fallback.all()
 
 
-@needs_vnni
+@needs_integer_products
 def test_zero_activation_needs_only_finite_weights():
     g = gen(8)
     w_codes, w_scales, w = quantized(3, 96, g)
@@ -263,7 +265,7 @@ def test_zero_activation_needs_only_finite_weights():
     assert (y[0, [0, 2]] == 0).all()
 
 
-@needs_vnni
+@needs_integer_products
 def test_thread_count_does_not_change_the_bits():
     """The serial version, and the parallel loop on one thread and on all: the same bits."""
     g = gen(9)
@@ -315,7 +317,7 @@ def test_lane_path_agrees_with_the_block_sums(spread):
 # ---- svd_quant through it -------------------------------------------------------------------------------
 
 
-@needs_vnni
+@needs_integer_products
 @pytest.mark.parametrize("m, n, k", [(1, 40, 96), (2, 33, 288), (4, 64, 2080)])
 def test_svd_quant_decode_with_flagged_rows_agrees_with_the_reference(m, n, k):
     """Integer rows and float32 rows in one call: bf16(P) of each row as the float32 weight-only kernel
@@ -336,16 +338,21 @@ def test_svd_quant_decode_with_flagged_rows_agrees_with_the_reference(m, n, k):
     assert torch.equal(out[:, 5], product[:, 0] + ((x @ d) @ u)[:, 5])
 
 
-@needs_vnni
-@pytest.mark.parametrize("flagged", [False, True])
-def test_decode_forms_give_the_same_bits(monkeypatch, flagged):
+@needs_integer_products
+@pytest.mark.parametrize("case", ["plain", "flagged row", "NaN in x", "Inf in d"])
+def test_decode_forms_give_the_same_bits(monkeypatch, case):
     """The decode by product_gemv's serial form, its parallel loop on one thread and on numba's threads (each
     picked by the weight-count thresholds), each in one numba call (a prepared weight) and as three (the
-    operator's direct call): the same bits, with and without a row left to the float32 kernel."""
+    operator's direct call): the same bits, with and without rows left to the float32 kernel (a NaN weight
+    block; every row for a NaN in x) and with the low-rank branch left to torch (an Inf in d)."""
     m, n, k = 2, 300, 544
     x, w, s, d, u = op.probe_inputs(m, n, k, 8, seed=12)
-    if flagged:
+    if case == "flagged row":
         s.view(n, -1)[7, 0] = 0xFF
+    elif case == "NaN in x":
+        x[1, 5] = float("nan")
+    elif case == "Inf in d":
+        d[3, 2] = float("inf")
     prepared = cpu_backend.SVD_QUANT.prepare(x.dtype, k, w, s, d, u)
     outs = []
     for serial_below, one_thread_below in ((1 << 40, 1 << 40), (0, 1 << 40), (0, 0)):
@@ -359,7 +366,7 @@ def test_decode_forms_give_the_same_bits(monkeypatch, flagged):
                 cpu_backend.SVD_QUANT.run(x, w, s, d, u, out=out)
             outs.append(out)
     assert op.agrees(outs[0], ref.svd_quant(x, w, s, d, u))
-    assert outs[0][:, 7].isnan().all() == flagged
+    assert outs[0][:, 7].isnan().all() == (case == "flagged row") and outs[0][1].isnan().all() == (case == "NaN in x")
     assert all(torch.equal(o.view(torch.int16), outs[0].view(torch.int16)) for o in outs[1:])
 
 

@@ -87,7 +87,7 @@ def block_sums(typingctx, table, packed, low, high, x0, start, b0):
 
 
 def _powers_ir(context, builder, sig, args, scale_bytes):
-    """<8 x float>: 2 ** (scale byte + field[b0 + b] - 127) per block (fields in 1..254)."""
+    """<8 x float>: 2 ** (scale byte + field[b0 + b] - 127) per block (sums in 0..254; 0 gives +0.0)."""
     fields = _load(context, builder, sig.args[-2], args[-2], args[-1], _V8D)
     exponent = builder.add(builder.zext(scale_bytes, _V8D), fields)
     return builder.bitcast(builder.shl(exponent, ir.Constant(_V8D, [23] * BLOCKS)), _V8F)
@@ -96,7 +96,8 @@ def _powers_ir(context, builder, sig, args, scale_bytes):
 @intrinsic
 def block_powers(typingctx, scale_codes, s0, field, b0):
     """F32N: per block b, the float32 2 ** (``scale_codes[s0 + b]`` + ``field[b0 + b]`` - 127), the field sum
-    in 1..254 (uint8 and int32 1-D C-contiguous arrays)."""
+    in 0..254, 0 giving +0.0 (a zero block of x and a weight scale byte of 0, or past K) (uint8 and int32 1-D
+    C-contiguous arrays)."""
 
     def codegen(context, builder, sig, args):
         scale_bytes = _load(context, builder, sig.args[0], args[0], args[1], ir.VectorType(_I8, BLOCKS))
