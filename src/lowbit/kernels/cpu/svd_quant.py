@@ -60,8 +60,9 @@ INTEGER_PRODUCTS = simd.HAS_VNNI or simd.HAS_AVX2  # else decode runs the float3
 # faster). AVX2's two-instruction emulation of vpdpbusd cost about what the float32 GEMV does per weight, so
 # the float GEMV's threshold holds there (AMD Zen 3, N = 2816, K = 2048, each call after an F.linear: 265-282 us
 # on two threads against 425-430 us on one; benchmarks/results_weight_only.md, 'svd_quant's product on AVX2').
-# The AVX2 figures here were measured before the block sums (BLOCK_SUMS), which take about a fifth less time
-# (one thread 232 -> 188 us, two 131 -> 113 us at 2816 x 2048): the thresholds were not measured again.
+# Measured again with the block sums (BLOCK_SUMS; AMD Zen 3, run_prepared after a 4096^2 F.linear, K = 2048):
+# one thread 185 / 212 / 247 / 290 us at N = 512 / 768 / 1024 / 1536, two 215 / 262 / 243 / 263 us: two threads
+# pay off from about 2-3M weights, so the threshold stays.
 _PRODUCT_ONE_THREAD_WEIGHTS = (2 if simd.HAS_VNNI else 1) * GEMV_ONE_THREAD_WEIGHTS
 # Weights below which product_gemv runs its serial version (see SerialOrParallel); from there to
 # _PRODUCT_ONE_THREAD_WEIGHTS its parallel loop on one thread, which is faster there with VNNI (AMD Zen 4: the
