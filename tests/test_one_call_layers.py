@@ -343,9 +343,11 @@ def svd_full_path(module, x):
 @pytest.mark.parametrize("has_bias", [True, False], ids=["bias", "no-bias"])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_svdquant_layer_decodes_and_adds_its_bias_in_one_call(has_bias, threads, monkeypatch):
-    """A BF16 svdquant layer's decode (x of 1 to 4 rows, any leading shape) with its bias added in the numba
-    call: the full path's bits (the operator, then torch's BF16 add), large layers on numba's threads too."""
-    layers = [svd_layer(has_bias), svd_layer(has_bias, k=2048, n=1600, seed=1)]
+    """A BF16 svdquant layer's decode (x of 1 to 4 rows, any leading shape, strided, with -0 and zero blocks)
+    with its bias added in the numba call: the full path's bits (the operator, then torch's BF16 add), for K
+    with a short last step of the products and large layers on numba's threads too."""
+    layers = [svd_layer(has_bias), svd_layer(has_bias, k=288, n=33, seed=2),
+              svd_layer(has_bias, k=2048, n=1600, seed=1)]
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -353,6 +355,8 @@ def test_svdquant_layer_decodes_and_adds_its_bias_in_one_call(has_bias, threads,
             k = module.in_features
             xs = [random_x(shape, torch.bfloat16, seed) for seed, shape in enumerate([(1, k), (k,), (3, k), (2, 2, k)])]
             xs[2][1, :64] = 0  # zero blocks
+            xs[2][2, 64:70] = -0.0
+            xs.append(random_x((2, 2 * k), torch.bfloat16, 9)[:, ::2])  # not contiguous
             wants = [svd_full_path(module, x) for x in xs]
             with monkeypatch.context() as patch:
                 patch.setattr(SVDQuantLinearDeploy, "compute", lambda self, x_q: pytest.fail("took the full path"))
@@ -366,7 +370,8 @@ def test_svdquant_layer_decodes_and_adds_its_bias_in_one_call(has_bias, threads,
 
 @pytest.mark.skipif(not svd_cpu.INTEGER_PRODUCTS, reason="the one call needs the integer products")
 def test_svdquant_inputs_the_one_call_leaves_to_the_full_path(monkeypatch):
-    """NaN in x (rows left to the float32 kernel), a weight block of NaN, a NaN bias (torch's NaN bits), five
+    """NaN in x (rows left to the float32 kernel), a subnormal x (the low-rank branch left to torch), a weight
+    block of NaN, a NaN bias (torch's NaN bits), five
     rows, an FP16 layer, a bias that requires grad, the reference backend: the full path is taken and its bits
     are the result; an infinite bias stays in the one call."""
     compute, taken = SVDQuantLinearDeploy.compute, []
@@ -390,6 +395,9 @@ def test_svdquant_inputs_the_one_call_leaves_to_the_full_path(monkeypatch):
     nan_x = x.clone()
     nan_x[0, 3] = float("nan")
     assert check(module, nan_x).isnan().all()
+    subnormal_x = x.clone()
+    subnormal_x[0, 7] = 2.0**-130  # a subnormal product in the low-rank branch: torch's matmuls decide
+    check(module, subnormal_x)
     check(module, random_x((5, K), torch.bfloat16, 7))
     with lowbit.use_backend("reference"):
         check(module, x)
