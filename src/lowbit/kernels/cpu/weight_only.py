@@ -1980,23 +1980,24 @@ def _nibble_rows(row_sum, block_step, block_steps, pairs, pair_sums, x_reg, scal
         operands = (scales_flat, packed_flat, np.uint64(ROW_BLOCK * packed.shape[1]))
         m = 0
         while m < m_rows:
-            if count == ROW_BLOCK and _all_fused(fused, m, lows, highs, count):
-                if pairs and m + 1 < m_rows and _all_fused(fused, m + 1, lows, highs, count):
-                    first, second = _block_sums_pair(block_step, _fma_products, _row_sum_nibbles, _x_step, x_flat,
-                                                     m * kp, (m + 1) * kp, block_steps, operands, starts)
-                    _store_block(y32, m, row, first)
-                    _store_block(y32, m + 1, row, second)
-                    m += 2
+            if BLOCK_ROWS:  # a constant: on other CPUs numba prunes the block code before compiling it
+                if count == ROW_BLOCK and _all_fused(fused, m, lows, highs, count):
+                    if pairs and m + 1 < m_rows and _all_fused(fused, m + 1, lows, highs, count):
+                        first, second = _block_sums_pair(block_step, _fma_products, _row_sum_nibbles, _x_step, x_flat,
+                                                         m * kp, (m + 1) * kp, block_steps, operands, starts)
+                        _store_block(y32, m, row, first)
+                        _store_block(y32, m + 1, row, second)
+                        m += 2
+                        continue
+                if count == ROW_BLOCK and pair_steps > 0 and _all_fused(paired, m, lows, highs, count):
+                    _store_block(y32, m, row, pair_sums(xp_flat, m * kq, pair_steps, operands, starts))
+                    m += 1
                     continue
-            if count == ROW_BLOCK and pair_steps > 0 and _all_fused(paired, m, lows, highs, count):
-                _store_block(y32, m, row, pair_sums(xp_flat, m * kq, pair_steps, operands, starts))
-                m += 1
-                continue
-            if count == ROW_BLOCK and _all_fused(fused, m, lows, highs, count):
-                _store_block(y32, m, row, _block_sums(block_step, _fma_products, _row_sum_nibbles, _x_step, x_flat,
-                                                      m * kp, block_steps, operands, starts))
-                m += 1
-                continue
+                if count == ROW_BLOCK and _all_fused(fused, m, lows, highs, count):
+                    _store_block(y32, m, row, _block_sums(block_step, _fma_products, _row_sum_nibbles, _x_step, x_flat,
+                                                          m * kp, block_steps, operands, starts))
+                    m += 1
+                    continue
             for r in range(count):
                 b0 = (row + r) * blocks
                 if fused[m, lows[r]] and fused[m, highs[r]]:
