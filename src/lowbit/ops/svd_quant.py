@@ -62,10 +62,11 @@ def probe_inputs(m: int, n: int, k: int, r: int, seed: int = 0) -> tuple[torch.T
 
 
 def _probes():
-    """Prefill with K % 64 == 0, decode (M = 1) with K % 64 == 32, a single block of K, sizes that are not
-    multiples of the Triton tiles, a 3-D activation, and rows with a zero block, a NaN and an Inf (on both
-    the prefill and the decode path)."""
-    yield probe_inputs(5, 40, 128, 32)
+    """Prefill with K % 64 == 0 (65 rows: more than the CPU's batched kernels take, so its GEMM path too),
+    decode (M = 1) with K % 64 == 32, a single block of K, sizes that are not multiples of the Triton tiles,
+    a 3-D activation, and rows with a zero block, a NaN and an Inf (on both the prefill and the decode
+    path)."""
+    yield probe_inputs(65, 40, 128, 32)
     yield probe_inputs(1, 64, 96, 32, seed=1)
     yield probe_inputs(33, 72, 32, 8, seed=2)
     x, w, s, d, u = probe_inputs(6, 24, 64, 16, seed=3)
