@@ -237,8 +237,10 @@ def _msd_preprocess(x32, group_size, a_i8, a_max, a_sum):
 
 _SERIAL_PREPROCESS_MAX = 1 << 16  # elements of x up to which the pre-process runs on the calling thread
 # Products (rows of x times weights; packing: weights) below which a whole call runs on the calling thread (the
-# kernels' serial versions, see SerialOrParallel): waking numba's threads costs more than they save there.
-_ONE_THREAD_WORK = 1 << 19
+# kernels' serial versions, see SerialOrParallel): waking numba's threads costs more than they save there. An
+# int4 layer's decode (M = 1) after a two-thread F.linear, AMD EPYC Zen 3: serial and parallel cost the same at
+# 1.2-1.6M weights (1536 x 384: 35-39 us on the calling thread, 49-50 us on two; docs/wqbmm.md, 'Threads').
+_ONE_THREAD_WORK = 3 << 19
 _PARALLEL_CHUNK = 4  # prange iterations (32-column tiles) a thread takes at a time (raw-weight blocks: 1)
 
 
