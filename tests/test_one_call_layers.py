@@ -16,6 +16,7 @@ from lowbit.kernels.cpu import weight_only as cpu
 from lowbit.kernels.cpu.weight_only import GEMV_MAX_M
 from lowbit.ops.library import PreparedCall
 from lowbit.kernels.cpu import svd_quant as svd_cpu
+from lowbit.kernels.cpu import wqbmm as wqbmm_cpu
 from lowbit.quantize.modules import (INT4_MSD_MAX_ROWS, Int4Linear, PackedLinear, QuantizedLinearBase,
                                      SVDQuantLinearDeploy)
 
@@ -150,8 +151,9 @@ def test_the_one_call_follows_every_change_of_the_layers_tensors(one_call_only):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_a_layer_large_enough_for_numbas_threads(dtype, one_call_only):
     """M * K * N past the kernel's one-thread work: the preload on numba's threads, in the same one call."""
-    module = layer(dtype, symmetric=False, k=1024, n=600)
+    module = layer(dtype, symmetric=False, k=1024, n=1600)
     xs = [random_x((m, 1024), dtype, m) for m in (1, 3)]
+    assert 1 * 1024 * 1600 >= wqbmm_cpu._ONE_THREAD_WORK  # every x here takes the parallel preload
     previous = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
