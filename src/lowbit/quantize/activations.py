@@ -15,7 +15,8 @@ import torch
 
 from lowbit.backends import get_backend
 from lowbit.errors import ShapeError
-from lowbit.formats import mxfp8
+from lowbit.formats import mxfp4, mxfp8
+from lowbit.ops.library import plain_context, plain_tensor
 from lowbit.ops.mxfp4 import mxfp4_dequantize, mxfp4_quantize
 from lowbit.quantize.algorithms import dynamic_token_scale
 from lowbit.quantize.elements import e4m3_codes, e4m3_values, hif8_round_trip
@@ -67,6 +68,21 @@ def _mxfp8_fake_quant(x: torch.Tensor) -> torch.Tensor:
     return mxfp8.dequantize(*mxfp8.quantize(x), x.dtype)
 
 
+def _mxfp4_fake_quant(x: torch.Tensor) -> torch.Tensor:
+    """MXFP4 quantize-dequantize of x in its dtype (blocks of 32 along the last axis, MXFP4_ACT_RULE): for a
+    plain CPU tensor in a plain context (lowbit.ops.library) the numba kernel in one pass, the two operators'
+    bits without their two dispatches (imported on first use); otherwise, or under the "reference" backend,
+    the operators."""
+    if x.dtype in mxfp4.INPUT_DTYPES and plain_tensor(x) and plain_context() and get_backend() != "reference":
+        from lowbit.kernels.cpu.mxfp4 import fake_quantize
+
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        fake_quantize(x, 32, *MXFP4_ACT_RULE, out=out)
+        return out
+    return mxfp4_dequantize(*mxfp4_quantize(x, 32, *MXFP4_ACT_RULE), x.dtype)
+
+
 def fake_quant_input(x: torch.Tensor, kind: str, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Quantize-dequantize ``x`` (..., K) by ``kind``; ``scale`` (float32 [1]) for the static kinds."""
     if kind == "none":
@@ -87,5 +103,5 @@ def fake_quant_input(x: torch.Tensor, kind: str, scale: Optional[torch.Tensor] =
     if kind == "mxfp8":
         return _mxfp8_fake_quant(x)
     if kind == "mxfp4":
-        return mxfp4_dequantize(*mxfp4_quantize(x, 32, *MXFP4_ACT_RULE), x.dtype)
+        return _mxfp4_fake_quant(x)
     raise ValueError(f"unknown activation quantization kind {kind!r}; expected one of {ACT_KINDS}")
