@@ -30,11 +30,11 @@ from numba.extending import intrinsic
 from lowbit.errors import DeviceError, DtypeError, ShapeError
 from lowbit.formats import mxfp8 as ref
 from lowbit.kernels.cpu import _simd as simd
-from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, as_numpy, kernel_threads
+from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, SerialOrParallel, as_numpy, runs_serially
 
 BLOCK = ref.BLOCK  # = simd.LANES: one block is one F32V
 _BLOCKS_PER_TASK = 256
-_ONE_THREAD_ELEMENTS = 1 << 16  # smaller inputs run on one thread (waking threads costs more)
+_ONE_THREAD_ELEMENTS = 1 << 16  # smaller inputs: the serial kernels, on the calling thread (no thread wake-up)
 _KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _E4M3_MAX_BITS = 0x43E00000  # 448.0, the largest E4M3 value
 _E4M3_MIN_NORMAL_BITS = 0x3C800000  # 2^-6: below it E4M3 is subnormal, a multiple of 2^-9
@@ -148,7 +148,7 @@ def _magnitude(magnitude_bits):
     return math.ldexp(fraction + (1 << 23), exponent - 150)
 
 
-@numba.njit(**PARALLEL_NJIT_OPTIONS)
+@SerialOrParallel
 def _fake_quantize(x_bits, kind, out_bits):
     """out_bits <- fake-quantized x_bits (flat arrays of the same length, a multiple of 32): int16 BF16
     (``kind`` 0) or FP16 (1) bit patterns, or int32 float32 bit patterns (2)."""
@@ -179,7 +179,7 @@ def _fake_quantize(x_bits, kind, out_bits):
                 out_bits[at : at + BLOCK] = bits
 
 
-@numba.njit(**PARALLEL_NJIT_OPTIONS)
+@SerialOrParallel
 def _fake_quantize_in_registers(x_bits, kind, out_bits):
     """_fake_quantize with each block in one F32V (AVX512-BW: _e4m3_block), no per-block arrays."""
     n_blocks = x_bits.size // BLOCK
@@ -226,7 +226,6 @@ def fake_quantize(x: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty_like(x)
     if x.numel():
-        with kernel_threads(x.numel(), _ONE_THREAD_ELEMENTS):
-            kernel = _fake_quantize_in_registers if HAS_AVX512BW else _fake_quantize
-            kernel(_bits(x), _KIND[x.dtype], _bits(out))
+        kernel = _fake_quantize_in_registers if HAS_AVX512BW else _fake_quantize
+        kernel(_bits(x), _KIND[x.dtype], _bits(out), serial=runs_serially(x.numel(), _ONE_THREAD_ELEMENTS))
     return out
