@@ -154,6 +154,15 @@ def plain_tensor(arg: Any) -> bool:
     return keys == _PLAIN_CPU_KEYS or keys == _INFERENCE_CPU_KEYS
 
 
+def direct_cpu_kernel(t: Any, dtypes: tuple) -> bool:
+    """Whether ``t`` may go straight to an operator's CPU kernel, skipping the operator (the same bits without
+    its dispatch, which costs tens of microseconds a call after other work): a plain CPU tensor of one of
+    ``dtypes`` (:func:`plain_tensor`) in a plain context (:func:`plain_context`), the backend setting not
+    "reference" (which asks for the reference code)."""
+    return (isinstance(t, torch.Tensor) and t.dtype in dtypes and plain_tensor(t) and plain_context()
+            and backends.get_backend() != "reference")
+
+
 _INT64 = (-(2**63), 2**63 - 1)
 
 

@@ -13,10 +13,9 @@ from typing import Optional
 
 import torch
 
-from lowbit.backends import get_backend
 from lowbit.errors import ShapeError
 from lowbit.formats import mxfp4, mxfp8
-from lowbit.ops.library import plain_context, plain_tensor
+from lowbit.ops.library import direct_cpu_kernel
 from lowbit.ops.mxfp4 import mxfp4_dequantize, mxfp4_quantize
 from lowbit.quantize.algorithms import dynamic_token_scale
 from lowbit.quantize.elements import e4m3_codes, e4m3_values, hif8_round_trip
@@ -59,9 +58,10 @@ def deploy_static_input(x: torch.Tensor, kind: str, scale: torch.Tensor, out_dty
 
 
 def _mxfp8_fake_quant(x: torch.Tensor) -> torch.Tensor:
-    """MXFP8 quantize-dequantize of x in its dtype: the numba kernel on the CPU (the same bits, one pass;
-    imported on first use), the reference elsewhere or under the "reference" backend."""
-    if x.device.type == "cpu" and get_backend() != "reference" and x.dtype in mxfp8.FLOAT_DTYPES:
+    """MXFP8 quantize-dequantize of x in its dtype: the numba kernel where x may go straight to it
+    (lowbit.ops.library.direct_cpu_kernel: the same bits, one pass; imported on first use), else the
+    reference."""
+    if direct_cpu_kernel(x, mxfp8.FLOAT_DTYPES):
         from lowbit.kernels.cpu.mxfp8 import fake_quantize
 
         return fake_quantize(x)
@@ -69,11 +69,10 @@ def _mxfp8_fake_quant(x: torch.Tensor) -> torch.Tensor:
 
 
 def _mxfp4_fake_quant(x: torch.Tensor) -> torch.Tensor:
-    """MXFP4 quantize-dequantize of x in its dtype (blocks of 32 along the last axis, MXFP4_ACT_RULE): for a
-    plain CPU tensor in a plain context (lowbit.ops.library) the numba kernel in one pass, the two operators'
-    bits without their two dispatches (imported on first use); otherwise, or under the "reference" backend,
-    the operators."""
-    if x.dtype in mxfp4.INPUT_DTYPES and plain_tensor(x) and plain_context() and get_backend() != "reference":
+    """MXFP4 quantize-dequantize of x in its dtype (blocks of 32 along the last axis, MXFP4_ACT_RULE): the
+    numba kernel in one pass where x may go straight to it (lowbit.ops.library.direct_cpu_kernel: the two
+    operators' bits without their dispatches; imported on first use), else the two operators."""
+    if direct_cpu_kernel(x, mxfp4.INPUT_DTYPES):
         from lowbit.kernels.cpu.mxfp4 import fake_quantize
 
         x = x.contiguous()

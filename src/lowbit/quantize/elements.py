@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from lowbit.backends import get_backend
 from lowbit.formats import hifloat8 as hif8_reference
 from lowbit.formats.mxfp8 import e4m3_codes, e4m3_values
 from lowbit.ops.hifloat8 import decode_from_hifloat8, encode_to_hifloat8
-from lowbit.ops.library import plain_context, plain_tensor
+from lowbit.ops.library import direct_cpu_kernel
 
 __all__ = ["e4m3_codes", "e4m3_values", "hif8_codes", "hif8_values", "hif8_round_trip"]
 
@@ -30,18 +29,11 @@ def bf16_round_to_odd(v: torch.Tensor) -> torch.Tensor:
     return high.to(torch.int16).view(torch.bfloat16)
 
 
-def _on_cpu_kernels(t: torch.Tensor, dtypes: tuple) -> bool:
-    """Whether ``t`` goes straight to the CPU kernels (the operators' native kernels: their bits, without the
-    operator's dispatch, tens of microseconds a call after other work): a plain CPU tensor of one of
-    ``dtypes`` (lowbit.ops.library.plain_tensor) in a plain context, the backend setting not "reference"."""
-    return t.dtype in dtypes and plain_tensor(t) and plain_context() and get_backend() != "reference"
-
-
 def hif8_codes(v: torch.Tensor) -> torch.Tensor:
     """HiF8 codes (uint8, v's shape) of a FP16/BF16/FP32 tensor, one rounding (ties away), saturating."""
     if v.dtype == torch.float32:
         v = bf16_round_to_odd(v)
-    if _on_cpu_kernels(v, (torch.float16, torch.bfloat16)):
+    if direct_cpu_kernel(v, (torch.float16, torch.bfloat16)):
         from lowbit.kernels.cpu.hifloat8 import ENCODE
 
         codes = torch.empty(v.shape, dtype=torch.uint8)
@@ -54,7 +46,7 @@ def hif8_values(codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Exact values of HiF8 ``codes`` in ``dtype`` (FP16/BF16/FP32)."""
     if dtype == torch.float32:
         return hif8_reference.decode(codes, torch.float32)
-    if dtype in (torch.float16, torch.bfloat16) and _on_cpu_kernels(codes, (torch.uint8,)):
+    if dtype in (torch.float16, torch.bfloat16) and direct_cpu_kernel(codes, (torch.uint8,)):
         from lowbit.kernels.cpu.hifloat8 import DECODE
 
         values = torch.empty(codes.shape, dtype=dtype)
