@@ -15,7 +15,6 @@ from lowbit.formats import mxfp4
 from lowbit.kernels.cpu import _simd as simd
 from lowbit.kernels.cpu import mxfp4 as cpu_kernels
 from lowbit.ops.mxfp4 import DEQUANTIZE, QUANTIZE
-from lowbit.quantize.activations import MXFP4_ACT_RULE, fake_quant_input
 
 triton_kernels = pytest.importorskip("lowbit.kernels.triton.mxfp4", reason="triton is not installed")
 
@@ -199,34 +198,6 @@ def test_numba_fake_quantize_is_quantize_then_dequantize(dtype, out_dtype):
         cpu_kernels.fake_quantize(x, block_size, "even", "rne", out=got)
         want = mxfp4.dequantize(*mxfp4.quantize(x, block_size, "even", "rne"), out_dtype or dtype)
         assert_same([got], [want])
-
-
-@pytest.mark.parametrize("dtype", mxfp4.INPUT_DTYPES)
-def test_activation_fake_quant_is_the_operators_round_trip(dtype):
-    """MXFP4 activations (lowbit.quantize.activations, the W4A4 layers' x): the numba kernel in one pass for a
-    plain CPU tensor gives the two operators' bits (the reference backend's) with the activation rule, for edge
-    rows, a 3-D x, a strided x, an odd number of blocks and no rows; an x requiring grad or a meta x takes the
-    operators (not the kernel)."""
-    x = edge_rows(dtype)
-    cases = [x, x.reshape(2, -1, 64), x[:, ::2], torch.cat([x, x[:, :32]], 1), torch.zeros(0, 64, dtype=dtype)]
-    for case in cases:
-        fast = fake_quant_input(case, "mxfp4")
-        with lowbit.use_backend("reference"):
-            slow = fake_quant_input(case, "mxfp4")
-        want = mxfp4.dequantize(*mxfp4.quantize(case, 32, *MXFP4_ACT_RULE), dtype)
-        assert_same([fast], [slow])
-        assert_same([fast], [want])
-    calls = []
-    leaf = x.detach().requires_grad_()
-    with pytest.MonkeyPatch.context() as patch:  # the kernel recorded, not run
-        patch.setattr(cpu_kernels, "fake_quantize", lambda *args, **kwargs: calls.append(args))
-        fake_quant_input(x, "mxfp4")
-        assert len(calls) == 1  # a plain x: the kernel
-        for other in (leaf, x.to("meta")):
-            assert fake_quant_input(other, "mxfp4").device == other.device
-        assert len(calls) == 1  # the operators
-    want = mxfp4.dequantize(*mxfp4.quantize(x, 32, *MXFP4_ACT_RULE), dtype)
-    assert_same([fake_quant_input(leaf, "mxfp4").detach()], [want])
 
 
 @pytest.mark.parametrize("backend", ["reference", "native"])

@@ -154,13 +154,27 @@ def plain_tensor(arg: Any) -> bool:
     return keys == _PLAIN_CPU_KEYS or keys == _INFERENCE_CPU_KEYS
 
 
-def direct_cpu_kernel(t: Any, dtypes: tuple) -> bool:
-    """Whether ``t`` may go straight to an operator's CPU kernel, skipping the operator (the same bits without
-    its dispatch, which costs tens of microseconds a call after other work): a plain CPU tensor of one of
-    ``dtypes`` (:func:`plain_tensor`) in a plain context (:func:`plain_context`), the backend setting not
-    "reference" (which asks for the reference code)."""
-    return (isinstance(t, torch.Tensor) and t.dtype in dtypes and plain_tensor(t) and plain_context()
-            and backends.get_backend() != "reference")
+def direct_cpu_kernel(op: Operator, args: Sequence) -> bool:
+    """Whether a caller may run ``op``'s native CPU kernel on ``args`` itself, skipping the operator (the
+    operator's bits without its dispatch and checks, which cost tens of microseconds a call after other work):
+    every tensor argument a plain CPU tensor (:func:`plain_tensor`) in a plain context (:func:`plain_context`),
+    the backend setting not "reference", and the native kernel passing auto's self-check for the arguments'
+    dtypes (one that fails it or cannot load leaves the call to the operator, whatever the setting). The
+    caller checks the arguments as the operator would, passes them dense and aligned (backends.dense_aligned)
+    with fresh outputs, and records the run (``op.record("native")``)."""
+    if not (plain_context() and all(plain_tensor(a) for a in args if isinstance(a, torch.Tensor))):
+        return False
+    setting = backends.get_backend()
+    if setting == "reference":
+        return False
+    key = (op, setting, backends.dtype_signature(args))
+    allowed = _DIRECT.get(key)
+    if allowed is None:  # the self-check's answer, kept by the operator too, read here with one look-up
+        allowed = _DIRECT[key] = op.auto_check_error("cpu", args) is None
+    return allowed
+
+
+_DIRECT: dict = {}  # (operator, backend setting, dtype signature) -> direct_cpu_kernel's answer
 
 
 _INT64 = (-(2**63), 2**63 - 1)

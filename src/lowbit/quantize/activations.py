@@ -13,10 +13,11 @@ from typing import Optional
 
 import torch
 
+from lowbit.backends import dense_aligned, get_backend
 from lowbit.errors import ShapeError
 from lowbit.formats import mxfp4, mxfp8
-from lowbit.ops.library import direct_cpu_kernel
-from lowbit.ops.mxfp4 import mxfp4_dequantize, mxfp4_quantize
+from lowbit.ops.library import direct_cpu_kernel, plain_context, plain_tensor
+from lowbit.ops.mxfp4 import DEQUANTIZE, QUANTIZE, mxfp4_dequantize, mxfp4_quantize
 from lowbit.quantize.algorithms import dynamic_token_scale
 from lowbit.quantize.elements import e4m3_codes, e4m3_values, hif8_round_trip
 
@@ -58,28 +59,35 @@ def deploy_static_input(x: torch.Tensor, kind: str, scale: torch.Tensor, out_dty
 
 
 def _mxfp8_fake_quant(x: torch.Tensor) -> torch.Tensor:
-    """MXFP8 quantize-dequantize of x in its dtype: the numba kernel where x may go straight to it
-    (lowbit.ops.library.direct_cpu_kernel: the same bits, one pass; imported on first use), else the
-    reference."""
-    if direct_cpu_kernel(x, mxfp8.FLOAT_DTYPES):
+    """MXFP8 quantize-dequantize of x in its dtype: the numba kernel (the reference's bits in one pass;
+    imported on first use) for a plain CPU tensor in a plain context (lowbit.ops.library), else, or under the
+    "reference" backend, the reference."""
+    if x.dtype in mxfp8.FLOAT_DTYPES and plain_tensor(x) and plain_context() and get_backend() != "reference":
         from lowbit.kernels.cpu.mxfp8 import fake_quantize
 
         return fake_quantize(x)
     return mxfp8.dequantize(*mxfp8.quantize(x), x.dtype)
 
 
+_NO_BYTES = torch.zeros(0, dtype=torch.uint8)  # stands for MXFP4 codes and scales in a dtype signature
+
+
 def _mxfp4_fake_quant(x: torch.Tensor) -> torch.Tensor:
-    """MXFP4 quantize-dequantize of x in its dtype (blocks of 32 along the last axis, MXFP4_ACT_RULE): the
-    numba kernel in one pass where x may go straight to it (lowbit.ops.library.direct_cpu_kernel: the two
-    operators' bits without their dispatches; imported on first use), else the two operators."""
-    if direct_cpu_kernel(x, mxfp4.INPUT_DTYPES):
+    """MXFP4 quantize-dequantize of x in its dtype (blocks of 32 along the last axis, MXFP4_ACT_RULE): where
+    both operators may leave the call to their CPU kernels (lowbit.ops.library.direct_cpu_kernel), the MXFP4
+    kernel's one-pass form (their bits without their dispatches; imported on first use), else the operators."""
+    args = (x, 32, *MXFP4_ACT_RULE, -1)
+    if (x.dtype in mxfp4.INPUT_DTYPES and direct_cpu_kernel(QUANTIZE, args)
+            and direct_cpu_kernel(DEQUANTIZE, (_NO_BYTES, _NO_BYTES, x.dtype, -1))):
         from lowbit.kernels.cpu.mxfp4 import fake_quantize
 
-        x = x.contiguous()
+        x = dense_aligned(x)
         out = torch.empty_like(x)
-        fake_quantize(x, 32, *MXFP4_ACT_RULE, out=out)
+        fake_quantize(x, *args[1:4], out=out)
+        QUANTIZE.record("native")
+        DEQUANTIZE.record("native")
         return out
-    return mxfp4_dequantize(*mxfp4_quantize(x, 32, *MXFP4_ACT_RULE), x.dtype)
+    return mxfp4_dequantize(*mxfp4_quantize(*args), x.dtype)
 
 
 def fake_quant_input(x: torch.Tensor, kind: str, scale: Optional[torch.Tensor] = None) -> torch.Tensor:

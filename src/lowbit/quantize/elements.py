@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import torch
 
+from lowbit.backends import dense_aligned
 from lowbit.formats import hifloat8 as hif8_reference
 from lowbit.formats.mxfp8 import e4m3_codes, e4m3_values
-from lowbit.ops.hifloat8 import decode_from_hifloat8, encode_to_hifloat8
+from lowbit.ops import hifloat8 as hifloat8_ops
 from lowbit.ops.library import direct_cpu_kernel
 
 __all__ = ["e4m3_codes", "e4m3_values", "hif8_codes", "hif8_values", "hif8_round_trip"]
@@ -33,26 +34,29 @@ def hif8_codes(v: torch.Tensor) -> torch.Tensor:
     """HiF8 codes (uint8, v's shape) of a FP16/BF16/FP32 tensor, one rounding (ties away), saturating."""
     if v.dtype == torch.float32:
         v = bf16_round_to_odd(v)
-    if direct_cpu_kernel(v, (torch.float16, torch.bfloat16)):
+    if v.dtype in hifloat8_ops.ENCODE_INPUT_DTYPES and direct_cpu_kernel(hifloat8_ops.ENCODE, (v,)):
         from lowbit.kernels.cpu.hifloat8 import ENCODE
 
         codes = torch.empty(v.shape, dtype=torch.uint8)
-        ENCODE.run(v.contiguous(), out=codes)
+        ENCODE.run(dense_aligned(v), out=codes)
+        hifloat8_ops.ENCODE.record("native")
         return codes
-    return encode_to_hifloat8(v)
+    return hifloat8_ops.encode_to_hifloat8(v)
 
 
 def hif8_values(codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Exact values of HiF8 ``codes`` in ``dtype`` (FP16/BF16/FP32)."""
     if dtype == torch.float32:
         return hif8_reference.decode(codes, torch.float32)
-    if dtype in (torch.float16, torch.bfloat16) and direct_cpu_kernel(codes, (torch.uint8,)):
+    if (dtype in hifloat8_ops.DECODE_OUTPUT_DTYPES and isinstance(codes, torch.Tensor) and codes.dtype == torch.uint8
+            and direct_cpu_kernel(hifloat8_ops.DECODE, (codes, dtype))):
         from lowbit.kernels.cpu.hifloat8 import DECODE
 
         values = torch.empty(codes.shape, dtype=dtype)
-        DECODE.run(codes.contiguous(), dtype, out=values)
+        DECODE.run(dense_aligned(codes), dtype, out=values)
+        hifloat8_ops.DECODE.record("native")
         return values
-    return decode_from_hifloat8(codes, dtype)
+    return hifloat8_ops.decode_from_hifloat8(codes, dtype)
 
 
 def hif8_round_trip(v: torch.Tensor) -> torch.Tensor:
