@@ -107,7 +107,9 @@ def test_mxfp4_activations_give_the_operators_bits(dtype):
     g = torch.Generator().manual_seed(6)
     x = (torch.randn(6, 96, generator=g) * torch.exp2(torch.randint(-12, 12, (6, 96), generator=g).float())).to(dtype)
     x[0, :32], x[1, 5], x[2, 40], x[3, 64:] = 0.0, float("nan"), float("-inf"), torch.finfo(dtype).max
-    x[4, :3] = torch.tensor([-0.0, torch.finfo(dtype).tiny, 0.5 * 6.0])  # a tie of E2M1's largest step
+    x[4, :3] = torch.tensor([-0.0, torch.finfo(dtype).tiny, torch.finfo(dtype).tiny / 4])  # -0, tiny, subnormal
+    x[5, :32] = 0.0  # a block of scale 2^0 (largest 6) holding E2M1's ties: 0.25, 1.25, 1.75, 2.5, 5 (ties away)
+    x[5, :6] = torch.tensor([6.0, 0.25, -1.25, 1.75, -2.5, 5.0])
     for case in (x, x.reshape(2, 3, 96), x[:, ::2][:, :32], torch.cat([x, x[:, :32]], 1), at_odd_offset(x), x[:0]):
         fast = fake_quant_input(case, "mxfp4")
         assert lowbit.last_backend("mxfp4_quantize") == "native" == lowbit.last_backend("mxfp4_dequantize")

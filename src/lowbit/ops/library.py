@@ -154,27 +154,40 @@ def plain_tensor(arg: Any) -> bool:
     return keys == _PLAIN_CPU_KEYS or keys == _INFERENCE_CPU_KEYS
 
 
-def direct_cpu_kernel(op: Operator, args: Sequence) -> bool:
-    """Whether a caller may run ``op``'s native CPU kernel on ``args`` itself, skipping the operator (the
-    operator's bits without its dispatch and checks, which cost tens of microseconds a call after other work):
-    every tensor argument a plain CPU tensor (:func:`plain_tensor`) in a plain context (:func:`plain_context`),
-    the backend setting not "reference", and the native kernel passing auto's self-check for the arguments'
-    dtypes (one that fails it or cannot load leaves the call to the operator, whatever the setting). The
-    caller checks the arguments as the operator would, passes them dense and aligned (backends.dense_aligned)
-    with fresh outputs, and records the run (``op.record("native")``)."""
+def direct_cpu_kernel(op: Operator, args: Sequence) -> Optional[Kernel]:
+    """``op``'s native CPU kernel where a caller may run it on ``args`` itself, skipping the operator (the
+    operator's bits without its dispatch and checks, which cost tens of microseconds a call after other work),
+    else None (the caller calls the operator): every tensor argument a plain CPU tensor (:func:`plain_tensor`)
+    in a plain context (:func:`plain_context`), the backend setting not "reference", and the kernel passing
+    auto's self-check for the arguments' dtypes (one that fails it or cannot load leaves the call to the
+    operator, whatever the setting). The caller checks the arguments as the operator would, passes them dense
+    and aligned with fresh outputs, and records the run (``op.record("native")``): :func:`run_direct` does."""
     if not (plain_context() and all(plain_tensor(a) for a in args if isinstance(a, torch.Tensor))):
-        return False
+        return None
     setting = backends.get_backend()
     if setting == "reference":
-        return False
+        return None
     key = (op, setting, backends.dtype_signature(args))
-    allowed = _DIRECT.get(key)
-    if allowed is None:  # the self-check's answer, kept by the operator too, read here with one look-up
-        allowed = _DIRECT[key] = op.auto_check_error("cpu", args) is None
-    return allowed
+    if key not in _DIRECT:  # the self-check's answer, kept by the operator too, read here with one look-up
+        _DIRECT[key] = op.native_kernel("cpu") if op.auto_check_error("cpu", args) is None else None
+    return _DIRECT[key]
 
 
 _DIRECT: dict = {}  # (operator, backend setting, dtype signature) -> direct_cpu_kernel's answer
+
+
+def run_direct(op: Operator, args: tuple, shape: Sequence[int], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """``op(*args)``, its one output of ``shape`` and ``dtype`` (the caller's checks: those the operator makes),
+    computed by its native CPU kernel where :func:`direct_cpu_kernel` allows, the inputs made dense and aligned
+    and the run recorded; None elsewhere (the caller calls the operator)."""
+    kernel = direct_cpu_kernel(op, args)
+    if kernel is None:
+        return None
+    out = torch.empty(shape, dtype=dtype)
+    if out.numel():
+        kernel.run(*(backends.dense_aligned(a) if isinstance(a, torch.Tensor) else a for a in args), out=out)
+    op.record("native")
+    return out
 
 
 _INT64 = (-(2**63), 2**63 - 1)

@@ -77,8 +77,8 @@ def _mxfp4_fake_quant(x: torch.Tensor) -> torch.Tensor:
     both operators may leave the call to their CPU kernels (lowbit.ops.library.direct_cpu_kernel), the MXFP4
     kernel's one-pass form (their bits without their dispatches; imported on first use), else the operators."""
     args = (x, 32, *MXFP4_ACT_RULE, -1)
-    if (x.dtype in mxfp4.INPUT_DTYPES and direct_cpu_kernel(QUANTIZE, args)
-            and direct_cpu_kernel(DEQUANTIZE, (_NO_BYTES, _NO_BYTES, x.dtype, -1))):
+    if (x.dtype in mxfp4.INPUT_DTYPES and direct_cpu_kernel(QUANTIZE, args) is not None
+            and direct_cpu_kernel(DEQUANTIZE, (_NO_BYTES, _NO_BYTES, x.dtype, -1)) is not None):
         from lowbit.kernels.cpu.mxfp4 import fake_quantize
 
         x = dense_aligned(x)

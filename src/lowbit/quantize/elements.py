@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from lowbit.backends import dense_aligned
 from lowbit.formats import hifloat8 as hif8_reference
 from lowbit.formats.mxfp8 import e4m3_codes, e4m3_values
 from lowbit.ops import hifloat8 as hifloat8_ops
-from lowbit.ops.library import direct_cpu_kernel
+from lowbit.ops.library import run_direct
 
 __all__ = ["e4m3_codes", "e4m3_values", "hif8_codes", "hif8_values", "hif8_round_trip"]
 
@@ -34,29 +33,20 @@ def hif8_codes(v: torch.Tensor) -> torch.Tensor:
     """HiF8 codes (uint8, v's shape) of a FP16/BF16/FP32 tensor, one rounding (ties away), saturating."""
     if v.dtype == torch.float32:
         v = bf16_round_to_odd(v)
-    if v.dtype in hifloat8_ops.ENCODE_INPUT_DTYPES and direct_cpu_kernel(hifloat8_ops.ENCODE, (v,)):
-        from lowbit.kernels.cpu.hifloat8 import ENCODE
-
-        codes = torch.empty(v.shape, dtype=torch.uint8)
-        ENCODE.run(dense_aligned(v), out=codes)
-        hifloat8_ops.ENCODE.record("native")
-        return codes
-    return hifloat8_ops.encode_to_hifloat8(v)
+    codes = None
+    if v.dtype in hifloat8_ops.ENCODE_INPUT_DTYPES:  # the operator's kernel, without its dispatch where it may
+        codes = run_direct(hifloat8_ops.ENCODE, (v,), v.shape, torch.uint8)
+    return hifloat8_ops.encode_to_hifloat8(v) if codes is None else codes
 
 
 def hif8_values(codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Exact values of HiF8 ``codes`` in ``dtype`` (FP16/BF16/FP32)."""
     if dtype == torch.float32:
         return hif8_reference.decode(codes, torch.float32)
-    if (dtype in hifloat8_ops.DECODE_OUTPUT_DTYPES and isinstance(codes, torch.Tensor) and codes.dtype == torch.uint8
-            and direct_cpu_kernel(hifloat8_ops.DECODE, (codes, dtype))):
-        from lowbit.kernels.cpu.hifloat8 import DECODE
-
-        values = torch.empty(codes.shape, dtype=dtype)
-        DECODE.run(dense_aligned(codes), dtype, out=values)
-        hifloat8_ops.DECODE.record("native")
-        return values
-    return hifloat8_ops.decode_from_hifloat8(codes, dtype)
+    values = None
+    if dtype in hifloat8_ops.DECODE_OUTPUT_DTYPES and isinstance(codes, torch.Tensor) and codes.dtype == torch.uint8:
+        values = run_direct(hifloat8_ops.DECODE, (codes, dtype), codes.shape, dtype)
+    return hifloat8_ops.decode_from_hifloat8(codes, dtype) if values is None else values
 
 
 def hif8_round_trip(v: torch.Tensor) -> torch.Tensor:
