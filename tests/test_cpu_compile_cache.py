@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import numba
+import pytest
 
 import lowbit  # noqa: F401  (registers every operator)
 from lowbit.backends import operators
@@ -217,6 +218,42 @@ def test_serial_or_parallel_kernels_are_two_dispatchers_with_cache_entries_of_th
     assert not serial.targetoptions.get("parallel") and parallel.targetoptions["parallel"]
     assert serial._cache._cache_file._index_path != parallel._cache._cache_file._index_path
     assert {serial, parallel} <= set(warm._dispatchers(wqbmm))
+
+
+
+def test_bound_serial_or_parallel_kernels_have_names_and_cache_entries_of_their_own():
+    from lowbit.kernels.cpu import wqbmm
+
+    streamed, walked = wqbmm._raw_preload_streamed, wqbmm._raw_preload_walked
+    names = [k.py_func.__qualname__ for k in (streamed.serial, streamed.parallel, walked.serial, walked.parallel)]
+    assert names == ["_raw_preload_streamed_serial", "_raw_preload_streamed", "_raw_preload_walked_serial",
+                     "_raw_preload_walked"]
+    assert streamed.parallel.py_func.__globals__["_SPAN_ROWS"] is wqbmm._span_streamed
+    assert walked.serial.py_func.__globals__["_SPAN_ROWS"] is wqbmm._span_in_registers
+    assert "_SPAN_ROWS" not in vars(wqbmm)  # the module's own globals are left alone
+    paths = {k._cache._cache_file._index_path for k in (streamed.serial, streamed.parallel, walked.serial,
+                                                        walked.parallel)}
+    assert len(paths) == 4
+    assert {streamed.serial, walked.parallel} <= set(warm._dispatchers(wqbmm))
+    with pytest.raises(ValueError, match="name"):
+        wqbmm.SerialOrParallel(wqbmm._raw_preload, _SPAN_ROWS=wqbmm._span_streamed)
+
+
+RAW_CALL = (
+    "import torch, lowbit; from lowbit.kernels.cpu import wqbmm; wqbmm.RAW_ROWS_STREAMED = {streamed}; "
+    "lowbit.weight_quant_batch_matmul(torch.ones(1, 64, dtype=torch.float16), torch.zeros(64, 16, dtype=torch.uint8), "
+    "torch.ones(1, 32, dtype=torch.float16), group_size=64, backend='native'); "
+    "print(bool(wqbmm._raw_preload_streamed.serial.signatures), bool(wqbmm._raw_preload_walked.serial.signatures))"
+)
+
+
+@pytest.mark.parametrize("streamed", [True, False])
+def test_a_raw_weight_call_compiles_only_its_row_order(streamed, tmp_path):
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", RAW_CALL.format(streamed=streamed)], env=env, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == [str(streamed), str(not streamed)]
 
 
 SMALL_MATMUL = (

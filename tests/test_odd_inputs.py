@@ -36,10 +36,42 @@ def test_operands_and_outputs_at_odd_offsets_give_the_aligned_result():
     assert torch.equal(lowbit.encode_to_hifloat8(_at_odd_offset(half)), lowbit.encode_to_hifloat8(half))
 
 
-def test_an_out_whose_elements_share_memory_is_a_shape_error():
+@pytest.mark.parametrize("out", [
+    lambda: torch.empty(1, dtype=torch.uint8).expand(4, 64),
+    lambda: torch.zeros(80, dtype=torch.uint8).as_strided((4, 64), (1, 1)),  # wrote garbage, no error
+    lambda: torch.zeros(200, dtype=torch.uint8).as_strided((4, 64), (40, 1)),
+])
+def test_an_out_whose_elements_share_memory_is_a_shape_error(out):
     x = torch.randn(4, 64).half()
-    with pytest.raises(ShapeError, match="stride 0"):
-        lowbit.encode_to_hifloat8(x, out=torch.empty(1, dtype=torch.uint8).expand(4, 64))
+    with pytest.raises(ShapeError, match=r"out has elements that may share memory \(strides"):
+        lowbit.encode_to_hifloat8(x, out=out())
+
+
+@pytest.mark.parametrize("out", [
+    lambda: torch.zeros(64, 4, dtype=torch.uint8).t(),
+    lambda: torch.zeros(4, 128, dtype=torch.uint8)[:, ::2],
+    lambda: torch.zeros(4, 64, dtype=torch.uint8).flip(1),
+    lambda: torch.zeros(300, dtype=torch.uint8).as_strided((4, 64), (70, 1)),
+])
+def test_an_out_of_any_layout_whose_elements_are_apart_is_written(out):
+    x = torch.randn(4, 64).half()
+    target = out()
+    lowbit.encode_to_hifloat8(x, out=target)
+    assert torch.equal(target, lowbit.encode_to_hifloat8(x))
+
+
+def test_outputs_that_share_memory_with_each_other_are_a_shape_error():
+    """(codes and scales in one buffer: the codes were silently wrong)"""
+    x = torch.randn(4, 64).bfloat16()
+    buf = torch.zeros(144, dtype=torch.uint8)
+    with pytest.raises(ShapeError, match=r"mxfp4_quantize: out\[0\] and out\[1\] share memory"):
+        lowbit.mxfp4_quantize(x, out=(buf[:128].view(4, 32), buf[120:128].view(4, 2)))
+    with pytest.raises(ShapeError, match=r"hifloat4_pack: out\[0\] and out\[1\] share memory"):
+        lowbit.hifloat4_pack(x, out=(buf[112:128].view(4, 1, 4), buf[:128].view(4, 32)))
+    codes, scales = buf[:128].view(4, 32), buf[128:136].view(4, 2)  # one buffer, apart: fine
+    lowbit.mxfp4_quantize(x, out=(codes, scales))
+    want = lowbit.mxfp4_quantize(x)
+    assert torch.equal(codes, want[0]) and torch.equal(scales, want[1])
 
 
 @pytest.mark.parametrize("scheme", ["hif8-wo", "mxfp4-wo"])

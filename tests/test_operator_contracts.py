@@ -59,6 +59,29 @@ def test_opcheck_functional_and_out(name):
 
 
 @pytest.mark.parametrize("name", OPERATORS)
+def test_backward_is_an_error_or_no_gradient_never_a_silent_none(name):
+    """Floating inputs that require grad: the quantizer without a straight-through estimator gives no gradient;
+    every other operator's backward raises (it completed with None gradients and a warning)."""
+    op = OPERATORS[name]
+    args = tuple(a.detach().clone().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                 for a in _smallest_probe(op))
+    grads = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    results = _as_tuple(getattr(torch.ops.lowbit, name)(*args, None))
+    outs = [t for t in results if t.requires_grad]
+    if not grads or not any(t.is_floating_point() for t in results):  # codes and scales never require grad
+        assert not outs
+        return
+    assert outs, f"{name}: an output of floating inputs that require grad must require grad"
+    total = sum(t.float().sum() for t in outs)
+    if name == "hifloat4_fake_quant":
+        total.backward()
+        assert all(a.grad is None for a in grads)
+    else:
+        with pytest.raises(RuntimeError, match=f"lowbit::{name} has no backward"):
+            total.backward()
+
+
+@pytest.mark.parametrize("name", OPERATORS)
 def test_fake_tensors_give_the_real_shapes_and_dtypes(name):
     op = OPERATORS[name]
     args = _smallest_probe(op)

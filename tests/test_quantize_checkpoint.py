@@ -91,6 +91,32 @@ def test_save_replaces_an_existing_checkpoint_atomically(tmp_path):
     assert torch.equal(lowbit.load_quantized(target, skeleton())(tokens), model(tokens))
 
 
+@pytest.mark.parametrize("contents", [{"keep.txt": "important"}, {"config.json": "{}", TENSORS_FILE: "weights"},
+                                      {META_FILE: "{}", "tokenizer.json": "{}"}])
+def test_save_never_replaces_a_directory_that_is_not_its_checkpoint(contents, tmp_path):
+    """A model's own directory, or any folder of other files, is refused and left as it was (it was replaced,
+    deleting them)."""
+    target = tmp_path / "d"
+    target.mkdir()
+    for name, text in contents.items():
+        (target / name).write_text(text)
+    with pytest.raises(ValueError, match="not empty .* not a checkpoint written by save_quantized"):
+        lowbit.save_quantized(quantized("hif8-wo")[0], target)
+    assert {p.name: p.read_text() for p in target.iterdir()} == contents
+    assert sorted(os.listdir(tmp_path)) == ["d"]
+
+
+def test_save_writes_an_empty_directory_and_readable_files(tmp_path):
+    model, tokens = quantized("hif8-wo")
+    target = tmp_path / "empty"
+    target.mkdir()
+    lowbit.save_quantized(model, target)
+    assert oct(target.stat().st_mode & 0o777) == oct(0o755)
+    assert {name: oct((target / name).stat().st_mode & 0o777) for name in os.listdir(target)} == {
+        TENSORS_FILE: oct(0o644), META_FILE: oct(0o644)}
+    assert torch.equal(lowbit.load_quantized(target, skeleton())(tokens), model(tokens))
+
+
 def test_save_refuses_an_unconverted_model(tmp_path):
     model = Net()
     lowbit.quantize(model, "hif8-w8a8-ofmr")
@@ -144,6 +170,65 @@ def test_unknown_format_version_and_corrupt_json(tmp_path):
         lowbit.load_quantized(path, skeleton())
 
 
+def _set(key, value):
+    def edit(layer):
+        layer[key] = value
+    return edit
+
+
+def _drop(key):
+    return lambda layer: layer.pop(key)
+
+
+@pytest.mark.parametrize("scheme, edit, message", [
+    ("fp8-wo", _set("weight_type", "hifloat8"), "contradicts its format"),  # same tensors: it ran, wrongly
+    ("hif8-wo", _set("weight_type", "int8"), "contradicts its format"),
+    ("hif8-wo", _set("weight_type", "mxfp4_e2m1"), "contradicts its format"),
+    ("hif8-wo", _set("kind", "int4"), "invalid description"),
+    ("hif8-wo", _set("kind", "svdquant"), "invalid description"),
+    ("hif8-wo", _drop("act_kind"), "KeyError: 'act_kind'"),
+    ("hif8-wo", _set("act_kind", "hif8_static"), "invalid description"),  # no act_scale stored
+    ("hif8-wo", _set("act_kind", "hif8_position"), "invalid description"),
+    ("int4-a16w4", _set("group_size", "128"), "invalid description"),
+    ("int4-a16w4", _set("group_size", 64), "invalid description"),
+    ("int4-a16w4", _set("in_features", 64), "do not fit the weight shape"),
+    ("hif8-wo", lambda layer: layer["tensors"]["codes"].update(shape=[-1, 128]), "described as uint8 \\[-1, 128\\]"),
+    ("hif8-wo", lambda layer: layer["tensors"]["codes"].update(shape=[2**40, 2**20]), "the file holds uint8"),
+    ("hif8-wo", lambda layer: layer["tensors"].pop("scale"), "invalid description"),
+])
+def test_a_layer_description_that_does_not_fit_is_refused_before_the_model_changes(tmp_path, scheme, edit,
+                                                                                      message):
+    """Edited quantization.json entries: each a CheckpointError naming the file and layer, the model unchanged
+    (some loaded and computed garbage or NaN, some failed after the model had been changed, some at the first
+    forward with an internal KeyError / TypeError)."""
+    path = _saved(tmp_path, scheme)
+    meta = json.loads((path / META_FILE).read_text())
+    edit(meta["layers"]["mlp.0"])
+    (path / META_FILE).write_text(json.dumps(meta))
+    model = Net()
+    before = copy.deepcopy(model)
+    with pytest.raises(CheckpointError, match=f"quantization.json: layer 'mlp.0' .*{message}"):
+        lowbit.load_quantized(path, model)
+    _assert_untouched(model, before)
+
+
+def test_conv_layers_round_trip_through_the_dry_run(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(4, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, stride=2, dilation=2,
+                                                                            groups=2, bias=False))
+    x = torch.randn(2, 4, 12, 12)
+    lowbit.quantize(model, "hif8-w8a8-ofmr")
+    model(x)
+    lowbit.convert(model)
+    lowbit.save_quantized(model, tmp_path / "c")
+    with torch.device("meta"):
+        skeleton_ = nn.Sequential(nn.Conv2d(4, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, stride=2, dilation=2,
+                                                                                   groups=2, bias=False))
+    loaded = lowbit.load_quantized(tmp_path / "c", skeleton_)
+    assert sum(isinstance(m, QuantizedLinearBase) for m in loaded.modules()) == 2
+    assert torch.equal(loaded(x), model(x))
+
+
 class Other(nn.Module):
     def __init__(self, hidden=256, extra=False):
         super().__init__()
@@ -191,3 +276,27 @@ def test_import_lowbit_does_not_import_optional_packages():
             "print(sorted(m for m in ('safetensors', 'transformers', 'numba') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=os.environ)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_hugging_face_skeleton_built_under_parameters_on_meta_loads(minilm_path, tmp_path):
+    """The README's recipe on a real model: a skeleton built under torch.device("meta") leaves the
+    non-persistent position ids on the meta device (a clear error naming the way out); under
+    lowbit.parameters_on_meta() the buffers are real and the load gives the quantized model's bits."""
+    import transformers
+
+    model = transformers.AutoModel.from_pretrained(minilm_path, local_files_only=True).eval()
+    lowbit.quantize_(model, "hif8-wo")
+    lowbit.save_quantized(model, tmp_path / "ckpt")
+    config = transformers.AutoConfig.from_pretrained(minilm_path, local_files_only=True)
+    with torch.device("meta"):
+        on_meta = transformers.AutoModel.from_config(config)
+    with pytest.raises(CheckpointError, match=r"position_ids.*lowbit\.parameters_on_meta\(\)"):
+        lowbit.load_quantized(tmp_path / "ckpt", on_meta)
+    with lowbit.parameters_on_meta():
+        skeleton_ = transformers.AutoModel.from_config(config)
+    assert all(p.device.type == "meta" for p in skeleton_.parameters())
+    assert all(b.device.type == "cpu" for b in skeleton_.buffers())
+    loaded = lowbit.load_quantized(tmp_path / "ckpt", skeleton_).eval()
+    ids = torch.tensor([[101, 2023, 2003, 1037, 6251, 102]])
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).last_hidden_state, model(ids).last_hidden_state)

@@ -131,6 +131,17 @@ def test_cli_errors_are_one_line_exit_2(argv, message, tmp_path, capsys):
     assert err.startswith(f"lowbit {argv[0]}: error: ") and message in err
 
 
+def test_quantize_out_that_is_not_a_checkpoint_is_refused_and_kept(tiny_causal_lm_path, tmp_path, capsys):
+    """--out pointing at the model's own directory (or any folder of other files) is refused before anything
+    loads, and nothing in it is touched (it was replaced, deleting the model)."""
+    before = {p.name: p.read_bytes() for p in tiny_causal_lm_path.iterdir() if p.is_file()}
+    argv = ["quantize", "--model", str(tiny_causal_lm_path), "--scheme", "hif8-wo", "--out", str(tiny_causal_lm_path)]
+    assert cli.main(argv) == 2
+    err = one_error_line(capsys)
+    assert err.startswith("lowbit quantize: error: --out: ") and "not a checkpoint written by save_quantized" in err
+    assert {p.name: p.read_bytes() for p in tiny_causal_lm_path.iterdir() if p.is_file()} == before
+
+
 def test_bad_config_json_is_one_line(tmp_path, capsys):
     config = tmp_path / "cfg.json"
     config.write_text("{not json")

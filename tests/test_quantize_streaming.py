@@ -301,6 +301,27 @@ def test_bad_output_directories(small_dir, tmp_path):
         quantize_checkpoint(foreign, tmp_path / "out", "hif8-wo")
 
 
+def test_workers_are_at_most_one_per_cpu_and_per_task(small_dir, tmp_path, monkeypatch):
+    """A huge --workers starts no more processes than there are tensors to write or CPUs (it hung, spawning
+    them all)."""
+    started = []
+    real = streaming._mapper
+    monkeypatch.setattr(streaming, "_mapper", lambda workers: started.append(workers) or real(1))
+    tensors = sum(len(read_shard(path).tensors) for path in small_dir.glob("*.safetensors"))
+    quantize_checkpoint(small_dir, tmp_path / "out", "hif8-wo", workers=100_000)
+    assert len(started) == 1 and 1 <= started[0] <= min(tensors, os.cpu_count())
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_weight_that_cannot_be_quantized_is_named_with_its_shard(workers, tmp_path):
+    state = net().state_dict()
+    state["down.weight"] = torch.full_like(state["down.weight"], float("nan"))
+    src = write_model_dir(state, tmp_path / "in")
+    with pytest.raises(RuntimeError, match=r"^model\.safetensors: layer 'down': quantization scale is not finite"):
+        quantize_checkpoint(src, tmp_path / "out", "hif8-wo", workers=workers)
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
 def test_cli_errors_are_one_line_exit_2(small_dir, tmp_path, capsys):
     _corrupt(small_dir, "truncated")
     cases = [[str(small_dir), str(tmp_path / "out"), "--scheme", "hif8-wo"],

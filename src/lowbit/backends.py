@@ -30,12 +30,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import itertools
 import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from lowbit.errors import BackendUnavailable, DeviceError, DtypeError, ShapeError
 
@@ -168,6 +170,18 @@ def _memory_span(t: torch.Tensor) -> tuple[int, int]:
 def _touches(span: tuple[int, int], spans: list[tuple[int, int]]) -> bool:
     """Whether the non-empty byte range ``span`` intersects any of ``spans``."""
     return span[0] < span[1] and any(span[0] < end and start < span[1] for start, end in spans)
+
+
+def _elements_apart(t: torch.Tensor) -> bool:
+    """Whether no two elements of ``t`` can share memory: with its dimensions of size > 1 in ascending |stride|,
+    each stride exceeds the span of the smaller ones (conservative: a few exotic layouts whose elements are
+    apart fail it too)."""
+    reach = 0  # the largest offset, in elements, that the dimensions so far reach
+    for stride, size in sorted((abs(st), sz) for sz, st in zip(t.shape, t.stride()) if sz > 1):
+        if stride <= reach:
+            return False
+        reach += (size - 1) * stride
+    return True
 
 
 def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -386,9 +400,14 @@ class Operator:
                 raise ShapeError(f"{self.name}: {label} must have shape {tuple(spec.shape)}, got {tuple(t.shape)}")
             if t.device != device:
                 raise DeviceError(f"{self.name}: {label} is on {t.device} but the inputs are on {device}")
-            if any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride())):
-                raise ShapeError(f"{self.name}: {label} has elements that share memory (stride 0, e.g. from "
-                                 f"expand): strides {t.stride()}; pass a tensor with its own memory per element")
+            if not _elements_apart(t):
+                raise ShapeError(f"{self.name}: {label} has elements that may share memory (strides {t.stride()} "
+                                 f"for shape {tuple(t.shape)}, e.g. from expand or as_strided); pass a tensor with "
+                                 "its own memory per element")
+        real = [i for i, t in enumerate(outs) if not (is_fake(t) or t.device.type == "meta")]  # memory held
+        for i, j in itertools.combinations(real, 2):
+            if overlaps(outs[i], outs[j]):
+                raise ShapeError(f"{self.name}: out[{i}] and out[{j}] share memory; pass separate tensors")
 
     def run_into(self, args: Sequence, out: Any, backend: Optional[str] = None, fresh: bool = False) -> None:
         """Compute ``args`` into the validated ``out`` with the selected backend, then record it.

@@ -37,3 +37,15 @@ def check_int(name: str, value, *, minimum: int | None = None) -> int:
     if minimum is not None and value < minimum:
         raise ShapeError(f"{name} must be >= {minimum}, got {value}")
     return value
+
+
+def with_context(where: str, exc: Exception) -> Exception:
+    """An exception of ``exc``'s class whose message is ``"<where>: <exc's message>"`` (a RuntimeError where
+    that class cannot be made from a message; ``exc`` itself where its message starts with ``where``); raise
+    it ``from exc``."""
+    if str(exc).startswith(where):
+        return exc
+    try:
+        return type(exc)(f"{where}: {exc}")
+    except Exception:  # a class whose constructor takes other arguments
+        return RuntimeError(f"{where}: {exc}")

@@ -34,13 +34,13 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     from lowbit.evaluation import schemes as scheme_api
     from lowbit.evaluation.models import load_model
     from lowbit.evaluation.run import calibrator
+    from lowbit.quantize.checkpoint import check_replaceable
 
     if args.scheme:
         scheme_api.check_names([args.scheme])
     config = read_json_file(args.config, "--config") if args.config else None
     out = writable_path(args.out, "--out")
-    if out.exists() and not out.is_dir():
-        raise FileExistsError(f"--out {out} exists and is not a directory")
+    check_replaceable(out, "--out")  # before the model loads: a directory that is not a checkpoint is kept
     times = {}
     start = time.perf_counter()
     loaded = load_model(args.model)

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from lowbit.evaluation.extras import require
+from lowbit.quantize.checkpoint import parameters_on_meta
 
 MINILM = "minilm"
 MINILM_DIRNAME = "all-MiniLM-L6-v2"
@@ -89,26 +90,6 @@ def is_causal_lm_dir(path: Path) -> bool:
     return any(str(a).endswith("ForCausalLM") for a in config.get("architectures") or [])
 
 
-@contextlib.contextmanager
-def _parameters_on_meta():
-    """While active, each parameter a module registers is moved to the meta device as it is registered, so
-    at most one parameter is ever materialized; buffers stay real (a model computes non-persistent ones,
-    such as rotary frequencies, in its constructor and a checkpoint does not hold them). Patches
-    ``nn.Module.register_parameter`` for the duration: not thread-safe."""
-    register = nn.Module.register_parameter
-
-    def register_on_meta(module, name, param):
-        if param is not None and param.device.type != "meta":
-            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-        register(module, name, param)
-
-    nn.Module.register_parameter = register_on_meta
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register
-
-
 def load_hf_dir(path: str | os.PathLike, *, meta: bool = False) -> LoadedModel:
     """A local Hugging Face directory as a :class:`LoadedModel` (float32, eval mode). ``meta=True`` builds the
     skeleton from ``config.json`` alone, parameters on the meta device and buffers real (no weights read),
@@ -121,7 +102,7 @@ def load_hf_dir(path: str | os.PathLike, *, meta: bool = False) -> LoadedModel:
     auto = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
     if meta:
         config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
-        with _parameters_on_meta():
+        with parameters_on_meta():
             model = auto.from_config(config, torch_dtype=torch.float32)
     else:
         model = auto.from_pretrained(path, local_files_only=True, torch_dtype=torch.float32)

@@ -67,7 +67,8 @@ def define(
 
     ``params``: the schema of its arguments (e.g. ``"Tensor input, int qdim=-1"``); ``output_names``: the
     names of its output tensors. ``differentiable=False`` gives the functional op a backward that returns no
-    gradient (quantizers with no straight-through estimator); otherwise backward is an error.
+    gradient (quantizers with no straight-through estimator); otherwise backward raises RuntimeError (no
+    gradient is silently dropped).
     """
     op = backends.register(Operator(name=name, outputs=outputs, reference=reference, native=native,
                                     probes=probes, agrees=agrees, scratch=scratch))
@@ -102,13 +103,16 @@ def define(
     _LIB.impl(op.name + "_out", into, "CompositeExplicitAutograd")
     torch.library.register_fake(f"lowbit::{op.name}", fake, lib=_LIB)
     torch.library.register_fake(f"lowbit::{op.name}_out", fake_into, lib=_LIB)
-    if not differentiable:
-        n_inputs = len(params.split(",")) + 1  # the parameters and backend
+    n_inputs = len(params.split(",")) + 1  # the parameters and backend
 
-        def no_gradient(ctx, *grads):
-            return (None,) * n_inputs
+    def no_gradient(ctx, *grads):
+        return (None,) * n_inputs
 
-        torch.library.register_autograd(f"lowbit::{op.name}", no_gradient, lib=_LIB)
+    def no_backward(ctx, *grads):
+        raise RuntimeError(f"lowbit::{name} has no backward (an inference operator): run it on tensors that "
+                           "do not require grad, e.g. under torch.no_grad(), or detach them")
+
+    torch.library.register_autograd(f"lowbit::{op.name}", no_backward if differentiable else no_gradient, lib=_LIB)
     return op
 
 

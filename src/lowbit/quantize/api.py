@@ -11,7 +11,7 @@ from typing import Any, Callable, Mapping, Optional, Union
 
 from torch import nn
 
-from lowbit.errors import DeviceError
+from lowbit.errors import DeviceError, with_context
 from lowbit.quantize.config import QuantConfig
 from lowbit.quantize.modules import CalibrationModule, QuantizedLinearBase, replace_layer
 from lowbit.quantize.report import LayerReport, QuantizeReport
@@ -41,6 +41,13 @@ def resolve_config(config: ConfigLike, amct_compat: bool) -> tuple[QuantConfig, 
     return QuantConfig.from_dict(config, amct_compat=amct_compat), ""
 
 
+def _calibration_module(name: str, layer: nn.Module, layer_cfg) -> CalibrationModule:
+    try:
+        return CalibrationModule(name, layer, layer_cfg)
+    except (ValueError, TypeError, RuntimeError) as exc:  # say which layer: a model has hundreds
+        raise with_context(f"layer {name!r}", exc) from exc
+
+
 def _prepare(model: nn.Module, config: ConfigLike, amct_compat: bool, stage: str):
     cfg, scheme = resolve_config(config, amct_compat)
     selection = select_layers(model, cfg, scheme)
@@ -49,7 +56,7 @@ def _prepare(model: nn.Module, config: ConfigLike, amct_compat: bool, stage: str
         raise DeviceError(f"{stage}: layers on the meta device hold no weights to quantize: {on_meta}; "
                           "materialize them first (lowbit.load_quantized loads a quantized checkpoint into such a "
                           "skeleton)")
-    modules = [(name, CalibrationModule(name, layer, layer_cfg), layer)
+    modules = [(name, _calibration_module(name, layer, layer_cfg), layer)
                for name, layer, layer_cfg in selection.chosen]
     report = QuantizeReport(stage, scheme, cfg.amct_compat)
     return modules, selection, report
@@ -80,7 +87,10 @@ def _deploy_modules(pending, progress: Optional[Callable[[str], object]]) -> lis
     after each layer is packed (the slow step: a command's progress bar)."""
     deployed = []
     for name, calib in pending:
-        deployed.append((name, calib, calib.to_deploy()))
+        try:
+            deployed.append((name, calib, calib.to_deploy()))
+        except (ValueError, TypeError, RuntimeError) as exc:  # say which layer: a model has hundreds
+            raise with_context(f"layer {name!r}", exc) from exc
         if progress is not None:
             progress(name)
     return deployed

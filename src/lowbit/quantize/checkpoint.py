@@ -9,17 +9,19 @@ sizes, config and the shape/dtype of each packed tensor). Needs the ``safetensor
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Iterator, Union
 
 import torch
 from torch import nn
 
-from lowbit.quantize.layer_ops import geometry_mismatch
+from lowbit.quantize.layer_ops import channel_axis, geometry_mismatch
 from lowbit.quantize.modules import (DEPLOY_CLASSES, CalibrationModule, Int4Linear, QuantizedLinearBase,
                                      replace_layer)
 
@@ -65,7 +67,9 @@ def _state_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def save_quantized(model: nn.Module, directory: PathLike) -> Path:
     """Write ``directory``/model.safetensors and ``directory``/quantization.json atomically (built in a
-    temporary directory beside it, then renamed into place; an existing checkpoint directory is replaced).
+    temporary directory beside it, then renamed into place; files 0644, the directory 0755). An existing
+    directory is replaced only when it is empty or holds just such a checkpoint: ValueError for any other
+    (a model's own directory, a folder of other files), which is left as it was.
 
     The model must be converted (RuntimeError naming the layers still calibrating). Returns the path."""
     if not isinstance(model, nn.Module):
@@ -78,13 +82,15 @@ def save_quantized(model: nn.Module, directory: PathLike) -> Path:
     meta = {"format_version": FORMAT_VERSION, "lowbit_version": _lowbit_version(), "layers": layers}
     tensors = _state_tensors(model)
     target = Path(directory)
-    if target.exists() and not target.is_dir():
-        raise ValueError(f"save_quantized: {target} exists and is not a directory")
+    check_replaceable(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
     try:
         st.save_file(tensors, str(tmp / TENSORS_FILE), metadata={"format": "pt"})
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1, sort_keys=True))
+        for name in (TENSORS_FILE, META_FILE):
+            os.chmod(tmp / name, 0o644)  # as any file lowbit writes (mkdtemp and safetensors make them private)
+        os.chmod(tmp, 0o755)
         if target.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent))
             os.replace(target, old / "checkpoint")
@@ -96,6 +102,21 @@ def save_quantized(model: nn.Module, directory: PathLike) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp)
     return target
+
+
+def check_replaceable(target: Path, what: str = "save_quantized") -> None:
+    """ValueError (its message starting with ``what``) unless ``target`` is missing, an empty directory or a
+    directory holding only a checkpoint of :func:`save_quantized` (its two files): nothing else is ever
+    deleted by replacing it."""
+    if not target.exists():
+        return
+    if not target.is_dir():
+        raise ValueError(f"{what}: {target} exists and is not a directory")
+    entries = sorted(p.name for p in target.iterdir())
+    if entries and (META_FILE not in entries or not set(entries) <= {TENSORS_FILE, META_FILE}):
+        shown = ", ".join(entries[:4]) + (", ..." if len(entries) > 4 else "")
+        raise ValueError(f"{what}: {target} is not empty ({shown}) and is not a checkpoint written by "
+                         "save_quantized; write to a new or empty directory")
 
 
 def _read_meta(path: Path) -> dict[str, Any]:
@@ -143,7 +164,10 @@ def _drop_non_persistent_buffers(model: nn.Module, tensors: dict[str, torch.Tens
             tensors.pop(f"{prefix}.{buffer}" if prefix else buffer, None)
 
 
-def _deploy_modules(model: nn.Module, layers: dict, meta_path: Path) -> dict[str, QuantizedLinearBase]:
+def _deploy_modules(model: nn.Module, layers: dict, meta_path: Path,
+                    tensors: dict[str, torch.Tensor]) -> dict[str, QuantizedLinearBase]:
+    """The deploy module of each layer ``layers`` describes, each description checked against the model, the
+    stored ``tensors`` and a dry run on the meta device (CheckpointError naming the file and layer)."""
     modules = dict(model.named_modules())
     built = {}
     for name, layer in layers.items():
@@ -157,11 +181,47 @@ def _deploy_modules(model: nn.Module, layers: dict, meta_path: Path) -> dict[str
         if problem:
             raise CheckpointError(f"load_quantized: {meta_path} lists layer {name!r}, which in the model {problem}")
         try:
+            _check_description(name, layer, geometry, tensors)
+            _dry_run(cls.from_meta(name, layer, device="meta"), geometry)
             built[name] = cls.from_meta(name, layer)
-        except (KeyError, TypeError, ValueError, AttributeError, IndexError, RecursionError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError, RecursionError, RuntimeError) as exc:
             raise CheckpointError(f"load_quantized: {meta_path}: layer {name!r} has an invalid description "
                                   f"({type(exc).__name__}: {exc})") from None
     return built
+
+
+def _check_description(name: str, layer: dict, geometry: dict, tensors: dict[str, torch.Tensor]) -> None:
+    """ValueError where a layer's description disagrees with itself or with the stored tensors: its sizes with
+    its geometry, its format line with its weight format, its packed tensors' shapes and dtypes with the file's
+    (so nothing is allocated from a size the file does not hold)."""
+    n, *rest = geometry["weight_shape"]
+    if [layer["out_features"], layer["in_features"]] != [n, math.prod(rest)]:
+        raise ValueError(f"in_features / out_features {layer['in_features']} / {layer['out_features']} do not fit "
+                         f"the weight shape {geometry['weight_shape']}")
+    described_format = str(layer.get("format", layer["weight_type"])).split(" ", 1)[0]
+    if described_format != layer["weight_type"]:
+        raise ValueError(f"weight_type {layer['weight_type']!r} contradicts its format {layer['format']!r}")
+    for key, spec in layer["tensors"].items():
+        stored = tensors.get(f"{name}.{key}")
+        if stored is None or list(stored.shape) != spec["shape"] or str(stored.dtype) != f"torch.{spec['dtype']}":
+            held = "nothing" if stored is None else f"{str(stored.dtype).removeprefix('torch.')} {list(stored.shape)}"
+            raise ValueError(f"tensor {key!r} is described as {spec['dtype']} {spec['shape']}, the file holds {held}")
+
+
+def _dry_run(module: QuantizedLinearBase, geometry: dict) -> None:
+    """Run ``module`` (built on the meta device) on a meta input of its geometry: a description the module
+    cannot compute with (a missing tensor, setting or activation scale) fails here, before the model changes."""
+    dtype = module.weight_dtype
+    if geometry["type"] == "Linear":
+        x = torch.empty(2, geometry["weight_shape"][1], device="meta", dtype=dtype)
+    else:  # Conv2d: the smallest image every output pixel of the kernel fits in
+        _, per_group, kh, kw = geometry["weight_shape"]
+        dilation = geometry["dilation"]
+        x = torch.empty(1, per_group * geometry["groups"], dilation[0] * (kh - 1) + 1, dilation[1] * (kw - 1) + 1,
+                        device="meta", dtype=dtype)
+    y = module(x)
+    if y.shape[channel_axis(geometry)] != geometry["weight_shape"][0]:
+        raise ValueError(f"the layer computes {tuple(y.shape)} from {tuple(x.shape)}")
 
 
 def _expected_tensors(model: nn.Module, built: dict[str, QuantizedLinearBase]) -> dict[str, torch.Tensor]:
@@ -195,7 +255,29 @@ def _check_no_meta_left(model: nn.Module, expected: dict, built: dict) -> None:
     for key, t in list(model.named_parameters()) + list(model.named_buffers()):
         if t.device.type == "meta" and key not in expected and not key.startswith(replaced):
             raise CheckpointError(f"load_quantized: {key!r} is on the meta device and not in the checkpoint "
-                                  "(a non-persistent buffer? build the skeleton so that it is materialized)")
+                                  "(a non-persistent buffer? build the skeleton under lowbit.parameters_on_meta(), "
+                                  "which keeps buffers real)")
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """While active, each parameter a module registers is moved to the meta device as it is registered, so
+    at most one parameter is ever materialized; buffers stay real (a model computes non-persistent ones,
+    such as rotary frequencies or position ids, in its constructor, and a checkpoint does not hold them).
+    Build the skeleton for :func:`load_quantized` under it. Patches ``nn.Module.register_parameter`` for
+    the duration: not thread-safe."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module, name, param):
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
 
 
 def load_quantized(directory: PathLike, model: nn.Module) -> nn.Module:
@@ -214,7 +296,7 @@ def load_quantized(directory: PathLike, model: nn.Module) -> nn.Module:
     meta = _read_meta(meta_path)
     tensors, tensor_path = _read_checkpoint_tensors(root)
     _drop_non_persistent_buffers(model, tensors)
-    built = _deploy_modules(model, meta["layers"], meta_path)
+    built = _deploy_modules(model, meta["layers"], meta_path, tensors)
     expected = _expected_tensors(model, built)
     _check_tensors(expected, tensors, tensor_path)
     _check_no_meta_left(model, expected, built)

@@ -140,8 +140,8 @@ class QuantizedLinearBase(nn.Module):
         }
 
     @classmethod
-    def from_meta(cls, name: str, meta: dict) -> "QuantizedLinearBase":
-        """An empty module (uninitialised buffers on the CPU, in ordinary memory: placeholders that
+    def from_meta(cls, name: str, meta: dict, device: torch.device | str = "cpu") -> "QuantizedLinearBase":
+        """An empty module (uninitialised buffers on ``device``, in ordinary memory: placeholders that
         load_quantized replaces) of the layout ``meta`` describes. ValueError for an unknown weight format or
         activation kind (the caller names the file)."""
         if meta.get("weight_type") not in WEIGHT_FORMATS:
@@ -149,9 +149,10 @@ class QuantizedLinearBase(nn.Module):
         for key in ("act_kind", "fake_act_kind"):
             if key in meta and meta[key] not in ACT_KINDS:
                 raise ValueError(f"{key} {meta[key]!r} is not one of {ACT_KINDS}")
-        tensors = {k: torch.empty(v["shape"], dtype=getattr(torch, v["dtype"])) for k, v in meta["tensors"].items()}
+        tensors = {k: torch.empty(v["shape"], dtype=getattr(torch, v["dtype"]), device=device)
+                   for k, v in meta["tensors"].items()}
         dtype = DTYPES[meta["weight_dtype"]]
-        bias = torch.empty(meta["out_features"], dtype=dtype) if meta["bias"] else None
+        bias = torch.empty(meta["out_features"], dtype=dtype, device=device) if meta["bias"] else None
         cfg_meta = {k: v for k, v in meta.items()
                     if k not in ("kind", "in_features", "out_features", "weight_dtype", "bias", "tensors")}
         return cls(name, meta["in_features"], meta["out_features"], dtype, cfg_meta, tensors, bias, huge_pages=False)

@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from lowbit.errors import with_context
 from lowbit.quantize.shard_io import TORCH_DTYPES, copy_range, write_all
 from lowbit.quantize.stream_plan import LayerPlan, PackedTensor, pack_rows
 
@@ -65,7 +66,10 @@ def run_task(task) -> int:
         finally:
             os.close(src)
         return task.length
-    return _quantize(task)
+    try:
+        return _quantize(task)
+    except (ValueError, TypeError, RuntimeError) as exc:  # name the shard (the layer is named inside)
+        raise with_context(os.path.basename(task.src), exc) from exc
 
 
 def _read_rows(path: str, name: str, start: int, stop: int) -> torch.Tensor:

@@ -212,6 +212,7 @@ def _write_shards(todo: list[_ShardPlan], out_dir: Path, manifest: dict, workers
                 f.truncate(plan.size)
         total = sum(e.nbytes for p in todo for e in p.source.tensors.values())
         jobs = [(i, task) for i, p in enumerate(todo) for task in p.tasks]
+        workers = max(1, min(workers, len(jobs), os.cpu_count() or 1))  # each worker holds a tensor in flight
         with _progress_bar(total, progress) as bar, _mapper(workers) as mapper:
             for i, count in enumerate(remaining):
                 if count == 0:
@@ -244,7 +245,8 @@ def quantize_checkpoint(in_dir: PathLike, out_dir: PathLike, scheme: str, *, ski
     reading one tensor (in blocks of rows) per worker at a time; see the module docstring.
 
     ``skip``: substrings of layer names not to quantize (embeddings and the scheme's skip list are never
-    quantized). ``workers``: processes (default ``min(cpu count, 4)``; 1 runs in this process).
+    quantized). ``workers``: processes (default ``min(cpu count, 4)``; at most one per CPU and per tensor to
+    write; 1 runs in this process).
     ``progress``: a progress bar on stderr (needs tqdm). Rerunning after an interruption keeps the shards
     already written. Errors, raised before anything is written: ValueError (unknown scheme, one that needs
     calibration or quantizes whole tensors, ``out_dir`` inside ``in_dir`` or not an earlier output),

@@ -48,16 +48,26 @@ class SerialOrParallel:
     as plain ranges on the calling thread). numba compiles each on its first call, so a process that only
     runs inputs too small to be worth waking threads for never compiles the parallel loops. ``serial`` has a
     name of its own (the function's + "_serial") and so its own entry in numba's on-disk cache. Called from
-    Python only: ``kernel(*args, serial=...)``."""
+    Python only: ``kernel(*args, serial=...)``. ``SerialOrParallel(template, name, **bound)``: the pair of a
+    copy of ``template`` named ``name`` whose global names ``bound`` are replaced by the given values (numba
+    functions, constants; as :func:`bound_njit`): one template for several kernels, each compiled only when
+    called and cached under its own name."""
 
-    def __init__(self, py_func):
-        twin = types.FunctionType(py_func.__code__, py_func.__globals__, py_func.__name__ + "_serial",
-                                  py_func.__defaults__, py_func.__closure__)
-        twin.__qualname__ = py_func.__qualname__ + "_serial"
-        twin.__doc__ = py_func.__doc__
-        self.serial = numba.njit(**NJIT_OPTIONS)(twin)
+    def __init__(self, py_func, name: str | None = None, **bound):
+        if name is not None:
+            py_func = self._copy(py_func, name, {**py_func.__globals__, **bound})
+        elif bound:
+            raise ValueError("SerialOrParallel: bound globals need a name of their own")
+        self.serial = numba.njit(**NJIT_OPTIONS)(self._copy(py_func, py_func.__name__ + "_serial",
+                                                            py_func.__globals__))
         self.parallel = numba.njit(**PARALLEL_NJIT_OPTIONS)(py_func)
         self.__doc__ = py_func.__doc__
+
+    @staticmethod
+    def _copy(py_func, name: str, globals_: dict):
+        twin = types.FunctionType(py_func.__code__, globals_, name, py_func.__defaults__, py_func.__closure__)
+        twin.__qualname__, twin.__doc__, twin.__module__ = name, py_func.__doc__, py_func.__module__
+        return twin
 
     def __call__(self, *args, serial: bool):
         return (self.serial if serial else self.parallel)(*args)

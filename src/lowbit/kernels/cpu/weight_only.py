@@ -1666,17 +1666,26 @@ def _four_bit_x_operands(x_reg, operands, x_consts):
 
 
 @numba.njit(**_INLINE)
-def _round_bf16(value):
+def _round_to_x(value, bf16):
+    """``value`` rounded to x's dtype, BF16 if ``bf16`` else FP16: both roundings, one chosen, so that a loop
+    rounding weights is compiled once for either dtype (for the GEMV's few rows outside the exact range; the
+    batched kernel and the GEMM tiles round every row, and keep a loop per dtype: _round_bf16, _round_f16)."""
+    to_bf16, to_f16 = simd.f32v_round_to_bf16(value), simd.f32v_round_to_f16(value)
+    return to_bf16 if bf16 else to_f16
+
+
+@numba.njit(**_INLINE)
+def _round_bf16(value, bf16):
     return simd.f32v_round_to_bf16(value)
 
 
 @numba.njit(**_INLINE)
-def _round_f16(value):
+def _round_f16(value, bf16):
     return simd.f32v_round_to_f16(value)
 
 
 @numba.njit(**_INLINE)
-def _exact(value):
+def _exact(value, bf16):
     """No rounding: the weights are values of x's dtype already (see _MXFP8_EXACT_BYTES)."""
     return value
 
@@ -1692,7 +1701,7 @@ _MXFP8_EXACT_BYTES_F16 = (112, 134)
 
 
 @numba.njit(**_INLINE)
-def _mxfp8_step(round_to, codes, start, table, byte_a, byte_b):
+def _mxfp8_step(round_to, codes, start, table, byte_a, byte_b, bf16):
     """MXFP8: 64 codes at ``codes[start]`` (two 32-blocks with E8M0 bytes ``byte_a``, ``byte_b``) as weights:
     the E4M3 value (``table``: of the codes or of their re-encoding by columns, _mxfp8_prepared_operands)
     times the block's scale in float32, then ``round_to`` x's dtype (docs/weight_only.md)."""
@@ -1700,29 +1709,29 @@ def _mxfp8_step(round_to, codes, start, table, byte_a, byte_b):
     scale_a, scale_b = _E8M0_SCALES[byte_a], _E8M0_SCALES[byte_b]
     s0 = simd.f32v_choose(simd.i32v_load(_SECOND_BLOCK, 0), scale_b, scale_a)
     s1 = simd.f32v_choose(simd.i32v_load(_SECOND_BLOCK, HALF), scale_b, scale_a)
-    return round_to(simd.f32v_mul(w0, s0)), round_to(simd.f32v_mul(w1, s1))
+    return round_to(simd.f32v_mul(w0, s0), bf16), round_to(simd.f32v_mul(w1, s1), bf16)
 
 
 @numba.njit(**_INLINE)
-def _mxfp8_row_step(round_to, codes_flat, scales_flat, c0, s0, t, k, table, scratch):
+def _mxfp8_row_step(round_to, codes_flat, scales_flat, c0, s0, t, k, table, scratch, bf16):
     """Step t of the row whose codes start at c0 and E8M0 bytes at s0; a last step of one 32-block (K % 64
     == 32) is read from ``scratch`` and its second block's lanes made +0.0."""
     if LANES * (t + 1) <= k:
         return _mxfp8_step(round_to, codes_flat, c0 + LANES * t, table, scales_flat[s0 + 2 * t],
-                           scales_flat[s0 + 2 * t + 1])
+                           scales_flat[s0 + 2 * t + 1], bf16)
     scratch[:] = 0
     copy_elements(scratch, 0, codes_flat, c0 + LANES * t, HALF)
-    w0, w1 = _mxfp8_step(round_to, scratch, 0, table, scales_flat[s0 + 2 * t], np.uint8(127))
+    w0, w1 = _mxfp8_step(round_to, scratch, 0, table, scales_flat[s0 + 2 * t], np.uint8(127), bf16)
     return (simd.f32v_select(simd.i32v_load(_FIRST_BLOCK, 0), w0),
             simd.f32v_select(simd.i32v_load(_FIRST_BLOCK, HALF), w1))
 
 
 @numba.njit(**_INLINE)
-def _mxfp8_row_sum(round_to, x_flat, x0, codes_flat, scales_flat, c0, s0, k, table, scratch):
+def _mxfp8_row_sum(round_to, x_flat, x0, codes_flat, scales_flat, c0, s0, k, table, scratch, bf16):
     acc0 = simd.f32v_zero()
     acc1 = simd.f32v_zero()
     for t in range(-(-k // LANES)):
-        w0, w1 = _mxfp8_row_step(round_to, codes_flat, scales_flat, c0, s0, t, k, table, scratch)
+        w0, w1 = _mxfp8_row_step(round_to, codes_flat, scales_flat, c0, s0, t, k, table, scratch, bf16)
         acc0, acc1 = _accumulate(acc0, acc1, x_flat, x0 + LANES * t, w0, w1)
     return _row_sum_code8(acc0, acc1)
 
@@ -1735,7 +1744,7 @@ def _mxfp8_block_step(operands, start, r, t):
     codes_flat, scales_flat, table, ahead = operands
     _prefetch_ahead(codes_flat, np.uint64(start + LANES * t), ahead)
     s = start // mxfp8.BLOCK + 2 * t
-    return _mxfp8_step(_exact, codes_flat, start + LANES * t, table, scales_flat[s], scales_flat[s + 1])
+    return _mxfp8_step(_exact, codes_flat, start + LANES * t, table, scales_flat[s], scales_flat[s + 1], False)
 
 
 @numba.njit(**_INLINE)
@@ -1749,13 +1758,10 @@ def _mxfp8_table_row(x_flat, kp, codes_flat, scales_flat, k, blocks, bf16, table
     for m in range(y32.shape[0]):
         if exact:
             y32[m, row] = _mxfp8_row_sum(_exact, x_flat, m * kp, codes_flat, scales_flat, c0, s0, k, table,
-                                         scratch)
-        elif bf16:
-            y32[m, row] = _mxfp8_row_sum(_round_bf16, x_flat, m * kp, codes_flat, scales_flat, c0, s0, k, table,
-                                         scratch)
+                                         scratch, bf16)
         else:
-            y32[m, row] = _mxfp8_row_sum(_round_f16, x_flat, m * kp, codes_flat, scales_flat, c0, s0, k, table,
-                                         scratch)
+            y32[m, row] = _mxfp8_row_sum(_round_to_x, x_flat, m * kp, codes_flat, scales_flat, c0, s0, k, table,
+                                         scratch, bf16)
 
 
 @numba.njit(**NJIT_OPTIONS)
@@ -2171,7 +2177,8 @@ def _mxfp8_tile_row(round_to, store, codes_flat, scales_flat, row, k, blocks, ta
     scratch = np.zeros(LANES, dtype=np.uint8)
     for t in range(-(-k // LANES)):
         _prefetch_ahead(codes_flat, np.uint64(row * k + LANES * t), np.uint64(ROW_BLOCK * k))
-        w0, w1 = _mxfp8_row_step(round_to, codes_flat, scales_flat, row * k, row * blocks, t, k, table, scratch)
+        w0, w1 = _mxfp8_row_step(round_to, codes_flat, scales_flat, row * k, row * blocks, t, k, table, scratch,
+                                 False)
         store(w_flat, at + LANES * t, w0, w1)
 
 

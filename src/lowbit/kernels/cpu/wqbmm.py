@@ -399,24 +399,21 @@ RAW_MAX_ROWS = 16  # M up to which a raw weight is read as it is (above: repacke
 
 
 @numba.njit(**_INLINE_OPTIONS)
-def _raw_span(weight, half, k0, k1, byte0, nbytes, a_i8, a_words, streamed, partial, ysum, at):
+def _raw_span(rows, weight, half, k0, k1, byte0, nbytes, a_i8, a_words, partial, ysum, at):
     """ysum += sum over rows k0..k1-1 (an even count, at most RAW_SPAN_K) of A_i[m, k] * u[k, col] for the
     block's columns: ``ysum[at + (m * 3 + i) * RAW_BLOCK_N + c]`` holds block column c (``2 * byte0 + c``).
 
     ``weight``: the flat raw bytes (rows of ``half`` bytes); ``a_words``: ``a_i8`` (M, 3, K) viewed as int16,
     one word per two consecutive k. u = W + 8. Per row m, the block's LANES-byte pieces of the rows by
-    :func:`_span_in_registers` or, if ``streamed``, :func:`_span_streamed` (``partial``: its int16 scratch,
-    6 * (RAW_BLOCK_N / 2) elements); the block's last ``nbytes % LANES`` bytes one by one.
+    ``rows``, :func:`_span_in_registers` or :func:`_span_streamed` (``partial``: its int16 scratch, 6 *
+    (RAW_BLOCK_N / 2) elements); the block's last ``nbytes % LANES`` bytes one by one.
     """
     m_rows, _, k = a_i8.shape
     vector_bytes = nbytes - nbytes % simd.LANES
     for m in range(m_rows):
         y0 = at + m * 3 * RAW_BLOCK_N
         w0 = (m * 3 * k + k0) // 2  # a_words index of the first pair of A1
-        if streamed:
-            _span_streamed(weight, half, k0, k1, byte0, vector_bytes, k, a_words, w0, partial, ysum, y0)
-        else:
-            _span_in_registers(weight, half, k0, k1, byte0, vector_bytes, k, a_words, w0, ysum, y0)
+        rows(weight, half, k0, k1, byte0, vector_bytes, k, a_words, w0, partial, ysum, y0)
         for j in range(vector_bytes, nbytes):
             for kk in range(k0, k1):
                 u = np.int32(weight[kk * half + byte0 + j] ^ 0x88)
@@ -427,8 +424,9 @@ def _raw_span(weight, half, k0, k1, byte0, nbytes, a_i8, a_words, streamed, part
 
 
 @numba.njit(**_INLINE_OPTIONS)
-def _span_in_registers(weight, half, k0, k1, byte0, vector_bytes, k, a_words, w0, ysum, y0):
-    """:func:`_raw_span` of one activation row (its A1 pairs from ``a_words[w0]``, its sums at ``ysum[y0]``):
+def _span_in_registers(weight, half, k0, k1, byte0, vector_bytes, k, a_words, w0, partial, ysum, y0):
+    """:func:`_raw_span` of one activation row (its A1 pairs from ``a_words[w0]``, its sums at ``ysum[y0]``;
+    ``partial`` not used):
     per LANES bytes of the rows (2 * LANES columns), the six int16 sums (3 components x even / odd columns)
     stay in registers while the span's rows stream by two at a time (down the columns). Every product and
     partial sum is a small exact integer (|A| <= 7, u <= 15, at most RAW_SPAN_K rows), so int16 lanes hold
@@ -490,13 +488,12 @@ def _add_at(ysum, at, y):
     simd.i32v_store(ysum, at, simd.i32v_add(simd.i32v_load(ysum, at), y))
 
 
-@SerialOrParallel
-def _raw_preload(weight, a_i8, a_max, a_sum, scale_bits, offset_bits, group_size, is_bf16, has_offset, streamed,
-                 ysum, y32):
+def _raw_preload(weight, a_i8, a_max, a_sum, scale_bits, offset_bits, group_size, is_bf16, has_offset, ysum, y32):
     """The fused MSD matmul reading the flat raw (K * N/2) weight (rows <= RAW_MAX_ROWS); y32 (M, padded N)
     float32 is overwritten. Per RAW_BLOCK_N-column block and group: the group's sums ``sum_k A_i[k] * u[k, n]``
-    (:func:`_raw_span`, into ``ysum``: 3 * M * RAW_BLOCK_N int32 per block), then :func:`_accumulate_row` per
-    TILE_N columns, exactly as :func:`_preload` post-processes its tiles."""
+    (:func:`_raw_span` by the bound ``_SPAN_ROWS``, into ``ysum``: 3 * M * RAW_BLOCK_N int32 per block), then
+    :func:`_accumulate_row` per TILE_N columns, exactly as :func:`_preload` post-processes its tiles. A
+    template: _RAW_PRELOAD holds its kernels."""
     half = weight.size // a_i8.shape[2]
     m_rows, groups = a_max.shape
     npad = y32.shape[1]
@@ -517,7 +514,8 @@ def _raw_preload(weight, a_i8, a_max, a_sum, scale_bits, offset_bits, group_size
             ysum[at : at + block_size] = 0
             for k0 in range(g * group_size, (g + 1) * group_size, RAW_SPAN_K):
                 k1 = min(k0 + RAW_SPAN_K, (g + 1) * group_size)
-                _raw_span(weight, half, k0, k1, byte0, nbytes, a_i8, a_words, streamed, partial, ysum, at)
+                _raw_span(_SPAN_ROWS, weight, half, k0, k1, byte0, nbytes, a_i8, a_words,  # noqa: F821 (bound)
+                          partial, ysum, at)
             for m in range(m_rows):
                 for t in range(tiles):
                     y0 = at + m * 3 * RAW_BLOCK_N + TILE_N * t
@@ -532,6 +530,13 @@ def _raw_preload(weight, a_i8, a_max, a_sum, scale_bits, offset_bits, group_size
             for t in range(tiles):
                 row = m * npad + col0 + TILE_N * t
                 simd.f32v_store(y_flat, row, simd.f32v_canonical_nan(simd.f32v_load(y_flat, row)))
+
+
+# The raw-weight kernels, by RAW_ROWS_STREAMED: each compiles only the row order it reads, so a first call
+# compiles one of them.
+_raw_preload_streamed = SerialOrParallel(_raw_preload, "_raw_preload_streamed", _SPAN_ROWS=_span_streamed)
+_raw_preload_walked = SerialOrParallel(_raw_preload, "_raw_preload_walked", _SPAN_ROWS=_span_in_registers)
+_RAW_PRELOAD = {True: _raw_preload_streamed, False: _raw_preload_walked}
 
 
 @SerialOrParallel
@@ -652,8 +657,8 @@ def _run_stages(x32, a_i8, a_max, a_sum, y32, weight, scale_bits, offset_bits, i
     weight_np = as_numpy(weight)
     if layout.raw:
         ysum = as_numpy(layout.view(workspace, "ysum", torch.int32, (-1,)))
-        _raw_preload(weight_np.reshape(-1), a_np, amax_np, asum_np, scale_bits, offset_bits, g, is_bf16, has_offset,
-                     RAW_ROWS_STREAMED, ysum, y_np, serial=serial)
+        _RAW_PRELOAD[RAW_ROWS_STREAMED](weight_np.reshape(-1), a_np, amax_np, asum_np, scale_bits, offset_bits, g,
+                                        is_bf16, has_offset, ysum, y_np, serial=serial)
     elif layout.template == "preload":
         _preload(weight_np, a_quads, amax_np, asum_np, scale_bits, offset_bits, g, is_bf16, has_offset, y_np,
                  serial=serial)
