@@ -2,6 +2,7 @@
 from Python, a CPU kernel's serial and parallel forms, running the CLI, modes that record what they see."""
 
 import numba
+import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -9,6 +10,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lowbit.dtypes import bit_view
 
 HALF_DTYPES = [torch.float16, torch.bfloat16]
+# For tests that need numba's parallel loops on two threads (skipped under NUMBA_NUM_THREADS=1).
+needs_two_numba_threads = pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2,
+                                             reason="numba's thread pool has one thread (NUMBA_NUM_THREADS=1)")
 FLOAT_DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
 

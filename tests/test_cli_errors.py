@@ -114,6 +114,7 @@ BAD_ARGUMENTS = [
     ("bench mxfp4 --sizes abc", ["--sizes", "abc"]),
     ("bench mxfp4 --sizes 33", ["--sizes", "multiple of 32"]),
     ("bench hifloat8 --sizes 0", ["--sizes", "'0'"]),
+    ("bench hifloat8 --sizes 99999999999999999999", ["--sizes", "at most 2**40 elements"]),
     ("bench hifloat8 --dtypes float64", ["--dtypes", "float64"]),
     ("bench hifloat4 --qdims=5", ["--qdims", "'5'"]),
     ("bench hifloat4 --reference-size 4096", ["--reference-size", "multiple of"]),
@@ -218,6 +219,29 @@ def test_debug_reraises_before_or_after_the_command(tmp_path):
     for argv in (["--debug", "wqbmm", "run"], ["wqbmm", "run", "--debug"]):
         with pytest.raises(DatasetError, match="input_a.bin"):
             cli.main([*argv, "--dir", str(tmp_path)])
+
+
+@pytest.mark.parametrize("argv", [["--debug", "smoke", "all", "--device", "npu"],
+                                  ["smoke", "hifloat8", "--device", "npu", "--json", "--debug"]])
+def test_debug_shows_the_traceback_of_a_smoke_that_cannot_run(argv, capsys):
+    """smoke reports errors rather than raising (its exit codes and report are the contract); --debug adds
+    the traceback on stderr, before the one error line."""
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and "BackendUnavailable" in err
+    assert "device npu" in err.strip().splitlines()[-1]
+
+
+def test_a_closed_stdout_ends_quietly_with_141():
+    """(`lowbit smoke ... | head -1`) exited 1, which for smoke means a broken contract."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # every write to stdout fails with EPIPE
+    try:
+        result = subprocess.run([sys.executable, "-m", "lowbit", "info", "--json"], stdout=write_end,
+                                stderr=subprocess.PIPE, text=True, timeout=300)
+    finally:
+        os.close(write_end)
+    assert result.returncode == 141 and result.stderr == ""
 
 
 def test_help_exits_0(capsys):

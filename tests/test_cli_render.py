@@ -141,6 +141,19 @@ def test_bench_view_one_table_per_operator_and_the_verdict_last():
     assert lines(bench_view([]))[-1].startswith("no benchmark rows")
 
 
+@pytest.mark.parametrize("width", [80, 60])
+def test_bench_model_rows_keep_every_number_on_a_narrow_terminal(width):
+    """(`lowbit bench model` on an 80-column terminal cut M = 256 to '2…' and the times to '0…')"""
+    rows = [{"op": "model", "scheme": scheme, "M": m, "NxK": "4096x4096", "what": what, "ms": ms,
+             "x F.linear time": ratio, "weight bytes": nbytes, "x bf16 bytes": share}
+            for scheme in ("hif8-wo", "mxfp4-w4a4")
+            for m, what, ms, ratio, nbytes, share in ((1, "F.linear bf16", 0.07731, 1.0, 33554432, 1.0),
+                                                      (256, "PackedLinear", 14.0312, 0.8392, 8912896, 0.2656))]
+    text = render.to_text(bench_view(rows, "cpu"), width=width)
+    for number in ("256", "0.07731", "14.03", "0.8392", "33554432", "8912896", "0.2656"):
+        assert number in text, (number, text)
+
+
 def test_eval_view_names_the_closest_and_the_smallest_scheme():
     rows = [{"scheme": "hif8-wo", "bits_per_weight": 8.0, "layers_quantized": 36, "layers_skipped": 1,
              "mean_cosine": 0.999991, "nn_agreement": 1.0, "sqnr_db": 40.123, "checkpoint_bytes": 3 << 20},

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import lowbit
-from helpers import SeenOps, bits
+from helpers import SeenOps, bits, needs_two_numba_threads
 from lowbit.kernels.cpu import weight_only as cpu
 from lowbit.kernels.cpu.weight_only import GEMV_MAX_M
 from lowbit.ops.library import PreparedCall
@@ -148,6 +148,7 @@ def test_the_one_call_follows_every_change_of_the_layers_tensors(one_call_only):
     assert copy.deepcopy(module)._one_call is None and pickle.loads(pickle.dumps(module))._one_call is None
 
 
+@needs_two_numba_threads
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_a_layer_large_enough_for_numbas_threads(dtype, one_call_only):
     """M * K * N past the kernel's one-thread work: the preload on numba's threads, in the same one call."""

@@ -28,6 +28,12 @@ def small_mlp():
     return nn.Sequential(nn.Linear(128, 256), nn.GELU(), nn.Linear(256, 128)), torch.randn(16, 128)
 
 
+def token_model():
+    """An embedding model fed token ids (integers: they must not be cast to float)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(50, 128), nn.Linear(128, 128)), torch.randint(0, 50, (4, 16))
+
+
 def one_error_line(capsys) -> str:
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "Traceback" not in err
@@ -123,12 +129,33 @@ def test_eval_perplexity_of_a_causal_lm(tiny_causal_lm_path, tmp_path, capsys):
      "/nonexistent.json"),
     (["quantize", "--model", "test_quantize_eval_cli:no_linear", "--scheme", "hif8-wo", "--out", "{tmp}/x"],
      "nothing to quantize"),
+    (["quantize", "--model", "test_quantize_eval_cli:small_mlp", "--scheme", "hif8-w8a8-ofmr", "--calib-text",
+      "{tmp}/c.txt", "--out", "{tmp}/x"], "--calib-text: test_quantize_eval_cli:small_mlp is a module:function"),
+    (["quantize", "--model", "minilm", "--scheme", "hif8-w8a8-ofmr", "--calib-text", "{tmp}/bin.txt", "--out",
+      "{tmp}/x"], "--calib-text {tmp}/bin.txt is not UTF-8 text"),
+    (["eval", "--model", "{causal}", "--schemes", "hif8-wo", "--text", "{tmp}/bin.txt"],
+     "--text {tmp}/bin.txt is not UTF-8 text"),
 ])
-def test_cli_errors_are_one_line_exit_2(argv, message, tmp_path, capsys):
-    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+def test_cli_errors_are_one_line_exit_2(argv, message, tmp_path, capsys, request):
+    (tmp_path / "c.txt").write_text("a calibration sentence\n")
+    (tmp_path / "bin.txt").write_bytes(b"\xff\xfe binary")
+    causal = str(request.getfixturevalue("tiny_causal_lm_path")) if "{causal}" in argv else ""
+    argv = [a.replace("{tmp}", str(tmp_path)).replace("{causal}", causal) for a in argv]
     assert cli.main(argv) == 2
     err = one_error_line(capsys)
-    assert err.startswith(f"lowbit {argv[0]}: error: ") and message in err
+    assert err.startswith(f"lowbit {argv[0]}: error: ") and message.replace("{tmp}", str(tmp_path)) in err
+
+
+@pytest.mark.parametrize("command", ["quantize", "eval"])
+@pytest.mark.parametrize("option, value", [("--calib-sentences", "0"), ("--calib-sentences", "-1"),
+                                           ("--batch-size", "0")])
+def test_counts_are_checked_when_the_command_line_is_read(command, option, value, tmp_path, capsys):
+    argv = [command, "--model", "test_quantize_eval_cli:small_mlp", option, value]
+    argv += ["--scheme", "hif8-w8a8-ofmr", "--out", str(tmp_path / "x")] if command == "quantize" else []
+    assert cli.main(argv) == 2
+    err = one_error_line(capsys)
+    assert f"argument {option}: expected a positive integer, got {value!r}" in err
+    assert not (tmp_path / "x").exists()
 
 
 def test_quantize_out_that_is_not_a_checkpoint_is_refused_and_kept(tiny_causal_lm_path, tmp_path, capsys):
@@ -140,6 +167,13 @@ def test_quantize_out_that_is_not_a_checkpoint_is_refused_and_kept(tiny_causal_l
     err = one_error_line(capsys)
     assert err.startswith("lowbit quantize: error: --out: ") and "not a checkpoint written by save_quantized" in err
     assert {p.name: p.read_bytes() for p in tiny_causal_lm_path.iterdir() if p.is_file()} == before
+
+
+def test_a_callable_model_fed_token_ids_is_quantized_and_evaluated(tmp_path, capsys):
+    assert cli.main(["quantize", "--model", "test_quantize_eval_cli:token_model", "--scheme", "hif8-wo",
+                     "--out", str(tmp_path / "q")]) == 0
+    assert cli.main(["eval", "--model", "test_quantize_eval_cli:token_model", "--schemes", "hif8-wo"]) == 0
+    assert "hif8-wo" in capsys.readouterr().out
 
 
 def test_bad_config_json_is_one_line(tmp_path, capsys):

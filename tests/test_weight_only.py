@@ -23,7 +23,7 @@ from lowbit.kernels.cpu.memory import thread_scratch
 from lowbit.ops import weight_only as ops
 from lowbit.ops import library
 from lowbit.ops.library import PreparedCall
-from helpers import simd_binary
+from helpers import needs_two_numba_threads, simd_binary
 
 triton_kernels = pytest.importorskip("lowbit.kernels.triton.weight_only", reason="triton is not installed")
 
@@ -847,6 +847,7 @@ def test_batched_kernel_within_the_order_interval(fmt, m, dtype, monkeypatch):
     assert (bits(got)[got.isnan()] == reference.NAN_BITS[dtype]).all()
 
 
+@needs_two_numba_threads
 @pytest.mark.parametrize("fmt", ["mxfp4", "hifloat8"])
 def test_batched_kernel_gives_the_same_bits_on_any_thread_count(fmt):
     """Each output's sums come from one task whatever thread runs it: the parallel loop on two threads gives

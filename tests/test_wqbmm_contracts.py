@@ -304,6 +304,12 @@ def test_plan_names_a_non_int_argument(name, value):
         wq.plan_weight_quant_batch_matmul(sizes.pop("m"), sizes.pop("k"), sizes.pop("n"), **sizes)
 
 
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_plan_refuses_a_prepacked_that_is_not_a_bool(value):
+    with pytest.raises(TypeError, match=f"prepacked must be a bool, got {type(value).__name__}"):
+        wq.plan_weight_quant_batch_matmul(1, 256, 96, group_size=64, prepacked=value)
+
+
 @pytest.mark.parametrize("group_size", [0, -32, 48, 96, 512])
 def test_invalid_group_size_is_a_shape_error_everywhere(group_size):
     x, weight, scale = _operands(m=1, k=256, n=96, g=64)

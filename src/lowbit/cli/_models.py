@@ -29,10 +29,19 @@ def progress(total: int | None, desc: str, unit: str):
     return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, disable=None, leave=False)
 
 
+def read_text_file(path: str, what: str) -> str:
+    """The UTF-8 text of ``path``; ValueError naming the option ``what`` and the file when it is not UTF-8
+    (FileNotFoundError / IsADirectoryError name the file themselves)."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{what} {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+
+
 def read_json_file(path: str, what: str) -> dict:
     """A JSON object from ``path``; ValueError naming the file when it is not valid JSON or not an object."""
     try:
-        value = json.loads(Path(path).read_text(encoding="utf-8"))
+        value = json.loads(read_text_file(path, what))
     except json.JSONDecodeError as exc:
         raise ValueError(f"{what} {path} is not valid JSON: {exc}") from None
     if not isinstance(value, dict):

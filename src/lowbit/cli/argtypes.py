@@ -63,11 +63,16 @@ def one_of(choices: Iterable[str]) -> Callable[[str], str]:
     return parse
 
 
+MAX_ELEMENTS = 1 << 40  # far beyond any memory here, and within torch's int64 sizes
+
+
 def element_count(named: dict[str, int], multiple_of: int = 1) -> Callable[[str], int]:
-    """A named size ('1M') or a positive integer, which must be a multiple of ``multiple_of``."""
+    """A named size ('1M') or a positive integer up to MAX_ELEMENTS, a multiple of ``multiple_of``."""
 
     def parse(text: str) -> int:
         n = named[text] if text in named else positive_int(text)
+        if n > MAX_ELEMENTS:
+            raise argparse.ArgumentTypeError(f"expected at most 2**40 elements, got {text!r}")
         if n % multiple_of:
             raise argparse.ArgumentTypeError(f"expected a multiple of {multiple_of}, got {text!r}")
         return n

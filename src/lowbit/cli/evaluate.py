@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import argparse
 
-from lowbit.cli._models import MODEL_HELP, progress
+from lowbit.cli._models import MODEL_HELP, progress, read_text_file
+from lowbit.cli.argtypes import positive_int
 from lowbit.cli.output import json_text, writable_path
 
 DEFAULT_SCHEMES = "hif8-cast,hif8-wo,fp8-wo,hif8-w8a8-minmax,mxfp8-w8a8,mxfp4-wo,hif4-wo,int4-a16w4"
@@ -26,8 +27,6 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
     if args.sentences < 2:
         raise ValueError(f"--sentences must be >= 2 (nearest neighbours need another sentence), got {args.sentences}")
-    if args.calib_sentences < 1:
-        raise ValueError(f"--calib-sentences must be >= 1, got {args.calib_sentences}")
     if args.plot:
         from lowbit.evaluation.extras import require
 
@@ -42,7 +41,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     if args.text:
         if loaded.kind != "causal-lm":
             raise ValueError(f"--text measures perplexity; {args.model} is not a causal LM ({loaded.kind})")
-        tokens = evaluation.tokenize_text_file(loaded.tokenizer, args.text)
+        tokens = evaluation.tokenize_text(loaded.tokenizer, read_text_file(args.text, "--text"))
     bar = progress(len(schemes), "schemes", "scheme")
     try:
         rows = evaluation.evaluate_schemes(loaded, schemes, sentences=args.sentences,
@@ -69,13 +68,14 @@ def add_subcommand(subparsers) -> None:
     p.add_argument("--schemes", default=DEFAULT_SCHEMES,
                    help=f"comma-separated scheme names, or 'all' (default: {DEFAULT_SCHEMES})")
     p.add_argument("--sentences", type=int, default=256, help="sentences to embed and compare (default 256)")
-    p.add_argument("--calib-sentences", type=int, default=64,
+    p.add_argument("--calib-sentences", type=positive_int, default=64,
                    help="other sentences fed to schemes that calibrate (default 64)")
     p.add_argument("--text", default="", help="causal LMs: UTF-8 text file to measure perplexity on")
     p.add_argument("--seqlen", type=int, default=2048, help="perplexity window in tokens (default 2048, as AMCT)")
-    p.add_argument("--batch-size", type=int, default=32, help="sentences per forward pass (default 32)")
+    p.add_argument("--batch-size", type=positive_int, default=32, help="sentences per forward pass (default 32)")
     p.add_argument("--json", nargs="?", const="-", default="", metavar="FILE",
-                   help="print the rows as JSON instead of the human summary; --json FILE: also write them to FILE")
+                   help="--json: print the rows as JSON instead of the human summary; --json FILE: write them to "
+                        "FILE and print the summary")
     p.add_argument("--plot", default="", metavar="FILE.png",
                    help="write a chart of accuracy vs bits per weight (needs matplotlib)")
     p.set_defaults(func=_cmd_eval)

@@ -16,6 +16,7 @@ import sys
 
 EXIT_ERROR = 2  # usage, bad input, bad files, a device or backend that cannot run here
 EXIT_INTERRUPTED = 130  # Ctrl-C, as shells report SIGINT
+EXIT_BROKEN_PIPE = 141  # stdout closed by the reader (`| head`), as shells report SIGPIPE
 # lowbit's DtypeError / ShapeError / DeviceError / BackendUnavailable / DatasetError derive from these
 EXPECTED_ERRORS = (ValueError, TypeError, OSError, RuntimeError, ImportError, MemoryError)
 
@@ -114,7 +115,7 @@ def _cmd_smoke(args: argparse.Namespace) -> int:
 
     _check_default_backend()  # a bad LOWBIT_BACKEND: the check cannot run (exit 2)
     with steps(len(smoke.checks()) if args.op == "all" else 1, "smoke") as step:
-        report, code = smoke.run(args.op, args.backend, args.device, on_check=step)
+        report, code = smoke.run(args.op, args.backend, args.device, on_check=step, debug=args.debug)
     if "error" in report and "results" not in report and "ops" not in report:  # it could not start
         _smoke_error(report, args.json)
         return code
@@ -277,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if exc.code is None else exc.code if isinstance(exc.code, int) else EXIT_ERROR
     except BrokenPipeError:  # output piped into e.g. `head`: stop quietly, as Unix tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
+        return EXIT_BROKEN_PIPE  # not 1: for smoke that means a broken contract
     except KeyboardInterrupt:
         if debug:
             raise

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
-from lowbit.cli._models import MODEL_HELP, progress, read_json_file
+from lowbit.cli._models import MODEL_HELP, progress, read_json_file, read_text_file
+from lowbit.cli.argtypes import positive_int
 from lowbit.cli.output import add_json_flag, json_text, writable_path
 
 
@@ -22,7 +22,7 @@ def _calibration_sentences(args: argparse.Namespace) -> list[str]:
     from lowbit.evaluation.text import evaluation_and_calibration_sentences
 
     if args.calib_text:
-        lines = [line.strip() for line in Path(args.calib_text).read_text(encoding="utf-8").splitlines()]
+        lines = [line.strip() for line in read_text_file(args.calib_text, "--calib-text").splitlines()]
         lines = [line for line in lines if line]
         if not lines:
             raise ValueError(f"--calib-text {args.calib_text} has no non-empty line")
@@ -47,6 +47,9 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     float_bytes = scheme_api.float_bytes(loaded.model)
     times["load"] = time.perf_counter() - start
     calibrate, bar = None, None
+    if loaded.kind == "callable" and args.calib_text:
+        raise ValueError(f"--calib-text: {args.model} is a module:function model, which calibrates on the "
+                         "batch its function returns; leave --calib-text out")
     if config is not None or scheme_api.needs_calibration(args.scheme) or args.amct_compat:
         sentences = _calibration_sentences(args) if loaded.kind != "callable" else []
         bar = progress(len(sentences), "calibrate", "sentence")
@@ -94,8 +97,10 @@ def add_subcommand(subparsers) -> None:
     how.add_argument("--config", default="", help="a JSON file in AMCT's config schema")
     p.add_argument("--calib-text", default="", help="UTF-8 text file, one calibration sample per non-empty line "
                                                      "(default: built-in sentences)")
-    p.add_argument("--calib-sentences", type=int, default=64, help="built-in calibration sentences (default 64)")
-    p.add_argument("--batch-size", type=int, default=16, help="calibration samples per forward pass (default 16)")
+    p.add_argument("--calib-sentences", type=positive_int, default=64,
+                   help="built-in calibration sentences (default 64)")
+    p.add_argument("--batch-size", type=positive_int, default=16,
+                   help="calibration samples per forward pass (default 16)")
     p.add_argument("--amct-compat", action="store_true", help="reproduce AMCT's quirks (docs/quantize.md)")
     p.add_argument("--out", required=True, help="checkpoint directory to write (save_quantized)")
     add_json_flag(p, "the summary (layers quantized and skipped, bytes, seconds per stage)")

@@ -6,7 +6,7 @@
 * a directory holding ``config.json``: a causal LM (``*ForCausalLM`` architecture) through
   ``AutoModelForCausalLM``, anything else through ``AutoModel`` (an encoder); its tokenizer beside it.
 * ``package.module:function``: ``function()`` must return ``(torch.nn.Module, torch.Tensor)``, the model and
-  an input batch it takes.
+  an input batch it takes (a floating batch is cast to float32; token ids stay integers).
 
 Models are loaded in float32, in eval mode, on the CPU.
 """
@@ -128,7 +128,9 @@ def load_callable(spec: str) -> LoadedModel:
             f"tuple({', '.join(type(r).__name__ for r in result)})"
         raise TypeError(f"{spec}() must return (torch.nn.Module, torch.Tensor), got {got}")
     model, inputs = result
-    return LoadedModel(model.to(torch.float32).eval(), "callable", spec, inputs=inputs.to(torch.float32))
+    if inputs.is_floating_point():  # the model runs in float32; token ids and other integers stay as they are
+        inputs = inputs.to(torch.float32)
+    return LoadedModel(model.to(torch.float32).eval(), "callable", spec, inputs=inputs)
 
 
 def load_model(spec: str) -> LoadedModel:

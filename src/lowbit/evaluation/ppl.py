@@ -19,10 +19,14 @@ from torch import nn
 AMCT_SEQLEN = 2048
 
 
+def tokenize_text(tokenizer, text: str) -> torch.Tensor:
+    """``text`` as one int64 token sequence (1-D)."""
+    return torch.as_tensor(tokenizer(text, return_tensors="pt")["input_ids"][0], dtype=torch.int64)
+
+
 def tokenize_text_file(tokenizer, path: str | Path) -> torch.Tensor:
     """The whole UTF-8 file as one int64 token sequence (1-D). FileNotFoundError / UnicodeDecodeError name it."""
-    text = Path(path).read_text(encoding="utf-8")
-    return torch.as_tensor(tokenizer(text, return_tensors="pt")["input_ids"][0], dtype=torch.int64)
+    return tokenize_text(tokenizer, Path(path).read_text(encoding="utf-8"))
 
 
 def perplexity(model: nn.Module, tokens: torch.Tensor, seqlen: int = AMCT_SEQLEN, progress=None) -> float:

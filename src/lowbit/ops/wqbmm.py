@@ -353,6 +353,8 @@ def plan_weight_quant_batch_matmul(
     check_int("group_size", group_size)
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"{_OP}: dtype must be a torch.dtype, got {type(dtype).__name__} {dtype!r}")
+    if not isinstance(prepacked, bool):
+        raise TypeError(f"{_OP}: prepacked must be a bool, got {type(prepacked).__name__} {prepacked!r}")
     if n % 2:
         raise ShapeError(f"{_OP}: N must be even (two int4 per byte), got N = {n}")
     device = backends.canonical_device(device)

@@ -44,18 +44,24 @@ def cell(value, digits: int | None = None) -> str:
 def rows_table(rows: list[dict], skip: tuple[str, ...] = (), digits: dict[str, int] | None = None,
                headers: dict[str, str] | None = None) -> Table:
     """The rows as one table (columns: the union of their keys, in order, less ``skip``, titled by
-    ``headers`` where given); numbers right-aligned, floats as :func:`cell` with ``digits`` per column."""
+    ``headers`` where given); numbers right-aligned, floats as :func:`cell` with ``digits`` per column. On a
+    narrow terminal text cells are cut with an ellipsis and headers wrap; numbers are never cut."""
     digits, headers = digits or {}, headers or {}
     keys = _columns(rows, skip)
+    cells = [[human_bytes(row.get(k)) if k.endswith("_bytes") else cell(row.get(k), digits.get(k)) for k in keys]
+             for row in rows]
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
-    for key in keys:
+    for i, key in enumerate(keys):
         numeric = all(isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)
                       for r in rows if r.get(key) is not None)
-        table.add_column(headers.get(key, key), justify="right" if numeric else "left", no_wrap=True,
-                         overflow="ellipsis")
-    for row in rows:
-        table.add_row(*(human_bytes(row.get(k)) if k.endswith("_bytes") else cell(row.get(k), digits.get(k))
-                        for k in keys))
+        title = headers.get(key, key)
+        if numeric:  # as wide as its widest number and its title's longest word
+            widest = max([len(c[i]) for c in cells] + [len(word) for word in title.split()])
+            table.add_column(title, justify="right", overflow="fold", min_width=widest)
+        else:
+            table.add_column(title, no_wrap=True, overflow="ellipsis")
+    for row_cells in cells:
+        table.add_row(*row_cells)
     return table
 
 

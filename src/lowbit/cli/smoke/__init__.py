@@ -9,6 +9,8 @@ false, "requested_backend"}`` goes to stderr as one line of JSON.
 
 from __future__ import annotations
 
+import sys
+import traceback
 import warnings
 from types import ModuleType
 from typing import Callable
@@ -37,23 +39,22 @@ def error_report(backend: str | None, error: str) -> dict:
     return {"requested_backend": backend, "hardware_path_verified": False, "error": error}
 
 
-def run_one(module: ModuleType, backend: str, device: torch.device) -> tuple[dict, int]:
+def run_one(module: ModuleType, backend: str, device: torch.device, debug: bool = False) -> tuple[dict, int]:
     """Run one operator's check; returns (report without environment, exit code).
 
     Warnings raised during the check are counted into every result's ``warning_count`` (any warning
     means the path is not verified, as upstream). An exception other than CANNOT_RUN_ERRORS is a broken
-    contract (exit 1), reported with its message.
+    contract (exit 1), reported with its message. ``debug``: an exception's traceback also goes to stderr.
     """
     try:
         with torch.inference_mode(), warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             results = module.run(backend, device)
-    except CANNOT_RUN_ERRORS as exc:
-        error = f"{type(exc).__name__}: {exc}"
-        return {"op": module.NAME, "hardware_path_verified": False, "error": error}, EXIT_CANNOT_RUN
-    except Exception as exc:  # the check ran and failed: report it, never a traceback
-        error = f"{type(exc).__name__}: {exc}"
-        return {"op": module.NAME, "hardware_path_verified": False, "error": error}, EXIT_CONTRACT_BROKEN
+    except Exception as exc:  # reported, never raised (the report is the contract)
+        if debug:
+            traceback.print_exc(file=sys.stderr)
+        code = EXIT_CANNOT_RUN if isinstance(exc, CANNOT_RUN_ERRORS) else EXIT_CONTRACT_BROKEN
+        return {"op": module.NAME, "hardware_path_verified": False, "error": f"{type(exc).__name__}: {exc}"}, code
     for result in results:
         result["warning_count"] = len(caught)
     report = {
@@ -74,13 +75,14 @@ def _warm_cpu_kernels() -> None:
     warm_cache(operators().values())
 
 
-def run(op: str, backend: str, device_name: str,
-        on_check: Callable[[str], object] | None = None) -> tuple[dict, int]:
+def run(op: str, backend: str, device_name: str, on_check: Callable[[str], object] | None = None,
+        debug: bool = False) -> tuple[dict, int]:
     """Run ``op`` (or 'all') and build the report; returns (report, exit code).
 
     The report always has ``requested_backend`` and ``hardware_path_verified``; on success also
     ``environment`` and ``results`` (one op) or ``ops`` (all); when the check cannot run, ``error``.
-    ``on_check(name)``, if given, is called as each operator's check starts (progress).
+    ``on_check(name)``, if given, is called as each operator's check starts (progress). ``debug``: the
+    traceback of each error also goes to stderr.
     """
     available = checks()
     if op != "all" and op not in available:
@@ -88,6 +90,8 @@ def run(op: str, backend: str, device_name: str,
     try:
         device = resolve_device(device_name)
     except (BackendUnavailable, RuntimeError, ValueError) as exc:
+        if debug:
+            traceback.print_exc(file=sys.stderr)
         return error_report(backend, str(exc)), EXIT_CANNOT_RUN
     selected = list(available.values()) if op == "all" else [available[op]]
     if op == "all" and device.type == "cpu" and backend != "reference":
@@ -96,7 +100,7 @@ def run(op: str, backend: str, device_name: str,
     for module in selected:
         if on_check is not None:
             on_check(module.NAME)
-        outcomes.append(run_one(module, backend, device))
+        outcomes.append(run_one(module, backend, device, debug))
     reports, codes = zip(*outcomes)
     report = {
         "requested_backend": backend,
