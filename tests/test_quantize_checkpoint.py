@@ -162,9 +162,10 @@ def test_missing_files_are_named(tmp_path):
 def test_unknown_format_version_and_corrupt_json(tmp_path):
     path = _saved(tmp_path)
     meta = json.loads((path / META_FILE).read_text())
-    (path / META_FILE).write_text(json.dumps({**meta, "format_version": 99}))
-    with pytest.raises(CheckpointError, match="format_version 99"):
-        lowbit.load_quantized(path, skeleton())
+    for version in (99, True, 1.0, "1"):
+        (path / META_FILE).write_text(json.dumps({**meta, "format_version": version}))
+        with pytest.raises(CheckpointError, match=f"format_version {version!r}"):
+            lowbit.load_quantized(path, skeleton())
     (path / META_FILE).write_text("{not json")
     with pytest.raises(CheckpointError, match="not valid JSON"):
         lowbit.load_quantized(path, skeleton())

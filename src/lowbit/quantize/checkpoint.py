@@ -128,7 +128,7 @@ def _read_meta(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"load_quantized: {path} is not valid JSON ({type(exc).__name__}: {exc})") from None
     if not isinstance(meta, dict) or "format_version" not in meta or not isinstance(meta.get("layers"), dict):
         raise CheckpointError(f"load_quantized: {path} is not a lowbit quantization file")
-    if meta["format_version"] != FORMAT_VERSION:
+    if type(meta["format_version"]) is not int or meta["format_version"] != FORMAT_VERSION:  # not true, 1.0
         raise CheckpointError(f"load_quantized: {path} has format_version {meta['format_version']!r}; this lowbit "
                               f"reads version {FORMAT_VERSION}")
     return meta
