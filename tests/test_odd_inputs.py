@@ -61,17 +61,21 @@ def test_an_out_of_any_layout_whose_elements_are_apart_is_written(out):
 
 
 def test_outputs_that_share_memory_with_each_other_are_a_shape_error():
-    """(codes and scales in one buffer: the codes were silently wrong)"""
+    """(codes and scales in one buffer: the codes were silently wrong); outputs in one buffer that do not
+    share memory, contiguous or interleaved, are written."""
     x = torch.randn(4, 64).bfloat16()
     buf = torch.zeros(144, dtype=torch.uint8)
     with pytest.raises(ShapeError, match=r"mxfp4_quantize: out\[0\] and out\[1\] share memory"):
         lowbit.mxfp4_quantize(x, out=(buf[:128].view(4, 32), buf[120:128].view(4, 2)))
     with pytest.raises(ShapeError, match=r"hifloat4_pack: out\[0\] and out\[1\] share memory"):
         lowbit.hifloat4_pack(x, out=(buf[112:128].view(4, 1, 4), buf[:128].view(4, 32)))
-    codes, scales = buf[:128].view(4, 32), buf[128:136].view(4, 2)  # one buffer, apart: fine
-    lowbit.mxfp4_quantize(x, out=(codes, scales))
     want = lowbit.mxfp4_quantize(x)
-    assert torch.equal(codes, want[0]) and torch.equal(scales, want[1])
+    rows = torch.zeros(4, 34, dtype=torch.uint8)  # each row's codes then its scales: interleaved, apart
+    pairs = torch.zeros(4, 64, dtype=torch.uint8)
+    for codes, scales in ((buf[:128].view(4, 32), buf[128:136].view(4, 2)), (rows[:, :32], rows[:, 32:]),
+                          (pairs[:, ::2], pairs[:, 1::2][:, :2])):
+        lowbit.mxfp4_quantize(x, out=(codes, scales))
+        assert torch.equal(codes, want[0]) and torch.equal(scales, want[1])
 
 
 @pytest.mark.parametrize("scheme", ["hif8-wo", "mxfp4-wo"])

@@ -81,6 +81,21 @@ def test_backward_is_an_error_or_no_gradient_never_a_silent_none(name):
             total.backward()
 
 
+def test_a_compiled_graph_that_requires_grad_compiles_and_its_backward_is_the_error():
+    """torch.compile traces the backward of a forward run in grad mode: it compiles (it failed at compile
+    time), computes what eager computes, and its backward raises when it runs."""
+    from lowbit import SVDQuantLinear
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64).bfloat16(), SVDQuantLinear(64, 64, rank=8,
+                                                                                   backend="reference"))
+    x = torch.randn(2, 64).bfloat16()
+    y = torch.compile(model, backend="aot_eager", fullgraph=True)(x)
+    assert y.requires_grad and torch.equal(y, model(x))
+    with pytest.raises(RuntimeError, match="lowbit::svd_quant has no backward"):
+        y.float().sum().backward()
+
+
 @pytest.mark.parametrize("name", OPERATORS)
 def test_fake_tensors_give_the_real_shapes_and_dtypes(name):
     op = OPERATORS[name]

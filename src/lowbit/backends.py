@@ -404,8 +404,10 @@ class Operator:
                 raise ShapeError(f"{self.name}: {label} has elements that may share memory (strides {t.stride()} "
                                  f"for shape {tuple(t.shape)}, e.g. from expand or as_strided); pass a tensor with "
                                  "its own memory per element")
-        real = [i for i, t in enumerate(outs) if not (is_fake(t) or t.device.type == "meta")]  # memory held
-        for i, j in itertools.combinations(real, 2):
+        # Outputs sharing memory: certain for two contiguous ones whose ranges meet (strided ones that only
+        # interleave, such as a row's codes and scales in one buffer, are computed into temporaries by run_into)
+        dense = [i for i, t in enumerate(outs) if t.is_contiguous() and not (is_fake(t) or t.device.type == "meta")]
+        for i, j in itertools.combinations(dense, 2):
             if overlaps(outs[i], outs[j]):
                 raise ShapeError(f"{self.name}: out[{i}] and out[{j}] share memory; pass separate tensors")
 

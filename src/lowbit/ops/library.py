@@ -41,6 +41,22 @@ _INFERENCE_CPU_KEYS = torch._C.DispatchKeySet(_KEY.CPU).add(_KEY.AutocastCPU)  #
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
+# The backward of the inference operators (define's differentiable=True): an op that raises when it runs and
+# whose fake gives the gradient's shape, so torch.compile can trace a graph that requires grad (its backward
+# fails only if it runs) and eager backward fails at once; gradients are never silently None.
+_LIB.define("no_backward(str op, SymInt[] shape, ScalarType dtype, Device device) -> Tensor")
+
+
+def _no_backward(op, shape, dtype, device):
+    raise RuntimeError(f"lowbit::{op} has no backward (an inference operator): run it on tensors that do not "
+                       "require grad, e.g. under torch.no_grad(), or detach them")
+
+
+_LIB.impl("no_backward", _no_backward, "CompositeExplicitAutograd")
+torch.library.register_fake("lowbit::no_backward", lambda op, shape, dtype, device: torch.empty(
+    shape, dtype=dtype, device=device), lib=_LIB)
+
+
 def _complete(name: str, args: tuple, kwargs: dict) -> list:
     """All arguments of ``lowbit::<name>`` in schema order (the dispatcher leaves out trailing defaults)."""
     full = list(args)
@@ -108,11 +124,18 @@ def define(
     def no_gradient(ctx, *grads):
         return (None,) * n_inputs
 
-    def no_backward(ctx, *grads):
-        raise RuntimeError(f"lowbit::{name} has no backward (an inference operator): run it on tensors that "
-                           "do not require grad, e.g. under torch.no_grad(), or detach them")
+    def remember_inputs(ctx, inputs, output):
+        ctx.inputs = [(tuple(a.shape), a.dtype, a.device) if isinstance(a, torch.Tensor) else None for a in inputs]
 
-    torch.library.register_autograd(f"lowbit::{op.name}", no_backward if differentiable else no_gradient, lib=_LIB)
+    def no_backward(ctx, *grads):
+        first = next(i for i, needed in enumerate(ctx.needs_input_grad) if needed)
+        return tuple(torch.ops.lowbit.no_backward(name, *ctx.inputs[i]) if i == first else None
+                     for i in range(n_inputs))
+
+    if differentiable:
+        torch.library.register_autograd(f"lowbit::{op.name}", no_backward, setup_context=remember_inputs, lib=_LIB)
+    else:
+        torch.library.register_autograd(f"lowbit::{op.name}", no_gradient, lib=_LIB)
     return op
 
 
