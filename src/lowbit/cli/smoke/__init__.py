@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from lowbit.backends import BackendUnavailable, operators
+from lowbit.backends import BackendUnavailable
 from lowbit.cli._discover import operator_modules
 from lowbit.cli.devices import resolve_device
 from lowbit.cli.smoke import _common
@@ -65,14 +65,15 @@ def run_one(module: ModuleType, backend: str, device: torch.device, debug: bool 
     return report, EXIT_OK if _common.contracts_hold(results) else EXIT_CONTRACT_BROKEN
 
 
-def _warm_cpu_kernels() -> None:
-    """Compile cold CPU kernel families in parallel processes (lowbit.kernels.cpu.warm); without numba
-    nothing happens here and each check reports the missing backend itself."""
+def _warm_cpu_kernels(modules: list[ModuleType]) -> None:
+    """Compile the cold CPU kernel families of the operators the checks ``modules`` call (each module's
+    ``OPERATORS``) in parallel processes (lowbit.kernels.cpu.warm); operators no check calls compile on
+    their first use. Without numba nothing happens here and each check reports the missing backend itself."""
     try:
         from lowbit.kernels.cpu.warm import warm_cache
     except (ImportError, OSError):
         return
-    warm_cache(operators().values())
+    warm_cache(dict.fromkeys(op for module in modules for op in module.OPERATORS))
 
 
 def run(op: str, backend: str, device_name: str, on_check: Callable[[str], object] | None = None,
@@ -95,7 +96,7 @@ def run(op: str, backend: str, device_name: str, on_check: Callable[[str], objec
         return error_report(backend, str(exc)), EXIT_CANNOT_RUN
     selected = list(available.values()) if op == "all" else [available[op]]
     if op == "all" and device.type == "cpu" and backend != "reference":
-        _warm_cpu_kernels()
+        _warm_cpu_kernels(selected)
     outcomes = []
     for module in selected:
         if on_check is not None:

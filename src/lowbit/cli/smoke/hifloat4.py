@@ -16,6 +16,7 @@ from lowbit.formats import hifloat4
 from lowbit.ops.hifloat4 import FAKE_QUANT, hifloat4_fake_quant, probe_input
 
 NAME = "hifloat4"
+OPERATORS = (FAKE_QUANT,)  # the operators the check calls (warmed before it: lowbit.cli.smoke.run)
 
 
 def _poisoned_blocks_nan(x: torch.Tensor, y: torch.Tensor) -> bool:

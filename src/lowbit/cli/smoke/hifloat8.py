@@ -14,6 +14,7 @@ from lowbit.formats import hifloat8
 from lowbit.ops.hifloat8 import DECODE, ENCODE, decode_from_hifloat8, encode_to_hifloat8
 
 NAME = "hifloat8"
+OPERATORS = (ENCODE, DECODE)
 SEED = 2026
 
 

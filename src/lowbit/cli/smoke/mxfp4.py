@@ -16,6 +16,7 @@ from lowbit.formats import mxfp4
 from lowbit.ops.mxfp4 import DEQUANTIZE, QUANTIZE, mxfp4_dequantize, mxfp4_quantize
 
 NAME = "mxfp4"
+OPERATORS = (QUANTIZE, DEQUANTIZE)
 SEED = 2026
 WORKED_VECTOR = [4.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, 0.2, 5.9, -0.0] + [0.0] * 20
 WORKED_BYTES = [0x16, 0x32, 0x54, 0x76, 0x09, 0x87] + [0x00] * 10  # scale byte 0x7F

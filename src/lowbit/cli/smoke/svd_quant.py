@@ -19,6 +19,7 @@ from lowbit.formats import svd_quant as ref
 from lowbit.ops.svd_quant import ATOL, RTOL, SVD_QUANT, probe_inputs, svd_quant
 
 NAME = "svd_quant"
+OPERATORS = (SVD_QUANT,)
 CASES = ((1, 1, 64, 128, 32), (2, 33, 96, 128, 64), (1, 8, 40, 96, 32))
 
 

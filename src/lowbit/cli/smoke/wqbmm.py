@@ -16,6 +16,7 @@ from lowbit.formats.int4 import unpack_int4
 from lowbit.ops.wqbmm import MATMUL, TEMPLATES, plan_weight_quant_batch_matmul, weight_quant_batch_matmul
 
 NAME = "wqbmm"
+OPERATORS = (MATMUL,)
 SEED = 2026
 M, K, N, G = 3, 512, 192, 128
 
