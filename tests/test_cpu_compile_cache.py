@@ -7,9 +7,10 @@ import sys
 
 import numba
 import pytest
+import torch
 
 import lowbit  # noqa: F401  (registers every operator)
-from lowbit.backends import operators
+from lowbit.backends import Operator, operators
 from lowbit.kernels.cpu import warm
 
 HIFLOAT8 = "lowbit.kernels.cpu.hifloat8"
@@ -155,14 +156,19 @@ def test_operators_are_warmed_after_those_whose_kernels_they_share(monkeypatch):
         ended.add(names[future])
         return {future}, set(futures) - {future}
 
+    adopted = []
     monkeypatch.setattr(warm, "is_cold", lambda module: True)
     monkeypatch.setattr(warm.concurrent.futures, "ProcessPoolExecutor", FakeProcesses)
     monkeypatch.setattr(warm.concurrent.futures, "ThreadPoolExecutor", FakeThread)
     monkeypatch.setattr(warm.concurrent.futures, "wait", fake_wait)
+    monkeypatch.setattr(Operator, "adopt_passed_check", lambda self, device: adopted.append((self.name, device)))
     modules = warm.warm_cache(operators().values(), workers=2)
     assert sorted(started) == sorted(needs) and sorted(modules) == sorted(cold)
     assert here and here[0] == started[0]  # this process takes the first task, without a process start-up
     assert modules.index("lowbit.kernels.cpu.mxfp4") < modules.index("lowbit.kernels.cpu.svd_quant")
+    # the workers' passed checks are adopted; this process's own and a failed one are not
+    workers_passed = [n for n in started if n not in here and n != "weight_quant_batch_matmul"]
+    assert sorted(adopted) == sorted((n, "cpu") for n in workers_passed)
 
 
 def test_a_slot_takes_a_task_waiting_for_its_family_first_only_rather_than_stay_idle():
@@ -254,6 +260,14 @@ def test_a_raw_weight_call_compiles_only_its_row_order(streamed, tmp_path):
                             text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == [str(streamed), str(not streamed)]
+
+
+def test_an_adopted_check_answers_without_running_the_probes(monkeypatch):
+    op = Operator(name="adopted", outputs=lambda x: None, reference=None, native={}, probes=lambda: [])
+    monkeypatch.setattr(Operator, "_self_check", lambda *args: pytest.fail("the probes ran"))
+    op.adopt_passed_check("cpu")
+    assert op.auto_check_error("cpu") is None
+    assert op.auto_check_error("cpu", (torch.ones(2, dtype=torch.float16),)) is None
 
 
 SMALL_MATMUL = (

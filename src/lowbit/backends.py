@@ -314,6 +314,13 @@ class Operator:
                 error = self._checked.setdefault(every, error)
             return self._checked.setdefault(key, error)
 
+    def adopt_passed_check(self, device: torch.device | str) -> None:
+        """Record that the self-check of every probe passed on ``device``, as another process on this machine
+        found with the same compiled kernels (a warm-up worker, lowbit.kernels.cpu.warm), so that this
+        process does not run the probes again."""
+        with self._lock:
+            self._checked.setdefault((str(canonical_device(device)), None), None)
+
     def _self_check(self, kernel: Kernel, device: torch.device, probes: Optional[list] = None) -> Optional[str]:
         """None if ``kernel`` agrees with the reference on every probe (default: ``self.probes()``) it
         supports, else the first failure."""

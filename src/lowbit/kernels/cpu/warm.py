@@ -19,7 +19,7 @@ import inspect
 import multiprocessing
 import os
 import time
-from typing import Iterable
+from typing import Iterable, Optional
 
 import numba
 
@@ -63,13 +63,13 @@ def _dispatchers(module) -> list:
     return found
 
 
-def _warm_operator(name: str) -> None:
+def _warm_operator(name: str) -> Optional[str]:
     """A warm-up task, in a worker process or this one: run the CPU self-check of operator ``name`` (compiling
-    and caching its kernels)."""
+    and caching its kernels); returns its answer (None: passed)."""
     import lowbit  # noqa: F401  (registers every operator)
     from lowbit.backends import operators
 
-    operators()[name].auto_check_error(DEVICE_TYPE)
+    return operators()[name].auto_check_error(DEVICE_TYPE)
 
 
 def _cpu_times() -> tuple[int, int] | None:
@@ -143,11 +143,14 @@ def warm_cache(ops: Iterable[Operator], workers: int | None = None) -> list[str]
     first task at once, worker processes the others; nothing is started when fewer than two would run: on
     CPUs busy with other work, a worker process only adds its start-up to the same compile time
     (benchmarks/results_first_run.md). A worker process that dies ends the warm-up (the pool takes no more
-    tasks). A task starts once its :func:`_prerequisites` have ended; among those ready, the families that
+    tasks). A worker's passed self-check is adopted here (Operator.adopt_passed_check): this process loads
+    those kernels from the cache when it first runs them, without running the probes again. A task starts once its :func:`_prerequisites` have ended; among those ready, the families that
     others use come first, then those that use others, then the larger kernel modules (the longer
     compiles), each family's operators in their order. A slot that would otherwise stay idle takes a task
     whose family's first operator is still compiling (it may compile some shared helper a second time).
     """
+    ops = list(ops)
+    by_name = {op.name: op for op in ops}
     cold = {module: names for module, names in families(ops).items() if is_cold(module)}
     needs = _prerequisites(cold)
     workers = min(idle_cpus() if workers is None else workers, len(cold))  # a family's tasks wait for its first
@@ -178,11 +181,14 @@ def warm_cache(ops: Iterable[Operator], workers: int | None = None) -> list[str]
                     break
                 finished, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
                 for future in finished:
-                    ended.add(running.pop(future)[0])
+                    name, local = running.pop(future)
+                    ended.add(name)
                     try:
-                        future.result()
+                        passed = future.result() is None
                     except Exception:  # the caller compiles what a failed task left out
-                        pass
+                        passed = False
+                    if passed and not local:  # the same kernels, from the cache: no second self-check here
+                        by_name[name].adopt_passed_check(DEVICE_TYPE)
     finally:  # every task has ended, or the pool broke, or an interrupt: the workers exit on their own
         pool.shutdown(wait=False, cancel_futures=True)
     return order
