@@ -55,22 +55,24 @@ class SerialOrParallel:
 
     def __init__(self, py_func, name: str | None = None, **bound):
         if name is not None:
-            py_func = self._copy(py_func, name, {**py_func.__globals__, **bound})
+            py_func = _renamed_copy(py_func, name, bound)
         elif bound:
             raise ValueError("SerialOrParallel: bound globals need a name of their own")
-        self.serial = numba.njit(**NJIT_OPTIONS)(self._copy(py_func, py_func.__name__ + "_serial",
-                                                            py_func.__globals__))
+        self.serial = numba.njit(**NJIT_OPTIONS)(_renamed_copy(py_func, py_func.__name__ + "_serial"))
         self.parallel = numba.njit(**PARALLEL_NJIT_OPTIONS)(py_func)
         self.__doc__ = py_func.__doc__
 
-    @staticmethod
-    def _copy(py_func, name: str, globals_: dict):
-        twin = types.FunctionType(py_func.__code__, globals_, name, py_func.__defaults__, py_func.__closure__)
-        twin.__qualname__, twin.__doc__, twin.__module__ = name, py_func.__doc__, py_func.__module__
-        return twin
-
     def __call__(self, *args, serial: bool):
         return (self.serial if serial else self.parallel)(*args)
+
+
+def _renamed_copy(py_func, name: str, bound: Optional[dict] = None):
+    """A copy of the Python function ``py_func`` named ``name`` (its own entry in numba's on-disk cache) whose
+    global names ``bound`` are replaced by the given values."""
+    globals_ = {**py_func.__globals__, **bound} if bound else py_func.__globals__
+    twin = types.FunctionType(py_func.__code__, globals_, name, py_func.__defaults__, py_func.__closure__)
+    twin.__qualname__, twin.__doc__, twin.__module__ = name, py_func.__doc__, py_func.__module__
+    return twin
 
 
 _BOUND: dict[str, tuple] = {}  # name -> (numba dispatcher of bound_njit, its bindings)
@@ -83,9 +85,7 @@ def bound_njit(template, name: str, **bound):
     on-disk cache. Made once per name; ValueError if a name comes back with other bindings (each combination
     needs a name of its own)."""
     if name not in _BOUND:
-        twin = types.FunctionType(template.__code__, {**template.__globals__, **bound}, name)
-        twin.__qualname__, twin.__doc__, twin.__module__ = name, template.__doc__, template.__module__
-        _BOUND[name] = (numba.njit(**NJIT_OPTIONS)(twin), bound)
+        _BOUND[name] = (numba.njit(**NJIT_OPTIONS)(_renamed_copy(template, name, bound)), bound)
     dispatcher, made_with = _BOUND[name]
     if made_with.keys() != bound.keys() or any(made_with[key] is not value for key, value in bound.items()):
         raise ValueError(f"bound_njit: {name!r} was made with other bindings")

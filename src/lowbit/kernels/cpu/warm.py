@@ -144,9 +144,10 @@ def warm_cache(ops: Iterable[Operator], workers: int | None = None) -> list[str]
     CPUs busy with other work, a worker process only adds its start-up to the same compile time
     (benchmarks/results_first_run.md). A worker process that dies ends the warm-up (the pool takes no more
     tasks). A worker's passed self-check is adopted here (Operator.adopt_passed_check): this process loads
-    those kernels from the cache when it first runs them, without running the probes again. A task starts once its :func:`_prerequisites` have ended; among those ready, the families that
-    others use come first, then those that use others, then the larger kernel modules (the longer
-    compiles), each family's operators in their order. A slot that would otherwise stay idle takes a task
+    those kernels from the cache when it first runs them, without running the probes again. A task starts
+    once its :func:`_prerequisites` have ended; among those ready, the families that others use come first,
+    then those that use others, then the larger kernel modules (the longer compiles), each family's
+    operators in their order. A slot that would otherwise stay idle takes a task
     whose family's first operator is still compiling (it may compile some shared helper a second time).
     """
     ops = list(ops)
