@@ -59,9 +59,10 @@ def test_each_check_declares_the_operators_it_calls(name, monkeypatch):
 
 
 def test_smoke_all_warms_the_checks_operators_only(monkeypatch):
-    warmed = []
-    monkeypatch.setattr(warm, "warm_cache", lambda ops: warmed.extend(op.name for op in ops))
-    smoke.run("all", "auto", "cpu")
+    warmed, on_compile = [], lambda: None
+    monkeypatch.setattr(warm, "warm_cache", lambda ops, on_start: warmed.extend([on_start, *(op.name for op in ops)]))
+    smoke.run("all", "auto", "cpu", on_compile=on_compile)
+    assert warmed.pop(0) is on_compile  # the progress line starts once the compiling processes are forked
     assert sorted(warmed) == sorted({op.name for m in smoke.checks().values() for op in m.OPERATORS})
     assert "hifloat4_pack" not in warmed and "mxfp4_linear" in warmed
 

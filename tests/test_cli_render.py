@@ -4,6 +4,7 @@ not a terminal."""
 import copy
 import io
 import sys
+import threading
 
 import pytest
 
@@ -231,7 +232,12 @@ def test_progress_goes_to_stderr_and_only_on_a_terminal(monkeypatch, capsys):
 
     terminal = Terminal()
     monkeypatch.setattr(sys, "stderr", terminal)
+    threads = threading.active_count()
     with steps(2, "smoke") as step:
+        assert threading.active_count() == threads and not terminal.getvalue()  # nothing before the first step
+        step("compiling CPU kernels", counted=False)
+        assert threading.active_count() == threads + 1  # rich's redrawing thread
         step("hifloat8")
         step("mxfp4")
-    assert "smoke: mxfp4" in terminal.getvalue() and capsys.readouterr().out == ""
+    shown = terminal.getvalue()
+    assert "smoke: mxfp4" in shown and "1/2" in shown and "2/2" not in shown and capsys.readouterr().out == ""

@@ -14,6 +14,7 @@ from lowbit.backends import Operator, operators
 from lowbit.kernels.cpu import warm
 
 HIFLOAT8 = "lowbit.kernels.cpu.hifloat8"
+HIFLOAT4 = "lowbit.kernels.cpu.hifloat4"
 ENCODE_TWICE = (
     "import torch, lowbit; from lowbit.kernels.cpu import warm; cold = warm.is_cold('lowbit.kernels.cpu.hifloat8'); "
     "[lowbit.encode_to_hifloat8(torch.ones(4, dtype=torch.bfloat16), backend='native') for _ in range(2)]; "
@@ -71,13 +72,35 @@ def test_idle_cpus_counts_idle_time_not_the_load_average(monkeypatch):
     assert warm.idle_cpus(window=0) == 2
 
 
-def test_a_family_using_another_family_is_warmed_after_it():
-    """svd_quant's kernels call the MXFP4 quantizer and the weight-only GEMV: its worker must start after
-    theirs, so that it loads them from the cache instead of compiling them again."""
-    families = warm.families(operators().values())
-    users = [module for module in families if warm._uses_other_families(module, families)]
-    assert users == ["lowbit.kernels.cpu.svd_quant"]
-    assert not warm._uses_other_families("lowbit.kernels.cpu.svd_quant", ["lowbit.kernels.cpu.hifloat4"])
+def test_a_family_using_another_family_is_warmed_after_the_operators_whose_kernels_it_holds():
+    """svd_quant's kernels call the MXFP4 quantizer (the whole module) and the MXFP4 weight-only kernel
+    object: its task waits for the MXFP4 family, for mxfp4_linear and for the weight-only family's first
+    operator (the family's shared helpers), not for the other weight-only operators."""
+    ops = list(operators().values())
+    cold, kernels = warm.families(ops), warm.cpu_kernels(ops)
+    assert kernels["mxfp4_linear"] is sys.modules["lowbit.kernels.cpu.weight_only"].MXFP4_LINEAR
+    used = {module: warm._used_operators(module, cold, kernels) for module in cold}
+    svd = "lowbit.kernels.cpu.svd_quant"
+    assert used.pop(svd) == {"mxfp4_quantize", "mxfp4_dequantize", "mxfp4_linear", "hifloat8_linear"}
+    assert not any(used.values()), used
+    assert not warm._used_operators(svd, {svd: cold[svd], HIFLOAT4: cold[HIFLOAT4]}, kernels)
+
+
+def test_a_module_holding_only_another_familys_helpers_waits_for_that_whole_family(monkeypatch):
+    """Without a kernel object to name the operators, every operator of the family counts."""
+    import types
+
+    cold = {"user": ["u"], HIFLOAT8: ["encode_to_hifloat8", "decode_from_hifloat8"]}
+    helper = types.SimpleNamespace(py_func=types.SimpleNamespace(__module__=HIFLOAT8))
+    monkeypatch.setitem(sys.modules, "user", types.SimpleNamespace(helper=helper))
+    kernels = warm.cpu_kernels(operators()[name] for name in cold[HIFLOAT8])
+    assert warm._used_operators("user", cold, kernels) == set(cold[HIFLOAT8])
+    monkeypatch.setitem(sys.modules, "user", types.SimpleNamespace(helper=helper, k=kernels["decode_from_hifloat8"]))
+    assert warm._used_operators("user", cold, kernels) == {"decode_from_hifloat8", "encode_to_hifloat8"}
+    monkeypatch.setitem(sys.modules, "user", types.SimpleNamespace(k=kernels["decode_from_hifloat8"]))
+    assert warm._used_operators("user", cold, kernels) == {"decode_from_hifloat8", "encode_to_hifloat8"}
+    cold[HIFLOAT8].reverse()  # now decode is the family's first: the kernel object's operator alone
+    assert warm._used_operators("user", cold, kernels) == {"decode_from_hifloat8"}
 
 
 def test_no_kernel_is_compiled_for_a_literal_argument():
@@ -119,9 +142,10 @@ def test_operators_are_warmed_after_those_whose_kernels_they_share(monkeypatch):
     family (the family's shared helpers), unless no other task could start, whatever order the tasks end
     in."""
     cold = warm.families(operators().values())
-    needs = warm._prerequisites(cold)
+    needs = warm._prerequisites(cold, warm.cpu_kernels(operators().values()))
     assert needs["mxfp4_quantize"] == set() and needs["mxfp4_dequantize"] == {"mxfp4_quantize"}
-    assert needs["svd_quant"] == set(cold["lowbit.kernels.cpu.mxfp4"]) | set(cold["lowbit.kernels.cpu.weight_only"])
+    assert needs["svd_quant"] == set(cold["lowbit.kernels.cpu.mxfp4"]) | {"hifloat8_linear", "mxfp4_linear"}
+    assert needs["mxfp8_linear"] == {"hifloat8_linear"}
 
     started, ended, names, here = [], set(), {}, []
     first = {name: names_[0] for names_ in cold.values() for name in names_}
@@ -157,12 +181,15 @@ def test_operators_are_warmed_after_those_whose_kernels_they_share(monkeypatch):
         return {future}, set(futures) - {future}
 
     adopted = []
+    monkeypatch.setattr(warm, "_start_method", lambda: "spawn")  # the pool's start: test_forked_workers_...
     monkeypatch.setattr(warm, "is_cold", lambda module: True)
     monkeypatch.setattr(warm.concurrent.futures, "ProcessPoolExecutor", FakeProcesses)
     monkeypatch.setattr(warm.concurrent.futures, "ThreadPoolExecutor", FakeThread)
     monkeypatch.setattr(warm.concurrent.futures, "wait", fake_wait)
     monkeypatch.setattr(Operator, "adopt_passed_check", lambda self, device: adopted.append((self.name, device)))
-    modules = warm.warm_cache(operators().values(), workers=2)
+    on_start = []  # the tasks started when on_start was called: none
+    modules = warm.warm_cache(operators().values(), workers=2, on_start=lambda: on_start.append(list(started)))
+    assert on_start == [[]]
     assert sorted(started) == sorted(needs) and sorted(modules) == sorted(cold)
     assert here and here[0] == started[0]  # this process takes the first task, without a process start-up
     assert modules.index("lowbit.kernels.cpu.mxfp4") < modules.index("lowbit.kernels.cpu.svd_quant")
@@ -201,11 +228,56 @@ def test_a_worker_that_dies_ends_the_warm_up_without_an_error(monkeypatch):
             future.set_exception(warm.concurrent.futures.process.BrokenProcessPool("a worker died"))
             return future
 
+    monkeypatch.setattr(warm, "_start_method", lambda: "spawn")
     monkeypatch.setattr(warm, "is_cold", lambda module: True)
     monkeypatch.setattr(warm.concurrent.futures, "ProcessPoolExecutor", BreakingPool)
     monkeypatch.setattr(warm.concurrent.futures, "ThreadPoolExecutor", Here)
     assert warm.warm_cache(operators().values(), workers=2)  # returns the cold modules, raises nothing
     assert len(submitted) == 1 and len(here) <= 2  # no task after the pool broke
+
+
+def test_workers_are_forked_only_from_a_process_without_other_threads_or_numba_threading_layer(monkeypatch):
+    from numba.np.ufunc import parallel as numba_parallel
+
+    monkeypatch.setattr(warm.sys, "platform", "linux")
+    monkeypatch.setattr(numba_parallel, "_is_initialized", False)
+    assert warm._start_method() == "fork"
+    monkeypatch.setattr(warm.threading, "active_count", lambda: 2)  # another Python thread runs
+    assert warm._start_method() == "spawn"
+    monkeypatch.undo()
+    monkeypatch.setattr(numba_parallel, "_is_initialized", True)  # numba's OpenMP threads would be lost
+    assert warm._start_method() == "spawn"
+    monkeypatch.setattr(numba_parallel, "_is_initialized", False)
+    monkeypatch.setattr(warm.sys, "platform", "darwin")
+    assert warm._start_method() == "spawn"
+
+
+FORKED = """
+import os, sys, torch, numba, lowbit
+from lowbit.kernels.cpu import warm
+
+def in_worker():
+    return torch.get_num_threads(), numba.config.THREADING_LAYER, os.getpid()
+
+if __name__ == "__main__":
+    method = warm._start_method()
+    print("buffered here", end=" ")  # left in this process's stdout buffer: the fork must not copy it
+    pool = warm._worker_pool(1)
+    threads, layer, pid = pool.submit(in_worker).result()
+    pool.shutdown(wait=True)
+    print(method, pool._mp_context.get_start_method(), threads, layer, pid != os.getpid())
+"""
+
+
+def test_forked_workers_start_with_one_torch_thread_and_numba_workqueue_and_nothing_buffered(tmp_path):
+    """From a fresh `lowbit` process (no thread pool started yet) the warm-up's workers are forked: they
+    run torch on one thread (an OpenMP pool of the parent would not exist in them) and numba's own
+    threading layer; what this process had buffered on stdout is written once."""
+    script = tmp_path / "forked.py"
+    script.write_text(FORKED)
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["buffered", "here", "fork", "fork", "1", "workqueue", "True"], result.stdout
 
 
 def test_one_cold_family_starts_no_worker(monkeypatch):

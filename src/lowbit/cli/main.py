@@ -115,7 +115,8 @@ def _cmd_smoke(args: argparse.Namespace) -> int:
 
     _check_default_backend()  # a bad LOWBIT_BACKEND: the check cannot run (exit 2)
     with steps(len(smoke.checks()) if args.op == "all" else 1, "smoke") as step:
-        report, code = smoke.run(args.op, args.backend, args.device, on_check=step, debug=args.debug)
+        report, code = smoke.run(args.op, args.backend, args.device, on_check=step, debug=args.debug,
+                                 on_compile=lambda: step("compiling CPU kernels", counted=False))
     if "error" in report and "results" not in report and "ops" not in report:  # it could not start
         _smoke_error(report, args.json)
         return code

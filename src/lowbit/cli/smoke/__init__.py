@@ -65,25 +65,28 @@ def run_one(module: ModuleType, backend: str, device: torch.device, debug: bool 
     return report, EXIT_OK if _common.contracts_hold(results) else EXIT_CONTRACT_BROKEN
 
 
-def _warm_cpu_kernels(modules: list[ModuleType]) -> None:
+def _warm_cpu_kernels(modules: list[ModuleType], on_compile: Callable[[], object] | None) -> None:
     """Compile the cold CPU kernel families of the operators the checks ``modules`` call (each module's
-    ``OPERATORS``) in parallel processes (lowbit.kernels.cpu.warm); operators no check calls compile on
-    their first use. Without numba nothing happens here and each check reports the missing backend itself."""
+    ``OPERATORS``) in parallel processes (lowbit.kernels.cpu.warm; ``on_compile()`` as they start);
+    operators no check calls compile on their first use. Without numba nothing happens here and each check
+    reports the missing backend itself."""
     try:
         from lowbit.kernels.cpu.warm import warm_cache
     except (ImportError, OSError):
         return
-    warm_cache(dict.fromkeys(op for module in modules for op in module.OPERATORS))
+    warm_cache(dict.fromkeys(op for module in modules for op in module.OPERATORS), on_start=on_compile)
 
 
 def run(op: str, backend: str, device_name: str, on_check: Callable[[str], object] | None = None,
-        debug: bool = False) -> tuple[dict, int]:
+        debug: bool = False, on_compile: Callable[[], object] | None = None) -> tuple[dict, int]:
     """Run ``op`` (or 'all') and build the report; returns (report, exit code).
 
     The report always has ``requested_backend`` and ``hardware_path_verified``; on success also
     ``environment`` and ``results`` (one op) or ``ops`` (all); when the check cannot run, ``error``.
-    ``on_check(name)``, if given, is called as each operator's check starts (progress). ``debug``: the
-    traceback of each error also goes to stderr.
+    ``on_check(name)``, if given, is called as each operator's check starts (progress); ``on_compile()`` as
+    cold CPU kernels start compiling in parallel before the checks (nothing that starts a thread may run
+    before it: the compiling processes are forked). ``debug``: the traceback of each error also goes to
+    stderr.
     """
     available = checks()
     if op != "all" and op not in available:
@@ -96,7 +99,7 @@ def run(op: str, backend: str, device_name: str, on_check: Callable[[str], objec
         return error_report(backend, str(exc)), EXIT_CANNOT_RUN
     selected = list(available.values()) if op == "all" else [available[op]]
     if op == "all" and device.type == "cpu" and backend != "reference":
-        _warm_cpu_kernels(selected)
+        _warm_cpu_kernels(selected, on_compile)
     outcomes = []
     for module in selected:
         if on_check is not None:

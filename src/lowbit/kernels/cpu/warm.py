@@ -4,11 +4,11 @@ numba compiles under a process-wide lock, so one process compiles one kernel at 
 several families is cold (nothing of the family was ever cached), :func:`warm_cache` compiles them in
 parallel, one task per operator running its self-check (which compiles every specialization the probes
 need), an operator after those whose kernels it shares. The calling process takes tasks too, on a thread of
-its own (it starts at once, while a worker process still imports torch, and keeps what it compiled
-loaded); it then loads the workers' kernels from the cache. A family counts as cold only when none of its
-cached kernels has an index file in numba's cache, so a warm cache costs no worker process. Warming is an optimization
-only: a worker that fails changes nothing, as the calling process compiles whatever is still missing
-itself.
+its own, and keeps what it compiled loaded; it then loads the workers' kernels from the cache. Workers are
+forked where that is safe (they start with torch and lowbit imported), else spawned (each first imports
+them). A family counts as cold only when none of its cached kernels has an index file in numba's cache, so
+a warm cache costs no worker process. Warming is an optimization only: a worker that fails changes nothing,
+as the calling process compiles whatever is still missing itself.
 """
 
 from __future__ import annotations
@@ -18,10 +18,13 @@ import importlib
 import inspect
 import multiprocessing
 import os
+import sys
+import threading
 import time
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import numba
+import torch
 
 from lowbit.backends import Operator
 from lowbit.kernels.cpu._runtime import SerialOrParallel
@@ -101,27 +104,48 @@ def idle_cpus(window: float = 0.1) -> int:
     return max(0, round(cpus - load + 0.25))
 
 
-def _uses_other_families(module_name: str, families_: Iterable[str]) -> bool:
-    """Whether kernel module ``module_name`` holds numba kernels, kernel objects or modules of another of
-    ``families_`` (module names), i.e. compiles some of their kernels when it runs."""
-    others = set(families_) - {module_name}
+def cpu_kernels(ops: Iterable[Operator]) -> dict[str, object]:
+    """``{operator name: its CPU kernel object}`` of the operators with a CPU kernel loaded by NativeLoader
+    (importing their kernel modules, which compiles nothing)."""
+    return {op.name: op.native[DEVICE_TYPE]() for op in ops
+            if getattr(op.native.get(DEVICE_TYPE), "module", None) is not None}
+
+
+def _used_operators(module_name: str, cold: dict[str, list[str]], kernels: dict[str, object]) -> set[str]:
+    """The operators of the other families of ``cold`` ({kernel module: [operator names]}) whose kernels
+    kernel module ``module_name`` compiles when it runs: where it holds kernel objects of a family's operators
+    (``kernels``: {operator name: CPU kernel object}), those operators and the family's first (its shared
+    helpers; the family's other helpers the module calls are those its operators' kernels run); where it
+    holds the family's module or only its numba kernels and helpers, all of the family's operators."""
+    by_id = {id(kernel): name for name, kernel in kernels.items()}
+    family = {name: module for module, names in cold.items() for name in names}
+    held: dict[str, set[str]] = {}  # family: the operators whose kernel objects the module holds (or none)
+    whole = set()  # the modules of other families that the module holds
     for value in vars(importlib.import_module(module_name)).values():
-        source = value.__name__ if inspect.ismodule(value) else getattr(
-            getattr(value, "py_func", value), "__module__", None)
-        if source in others:
-            return True
-    return False
+        name = by_id.get(id(value))
+        if name in family:
+            source, names = family[name], {name}
+        else:
+            source, names = (value.__name__ if inspect.ismodule(value) else
+                             getattr(getattr(value, "py_func", value), "__module__", None)), set()
+            if inspect.ismodule(value):
+                whole.add(source)
+        if source in cold and source != module_name:
+            held.setdefault(source, set()).update(names)
+    return {name for source, names in held.items()
+            for name in (names | {cold[source][0]} if names and source not in whole else cold[source])}
 
 
-def _prerequisites(cold: dict[str, list[str]]) -> dict[str, set[str]]:
+def _prerequisites(cold: dict[str, list[str]], kernels: dict[str, object]) -> dict[str, set[str]]:
     """``{operator: operators whose warm-up must end before its own starts}`` for the operators of the cold
-    families ``cold`` ({kernel module: [operator names]}): the first operator of its own family (which
-    compiles the helpers the family's operators share), and every operator of a cold family whose kernels
-    its kernel module uses. Either way its worker then loads those kernels from the cache instead of
-    compiling them a second time alongside."""
+    families ``cold`` ({kernel module: [operator names]}; ``kernels``: {operator name: CPU kernel object}):
+    the first operator of its own family (which compiles the helpers the family's operators share), and the
+    operators of other cold families whose kernels its kernel module uses (:func:`_used_operators`). Either
+    way its worker then loads those kernels from the cache instead of compiling them a second time
+    alongside."""
     needs = {}
     for module, names in cold.items():
-        used = {name for other in cold if _uses_other_families(module, [other]) for name in cold[other]}
+        used = _used_operators(module, cold, kernels)
         for i, name in enumerate(names):
             needs[name] = used | ({names[0]} if i else set())
     return needs
@@ -135,7 +159,44 @@ def _ready(pending: list[str], needs: dict[str, set[str]], first: dict[str, str]
             or [name for name in pending if needs[name] - {first[name]} <= ended])
 
 
-def warm_cache(ops: Iterable[Operator], workers: int | None = None) -> list[str]:
+def _start_method() -> str:
+    """'fork' where the warm-up's workers may be forked from this process, else 'spawn'. A forked worker
+    starts with torch, numba and lowbit imported; a spawned one first imports them (2.5 s on a slow VM).
+    Forking is safe on Linux while this process runs no other Python thread (none can hold a lock the
+    child would inherit held) and numba's threading layer has not started (its OpenMP or TBB threads would not
+    exist in the child); a forked worker never enters a parallel region of torch's OpenMP pool either
+    (:func:`_forked_worker_setup`). numpy's OpenBLAS server thread may run: it handles forks."""
+    if not sys.platform.startswith("linux") or threading.active_count() > 1:
+        return "spawn"
+    from numba.np.ufunc import parallel as numba_parallel
+    return "spawn" if getattr(numba_parallel, "_is_initialized", True) else "fork"
+
+
+def _forked_worker_setup() -> None:
+    """Initializer of a forked worker: torch on one thread (its OpenMP pool, if the parent started one, does
+    not exist here) and numba's own threading layer (workqueue) rather than OpenMP for any parallel kernel
+    a probe runs; numba caches a kernel for every threading layer alike."""
+    torch.set_num_threads(1)
+    numba.config.THREADING_LAYER = "workqueue"
+
+
+def _worker_pool(workers: int) -> concurrent.futures.ProcessPoolExecutor:
+    """A pool of ``workers`` warm-up processes, forked at once where :func:`_start_method` allows (before this
+    process starts its compiling thread, whose locks a later fork would copy held), else spawned as tasks
+    arrive."""
+    method = _start_method()
+    if method == "spawn":
+        return concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+    pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
+                                                  initializer=_forked_worker_setup)
+    # CPython forks every worker of a fork pool on its first task, having flushed sys.stdout and sys.stderr
+    # (each child would otherwise write out again what they held)
+    pool.submit(int)
+    return pool
+
+
+def warm_cache(ops: Iterable[Operator], workers: int | None = None,
+               on_start: Callable[[], object] | None = None) -> list[str]:
     """Compile the CPU kernels of the cold families among ``ops`` in parallel; returns those modules.
 
     One task per operator (its self-check), run by ``workers`` compiling processes at a time, this one
@@ -149,24 +210,28 @@ def warm_cache(ops: Iterable[Operator], workers: int | None = None) -> list[str]
     then those that use others, then the larger kernel modules (the longer compiles), each family's
     operators in their order. A slot that would otherwise stay idle takes a task
     whose family's first operator is still compiling (it may compile some shared helper a second time).
+    ``on_start()``, if given, is called once the workers exist and before the first task (progress: a
+    thread started earlier would rule out forking the workers).
     """
     ops = list(ops)
     by_name = {op.name: op for op in ops}
     cold = {module: names for module, names in families(ops).items() if is_cold(module)}
-    needs = _prerequisites(cold)
     workers = min(idle_cpus() if workers is None else workers, len(cold))  # a family's tasks wait for its first
     if workers < 2:
         return []
-    used = {m for m in cold if any(_uses_other_families(user, [m]) for user in cold if user != m)}
-    users = {m for m in cold if _uses_other_families(m, cold)}
+    needs = _prerequisites(cold, cpu_kernels(ops))
+    family = {name: module for module, names in cold.items() for name in names}
+    uses = {module: {family[n] for name in names for n in needs[name]} - {module} for module, names in cold.items()}
+    used, users = set().union(*uses.values()), {module for module, others in uses.items() if others}
     order = sorted(cold, key=lambda m: (m not in used, m not in users,
                                         -os.path.getsize(importlib.import_module(m).__file__)))
     pending = [name for module in order for name in cold[module]]
     first = {name: names[0] for names in cold.values() for name in names}
     ended: set[str] = set()
     running: dict[concurrent.futures.Future, tuple[str, bool]] = {}  # future: (operator, run by this process)
-    context = multiprocessing.get_context("spawn")  # no fork of a process that may run OpenMP threads
-    pool = concurrent.futures.ProcessPoolExecutor(workers - 1, mp_context=context)
+    pool = _worker_pool(workers - 1)
+    if on_start is not None:
+        on_start()
     try:
         with concurrent.futures.ThreadPoolExecutor(1) as here:
             while pending or running:
