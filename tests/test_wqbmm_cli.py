@@ -1,6 +1,10 @@
 """The sample tool chain through the command: gen-data, run, verify, profile, example (lowbit.cli.wqbmm over
 lowbit.toolchain)."""
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -128,3 +132,15 @@ def test_triton_reproduces_the_golden(sample_dir, template):
     out = torch.empty(1, meta.n, dtype=x.dtype, device=device)
     triton_wqbmm.MATMUL.run(x, weight, scale, None, 128, "msd", template, out=out)
     assert out.cpu().numpy().tobytes() == (sample_dir / "output/golden.bin").read_bytes()
+
+
+def test_profile_prints_no_profiler_library_lines(tmp_path):
+    """torch.profiler's Kineto logs each start and stop on stderr unless KINETO_LOG_LEVEL hides them: the
+    command's stderr holds nothing (a fresh process: the level is read when the profiler first starts)."""
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
+    command = [sys.executable, "-m", "lowbit", "wqbmm"]
+    subprocess.run(command + ["gen-data", "--dir", str(tmp_path), "--m", "2", "--n", "128", "--k", "256",
+                              "--group-size", "128"], env=env, check=True, capture_output=True, timeout=600)
+    result = subprocess.run(command + ["profile", "--dir", str(tmp_path), "--backends", "reference", "--repeats", "1"],
+                            env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and result.stderr == "", result.stderr

@@ -6,6 +6,7 @@ and printing over the sample's tool chain, lowbit.toolchain.wqbmm and lowbit.too
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -36,7 +37,15 @@ def _verify_report(result: VerifyResult, args: argparse.Namespace | None = None)
     return report
 
 
+# Kineto, torch.profiler's library, logs each profiler start and stop on stderr ("USDT: ... profiler_start", its
+# severity 5); this minimum severity hides them (and its error lines: KINETO_LOG_LEVEL=4 shows those). Kineto
+# reads it when the profiler first starts in the process; a level set by the user is kept.
+KINETO_QUIET_LEVEL = "6"
+
+
 def _profile(root: Path, backend_names, repeats: int) -> list[dict]:
+    """The sample's profile rows (lowbit.toolchain.wqbmm.profile_sample); skipped backends on stderr."""
+    os.environ.setdefault("KINETO_LOG_LEVEL", KINETO_QUIET_LEVEL)
     rows, skipped = sample.profile_sample(root, backend_names=backend_names, repeats=repeats)
     for message in skipped:
         print(message, file=sys.stderr)
