@@ -95,6 +95,9 @@ def test_a_module_holding_only_another_familys_helpers_waits_for_that_whole_fami
     monkeypatch.setitem(sys.modules, "user", types.SimpleNamespace(helper=helper))
     kernels = warm.cpu_kernels(operators()[name] for name in cold[HIFLOAT8])
     assert warm._used_operators("user", cold, kernels) == set(cold[HIFLOAT8])
+    pair = next(v for v in vars(sys.modules[HIFLOAT8]).values() if isinstance(v, warm.SerialOrParallel))
+    monkeypatch.setitem(sys.modules, "user", types.SimpleNamespace(pair=pair))  # a serial / parallel kernel pair
+    assert warm._used_operators("user", cold, kernels) == set(cold[HIFLOAT8])
     monkeypatch.setitem(sys.modules, "user", types.SimpleNamespace(helper=helper, k=kernels["decode_from_hifloat8"]))
     assert warm._used_operators("user", cold, kernels) == {"decode_from_hifloat8", "encode_to_hifloat8"}
     monkeypatch.setitem(sys.modules, "user", types.SimpleNamespace(k=kernels["decode_from_hifloat8"]))

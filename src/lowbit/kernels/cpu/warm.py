@@ -111,6 +111,16 @@ def cpu_kernels(ops: Iterable[Operator]) -> dict[str, object]:
             if getattr(op.native.get(DEVICE_TYPE), "module", None) is not None}
 
 
+def _defining_module(value) -> Optional[str]:
+    """The name of module ``value`` or of the module defining it (for a numba kernel, its Python function;
+    for a SerialOrParallel kernel pair, its serial kernel's)."""
+    if inspect.ismodule(value):
+        return value.__name__
+    if isinstance(value, SerialOrParallel):
+        value = value.serial
+    return getattr(getattr(value, "py_func", value), "__module__", None)
+
+
 def _used_operators(module_name: str, cold: dict[str, list[str]], kernels: dict[str, object]) -> set[str]:
     """The operators of the other families of ``cold`` ({kernel module: [operator names]}) whose kernels
     kernel module ``module_name`` compiles when it runs: where it holds kernel objects of a family's operators
@@ -126,8 +136,7 @@ def _used_operators(module_name: str, cold: dict[str, list[str]], kernels: dict[
         if name in family:
             source, names = family[name], {name}
         else:
-            source, names = (value.__name__ if inspect.ismodule(value) else
-                             getattr(getattr(value, "py_func", value), "__module__", None)), set()
+            source, names = _defining_module(value), set()
             if inspect.ismodule(value):
                 whole.add(source)
         if source in cold and source != module_name:
@@ -164,8 +173,10 @@ def _start_method() -> str:
     starts with torch, numba and lowbit imported; a spawned one first imports them (2.5 s on a slow VM).
     Forking is safe on Linux while this process runs no other Python thread (none can hold a lock the
     child would inherit held) and numba's threading layer has not started (its OpenMP or TBB threads would not
-    exist in the child); a forked worker never enters a parallel region of torch's OpenMP pool either
-    (:func:`_forked_worker_setup`). numpy's OpenBLAS server thread may run: it handles forks."""
+    exist in the child). Threads started outside Python may run (numpy's OpenBLAS server thread from the
+    import on, which handles forks; torch's OpenMP pool after a parallel op): a forked worker never enters
+    a parallel region of theirs (:func:`_forked_worker_setup`; Python 3.12 and later warn of them, hidden by
+    default)."""
     if not sys.platform.startswith("linux") or threading.active_count() > 1:
         return "spawn"
     from numba.np.ufunc import parallel as numba_parallel
@@ -230,9 +241,9 @@ def warm_cache(ops: Iterable[Operator], workers: int | None = None,
     ended: set[str] = set()
     running: dict[concurrent.futures.Future, tuple[str, bool]] = {}  # future: (operator, run by this process)
     pool = _worker_pool(workers - 1)
-    if on_start is not None:
-        on_start()
     try:
+        if on_start is not None:
+            on_start()
         with concurrent.futures.ThreadPoolExecutor(1) as here:
             while pending or running:
                 ready = _ready(pending, needs, first, ended) or (pending[:1] if not running else [])
