@@ -126,7 +126,7 @@ def test_no_kernel_is_compiled_for_a_literal_argument():
 class _PoolStub:
     """A stand-in for ProcessPoolExecutor and ThreadPoolExecutor (subclasses define submit)."""
 
-    def __init__(self, workers, mp_context=None):
+    def __init__(self, workers, mp_context=None, initializer=None, initargs=()):
         self.workers = workers
 
     def __enter__(self):
@@ -139,7 +139,7 @@ class _PoolStub:
         pass
 
 
-def test_operators_are_warmed_after_those_whose_kernels_they_share(monkeypatch):
+def test_operators_are_warmed_after_those_whose_kernels_they_share(monkeypatch, capsys):
     """One task per operator: each starts only after every operator of a family whose kernels it calls
     (svd_quant after the MXFP4 quantizer and the weight-only GEMV) and after the first operator of its own
     family (the family's shared helpers), unless no other task could start, whatever order the tasks end
@@ -163,7 +163,13 @@ def test_operators_are_warmed_after_those_whose_kernels_they_share(monkeypatch):
             names[future] = name
             return future
 
+    seen_initargs = []
+
     class FakeProcesses(FakePool):  # the worker processes: workers - 1 tasks at a time
+        def __init__(self, workers, mp_context=None, initializer=None, initargs=()):
+            super().__init__(workers)
+            seen_initargs.append(initargs)
+
         def submit(self, fn, name):
             assert self.workers == 1 and all(n in ended or n in here for n in started), started
             return super().submit(fn, name)
@@ -191,8 +197,13 @@ def test_operators_are_warmed_after_those_whose_kernels_they_share(monkeypatch):
     monkeypatch.setattr(warm.concurrent.futures, "wait", fake_wait)
     monkeypatch.setattr(Operator, "adopt_passed_check", lambda self, device: adopted.append((self.name, device)))
     on_start = []  # the tasks started when on_start was called: none
+    monkeypatch.setattr(warm.COMPILE_NOTICE, "announced", set())
+    capsys.readouterr()
     modules = warm.warm_cache(operators().values(), workers=2, on_start=lambda: on_start.append(list(started)))
     assert on_start == [[]]
+    notices = capsys.readouterr().err.splitlines()  # every cold family's, up front; the workers print none
+    assert [line.split()[5] for line in notices] == [m.rpartition(".")[2] for m in modules], notices
+    assert seen_initargs == [(False, frozenset(m.rpartition(".")[2] for m in modules))]
     assert sorted(started) == sorted(needs) and sorted(modules) == sorted(cold)
     assert here and here[0] == started[0]  # this process takes the first task, without a process start-up
     assert modules.index("lowbit.kernels.cpu.mxfp4") < modules.index("lowbit.kernels.cpu.svd_quant")
@@ -255,32 +266,37 @@ def test_workers_are_forked_only_from_a_process_without_other_threads_or_numba_t
     assert warm._start_method() == "spawn"
 
 
-FORKED = """
+WORKERS = """
 import os, sys, torch, numba, lowbit
 from lowbit.kernels.cpu import warm
 
 def in_worker():
-    return torch.get_num_threads(), numba.config.THREADING_LAYER, os.getpid()
+    return torch.get_num_threads(), numba.config.THREADING_LAYER, "hifloat8" in warm.COMPILE_NOTICE.announced
 
 if __name__ == "__main__":
     method = warm._start_method()
     print("buffered here", end=" ")  # left in this process's stdout buffer: the fork must not copy it
-    pool = warm._worker_pool(1)
-    threads, layer, pid = pool.submit(in_worker).result()
-    pool.shutdown(wait=True)
-    print(method, pool._mp_context.get_start_method(), threads, layer, pid != os.getpid())
+    warm.COMPILE_NOTICE.announced.add("hifloat8")  # as warm_cache announces the cold families
+    for start in (method, "spawn"):
+        warm._start_method = lambda: start
+        pool = warm._worker_pool(1)
+        threads, layer, announced = pool.submit(in_worker).result()
+        pool.shutdown(wait=True)
+        print(pool._mp_context.get_start_method(), threads, layer, announced)
 """
 
 
-def test_forked_workers_start_with_one_torch_thread_and_numba_workqueue_and_nothing_buffered(tmp_path):
+def test_worker_processes_forked_with_one_torch_thread_and_numba_workqueue_or_spawned(tmp_path):
     """From a fresh `lowbit` process (no thread pool started yet) the warm-up's workers are forked: they
     run torch on one thread (an OpenMP pool of the parent would not exist in them) and numba's own
-    threading layer; what this process had buffered on stdout is written once."""
-    script = tmp_path / "forked.py"
-    script.write_text(FORKED)
+    threading layer; spawned ones keep the defaults. Either kind prints no compile notice of a family this
+    process announced, and what this process had buffered on stdout is written once."""
+    script = tmp_path / "workers.py"
+    script.write_text(WORKERS)
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["buffered", "here", "fork", "fork", "1", "workqueue", "True"], result.stdout
+    assert result.stdout.split() == ["buffered", "here", "fork", "1", "workqueue", "True",
+                                     "spawn", str(torch.get_num_threads()), "default", "True"], result.stdout
 
 
 def test_one_cold_family_starts_no_worker(monkeypatch):

@@ -31,9 +31,10 @@ def steps(total: int, what: str) -> Iterator[Callable[..., None]]:
         progress, task, started = [], [], [0]
 
         def step(name: str, counted: bool = True) -> None:
-            if not progress:
-                progress.append(shown.enter_context(Progress(*columns, console=console, transient=True)))
-                task.append(progress[0].add_task(what, total=total, completed=0))
+            if not progress:  # the line's first drawing shows this step
+                progress.append(Progress(*columns, console=console, transient=True))
+                task.append(progress[0].add_task(f"{what}: {name}", total=total, completed=started[0]))
+                shown.enter_context(progress[0])
             progress[0].update(task[0], description=f"{what}: {name}", completed=started[0])
             started[0] += counted
 

@@ -107,9 +107,13 @@ class CompileNotice(numba_event.Listener):
     def on_start(self, event) -> None:
         dispatcher = event.data["dispatcher"]
         module = getattr(dispatcher.py_func, "__module__", "")
-        package, _, family = module.rpartition(".")
-        if package != KERNEL_PACKAGE:
-            return
+        if module.rpartition(".")[0] == KERNEL_PACKAGE:
+            self.announce(module, dispatcher)
+
+    def announce(self, module: str, dispatcher) -> None:
+        """Print the line for kernel module ``module`` (its family: the module's last name) unless this
+        process printed it before; the cache folder is numba dispatcher ``dispatcher``'s."""
+        family = module.rpartition(".")[2]
         with self._lock:
             if family in self.announced:
                 return

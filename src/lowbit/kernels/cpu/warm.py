@@ -27,7 +27,7 @@ import numba
 import torch
 
 from lowbit.backends import Operator
-from lowbit.kernels.cpu._runtime import SerialOrParallel
+from lowbit.kernels.cpu._runtime import COMPILE_NOTICE, SerialOrParallel
 
 DEVICE_TYPE = "cpu"
 
@@ -46,13 +46,14 @@ def is_cold(module_name: str) -> bool:
     """True when ``module_name`` defines numba kernels cached on disk and none of them has an index in
     numba's cache yet (it imports the module, which compiles nothing)."""
     module = importlib.import_module(module_name)
-    index_paths = [
-        getattr(getattr(getattr(value, "_cache", None), "_cache_file", None), "_index_path", None)
-        for value in _dispatchers(module)
-        if value.py_func.__module__ == module_name
-    ]
+    index_paths = [_index_path(value) for value in _dispatchers(module) if value.py_func.__module__ == module_name]
     index_paths = [path for path in index_paths if path]  # kernels compiled with cache=True
     return bool(index_paths) and not any(os.path.exists(path) for path in index_paths)
+
+
+def _index_path(dispatcher) -> Optional[str]:
+    """The path of numba dispatcher ``dispatcher``'s index file in numba's on-disk cache (None: not cached)."""
+    return getattr(getattr(getattr(dispatcher, "_cache", None), "_cache_file", None), "_index_path", None)
 
 
 def _dispatchers(module) -> list:
@@ -175,7 +176,7 @@ def _start_method() -> str:
     child would inherit held) and numba's threading layer has not started (its OpenMP or TBB threads would not
     exist in the child). Threads started outside Python may run (numpy's OpenBLAS server thread from the
     import on, which handles forks; torch's OpenMP pool after a parallel op): a forked worker never enters
-    a parallel region of theirs (:func:`_forked_worker_setup`; Python 3.12 and later warn of them, hidden by
+    a parallel region of theirs (:func:`_worker_setup`; Python 3.12 and later warn of them, hidden by
     default)."""
     if not sys.platform.startswith("linux") or threading.active_count() > 1:
         return "spawn"
@@ -183,12 +184,16 @@ def _start_method() -> str:
     return "spawn" if getattr(numba_parallel, "_is_initialized", True) else "fork"
 
 
-def _forked_worker_setup() -> None:
-    """Initializer of a forked worker: torch on one thread (its OpenMP pool, if the parent started one, does
-    not exist here) and numba's own threading layer (workqueue) rather than OpenMP for any parallel kernel
-    a probe runs; numba caches a kernel for every threading layer alike."""
-    torch.set_num_threads(1)
-    numba.config.THREADING_LAYER = "workqueue"
+def _worker_setup(forked: bool, announced: frozenset[str]) -> None:
+    """Initializer of a warm-up worker: the compile notice lines of the families ``announced`` (printed by
+    the calling process) are not printed again here (they would break into its progress line). A forked
+    worker runs torch on one thread (its OpenMP pool, if the parent started one, does not exist here) and
+    numba's own threading layer (workqueue) rather than OpenMP for any parallel kernel a probe runs; numba
+    caches a kernel for every threading layer alike."""
+    COMPILE_NOTICE.announced.update(announced)
+    if forked:
+        torch.set_num_threads(1)
+        numba.config.THREADING_LAYER = "workqueue"
 
 
 def _worker_pool(workers: int) -> concurrent.futures.ProcessPoolExecutor:
@@ -196,10 +201,11 @@ def _worker_pool(workers: int) -> concurrent.futures.ProcessPoolExecutor:
     process starts its compiling thread, whose locks a later fork would copy held), else spawned as tasks
     arrive."""
     method = _start_method()
+    pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method),
+                                                  initializer=_worker_setup,
+                                                  initargs=(method == "fork", frozenset(COMPILE_NOTICE.announced)))
     if method == "spawn":
-        return concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
-    pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
-                                                  initializer=_forked_worker_setup)
+        return pool
     # CPython forks every worker of a fork pool on its first task, having flushed sys.stdout and sys.stderr
     # (each child would otherwise write out again what they held)
     pool.submit(int)
@@ -221,8 +227,9 @@ def warm_cache(ops: Iterable[Operator], workers: int | None = None,
     then those that use others, then the larger kernel modules (the longer compiles), each family's
     operators in their order. A slot that would otherwise stay idle takes a task
     whose family's first operator is still compiling (it may compile some shared helper a second time).
-    ``on_start()``, if given, is called once the workers exist and before the first task (progress: a
-    thread started earlier would rule out forking the workers).
+    The compile notice of every cold family (lowbit.kernels.cpu._runtime.COMPILE_NOTICE) is printed here,
+    up front, and by no worker. ``on_start()``, if given, is called once the workers exist and before the
+    first task (progress: a thread started earlier would rule out forking the workers).
     """
     ops = list(ops)
     by_name = {op.name: op for op in ops}
@@ -236,6 +243,9 @@ def warm_cache(ops: Iterable[Operator], workers: int | None = None,
     used, users = set().union(*uses.values()), {module for module, others in uses.items() if others}
     order = sorted(cold, key=lambda m: (m not in used, m not in users,
                                         -os.path.getsize(importlib.import_module(m).__file__)))
+    for module in order:  # all up front; the workers print none (_worker_setup)
+        COMPILE_NOTICE.announce(module, next(d for d in _dispatchers(importlib.import_module(module))
+                                             if d.py_func.__module__ == module and _index_path(d)))
     pending = [name for module in order for name in cold[module]]
     first = {name: names[0] for names in cold.values() for name in names}
     ended: set[str] = set()
