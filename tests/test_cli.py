@@ -169,6 +169,15 @@ def test_info_lists_every_operator(capsys):
     assert "torch" in report["environment"]
 
 
+@pytest.mark.parametrize("backend, warmed", [("auto", True), ("reference", False)])
+def test_info_compiles_every_operators_cold_kernels_in_parallel_under_auto(monkeypatch, capsys, backend, warmed):
+    """auto runs every operator's CPU self-check: on a first run their kernels compile in parallel first."""
+    seen = []
+    monkeypatch.setattr(warm, "warm_cache", lambda ops, on_start: seen.append(sorted(op.name for op in ops)))
+    code, _, _ = run_cli(capsys, "info", "--backend", backend, "--json")
+    assert code == 0 and seen == ([sorted(backends.operators())] if warmed else [])
+
+
 def test_unknown_smoke_operator_is_a_usage_error(capsys):
     code, out, err = run_cli(capsys, "smoke", "nope", "--json")
     assert code == 2 and out == "" and "invalid choice: 'nope'" in json.loads(err)["error"]

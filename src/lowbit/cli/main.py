@@ -67,12 +67,14 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
     default = _check_default_backend()
     requested = args.backend or default
-    devices = [torch.device("cpu")]
-    devices += [torch.device(f"cuda:{i}") for i in range(torch.cuda.device_count())]
     smoke.checks()  # imports every operator module (registers its operators)
     ops = {}
     operators = sorted(backends.operators().items())
     with steps(len(operators), "self-checks") as step:
+        if requested == "auto":  # auto runs every CPU self-check below: their cold kernels compile in parallel
+            smoke.warm_cpu_kernels([op for _, op in operators], lambda: step("compiling CPU kernels", counted=False))
+        devices = [torch.device("cpu")]
+        devices += [torch.device(f"cuda:{i}") for i in range(torch.cuda.device_count())]
         for name, operator in operators:
             step(name)
             ops[name] = _backends_serving(operator, devices, requested)

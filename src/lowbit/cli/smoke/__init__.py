@@ -13,11 +13,11 @@ import sys
 import traceback
 import warnings
 from types import ModuleType
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
-from lowbit.backends import BackendUnavailable
+from lowbit.backends import BackendUnavailable, Operator
 from lowbit.cli._discover import operator_modules
 from lowbit.cli.devices import resolve_device
 from lowbit.cli.smoke import _common
@@ -65,16 +65,16 @@ def run_one(module: ModuleType, backend: str, device: torch.device, debug: bool 
     return report, EXIT_OK if _common.contracts_hold(results) else EXIT_CONTRACT_BROKEN
 
 
-def _warm_cpu_kernels(modules: list[ModuleType], on_compile: Callable[[], object] | None) -> None:
-    """Compile the cold CPU kernel families of the operators the checks ``modules`` call (each module's
-    ``OPERATORS``) in parallel processes (lowbit.kernels.cpu.warm; ``on_compile()`` as they start);
-    operators no check calls compile on their first use. Without numba nothing happens here and each check
-    reports the missing backend itself."""
+def warm_cpu_kernels(ops: Iterable[Operator], on_compile: Callable[[], object] | None = None) -> None:
+    """Compile the cold CPU kernel families of operators ``ops`` in parallel processes before their first
+    use (lowbit.kernels.cpu.warm; ``on_compile()`` as they start: nothing that starts a thread may run
+    before it, as the compiling processes are forked). Without numba nothing happens here: each operator
+    reports its missing backend itself."""
     try:
         from lowbit.kernels.cpu.warm import warm_cache
     except (ImportError, OSError):
         return
-    warm_cache(dict.fromkeys(op for module in modules for op in module.OPERATORS), on_start=on_compile)
+    warm_cache(ops, on_start=on_compile)
 
 
 def run(op: str, backend: str, device_name: str, on_check: Callable[[str], object] | None = None,
@@ -84,9 +84,8 @@ def run(op: str, backend: str, device_name: str, on_check: Callable[[str], objec
     The report always has ``requested_backend`` and ``hardware_path_verified``; on success also
     ``environment`` and ``results`` (one op) or ``ops`` (all); when the check cannot run, ``error``.
     ``on_check(name)``, if given, is called as each operator's check starts (progress); ``on_compile()`` as
-    cold CPU kernels start compiling in parallel before the checks (nothing that starts a thread may run
-    before it: the compiling processes are forked). ``debug``: the traceback of each error also goes to
-    stderr.
+    the cold CPU kernels of the operators the checks call start compiling in parallel before the checks
+    (:func:`warm_cpu_kernels`). ``debug``: the traceback of each error also goes to stderr.
     """
     available = checks()
     if op != "all" and op not in available:
@@ -98,8 +97,8 @@ def run(op: str, backend: str, device_name: str, on_check: Callable[[str], objec
             traceback.print_exc(file=sys.stderr)
         return error_report(backend, str(exc)), EXIT_CANNOT_RUN
     selected = list(available.values()) if op == "all" else [available[op]]
-    if op == "all" and device.type == "cpu" and backend != "reference":
-        _warm_cpu_kernels(selected, on_compile)
+    if op == "all" and device.type == "cpu" and backend != "reference":  # operators no check calls: on first use
+        warm_cpu_kernels(dict.fromkeys(op for module in selected for op in module.OPERATORS), on_compile)
     outcomes = []
     for module in selected:
         if on_check is not None:
