@@ -255,10 +255,11 @@ def test_workers_are_forked_only_from_a_process_without_other_threads_or_numba_t
 
     monkeypatch.setattr(warm.sys, "platform", "linux")
     monkeypatch.setattr(numba_parallel, "_is_initialized", False)
+    monkeypatch.setattr(warm.threading, "active_count", lambda: 1)  # (earlier tests may leave threads running)
     assert warm._start_method() == "fork"
     monkeypatch.setattr(warm.threading, "active_count", lambda: 2)  # another Python thread runs
     assert warm._start_method() == "spawn"
-    monkeypatch.undo()
+    monkeypatch.setattr(warm.threading, "active_count", lambda: 1)
     monkeypatch.setattr(numba_parallel, "_is_initialized", True)  # numba's OpenMP threads would be lost
     assert warm._start_method() == "spawn"
     monkeypatch.setattr(numba_parallel, "_is_initialized", False)

@@ -248,3 +248,77 @@ def test_the_dequant_workspace_follows_the_tile_budget(monkeypatch):
     results.append(lowbit.weight_quant_batch_matmul(x, w, s, algorithm="dequant", backend="native"))
     for y in results:
         assert ((lo <= y.float()) & (y.float() <= hi)).all()
+
+
+def _wqbmm_operands(m: int = 3):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(m, 256, generator=g).half()
+    packed, scale, _ = lowbit.formats.int4.quantize_int4_per_group(torch.randn(256, 64, generator=g), 128,
+                                                                   dtype=torch.float16)
+    return x, packed, scale
+
+
+@pytest.mark.parametrize("prepacked", [False, True])
+def test_a_plans_operands_with_the_negative_bit_give_their_values(prepacked):
+    """plan.run calls its kernel without torch's dispatcher, which would apply a lazy negative view: the
+    values the views show are computed, not their memory (the sign-flipped result before)."""
+    x, packed, scale = _wqbmm_operands()
+    plan = lowbit.plan_weight_quant_batch_matmul(3, 256, 64, group_size=128, dtype=torch.float16,
+                                                 prepacked=prepacked)
+    weight = plan.pack_weight(packed) if prepacked else packed
+    want = plan.run(x, weight, scale)
+    assert torch.equal(plan.run(torch._neg_view(-x), weight, scale), want)
+    assert torch.equal(plan.run(x, weight, torch._neg_view(-scale)), want)
+    assert torch.equal(want, lowbit.weight_quant_batch_matmul(x, packed, scale, group_size=128))
+
+
+def test_an_int4_layer_takes_an_input_with_the_negative_bit():
+    model = nn.Sequential(nn.Linear(128, 48)).half()
+    lowbit.quantize_(model, "int4-a16w4")
+    x = torch.randn(2, 128).half()
+    assert torch.equal(model(torch._neg_view(-x)), model(x))
+
+
+def test_an_out_with_the_negative_bit_or_an_inference_out_outside_inference_mode_is_refused():
+    x, packed, scale = _wqbmm_operands()
+    plan = lowbit.plan_weight_quant_batch_matmul(3, 256, 64, group_size=128, dtype=torch.float16)
+    with pytest.raises(ValueError, match="out has the negative"):
+        plan.run(x, packed, scale, out=torch._neg_view(torch.zeros(3, 64, dtype=torch.float16)))
+    y = torch.randn(4, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="hifloat4_fake_quant: out has the negative"):
+        lowbit.hifloat4_fake_quant(y, out=torch._neg_view(torch.zeros_like(y)))
+    with torch.inference_mode():
+        frozen = torch.zeros_like(y)
+    with pytest.raises(RuntimeError, match="inference tensor"):  # as torch's own ops (the reference backend)
+        lowbit.hifloat4_fake_quant(y, out=frozen)
+    with pytest.raises(RuntimeError, match="inference tensor"):
+        plan.run(x, packed, scale, out=torch.inference_mode()(torch.zeros)(3, 64, dtype=torch.float16))
+    with torch.inference_mode():
+        assert lowbit.hifloat4_fake_quant(y, out=frozen) is frozen
+
+
+@pytest.mark.parametrize("call", [
+    lambda: lowbit.dynamic_mx_quant(torch.zeros(0, 64, dtype=torch.bfloat16)),
+    lambda: lowbit.formats.mxfp8.quantize(torch.zeros(0, 64)),
+    lambda: lowbit.formats.mxfp4.from_fbgemm_layout(torch.zeros(0, 17, dtype=torch.uint8)),
+])
+def test_inputs_without_rows_give_empty_outputs(call):
+    assert all(t.shape[0] == 0 for t in call())
+
+
+def test_an_mxfp8_w8a8_layer_without_rows_under_the_reference_backend():
+    model = nn.Sequential(nn.Linear(64, 48)).bfloat16()
+    lowbit.quantize_(model, "mxfp8-w8a8")
+    with lowbit.use_backend("reference"):
+        assert model(torch.zeros(0, 64, dtype=torch.bfloat16)).shape == (0, 48)
+
+
+@pytest.mark.parametrize("sizes", [(2**62, 256, 64), (1, 2**64, 64), (2**31, 2**31, 1)])
+def test_a_plan_of_sizes_past_int64_bytes_is_a_shape_error_naming_them(sizes):
+    with pytest.raises(ShapeError, match=r"\(M, K, N\) = "):
+        lowbit.plan_weight_quant_batch_matmul(*sizes, group_size=128)
+
+
+def test_decode_from_hifloat8_names_a_dtype_that_is_not_one():
+    with pytest.raises(TypeError, match="dtype must be a torch.dtype or None, got str 'bfloat16'"):
+        lowbit.decode_from_hifloat8(torch.zeros(4, dtype=torch.uint8), "bfloat16")

@@ -225,6 +225,26 @@ def dense_aligned(t: torch.Tensor) -> torch.Tensor:
     return t if _aligned(t) else t.clone()
 
 
+def values_resolved(t: Any) -> Any:
+    """``t`` with a negative or conjugate bit applied to its values (torch._neg_view, .conj() of a real view:
+    lazy views whose memory holds the other values; a kernel reads memory), else ``t`` itself."""
+    if isinstance(t, torch.Tensor) and (t.is_neg() or t.is_conj()):
+        return t.resolve_neg().resolve_conj()
+    return t
+
+
+def check_writable(op_name: str, label: str, t: torch.Tensor) -> None:
+    """ValueError naming output ``label`` of ``op_name`` where a kernel cannot write tensor ``t`` as given: the
+    negative or conjugate bit set (its memory holds other values than it shows); RuntimeError for an inference
+    tensor outside torch.inference_mode, which torch's own ops refuse to write too."""
+    if t.is_neg() or t.is_conj():
+        raise ValueError(f"{op_name}: {label} has the negative or conjugate bit set (a view such as "
+                         "torch._neg_view or .conj()); pass a tensor holding its own values")
+    if t.is_inference() and not torch.is_inference_mode_enabled():
+        raise RuntimeError(f"{op_name}: {label} is an inference tensor, which cannot be written outside "
+                           "torch.inference_mode()")
+
+
 def _as_tuple(out: Any) -> tuple[torch.Tensor, ...]:
     return out if isinstance(out, tuple) else (out,)
 
@@ -407,6 +427,7 @@ class Operator:
                 raise ShapeError(f"{self.name}: {label} must have shape {tuple(spec.shape)}, got {tuple(t.shape)}")
             if t.device != device:
                 raise DeviceError(f"{self.name}: {label} is on {t.device} but the inputs are on {device}")
+            check_writable(self.name, label, t)
             if not _elements_apart(t):
                 raise ShapeError(f"{self.name}: {label} has elements that may share memory (strides {t.stride()} "
                                  f"for shape {tuple(t.shape)}, e.g. from expand or as_strided); pass a tensor with "
@@ -428,8 +449,8 @@ class Operator:
         Kernels run under ``torch.no_grad()``."""
         if any(t.numel() == 0 for t in _as_tuple(out)):
             return
-        dense = tuple(dense_aligned(a) if isinstance(a, torch.Tensor) and i not in self.scratch else a
-                      for i, a in enumerate(args))
+        dense = tuple(dense_aligned(values_resolved(a)) if isinstance(a, torch.Tensor) and i not in self.scratch
+                      else a for i, a in enumerate(args))
         name, kernel = self.kernel(_as_tuple(out)[0].device, backend, dense)  # out is on the inputs' device
         if fresh:
             targets = _as_tuple(out)

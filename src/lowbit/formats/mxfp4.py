@@ -279,7 +279,7 @@ def from_fbgemm_layout(packed: torch.Tensor, block_size: int = 32) -> tuple[torc
     group = block_size // 2 + 1
     if packed.dim() == 0 or packed.shape[-1] % group:
         raise ShapeError(f"last dim of {tuple(packed.shape)} is not a multiple of {group} bytes")
-    groups = packed.reshape(*packed.shape[:-1], -1, group)
+    groups = packed.reshape(*packed.shape[:-1], packed.shape[-1] // group, group)  # (-1 fails with no rows)
     return groups[..., :-1].flatten(-2).contiguous(), groups[..., -1].contiguous()
 
 
@@ -313,7 +313,7 @@ def scales_to_pairs(scales: torch.Tensor) -> torch.Tensor:
     scales = as_uint8(scales)
     if scales.shape[-1] % 2:
         scales = torch.nn.functional.pad(scales, (0, 1), value=0)
-    return scales.reshape(*scales.shape[:-1], -1, 2)
+    return scales.reshape(*scales.shape[:-1], scales.shape[-1] // 2, 2)  # (-1 fails with no rows)
 
 
 def scales_from_pairs(pairs: torch.Tensor, n_blocks: int) -> torch.Tensor:

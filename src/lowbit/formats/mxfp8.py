@@ -50,7 +50,7 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """MXFP8-quantize ``x`` (FP16/BF16/FP32, last dim % 32 == 0) -> (codes uint8 x.shape, scales uint8
     (..., K/32)) on x's device. DtypeError / ShapeError otherwise."""
     _check(x)
-    blocks = x.to(torch.float32).reshape(*x.shape[:-1], -1, BLOCK)
+    blocks = x.to(torch.float32).reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)  # (-1 fails with no rows)
     amax = blocks.abs().amax(dim=-1)
     finite = torch.isfinite(amax)
     _, exponent = torch.frexp(torch.where(finite, amax, 0.0))

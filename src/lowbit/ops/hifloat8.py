@@ -100,6 +100,9 @@ def decode_from_hifloat8(
     NaN (0x80) decodes to 0x7FFF; FP16 outputs below 2^-14 are exact subnormals. ``out``: tensor of the
     output dtype (they must agree when ``dtype`` is given) and the input's shape.
     """
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(f"decode_from_hifloat8: dtype must be a torch.dtype or None, got {type(dtype).__name__} "
+                        f"{dtype!r}")
     if out is not None and dtype is None and isinstance(out, torch.Tensor):
         dtype = out.dtype
     return call(DECODE, (input, dtype), out, backend)

@@ -251,6 +251,8 @@ def call(op: Operator, args: Sequence[Any], out: Any = None, backend: Optional[s
         want = "a tensor" if n_outs == 1 else f"a tuple of {n_outs} tensors"
         raise TypeError(f"{op.name}: out must be {want}, got {type(out).__name__}"
                         + (f" of length {len(outs)}" if isinstance(out, (tuple, list)) else ""))
+    for i, t in enumerate(outs):  # (torch's dispatcher would fail on a negative bit without naming out)
+        backends.check_writable(op.name, "out" if n_outs == 1 else f"out[{i}]", t)
     getattr(torch.ops.lowbit, op.name + "_out")(*args, *outs, backend)
     return tuple(out) if isinstance(out, list) else out
 

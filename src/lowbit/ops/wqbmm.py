@@ -327,6 +327,9 @@ class WqbmmPlan:
         return MATMUL(*args, out=out, backend=self.backend)
 
 
+_MAX_ELEMENTS = 2**62  # a tensor's size in bytes must fit in int64 (torch's storage sizes)
+
+
 def plan_weight_quant_batch_matmul(
     m: int,
     k: int,
@@ -350,6 +353,9 @@ def plan_weight_quant_batch_matmul(
     """
     for name, value in (("m", m), ("k", k), ("n", n)):
         check_int(name, value, minimum=0)
+    if max(m, k, n, m * k, k * n, m * n) >= _MAX_ELEMENTS:
+        raise ShapeError(f"{_OP}: (M, K, N) = {(m, k, n)} is too large: M * K, K * N and M * N must stay below "
+                         "2^62 elements")
     check_int("group_size", group_size)
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"{_OP}: dtype must be a torch.dtype, got {type(dtype).__name__} {dtype!r}")
