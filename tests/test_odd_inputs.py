@@ -322,3 +322,27 @@ def test_a_plan_of_sizes_past_int64_bytes_is_a_shape_error_naming_them(sizes):
 def test_decode_from_hifloat8_names_a_dtype_that_is_not_one():
     with pytest.raises(TypeError, match="dtype must be a torch.dtype or None, got str 'bfloat16'"):
         lowbit.decode_from_hifloat8(torch.zeros(4, dtype=torch.uint8), "bfloat16")
+
+
+@pytest.mark.parametrize("scheme", ["int4-a16w4", "mxfp4-wo", "hif8-wo", "svdquant-r32"])
+def test_a_layer_cast_after_quantization_is_a_dtype_error_naming_it_until_cast_back(scheme):
+    """model.half() casts a converted layer's scales, factors and bias, not what they were quantized for:
+    the int4 layer computed silently in the cast scale's dtype and returned float32; others failed inside an
+    operator without naming the layer."""
+    model = nn.Sequential(nn.Linear(128, 64)).bfloat16()
+    lowbit.quantize_(model, scheme)
+    x = torch.randn(2, 128).bfloat16()
+    want = model(x)
+    model.half()
+    for x_now in (x, x.half()):
+        with pytest.raises(lowbit.DtypeError, match=r"layer '0': its tensors were cast after quantization \(.*"
+                                                    r"bias torch.bfloat16 -> torch.float16"):
+            model(x_now)
+    model.bfloat16()
+    if scheme == "hif8-wo":  # its float32 scale does not come back from bfloat16
+        with pytest.raises(lowbit.DtypeError, match="scale torch.float32 -> torch.bfloat16"):
+            model(x)
+    else:
+        assert torch.equal(model(x), want)
+    model.to("cpu")  # a device move is not a cast
+    assert scheme == "hif8-wo" or torch.equal(model(x), want)

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from lowbit.backends import get_backend
+from lowbit.errors import DtypeError
 from lowbit.kernels.cpu.memory import huge_page_copy
 from lowbit.nn.svd_quant import svd_quant_decompose
 from lowbit.ops import weight_only
@@ -62,6 +63,33 @@ class QuantizedLinearBase(nn.Module):
         if huge_pages:
             self.use_huge_pages()
 
+    def _floating_dtypes(self) -> dict[str, torch.dtype]:
+        """The dtype of each floating-point buffer and of the bias, by name."""
+        tensors = {**self._buffers, **self._parameters}
+        return {name: t.dtype for name, t in tensors.items() if t is not None and t.is_floating_point()}
+
+    def _apply(self, fn, *args, **kwargs):
+        # model.half() / .to(dtype) cast this layer's floating tensors (its scales, factors, bias) but not what
+        # it was quantized for: such a cast is remembered (the dtypes as made) and refused at the next call
+        # (_check_not_cast); casting back forgets it. A device move keeps the dtypes.
+        made = self.__dict__.get("_dtypes_made") or self._floating_dtypes()
+        module = super()._apply(fn, *args, **kwargs)
+        if self._floating_dtypes() != made:
+            self.__dict__["_dtypes_made"] = made
+        else:
+            self.__dict__.pop("_dtypes_made", None)
+        return module
+
+    def _check_not_cast(self) -> None:
+        """DtypeError naming this layer if its floating tensors were cast after it was made (:meth:`_apply`)."""
+        made = self.__dict__.get("_dtypes_made")
+        if made is not None:
+            now = self._floating_dtypes()
+            cast = ", ".join(f"{name} {made[name]} -> {now[name]}" for name in made if now.get(name) != made[name])
+            raise DtypeError(f"layer {self.layer_name!r}: its tensors were cast after quantization ({cast}; "
+                             f"model.half() or .to(dtype)); it was quantized for {self.weight_dtype} inputs: "
+                             "quantize the model in the dtype it runs in")
+
     def use_huge_pages(self) -> None:
         """Move the packed buffers of at least 2 MiB on the CPU into memory backed by huge pages where the
         OS offers them (lowbit.kernels.cpu.memory): the decode kernels stream them faster. Done at
@@ -96,6 +124,8 @@ class QuantizedLinearBase(nn.Module):
         (docs/weight_only.md, 'One call'). None
         (the caller's full path) where x is not plain (plain_tensor, plain_context: no grad, no mode, CPU),
         has no rows or more than ``max_rows`` and ``f.max_rows``, or f returned False."""
+        if "_dtypes_made" in self.__dict__:
+            self._check_not_cast()
         k, n = self.in_features, self.out_features
         m = x.numel() // k
         if not (0 < m <= (max_rows or m) and plain_tensor(x) and plain_context()):
@@ -177,6 +207,7 @@ class QuantizedLinearBase(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_not_cast()
         check_layer_input(self.layer_name, self.cfg_meta["geometry"], x, self.weight_dtype)
         if self._records_no_graph(x):  # no torch.no_grad(): its grad-mode switches cost tens of microseconds
             return self.compute(self.quantize_input(x))  # after other ops (docs/weight_only.md, 'One call')
