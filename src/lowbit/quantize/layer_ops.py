@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lowbit.errors import DtypeError, ShapeError
+from lowbit.errors import DeviceError, DtypeError, ShapeError
 
 _CONV_FIELDS = ("stride", "padding", "dilation", "groups")
 
@@ -43,8 +43,9 @@ def run_layer(geometry: dict, x: torch.Tensor, weight: torch.Tensor, bias: Optio
                     tuple(geometry["dilation"]), geometry["groups"])
 
 
-def check_layer_input(name: str, geometry: dict, x: torch.Tensor, dtype: torch.dtype) -> None:
-    """ShapeError / DtypeError naming the layer for an input of the wrong channel count or dtype."""
+def check_layer_input(name: str, geometry: dict, x: torch.Tensor, dtype: torch.dtype, device: torch.device) -> None:
+    """ShapeError / DtypeError / DeviceError naming the layer for an input of the wrong channel count, dtype or
+    device (``device``: the layer's tensors')."""
     shape = geometry["weight_shape"]
     if geometry["type"] == "Linear":
         if x.dim() == 0 or x.shape[-1] != shape[1]:
@@ -56,6 +57,8 @@ def check_layer_input(name: str, geometry: dict, x: torch.Tensor, dtype: torch.d
                              f"got shape {tuple(x.shape)}")
     if x.dtype != dtype:
         raise DtypeError(f"layer {name!r}: input dtype {x.dtype} does not match the weight dtype {dtype}")
+    if x.device != device:
+        raise DeviceError(f"layer {name!r}: input is on {x.device} but the layer's tensors are on {device}")
 
 
 def geometry_mismatch(geometry: dict, module: nn.Module, has_bias: bool) -> Optional[str]:

@@ -208,7 +208,8 @@ class QuantizedLinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_not_cast()
-        check_layer_input(self.layer_name, self.cfg_meta["geometry"], x, self.weight_dtype)
+        check_layer_input(self.layer_name, self.cfg_meta["geometry"], x, self.weight_dtype,
+                          next(iter(self._buffers.values())).device)
         if self._records_no_graph(x):  # no torch.no_grad(): its grad-mode switches cost tens of microseconds
             return self.compute(self.quantize_input(x))  # after other ops (docs/weight_only.md, 'One call')
         with torch.no_grad():
@@ -570,7 +571,7 @@ class CalibrationModule(nn.Module):
         return build_deploy(self.layer_name, self.geometry, self.weight, self.bias, self.layer_config, self._params)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        check_layer_input(self.layer_name, self.geometry, x, self.weight.dtype)
+        check_layer_input(self.layer_name, self.geometry, x, self.weight.dtype, self.weight.device)
         with torch.no_grad():
             if not self.calibrated:
                 y = run_layer(self.geometry, x, self.weight, self.bias)
