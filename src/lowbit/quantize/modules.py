@@ -86,9 +86,9 @@ class QuantizedLinearBase(nn.Module):
         if made is not None:
             now = self._floating_dtypes()
             cast = ", ".join(f"{name} {made[name]} -> {now[name]}" for name in made if now.get(name) != made[name])
-            raise DtypeError(f"layer {self.layer_name!r}: its tensors were cast after quantization ({cast}; "
-                             f"model.half() or .to(dtype)); it was quantized for {self.weight_dtype} inputs: "
-                             "quantize the model in the dtype it runs in")
+            raise DtypeError(f"layer {self.layer_name!r}: its tensors were cast after quantization ({cast}): "
+                             "model.half(), .float() or .to(dtype) cast a converted layer's scales and factors "
+                             f"too; it takes {self.weight_dtype} inputs: cast the model before quantizing it")
 
     def use_huge_pages(self) -> None:
         """Move the packed buffers of at least 2 MiB on the CPU into memory backed by huge pages where the
@@ -306,7 +306,7 @@ class PackedLinear(QuantizedLinearBase):
             y = self._run_one_call(x, sources, self._bind_fused, fast[2])
             if y is not None:
                 return y
-            if self._records_no_graph(x):
+            if self._records_no_graph(x) and x.device == sources[0].device:  # (else the layer's DeviceError)
                 return self.prepared_call(fast[2], sources, self._fused_arguments)(x)
         return super().forward(x)
 
