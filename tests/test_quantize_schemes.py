@@ -404,3 +404,18 @@ def test_convert_and_quantize_underscore_report_progress_per_layer():
     model(torch.randn(4, 64, dtype=torch.bfloat16))
     lowbit.convert(model, progress=seen.append)
     assert seen == ["0"]
+
+
+@pytest.mark.parametrize("scheme", ["int4-a16w4", "mxfp4-wo", "svdquant-r32"])
+def test_a_converted_model_under_torch_compile_gives_the_eager_bits_in_and_out_of_inference_mode(scheme):
+    """torch.compile sees the custom ops whole: the int4 layer's plan (Python and numpy) under inference mode
+    broke dynamo's guards ("Guard failed on the same frame it was created")."""
+    model = nn.Sequential(nn.Linear(128, 64)).bfloat16()
+    lowbit.quantize_(model, scheme)
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(0)).bfloat16()
+    want = model(x)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="eager")
+    assert torch.equal(compiled(x), want)
+    with torch.inference_mode():
+        assert torch.equal(compiled(x), want)

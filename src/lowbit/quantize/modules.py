@@ -423,6 +423,10 @@ class Int4Linear(PackedLinear):
         if x2.shape[0] > INT4_MSD_MAX_ROWS and x2.device.type == "cpu":
             y = weight_quant_batch_matmul(x2, self.weight, self.antiquant_scale, antiquant_offset=offset,
                                           group_size=self.cfg_meta["group_size"], algorithm="dequant")
+        elif not plain_context():  # torch.compile, tracing, modes: the custom op, which they take whole (not
+            # the plan's Python and numpy), on the raw weight: the same bits as the PackedWeight
+            y = weight_quant_batch_matmul(x2, self.weight, self.antiquant_scale, antiquant_offset=offset,
+                                          group_size=self.cfg_meta["group_size"])
         else:
             plan = self._plan(x2.shape[0], self.weight.device)
             y = plan.run(x2, self._current_packed(plan), self.antiquant_scale, offset)
