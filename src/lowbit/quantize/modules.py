@@ -420,13 +420,13 @@ class Int4Linear(PackedLinear):
     def compute(self, x_q):
         x2 = x_q.reshape(-1, self.in_features).to(self.antiquant_scale.dtype)
         offset = self._buffers.get("antiquant_offset")
-        if x2.shape[0] > INT4_MSD_MAX_ROWS and x2.device.type == "cpu":
+        dequant = x2.shape[0] > INT4_MSD_MAX_ROWS and x2.device.type == "cpu"
+        # The one-shot op on the raw weight for prefill (dequant) and under torch.compile, tracing or a mode,
+        # which take the custom op whole (not the plan's Python and numpy): MSD's bits, as the PackedWeight's
+        if dequant or not plain_context():
             y = weight_quant_batch_matmul(x2, self.weight, self.antiquant_scale, antiquant_offset=offset,
-                                          group_size=self.cfg_meta["group_size"], algorithm="dequant")
-        elif not plain_context():  # torch.compile, tracing, modes: the custom op, which they take whole (not
-            # the plan's Python and numpy), on the raw weight: the same bits as the PackedWeight
-            y = weight_quant_batch_matmul(x2, self.weight, self.antiquant_scale, antiquant_offset=offset,
-                                          group_size=self.cfg_meta["group_size"])
+                                          group_size=self.cfg_meta["group_size"],
+                                          algorithm="dequant" if dequant else "msd")
         else:
             plan = self._plan(x2.shape[0], self.weight.device)
             y = plan.run(x2, self._current_packed(plan), self.antiquant_scale, offset)

@@ -28,14 +28,15 @@ def steps(total: int, what: str) -> Iterator[Callable[..., None]]:
     columns = (SpinnerColumn(), TextColumn("{task.description}", markup=False), MofNCompleteColumn(),
                TimeElapsedColumn())
     with ExitStack() as shown:
-        progress, task, started = [], [], [0]
+        progress, task, started = None, None, 0
 
         def step(name: str, counted: bool = True) -> None:
-            if not progress:  # the line's first drawing shows this step
-                progress.append(Progress(*columns, console=console, transient=True))
-                task.append(progress[0].add_task(f"{what}: {name}", total=total, completed=started[0]))
-                shown.enter_context(progress[0])
-            progress[0].update(task[0], description=f"{what}: {name}", completed=started[0])
-            started[0] += counted
+            nonlocal progress, task, started
+            if progress is None:  # the line's first drawing shows this step
+                progress = Progress(*columns, console=console, transient=True)
+                task = progress.add_task(f"{what}: {name}", total=total, completed=started)
+                shown.enter_context(progress)
+            progress.update(task, description=f"{what}: {name}", completed=started)
+            started += counted
 
         yield step

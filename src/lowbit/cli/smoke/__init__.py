@@ -98,7 +98,7 @@ def run(op: str, backend: str, device_name: str, on_check: Callable[[str], objec
         return error_report(backend, str(exc)), EXIT_CANNOT_RUN
     selected = list(available.values()) if op == "all" else [available[op]]
     if op == "all" and device.type == "cpu" and backend != "reference":  # operators no check calls: on first use
-        warm_cpu_kernels(dict.fromkeys(op for module in selected for op in module.OPERATORS), on_compile)
+        warm_cpu_kernels(dict.fromkeys(called for module in selected for called in module.OPERATORS), on_compile)
     outcomes = []
     for module in selected:
         if on_check is not None:
