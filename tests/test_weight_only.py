@@ -684,6 +684,96 @@ def test_gemm_tile_decode_does_not_depend_on_the_thread_count(fmt, dtype):
     assert tiles[0].abs().sum() > 0
 
 
+@pytest.mark.parametrize("k", [64, 96, 352, 2048])
+def test_mxfp4_bf16_tile_is_the_reference_weight(k):
+    """The GEMM path's BF16 tile of MXFP4 rows (look-ups of BF16 words where the CPU has AVX512-VBMI, the float32
+    steps elsewhere) holds the reference's weights bit for bit, for every scale byte (subnormal weights of
+    bytes 0 and 1, NaN for 0xFF) and random codes, an odd number of blocks included; NaN where they are."""
+    g = gen(21)
+    blocks = k // 32
+    scales = torch.arange(256 * blocks, dtype=torch.int64).remainder(256).to(torch.uint8)
+    n = -(-scales.numel() // blocks)
+    scales = torch.cat([scales, torch.zeros(n * blocks - scales.numel(), dtype=torch.uint8)]).view(n, blocks)
+    codes = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.int64).to(torch.uint8)
+    operands = cpu.MXFP4_LINEAR._operands(codes, scales, k, torch.bfloat16)
+    tile = torch.full((n, cpu._padded_k(k)), 7.0, dtype=torch.bfloat16)
+    run_tasks(cpu.MXFP4_LINEAR.tile, (*operands, 0), n, cpu.as_numpy(tile), True)
+    want = reference.mxfp4_weight(codes, scales).bfloat16()
+    nan = want.isnan()
+    assert torch.equal(tile[:, :k].isnan(), nan) and nan.any()
+    assert_bits(torch.where(nan, 0, tile[:, :k]), torch.where(nan, 0, want))
+
+
+@pytest.mark.parametrize("fmt", WEIGHTS)
+@pytest.mark.parametrize("k", [320, 352, 4096])
+def test_bf16_tile_is_the_reference_weight(fmt, k):
+    """Every format's GEMM-path tile for BF16 x (BF16 words) holds the reference's weights in BF16 bit for
+    bit (HiFloat8 and FP8 stored as their tables' 16-bit patterns on AVX512-VBMI CPUs; short last steps)."""
+    if k == 352 and fmt == "hifloat4":  # HiFloat4 rows are whole blocks of 64
+        k = 384
+    k = k - 1 if fmt in ("hifloat8", "float8") and k != 4096 else k
+    weight = WEIGHTS[fmt](24, k, gen(24))
+    if fmt == "hifloat8":
+        weight[0][1, :5] = torch.tensor([hifloat8.NAN_CODE, 0, 0x80, 0x7F, 0xFF], dtype=torch.uint8)
+    kernel = {"hifloat8": cpu.HIFLOAT8_LINEAR, "float8": cpu.FLOAT8_E4M3FN_LINEAR, "mxfp8": cpu.MXFP8_LINEAR,
+              "mxfp4": cpu.MXFP4_LINEAR, "hifloat4": cpu.HIFLOAT4_LINEAR}[fmt]
+    operands = kernel._operands(*weight, k, torch.bfloat16)
+    tile = torch.full((24, cpu._padded_k(k)), 7.0, dtype=torch.bfloat16)
+    run_tasks(kernel.tile, (*operands, 0), 24, cpu.as_numpy(tile), True)
+    want = _dense(fmt, weight, torch.bfloat16).bfloat16()
+    nan = want.isnan()
+    assert torch.equal(tile[:, :k].isnan(), nan)
+    assert_bits(torch.where(nan, 0, tile[:, :k]), torch.where(nan, 0, want))
+
+
+@pytest.mark.parametrize("n, m", [(0, 5), (1, 1), (31, 33), (32, 32), (64, 96), (100, 37), (33, 1)])
+def test_transpose_bf16_with_canonical_nan(n, m):
+    """transpose_bf16: every word moved (blocks of 32 x 32 in registers, the edges word by word), every NaN
+    pattern (either sign, any payload) made the canonical one, Inf and the rest kept."""
+    g = gen(22)
+    src = torch.randint(-32768, 32768, (n, m), generator=g, dtype=torch.int32).to(torch.int16)
+    special = torch.tensor([0x7F81, -1, 0x7F80, -128], dtype=torch.int16)  # NaN, NaN, +Inf, -Inf
+    src.view(-1)[: special.numel()] = special[: src.numel()]  # in a block where there is one
+    if src.numel():
+        src[-1, -1] = 0x7FFF  # NaN on an edge
+    dst = torch.full((m, n), 3, dtype=torch.int16)
+    cpu.transpose_bf16(src.numpy(), dst.numpy())
+    want = src.t().clone()
+    want[(want & 0x7FFF) > 0x7F80] = reference.NAN_BITS[torch.bfloat16]
+    assert torch.equal(dst, want)
+
+
+@pytest.mark.parametrize("path", ["transposed", "past the size limit", "F.linear's"])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_gemm_path_orientation(monkeypatch, path, with_bias):
+    """BF16 x, one tile: where TRANSPOSED_GEMM (AMX-BF16 CPUs) and the (M, N) result is within
+    TRANSPOSED_GEMM_BYTES, the result is torch's y^T = W x^T (a bias as a column, before the one rounding)
+    transposed; else F.linear's, bit for bit (the two orders agree at this size on the CPUs measured, so
+    which path ran is seen from its transpose call)."""
+    transposes, transpose = [], cpu.transpose_bf16
+    monkeypatch.setattr(cpu, "transpose_bf16", lambda src, dst: transposes.append(transpose(src, dst)))
+    monkeypatch.setattr(cpu, "BF16_GEMM", True)
+    monkeypatch.setattr(cpu, "TRANSPOSED_GEMM", path != "F.linear's")
+    if path == "past the size limit":
+        monkeypatch.setattr(cpu, "TRANSPOSED_GEMM_BYTES", GEMM_M * 48 * 2 - 2)
+    g = gen(23)
+    codes, scales = mxfp4_weight(48, 2048, g)
+    codes[3, :8] = 0x99  # with scale byte 0xFF below: NaN, canonical in the result
+    scales[3, 0] = 0xFF
+    x = torch.randn(GEMM_M, 2048, generator=g).bfloat16()
+    bias = torch.randn(48, generator=g).bfloat16() if with_bias else None
+    w = reference.mxfp4_weight(codes, scales).bfloat16()
+    transposed = (torch.mm(w, x.t()) if bias is None else torch.addmm(bias[:, None], w, x.t())).t()
+    direct = torch.nn.functional.linear(x, w, bias)
+    got = lowbit.mxfp4_linear(x, codes, scales, bias, backend="native")
+    assert (bits(got[:, 3]) == reference.NAN_BITS[torch.bfloat16]).all()
+    finite = torch.ones(48, dtype=torch.bool)
+    finite[3] = False
+    want = transposed if path == "transposed" else direct
+    assert_bits(got[:, finite], want[:, finite].contiguous())
+    assert len(transposes) == (path == "transposed")
+
+
 # --- the batched kernel and the GEMM path (M > GEMV_MAX_M): within the interval of any summation order -----
 # BF16 x with GEMV_MAX_M < M <= BATCH_MAX_M runs the batched kernel on AVX512-BF16 CPUs (BATCHED below), the
 # GEMM path otherwise; GEMM_M is past both.

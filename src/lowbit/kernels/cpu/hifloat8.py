@@ -364,7 +364,7 @@ def _decode_by_table(src, dst, table):
         start, stop = _block_range(src, block)
         i = start
         while i + np.uint64(64) <= stop:
-            store_table_words64(src, i, table, _NAN_CODE, dst)
+            store_table_words64(src, i, table, _NAN_CODE, dst, i)
             i += np.uint64(64)
         for j in range(i, stop):
             code = np.int32(src[j])

@@ -45,6 +45,7 @@ from lowbit.backends import Kernel
 from lowbit.formats import hifloat8, mxfp4, mxfp8
 from lowbit.formats import weight_only as reference
 from lowbit.kernels.cpu import _code8_columns as _columns
+from lowbit.kernels.cpu import _transpose
 from lowbit.kernels.cpu import _simd as simd
 from lowbit.kernels.cpu._runtime import (NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, as_numpy, bound_njit, call_in_chunks,
                                          copy_elements, run_tasks, runs_serially)
@@ -972,6 +973,23 @@ def hifloat4_bf16_step(typingctx, value, start, words, block):
     return types.UniTuple(simd.F32V, 2)(value, start, words, block), codegen
 
 
+def _mxfp4_block_table(context, builder, sig, args, block_arg, first):
+    """<32 x i16>: the 16 BF16 words (_MXFP4_WORDS) of blocks ``first`` and ``first + 1`` after the flat block
+    index ``args[block_arg]``, whose E8M0 bytes the 1-D uint8 array ``args[block_arg - 1]`` holds."""
+    v16x16, i64 = ir.VectorType(ir.IntType(16), 16), ir.IntType(64)
+    table = builder.bitcast(simd.aligned_constant(builder, "lowbit.mxfp4.words", _MXFP4_WORDS),
+                            ir.IntType(16).as_pointer())
+    scales, block = args[block_arg - 1], args[block_arg]
+
+    def block_row(i):  # block + i's 16 words: 32 bytes at a multiple of 32
+        at = builder.add(block, ir.Constant(block.type, i))
+        byte = builder.load(simd._element_ptr(context, builder, sig.args[block_arg - 1], scales, at, ir.IntType(8)))
+        at = builder.mul(builder.zext(byte, i64), ir.Constant(i64, 16))
+        return builder.load(builder.bitcast(builder.gep(table, [at]), v16x16.as_pointer()), align=32)
+
+    return builder.shuffle_vector(block_row(first), block_row(first + 1), _mask(range(HALF)))
+
+
 @intrinsic
 def mxfp4_pairs(typingctx, codes, start, scales, block):
     """The BF16 pairs of the MXFP4 pair step of blocks ``block`` .. ``block + 3`` (flat; E8M0 bytes at
@@ -981,19 +999,9 @@ def mxfp4_pairs(typingctx, codes, start, scales, block):
 
     def codegen(context, builder, sig, args):
         vperm = _vpermi2w(builder)
-        v8x64, v16x16 = ir.VectorType(ir.IntType(8), LANES), ir.VectorType(ir.IntType(16), 16)
+        v8x64 = ir.VectorType(ir.IntType(8), LANES)
         raw = builder.load(simd._element_ptr(context, builder, sig.args[0], args[0], args[1], v8x64), align=1)
-        table = builder.bitcast(simd.aligned_constant(builder, "lowbit.mxfp4.words", _MXFP4_WORDS),
-                                ir.IntType(16).as_pointer())
-        i64 = ir.IntType(64)
-
-        def block_row(i):  # block + i's 16 words: 32 bytes at a multiple of 32
-            at = builder.add(args[3], ir.Constant(args[3].type, i))
-            byte = builder.load(simd._element_ptr(context, builder, sig.args[2], args[2], at, ir.IntType(8)))
-            at = builder.mul(builder.zext(byte, i64), ir.Constant(i64, 16))
-            return builder.load(builder.bitcast(builder.gep(table, [at]), v16x16.as_pointer()), align=32)
-
-        tables = [builder.shuffle_vector(block_row(i), block_row(i + 1), _mask(range(HALF))) for i in (0, 2)]
+        tables = [_mxfp4_block_table(context, builder, sig, args, 3, first) for first in (0, 2)]
         registers = [[], []]
         for byte_half in (0, 1):
             words = _pair_words(builder, raw, byte_half)
@@ -1005,6 +1013,35 @@ def mxfp4_pairs(typingctx, codes, start, scales, block):
         return context.make_tuple(builder, sig.return_type, _pair_registers(builder, registers))
 
     return types.UniTuple(simd.I32V, 2)(codes, start, scales, block), codegen
+
+
+@intrinsic
+def mxfp4_store_words(typingctx, codes, start, scales, block, words, at):
+    """Store the 64 weights of MXFP4 blocks ``block`` and ``block + 1`` (flat; E8M0 bytes at ``scales[block]``,
+    1-D uint8; their 32 code bytes at ``codes[start]``, 1-D uint8) as BF16 bits in logical order at
+    ``words[at]`` (1-D int16): the GEMM path's BF16 tile, the reference's weights bit for bit (_MXFP4_WORDS).
+    Per 32 words one vpermb puts code byte i in both bytes of words 2i and 2i + 1, one vpsrlvw moves the odd
+    words' high nibble down, and one vpermi2w looks the nibble (bit 4: the second block) up in the two
+    blocks' 32 words. AVX512-VBMI."""
+    if not (isinstance(words, types.Array) and words.dtype == types.int16):
+        return None
+
+    def codegen(context, builder, sig, args):
+        vperm = _vpermi2w(builder)
+        raw = builder.load(simd._element_ptr(context, builder, sig.args[0], args[0], args[1], _V32x8), align=1)
+        table = _mxfp4_block_table(context, builder, sig, args, 3, 0)
+        shifts = ir.Constant(_V16x32, [4 * (w % 2) for w in range(HALF)])
+        for half in (0, 1):  # words 32 half .. 32 half + 31: code bytes 16 half .. 16 half + 15, block ``half``
+            doubled = [16 * half + w // 2 for w in range(HALF) for _ in (0, 1)]
+            nibbles = builder.lshr(builder.bitcast(builder.shuffle_vector(raw, raw, _mask(doubled)), _V16x32), shifts)
+            index = builder.or_(builder.and_(nibbles, ir.Constant(_V16x32, [15] * HALF)),
+                                ir.Constant(_V16x32, [16 * half] * HALF))
+            offset = builder.add(args[5], ir.Constant(args[5].type, HALF * half))
+            builder.store(builder.call(vperm, [table, index, table]),
+                          simd._element_ptr(context, builder, sig.args[4], args[4], offset, _V16x32), align=1)
+        return context.get_dummy_value()
+
+    return types.void(codes, start, scales, block, words, at), codegen
 
 
 # HiFloat4 (hifloat4_pairs): row b of _HIFLOAT4_MAGNITUDES holds 32 words, at index magnitude | e2 << 3 |
@@ -2150,6 +2187,30 @@ def _code8_tile_row(store, codes_flat, k, row, table, nan_code, keep, scratch, w
         store(w_flat, at + LANES * full, w0, w1)
 
 
+def _code8_tile_row_any(codes_flat, k, row, table, nan_code, keep, scratch, w_flat, at):
+    """Row ``row`` of an 8-bit row-table weight (its ``table`` filled) into the tile's row at ``w_flat[at]``:
+    float32, or BF16 bits (int16), stored as the table's 16-bit patterns where the table holds BF16 bytes and
+    the CPU has AVX512-VBMI (simd.store_table_words64: the same bits as the float32 steps, no widening)."""
+
+
+@overload(_code8_tile_row_any, jit_options=NJIT_OPTIONS)
+def _code8_tile_row_any_typed(codes_flat, k, row, table, nan_code, keep, scratch, w_flat, at):
+    if not (simd.HAS_AVX512VBMI and w_flat.dtype == types.int16 and table.dtype == types.uint8 and table.ndim == 1):
+        return lambda codes_flat, k, row, table, nan_code, keep, scratch, w_flat, at: _code8_tile_row(
+            _store_code8, codes_flat, k, row, table, nan_code, keep, scratch, w_flat, at)
+
+    def tile_row_words(codes_flat, k, row, table, nan_code, keep, scratch, w_flat, at):
+        full = k // LANES
+        for t in range(full):
+            _prefetch_ahead(codes_flat, np.uint64(row * k + LANES * t), np.uint64(ROW_BLOCK * k))
+            simd.store_table_words64(codes_flat, row * k + LANES * t, table, nan_code, w_flat, at + LANES * t)
+        if k % LANES:
+            w0, w1 = _code8_tail(codes_flat, row * k + LANES * full, k % LANES, table, nan_code, keep, scratch)
+            _store_code8(w_flat, at + LANES * full, w0, w1)
+
+    return tile_row_words
+
+
 @numba.njit(**NJIT_OPTIONS)
 def _code8_tile_rows(codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, slow_blocks, column_tables, r0,
                      row, end, w32):
@@ -2161,7 +2222,7 @@ def _code8_tile_rows(codes, scale, bf16, magnitudes, nan_code, table_like, keep,
     table = np.empty_like(table_like)
     for i in range(row, end):
         _fill_row_table(magnitudes, scale[r0 + i], bf16, nan_code, table)
-        _code8_tile_row(_store_code8, codes_flat, k, r0 + i, table, nan_code, keep, scratch, w_flat, i * kp)
+        _code8_tile_row_any(codes_flat, k, r0 + i, table, nan_code, keep, scratch, w_flat, i * kp)
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
@@ -2219,6 +2280,31 @@ def _mxfp4_tile_row(store, scales_flat, codes_flat, row, blocks, scratch, w_flat
         store(w_flat, at + LANES * (blocks // 2), w0, w1)
 
 
+def _mxfp4_tile_row_any(scales_flat, codes_flat, row, blocks, scratch, w_flat, at):
+    """Row ``row`` of W into the tile's row at ``w_flat[at]``: float32, or BF16 bits (int16), by the words'
+    look-ups where the CPU has AVX512-VBMI (mxfp4_store_words; the same bits, a third of the instructions)."""
+
+
+@overload(_mxfp4_tile_row_any, jit_options=NJIT_OPTIONS)
+def _mxfp4_tile_row_any_typed(scales_flat, codes_flat, row, blocks, scratch, w_flat, at):
+    if not (simd.HAS_AVX512VBMI and w_flat.dtype == types.int16):
+        return lambda scales_flat, codes_flat, row, blocks, scratch, w_flat, at: _mxfp4_tile_row(
+            _store_4bit, scales_flat, codes_flat, row, blocks, scratch, w_flat, at)
+
+    def tile_row_words(scales_flat, codes_flat, row, blocks, scratch, w_flat, at):
+        b0 = row * blocks
+        for t in range(blocks // 2):
+            b = np.uint64(b0 + 2 * t)
+            if t % 2 == 0:
+                _prefetch_ahead(codes_flat, np.uint64(16) * b, np.uint64(ROW_BLOCK * 16 * blocks))
+            mxfp4_store_words(codes_flat, np.uint64(16) * b, scales_flat, b, w_flat, np.uint64(at + LANES * t))
+        if blocks % 2:
+            w0, w1 = _mxfp4_odd_block(codes_flat, b0 + blocks - 1, scales_flat, scratch)
+            _store_4bit(w_flat, at + LANES * (blocks // 2), w0, w1)
+
+    return tile_row_words
+
+
 @numba.njit(**NJIT_OPTIONS)
 def _mxfp4_tile_rows(scales, codes, r0, row, end, w32):
     """Rows row .. end - 1 of the tile: the serial part of _mxfp4_tile."""
@@ -2227,7 +2313,7 @@ def _mxfp4_tile_rows(scales, codes, r0, row, end, w32):
     w_flat, codes_flat, scales_flat = simd.flat(w32), simd.flat(codes), simd.flat(scales)
     scratch = np.zeros(HALF, dtype=np.uint8)
     for i in range(row, end):
-        _mxfp4_tile_row(_store_4bit, scales_flat, codes_flat, r0 + i, blocks, scratch, w_flat, i * kp)
+        _mxfp4_tile_row_any(scales_flat, codes_flat, r0 + i, blocks, scratch, w_flat, i * kp)
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
@@ -2631,6 +2717,30 @@ def canonical_nan_bf16(bits):
             bits[i] = _BF16_NAN
 
 
+@numba.njit(**_INLINE)
+def _canonical_word(word):
+    return _BF16_NAN if (word & 0x7FFF) > 0x7F80 else word
+
+
+@numba.njit(**NJIT_OPTIONS)
+def transpose_bf16(src, dst):
+    """dst (M, N) <- src (N, M) transposed, both C-contiguous int16 (BF16 bits), every NaN the canonical one:
+    blocks of 32 x 32 words in registers (_transpose.transpose_block), the edges word by word. The caller
+    checks the shapes."""
+    n, m = src.shape
+    src_flat, dst_flat = simd.flat(src), simd.flat(dst)
+    n_blocks, m_blocks = n - n % _transpose.BLOCK, m - m % _transpose.BLOCK
+    for i in range(0, n_blocks, _transpose.BLOCK):
+        for j in range(0, m_blocks, _transpose.BLOCK):
+            _transpose.transpose_block(src_flat, i * m + j, m, dst_flat, j * n + i, n)
+    for j in range(m_blocks, m):  # src's last columns, all its rows
+        for i in range(n):
+            dst[j, i] = _canonical_word(src[i, j])
+    for i in range(n_blocks, n):  # src's last rows, in the columns the blocks covered
+        for j in range(m_blocks):
+            dst[j, i] = _canonical_word(src[i, j])
+
+
 # ---- kernels -----------------------------------------------------------------------------------------------
 
 
@@ -2693,6 +2803,12 @@ def _one_call_gemv(template, kernel, x_operands):
 # (AMD Zen 3, Intel Xeon before Cooper Lake) torch's BF16 GEMM, and F.linear in BF16, ran 3.5-4x slower than
 # its float32 one (docs/weight_only.md, 'Kernels').
 BF16_GEMM = simd.TORCH_BF16_GEMM_IN_HARDWARE
+# On CPUs with AMX-BF16 the GEMM path computes y^T = W x^T and transposes it: torch's BF16 GEMM took 20-35 %
+# less time with the (N, K) weight tile as its first operand than as F.linear's second, which oneDNN repacks
+# on every call (Intel Xeon, M = 64-256: benchmarks/results_weight_only.md, 'Intel Xeon: transposed GEMM');
+# not where the (N, M) result passes TRANSPOSED_GEMM_BYTES (M = 1024 gained 8 %, and the buffer is kept).
+TRANSPOSED_GEMM = simd.HAS_AMX_BF16
+TRANSPOSED_GEMM_BYTES = 16 << 20
 
 
 def _gemv_chunksize(n: int) -> int:
@@ -2859,24 +2975,28 @@ class WeightOnlyLinear(Kernel):
         run_tasks(self.batched, (x_reg, *operands), n, y32, serial)
         _round_into(y32, bias, bf16, out)
 
-    def _tiles(self, operands: tuple, n: int, k: int, dtype: torch.dtype, width: int, serial: bool):
-        """(first row, (rows, width) tile) of W decoded tile by tile into the calling thread's scratch buffer,
-        viewed as ``dtype`` (float32 or BF16); columns K .. width - 1 hold zeros or are not written. Each tile
-        is valid until the next one is yielded."""
+    def _tiles(self, operands: tuple, n: int, k: int, dtype: torch.dtype, width: int, serial: bool,
+               after: tuple = (0, 0)):
+        """(first row, (rows, width) tile, spare) of W decoded tile by tile into the calling thread's scratch
+        buffer, viewed as ``dtype`` (float32 or BF16); columns K .. width - 1 hold zeros or are not written.
+        Each tile is valid until the next one is yielded. ``spare``: a (``after``) tensor of ``dtype`` in the
+        same buffer, after the tile, the same for every tile."""
         rows = max(1, min(n, GEMM_TILE_BYTES // (width * dtype.itemsize)))
-        with thread_scratch(rows * width * dtype.itemsize) as raw:  # released when the generator is closed
-            buffer = raw.view(dtype).view(rows, width)
+        tile_bytes = -(-rows * width * dtype.itemsize // 64) * 64
+        with thread_scratch(tile_bytes + math.prod(after) * dtype.itemsize) as raw:  # released with the generator
+            buffer = raw[:tile_bytes].view(dtype)[: rows * width].view(rows, width)
+            spare = raw[tile_bytes:].view(dtype).view(after)
             for r0 in range(0, n, rows):
                 tile = buffer[: min(rows, n - r0)]
                 run_tasks(self.tile, (*operands, r0), tile.shape[0], as_numpy(tile), serial)
-                yield r0, tile
+                yield r0, tile, spare
 
     def _run_gemm(self, x: torch.Tensor, operands: tuple, bias, out: torch.Tensor, serial: bool) -> None:
         """float32 GEMM on decoded tiles (torch's order), then the reference's rounding."""
         (m, k), n = x.shape, out.shape[1]
         x32 = x.to(torch.float32)
         y32 = torch.empty(m, n, dtype=torch.float32)
-        for r0, tile in self._tiles(operands, n, k, torch.float32, _padded_k(k), serial):
+        for r0, tile, _ in self._tiles(operands, n, k, torch.float32, _padded_k(k), serial):
             y32[:, r0 : r0 + tile.shape[0]] = x32 @ tile[:, :k].T
         out.copy_(reference.finish(y32, bias, out.dtype))
 
@@ -2886,8 +3006,11 @@ class WeightOnlyLinear(Kernel):
         sums before that rounding (the same bits as the bias as one more column of W and of x, a column of
         ones; tests/test_weight_only.py checks this of torch), without the strided K + 1 columns (0.8 ms at
         M = 256, N = K = 4096)."""
-        k, n = x.shape[1], out.shape[1]
-        for r0, tile in self._tiles(operands, n, k, torch.bfloat16, _padded_k(k), serial):
+        (m, k), n = x.shape, out.shape[1]
+        if TRANSPOSED_GEMM and m * n * 2 <= TRANSPOSED_GEMM_BYTES:
+            self._run_transposed_gemm_bf16(x, operands, bias, out, serial)
+            return
+        for r0, tile, _ in self._tiles(operands, n, k, torch.bfloat16, _padded_k(k), serial):
             if tile.shape[0] == n:  # one tile: written straight into out (addmm and mm are what F.linear runs)
                 if bias is None:
                     torch.mm(x, tile[:, :k].t(), out=out)
@@ -2897,6 +3020,20 @@ class WeightOnlyLinear(Kernel):
             rows = slice(r0, r0 + tile.shape[0])
             out[:, rows] = torch.nn.functional.linear(x, tile[:, :k], None if bias is None else bias[rows])
         canonical_nan_bf16(as_numpy(out).reshape(-1))
+
+    def _run_transposed_gemm_bf16(self, x: torch.Tensor, operands: tuple, bias, out: torch.Tensor, serial: bool):
+        """_run_gemm_bf16 as y^T = W x^T, tile by tile into rows of an (N, M) buffer (torch's BF16 GEMM with
+        the decoded tile as its first operand, a BF16 bias as a column added before the one rounding), then
+        out <- its transpose, NaN canonical (transpose_bf16)."""
+        (m, k), n = x.shape, out.shape[1]
+        for r0, tile, y_t in self._tiles(operands, n, k, torch.bfloat16, _padded_k(k), serial, after=(n, m)):
+            rows = slice(r0, r0 + tile.shape[0])
+            if bias is None:
+                torch.mm(tile[:, :k], x.t(), out=y_t[rows])
+            else:
+                torch.addmm(bias[rows, None], tile[:, :k], x.t(), out=y_t[rows])
+            if rows.stop == n:
+                transpose_bf16(as_numpy(y_t), as_numpy(out))
 
 
 def _default_table_kind() -> str:
