@@ -627,17 +627,33 @@ _HIFLOAT4_WORDS = _hifloat4_word_tables(16)
 _DECODE_BYTES = [w // 2 + 16 * (w % 2) for w in range(HALF)]  # hifloat4_words_decode's words: [b0, b16, b1, ..]
 
 
-def _decode_flags(builder, word):
-    """<32 x i16>: for each word of hifloat4_words_decode, 16 if its e2 flag is set plus 32 if its e3 flag is,
-    from the integer scale word ``word`` (vptestmw on its broadcast halves)."""
+def _decode_flags(builder, word, byte_of_word=_DECODE_BYTES):
+    """<32 x i16>: for each of 32 words (the value byte each holds: ``byte_of_word``; by default
+    hifloat4_words_decode's), 16 if its e2 flag is set plus 32 if its e3 flag is, from the integer scale word
+    ``word`` (vptestmw on its broadcast halves)."""
     i16, zero = ir.IntType(16), ir.Constant(_V16x32, [0] * HALF)
     flags = zero
     for flag, shift, value in (("e2", 0, 16), ("e3", 16, 32)):
         half = builder.trunc(builder.lshr(word, ir.Constant(word.type, shift)), i16)
-        bits = ir.Constant(_V16x32, [1 << (_flag_bit(flag, byte) - shift) for byte in _DECODE_BYTES])
+        bits = ir.Constant(_V16x32, [1 << (_flag_bit(flag, byte) - shift) for byte in byte_of_word])
         is_set = builder.icmp_unsigned("!=", builder.and_(simd._splat(builder, half, _V16x32), bits), zero)
         flags = builder.select(is_set, builder.or_(flags, ir.Constant(_V16x32, [value] * HALF)), flags)
     return flags
+
+
+def _hifloat4_word_row(builder, word):
+    """The two <32 x i16> halves of the 64-word row of _HIFLOAT4_WORDS (built into the code, 64-byte aligned)
+    of the E6M2 byte of the integer scale word ``word``: the table of one vpermi2w, index nibble | e2 << 4 |
+    e3 << 5."""
+    table = builder.bitcast(simd.aligned_constant(builder, "lowbit.hifloat4.words", _HIFLOAT4_WORDS),
+                            ir.IntType(16).as_pointer())
+    row = builder.mul(builder.zext(builder.trunc(word, ir.IntType(8)), ir.IntType(64)),
+                      ir.Constant(ir.IntType(64), LANES))
+
+    def words_at(index):  # 32 words at an element index that is a multiple of 32: 64-byte aligned
+        return builder.load(builder.bitcast(builder.gep(table, [index]), _V16x32.as_pointer()), align=64)
+
+    return words_at(row), words_at(builder.add(row, ir.Constant(row.type, HALF)))
 
 
 @intrinsic
@@ -650,19 +666,11 @@ def hifloat4_words_decode(typingctx, value, start, word):
     def codegen(context, builder, sig, args):
         vperm = cgutils.get_or_insert_function(
             builder.module, ir.FunctionType(_V16x32, [_V16x32] * 3), "llvm.x86.avx512.vpermi2var.hi.512")
-        v8x32, i16 = ir.VectorType(ir.IntType(8), HALF), ir.IntType(16)
+        v8x32 = ir.VectorType(ir.IntType(8), HALF)
         raw = builder.load(simd._element_ptr(context, builder, sig.args[0], args[0], args[1], v8x32), align=1)
         words = builder.zext(builder.shuffle_vector(raw, raw, _mask(_DECODE_BYTES)), _V16x32)
         flags = _decode_flags(builder, args[2])
-        table = builder.bitcast(simd.aligned_constant(builder, "lowbit.hifloat4.words", _HIFLOAT4_WORDS),
-                                i16.as_pointer())
-        row = builder.mul(builder.zext(builder.trunc(args[2], ir.IntType(8)), ir.IntType(64)),
-                          ir.Constant(ir.IntType(64), LANES))
-
-        def words_at(index):  # 32 words at an element index that is a multiple of 32: 64-byte aligned
-            return builder.load(builder.bitcast(builder.gep(table, [index]), _V16x32.as_pointer()), align=64)
-
-        low_table, high_table = words_at(row), words_at(builder.add(row, ir.Constant(row.type, HALF)))
+        low_table, high_table = _hifloat4_word_row(builder, args[2])
         registers = []
         for nibble in (builder.and_(words, ir.Constant(_V16x32, [15] * HALF)),
                        builder.lshr(words, ir.Constant(_V16x32, [4] * HALF))):
@@ -674,6 +682,35 @@ def hifloat4_words_decode(typingctx, value, start, word):
         return context.make_tuple(builder, sig.return_type, registers)
 
     return types.UniTuple(simd.F32V, 2)(value, start, word), codegen
+
+
+@intrinsic
+def hifloat4_store_words(typingctx, value, start, word, words, at):
+    """Store the 64 weights of the HiFloat4 block whose 32 value bytes are at ``value[start]`` (1-D uint8) and
+    whose scale word is ``word`` (an int32 / uint32) as BF16 bits in logical order at ``words[at]`` (1-D
+    int16): the GEMM path's BF16 tile, the reference's weights bit for bit (_HIFLOAT4_WORDS). Per 32 words:
+    the value bytes widened to words (byte i in words 2i and 2i + 1), a vpsrlvw for the odd words' high
+    nibble, the flags (_decode_flags) and one vpermi2w. AVX512-BW."""
+    if not (isinstance(words, types.Array) and words.dtype == types.int16):
+        return None
+
+    def codegen(context, builder, sig, args):
+        vperm = _vpermi2w(builder)
+        v8x32 = ir.VectorType(ir.IntType(8), HALF)
+        raw = builder.load(simd._element_ptr(context, builder, sig.args[0], args[0], args[1], v8x32), align=1)
+        low_table, high_table = _hifloat4_word_row(builder, args[2])
+        shifts = ir.Constant(_V16x32, [4 * (w % 2) for w in range(HALF)])
+        for half in (0, 1):  # words 32 half .. 32 half + 31: value bytes 16 half .. 16 half + 15
+            byte_of_word = [16 * half + w // 2 for w in range(HALF)]
+            nibbles = builder.lshr(builder.zext(builder.shuffle_vector(raw, raw, _mask(byte_of_word)), _V16x32), shifts)
+            index = builder.or_(builder.and_(nibbles, ir.Constant(_V16x32, [15] * HALF)),
+                                _decode_flags(builder, args[2], byte_of_word))
+            offset = builder.add(args[4], ir.Constant(args[4].type, HALF * half))
+            builder.store(builder.call(vperm, [low_table, index, high_table]),
+                          simd._element_ptr(context, builder, sig.args[3], args[3], offset, _V16x32), align=1)
+        return context.get_dummy_value()
+
+    return types.void(value, start, word, words, at), codegen
 
 
 # ---- BF16 pairs: two steps per vdpbf16ps (AVX512-BF16 CPUs, rows of x that are BF16 values) ---------------
@@ -2332,6 +2369,27 @@ def _hifloat4_tile_row(store, words_flat, value_flat, row, blocks, w_flat, at):
         store(w_flat, at + LANES * b, w0, w1)
 
 
+def _hifloat4_tile_row_any(words_flat, value_flat, row, blocks, w_flat, at):
+    """Row ``row`` of W into the tile's row at ``w_flat[at]``: float32, or BF16 bits (int16), looked up as
+    words where the CPU has AVX512-BW (hifloat4_store_words: the same bits, no widening)."""
+
+
+@overload(_hifloat4_tile_row_any, jit_options=NJIT_OPTIONS)
+def _hifloat4_tile_row_any_typed(words_flat, value_flat, row, blocks, w_flat, at):
+    if not (simd.HAS_AVX512BW and w_flat.dtype == types.int16):
+        return lambda words_flat, value_flat, row, blocks, w_flat, at: _hifloat4_tile_row(
+            _store_hifloat4, words_flat, value_flat, row, blocks, w_flat, at)
+
+    def tile_row_words(words_flat, value_flat, row, blocks, w_flat, at):
+        for b in range(blocks):
+            if b % 2 == 0:
+                _prefetch_ahead(value_flat, np.uint64(32 * (row * blocks + b)), np.uint64(ROW_BLOCK * 32 * blocks))
+            hifloat4_store_words(value_flat, np.uint64(32 * (row * blocks + b)), words_flat[row * blocks + b],
+                                 w_flat, np.uint64(at + LANES * b))
+
+    return tile_row_words
+
+
 @numba.njit(**NJIT_OPTIONS)
 def _hifloat4_tile_rows(words, value, r0, row, end, w32):
     """Rows row .. end - 1 of the tile: the serial part of _hifloat4_tile."""
@@ -2339,7 +2397,7 @@ def _hifloat4_tile_rows(words, value, r0, row, end, w32):
     kp = w32.shape[1]
     w_flat, words_flat, value_flat = simd.flat(w32), simd.flat(words), simd.flat(value)
     for i in range(row, end):
-        _hifloat4_tile_row(_store_hifloat4, words_flat, value_flat, r0 + i, blocks, w_flat, i * kp)
+        _hifloat4_tile_row_any(words_flat, value_flat, r0 + i, blocks, w_flat, i * kp)
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
