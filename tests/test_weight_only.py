@@ -684,21 +684,25 @@ def test_gemm_tile_decode_does_not_depend_on_the_thread_count(fmt, dtype):
     assert tiles[0].abs().sum() > 0
 
 
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8"])
 @pytest.mark.parametrize("k", [64, 96, 352, 2048])
-def test_mxfp4_bf16_tile_is_the_reference_weight(k):
-    """The GEMM path's BF16 tile of MXFP4 rows (look-ups of BF16 words where the CPU has AVX512-VBMI, the float32
-    steps elsewhere) holds the reference's weights bit for bit, for every scale byte (subnormal weights of
-    bytes 0 and 1, NaN for 0xFF) and random codes, an odd number of blocks included; NaN where they are."""
+def test_block_scaled_bf16_tile_for_every_scale_byte(fmt, k):
+    """The GEMM path's BF16 tile of MXFP4 / MXFP8 rows (look-ups of BF16 words where the CPU has AVX512-VBMI;
+    MXFP8 blocks whose scale byte lies outside _MXFP8_EXACT_BYTES_BF16 by the rounding float32 steps) holds
+    the reference's weights bit for bit, for every scale byte (subnormal and rounded weights of the small
+    ones, NaN for 0xFF) and random codes (NaN, zeros of both signs), an odd number of blocks included."""
     g = gen(21)
     blocks = k // 32
     scales = torch.arange(256 * blocks, dtype=torch.int64).remainder(256).to(torch.uint8)
     n = -(-scales.numel() // blocks)
     scales = torch.cat([scales, torch.zeros(n * blocks - scales.numel(), dtype=torch.uint8)]).view(n, blocks)
-    codes = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.int64).to(torch.uint8)
-    operands = cpu.MXFP4_LINEAR._operands(codes, scales, k, torch.bfloat16)
+    code_bytes = k // 2 if fmt == "mxfp4" else k
+    codes = torch.randint(0, 256, (n, code_bytes), generator=g, dtype=torch.int64).to(torch.uint8)
+    kernel = cpu.MXFP4_LINEAR if fmt == "mxfp4" else cpu.MXFP8_LINEAR
+    operands = kernel._operands(codes, scales, k, torch.bfloat16)
     tile = torch.full((n, cpu._padded_k(k)), 7.0, dtype=torch.bfloat16)
-    run_tasks(cpu.MXFP4_LINEAR.tile, (*operands, 0), n, cpu.as_numpy(tile), True)
-    want = reference.mxfp4_weight(codes, scales).bfloat16()
+    run_tasks(kernel.tile, (*operands, 0), n, cpu.as_numpy(tile), True)
+    want = _dense(fmt, (codes, scales), torch.bfloat16).bfloat16()
     nan = want.isnan()
     assert torch.equal(tile[:, :k].isnan(), nan) and nan.any()
     assert_bits(torch.where(nan, 0, tile[:, :k]), torch.where(nan, 0, want))

@@ -2280,6 +2280,72 @@ def _mxfp8_tile_row(round_to, store, codes_flat, scales_flat, row, k, blocks, ta
         store(w_flat, at + LANES * t, w0, w1)
 
 
+@intrinsic
+def mxfp8_store_words(typingctx, codes, start, table, byte_a, byte_b, words, at):
+    """Store the 64 weights of two MXFP8 blocks (their codes at ``codes[start]``, 1-D uint8; E8M0 bytes
+    ``byte_a``, ``byte_b``, each within _MXFP8_EXACT_BYTES_BF16) as BF16 bits in logical order at
+    ``words[at]`` (1-D int16): the E4M3 patterns from the byte table (simd.byte_table_words, one vpermi2b per
+    byte plane), then the scale's power of two added to the exponent field of every finite nonzero word (not
+    to NaN, either sign), which in that range is the reference's weight exactly (a normal BF16 value).
+    AVX512-VBMI."""
+    if not (isinstance(words, types.Array) and words.dtype == types.int16):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v8x64, v16x64, i16 = ir.VectorType(ir.IntType(8), LANES), ir.VectorType(ir.IntType(16), LANES), ir.IntType(16)
+        codes_ty, _, table_ty, _, _, words_ty, _ = sig.args
+        values = builder.load(simd._element_ptr(context, builder, codes_ty, args[0], args[1], v8x64), align=1)
+        table = builder.bitcast(context.make_array(table_ty)(context, builder, args[2]).data,
+                                ir.IntType(8).as_pointer())
+        high, low = simd.byte_table_words(builder, values, table, ir.Constant(ir.IntType(8), _E4M3_NAN_CODE))
+        patterns = builder.bitcast(builder.shuffle_vector(low, high, _mask([i for j in range(LANES)
+                                                                            for i in (j, LANES + j)])), v16x64)
+
+        def exponent_step(byte):  # (byte - 127) << 7 as an i16
+            return builder.shl(builder.sub(builder.zext(byte, i16), ir.Constant(i16, 127)), ir.Constant(i16, 7))
+
+        steps = [simd._splat(builder, exponent_step(b), ir.VectorType(i16, HALF)) for b in (args[3], args[4])]
+        step = builder.shuffle_vector(steps[0], steps[1], _mask(range(LANES)))
+        magnitude = builder.and_(patterns, ir.Constant(v16x64, [0x7FFF] * LANES))
+        scaled = builder.and_(builder.icmp_unsigned("!=", magnitude, ir.Constant(v16x64, [0] * LANES)),
+                              builder.icmp_unsigned("<", magnitude, ir.Constant(v16x64, [0x7F80] * LANES)))
+        result = builder.select(scaled, builder.add(patterns, step), patterns)
+        builder.store(result, simd._element_ptr(context, builder, words_ty, args[5], args[6], v16x64), align=1)
+        return context.get_dummy_value()
+
+    return types.void(codes, start, table, byte_a, byte_b, words, at), codegen
+
+
+def _mxfp8_tile_row_any(codes_flat, scales_flat, row, k, blocks, table, w_flat, at):
+    """Row ``row`` of W into the BF16 tile's row at ``w_flat[at]`` (int16; x is BF16): steps whose two E8M0
+    bytes lie in _MXFP8_EXACT_BYTES_BF16 as words where the CPU has AVX512-VBMI and ``table`` holds bytes
+    (mxfp8_store_words: the same bits), the others, and every step elsewhere, by _mxfp8_tile_row's steps."""
+
+
+@overload(_mxfp8_tile_row_any, jit_options=NJIT_OPTIONS)
+def _mxfp8_tile_row_any_typed(codes_flat, scales_flat, row, k, blocks, table, w_flat, at):
+    if not (simd.HAS_AVX512VBMI and w_flat.dtype == types.int16 and table.dtype == types.uint8):
+        return lambda codes_flat, scales_flat, row, k, blocks, table, w_flat, at: _mxfp8_tile_row(
+            _round_bf16, _store_code8, codes_flat, scales_flat, row, k, blocks, table, w_flat, at)
+    low, high = _MXFP8_EXACT_BYTES_BF16
+
+    def tile_row_words(codes_flat, scales_flat, row, k, blocks, table, w_flat, at):
+        scratch = np.zeros(LANES, dtype=np.uint8)
+        for t in range(-(-k // LANES)):
+            _prefetch_ahead(codes_flat, np.uint64(row * k + LANES * t), np.uint64(ROW_BLOCK * k))
+            whole = LANES * (t + 1) <= k  # else one last 32-block
+            byte_a = scales_flat[row * blocks + 2 * t]
+            byte_b = scales_flat[row * blocks + 2 * t + 1] if whole else byte_a
+            if whole and low <= byte_a <= high and low <= byte_b <= high:
+                mxfp8_store_words(codes_flat, row * k + LANES * t, table, byte_a, byte_b, w_flat, at + LANES * t)
+            else:
+                w0, w1 = _mxfp8_row_step(_round_bf16, codes_flat, scales_flat, row * k, row * blocks, t, k, table,
+                                         scratch, True)
+                _store_code8(w_flat, at + LANES * t, w0, w1)
+
+    return tile_row_words
+
+
 @numba.njit(**NJIT_OPTIONS)
 def _mxfp8_tile_rows(codes, scales, bf16, table, fast, slow_blocks, column_tables, r0, row, end, w32):
     """Rows row .. end - 1 of the tile: the serial part of _mxfp8_tile (every row by the table; ``fast``,
@@ -2288,8 +2354,7 @@ def _mxfp8_tile_rows(codes, scales, bf16, table, fast, slow_blocks, column_table
     codes_flat, scales_flat, w_flat = simd.flat(codes), simd.flat(scales), simd.flat(w32)
     for i in range(row, end):
         if bf16:
-            _mxfp8_tile_row(_round_bf16, _store_code8, codes_flat, scales_flat, r0 + i, k, blocks, table, w_flat,
-                            i * kp)
+            _mxfp8_tile_row_any(codes_flat, scales_flat, r0 + i, k, blocks, table, w_flat, i * kp)
         else:
             _mxfp8_tile_row(_round_f16, _store_code8, codes_flat, scales_flat, r0 + i, k, blocks, table, w_flat,
                             i * kp)
