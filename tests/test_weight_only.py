@@ -826,10 +826,14 @@ def test_torch_adds_a_bf16_bias_before_its_one_rounding():
     assert not torch.equal(torch.nn.functional.linear(x, w) + b, extended)  # two roundings differ
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gemm_path_in_several_tiles(monkeypatch, dtype):
-    """Tiles of 3 rows (a short last one), each with its own GEMM into a column slice of out; NaN canonical."""
+@pytest.mark.parametrize("dtype, transposed", [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float16, False)])
+def test_gemm_path_in_several_tiles(monkeypatch, dtype, transposed):
+    """Tiles of 3 rows (a short last one), each with its own GEMM into a column slice of out (or, transposed, into
+    rows of y^T, then transposed); NaN canonical."""
     monkeypatch.setattr(cpu, "GEMM_TILE_BYTES", 3 * 4 * 384)
+    monkeypatch.setattr(cpu, "TRANSPOSED_GEMM", transposed)
+    if transposed:
+        monkeypatch.setattr(cpu, "BF16_GEMM", True)
     g = gen(13)
     codes, scales = mxfp4_weight(11, 352, g)
     scales[4, 2] = 0xFF  # a NaN block: row 4 of the output is NaN

@@ -2932,6 +2932,15 @@ BF16_GEMM = simd.TORCH_BF16_GEMM_IN_HARDWARE
 # not where the (N, M) result passes TRANSPOSED_GEMM_BYTES (M = 1024 gained 8 %, and the buffer is kept).
 TRANSPOSED_GEMM = simd.HAS_AMX_BF16
 TRANSPOSED_GEMM_BYTES = 16 << 20
+# Its tiles: M = 256 on the Intel Xeon, 4096^2 in tiles of 2048 rows (16 MiB) took 5.2 ms against 5.8 ms in one
+# tile, 12288 x 8192 in tiles of 1024 rows 33.9 against 35.6 ms (the decoded rows still in the cache when the
+# GEMM reads them); 256-row tiles were slower (a GEMM call's own cost).
+TRANSPOSED_TILE_BYTES = 16 << 20
+
+
+def _gemm_tile_bytes(transposed: bool) -> int:
+    """The GEMM path's tile budget: GEMM_TILE_BYTES, capped by TRANSPOSED_TILE_BYTES for the transposed GEMM."""
+    return min(GEMM_TILE_BYTES, TRANSPOSED_TILE_BYTES) if transposed else GEMM_TILE_BYTES
 
 
 def _gemv_chunksize(n: int) -> int:
@@ -3050,10 +3059,12 @@ class WeightOnlyLinear(Kernel):
         elif m <= _batch_max_m(n, k, x.dtype):
             path, work, chunksize = self._run_batched, m * n * k, 1  # tasks of _BATCH_ROWS_PER_TASK rows
         else:  # the GEMM path: the decoded tile's rows (torch's GEMM takes torch's threads)
-            tile_rows = min(n, GEMM_TILE_BYTES // (2 * _padded_k(k)))
             bf16_gemm = BF16_GEMM and x.dtype == torch.bfloat16 and (bias is None or bias.dtype == torch.bfloat16)
-            path, work = self._run_gemm_bf16 if bf16_gemm else self._run_gemm, n * k
-            chunksize = max(4, -(-tile_rows // _ROWS_PER_TASK) // _CHUNKS)
+            transposed = bf16_gemm and TRANSPOSED_GEMM and m * n * 2 <= TRANSPOSED_GEMM_BYTES
+            path = (self._run_transposed_gemm_bf16 if transposed else
+                    self._run_gemm_bf16 if bf16_gemm else self._run_gemm)
+            tile_rows = min(n, _gemm_tile_bytes(transposed) // (2 * _padded_k(k)))
+            work, chunksize = n * k, max(4, -(-tile_rows // _ROWS_PER_TASK) // _CHUNKS)
         # Below GEMV_ONE_THREAD_WEIGHTS the calling thread: waking numba's threads after a torch op would cost
         # more than they save there, and the rows run without the parallel loop's launch (about 13 us of a
         # 1536 x 384 MXFP4 GEMV's 54 us); numba's thread count is left as it is.
@@ -3099,12 +3110,13 @@ class WeightOnlyLinear(Kernel):
         _round_into(y32, bias, bf16, out)
 
     def _tiles(self, operands: tuple, n: int, k: int, dtype: torch.dtype, width: int, serial: bool,
-               after: tuple = (0, 0)):
-        """(first row, (rows, width) tile, spare) of W decoded tile by tile into the calling thread's scratch
-        buffer, viewed as ``dtype`` (float32 or BF16); columns K .. width - 1 hold zeros or are not written.
-        Each tile is valid until the next one is yielded. ``spare``: a (``after``) tensor of ``dtype`` in the
-        same buffer, after the tile, the same for every tile."""
-        rows = max(1, min(n, GEMM_TILE_BYTES // (width * dtype.itemsize)))
+               after: tuple = (0, 0), tile_bytes: int = GEMM_TILE_BYTES):
+        """(first row, (rows, width) tile, spare) of W decoded tile by tile (at most ``tile_bytes``, at least
+        one row) into the calling thread's scratch buffer, viewed as ``dtype`` (float32 or BF16); columns
+        K .. width - 1 hold zeros or are not written. Each tile is valid until the next one is yielded.
+        ``spare``: a (``after``) tensor of ``dtype`` in the same buffer, after the tile, the same for every
+        tile."""
+        rows = max(1, min(n, tile_bytes // (width * dtype.itemsize)))
         tile_bytes = -(-rows * width * dtype.itemsize // 64) * 64
         with thread_scratch(tile_bytes + math.prod(after) * dtype.itemsize) as raw:  # released with the generator
             buffer = raw[:tile_bytes].view(dtype)[: rows * width].view(rows, width)
@@ -3129,10 +3141,7 @@ class WeightOnlyLinear(Kernel):
         sums before that rounding (the same bits as the bias as one more column of W and of x, a column of
         ones; tests/test_weight_only.py checks this of torch), without the strided K + 1 columns (0.8 ms at
         M = 256, N = K = 4096)."""
-        (m, k), n = x.shape, out.shape[1]
-        if TRANSPOSED_GEMM and m * n * 2 <= TRANSPOSED_GEMM_BYTES:
-            self._run_transposed_gemm_bf16(x, operands, bias, out, serial)
-            return
+        k, n = x.shape[1], out.shape[1]
         for r0, tile, _ in self._tiles(operands, n, k, torch.bfloat16, _padded_k(k), serial):
             if tile.shape[0] == n:  # one tile: written straight into out (addmm and mm are what F.linear runs)
                 if bias is None:
@@ -3149,7 +3158,8 @@ class WeightOnlyLinear(Kernel):
         the decoded tile as its first operand, a BF16 bias as a column added before the one rounding), then
         out <- its transpose, NaN canonical (transpose_bf16)."""
         (m, k), n = x.shape, out.shape[1]
-        for r0, tile, y_t in self._tiles(operands, n, k, torch.bfloat16, _padded_k(k), serial, after=(n, m)):
+        for r0, tile, y_t in self._tiles(operands, n, k, torch.bfloat16, _padded_k(k), serial, after=(n, m),
+                                         tile_bytes=_gemm_tile_bytes(transposed=True)):
             rows = slice(r0, r0 + tile.shape[0])
             if bias is None:
                 torch.mm(tile[:, :k], x.t(), out=y_t[rows])
