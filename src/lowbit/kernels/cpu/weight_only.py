@@ -2490,13 +2490,16 @@ BATCH_IN_BF16 = simd.HAS_AVX512BF16
 # path's float32 GEMM caught up (AMD Zen 3, two threads, 4096^2 and 12288 x 8192: batched 0.17-0.20x F.linear's
 # time at M = 64 against 0.22-0.30x, at M = 128 0.17-0.20x against 0.18-0.27x).
 BATCH_MAX_M = 32 if BATCH_IN_BF16 else 64
-# On CPUs with AMX-BF16, weights of at least AMX_GEMM_WEIGHTS take the GEMM path above AMX_BATCH_MAX_M rows of x:
-# its decode costs the same whatever M is, and a BF16 GEMM on AMX tiles costs little more at M = 32 than at
-# M = 1 (Intel Xeon, 4096^2, MXFP4 / HiFloat4: batched 2.5 / 2.4 ms at M = 10, 2.7 / 2.8 ms at M = 12, 6.5 / 6.3 ms
-# at M = 32 against 3.2 / 2.4, 2.6 / 2.2 and 2.7 / 2.6 ms). Smaller weights keep the batched kernel: there torch's
-# GEMM call and its threads' hand-over cost more than the batched kernel's products (1536 x 384 at M = 31:
-# 0.37 ms against 0.47 ms; 2048^2: 1.60 against 0.96 ms; benchmarks/results_weight_only.md, 'Intel Xeon').
-AMX_BATCH_MAX_M = 11
+# On CPUs with AMX-BF16, weights of at least AMX_GEMM_WEIGHTS take the GEMM path above AMX_BATCH_MAX_M rows of x,
+# that is from M = 5 on: its decode costs the same whatever M is, and a BF16 GEMM on AMX tiles costs little more
+# at M = 32 than at M = 1. Since the tiles are decoded as BF16 words and the GEMM runs transposed, the GEMM path
+# took 1.36-1.38x F.linear's time at M = 5 against 1.39-1.65x for the batched kernel, 1.30-1.53x against
+# 2.19-2.94x at M = 11 and 1.16-1.38x against 2.17-4.48x at M = 12-32 (Intel Xeon, MXFP4 and HiFloat4, 4096^2
+# and 12288 x 8192; before, the batched kernel was the faster one up to M = 11). Smaller weights keep the
+# batched kernel: there torch's GEMM call and its threads' hand-over cost more than the batched kernel's
+# products (1536 x 384 at M = 31: 0.37 ms against 0.47 ms; 2048^2: 1.60 against 0.96 ms;
+# benchmarks/results_weight_only.md, 'Intel Xeon').
+AMX_BATCH_MAX_M = GEMV_MAX_M
 AMX_GEMM_WEIGHTS = 2 << 20
 _BATCH_ROWS_PER_TASK = 64  # rows of W per prange iteration (16 blocks: one buffer allocation each)
 _BATCH_CHUNK = 1024  # elements of K per pass over the rows of x (four rows of W: 8 KiB of BF16, 16 KiB of float32)
@@ -2928,7 +2931,7 @@ def _one_call_gemv(template, kernel, x_operands):
 BF16_GEMM = simd.TORCH_BF16_GEMM_IN_HARDWARE
 # On CPUs with AMX-BF16 the GEMM path computes y^T = W x^T and transposes it: torch's BF16 GEMM took 20-35 %
 # less time with the (N, K) weight tile as its first operand than as F.linear's second, which oneDNN repacks
-# on every call (Intel Xeon, M = 64-256: benchmarks/results_weight_only.md, 'Intel Xeon: transposed GEMM');
+# on every call (Intel Xeon, M = 64-256: docs/weight_only.md, 'CPU GEMM');
 # not where the (N, M) result passes TRANSPOSED_GEMM_BYTES (M = 1024 gained 8 %, and the buffer is kept).
 TRANSPOSED_GEMM = simd.HAS_AMX_BF16
 TRANSPOSED_GEMM_BYTES = 16 << 20
