@@ -730,17 +730,20 @@ def test_bf16_tile_is_the_reference_weight(fmt, k):
     assert_bits(torch.where(nan, 0, tile[:, :k]), torch.where(nan, 0, want))
 
 
+@pytest.mark.parametrize("offset", [0, 1])
 @pytest.mark.parametrize("n, m", [(0, 5), (1, 1), (31, 33), (32, 32), (64, 96), (100, 37), (33, 1)])
-def test_transpose_bf16_with_canonical_nan(n, m):
-    """transpose_bf16: every word moved (blocks of 32 x 32 in registers, the edges word by word), every NaN
-    pattern (either sign, any payload) made the canonical one, Inf and the rest kept."""
+def test_transpose_bf16_with_canonical_nan(n, m, offset):
+    """transpose_bf16: every word moved (blocks of 32 x 32 in registers, with non-temporal stores where dst's
+    rows start on cache lines: N a multiple of 32 at offset 0; the edges word by word), every NaN pattern
+    (either sign, any payload) made the canonical one, Inf and the rest kept."""
     g = gen(22)
     src = torch.randint(-32768, 32768, (n, m), generator=g, dtype=torch.int32).to(torch.int16)
     special = torch.tensor([0x7F81, -1, 0x7F80, -128], dtype=torch.int16)  # NaN, NaN, +Inf, -Inf
     src.view(-1)[: special.numel()] = special[: src.numel()]  # in a block where there is one
     if src.numel():
         src[-1, -1] = 0x7FFF  # NaN on an edge
-    dst = torch.full((m, n), 3, dtype=torch.int16)
+    dst = torch.full((m * n + 32,), 3, dtype=torch.int16)[offset : offset + m * n].view(m, n)
+    assert dst.data_ptr() % 64 == 2 * offset or not dst.numel()
     cpu.transpose_bf16(src.numpy(), dst.numpy())
     want = src.t().clone()
     want[(want & 0x7FFF) > 0x7F80] = reference.NAN_BITS[torch.bfloat16]

@@ -35,35 +35,48 @@ _ROUNDS = [(b, *(ir.Constant(ir.VectorType(ir.IntType(32), BLOCK), mask) for mas
            for b in (16, 8, 4, 2, 1)]
 
 
-@intrinsic
-def transpose_block(typingctx, src, src_at, src_stride, dst, dst_at, dst_stride):
-    """dst[dst_at + r * dst_stride + c] <- src[src_at + c * src_stride + r] for r, c < BLOCK, NaN canonical
-    (``src`` and ``dst``: 1-D int16 arrays)."""
-    if not all(isinstance(a, types.Array) and a.dtype == types.int16 for a in (src, dst)):
-        return None
+def _make_transpose_block(streaming: bool):
+    """The block intrinsic; ``streaming``: its stores non-temporal (every destination row 64-byte aligned),
+    so that an output the cache does not hold is written without being read first."""
 
-    def codegen(context, builder, sig, args):
-        i64 = ir.IntType(64)
-        src_at, src_stride, dst_at, dst_stride = (builder.sext(a, i64) if a.type.width < 64 else a
-                                                  for a in (args[1], args[2], args[4], args[5]))
+    @intrinsic
+    def transpose_block(typingctx, src, src_at, src_stride, dst, dst_at, dst_stride):
+        """dst[dst_at + r * dst_stride + c] <- src[src_at + c * src_stride + r] for r, c < BLOCK, NaN canonical
+        (``src`` and ``dst``: 1-D int16 arrays)."""
+        if not all(isinstance(a, types.Array) and a.dtype == types.int16 for a in (src, dst)):
+            return None
 
-        def pointer(array_type, array, at, stride, row):
-            at = builder.add(at, builder.mul(stride, ir.Constant(i64, row)))
-            return simd._element_ptr(context, builder, array_type, array, at, _ROW)
+        def codegen(context, builder, sig, args):
+            i64 = ir.IntType(64)
+            src_at, src_stride, dst_at, dst_stride = (builder.sext(a, i64) if a.type.width < 64 else a
+                                                      for a in (args[1], args[2], args[4], args[5]))
 
-        rows = [builder.load(pointer(sig.args[0], args[0], src_at, src_stride, r), align=1) for r in range(BLOCK)]
-        for b, first, second in _ROUNDS:
-            swapped = list(rows)
-            for i in (r for r in range(BLOCK) if not r & b):
-                swapped[i] = builder.shuffle_vector(rows[i], rows[i + b], first)
-                swapped[i + b] = builder.shuffle_vector(rows[i], rows[i + b], second)
-            rows = swapped
-        magnitude, infinity = ir.Constant(_ROW, [0x7FFF] * BLOCK), ir.Constant(_ROW, [0x7F80] * BLOCK)
-        nan = ir.Constant(_ROW, [int(reference.NAN_BITS[torch.bfloat16])] * BLOCK)
-        for r, row in enumerate(rows):
-            is_nan = builder.icmp_unsigned(">", builder.and_(row, magnitude), infinity)
-            builder.store(builder.select(is_nan, nan, row), pointer(sig.args[3], args[3], dst_at, dst_stride, r),
-                          align=1)
-        return context.get_dummy_value()
+            def pointer(array_type, array, at, stride, row):
+                at = builder.add(at, builder.mul(stride, ir.Constant(i64, row)))
+                return simd._element_ptr(context, builder, array_type, array, at, _ROW)
 
-    return types.void(src, src_at, src_stride, dst, dst_at, dst_stride), codegen
+            rows = [builder.load(pointer(sig.args[0], args[0], src_at, src_stride, r), align=1)
+                    for r in range(BLOCK)]
+            for b, first, second in _ROUNDS:
+                swapped = list(rows)
+                for i in (r for r in range(BLOCK) if not r & b):
+                    swapped[i] = builder.shuffle_vector(rows[i], rows[i + b], first)
+                    swapped[i + b] = builder.shuffle_vector(rows[i], rows[i + b], second)
+                rows = swapped
+            magnitude, infinity = ir.Constant(_ROW, [0x7FFF] * BLOCK), ir.Constant(_ROW, [0x7F80] * BLOCK)
+            nan = ir.Constant(_ROW, [int(reference.NAN_BITS[torch.bfloat16])] * BLOCK)
+            for r, row in enumerate(rows):
+                is_nan = builder.icmp_unsigned(">", builder.and_(row, magnitude), infinity)
+                at = pointer(sig.args[3], args[3], dst_at, dst_stride, r)
+                store = builder.store(builder.select(is_nan, nan, row), at, align=64 if streaming else 1)
+                if streaming:
+                    store.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)]))
+            return context.get_dummy_value()
+
+        return types.void(src, src_at, src_stride, dst, dst_at, dst_stride), codegen
+
+    return transpose_block
+
+
+transpose_block = _make_transpose_block(streaming=False)
+transpose_block_streaming = _make_transpose_block(streaming=True)
