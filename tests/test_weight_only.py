@@ -831,12 +831,15 @@ def test_torch_adds_a_bf16_bias_before_its_one_rounding():
 
 @pytest.mark.parametrize("dtype, transposed", [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float16, False)])
 def test_gemm_path_in_several_tiles(monkeypatch, dtype, transposed):
-    """Tiles of 3 rows (a short last one), each with its own GEMM into a column slice of out (or, transposed, into
-    rows of y^T, then transposed); NaN canonical."""
+    """Tiles of 3 float32 or 6 BF16 rows (a short last one), each with its own GEMM into a column slice of out
+    (or, transposed, into rows of y^T, then transposed); NaN canonical."""
     monkeypatch.setattr(cpu, "GEMM_TILE_BYTES", 3 * 4 * 384)
     monkeypatch.setattr(cpu, "TRANSPOSED_GEMM", transposed)
     if transposed:
         monkeypatch.setattr(cpu, "BF16_GEMM", True)
+    tiles = []
+    monkeypatch.setattr(cpu.MXFP4_LINEAR, "tile", tuple(lambda *args, run=run: tiles.append(args[-2]) or run(*args)
+                                                        for run in cpu.MXFP4_LINEAR.tile))
     g = gen(13)
     codes, scales = mxfp4_weight(11, 352, g)
     scales[4, 2] = 0xFF  # a NaN block: row 4 of the output is NaN
@@ -848,6 +851,7 @@ def test_gemm_path_in_several_tiles(monkeypatch, dtype, transposed):
     finite[4] = False
     assert ((lo.float() <= got.float()) & (got.float() <= hi.float()))[:, finite].all()
     assert (bits(got[:, 4]) == reference.NAN_BITS[dtype]).all()
+    assert len(tiles) >= 2
 
 
 def test_gemm_path_ignores_what_the_scratch_buffer_held(monkeypatch):

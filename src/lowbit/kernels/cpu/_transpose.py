@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from llvmlite import ir
 from numba import types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from lowbit.formats import weight_only as reference
@@ -80,3 +81,16 @@ def _make_transpose_block(streaming: bool):
 
 transpose_block = _make_transpose_block(streaming=False)
 transpose_block_streaming = _make_transpose_block(streaming=True)
+
+
+@intrinsic
+def store_fence(typingctx):
+    """sfence: the weakly ordered (non-temporal) stores before it made visible before any store after it."""
+
+    def codegen(context, builder, sig, args):
+        fence = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
+                                               "llvm.x86.sse.sfence")
+        builder.call(fence, [])
+        return context.get_dummy_value()
+
+    return types.void(), codegen

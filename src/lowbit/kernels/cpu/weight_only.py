@@ -2864,6 +2864,8 @@ def transpose_bf16(src, dst):
                 _transpose.transpose_block_streaming(src_flat, i * m + j, m, dst_flat, j * n + i, n)
             else:
                 _transpose.transpose_block(src_flat, i * m + j, m, dst_flat, j * n + i, n)
+    if streaming:  # the non-temporal stores ordered before whatever reads dst next
+        _transpose.store_fence()
     for j in range(m_blocks, m):  # src's last columns, all its rows
         for i in range(n):
             dst[j, i] = _canonical_word(src[i, j])
@@ -3118,13 +3120,13 @@ class WeightOnlyLinear(Kernel):
         _round_into(y32, bias, bf16, out)
 
     def _tiles(self, operands: tuple, n: int, k: int, dtype: torch.dtype, width: int, serial: bool,
-               after: tuple = (0, 0), tile_bytes: int = GEMM_TILE_BYTES):
-        """(first row, (rows, width) tile, spare) of W decoded tile by tile (at most ``tile_bytes``, at least
-        one row) into the calling thread's scratch buffer, viewed as ``dtype`` (float32 or BF16); columns
-        K .. width - 1 hold zeros or are not written. Each tile is valid until the next one is yielded.
-        ``spare``: a (``after``) tensor of ``dtype`` in the same buffer, after the tile, the same for every
-        tile."""
-        rows = max(1, min(n, tile_bytes // (width * dtype.itemsize)))
+               after: tuple = (0, 0), transposed: bool = False):
+        """(first row, (rows, width) tile, spare) of W decoded tile by tile (at most _gemm_tile_bytes, at
+        least one row) into the calling thread's scratch buffer, viewed as ``dtype`` (float32 or BF16);
+        columns K .. width - 1 hold zeros or are not written. Each tile is valid until the next one is
+        yielded. ``spare``: a (``after``) tensor of ``dtype`` in the same buffer, after the tile, the same for
+        every tile."""
+        rows = max(1, min(n, _gemm_tile_bytes(transposed) // (width * dtype.itemsize)))
         tile_bytes = -(-rows * width * dtype.itemsize // 64) * 64
         with thread_scratch(tile_bytes + math.prod(after) * dtype.itemsize) as raw:  # released with the generator
             buffer = raw[:tile_bytes].view(dtype)[: rows * width].view(rows, width)
@@ -3167,7 +3169,7 @@ class WeightOnlyLinear(Kernel):
         out <- its transpose, NaN canonical (transpose_bf16)."""
         (m, k), n = x.shape, out.shape[1]
         for r0, tile, y_t in self._tiles(operands, n, k, torch.bfloat16, _padded_k(k), serial, after=(n, m),
-                                         tile_bytes=_gemm_tile_bytes(transposed=True)):
+                                         transposed=True):
             rows = slice(r0, r0 + tile.shape[0])
             if bias is None:
                 torch.mm(tile[:, :k], x.t(), out=y_t[rows])
