@@ -12,8 +12,9 @@ Two paths, chosen by the number of rows M of x (``GEMV_MAX_M``):
   summed four at a time where they can be (_block_sums); each row's sum is one thread's, in its own
   lanes, so the result does not depend on the thread count.
 * **GEMM** (larger M, prefill): tiles of rows are decoded with the same step functions into a float32 (or,
-  for weights that are BF16 values and BF16 x, BF16) buffer, and torch multiplies x by each tile (its
-  order: docs/weight_only.md, 'Tolerance of the GEMM path'); only one tile is ever decoded.
+  for weights that are BF16 values and BF16 x, BF16: as words straight from the look-ups on AVX-512) buffer,
+  and torch multiplies x by each tile (its order: docs/weight_only.md, 'Tolerance of the GEMM path'; on AMX
+  CPUs as y^T = W x^T, then transposed: 'CPU GEMM'); only one tile is ever decoded.
 
 Decoding (docs/weight_only.md, 'Weights'):
 
