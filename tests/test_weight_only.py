@@ -70,6 +70,8 @@ def mxfp8_weight(n, k, g):
 
 WEIGHTS = {"hifloat8": hif8_weight, "float8": fp8_weight, "mxfp8": mxfp8_weight, "mxfp4": mxfp4_weight,
            "hifloat4": hif4_weight}
+CPU_KERNELS = {"hifloat8": cpu.HIFLOAT8_LINEAR, "float8": cpu.FLOAT8_E4M3FN_LINEAR, "mxfp8": cpu.MXFP8_LINEAR,
+               "mxfp4": cpu.MXFP4_LINEAR, "hifloat4": cpu.HIFLOAT4_LINEAR}
 
 
 def native_equals_reference(op, *args):
@@ -668,8 +670,7 @@ def test_result_does_not_depend_on_the_thread_count(fmt, m, monkeypatch):
 def test_gemm_tile_decode_does_not_depend_on_the_thread_count(fmt, dtype):
     """The GEMM path's tiles (rows 5 .. 71 of W) decoded on the calling thread and in the parallel loop on two
     threads: the same bits."""
-    kernel = {"hifloat8": cpu.HIFLOAT8_LINEAR, "float8": cpu.FLOAT8_E4M3FN_LINEAR, "mxfp8": cpu.MXFP8_LINEAR,
-              "mxfp4": cpu.MXFP4_LINEAR, "hifloat4": cpu.HIFLOAT4_LINEAR}[fmt]
+    kernel = CPU_KERNELS[fmt]
     weight = WEIGHTS[fmt](72, 256, gen(17))
     operands = kernel._operands(*weight, 256, torch.bfloat16 if dtype == torch.bfloat16 else torch.float16)
     tiles = [torch.zeros(67, 256, dtype=dtype) for _ in range(2)]
@@ -712,15 +713,19 @@ def test_block_scaled_bf16_tile_for_every_scale_byte(fmt, k):
 @pytest.mark.parametrize("k", [320, 352, 4096])
 def test_bf16_tile_is_the_reference_weight(fmt, k):
     """Every format's GEMM-path tile for BF16 x (BF16 words) holds the reference's weights in BF16 bit for
-    bit (HiFloat8 and FP8 stored as their tables' 16-bit patterns on AVX512-VBMI CPUs; short last steps)."""
+    bit (HiFloat8 and FP8 stored as their tables' 16-bit patterns on AVX512-VBMI CPUs; short last steps;
+    NaN, zero and extreme codes; HiFloat4 from random bytes)."""
     if k == 352 and fmt == "hifloat4":  # HiFloat4 rows are whole blocks of 64
         k = 384
     k = k - 1 if fmt in ("hifloat8", "float8") and k != 4096 else k
-    weight = WEIGHTS[fmt](24, k, gen(24))
-    if fmt == "hifloat8":
-        weight[0][1, :5] = torch.tensor([hifloat8.NAN_CODE, 0, 0x80, 0x7F, 0xFF], dtype=torch.uint8)
-    kernel = {"hifloat8": cpu.HIFLOAT8_LINEAR, "float8": cpu.FLOAT8_E4M3FN_LINEAR, "mxfp8": cpu.MXFP8_LINEAR,
-              "mxfp4": cpu.MXFP4_LINEAR, "hifloat4": cpu.HIFLOAT4_LINEAR}[fmt]
+    g = gen(24)
+    weight = WEIGHTS[fmt](24, k, g)
+    if fmt in ("hifloat8", "float8"):  # NaN codes (HiFloat8 0x80; FP8 0x7F, 0xFF), zeros of both signs, extremes
+        weight[0][1, :6] = torch.tensor([hifloat8.NAN_CODE, 0, 0x80, 0x7F, 0xFF, 0x7E], dtype=torch.uint8)
+    if fmt == "hifloat4":  # every byte random: any E6M2 scale (0xFF: NaN), any e2 / e3 flags, any nibbles
+        weight = tuple(torch.randint(0, 256, t.shape, generator=g, dtype=torch.int64).to(torch.uint8) for t in weight)
+        weight[0][0, 0, 0] = 0xFF  # a NaN block
+    kernel = CPU_KERNELS[fmt]
     operands = kernel._operands(*weight, k, torch.bfloat16)
     tile = torch.full((24, cpu._padded_k(k)), 7.0, dtype=torch.bfloat16)
     run_tasks(kernel.tile, (*operands, 0), 24, cpu.as_numpy(tile), True)
@@ -926,8 +931,7 @@ def test_batched_kernel_within_the_order_interval(fmt, m, dtype, monkeypatch):
     NaN / Inf weights, a non-contiguous x with Inf / NaN, -0 and BF16 subnormals (flushed by vdpbf16ps), a
     bias in x's dtype; every output within the interval or NaN where the reference is; NaN canonical."""
     calls = []
-    kernel = {"hifloat8": cpu.HIFLOAT8_LINEAR, "float8": cpu.FLOAT8_E4M3FN_LINEAR, "mxfp8": cpu.MXFP8_LINEAR,
-              "mxfp4": cpu.MXFP4_LINEAR, "hifloat4": cpu.HIFLOAT4_LINEAR}[fmt]
+    kernel = CPU_KERNELS[fmt]
     monkeypatch.setattr(kernel, "batched", tuple(lambda *args, run=run: calls.append(1) or run(*args)
                                                  for run in kernel.batched))  # (serial, parallel)
     g = gen(40 + m)

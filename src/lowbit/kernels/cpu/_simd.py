@@ -569,6 +569,17 @@ def byte_table_words(builder, codes, table, nan_code):
             builder.select(nan, ir.Constant(_V8x64, [0xFF] * 64), low))
 
 
+def table_patterns64(context, builder, codes_type, codes, index, table_type, table, nan_code):
+    """<64 x i16>: the 16-bit patterns of the 64 codes at ``codes[index]`` (a 1-D uint8 array) by
+    ``byte_table_words`` from ``table`` (a 1-D uint8 array of 256), in the codes' order; ``nan_code`` an i8."""
+    values = builder.load(_element_ptr(context, builder, codes_type, codes, index, _V8x64), align=1)
+    table_data = builder.bitcast(context.make_array(table_type)(context, builder, table).data, _I8.as_pointer())
+    high, low = byte_table_words(builder, values, table_data, nan_code)
+    return builder.bitcast(builder.shuffle_vector(
+        low, high, ir.Constant(ir.VectorType(_I32, 128), [i for j in range(64) for i in (j, 64 + j)])),
+        ir.VectorType(_I16, 64))
+
+
 @intrinsic
 def store_table_words64(typingctx, codes, index, table, nan_code, out, out_index):
     """out[out_index : out_index + 64] <- the 16-bit patterns of the codes codes[index : index + 64] by
@@ -576,14 +587,9 @@ def store_table_words64(typingctx, codes, index, table, nan_code, out, out_index
     ``nan_code`` an int). CPUs with BYTE_TABLES; the table telescoped where TELESCOPED_BYTE_TABLES."""
 
     def codegen(context, builder, sig, args):
-        codes_ty, _, table_ty, _, out_ty, _ = sig.args
-        values = builder.load(_element_ptr(context, builder, codes_ty, args[0], args[1], _V8x64), align=1)
-        table_data = builder.bitcast(context.make_array(table_ty)(context, builder, args[2]).data, _I8.as_pointer())
-        high, low = byte_table_words(builder, values, table_data, builder.trunc(args[3], _I8))
-        words = builder.bitcast(builder.shuffle_vector(
-            low, high, ir.Constant(ir.VectorType(_I32, 128), [i for j in range(64) for i in (j, 64 + j)])),
-            ir.VectorType(_I16, 64))
-        builder.store(words, _element_ptr(context, builder, out_ty, args[4], args[5], words.type), align=1)
+        words = table_patterns64(context, builder, sig.args[0], args[0], args[1], sig.args[2], args[2],
+                                 builder.trunc(args[3], _I8))
+        builder.store(words, _element_ptr(context, builder, sig.args[4], args[4], args[5], words.type), align=1)
         return context.get_dummy_value()
 
     return types.none(codes, index, table, nan_code, out, out_index), codegen

@@ -685,13 +685,31 @@ def hifloat4_words_decode(typingctx, value, start, word):
     return types.UniTuple(simd.F32V, 2)(value, start, word), codegen
 
 
+_ODD_WORD_SHIFTS = [4 * (w % 2) for w in range(HALF)]
+
+
+def _logical_nibbles(builder, raw, half):
+    """<32 x i16>: the nibbles of bytes 16 half .. 16 half + 15 of ``raw`` (<32 x i8>) in logical order, word 2i
+    the low nibble of byte 16 half + i and word 2i + 1 its high one: one vpermb puts the byte in both bytes of
+    both words, one vpsrlvw moves the odd words' high nibble down."""
+    doubled = [16 * half + w // 2 for w in range(HALF) for _ in (0, 1)]
+    words = builder.bitcast(builder.shuffle_vector(raw, raw, _mask(doubled)), _V16x32)
+    return builder.and_(builder.lshr(words, ir.Constant(_V16x32, _ODD_WORD_SHIFTS)), ir.Constant(_V16x32, [15] * HALF))
+
+
+def _store_half(context, builder, array_type, array, at, half, value):
+    """Store the <32 x i16> ``value`` at ``array[at + 32 half]`` (a 1-D int16 array)."""
+    offset = builder.add(at, ir.Constant(at.type, HALF * half))
+    builder.store(value, simd._element_ptr(context, builder, array_type, array, offset, _V16x32), align=1)
+
+
 @intrinsic
 def hifloat4_store_words(typingctx, value, start, word, words, at):
     """Store the 64 weights of the HiFloat4 block whose 32 value bytes are at ``value[start]`` (1-D uint8) and
     whose scale word is ``word`` (an int32 / uint32) as BF16 bits in logical order at ``words[at]`` (1-D
     int16): the GEMM path's BF16 tile, the reference's weights bit for bit (_HIFLOAT4_WORDS). Per 32 words:
-    the value bytes widened to words (byte i in words 2i and 2i + 1), a vpsrlvw for the odd words' high
-    nibble, the flags (_decode_flags) and one vpermi2w. AVX512-BW."""
+    the nibbles in logical order (_logical_nibbles), the flags (_decode_flags) and one vpermi2w.
+    AVX512-BW."""
     if not (isinstance(words, types.Array) and words.dtype == types.int16):
         return None
 
@@ -700,15 +718,11 @@ def hifloat4_store_words(typingctx, value, start, word, words, at):
         v8x32 = ir.VectorType(ir.IntType(8), HALF)
         raw = builder.load(simd._element_ptr(context, builder, sig.args[0], args[0], args[1], v8x32), align=1)
         low_table, high_table = _hifloat4_word_row(builder, args[2])
-        shifts = ir.Constant(_V16x32, [4 * (w % 2) for w in range(HALF)])
         for half in (0, 1):  # words 32 half .. 32 half + 31: value bytes 16 half .. 16 half + 15
-            byte_of_word = [16 * half + w // 2 for w in range(HALF)]
-            nibbles = builder.lshr(builder.zext(builder.shuffle_vector(raw, raw, _mask(byte_of_word)), _V16x32), shifts)
-            index = builder.or_(builder.and_(nibbles, ir.Constant(_V16x32, [15] * HALF)),
-                                _decode_flags(builder, args[2], byte_of_word))
-            offset = builder.add(args[4], ir.Constant(args[4].type, HALF * half))
-            builder.store(builder.call(vperm, [low_table, index, high_table]),
-                          simd._element_ptr(context, builder, sig.args[3], args[3], offset, _V16x32), align=1)
+            flags = _decode_flags(builder, args[2], [16 * half + w // 2 for w in range(HALF)])
+            index = builder.or_(_logical_nibbles(builder, raw, half), flags)
+            _store_half(context, builder, sig.args[3], args[3], args[4], half,
+                        builder.call(vperm, [low_table, index, high_table]))
         return context.get_dummy_value()
 
     return types.void(value, start, word, words, at), codegen
@@ -1058,9 +1072,8 @@ def mxfp4_store_words(typingctx, codes, start, scales, block, words, at):
     """Store the 64 weights of MXFP4 blocks ``block`` and ``block + 1`` (flat; E8M0 bytes at ``scales[block]``,
     1-D uint8; their 32 code bytes at ``codes[start]``, 1-D uint8) as BF16 bits in logical order at
     ``words[at]`` (1-D int16): the GEMM path's BF16 tile, the reference's weights bit for bit (_MXFP4_WORDS).
-    Per 32 words one vpermb puts code byte i in both bytes of words 2i and 2i + 1, one vpsrlvw moves the odd
-    words' high nibble down, and one vpermi2w looks the nibble (bit 4: the second block) up in the two
-    blocks' 32 words. AVX512-VBMI."""
+    Per 32 words the nibbles in logical order (_logical_nibbles) and one vpermi2w that looks each up (bit 4:
+    the second block) in the two blocks' 32 words. AVX512-VBMI."""
     if not (isinstance(words, types.Array) and words.dtype == types.int16):
         return None
 
@@ -1068,15 +1081,10 @@ def mxfp4_store_words(typingctx, codes, start, scales, block, words, at):
         vperm = _vpermi2w(builder)
         raw = builder.load(simd._element_ptr(context, builder, sig.args[0], args[0], args[1], _V32x8), align=1)
         table = _mxfp4_block_table(context, builder, sig, args, 3, 0)
-        shifts = ir.Constant(_V16x32, [4 * (w % 2) for w in range(HALF)])
         for half in (0, 1):  # words 32 half .. 32 half + 31: code bytes 16 half .. 16 half + 15, block ``half``
-            doubled = [16 * half + w // 2 for w in range(HALF) for _ in (0, 1)]
-            nibbles = builder.lshr(builder.bitcast(builder.shuffle_vector(raw, raw, _mask(doubled)), _V16x32), shifts)
-            index = builder.or_(builder.and_(nibbles, ir.Constant(_V16x32, [15] * HALF)),
-                                ir.Constant(_V16x32, [16 * half] * HALF))
-            offset = builder.add(args[5], ir.Constant(args[5].type, HALF * half))
-            builder.store(builder.call(vperm, [table, index, table]),
-                          simd._element_ptr(context, builder, sig.args[4], args[4], offset, _V16x32), align=1)
+            index = builder.or_(_logical_nibbles(builder, raw, half), ir.Constant(_V16x32, [16 * half] * HALF))
+            looked_up = builder.call(vperm, [table, index, table])
+            _store_half(context, builder, sig.args[4], args[4], args[5], half, looked_up)
         return context.get_dummy_value()
 
     return types.void(codes, start, scales, block, words, at), codegen
@@ -2285,7 +2293,7 @@ def _mxfp8_tile_row(round_to, store, codes_flat, scales_flat, row, k, blocks, ta
 def mxfp8_store_words(typingctx, codes, start, table, byte_a, byte_b, words, at):
     """Store the 64 weights of two MXFP8 blocks (their codes at ``codes[start]``, 1-D uint8; E8M0 bytes
     ``byte_a``, ``byte_b``, each within _MXFP8_EXACT_BYTES_BF16) as BF16 bits in logical order at
-    ``words[at]`` (1-D int16): the E4M3 patterns from the byte table (simd.byte_table_words, one vpermi2b per
+    ``words[at]`` (1-D int16): the E4M3 patterns from the byte table (simd.table_patterns64, one vpermi2b per
     byte plane), then the scale's power of two added to the exponent field of every finite nonzero word (not
     to NaN, either sign), which in that range is the reference's weight exactly (a normal BF16 value).
     AVX512-VBMI."""
@@ -2293,14 +2301,9 @@ def mxfp8_store_words(typingctx, codes, start, table, byte_a, byte_b, words, at)
         return None
 
     def codegen(context, builder, sig, args):
-        v8x64, v16x64, i16 = ir.VectorType(ir.IntType(8), LANES), ir.VectorType(ir.IntType(16), LANES), ir.IntType(16)
-        codes_ty, _, table_ty, _, _, words_ty, _ = sig.args
-        values = builder.load(simd._element_ptr(context, builder, codes_ty, args[0], args[1], v8x64), align=1)
-        table = builder.bitcast(context.make_array(table_ty)(context, builder, args[2]).data,
-                                ir.IntType(8).as_pointer())
-        high, low = simd.byte_table_words(builder, values, table, ir.Constant(ir.IntType(8), _E4M3_NAN_CODE))
-        patterns = builder.bitcast(builder.shuffle_vector(low, high, _mask([i for j in range(LANES)
-                                                                            for i in (j, LANES + j)])), v16x64)
+        v16x64, i16 = ir.VectorType(ir.IntType(16), LANES), ir.IntType(16)
+        patterns = simd.table_patterns64(context, builder, sig.args[0], args[0], args[1], sig.args[2], args[2],
+                                         ir.Constant(ir.IntType(8), _E4M3_NAN_CODE))
 
         def exponent_step(byte):  # (byte - 127) << 7 as an i16
             return builder.shl(builder.sub(builder.zext(byte, i16), ir.Constant(i16, 127)), ir.Constant(i16, 7))
@@ -2311,7 +2314,7 @@ def mxfp8_store_words(typingctx, codes, start, table, byte_a, byte_b, words, at)
         scaled = builder.and_(builder.icmp_unsigned("!=", magnitude, ir.Constant(v16x64, [0] * LANES)),
                               builder.icmp_unsigned("<", magnitude, ir.Constant(v16x64, [0x7F80] * LANES)))
         result = builder.select(scaled, builder.add(patterns, step), patterns)
-        builder.store(result, simd._element_ptr(context, builder, words_ty, args[5], args[6], v16x64), align=1)
+        builder.store(result, simd._element_ptr(context, builder, sig.args[5], args[5], args[6], v16x64), align=1)
         return context.get_dummy_value()
 
     return types.void(codes, start, table, byte_a, byte_b, words, at), codegen
@@ -2836,17 +2839,17 @@ def _finish(y32, bias_bits, bias_kind, bf16, out_bits):
 _BF16_NAN = np.int16(reference.NAN_BITS[torch.bfloat16])
 
 
+@numba.njit(**_INLINE)
+def _canonical_word(word):
+    """A BF16 bit pattern, the canonical NaN if it is a NaN."""
+    return _BF16_NAN if (word & 0x7FFF) > 0x7F80 else word
+
+
 @numba.njit(**NJIT_OPTIONS)
 def canonical_nan_bf16(bits):
     """Every NaN of BF16 bit patterns (a 1-D int16 array) replaced by the canonical one, in place."""
     for i in range(bits.size):
-        if (bits[i] & 0x7FFF) > 0x7F80:
-            bits[i] = _BF16_NAN
-
-
-@numba.njit(**_INLINE)
-def _canonical_word(word):
-    return _BF16_NAN if (word & 0x7FFF) > 0x7F80 else word
+        bits[i] = _canonical_word(bits[i])
 
 
 @numba.njit(**NJIT_OPTIONS)
