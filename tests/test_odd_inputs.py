@@ -224,11 +224,16 @@ def test_an_int4_layer_follows_a_loaded_weight_at_every_batch_size():
     assert torch.equal(a(many), b(many))
 
 
-def test_a_native_dequant_plan_does_not_pack():
+def test_a_native_dequant_plan_packs_and_checks_what_it_is_given():
     plan = lowbit.plan_weight_quant_batch_matmul(70, 256, 64, algorithm="dequant", dtype=torch.bfloat16,
-                                                 backend="native")
-    with pytest.raises(ValueError, match="raw"):
-        plan.pack_weight(torch.zeros(256, 32, dtype=torch.uint8))
+                                                 backend="native", prepacked=True)
+    packed = plan.pack_weight(torch.zeros(256, 32, dtype=torch.uint8))
+    x, scale = torch.zeros(70, 256, dtype=torch.bfloat16), torch.ones(2, 64, dtype=torch.bfloat16)
+    assert torch.equal(plan.run(x, packed, scale), torch.zeros(70, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="prepacked=True"):
+        plan.run(x, torch.zeros(256, 32, dtype=torch.uint8), scale)
+    with pytest.raises(ShapeError, match=r"\(256, 31\)"):
+        plan.pack_weight(torch.zeros(256, 31, dtype=torch.uint8))
 
 
 def test_the_dequant_workspace_follows_the_tile_budget(monkeypatch):

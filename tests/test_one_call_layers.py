@@ -18,7 +18,7 @@ from lowbit.ops.library import PreparedCall
 from lowbit.kernels.cpu import svd_quant as svd_cpu
 from lowbit.kernels.cpu import wqbmm as wqbmm_cpu
 from lowbit.quantize.modules import (INT4_MSD_MAX_ROWS, Int4Linear, PackedLinear, QuantizedLinearBase,
-                                     SVDQuantLinearDeploy)
+                                     SVDQuantLinearDeploy, int4_msd_max_rows)
 
 K, N = 256, 70  # N not a multiple of the kernel's 32-column tiles
 
@@ -249,10 +249,10 @@ def _prepared_calls(model: nn.Module) -> list[PreparedCall]:
 @pytest.mark.parametrize("scheme", ["int4-a16w4", "mxfp4-wo", "hif4-wo", "fp8-wo", "hif8-wo", "mxfp8-w8a8"])
 def test_a_real_model_on_real_text_gives_the_full_paths_bits(scheme, minilm, monkeypatch):
     """all-MiniLM-L6-v2 in BF16, quantized, on short real text one item at a time (M = its tokens: int4
-    layers take up to 48 rows in one call, the weight-only GEMV up to GEMV_MAX_M): the same embeddings, bit
-    for bit, with the one call and by the full path with the operator's own run (not the bound GEMV's: for
-    FP8 and HiFloat8 on AVX2 CPUs the table decode instead of the prepared weight's columns), and the one
-    call ran; MXFP8 layers (quantized activations: no one call) by their prepared weight (on AVX2 CPUs most
+    layers take up to int4_msd_max_rows rows in one call, the weight-only GEMV up to GEMV_MAX_M): the same
+    embeddings, bit for bit, with the one call and by the full path with the operator's own run (not the
+    bound GEMV's: for FP8 and HiFloat8 on AVX2 CPUs the table decode instead of the prepared weight's
+    columns), and the one call ran; MXFP8 layers (quantized activations: no one call) by their prepared weight (on AVX2 CPUs most
     rows by columns) and by the operator's own run (the table decode)."""
     from lowbit.evaluation.embeddings import sentence_embeddings
     from lowbit.evaluation.text import all_sentences
@@ -260,7 +260,7 @@ def test_a_real_model_on_real_text_gives_the_full_paths_bits(scheme, minilm, mon
 
     model = copy.deepcopy(minilm.model).to(torch.bfloat16)
     lowbit.quantize_(model, scheme)
-    limit = 48 if scheme == "int4-a16w4" else GEMV_MAX_M  # tokens, [CLS] and [SEP] included
+    limit = int4_msd_max_rows(torch.bfloat16) if scheme == "int4-a16w4" else GEMV_MAX_M  # [CLS], [SEP] included
     words = 100 if scheme == "int4-a16w4" else 2  # weight-only: the sentences' first two words
     texts = dict.fromkeys(" ".join(s.split()[:words]) for s in all_sentences())
     sentences = [t for t in texts if len(minilm.tokenizer(t)["input_ids"]) <= limit][:4]

@@ -12,7 +12,8 @@ import lowbit
 from lowbit.formats import hifloat8 as hif8_reference
 from lowbit.formats.int4 import quantize_int4_per_group
 from lowbit.formats.wqbmm import dequantize_weight
-from lowbit.quantize.modules import INT4_MSD_MAX_ROWS, CalibrationModule, Int4Linear, SVDQuantLinearDeploy
+from lowbit.kernels.cpu.wqbmm_dequant import packed_is_faster
+from lowbit.quantize.modules import CalibrationModule, Int4Linear, SVDQuantLinearDeploy, int4_msd_max_rows
 
 # Accuracy floors, derived from the formats rather than fitted: an element format whose top band keeps p
 # significant bits (8-bit floats: 3 mantissa bits, round-to-nearest -> relative error <= 2^-4, p = 4; the
@@ -244,16 +245,24 @@ def _check_binding_follows(layer, other):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_int4_deploy_runs_msd_up_to_its_row_limit_and_dequant_above(dtype):
-    """Up to INT4_MSD_MAX_ROWS rows of x: MSD with the prepacked weight; one more: the "dequant" algorithm on
-    the raw weight (docs/quantize.md, 'Packed layouts')."""
+    """Up to int4_msd_max_rows rows of x: MSD with the prepacked weight; one more: the "dequant" algorithm, on
+    the PackedWeight where that is faster (packed_is_faster), else on the raw weight (docs/quantize.md,
+    'Packed layouts')."""
     model = mlp(dtype)
     lowbit.quantize_(model, "int4-a16w4")
     layer = model[0]
     assert isinstance(layer._packed, lowbit.PackedWeight)
-    for rows, algorithm in ((INT4_MSD_MAX_ROWS, "msd"), (INT4_MSD_MAX_ROWS + 1, "dequant")):
+    limit = int4_msd_max_rows(dtype)
+    for rows, algorithm in ((limit, "msd"), (limit + 1, "dequant")):
         x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows)).to(dtype)
-        expected = lowbit.weight_quant_batch_matmul(x, layer.weight, layer.antiquant_scale, group_size=128,
-                                                    algorithm=algorithm) + layer.bias
+        if algorithm == "dequant" and packed_is_faster(dtype):
+            plan = lowbit.plan_weight_quant_batch_matmul(rows, 128, layer.out_features, algorithm="dequant",
+                                                         dtype=dtype, prepacked=True)
+            product = plan.run(x, plan.pack_weight(layer.weight), layer.antiquant_scale)
+        else:
+            product = lowbit.weight_quant_batch_matmul(x, layer.weight, layer.antiquant_scale, group_size=128,
+                                                       algorithm=algorithm)
+        expected = product + layer.bias
         assert torch.equal(layer(x), expected), algorithm
         other = "dequant" if algorithm == "msd" else "msd"
         assert not torch.equal(layer(x), lowbit.weight_quant_batch_matmul(

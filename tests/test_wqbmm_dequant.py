@@ -1,18 +1,23 @@
 """The CPU kernel of weight_quant_batch_matmul's "dequant" algorithm (lowbit.kernels.cpu.wqbmm_dequant): its
 tiles are the reference's dequantized weight bit for bit, and its products lie in the summation interval
 around the reference (docs/wqbmm.md, 'Dequant numerics'), for random and edge inputs, tiles of any width,
-FP16 / BF16, with and without offsets, on 1 and 2 threads."""
+FP16 / BF16, with and without offsets, on 1 and 2 threads; the same on a PackedWeight's tiles, decoded in the
+(N, K) orientation for the weight-only kernels' GEMM path (docs/wqbmm.md, 'Dequant on a PackedWeight')."""
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import lowbit
 from helpers import bits, wqbmm_spread_operands
 from lowbit.formats import wqbmm as ref
+from lowbit.kernels.cpu import weight_only
+from lowbit.kernels.cpu import wqbmm as cpu_wqbmm
 from lowbit.kernels.cpu import wqbmm_dequant as dequant
 from lowbit.kernels.cpu._runtime import as_numpy
 from lowbit.ops import wqbmm as wq
+from lowbit.quantize import modules
 
 
 def _operands(seed, m, k, n, g, dtype, with_offset, specials):
@@ -149,3 +154,96 @@ def test_identity_rows_give_the_dequantized_weight(dtype):
     y = wq.weight_quant_batch_matmul(torch.eye(k, dtype=dtype), weight, scale, antiquant_offset=offset,
                                      group_size=g, algorithm="dequant", backend="native")
     assert torch.equal(y, ref.dequantize_weight(weight, scale, offset, g))
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), g=st.sampled_from([32, 64, 96, 128]), groups=st.integers(1, 3),
+       n=st.sampled_from([2, 30, 64, 130, 200]), first=st.integers(0, 70), count=st.integers(1, 80),
+       bf16=st.booleans(), with_offset=st.booleans(), specials=st.booleans(), words=st.booleans(),
+       serial=st.booleans())
+def test_packed_tiles_are_the_reference_dequantized_weight(seed, g, groups, n, first, count, bf16, with_offset,
+                                                            specials, words, serial):
+    """Rows r0 .. r0 + count of the (N, K) tile decoded from a PackedWeight (any first row, so the 16-column
+    steps and the single columns around them both run; on the calling thread or in parallel) hold the
+    reference's round_D((W + offset) * scale) of those columns: BF16 bits for BF16 x (``words``), else float32
+    values; NaN where the reference has NaN. The elements past K are not written."""
+    dtype = torch.bfloat16 if bf16 else torch.float16
+    words = words and bf16
+    k = g * groups
+    r0 = min(first, n - 1)
+    count = min(count, n - r0)
+    _, weight, scale, offset = _operands(seed, 2, k, n, g, dtype, with_offset, specials)
+    scale32, offset32 = torch.zeros(k // g, n), torch.full((k // g, n), float("nan"))
+    scale32.copy_(scale)
+    if offset is not None:
+        offset32.copy_(offset)
+    tiles = cpu_wqbmm.MATMUL.pack_weight(weight, g)
+    tile = torch.full((count, k + 64), -1, dtype=torch.int16 if words else torch.int32)
+    out = tile if words else tile.view(torch.float32)
+    args = (as_numpy(tiles), scale32.numpy(), offset32.numpy(), offset is not None, g, bf16, r0)
+    if serial:
+        dequant._packed_tile_rows(*args, 0, count, out.numpy())
+    else:
+        dequant._packed_tile(*args, out.numpy())
+    got = tile[:, :k].view(torch.bfloat16) if words else out[:, :k]
+    want = ref.dequantize_weight(weight, scale, offset, g)[:, r0 : r0 + count].t().to(got.dtype)
+    assert torch.equal(got.isnan(), want.isnan())
+    keep = ~want.isnan()
+    assert torch.equal(bits(got[keep]), bits(want[keep]))
+    assert (tile[:, k:] == -1).all()
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), m=st.sampled_from([1, 5, 49, 70]), g=st.sampled_from([32, 64, 96, 128]),
+       groups=st.integers(1, 3), n=st.sampled_from([2, 34, 64, 130, 200]), bf16=st.booleans(),
+       with_offset=st.booleans(), specials=st.booleans(), threads=st.sampled_from([1, 2]),
+       tile_rows=st.sampled_from([16, 40, None]), path=st.sampled_from(["float32", "bf16", "transposed"]))
+def test_products_on_a_packed_weight_lie_in_the_summation_interval(seed, m, g, groups, n, bf16, with_offset,
+                                                                   specials, threads, tile_rows, path):
+    """A prepacked dequant plan's product, through each of the GEMM path's ways (float32 GEMM, torch's BF16
+    GEMM, the transposed BF16 GEMM of AMX CPUs; forced here on any CPU), in one tile or several, against the
+    interval around the reference's ascending-k sum; NaN outputs canonical; a reused, scribbled-over workspace
+    gives the same bits."""
+    dtype = torch.bfloat16 if bf16 else torch.float16
+    k = g * groups
+    x, weight, scale, offset = _operands(seed, m, k, n, g, dtype, with_offset, specials)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(weight_only, "BF16_GEMM", path != "float32")
+        patch.setattr(weight_only, "TRANSPOSED_GEMM", path == "transposed")
+        if tile_rows is not None:
+            patch.setattr(weight_only, "GEMM_TILE_BYTES", tile_rows * weight_only._padded_k(k) * 2)
+        plan = wq.plan_weight_quant_batch_matmul(m, k, n, group_size=g, algorithm="dequant", dtype=dtype,
+                                                 backend="native", prepacked=True)
+        packed, workspace = plan.pack_weight(weight), plan.new_workspace()
+        y = plan.run(x, packed, scale, offset, workspace=workspace)
+        workspace.fill_(0xFF)
+        again = plan.run(x, packed, scale, offset, workspace=workspace)
+    torch.set_num_threads(before)
+    assert y.dtype == dtype and y.shape == (m, n)
+    assert _within_interval(y, x, weight, scale, offset, g)
+    assert torch.equal(bits(y), bits(again))
+    nan_bits = 0x7FC0 if bf16 else 0x7E00
+    assert (bits(y)[y.isnan()] == nan_bits).all()
+
+
+@pytest.mark.parametrize("faster", [True, False])
+def test_the_int4_layer_prefill_reads_the_packed_weight_where_that_is_faster(monkeypatch, faster):
+    """Int4Linear above INT4_MSD_MAX_ROWS rows: the dequant product on its PackedWeight where
+    packed_is_faster, else on the raw weight; either way the operator's bits plus the bias."""
+    calls = []
+    for name in ("dequant_packed_into", "dequant_into"):
+        kernel = getattr(dequant, name)
+        monkeypatch.setattr(dequant, name, lambda *args, _kernel=kernel, _name=name: (calls.append(_name),
+                                                                                       _kernel(*args)))
+    monkeypatch.setattr(dequant, "packed_is_faster", lambda dtype: faster)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 64)).bfloat16()
+    lowbit.quantize_(model, "int4-a16w4")
+    layer = model[0]
+    x = torch.randn(modules.INT4_MSD_MAX_ROWS + 1, 256, generator=torch.Generator().manual_seed(0)).bfloat16()
+    y = layer(x)
+    assert calls == ["dequant_packed_into" if faster else "dequant_into"]
+    plan = wq.plan_weight_quant_batch_matmul(*x.shape, 64, algorithm="dequant", dtype=x.dtype, prepacked=faster)
+    weight = plan.pack_weight(layer.weight) if faster else layer.weight
+    assert torch.equal(bits(y), bits(plan.run(x, weight, layer.antiquant_scale) + layer.bias))

@@ -44,17 +44,18 @@ def test_non_contiguous_x_and_empty_rows():
     assert empty.shape == (0, 96)
 
 
-def test_dequant_runs_natively_on_a_raw_weight_only():
+def test_dequant_runs_natively_on_a_raw_and_on_a_packed_weight():
     x, weight, scale = _operands()
     y = wq.weight_quant_batch_matmul(x, weight, scale, group_size=64, algorithm="dequant", backend="reference")
     assert torch.equal(bits(y), bits(ref.wqbmm_dequant(x, weight, scale, None, 64)))
     wq.weight_quant_batch_matmul(x, weight, scale, group_size=64, algorithm="dequant", backend="native")
+    assert backends.last_backend("weight_quant_batch_matmul") == "native"
     plan = wq.plan_weight_quant_batch_matmul(*x.shape, scale.shape[1], group_size=64, algorithm="dequant",
                                              dtype=x.dtype, prepacked=True, backend="auto")
-    assert plan.backend == "reference"  # the CPU kernel declines a PackedWeight for dequant
-    with pytest.raises(backends.BackendUnavailable, match="PackedWeight"):
-        wq.plan_weight_quant_batch_matmul(*x.shape, scale.shape[1], group_size=64, algorithm="dequant",
-                                          dtype=x.dtype, prepacked=True, backend="native")
+    assert plan.backend == "native"  # the CPU kernel decodes its own tiles (docs/wqbmm.md)
+    lo, hi = ref.dequant_interval(x, weight, scale, None, 64)
+    y = plan.run(x, plan.pack_weight(weight), scale)
+    assert bool(((y >= lo) & (y <= hi)).all())
 
 
 @pytest.mark.parametrize(
@@ -145,8 +146,12 @@ def test_reused_plan_allocates_nothing(template):
     workspace, out = plan.new_workspace(), torch.empty(3, 100, dtype=torch.float16)
     plan.run(x, weight, scale, out=out, workspace=workspace)  # first call compiles; the weight is repacked each call
     assert _allocated_bytes(lambda: plan.run(x, weight, scale, out=out, workspace=workspace)) == 0
-    # the counter does see allocations: without a workspace, run allocates one
-    assert _allocated_bytes(lambda: plan.run(x, weight, scale, out=out)) >= plan.workspace_nbytes
+    # without a workspace, the calling thread's scratch buffer, kept between calls (a new workspace on every
+    # call cost an int4 layer at M = 256 page faults on 65 MiB: 10 instead of 5.5 ms)
+    plan.run(x, weight, scale, out=out)
+    assert _allocated_bytes(lambda: plan.run(x, weight, scale, out=out)) == 0
+    # the counter does see allocations: without out, run allocates one
+    assert _allocated_bytes(lambda: plan.run(x, weight, scale, workspace=workspace)) >= out.numel() * 2
 
 
 def test_plan_refuses_bad_workspace_and_inputs():

@@ -228,9 +228,6 @@ class WqbmmPlan:
     def pack_weight(self, weight: torch.Tensor) -> PackedWeight:
         """The (K, N/2) uint8 weight on the plan's device in this plan's kernel layout: a snapshot copy
         (see :class:`PackedWeight`). TypeError / DtypeError / DeviceError / ShapeError for another weight."""
-        if self.algorithm != MSD and self.backend == "native":
-            raise ValueError(f"{_OP}: a native {self.algorithm!r} plan reads the raw (K, N/2) weight: pass it to "
-                             "run as it is (pack_weight is for 'msd' plans)")
         expected = (self.k, self.n // 2)
         self._check_on_plan("weight", weight, torch.uint8)
         if tuple(weight.shape) != expected:
@@ -307,16 +304,16 @@ class WqbmmPlan:
         dtype and device. ``weight``: the raw (K, N/2) uint8 weight (its current values, read on every call:
         by the CPU kernel directly for ``preload`` at M <= 16, else repacked into the workspace; not with a
         ``prepacked`` plan) or this plan's :class:`PackedWeight` (no
-        repack). ``out`` / ``workspace``: reused tensors (allocated when None); the workspace must share no
-        memory with the operands (ShapeError); an ``out`` that overlaps it goes through a temporary."""
+        repack). ``out`` / ``workspace``: reused tensors (``out`` allocated when None; without a workspace the
+        kernel's own scratch: on the CPU the calling thread's buffer, kept between calls, elsewhere a new one);
+        the workspace must share no memory with the operands (ShapeError); an ``out`` that overlaps it goes
+        through a temporary."""
         for name, t in (("workspace", workspace), ("out", out)):
             if t is not None and not isinstance(t, torch.Tensor):
                 raise TypeError(f"{_OP}: {name} must be a tensor, got {type(t).__name__}")
         prepacked = isinstance(weight, PackedWeight)
         data = self._weight_data(weight)
         self._check_on_plan("x", x, self.dtype)
-        if workspace is None:
-            workspace = self.new_workspace()
         args = (x, data, antiquant_scale, antiquant_offset, self.group_size, self.algorithm, self.template,
                 workspace, prepacked)
         check_argument_types(MATMUL.name, args)  # the schema's arguments (the first seven)

@@ -333,15 +333,32 @@ class PackedLinear(QuantizedLinearBase):
 
 
 # Int4Linear on the CPU: rows of x up to which it runs MSD; above, the "dequant" algorithm (the weight decoded
-# tile by tile, torch's GEMM), faster from about 64 rows on (docs/quantize.md, 'Packed layouts').
+# tile by tile, torch's GEMM), faster from about 64 rows on (docs/quantize.md, 'Packed layouts'). On CPUs with
+# AMX-BF16, BF16 x on the PackedWeight: from about 22 rows on (Intel Xeon, N = K = 4096: MSD 1.87 / 2.19 /
+# 2.76 ms at M = 20 / 24 / 32 against 2.06 / 2.08 / 2.04 ms).
 INT4_MSD_MAX_ROWS = 48
+INT4_MSD_MAX_ROWS_AMX = 20
+
+
+def int4_msd_max_rows(dtype: torch.dtype) -> int:
+    """Rows of x of ``dtype`` up to which Int4Linear runs MSD on the CPU."""
+    from lowbit.kernels.cpu import _simd, wqbmm_dequant  # numba: imported on first use, not with lowbit
+
+    return INT4_MSD_MAX_ROWS_AMX if _simd.HAS_AMX_BF16 and wqbmm_dequant.packed_is_faster(dtype) else INT4_MSD_MAX_ROWS
+
+
+def _dequant_reads_packed(dtype: torch.dtype) -> bool:
+    """Whether Int4Linear's dequant product reads its PackedWeight (wqbmm_dequant.packed_is_faster)."""
+    from lowbit.kernels.cpu import wqbmm_dequant
+
+    return wqbmm_dequant.packed_is_faster(dtype)
 
 
 class Int4Linear(PackedLinear):
     """Deploy module for int4 per-group weights: ``weight_quant_batch_matmul`` with MSD (a PackedWeight made
     once, at convert / load, again after a change of the weight, a device move or another backend setting),
-    or on the CPU for more than INT4_MSD_MAX_ROWS rows of x its "dequant" algorithm on the raw weight. x is
-    cast to the 16-bit compute dtype and back."""
+    or on the CPU for more than int4_msd_max_rows rows of x its "dequant" algorithm (on the PackedWeight where
+    packed_is_faster, else on the raw weight). x is cast to the 16-bit compute dtype and back."""
 
     kind = "int4"
 
@@ -360,17 +377,18 @@ class Int4Linear(PackedLinear):
         state = self.__dict__.get("_packed_state")
         return None if state is None else state[0]
 
-    def _plan(self, m: int, device: torch.device):
-        """The MSD plan for m rows of x (kept per row count, device, dtype and backend setting: planning
-        validates and selects the kernel, about 80 us, more than a small layer's product)."""
-        key = (m, device, self.antiquant_scale.dtype, get_backend())
+    def _plan(self, m: int, device: torch.device, algorithm: str = "msd"):
+        """The prepacked plan of ``algorithm`` for m rows of x (kept per row count, device, dtype, algorithm and
+        backend setting: planning validates and selects the kernel, about 80 us, more than a small layer's
+        product)."""
+        key = (m, device, self.antiquant_scale.dtype, algorithm, get_backend())
         plan = self._plans.get(key)
         if plan is None:
             if len(self._plans) >= self._PLANS_KEPT:
                 self._plans.clear()
             plan = self._plans[key] = plan_weight_quant_batch_matmul(
                 m, self.in_features, self.out_features, group_size=self.cfg_meta["group_size"], device=device,
-                dtype=self.antiquant_scale.dtype, prepacked=True)
+                dtype=self.antiquant_scale.dtype, algorithm=algorithm, prepacked=True)
         return plan
 
     def prepack(self, plan=None) -> PackedWeight:
@@ -402,7 +420,7 @@ class Int4Linear(PackedLinear):
         if (x.dtype is self.weight_dtype and x.dtype is scale.dtype and x.shape[-1:] == (self.in_features,)
                 and "smooth" not in self._buffers and self.cfg_meta["act_kind"] == "none"):
             sources = (self._buffers["weight"], scale, self._buffers.get("antiquant_offset"), self._parameters.get("bias"))
-            y = self._run_one_call(x, sources, self._bind_decode, None, INT4_MSD_MAX_ROWS)
+            y = self._run_one_call(x, sources, self._bind_decode, None, int4_msd_max_rows(x.dtype))
             if y is not None:
                 return y
         return super().forward(x)
@@ -420,16 +438,18 @@ class Int4Linear(PackedLinear):
     def compute(self, x_q):
         x2 = x_q.reshape(-1, self.in_features).to(self.antiquant_scale.dtype)
         offset = self._buffers.get("antiquant_offset")
-        dequant = x2.shape[0] > INT4_MSD_MAX_ROWS and x2.device.type == "cpu"
-        # The one-shot op on the raw weight for prefill (dequant) and under torch.compile, tracing or a mode,
-        # which take the custom op whole (not the plan's Python and numpy): MSD's bits, as the PackedWeight's
-        if dequant or not plain_context():
+        dequant = x2.shape[0] > int4_msd_max_rows(x2.dtype) and x2.device.type == "cpu"
+        # Prefill (dequant) on the PackedWeight where that is faster (BF16 x on CPUs with a BF16 GEMM and
+        # AVX512-VBMI), else on the raw weight; the one-shot op on the raw weight under torch.compile, tracing
+        # or a mode, which take the custom op whole (not the plan's Python and numpy): MSD's bits, as the
+        # PackedWeight's
+        if plain_context() and (not dequant or _dequant_reads_packed(x2.dtype)):
+            plan = self._plan(x2.shape[0], self.weight.device, "dequant" if dequant else "msd")
+            y = plan.run(x2, self._current_packed(plan), self.antiquant_scale, offset)
+        else:
             y = weight_quant_batch_matmul(x2, self.weight, self.antiquant_scale, antiquant_offset=offset,
                                           group_size=self.cfg_meta["group_size"],
                                           algorithm="dequant" if dequant else "msd")
-        else:
-            plan = self._plan(x2.shape[0], self.weight.device)
-            y = plan.run(x2, self._current_packed(plan), self.antiquant_scale, offset)
         y = y.reshape(*x_q.shape[:-1], self.out_features).to(x_q.dtype)
         return y if self.bias is None else y + self.bias
 

@@ -682,6 +682,16 @@ def i32v_add_scalar(typingctx, value, scalar):
 
 
 @intrinsic
+def f32v_splat(typingctx, value):
+    """``value`` (a float32) in every lane."""
+
+    def codegen(context, builder, sig, args):
+        return _splat(builder, args[0], _VF32)
+
+    return F32V(types.float32), codegen
+
+
+@intrinsic
 def i32v_to_f32v(typingctx, value):
     """Convert int32 lanes to float32 (exact below 2**24)."""
 

@@ -31,6 +31,7 @@ Decoding (docs/weight_only.md, 'Weights'):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -3073,12 +3074,8 @@ class WeightOnlyLinear(Kernel):
         elif m <= _batch_max_m(n, k, x.dtype):
             path, work, chunksize = self._run_batched, m * n * k, 1  # tasks of _BATCH_ROWS_PER_TASK rows
         else:  # the GEMM path: the decoded tile's rows (torch's GEMM takes torch's threads)
-            bf16_gemm = BF16_GEMM and x.dtype == torch.bfloat16 and (bias is None or bias.dtype == torch.bfloat16)
-            transposed = bf16_gemm and TRANSPOSED_GEMM and m * n * 2 <= TRANSPOSED_GEMM_BYTES
-            path = (self._run_transposed_gemm_bf16 if transposed else
-                    self._run_gemm_bf16 if bf16_gemm else self._run_gemm)
-            tile_rows = min(n, _gemm_tile_bytes(transposed) // (2 * _padded_k(k)))
-            work, chunksize = n * k, max(4, -(-tile_rows // _ROWS_PER_TASK) // _CHUNKS)
+            run_gemm_path(self.tile, operands, x, bias, out)
+            return
         # Below GEMV_ONE_THREAD_WEIGHTS the calling thread: waking numba's threads after a torch op would cost
         # more than they save there, and the rows run without the parallel loop's launch (about 13 us of a
         # 1536 x 384 MXFP4 GEMV's 54 us); numba's thread count is left as it is.
@@ -3123,64 +3120,114 @@ class WeightOnlyLinear(Kernel):
         run_tasks(self.batched, (x_reg, *operands), n, y32, serial)
         _round_into(y32, bias, bf16, out)
 
-    def _tiles(self, operands: tuple, n: int, k: int, dtype: torch.dtype, width: int, serial: bool,
-               after: tuple = (0, 0), transposed: bool = False):
-        """(first row, (rows, width) tile, spare) of W decoded tile by tile (at most _gemm_tile_bytes, at
-        least one row) into the calling thread's scratch buffer, viewed as ``dtype`` (float32 or BF16);
-        columns K .. width - 1 hold zeros or are not written. Each tile is valid until the next one is
-        yielded. ``spare``: a (``after``) tensor of ``dtype`` in the same buffer, after the tile, the same for
-        every tile."""
-        rows = max(1, min(n, _gemm_tile_bytes(transposed) // (width * dtype.itemsize)))
-        tile_bytes = -(-rows * width * dtype.itemsize // 64) * 64
-        with thread_scratch(tile_bytes + math.prod(after) * dtype.itemsize) as raw:  # released with the generator
-            buffer = raw[:tile_bytes].view(dtype)[: rows * width].view(rows, width)
-            spare = raw[tile_bytes:].view(dtype).view(after)
-            for r0 in range(0, n, rows):
-                tile = buffer[: min(rows, n - r0)]
-                run_tasks(self.tile, (*operands, r0), tile.shape[0], as_numpy(tile), serial)
-                yield r0, tile, spare
 
-    def _run_gemm(self, x: torch.Tensor, operands: tuple, bias, out: torch.Tensor, serial: bool) -> None:
-        """float32 GEMM on decoded tiles (torch's order), then the reference's rounding."""
-        (m, k), n = x.shape, out.shape[1]
-        x32 = x.to(torch.float32)
-        y32 = torch.empty(m, n, dtype=torch.float32)
-        for r0, tile, _ in self._tiles(operands, n, k, torch.float32, _padded_k(k), serial):
-            y32[:, r0 : r0 + tile.shape[0]] = x32 @ tile[:, :k].T
-        out.copy_(reference.finish(y32, bias, out.dtype))
+def _gemm_path(m: int, n: int, dtype: torch.dtype, bias) -> tuple:
+    """(path, tile dtype, transposed) of the GEMM path for M rows of x of ``dtype``, N outputs and ``bias``:
+    _transposed_gemm_bf16 where TRANSPOSED_GEMM and the (N, M) result is within TRANSPOSED_GEMM_BYTES,
+    _gemm_bf16 for other BF16 x where BF16_GEMM (a bias None or BF16), _gemm_float32 otherwise."""
+    bf16_gemm = BF16_GEMM and dtype == torch.bfloat16 and (bias is None or bias.dtype == torch.bfloat16)
+    transposed = bf16_gemm and TRANSPOSED_GEMM and m * n * 2 <= TRANSPOSED_GEMM_BYTES
+    path = _transposed_gemm_bf16 if transposed else _gemm_bf16 if bf16_gemm else _gemm_float32
+    return path, torch.bfloat16 if bf16_gemm else torch.float32, transposed
 
-    def _run_gemm_bf16(self, x: torch.Tensor, operands: tuple, bias, out: torch.Tensor, serial: bool) -> None:
-        """BF16 x (every decoded weight is a BF16 value): torch's BF16 GEMM (float32 accumulation, one
-        rounding to BF16) on tiles decoded to BF16. A BF16 bias goes to F.linear, which adds it to the float32
-        sums before that rounding (the same bits as the bias as one more column of W and of x, a column of
-        ones; tests/test_weight_only.py checks this of torch), without the strided K + 1 columns (0.8 ms at
-        M = 256, N = K = 4096)."""
-        k, n = x.shape[1], out.shape[1]
-        for r0, tile, _ in self._tiles(operands, n, k, torch.bfloat16, _padded_k(k), serial):
-            if tile.shape[0] == n:  # one tile: written straight into out (addmm and mm are what F.linear runs)
-                if bias is None:
-                    torch.mm(x, tile[:, :k].t(), out=out)
-                else:
-                    torch.addmm(bias, x, tile[:, :k].t(), out=out)
-                break
-            rows = slice(r0, r0 + tile.shape[0])
-            out[:, rows] = torch.nn.functional.linear(x, tile[:, :k], None if bias is None else bias[rows])
-        canonical_nan_bf16(as_numpy(out).reshape(-1))
 
-    def _run_transposed_gemm_bf16(self, x: torch.Tensor, operands: tuple, bias, out: torch.Tensor, serial: bool):
-        """_run_gemm_bf16 as y^T = W x^T, tile by tile into rows of an (N, M) buffer (torch's BF16 GEMM with
-        the decoded tile as its first operand, a BF16 bias as a column added before the one rounding), then
-        out <- its transpose, NaN canonical (transpose_bf16)."""
-        (m, k), n = x.shape, out.shape[1]
-        for r0, tile, y_t in self._tiles(operands, n, k, torch.bfloat16, _padded_k(k), serial, after=(n, m),
-                                         transposed=True):
-            rows = slice(r0, r0 + tile.shape[0])
+def _tile_layout(n: int, k: int, tile_dtype: torch.dtype, transposed: bool) -> tuple[int, int]:
+    """(rows, bytes) of the GEMM path's tile of an (N, K) weight: at most _gemm_tile_bytes, at least one row,
+    rows of _padded_k(K) elements; the bytes rounded up to 64."""
+    width = _padded_k(k) * tile_dtype.itemsize
+    rows = max(1, min(n, _gemm_tile_bytes(transposed) // width))
+    return rows, -(-rows * width // 64) * 64
+
+
+def gemm_scratch_nbytes(m: int, n: int, k: int, dtype: torch.dtype) -> int:
+    """Bytes of the ``scratch`` that :func:`run_gemm_path` uses for M rows of x of ``dtype``, an (N, K) weight
+    and no bias: its tile, and the transposed GEMM's (N, M) result after it."""
+    _, tile_dtype, transposed = _gemm_path(m, n, dtype, None)
+    return _tile_layout(n, k, tile_dtype, transposed)[1] + (2 * n * m if transposed else 0)
+
+
+def run_gemm_path(tile: tuple, operands: tuple, x: torch.Tensor, bias, out: torch.Tensor, scratch=None) -> None:
+    """out (M, N) <- x (M, K) FP16 / BF16 times an (N, K) weight decoded tile by tile by ``tile`` (a pair
+    (serial, parallel) for run_tasks with args (*operands, r0): rows r0 ... of the weight, as float32 values
+    or BF16 bits, int16, in the tile's dtype; each decoded weight a value of x's dtype), plus ``bias`` ((N,) or
+    None): torch's GEMM (float32 sums, one rounding), NaN canonical. The tiles go in the calling thread's
+    scratch buffer, or in ``scratch`` (uint8, at least :func:`gemm_scratch_nbytes`; bias None) where given.
+    Operands checked by the caller; out C-contiguous."""
+    (m, k), n = x.shape, out.shape[1]
+    path, tile_dtype, transposed = _gemm_path(m, n, x.dtype, bias)
+    rows, _ = _tile_layout(n, k, tile_dtype, transposed)
+    after = (n, m) if transposed else (0,)
+
+    def tiles(serial):
+        return _tiles(tile, operands, n, k, tile_dtype, serial, after, transposed, scratch)
+
+    if runs_serially(n * k, GEMV_ONE_THREAD_WEIGHTS):
+        path(tiles(serial=True), x, bias, out)
+        return
+    with numba.parallel_chunksize(max(4, -(-rows // _ROWS_PER_TASK) // _CHUNKS)):
+        path(tiles(serial=False), x, bias, out)
+
+
+def _tiles(tile: tuple, operands: tuple, n: int, k: int, dtype: torch.dtype, serial: bool, after: tuple,
+           transposed: bool, scratch):
+    """(first row, (rows, _padded_k(K)) tile, spare) of W decoded tile by tile (_tile_layout) by ``tile``
+    into ``scratch`` or the calling thread's scratch buffer, viewed as ``dtype`` (float32 or BF16); columns
+    K .. of a row hold zeros or are not written. Each tile is valid until the next one is yielded.
+    ``spare``: a (``after``) tensor of ``dtype`` in the same buffer, after the tile, the same for every tile."""
+    width = _padded_k(k)
+    rows, tile_bytes = _tile_layout(n, k, dtype, transposed)
+    nbytes = tile_bytes + math.prod(after) * dtype.itemsize
+    with (contextlib.nullcontext(scratch[:nbytes]) if scratch is not None else thread_scratch(nbytes)) as raw:
+        buffer = raw[:tile_bytes].view(dtype)[: rows * width].view(rows, width)
+        spare = raw[tile_bytes:].view(dtype).view(after)
+        for r0 in range(0, n, rows):
+            part = buffer[: min(rows, n - r0)]
+            run_tasks(tile, (*operands, r0), part.shape[0], as_numpy(part), serial)
+            yield r0, part, spare
+
+
+def _gemm_float32(tiles, x: torch.Tensor, bias, out: torch.Tensor) -> None:
+    """float32 GEMM on decoded tiles (torch's order), then the reference's rounding."""
+    (m, k), n = x.shape, out.shape[1]
+    x32 = x.to(torch.float32)
+    y32 = torch.empty(m, n, dtype=torch.float32)
+    for r0, tile, _ in tiles:
+        y32[:, r0 : r0 + tile.shape[0]] = x32 @ tile[:, :k].T
+    out.copy_(reference.finish(y32, bias, out.dtype))
+
+
+def _gemm_bf16(tiles, x: torch.Tensor, bias, out: torch.Tensor) -> None:
+    """BF16 x (every decoded weight is a BF16 value): torch's BF16 GEMM (float32 accumulation, one
+    rounding to BF16) on tiles decoded to BF16. A BF16 bias goes to F.linear, which adds it to the float32
+    sums before that rounding (the same bits as the bias as one more column of W and of x, a column of
+    ones; tests/test_weight_only.py checks this of torch), without the strided K + 1 columns (0.8 ms at
+    M = 256, N = K = 4096)."""
+    k, n = x.shape[1], out.shape[1]
+    for r0, tile, _ in tiles:
+        if tile.shape[0] == n:  # one tile: written straight into out (addmm and mm are what F.linear runs)
             if bias is None:
-                torch.mm(tile[:, :k], x.t(), out=y_t[rows])
+                torch.mm(x, tile[:, :k].t(), out=out)
             else:
-                torch.addmm(bias[rows, None], tile[:, :k], x.t(), out=y_t[rows])
-            if rows.stop == n:
-                transpose_bf16(as_numpy(y_t), as_numpy(out))
+                torch.addmm(bias, x, tile[:, :k].t(), out=out)
+            break
+        rows = slice(r0, r0 + tile.shape[0])
+        out[:, rows] = torch.nn.functional.linear(x, tile[:, :k], None if bias is None else bias[rows])
+    canonical_nan_bf16(as_numpy(out).reshape(-1))
+
+
+def _transposed_gemm_bf16(tiles, x: torch.Tensor, bias, out: torch.Tensor) -> None:
+    """_gemm_bf16 as y^T = W x^T, tile by tile into rows of the (N, M) spare buffer (torch's BF16 GEMM with
+    the decoded tile as its first operand, a BF16 bias as a column added before the one rounding), then
+    out <- its transpose, NaN canonical (transpose_bf16)."""
+    k, n = x.shape[1], out.shape[1]
+    for r0, tile, y_t in tiles:
+        rows = slice(r0, r0 + tile.shape[0])
+        if bias is None:
+            torch.mm(tile[:, :k], x.t(), out=y_t[rows])
+        else:
+            torch.addmm(bias[rows, None], tile[:, :k], x.t(), out=y_t[rows])
+        if rows.stop == n:
+            transpose_bf16(as_numpy(y_t), as_numpy(out))
 
 
 def _default_table_kind() -> str:

@@ -151,7 +151,7 @@ class WorkspaceLayout:
         workspace on every call. ``algorithm`` "dequant": the buffers of lowbit.kernels.cpu.wqbmm_dequant
         (sized from its tile budget at this call: not cached)."""
         if algorithm != MSD:
-            offsets, total = aligned_offsets(dequant.workspace_sizes(m, k, n, group_size))
+            offsets, total = aligned_offsets(dequant.workspace_sizes(m, k, n, group_size, prepacked))
             return WorkspaceLayout(m, k, n, group_size, template, False, offsets, total)
         return WorkspaceLayout._msd(m, k, n, group_size, template, prepacked)
 
@@ -677,9 +677,8 @@ class WeightQuantBatchMatmul(WqbmmKernel):
 
     def supports(self, x, weight, antiquant_scale, antiquant_offset, group_size, algorithm, template,
                  workspace=None, prepacked=False):
-        """MSD; "dequant" with the raw (K, N/2) weight (docs/wqbmm.md, 'Dequant numerics')."""
-        if algorithm != MSD and prepacked:
-            return f"algorithm {algorithm!r} reads the raw (K, N/2) weight, not a PackedWeight"
+        """MSD and "dequant", each on the raw (K, N/2) weight or on a PackedWeight of this kernel's tiles
+        (docs/wqbmm.md, 'Dequant numerics' and 'Dequant on a PackedWeight')."""
         return None
 
     def workspace_nbytes(self, m: int, k: int, n: int, group_size: int, template: str, prepacked: bool,
@@ -701,8 +700,9 @@ class WeightQuantBatchMatmul(WqbmmKernel):
         n = out.shape[1]
         layout = WorkspaceLayout.build(m, k, n, group_size, template, prepacked, algorithm)
         if algorithm != MSD:
-            dequant.dequant_into(x, weight, antiquant_scale, antiquant_offset, group_size,
-                                 lambda name, dtype, shape: layout.view(workspace, name, dtype, shape), out)
+            run = dequant.dequant_packed_into if prepacked else dequant.dequant_into
+            run(x, weight, antiquant_scale, antiquant_offset, group_size,
+                lambda name, dtype, shape: layout.view(workspace, name, dtype, shape), out)
             return
         if not prepacked and not layout.raw:
             tiles = layout.view(workspace, "tiles", torch.uint8, (tiles_nbytes(k, n),))

@@ -18,10 +18,14 @@ from __future__ import annotations
 import numba
 import numpy as np
 import torch
+from numba import types
+from numba.extending import overload
 
 from lowbit.formats import wqbmm as reference
+from lowbit.kernels.cpu import _int4_tiles
 from lowbit.kernels.cpu import _simd as simd
 from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, as_numpy, copy_elements, sync_threads
+from lowbit.kernels.cpu import weight_only
 from lowbit.kernels.cpu.weight_only import canonical_nan_bf16
 
 TILE_BYTES = 64 << 20  # the dense tile's budget: a whole 4096 x 4096 BF16 weight (32 MiB) is one tile
@@ -32,6 +36,14 @@ _ROWS_PER_TASK = 64  # tile rows per parallel iteration
 # F.linear; the float32 GEMM on the widened tile gives the same contract (float32 sums, one rounding)
 # (docs/wqbmm.md, 'Dequant numerics').
 BF16_GEMM = simd.TORCH_BF16_GEMM_IN_HARDWARE
+
+
+def packed_is_faster(dtype: torch.dtype) -> bool:
+    """Whether a dequant call with x of ``dtype`` runs faster on a PackedWeight than on the raw weight: BF16 x
+    where BF16_GEMM and the packed tiles decode 16 columns at a time (AVX512-VBMI). On an Intel Xeon with AMX,
+    int4 at M = 256, N = K = 4096: the decode 1.6 -> 0.9 ms, the GEMM in the orientation AMX runs fastest
+    (docs/wqbmm.md, 'Dequant on a PackedWeight'); elsewhere the packed decode goes column by column."""
+    return dtype == torch.bfloat16 and BF16_GEMM and simd.HAS_AVX512VBMI
 
 
 @numba.njit(**dict(NJIT_OPTIONS, inline="always"))
@@ -100,6 +112,116 @@ def _decode_tile_bf16_as_f32(weight, scale32, offset32, has_offset, group_size, 
     _decode_tile(_store_bf16_as_f32, weight, scale32, offset32, has_offset, group_size, c0, tile)
 
 
+# ---- the tiles of a PackedWeight, in the (N, K) orientation (docs/wqbmm.md, 'Dequant on a PackedWeight') ----
+
+
+_W_TWICE = np.array([j % 16 - 8 for j in range(simd.LANES)], dtype=np.float32)  # W of each table entry (u = W + 8)
+
+
+def _column_table(tables, at, scale, offset, has_offset, bf16):
+    """tables[at .. at + 31] <- ``round_D(fl32(fl32(W + offset) * scale))`` for W = -8 .. 7, twice (the
+    offset added only with ``has_offset``): BF16 bits (int16 tables: BF16 x), or float32 values rounded to
+    BF16 (``bf16``) or FP16."""
+
+
+@overload(_column_table, jit_options=NJIT_OPTIONS)
+def _column_table_typed(tables, at, scale, offset, has_offset, bf16):
+    words = tables.dtype == types.int16
+
+    def column_table(tables, at, scale, offset, has_offset, bf16):
+        w = simd.f32v_load(_W_TWICE, 0)
+        if has_offset:
+            w = simd.f32v_add(w, simd.f32v_splat(offset))
+        w = simd.f32v_mul(w, simd.f32v_splat(scale))
+        if words:
+            _store_bf16(tables, at, w)
+        elif bf16:
+            _store_bf16_as_f32(tables, at, w)
+        else:
+            _store_f16_as_f32(tables, at, w)
+
+    return column_table
+
+
+@numba.njit(**dict(NJIT_OPTIONS, inline="always"))
+def _column_row(tiles, scale32, offset32, has_offset, group_size, bf16, col, tables, w_flat, at):
+    """w_flat[at + k] <- the dequantized weight of column ``col`` at every row k (element by element)."""
+    groups, chunks = scale32.shape[0], group_size // 8
+    tile, lane = col // _int4_tiles.COLUMNS // 2, col % (2 * _int4_tiles.COLUMNS)
+    for g in range(groups):
+        _column_table(tables, 0, scale32[g, col], offset32[g, col], has_offset, bf16)
+        base = (tile * groups + g) * chunks * _int4_tiles.CHUNK_BYTES + 4 * lane
+        for r in range(group_size):
+            byte = np.int32(tiles[base + r // 8 * _int4_tiles.CHUNK_BYTES + r % 4])
+            w_flat[at + g * group_size + r] = tables[(byte >> (4 * (r % 8 // 4))) & 15]
+
+
+def _sixteen_columns(tiles, scale32, offset32, has_offset, group_size, bf16, col, tables, w_flat, at, stride):
+    """w_flat[at + c * stride + k] <- the dequantized weight of column ``col + c`` at row k, for c < 16 and
+    every k; ``col`` a multiple of 16, ``tables`` room for 16 columns' tables."""
+
+
+@overload(_sixteen_columns, jit_options=NJIT_OPTIONS)
+def _sixteen_columns_typed(tiles, scale32, offset32, has_offset, group_size, bf16, col, tables, w_flat, at, stride):
+    if not (simd.HAS_AVX512VBMI and w_flat.dtype == types.int16):
+        def by_columns(tiles, scale32, offset32, has_offset, group_size, bf16, col, tables, w_flat, at, stride):
+            for c in range(_int4_tiles.COLUMNS):
+                _column_row(tiles, scale32, offset32, has_offset, group_size, bf16, col + c, tables, w_flat,
+                            at + c * stride)
+
+        return by_columns
+
+    def by_steps(tiles, scale32, offset32, has_offset, group_size, bf16, col, tables, w_flat, at, stride):
+        groups, chunks = scale32.shape[0], group_size // 8
+        tile, half = col // _int4_tiles.COLUMNS // 2, col // _int4_tiles.COLUMNS % 2
+        for g in range(groups):
+            for c in range(_int4_tiles.COLUMNS):
+                _column_table(tables, 32 * c, scale32[g, col + c], offset32[g, col + c], has_offset, bf16)
+            base = (tile * groups + g) * chunks * _int4_tiles.CHUNK_BYTES + 4 * _int4_tiles.COLUMNS * half
+            for p in range(group_size // _int4_tiles.ROWS):
+                _int4_tiles.int4_rows_words(tiles, base + 4 * _int4_tiles.CHUNK_BYTES * p, tables, w_flat,
+                                            at + g * group_size + _int4_tiles.ROWS * p, stride)
+
+    return by_steps
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _packed_tile_rows(tiles, scale32, offset32, has_offset, group_size, bf16, r0, first, end, w):
+    """Rows first .. end - 1 of ``w`` (rows, width: float32, or BF16 bits, int16) <- columns r0 + first ...
+    of the dequantized (K, N) weight, ``round_D(fl32(fl32(W + offset) * scale))`` as ``_decode_tile``'s, one
+    column per row of ``w`` (its first K = groups * G elements): ``tiles``, the 1-D uint8 tiles of a
+    PackedWeight (lowbit.kernels.cpu.wqbmm); ``scale32`` / ``offset32``: (K/G, N or more) float32 (the offset
+    read only with ``has_offset``); ``bf16``: D is BF16 (else FP16). 16 columns at a time where they start on
+    a multiple of 16 (_int4_tiles), else one by one."""
+    width = w.shape[1]
+    w_flat = simd.flat(w)
+    tables = np.empty(_int4_tiles.COLUMNS * simd.LANES, dtype=w.dtype)
+    row = first
+    while row < end:
+        col = r0 + row
+        if col % _int4_tiles.COLUMNS == 0 and row + _int4_tiles.COLUMNS <= end:
+            _sixteen_columns(tiles, scale32, offset32, has_offset, group_size, bf16, col, tables, w_flat,
+                             row * width, width)
+            row += _int4_tiles.COLUMNS
+        else:
+            _column_row(tiles, scale32, offset32, has_offset, group_size, bf16, col, tables, w_flat, row * width)
+            row += 1
+
+
+@numba.njit(**PARALLEL_NJIT_OPTIONS)
+def _packed_tile(tiles, scale32, offset32, has_offset, group_size, bf16, r0, w):
+    """_packed_tile_rows of every row of ``w``, in parallel tasks of the 16-column steps."""
+    step = _int4_tiles.COLUMNS
+    first_step, end_step = r0 // step, -(-(r0 + w.shape[0]) // step)
+    for s in numba.prange(end_step - first_step):
+        start = (first_step + s) * step - r0
+        _packed_tile_rows(tiles, scale32, offset32, has_offset, group_size, bf16, r0, max(0, start),
+                          min(w.shape[0], start + step), w)
+
+
+PACKED_TILE = (_packed_tile_rows, _packed_tile)
+
+
 def padded_columns(n: int) -> int:
     """N rounded up to a whole number of decode steps."""
     return -(-n // _COLUMNS) * _COLUMNS
@@ -110,17 +232,46 @@ def tile_columns(k: int, n: int, itemsize: int) -> int:
     return min(n, max(_COLUMNS, TILE_BYTES // (k * itemsize) // _COLUMNS * _COLUMNS))
 
 
-def workspace_sizes(m: int, k: int, n: int, group_size: int) -> dict[str, int]:
-    """Bytes of the workspace buffers of a dequant call: the float32 scale / offset (K/G, Np), the tile (room
-    for either dtype's), and for FP16 x the widened x and one tile's float32 sums."""
+def workspace_sizes(m: int, k: int, n: int, group_size: int, prepacked: bool = False) -> dict[str, int]:
+    """Bytes of the workspace buffers of a dequant call: the float32 scale / offset (K/G, Np); on the raw
+    weight the tile (room for either dtype's), and for FP16 x the widened x and one tile's float32 sums; on a
+    PackedWeight the GEMM path's scratch (weight_only.gemm_scratch_nbytes, the larger of FP16's and BF16's)."""
     groups, np_ = k // group_size, padded_columns(n)
+    scales = {"scale32": 4 * groups * np_, "offset32": 4 * groups * np_}
+    if prepacked:
+        return {**scales, "gemm": max(weight_only.gemm_scratch_nbytes(m, n, k, dtype)
+                                      for dtype in (torch.float16, torch.bfloat16))}
     return {
-        "scale32": 4 * groups * np_,
-        "offset32": 4 * groups * np_,
+        **scales,
         "tile": max(k * tile_columns(k, n, 2) * 2, k * tile_columns(k, n, 4) * 4),
         "x32": 4 * m * k,
         "y32": 4 * m * tile_columns(k, n, 4),
     }
+
+
+def _float32_scales(antiquant_scale: torch.Tensor, antiquant_offset: torch.Tensor | None, view) -> tuple:
+    """(scale32, offset32): the (K/G, N) scale and offset widened into the workspace's (K/G, Np) float32
+    buffers, zeros past N (the offset's buffer left as it is without an offset)."""
+    groups, n = antiquant_scale.shape
+    scale32 = view("scale32", torch.float32, (groups, padded_columns(n)))
+    offset32 = view("offset32", torch.float32, (groups, padded_columns(n)))
+    for wide, narrow in ((scale32, antiquant_scale), (offset32, antiquant_offset)):
+        if narrow is not None:
+            wide[:, :n].copy_(narrow)
+            wide[:, n:].zero_()
+    return scale32, offset32
+
+
+def dequant_packed_into(x: torch.Tensor, tiles: torch.Tensor, antiquant_scale: torch.Tensor,
+                        antiquant_offset: torch.Tensor | None, group_size: int, view, out: torch.Tensor) -> None:
+    """dequant_into on a PackedWeight's ``tiles`` (the flat uint8 tiles of lowbit.kernels.cpu.wqbmm): the
+    weight decoded in the (N, K) orientation (_packed_tile) into the GEMM path of the weight-only kernels
+    (weight_only.run_gemm_path: on AMX CPUs y^T = W x^T, transposed), in the workspace's "gemm" buffer. The
+    same decoded weights and contract (docs/wqbmm.md, 'Dequant on a PackedWeight')."""
+    scale32, offset32 = _float32_scales(antiquant_scale, antiquant_offset, view)
+    operands = (as_numpy(tiles), as_numpy(scale32), as_numpy(offset32), antiquant_offset is not None, group_size,
+                x.dtype == torch.bfloat16)
+    weight_only.run_gemm_path(PACKED_TILE, operands, x, None, out, scratch=view("gemm", torch.uint8, (-1,)))
 
 
 def dequant_into(x: torch.Tensor, weight: torch.Tensor, antiquant_scale: torch.Tensor,
@@ -130,15 +281,8 @@ def dequant_into(x: torch.Tensor, weight: torch.Tensor, antiquant_scale: torch.T
     ``view(name, dtype, shape)`` gives the workspace buffers of :func:`workspace_sizes`. Allocates nothing
     but torch's GEMM output of a tile that is not all of N."""
     (m, k), n = x.shape, out.shape[1]
-    groups, np_ = k // group_size, padded_columns(n)
     bf16 = x.dtype == torch.bfloat16
-    scale32 = view("scale32", torch.float32, (groups, np_))
-    scale32[:, :n].copy_(antiquant_scale)
-    scale32[:, n:].zero_()
-    offset32 = view("offset32", torch.float32, (groups, np_))
-    if antiquant_offset is not None:
-        offset32[:, :n].copy_(antiquant_offset)
-        offset32[:, n:].zero_()
+    scale32, offset32 = _float32_scales(antiquant_scale, antiquant_offset, view)
     bf16_tile = bf16 and BF16_GEMM
     tile_dtype = torch.bfloat16 if bf16_tile else torch.float32
     columns = tile_columns(k, n, tile_dtype.itemsize)
