@@ -4,7 +4,8 @@ For each N x K in --shapes and M in --ms: F.linear with the dequantized BF16 wei
 aten._weight_int4pack_mm_for_cpu with BF16 activations (same weight, group size), lowbit's MSD ``basic`` and
 ``preload`` through a reused plan with the weight packed once (``plan.pack_weight``), and the one-shot op
 ``weight_quant_batch_matmul(x, weight, scale)`` with the raw (K, N/2) weight (no plan, no packing: what a
-caller of the upstream convention runs; it allocates its output and workspace every call).
+caller of the upstream convention runs; it allocates its output and workspace every call); for M > 16 also
+the ``dequant`` algorithm with BF16 x, one-shot on the raw weight and through a prepacked plan.
 Before every timed call an untimed torch op runs (a SiLU over an 8 MiB activation, as the other layers of
 a model forward would), so each call starts with torch's threads just used and part of the cache replaced.
 Two measurements, both as medians (and minima) over --rounds interleaved rounds:
@@ -46,6 +47,15 @@ def _cases(m, k, n, g, weight, scale, dense_bf16, int4mm, gen):
         )
     cases["lowbit one-shot raw W"] = lambda: weight_quant_batch_matmul(x, weight, scale, group_size=g,
                                                                       backend="native")
+    if m > 16:  # prefill: the dequant algorithm, BF16 x, on the raw weight and on a PackedWeight
+        scale_bf16 = scale.to(torch.bfloat16)
+        cases["lowbit dequant raw W bf16"] = lambda: weight_quant_batch_matmul(
+            x_bf16, weight, scale_bf16, group_size=g, algorithm="dequant", backend="native")
+        plan = plan_weight_quant_batch_matmul(m, k, n, group_size=g, algorithm="dequant", dtype=torch.bfloat16,
+                                              backend="native", prepacked=True)
+        out, workspace, packed = torch.empty(m, n, dtype=torch.bfloat16), plan.new_workspace(), plan.pack_weight(weight)
+        cases["lowbit dequant packed bf16"] = lambda: plan.run(x_bf16, packed, scale_bf16, out=out,
+                                                               workspace=workspace)
     return cases
 
 

@@ -213,7 +213,7 @@ def test_products_on_a_packed_weight_lie_in_the_summation_interval(seed, m, g, g
         patch.setattr(weight_only, "BF16_GEMM", path != "float32")
         patch.setattr(weight_only, "TRANSPOSED_GEMM", path == "transposed")
         if tile_rows is not None:
-            patch.setattr(weight_only, "GEMM_TILE_BYTES", tile_rows * weight_only._padded_k(k) * 2)
+            patch.setattr(weight_only, "GEMM_TILE_BYTES", tile_rows * weight_only._tile_width(k) * 2)
         plan = wq.plan_weight_quant_batch_matmul(m, k, n, group_size=g, algorithm="dequant", dtype=dtype,
                                                  backend="native", prepacked=True)
         packed, workspace = plan.pack_weight(weight), plan.new_workspace()
