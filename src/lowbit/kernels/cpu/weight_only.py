@@ -764,6 +764,13 @@ def _vpermi2w(builder):
         builder.module, ir.FunctionType(_V16x32, [_V16x32] * 3), "llvm.x86.avx512.vpermi2var.hi.512")
 
 
+def _vpermw(builder):
+    """vpermw (table, index): a look-up in one register of 32 words. On an Intel Xeon (Emerald Rapids) it
+    issued one shuffle uop per instruction, vpermi2w (64 words in two registers) two."""
+    return cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(_V16x32, [_V16x32] * 2), "llvm.x86.avx512.permvar.hi.512")
+
+
 # The BF16 bits of _MXFP4_TABLES, (256 * 16,) int16 (NaN for byte 0xFF): exact for every scale byte (see
 # _bf16_byte_table); the pairs use the bytes whose weights are normal, the only ones _paired_bytes lets through.
 _MXFP4_WORDS = (_MXFP4_TABLES.view(np.uint32) >> 16).astype(np.uint16).view(np.int16)
@@ -1026,9 +1033,10 @@ def hifloat4_bf16_step(typingctx, value, start, words, block):
     return types.UniTuple(simd.F32V, 2)(value, start, words, block), codegen
 
 
-def _mxfp4_block_table(context, builder, sig, args, block_arg, first):
-    """<32 x i16>: the 16 BF16 words (_MXFP4_WORDS) of blocks ``first`` and ``first + 1`` after the flat block
-    index ``args[block_arg]``, whose E8M0 bytes the 1-D uint8 array ``args[block_arg - 1]`` holds."""
+def _mxfp4_block_table(context, builder, sig, args, block_arg, first, second=None):
+    """<32 x i16>: the 16 BF16 words (_MXFP4_WORDS) of blocks ``first`` and ``second`` (by default
+    ``first + 1``) after the flat block index ``args[block_arg]``, whose E8M0 bytes the 1-D uint8 array
+    ``args[block_arg - 1]`` holds."""
     v16x16, i64 = ir.VectorType(ir.IntType(16), 16), ir.IntType(64)
     table = builder.bitcast(simd.aligned_constant(builder, "lowbit.mxfp4.words", _MXFP4_WORDS),
                             ir.IntType(16).as_pointer())
@@ -1040,29 +1048,31 @@ def _mxfp4_block_table(context, builder, sig, args, block_arg, first):
         at = builder.mul(builder.zext(byte, i64), ir.Constant(i64, 16))
         return builder.load(builder.bitcast(builder.gep(table, [at]), v16x16.as_pointer()), align=32)
 
-    return builder.shuffle_vector(block_row(first), block_row(first + 1), _mask(range(HALF)))
+    return builder.shuffle_vector(block_row(first), block_row(first + 1 if second is None else second),
+                                  _mask(range(HALF)))
 
 
 @intrinsic
 def mxfp4_pairs(typingctx, codes, start, scales, block):
     """The BF16 pairs of the MXFP4 pair step of blocks ``block`` .. ``block + 3`` (flat; E8M0 bytes at
     ``scales[block]``, 1-D uint8): 64 code bytes at ``codes[start]`` (1-D uint8), the first step's two
-    blocks, then the second's. Two I32V (low nibbles, high nibbles; PAIR_ORDER); the table: the four blocks'
-    16 weights from _MXFP4_WORDS (built into the code, 64-byte aligned). AVX512-BW (VBMI: one vpermb)."""
+    blocks, then the second's. Two I32V (low nibbles, high nibbles; PAIR_ORDER); the look-ups: code bytes
+    16 h .. 16 h + 15 belong to block h of each step, so one vpermw per register in the 16 weights (from
+    _MXFP4_WORDS, built into the code, 64-byte aligned) of blocks h and 2 + h. AVX512-BW (VBMI: one vpermb)."""
 
     def codegen(context, builder, sig, args):
-        vperm = _vpermi2w(builder)
+        vperm = _vpermw(builder)
         v8x64 = ir.VectorType(ir.IntType(8), LANES)
         raw = builder.load(simd._element_ptr(context, builder, sig.args[0], args[0], args[1], v8x64), align=1)
-        tables = [_mxfp4_block_table(context, builder, sig, args, 3, first) for first in (0, 2)]
+        block_bits = ir.Constant(_V16x32, [b // 2 for b in _SECOND_STEP])  # bit 4: the second step's block
         registers = [[], []]
         for byte_half in (0, 1):
+            table = _mxfp4_block_table(context, builder, sig, args, 3, byte_half, 2 + byte_half)
             words = _pair_words(builder, raw, byte_half)
-            block_bits = ir.Constant(_V16x32, [b + 16 * byte_half for b in _SECOND_STEP])  # bit 4: bytes 16-31
             high = builder.lshr(words, ir.Constant(_V16x32, [4] * HALF))
             for register, nibble in zip(registers, (words, high)):
                 index = builder.or_(builder.and_(nibble, ir.Constant(_V16x32, [15] * HALF)), block_bits)
-                register.append(builder.call(vperm, [tables[0], index, tables[1]]))
+                register.append(builder.call(vperm, [table, index]))
         return context.make_tuple(builder, sig.return_type, _pair_registers(builder, registers))
 
     return types.UniTuple(simd.I32V, 2)(codes, start, scales, block), codegen
@@ -1073,18 +1083,18 @@ def mxfp4_store_words(typingctx, codes, start, scales, block, words, at):
     """Store the 64 weights of MXFP4 blocks ``block`` and ``block + 1`` (flat; E8M0 bytes at ``scales[block]``,
     1-D uint8; their 32 code bytes at ``codes[start]``, 1-D uint8) as BF16 bits in logical order at
     ``words[at]`` (1-D int16): the GEMM path's BF16 tile, the reference's weights bit for bit (_MXFP4_WORDS).
-    Per 32 words the nibbles in logical order (_logical_nibbles) and one vpermi2w that looks each up (bit 4:
+    Per 32 words the nibbles in logical order (_logical_nibbles) and one vpermw that looks each up (bit 4:
     the second block) in the two blocks' 32 words. AVX512-VBMI."""
     if not (isinstance(words, types.Array) and words.dtype == types.int16):
         return None
 
     def codegen(context, builder, sig, args):
-        vperm = _vpermi2w(builder)
+        vperm = _vpermw(builder)
         raw = builder.load(simd._element_ptr(context, builder, sig.args[0], args[0], args[1], _V32x8), align=1)
         table = _mxfp4_block_table(context, builder, sig, args, 3, 0)
         for half in (0, 1):  # words 32 half .. 32 half + 31: code bytes 16 half .. 16 half + 15, block ``half``
             index = builder.or_(_logical_nibbles(builder, raw, half), ir.Constant(_V16x32, [16 * half] * HALF))
-            looked_up = builder.call(vperm, [table, index, table])
+            looked_up = builder.call(vperm, [table, index])
             _store_half(context, builder, sig.args[4], args[4], args[5], half, looked_up)
         return context.get_dummy_value()
 
