@@ -247,3 +247,19 @@ def test_the_int4_layer_prefill_reads_the_packed_weight_where_that_is_faster(mon
     plan = wq.plan_weight_quant_batch_matmul(*x.shape, 64, algorithm="dequant", dtype=x.dtype, prepacked=faster)
     weight = plan.pack_weight(layer.weight) if faster else layer.weight
     assert torch.equal(bits(y), bits(plan.run(x, weight, layer.antiquant_scale) + layer.bias))
+
+
+@pytest.mark.parametrize("algorithm", ["msd", "dequant"])
+def test_a_plan_for_the_raw_weight_runs_a_packed_one_in_its_own_workspace(algorithm):
+    """A plan made without ``prepacked`` runs the raw weight and its own PackedWeight, each in a workspace of
+    exactly ``workspace_nbytes`` (dequant lays out other buffers for a PackedWeight than for the raw weight)."""
+    x, weight, scale, offset = _operands(5, 3, 256, 64, 128, torch.bfloat16, True, False)
+    plan = wq.plan_weight_quant_batch_matmul(3, 256, 64, group_size=128, algorithm=algorithm, dtype=torch.bfloat16,
+                                             backend="native")
+    raw = plan.run(x, weight, scale, offset, workspace=plan.new_workspace())
+    packed = plan.run(x, plan.pack_weight(weight), scale, offset, workspace=plan.new_workspace())
+    if algorithm == "msd":
+        assert torch.equal(bits(raw), bits(packed))
+    else:
+        assert _within_interval(raw, x, weight, scale, offset, 128)
+        assert _within_interval(packed, x, weight, scale, offset, 128)

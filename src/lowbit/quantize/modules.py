@@ -442,7 +442,8 @@ class Int4Linear(PackedLinear):
         # Prefill (dequant) on the PackedWeight where that is faster (BF16 x on CPUs with a BF16 GEMM and
         # AVX512-VBMI), else on the raw weight; the one-shot op on the raw weight under torch.compile, tracing
         # or a mode, which take the custom op whole (not the plan's Python and numpy): MSD's bits, as the
-        # PackedWeight's
+        # PackedWeight's; dequant's within the same interval (torch's GEMM in the other orientation: a few
+        # outputs differ in the last bit from the PackedWeight's, docs/quantize.md)
         if plain_context() and (not dequant or _dequant_reads_packed(x2.dtype)):
             plan = self._plan(x2.shape[0], self.weight.device, "dequant" if dequant else "msd")
             y = plan.run(x2, self._current_packed(plan), self.antiquant_scale, offset)

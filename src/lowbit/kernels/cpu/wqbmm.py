@@ -683,7 +683,13 @@ class WeightQuantBatchMatmul(WqbmmKernel):
 
     def workspace_nbytes(self, m: int, k: int, n: int, group_size: int, template: str, prepacked: bool,
                          algorithm: str = MSD) -> int:
-        return WorkspaceLayout.build(m, k, n, group_size, template, prepacked, algorithm).nbytes
+        """Bytes of the call's WorkspaceLayout; for "dequant" on a raw weight at least those of a PackedWeight's
+        too (the two lay out different buffers), so that a plan made without ``prepacked`` runs either weight,
+        as an MSD plan does."""
+        nbytes = WorkspaceLayout.build(m, k, n, group_size, template, prepacked, algorithm).nbytes
+        if algorithm != MSD and not prepacked:
+            nbytes = max(nbytes, WorkspaceLayout.build(m, k, n, group_size, template, True, algorithm).nbytes)
+        return nbytes
 
     def packed_shape(self, k: int, n: int, group_size: int) -> tuple[int, ...]:
         return (tiles_nbytes(k, n),)
