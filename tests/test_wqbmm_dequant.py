@@ -263,3 +263,15 @@ def test_a_plan_for_the_raw_weight_runs_a_packed_one_in_its_own_workspace(algori
     else:
         assert _within_interval(raw, x, weight, scale, offset, 128)
         assert _within_interval(packed, x, weight, scale, offset, 128)
+
+
+def test_gemm_tiles_start_on_whole_steps():
+    """The GEMM path's tiles: the budget counts rows without their padding (4096^2: two BF16 tiles of 2048 rows
+    for the transposed GEMM) and, where a tile is not all of N, holds a multiple of 128 rows, so that every tile
+    starts on a 16-column step of the int4 decoder."""
+    assert weight_only._tile_layout(4096, 4096, torch.bfloat16, True)[0] == 2048
+    for n, k in ((4096, 4096), (12288, 8192), (11008, 4096), (4096, 11008), (300, 1 << 16)):
+        for dtype, transposed in ((torch.bfloat16, True), (torch.bfloat16, False), (torch.float32, False)):
+            rows, nbytes = weight_only._tile_layout(n, k, dtype, transposed)
+            assert rows == n or rows % 128 == 0 or rows < 128
+            assert nbytes >= rows * weight_only._tile_width(k) * dtype.itemsize

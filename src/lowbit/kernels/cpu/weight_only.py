@@ -3152,12 +3152,20 @@ def _tile_width(k: int) -> int:
     return _padded_k(k) + _TILE_ROW_PAD
 
 
+# Rows of a GEMM tile that is not all of N: counted without the rows' padding (which made 4096^2 at M = 256
+# three tiles of 2032, 2032 and 32 rows instead of two) and a multiple of this where the budget allows, so that
+# every tile starts on a step of the int4 tile decoder (wqbmm_dequant: 16 columns).
+_TILE_ROW_ALIGN = 128
+
+
 def _tile_layout(n: int, k: int, tile_dtype: torch.dtype, transposed: bool) -> tuple[int, int]:
-    """(rows, bytes) of the GEMM path's tile of an (N, K) weight: at most _gemm_tile_bytes, at least one row,
-    rows of _tile_width(K) elements; the bytes rounded up to 64."""
-    width = _tile_width(k) * tile_dtype.itemsize
-    rows = max(1, min(n, _gemm_tile_bytes(transposed) // width))
-    return rows, -(-rows * width // 64) * 64
+    """(rows, bytes) of the GEMM path's tile of an (N, K) weight: _gemm_tile_bytes of rows of _padded_k(K)
+    elements (at least one row; a multiple of _TILE_ROW_ALIGN rows where more), each row _tile_width(K)
+    elements; the bytes rounded up to 64."""
+    rows = max(1, min(n, _gemm_tile_bytes(transposed) // (_padded_k(k) * tile_dtype.itemsize)))
+    if _TILE_ROW_ALIGN < rows < n:
+        rows -= rows % _TILE_ROW_ALIGN
+    return rows, -(-rows * _tile_width(k) * tile_dtype.itemsize // 64) * 64
 
 
 def gemm_scratch_nbytes(m: int, n: int, k: int, dtype: torch.dtype) -> int:
