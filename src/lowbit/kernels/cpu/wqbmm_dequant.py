@@ -8,6 +8,10 @@ of the dense weight exists at a time.
 * FP16 x, and BF16 x elsewhere: the tile holds the weights (values of x's dtype) widened to float32, x is
   widened, torch's float32 GEMM sums, and the sums are rounded once to x's dtype.
 
+A PackedWeight (the CPU kernel's tiles, lowbit.kernels.cpu.wqbmm) is decoded into (N, K) rows instead, which
+the weight-only kernels' GEMM path multiplies (weight_only.run_gemm_path; docs/wqbmm.md, 'Dequant on a
+PackedWeight'): the same decoded weights.
+
 NaN outputs are made canonical (FP16 0x7E00, BF16 0x7FC0). The summation order is torch's, not the
 reference's ascending k, so the result is within the interval of
 ``lowbit.formats.wqbmm.dequant_interval`` rather than bit-equal.
@@ -22,10 +26,9 @@ from numba import types
 from numba.extending import overload
 
 from lowbit.formats import wqbmm as reference
-from lowbit.kernels.cpu import _int4_tiles
+from lowbit.kernels.cpu import _int4_tiles, weight_only
 from lowbit.kernels.cpu import _simd as simd
 from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, as_numpy, copy_elements, sync_threads
-from lowbit.kernels.cpu import weight_only
 from lowbit.kernels.cpu.weight_only import canonical_nan_bf16
 
 TILE_BYTES = 64 << 20  # the dense tile's budget: a whole 4096 x 4096 BF16 weight (32 MiB) is one tile
