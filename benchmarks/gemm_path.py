@@ -5,7 +5,8 @@ tile decode of every format, and the batched kernel against the GEMM path for a 
   what the GEMM path runs on AMX CPUs) and the transpose of its result (``transpose_bf16`` against torch's
   strided copy), each after a SiLU, medians of --rounds;
 * ``tile decode``: each format's (N, K) weight decoded to BF16 on one thread, into 64-row tiles that stay in
-  the cache and into one tile of the whole weight, fastest of --rounds;
+  the cache and into one tile of the whole weight, fastest of --rounds (int4: weight_quant_batch_matmul's
+  dequant rows from a PackedWeight, group size 128);
 * ``batched vs GEMM``: MXFP4 and HiFloat4 with M rows of BF16 x through the batched kernel and through the GEMM
   path (``AMX_BATCH_MAX_M`` / ``BATCH_MAX_M`` set for each), time over F.linear's, after a SiLU, medians.
 
@@ -26,6 +27,8 @@ import torch.nn.functional as F
 from lowbit.cli.smoke._common import device_name
 from lowbit.formats import hifloat4, mxfp4, mxfp8
 from lowbit.kernels.cpu import weight_only as cpu
+from lowbit.kernels.cpu import wqbmm as cpu_wqbmm
+from lowbit.kernels.cpu import wqbmm_dequant
 from lowbit.kernels.cpu._runtime import as_numpy, run_tasks
 
 
@@ -71,18 +74,23 @@ def tile_decode(n: int, k: int, rounds: int) -> None:
         "hifloat4": (cpu.HIFLOAT4_LINEAR, hifloat4.pack(w)),
         "mxfp8": (cpu.MXFP8_LINEAR, mxfp8.quantize(w)),
     }
-    small = as_numpy(torch.empty(64, cpu._padded_k(k), dtype=torch.bfloat16))
-    whole = as_numpy(torch.empty(n, cpu._padded_k(k), dtype=torch.bfloat16))
+    small = as_numpy(torch.empty(64, cpu._tile_width(k), dtype=torch.bfloat16))
+    whole = as_numpy(torch.empty(n, cpu._tile_width(k), dtype=torch.bfloat16))
+    decoders = {name: (kernel.tile, kernel._operands(*weight, k, torch.bfloat16))
+                for name, (kernel, weight) in weights.items()}
+    int4 = torch.randint(0, 256, (k, n // 2), generator=gen, dtype=torch.uint8)
+    scale32 = (torch.rand(k // 128, n, generator=gen) / 8).bfloat16().float()
+    decoders["int4 (PackedWeight)"] = (wqbmm_dequant.PACKED_TILE, (
+        as_numpy(cpu_wqbmm.MATMUL.pack_weight(int4, 128)), as_numpy(scale32), as_numpy(scale32), False, 128, True))
     results = []
-    for name, (kernel, weight) in weights.items():
-        operands = kernel._operands(*weight, k, torch.bfloat16)
+    for name, (tile, operands) in decoders.items():
 
         def in_cache():
             for r0 in range(0, n - 63, 64):
-                run_tasks(kernel.tile, (*operands, r0), 64, small, True)
+                run_tasks(tile, (*operands, r0), 64, small, True)
 
         def one_tile():
-            run_tasks(kernel.tile, (*operands, 0), n, whole, True)
+            run_tasks(tile, (*operands, 0), n, whole, True)
 
         fastest = []
         for call in (in_cache, one_tile):
