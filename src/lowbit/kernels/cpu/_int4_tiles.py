@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from llvmlite import ir
 from numba import types
-from numba.core import cgutils
 from numba.extending import intrinsic
 
 from lowbit.kernels.cpu import _simd as simd
@@ -63,8 +62,7 @@ def int4_rows_words(typingctx, tiles, at, tables, out, out_at, out_stride):
     def codegen(context, builder, sig, args):
         i64 = ir.IntType(64)
         at, out_at, out_stride = (builder.sext(a, i64) if a.type.width < 64 else a for a in (args[1], args[4], args[5]))
-        lookup = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_WORDS, [_WORDS, _WORDS]),
-                                                "llvm.x86.avx512.permvar.hi.512")
+        lookup = simd.vpermw(builder)
         chunks = [builder.load(simd._element_ptr(context, builder, sig.args[0], args[0],
                                                  builder.add(at, ir.Constant(i64, CHUNK_BYTES * p)), _DWORDS), align=1)
                   for p in range(4)]

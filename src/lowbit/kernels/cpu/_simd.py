@@ -214,6 +214,14 @@ def aligned_constant(builder, name: str, array: np.ndarray, align: int = 64):
     return builder.bitcast(table, _I8.as_pointer())
 
 
+def vpermw(builder):
+    """The function ``vpermw(table, index)`` (<32 x i16> each): a look-up in one register of 32 words, by bits
+    0-4 of each index word (AVX512-BW). On an Intel Xeon (Emerald Rapids) it issued one shuffle uop per
+    instruction, vpermi2w (64 words in two registers) two."""
+    return cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(_VI16, [_VI16] * 2), "llvm.x86.avx512.permvar.hi.512")
+
+
 def _splat(builder, scalar, vector_type):
     undef = ir.Constant(vector_type, None)
     first = builder.insert_element(undef, scalar, ir.Constant(_I32, 0))

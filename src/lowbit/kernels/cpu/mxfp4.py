@@ -285,8 +285,7 @@ def _count_by_compares(builder, magnitudes, row_words):
 def _count_by_search(builder, magnitudes, row_words):
     """The same count as _count_by_compares by a binary search over the sorted thresholds: per lane, steps of
     4, 2 and 1 compare against the threshold that vpermw picks for the lane (AVX512-BW)."""
-    vpermw = builder.module.declare_intrinsic(
-        "llvm.x86.avx512.permvar.hi.512", fnty=ir.FunctionType(_V32xI16, [_V32xI16, _V32xI16]))
+    vpermw = simd.vpermw(builder)
     lanes = ir.VectorType(_I32, _BLOCK32)
     thresholds = builder.shuffle_vector(row_words, row_words, ir.Constant(lanes, [i % _ROW for i in range(_BLOCK32)]))
     zero = ir.Constant(_V32xI16, [0] * _BLOCK32)

@@ -764,13 +764,6 @@ def _vpermi2w(builder):
         builder.module, ir.FunctionType(_V16x32, [_V16x32] * 3), "llvm.x86.avx512.vpermi2var.hi.512")
 
 
-def _vpermw(builder):
-    """vpermw (table, index): a look-up in one register of 32 words. On an Intel Xeon (Emerald Rapids) it
-    issued one shuffle uop per instruction, vpermi2w (64 words in two registers) two."""
-    return cgutils.get_or_insert_function(
-        builder.module, ir.FunctionType(_V16x32, [_V16x32] * 2), "llvm.x86.avx512.permvar.hi.512")
-
-
 # The BF16 bits of _MXFP4_TABLES, (256 * 16,) int16 (NaN for byte 0xFF): exact for every scale byte (see
 # _bf16_byte_table); the pairs use the bytes whose weights are normal, the only ones _paired_bytes lets through.
 _MXFP4_WORDS = (_MXFP4_TABLES.view(np.uint32) >> 16).astype(np.uint16).view(np.int16)
@@ -1061,7 +1054,7 @@ def mxfp4_pairs(typingctx, codes, start, scales, block):
     _MXFP4_WORDS, built into the code, 64-byte aligned) of blocks h and 2 + h. AVX512-BW (VBMI: one vpermb)."""
 
     def codegen(context, builder, sig, args):
-        vperm = _vpermw(builder)
+        vperm = simd.vpermw(builder)
         v8x64 = ir.VectorType(ir.IntType(8), LANES)
         raw = builder.load(simd._element_ptr(context, builder, sig.args[0], args[0], args[1], v8x64), align=1)
         block_bits = ir.Constant(_V16x32, [b // 2 for b in _SECOND_STEP])  # bit 4: the second step's block
@@ -1089,7 +1082,7 @@ def mxfp4_store_words(typingctx, codes, start, scales, block, words, at):
         return None
 
     def codegen(context, builder, sig, args):
-        vperm = _vpermw(builder)
+        vperm = simd.vpermw(builder)
         raw = builder.load(simd._element_ptr(context, builder, sig.args[0], args[0], args[1], _V32x8), align=1)
         table = _mxfp4_block_table(context, builder, sig, args, 3, 0)
         for half in (0, 1):  # words 32 half .. 32 half + 31: code bytes 16 half .. 16 half + 15, block ``half``
