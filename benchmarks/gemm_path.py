@@ -10,7 +10,14 @@ tile decode of every format, and the batched kernel against the GEMM path for a 
 * ``batched vs GEMM``: MXFP4 and HiFloat4 with M rows of BF16 x through the batched kernel and through the GEMM
   path (``AMX_BATCH_MAX_M`` / ``BATCH_MAX_M`` set for each), time over F.linear's, after a SiLU, medians.
 
+With ``--grid-ks/--grid-ns/--grid-ms`` it runs only ``orientation grid``: for every (K, N, M), the GEMM path's two
+orientations on a padded BF16 tile (``torch.mm(x, w.t())`` into the output; ``torch.mm(w, x.t())`` and
+``transpose_bf16``), medians after a SiLU, and the transposed one's time over the other's (what sets
+``TRANSPOSED_MIN_SIDE``, ``TRANSPOSED_MAX_M`` and ``TRANSPOSED_LONG_K``).
+
     PYTHONPATH=src python benchmarks/gemm_path.py [--shape 4096x4096] [--m 256] [--batched-ms 5 8 16 32]
+    PYTHONPATH=src python benchmarks/gemm_path.py --grid-ks 384 1536 4096 --grid-ns 384 1536 4096 \
+        --grid-ms 32 128 256 512 1024 1888
 """
 
 from __future__ import annotations
@@ -62,6 +69,26 @@ def orientation(n: int, k: int, m: int, rounds: int) -> None:
     times = _medians(cases, rounds, torch.randn(m, 4 * k).bfloat16())
     print(f"orientation, M = {m}, N x K = {n} x {k} (medians of {rounds}, ms): "
           + "  ".join(f"{name} {t * 1e3:.3f}" for name, t in times.items()))
+
+
+def orientation_grid(ks: list[int], ns: list[int], ms: list[int], rounds: int) -> None:
+    gen = torch.Generator().manual_seed(0)
+    print("K N M: F.linear's orientation / transposed + transpose_bf16 (medians, ms), transposed over F.linear's")
+    for k in ks:
+        for n in ns:
+            w = torch.randn(n, cpu._tile_width(k), generator=gen).bfloat16()[:, :k]  # a GEMM tile's padded rows
+            for m in ms:
+                x = torch.randn(m, k, generator=gen).bfloat16()
+                y_t, y = torch.empty(n, m, dtype=torch.bfloat16), torch.empty(m, n, dtype=torch.bfloat16)
+
+                def transposed():
+                    torch.mm(w, x.t(), out=y_t)
+                    cpu.transpose_bf16(as_numpy(y_t), as_numpy(y))
+
+                cases = {"plain": lambda: torch.mm(x, w.t(), out=y), "transposed": transposed}
+                times = _medians(cases, rounds, torch.randn(m, 4 * k).bfloat16())
+                print(f"{k} {n} {m}: {times['plain'] * 1e3:.3f} / {times['transposed'] * 1e3:.3f} "
+                      f"{times['transposed'] / times['plain']:.2f}", flush=True)
 
 
 def tile_decode(n: int, k: int, rounds: int) -> None:
@@ -140,10 +167,15 @@ def main() -> None:
     parser.add_argument("--m", type=int, default=256, help="rows of x for the orientation case")
     parser.add_argument("--batched-ms", type=int, nargs="+", default=[5, 8, 16, 32])
     parser.add_argument("--rounds", type=int, default=11)
+    for axis in "knm":
+        parser.add_argument(f"--grid-{axis}s", type=int, nargs="+", help="orientation grid only: these sizes")
     args = parser.parse_args()
     n, k = (int(v) for v in args.shape.split("x"))
     print(f"CPU: {device_name(torch.device('cpu'))}, torch {torch.__version__}, {torch.get_num_threads()} threads; "
           f"TRANSPOSED_GEMM {cpu.TRANSPOSED_GEMM}")
+    if args.grid_ks or args.grid_ns or args.grid_ms:
+        orientation_grid(args.grid_ks or [k], args.grid_ns or [n], args.grid_ms or [args.m], args.rounds)
+        return
     orientation(n, k, args.m, args.rounds)
     tile_decode(n, k, args.rounds)
     batched_vs_gemm(n, k, args.batched_ms, args.rounds)

@@ -766,6 +766,7 @@ def test_bf16_gemm_path_orientation(monkeypatch, path, with_bias):
     monkeypatch.setattr(cpu, "transpose_bf16", lambda src, dst: transposes.append(transpose(src, dst)))
     monkeypatch.setattr(cpu, "BF16_GEMM", True)
     monkeypatch.setattr(cpu, "TRANSPOSED_GEMM", path != "F.linear's")
+    monkeypatch.setattr(cpu, "TRANSPOSED_MIN_SIDE", 0)
     if path == "past the size limit":
         monkeypatch.setattr(cpu, "TRANSPOSED_GEMM_BYTES", GEMM_M * 48 * 2 - 2)
     g = gen(23)
@@ -784,6 +785,25 @@ def test_bf16_gemm_path_orientation(monkeypatch, path, with_bias):
     want = transposed if path == "transposed" else direct
     assert_bits(got[:, finite], want[:, finite].contiguous())
     assert len(transposes) == (path == "transposed")
+
+
+@pytest.mark.parametrize("m, n, k, transposed", [(35, 64, 128, True), (35, 48, 128, False), (35, 64, 32, False),
+                                                 (45, 64, 128, False), (45, 64, 256, True)])
+def test_gemm_orientation_follows_the_weights_shape(monkeypatch, m, n, k, transposed):
+    """The transposed GEMM only where N and K are both at least TRANSPOSED_MIN_SIDE, and past TRANSPOSED_MAX_M rows
+    of x only where K is at least TRANSPOSED_LONG_K (the limits scaled down here); either way the interval."""
+    transposes, transpose = [], cpu.transpose_bf16
+    monkeypatch.setattr(cpu, "transpose_bf16", lambda src, dst: transposes.append(transpose(src, dst)))
+    for name, value in (("BF16_GEMM", True), ("TRANSPOSED_GEMM", True), ("TRANSPOSED_MIN_SIDE", 64),
+                        ("TRANSPOSED_MAX_M", 40), ("TRANSPOSED_LONG_K", 256), ("BATCH_MAX_M", cpu.GEMV_MAX_M)):
+        monkeypatch.setattr(cpu, name, value)
+    g = gen(29)
+    codes, scales = mxfp4_weight(n, k, g)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    got = lowbit.mxfp4_linear(x, codes, scales, backend="native")
+    lo, hi = reference.gemm_interval(x, reference.mxfp4_weight(codes, scales), None)
+    assert ((lo.float() <= got.float()) & (got.float() <= hi.float())).all()
+    assert len(transposes) == transposed
 
 
 # --- the batched kernel and the GEMM path (M > GEMV_MAX_M): within the interval of any summation order -----
@@ -840,6 +860,7 @@ def test_gemm_path_in_several_tiles(monkeypatch, dtype, transposed):
     (or, transposed, into rows of y^T, then transposed); NaN canonical."""
     monkeypatch.setattr(cpu, "GEMM_TILE_BYTES", 3 * 4 * 384)
     monkeypatch.setattr(cpu, "TRANSPOSED_GEMM", transposed)
+    monkeypatch.setattr(cpu, "TRANSPOSED_MIN_SIDE", 0)
     if transposed:
         monkeypatch.setattr(cpu, "BF16_GEMM", True)
     tiles = []

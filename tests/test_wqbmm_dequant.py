@@ -212,6 +212,7 @@ def test_products_on_a_packed_weight_lie_in_the_summation_interval(seed, m, g, g
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(weight_only, "BF16_GEMM", path != "float32")
         patch.setattr(weight_only, "TRANSPOSED_GEMM", path == "transposed")
+        patch.setattr(weight_only, "TRANSPOSED_MIN_SIDE", 0)
         if tile_rows is not None:
             patch.setattr(weight_only, "GEMM_TILE_BYTES", tile_rows * weight_only._tile_width(k) * 2)
         plan = wq.plan_weight_quant_batch_matmul(m, k, n, group_size=g, algorithm="dequant", dtype=dtype,

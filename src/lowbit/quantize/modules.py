@@ -347,6 +347,15 @@ def int4_msd_max_rows(dtype: torch.dtype) -> int:
     return INT4_MSD_MAX_ROWS_AMX if _simd.HAS_AMX_BF16 and wqbmm_dequant.packed_is_faster(dtype) else INT4_MSD_MAX_ROWS
 
 
+def _plus_bias(y: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``y + bias`` for a layer's output ``y`` (a tensor of this call's own, not recorded by autograd), added into
+    y where bias is of y's dtype (the same bits): a second output of M x N costs its page faults, 1.5 ms of an
+    int4-a16w4 layer's 2.6 ms at M = 1888, N = 1536, K = 384 on an Intel Xeon under KVM."""
+    if bias is None:
+        return y
+    return y.add_(bias) if bias.dtype == y.dtype else y + bias
+
+
 def _dequant_reads_packed(dtype: torch.dtype) -> bool:
     """Whether Int4Linear's dequant product reads its PackedWeight (wqbmm_dequant.packed_is_faster)."""
     from lowbit.kernels.cpu import wqbmm_dequant
@@ -451,8 +460,7 @@ class Int4Linear(PackedLinear):
             y = weight_quant_batch_matmul(x2, self.weight, self.antiquant_scale, antiquant_offset=offset,
                                           group_size=self.cfg_meta["group_size"],
                                           algorithm="dequant" if dequant else "msd")
-        y = y.reshape(*x_q.shape[:-1], self.out_features).to(x_q.dtype)
-        return y if self.bias is None else y + self.bias
+        return _plus_bias(y.reshape(*x_q.shape[:-1], self.out_features).to(x_q.dtype), self.bias)
 
 
 class SVDQuantLinearDeploy(QuantizedLinearBase):
@@ -488,9 +496,7 @@ class SVDQuantLinearDeploy(QuantizedLinearBase):
         xb = x_q.to(torch.bfloat16)
         x3 = xb.reshape(-1, self.in_features) if xb.dim() == 1 else xb
         y = self.prepared_call(SVD_QUANT, (self.w, self.s, self.down, self.up))(x3)
-        y = y.reshape(*x_q.shape[:-1], self.out_features)
-        y = y.to(x_q.dtype)
-        return y if self.bias is None else y + self.bias
+        return _plus_bias(y.reshape(*x_q.shape[:-1], self.out_features).to(x_q.dtype), self.bias)
 
 
 DEPLOY_CLASSES = {c.kind: c for c in (PackedLinear, Int4Linear, SVDQuantLinearDeploy)}

@@ -2950,6 +2950,15 @@ BF16_GEMM = simd.TORCH_BF16_GEMM_IN_HARDWARE
 # not where the (N, M) result passes TRANSPOSED_GEMM_BYTES (M = 1024 gained 8 %, and the buffer is kept).
 TRANSPOSED_GEMM = simd.HAS_AMX_BF16
 TRANSPOSED_GEMM_BYTES = 16 << 20
+# Only for weights whose N and K are both at least TRANSPOSED_MIN_SIDE, and past TRANSPOSED_MAX_M rows of x only
+# where K is at least TRANSPOSED_LONG_K: elsewhere the transpose costs more than the GEMM gains (Intel Xeon
+# Emerald Rapids, the GEMM and transpose alone, over F.linear's orientation: K = 384 1.10-1.89x at M = 32-1888;
+# N = K = 1536 0.80-0.91x up to M = 512, 1.00-1.11x from 1024; K = 1536, N = 4096 1.03-1.12x from 1024; K = 4096,
+# N = 1536 or 4096 0.62-0.92x at every M; all-MiniLM-L6-v2's layers at M = 1024: 1.3-1.5x as long in the layer;
+# benchmarks/results_weight_only.md, 'Intel Xeon Emerald Rapids: the GEMM's orientation by shape').
+TRANSPOSED_MIN_SIDE = 1536
+TRANSPOSED_MAX_M = 512
+TRANSPOSED_LONG_K = 4096
 # Its tiles: M = 256 on the Intel Xeon, 4096^2 in tiles of 2048 rows (16 MiB) took 5.2 ms against 5.8 ms in one
 # tile, 12288 x 8192 in tiles of 1024 rows 33.9 against 35.6 ms (the decoded rows still in the cache when the
 # GEMM reads them); 256-row tiles were slower (a GEMM call's own cost).
@@ -3124,12 +3133,19 @@ class WeightOnlyLinear(Kernel):
         _round_into(y32, bias, bf16, out)
 
 
-def _gemm_path(m: int, n: int, dtype: torch.dtype, bias) -> tuple:
-    """(path, tile dtype, transposed) of the GEMM path for M rows of x of ``dtype``, N outputs and ``bias``:
-    _transposed_gemm_bf16 where TRANSPOSED_GEMM and the (N, M) result is within TRANSPOSED_GEMM_BYTES,
-    _gemm_bf16 for other BF16 x where BF16_GEMM (a bias None or BF16), _gemm_float32 otherwise."""
+def _transposes(m: int, n: int, k: int) -> bool:
+    """Whether the BF16 GEMM of M rows of x and an (N, K) weight runs transposed (TRANSPOSED_GEMM and the limits
+    after it)."""
+    return (TRANSPOSED_GEMM and m * n * 2 <= TRANSPOSED_GEMM_BYTES and min(n, k) >= TRANSPOSED_MIN_SIDE
+            and (m <= TRANSPOSED_MAX_M or k >= TRANSPOSED_LONG_K))
+
+
+def _gemm_path(m: int, n: int, k: int, dtype: torch.dtype, bias) -> tuple:
+    """(path, tile dtype, transposed) of the GEMM path for M rows of x of ``dtype``, an (N, K) weight and
+    ``bias``: _transposed_gemm_bf16 where :func:`_transposes`, _gemm_bf16 for other BF16 x where BF16_GEMM (a bias
+    None or BF16), _gemm_float32 otherwise."""
     bf16_gemm = BF16_GEMM and dtype == torch.bfloat16 and (bias is None or bias.dtype == torch.bfloat16)
-    transposed = bf16_gemm and TRANSPOSED_GEMM and m * n * 2 <= TRANSPOSED_GEMM_BYTES
+    transposed = bf16_gemm and _transposes(m, n, k)
     path = _transposed_gemm_bf16 if transposed else _gemm_bf16 if bf16_gemm else _gemm_float32
     return path, torch.bfloat16 if bf16_gemm else torch.float32, transposed
 
@@ -3164,7 +3180,7 @@ def _tile_layout(n: int, k: int, tile_dtype: torch.dtype, transposed: bool) -> t
 def gemm_scratch_nbytes(m: int, n: int, k: int, dtype: torch.dtype) -> int:
     """Bytes of the ``scratch`` that :func:`run_gemm_path` uses for M rows of x of ``dtype``, an (N, K) weight
     and no bias: its tile, and the transposed GEMM's (N, M) result after it."""
-    _, tile_dtype, transposed = _gemm_path(m, n, dtype, None)
+    _, tile_dtype, transposed = _gemm_path(m, n, k, dtype, None)
     return _tile_layout(n, k, tile_dtype, transposed)[1] + (2 * n * m if transposed else 0)
 
 
@@ -3176,7 +3192,7 @@ def run_gemm_path(tile: tuple, operands: tuple, x: torch.Tensor, bias, out: torc
     scratch buffer, or in ``scratch`` (uint8, at least :func:`gemm_scratch_nbytes`; bias None) where given.
     Operands checked by the caller; out C-contiguous."""
     (m, k), n = x.shape, out.shape[1]
-    path, tile_dtype, transposed = _gemm_path(m, n, x.dtype, bias)
+    path, tile_dtype, transposed = _gemm_path(m, n, k, x.dtype, bias)
     rows, _ = _tile_layout(n, k, tile_dtype, transposed)
     after = (n, m) if transposed else (0,)
 
