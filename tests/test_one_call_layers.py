@@ -17,6 +17,7 @@ from lowbit.kernels.cpu.weight_only import GEMV_MAX_M
 from lowbit.ops.library import PreparedCall
 from lowbit.kernels.cpu import svd_quant as svd_cpu
 from lowbit.kernels.cpu import wqbmm as wqbmm_cpu
+from lowbit.quantize import modules
 from lowbit.quantize.modules import (INT4_MSD_MAX_ROWS, Int4Linear, PackedLinear, QuantizedLinearBase,
                                      SVDQuantLinearDeploy, int4_msd_max_rows)
 
@@ -125,10 +126,48 @@ def test_other_inputs_and_contexts_take_the_full_path(monkeypatch):
     assert "aten.add_.Tensor" in mode.seen  # the full path's bias add (into the operator's result), which the mode saw
     with lowbit.use_backend("reference"):
         assert torch.equal(bits(module(x)), bits(want))
-    assert calls == [(2, K), (INT4_MSD_MAX_ROWS + 1, K), (2, K), (2, K)]
+    many = [] if modules._dequant_reads_packed(torch.bfloat16) else [(INT4_MSD_MAX_ROWS + 1, K)]  # else the prefill's
+    assert calls == [(2, K), *many, (2, K), (2, K)]
     strided = torch.cat([x, x], dim=1)[:, ::2]
     assert not strided.is_contiguous() and torch.equal(bits(module(strided)), bits(full(module, strided)))
-    assert len(calls) == 4
+    assert len(calls) == 3 + len(many)
+
+
+@pytest.mark.parametrize("symmetric", [True, False], ids=["symmetric", "offset"])
+@pytest.mark.parametrize("has_bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prefill_on_the_packed_weight_gives_the_full_paths_bits(symmetric, has_bias, threads, monkeypatch):
+    """More rows than the decode takes, BF16 x, where compute would run the dequant algorithm on the PackedWeight
+    (forced here on any CPU): the plan's bound prefill, the full path's bits (NaN rows included), recorded as
+    a native run; FP16 x, and under the reference backend, the full path."""
+    monkeypatch.setattr(modules, "_dequant_reads_packed", lambda dtype: dtype == torch.bfloat16)
+    module = layer(torch.bfloat16, symmetric, has_bias, n=150)
+    rows = int4_msd_max_rows(torch.bfloat16)
+    shapes = [(rows + 1, K), (2, 40, K), (300, K)]
+    xs = [random_x(shape, torch.bfloat16, seed) for seed, shape in enumerate(shapes)]
+    xs[2][7, 3] = float("nan")
+    wants = [full_path(module, x) for x in xs]
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with monkeypatch.context() as patch:
+            patch.setattr(Int4Linear, "compute", lambda self, x_q: pytest.fail("took the full path"))
+            for x, want in zip(xs, wants):
+                lowbit.backends._last_ran.pop("weight_quant_batch_matmul", None)
+                got = module(x)
+                assert lowbit.last_backend("weight_quant_batch_matmul") == "native"
+                assert got.shape == want.shape and torch.equal(bits(got), bits(want)), x.shape
+        assert wants[2][7].isnan().all()
+        calls = []
+        full = Int4Linear.compute
+        monkeypatch.setattr(Int4Linear, "compute", lambda self, x_q: calls.append(x_q.dtype) or full(self, x_q))
+        with lowbit.use_backend("reference"):
+            module(xs[0])
+        half = layer(torch.float16, symmetric, has_bias, n=150)
+        half(xs[2].half())
+        assert calls == [torch.bfloat16, torch.float16]
+    finally:
+        torch.set_num_threads(previous)
 
 
 def test_the_one_call_follows_every_change_of_the_layers_tensors(one_call_only):

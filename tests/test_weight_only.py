@@ -735,6 +735,17 @@ def test_bf16_tile_is_the_reference_weight(fmt, k):
     assert_bits(torch.where(nan, 0, tile[:, :k]), torch.where(nan, 0, want))
 
 
+@pytest.mark.parametrize("serial", [True, False])
+@pytest.mark.parametrize("size", [0, 1, 65535, 3 * 65536 + 5])
+def test_canonical_nans_of_every_pattern(serial, size):
+    """The GEMM path's NaN pass, on the calling thread or in tasks of _CANONICAL_TASK_WORDS (a short last one):
+    every BF16 pattern, repeated, in place; only NaNs change, each to the canonical NaN."""
+    bits = np.resize(np.arange(-(1 << 15), 1 << 15, dtype=np.int16), size)
+    want = np.where((bits & 0x7FFF) > 0x7F80, np.int16(reference.NAN_BITS[torch.bfloat16]), bits)
+    cpu._CANONICAL_NANS(bits, serial=serial)
+    assert np.array_equal(bits, want)
+
+
 @pytest.mark.parametrize("offset", [0, 1])
 @pytest.mark.parametrize("n, m", [(0, 5), (1, 1), (31, 33), (32, 32), (64, 96), (100, 37), (33, 1)])
 def test_transpose_bf16_with_canonical_nan(n, m, offset):
@@ -1002,12 +1013,14 @@ def test_batched_kernel_gives_the_same_bits_on_any_thread_count(fmt):
 
 
 @pytest.mark.parametrize("amx", [False, True])
-@pytest.mark.parametrize("n, m, batched", [(64, 32, True), (2048, 5, False), (2048, 12, False)])
+@pytest.mark.parametrize("n, m, batched", [(64, 32, True), (2048, 5, False), (2048, 12, False), (512, 24, True),
+                                           (512, 25, False), (511, 32, True)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_rows_of_x_choose_the_batched_kernel_or_the_gemm_path(monkeypatch, amx, n, m, batched, dtype):
     """x with 5-32 rows runs the batched kernel (BF16 x only where its products are BF16 dot products),
     except on CPUs with AMX-BF16 for weights of at least AMX_GEMM_WEIGHTS (here 2048 x 1024), which take
-    torch's AMX GEMM on decoded tiles from M = 5 on."""
+    torch's AMX GEMM on decoded tiles from M = 5 on, and for weights of at least AMX_MID_GEMM_WEIGHTS
+    (512 x 1024) from M = AMX_MID_BATCH_MAX_M + 1 = 25 on."""
     monkeypatch.setattr(simd, "HAS_AMX_BF16", amx)
     paths = []
     kernel = cpu.MXFP4_LINEAR

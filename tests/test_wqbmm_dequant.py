@@ -232,19 +232,23 @@ def test_products_on_a_packed_weight_lie_in_the_summation_interval(seed, m, g, g
 @pytest.mark.parametrize("faster", [True, False])
 def test_the_int4_layer_prefill_reads_the_packed_weight_where_that_is_faster(monkeypatch, faster):
     """Int4Linear above INT4_MSD_MAX_ROWS rows: the dequant product on its PackedWeight where
-    packed_is_faster, else on the raw weight; either way the operator's bits plus the bias."""
+    packed_is_faster (bound to the layer: BoundDequant), else on the raw weight; either way the operator's bits
+    plus the bias."""
     calls = []
     for name in ("dequant_packed_into", "dequant_into"):
         kernel = getattr(dequant, name)
         monkeypatch.setattr(dequant, name, lambda *args, _kernel=kernel, _name=name: (calls.append(_name),
                                                                                        _kernel(*args)))
+    bound = dequant.BoundDequant.__call__
+    monkeypatch.setattr(dequant.BoundDequant, "__call__", lambda self, *args: calls.append("BoundDequant")
+                        or bound(self, *args))
     monkeypatch.setattr(dequant, "packed_is_faster", lambda dtype: faster)
     model = torch.nn.Sequential(torch.nn.Linear(256, 64)).bfloat16()
     lowbit.quantize_(model, "int4-a16w4")
     layer = model[0]
     x = torch.randn(modules.INT4_MSD_MAX_ROWS + 1, 256, generator=torch.Generator().manual_seed(0)).bfloat16()
     y = layer(x)
-    assert calls == ["dequant_packed_into" if faster else "dequant_into"]
+    assert calls == ["BoundDequant" if faster else "dequant_into"]
     plan = wq.plan_weight_quant_batch_matmul(*x.shape, 64, algorithm="dequant", dtype=x.dtype, prepacked=faster)
     weight = plan.pack_weight(layer.weight) if faster else layer.weight
     assert torch.equal(bits(y), bits(plan.run(x, weight, layer.antiquant_scale) + layer.bias))

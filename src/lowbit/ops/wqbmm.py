@@ -275,8 +275,26 @@ class WqbmmPlan:
         ``preload`` plan of the CPU native kernel has). It holds copies of the scale, offset and bias: bind
         again after they change. TypeError / DtypeError / DeviceError / ShapeError for operands not of this
         plan."""
-        bind = getattr(self.kernel, "bind_decode", None)
-        if bind is None or not (self.prepacked and self.algorithm == MSD and self.template == "preload"):
+        if not (self.algorithm == MSD and self.template == "preload"):
+            return None
+        return self._bind("bind_decode", weight, antiquant_scale, antiquant_offset, bias)
+
+    def _bound_dequant(self, weight: PackedWeight, antiquant_scale: torch.Tensor,
+                       antiquant_offset: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None):
+        """:meth:`_bound_decode` for a prepacked "dequant" plan: ``f(x_bits, out_bits) -> True`` for x of any
+        number of rows (``f.max_rows``), :meth:`run`'s bits plus ``bias`` as ``run(...) + bias``, the GEMM path's
+        tile in the calling thread's scratch buffer; for Int4Linear's prefill only. None where the plan's kernel
+        has no such call."""
+        if self.algorithm == MSD:
+            return None
+        return self._bind("bind_dequant", weight, antiquant_scale, antiquant_offset, bias)
+
+    def _bind(self, method: str, weight: PackedWeight, antiquant_scale: torch.Tensor,
+              antiquant_offset: Optional[torch.Tensor], bias: Optional[torch.Tensor]):
+        """The kernel's ``method`` (bind_decode, bind_dequant) on these operands, checked, recorded as runs of
+        the operator; None for a plan that is not prepacked or a kernel without it."""
+        bind = getattr(self.kernel, method, None)
+        if bind is None or not self.prepacked:
             return None
         data = self._weight_data(weight)
         self.kernel._check_weight(data, self.device, self.kernel.packed_shape(self.k, self.n, self.group_size),

@@ -45,6 +45,11 @@ def int4_compute_dtype(weight_dtype: torch.dtype) -> torch.dtype:
     return weight_dtype if weight_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
+# A deploy module's caches in its __dict__ (not module attributes: absent from modules pickled before them), dropped
+# by load_state_dict and left out of pickles and copies: its PreparedCall and its bound kernel calls
+_CALL_SLOTS = ("_prepared", "_one_call", "_prefill_call")
+
+
 class QuantizedLinearBase(nn.Module):
     """Packed tensors as buffers (names as in the checkpoint), the original bias Parameter, and the
     metadata to rebuild the module from a checkpoint (:meth:`quant_meta`, :meth:`from_meta`)."""
@@ -115,7 +120,7 @@ class QuantizedLinearBase(nn.Module):
         return prepared
 
     def _run_one_call(self, x: torch.Tensor, sources: tuple, bind: Callable[..., Any], bind_argument: Any,
-                      max_rows: Optional[int] = None) -> Optional[torch.Tensor]:
+                      max_rows: Optional[int] = None, slot: str = "_one_call") -> Optional[torch.Tensor]:
         """This layer's output for ``x`` (..., K) of FP16 / BF16 (dtype and K checked by the caller) by a bound
         kernel call ``f(x_bits, out_bits) -> bool`` on x's and out's int16 bit patterns ((M, K), (M, N)), made
         by ``bind(x, sources, bind_argument)`` (None: there is none) and kept while the sources, x's dtype and
@@ -123,7 +128,8 @@ class QuantizedLinearBase(nn.Module):
         full path's torch, Python and numba calls cost tens of microseconds each after a model's previous layer
         (docs/weight_only.md, 'One call'). None
         (the caller's full path) where x is not plain (plain_tensor, plain_context: no grad, no mode, CPU),
-        has no rows or more than ``max_rows`` and ``f.max_rows``, or f returned False."""
+        has no rows or more than ``max_rows`` and ``f.max_rows``, or f returned False. ``slot``: the attribute
+        that keeps the bound call (one of _CALL_SLOTS; Int4Linear keeps its prefill's apart from its decode's)."""
         if "_dtypes_made" in self.__dict__:
             self._check_not_cast()
         k, n = self.in_features, self.out_features
@@ -131,9 +137,9 @@ class QuantizedLinearBase(nn.Module):
         if not (0 < m <= (max_rows or m) and plain_tensor(x) and plain_context()):
             return None
         setting = (x.dtype, get_backend())
-        kept = self.__dict__.get("_one_call")  # (bound call, SourcesSeen, (x dtype, backend setting))
+        kept = self.__dict__.get(slot)  # (bound call, SourcesSeen, (x dtype, backend setting))
         if kept is None or kept[2] != setting or not kept[1].unchanged(sources):
-            kept = self.__dict__["_one_call"] = (bind(x, sources, bind_argument), SourcesSeen(sources), setting)
+            kept = self.__dict__[slot] = (bind(x, sources, bind_argument), SourcesSeen(sources), setting)
         call = kept[0]
         if call is None or m > call.max_rows:
             return None
@@ -149,13 +155,13 @@ class QuantizedLinearBase(nn.Module):
 
     def _load_from_state_dict(self, *args, **kwargs):
         # written in place: SourcesSeen misses it for inference tensors
-        self.__dict__["_prepared"] = self.__dict__["_one_call"] = None
+        self.__dict__.update(dict.fromkeys(_CALL_SLOTS))
         super()._load_from_state_dict(*args, **kwargs)
 
     def __getstate__(self) -> dict:
         """Pickling and copying leave out the prepared and the bound calls (views and copies of this module's
         tensors) and the fused kernel's input kind (PackedLinear.forward)."""
-        return {**self.__dict__, "_prepared": None, "_one_call": None, "_fused_input": None}
+        return {**self.__dict__, **dict.fromkeys(_CALL_SLOTS), "_fused_input": None}
 
     def packed_nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.packed_tensors().values())
@@ -423,26 +429,34 @@ class Int4Linear(PackedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # An x of the layer's own FP16 / BF16 dtype (its compute dtype) that no activation quantization changes:
-        # the plan's bound decode, where the one call applies (_run_one_call); anything else, and a NaN result
-        # (torch's NaN bit patterns), takes the full path.
+        # the plan's bound decode, where the one call applies (_run_one_call), and past its rows the plan's bound
+        # prefill where compute would run the dequant algorithm on the PackedWeight (the same bits without the
+        # plan's per-call work: 0.1-0.2 ms of a small layer's call); anything else, and a NaN result of the
+        # decode (torch's NaN bit patterns), takes the full path.
         scale = self._buffers["antiquant_scale"]
         if (x.dtype is self.weight_dtype and x.dtype is scale.dtype and x.shape[-1:] == (self.in_features,)
                 and "smooth" not in self._buffers and self.cfg_meta["act_kind"] == "none"):
             sources = (self._buffers["weight"], scale, self._buffers.get("antiquant_offset"), self._parameters.get("bias"))
-            y = self._run_one_call(x, sources, self._bind_decode, None, int4_msd_max_rows(x.dtype))
+            msd_rows = int4_msd_max_rows(x.dtype)
+            y = self._run_one_call(x, sources, self._bind_decode, "msd", msd_rows)
+            if y is None and x.numel() > msd_rows * self.in_features and _dequant_reads_packed(x.dtype):
+                y = self._run_one_call(x, sources, self._bind_decode, "dequant", slot="_prefill_call")
             if y is not None:
                 return y
         return super().forward(x)
 
-    def _bind_decode(self, x, sources, _):
-        """The plan's bound decode of this layer's PackedWeight (made again where stale), or None where the
-        plan has none (another backend or device) or the bias is not of the scale's dtype (_run_one_call's
-        ``bind``: ``sources`` are the weight, scale, offset and bias)."""
+    def _bind_decode(self, x, sources, algorithm: str):
+        """The bound call of this layer's PackedWeight (made again where stale) for ``algorithm``: the plan's
+        bound decode ("msd"), or its bound prefill ("dequant", WqbmmPlan._bound_dequant: compute's prefill on
+        the PackedWeight without the plan's per-call checks and workspace); None where the plan has none
+        (another backend or device) or the bias is not of the scale's dtype (_run_one_call's ``bind``:
+        ``sources`` are the weight, scale, offset and bias)."""
         _, scale, offset, bias = sources
         if self.cfg_meta["geometry"]["type"] != "Linear" or (bias is not None and bias.dtype != scale.dtype):
             return None
-        plan = self._plan(1, self.weight.device)
-        return plan._bound_decode(self._current_packed(plan), scale, offset, bias)
+        plan = self._plan(1, self.weight.device, algorithm)
+        bind = plan._bound_decode if algorithm == "msd" else plan._bound_dequant
+        return bind(self._current_packed(plan), scale, offset, bias)
 
     def compute(self, x_q):
         x2 = x_q.reshape(-1, self.in_features).to(self.antiquant_scale.dtype)

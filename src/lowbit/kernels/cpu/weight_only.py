@@ -49,8 +49,8 @@ from lowbit.formats import weight_only as reference
 from lowbit.kernels.cpu import _code8_columns as _columns
 from lowbit.kernels.cpu import _transpose
 from lowbit.kernels.cpu import _simd as simd
-from lowbit.kernels.cpu._runtime import (NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, as_numpy, bound_njit, call_in_chunks,
-                                         copy_elements, run_tasks, runs_serially)
+from lowbit.kernels.cpu._runtime import (NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, SerialOrParallel, as_numpy, bound_njit,
+                                         call_in_chunks, copy_elements, run_tasks, runs_serially)
 from lowbit.kernels.cpu.memory import huge_page_empty, thread_scratch
 
 LANES = reference.LANES  # 64 = two F32V
@@ -2509,6 +2509,12 @@ BATCH_MAX_M = 32 if BATCH_IN_BF16 else 64
 # benchmarks/results_weight_only.md, 'Intel Xeon').
 AMX_BATCH_MAX_M = GEMV_MAX_M
 AMX_GEMM_WEIGHTS = 2 << 20
+# Weights of AMX_MID_GEMM_WEIGHTS up to AMX_GEMM_WEIGHTS keep it up to AMX_MID_BATCH_MAX_M rows: at M = 31 the GEMM
+# path (F.linear's orientation, see TRANSPOSED_MIN_SIDE) took 0.33-0.38 ms against 0.44-0.48 ms at 1536 x 384 and
+# 384 x 1536, 0.48-0.58 against 0.64-0.69 at 1024^2, each 4- and 8-bit format; at M = 17 the batched kernel was
+# as fast or faster, and below 512K weights (384^2) at M = 31 too (Intel Xeon Emerald Rapids).
+AMX_MID_GEMM_WEIGHTS = 1 << 19
+AMX_MID_BATCH_MAX_M = 24
 _BATCH_ROWS_PER_TASK = 64  # rows of W per prange iteration (16 blocks: one buffer allocation each)
 _BATCH_CHUNK = 1024  # elements of K per pass over the rows of x (four rows of W: 8 KiB of BF16, 16 KiB of float32)
 
@@ -2849,11 +2855,27 @@ def _canonical_word(word):
     return _BF16_NAN if (word & 0x7FFF) > 0x7F80 else word
 
 
-@numba.njit(**NJIT_OPTIONS)
-def canonical_nan_bf16(bits):
+# The canonical-NaN pass over a GEMM's output: words per prange iteration, and the size from which it runs on
+# numba's threads (M = 1888, N = 1536: 0.20 ms on one thread, a tenth of the layer's time on an Intel Xeon).
+_CANONICAL_TASK_WORDS = 1 << 16
+_CANONICAL_ONE_THREAD_WORDS = 1 << 19
+
+
+def _canonical_nans(bits):
     """Every NaN of BF16 bit patterns (a 1-D int16 array) replaced by the canonical one, in place."""
-    for i in range(bits.size):
-        bits[i] = _canonical_word(bits[i])
+    size, words = np.uint64(bits.size), np.uint64(_CANONICAL_TASK_WORDS)
+    for task in numba.prange((size + words - np.uint64(1)) // words):
+        for i in range(np.uint64(task) * words, min(size, (np.uint64(task) + np.uint64(1)) * words)):
+            bits[i] = _canonical_word(bits[i])  # unsigned i: no negative-index code, so LLVM vectorizes the loop
+
+
+_CANONICAL_NANS = SerialOrParallel(_canonical_nans)
+
+
+def canonical_nan_bf16(bits: np.ndarray) -> None:
+    """Every NaN of BF16 bit patterns (a 1-D int16 array) replaced by the canonical one, in place; on numba's
+    threads from _CANONICAL_ONE_THREAD_WORDS words on."""
+    _CANONICAL_NANS(bits, serial=runs_serially(bits.size, _CANONICAL_ONE_THREAD_WORDS))
 
 
 @numba.njit(**NJIT_OPTIONS)
@@ -3003,6 +3025,8 @@ def _batch_max_m(n: int, k: int, dtype: torch.dtype) -> int:
         return GEMV_MAX_M
     if simd.HAS_AMX_BF16 and n * k >= AMX_GEMM_WEIGHTS:
         return AMX_BATCH_MAX_M
+    if simd.HAS_AMX_BF16 and n * k >= AMX_MID_GEMM_WEIGHTS:
+        return min(AMX_MID_BATCH_MAX_M, BATCH_MAX_M)
     return BATCH_MAX_M
 
 
@@ -3094,8 +3118,7 @@ class WeightOnlyLinear(Kernel):
         if runs_serially(work, GEMV_ONE_THREAD_WEIGHTS):
             path(x, operands, bias, out, serial=True)
             return
-        with numba.parallel_chunksize(chunksize):
-            path(x, operands, bias, out, serial=False)
+        call_in_chunks(chunksize, path, x, operands, bias, out, False)
 
     def bind_gemv(self, prepared: tuple, n: int, k: int, dtype: torch.dtype) -> "BoundGemv":
         """:class:`BoundGemv` of the weight (N, K) prepared by :meth:`prepare` for x of ``dtype``."""
@@ -3202,8 +3225,7 @@ def run_gemm_path(tile: tuple, operands: tuple, x: torch.Tensor, bias, out: torc
     if runs_serially(n * k, GEMV_ONE_THREAD_WEIGHTS):
         path(tiles(serial=True), x, bias, out)
         return
-    with numba.parallel_chunksize(max(4, -(-rows // _ROWS_PER_TASK) // _CHUNKS)):
-        path(tiles(serial=False), x, bias, out)
+    call_in_chunks(max(4, -(-rows // _ROWS_PER_TASK) // _CHUNKS), path, tiles(serial=False), x, bias, out)
 
 
 def _tiles(tile: tuple, operands: tuple, n: int, k: int, dtype: torch.dtype, serial: bool, after: tuple,

@@ -723,6 +723,13 @@ class WeightQuantBatchMatmul(WqbmmKernel):
         scale and offset (FP16 / BF16) and a bias (N,) of their dtype or None, all validated by the caller."""
         return BoundDecode(tiles, antiquant_scale, antiquant_offset, bias, group_size, antiquant_scale.shape[1])
 
+    @staticmethod
+    def bind_dequant(tiles: torch.Tensor, antiquant_scale: torch.Tensor, antiquant_offset: torch.Tensor | None,
+                     bias: torch.Tensor | None, group_size: int) -> "dequant.BoundDequant":
+        """:class:`~lowbit.kernels.cpu.wqbmm_dequant.BoundDequant`, the dequant algorithm's counterpart of
+        :meth:`bind_decode` for any number of rows (the same arguments, validated by the caller)."""
+        return dequant.BoundDequant(tiles, antiquant_scale, antiquant_offset, bias, group_size)
+
 
 MATMUL = WeightQuantBatchMatmul()
 

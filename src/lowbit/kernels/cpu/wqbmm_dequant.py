@@ -272,9 +272,40 @@ def dequant_packed_into(x: torch.Tensor, tiles: torch.Tensor, antiquant_scale: t
     (weight_only.run_gemm_path: on AMX CPUs y^T = W x^T, transposed), in the workspace's "gemm" buffer. The
     same decoded weights and contract (docs/wqbmm.md, 'Dequant on a PackedWeight')."""
     scale32, offset32 = _float32_scales(antiquant_scale, antiquant_offset, view)
-    operands = (as_numpy(tiles), as_numpy(scale32), as_numpy(offset32), antiquant_offset is not None, group_size,
-                x.dtype == torch.bfloat16)
+    operands = _packed_operands(tiles, scale32, offset32, antiquant_offset is not None, group_size, x.dtype)
     weight_only.run_gemm_path(PACKED_TILE, operands, x, None, out, scratch=view("gemm", torch.uint8, (-1,)))
+
+
+def _packed_operands(tiles, scale32, offset32, has_offset: bool, group_size: int, dtype: torch.dtype) -> tuple:
+    """PACKED_TILE's operands (before the first column) for x of ``dtype``."""
+    return as_numpy(tiles), as_numpy(scale32), as_numpy(offset32), has_offset, group_size, dtype == torch.bfloat16
+
+
+class BoundDequant:
+    """An Int4Linear's prefill ``y.to(dtype) + bias`` after :func:`dequant_packed_into`, with the PackedWeight's
+    tiles, the scale, offset and bias fixed: the scale and offset widened once (a copy: its maker makes a new
+    one whenever they change), the GEMM path's tile in the calling thread's scratch buffer. ``f(x_bits,
+    out_bits) -> True``: x's and out's bit patterns, int16 (M, K) and (M, N), C-contiguous, of the scale's
+    dtype, not checked here (the caller's); the bias (N,) of that dtype or None, added by torch in place. The
+    same bits as the operator's path; every row count (``max_rows``)."""
+
+    max_rows = 1 << 62
+
+    def __init__(self, tiles: torch.Tensor, scale: torch.Tensor, offset, bias, group_size: int) -> None:
+        groups, n = scale.shape
+        wide = [torch.zeros(groups, padded_columns(n), dtype=torch.float32) for _ in range(2)]
+        for buffer, narrow in zip(wide, (scale, offset)):
+            if narrow is not None:
+                buffer[:, :n] = narrow.detach()
+        self.dtype, self.bias = scale.dtype, None if bias is None else bias.detach()
+        self.operands = _packed_operands(tiles, *wide, offset is not None, group_size, scale.dtype)
+
+    def __call__(self, x_bits: np.ndarray, out_bits: np.ndarray) -> bool:
+        x, out = (torch.from_numpy(bits).view(self.dtype) for bits in (x_bits, out_bits))
+        weight_only.run_gemm_path(PACKED_TILE, self.operands, x, None, out)
+        if self.bias is not None:
+            out.add_(self.bias)
+        return True
 
 
 def dequant_into(x: torch.Tensor, weight: torch.Tensor, antiquant_scale: torch.Tensor,
