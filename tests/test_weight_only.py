@@ -1013,14 +1013,12 @@ def test_batched_kernel_gives_the_same_bits_on_any_thread_count(fmt):
 
 
 @pytest.mark.parametrize("amx", [False, True])
-@pytest.mark.parametrize("n, m, batched", [(64, 32, True), (2048, 5, False), (2048, 12, False), (512, 24, True),
-                                           (512, 25, False), (511, 32, True)])
+@pytest.mark.parametrize("n, m, batched", [(64, 32, True), (2048, 5, False), (2048, 12, False)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_rows_of_x_choose_the_batched_kernel_or_the_gemm_path(monkeypatch, amx, n, m, batched, dtype):
     """x with 5-32 rows runs the batched kernel (BF16 x only where its products are BF16 dot products),
     except on CPUs with AMX-BF16 for weights of at least AMX_GEMM_WEIGHTS (here 2048 x 1024), which take
-    torch's AMX GEMM on decoded tiles from M = 5 on, and for weights of at least AMX_MID_GEMM_WEIGHTS
-    (512 x 1024) from M = AMX_MID_BATCH_MAX_M + 1 = 25 on."""
+    torch's AMX GEMM on decoded tiles from M = 5 on."""
     monkeypatch.setattr(simd, "HAS_AMX_BF16", amx)
     paths = []
     kernel = cpu.MXFP4_LINEAR

@@ -2509,12 +2509,6 @@ BATCH_MAX_M = 32 if BATCH_IN_BF16 else 64
 # benchmarks/results_weight_only.md, 'Intel Xeon').
 AMX_BATCH_MAX_M = GEMV_MAX_M
 AMX_GEMM_WEIGHTS = 2 << 20
-# Weights of AMX_MID_GEMM_WEIGHTS up to AMX_GEMM_WEIGHTS keep it up to AMX_MID_BATCH_MAX_M rows: at M = 31 the GEMM
-# path (F.linear's orientation, see TRANSPOSED_MIN_SIDE) took 0.33-0.38 ms against 0.44-0.48 ms at 1536 x 384 and
-# 384 x 1536, 0.48-0.58 against 0.64-0.69 at 1024^2, each 4- and 8-bit format; at M = 17 the batched kernel was
-# as fast or faster, and below 512K weights (384^2) at M = 31 too (Intel Xeon Emerald Rapids).
-AMX_MID_GEMM_WEIGHTS = 1 << 19
-AMX_MID_BATCH_MAX_M = 24
 _BATCH_ROWS_PER_TASK = 64  # rows of W per prange iteration (16 blocks: one buffer allocation each)
 _BATCH_CHUNK = 1024  # elements of K per pass over the rows of x (four rows of W: 8 KiB of BF16, 16 KiB of float32)
 
@@ -3025,8 +3019,6 @@ def _batch_max_m(n: int, k: int, dtype: torch.dtype) -> int:
         return GEMV_MAX_M
     if simd.HAS_AMX_BF16 and n * k >= AMX_GEMM_WEIGHTS:
         return AMX_BATCH_MAX_M
-    if simd.HAS_AMX_BF16 and n * k >= AMX_MID_GEMM_WEIGHTS:
-        return min(AMX_MID_BATCH_MAX_M, BATCH_MAX_M)
     return BATCH_MAX_M
 
 
