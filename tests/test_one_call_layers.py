@@ -123,7 +123,7 @@ def test_other_inputs_and_contexts_take_the_full_path(monkeypatch):
     module(x_many)
     with SeenOps() as mode:
         assert torch.equal(bits(module(x)), bits(want))
-    assert "aten.add_.Tensor" in mode.seen  # the full path's bias add (into the operator's result), which the mode saw
+    assert "aten.add.Tensor" in mode.seen  # the full path's bias add, which the mode saw
     with lowbit.use_backend("reference"):
         assert torch.equal(bits(module(x)), bits(want))
     many = [] if modules._dequant_reads_packed(torch.bfloat16) else [(INT4_MSD_MAX_ROWS + 1, K)]  # else the prefill's
@@ -131,6 +131,34 @@ def test_other_inputs_and_contexts_take_the_full_path(monkeypatch):
     strided = torch.cat([x, x], dim=1)[:, ::2]
     assert not strided.is_contiguous() and torch.equal(bits(module(strided)), bits(full(module, strided)))
     assert len(calls) == 3 + len(many)
+
+
+@pytest.mark.parametrize("rows", [2, INT4_MSD_MAX_ROWS + 1])
+@pytest.mark.parametrize("kind", ["int4", "svdquant"])
+def test_a_bias_that_broadcasts_further_is_added_as_torch_adds_it(rows, kind):
+    """torch.func.functional_call with a bias of more dimensions, and vmap over biases: the layer's output without
+    its bias, plus that bias by torch's broadcasting add (the in-place add and the bound calls take (N,) biases
+    only)."""
+    if kind == "int4":
+        module = layer(torch.bfloat16)
+    else:
+        torch.manual_seed(3)
+        model = nn.Sequential(nn.Linear(K, N)).bfloat16()
+        lowbit.quantize_(model, "svdquant-r32")
+        module = model[0]
+        assert isinstance(module, SVDQuantLinearDeploy)
+    x = random_x((rows, K), torch.bfloat16, 11)
+    biases = random_x((3, 1, N), torch.bfloat16, 12)
+    bias = module.bias
+    module.bias = None
+    plain = module(x)
+    module.bias = bias
+    module(x)  # binds the layer's own (N,) bias
+    got = torch.func.functional_call(module, {"bias": biases}, (x,))
+    assert torch.equal(bits(got), bits(plain + biases))
+    mapped = torch.func.vmap(lambda b: torch.func.functional_call(module, {"bias": b}, (x,)))(biases[:, 0])
+    assert torch.equal(bits(mapped), bits(plain + biases))
+    assert torch.equal(bits(module(x)), bits(plain + bias))
 
 
 @pytest.mark.parametrize("symmetric", [True, False], ids=["symmetric", "offset"])
@@ -208,16 +236,19 @@ def test_a_layer_large_enough_for_numbas_threads(dtype, one_call_only):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_fused_weight_only_layers_run_the_operator_in_one_call(scheme, dtype, threads, monkeypatch):
-    """After a layer's first call (the full path, which finds its fused kernel), x of up to GEMV_MAX_M rows
-    takes one kernel call with the operator's bits and records the operator's run; more rows take the
-    PreparedCall."""
+    """After a layer's first call (the full path, which finds its fused kernel), x of up to GEMV_MAX_M rows (the
+    GEMV), and up to the batched kernel's rows where it runs (cpu._batch_max_m), takes one kernel call with the
+    operator's bits and records the operator's run; more rows take the PreparedCall."""
     torch.manual_seed(2)
     model = nn.Sequential(nn.Linear(K, N)).to(dtype)
     lowbit.quantize_(model, scheme)
     module = model[0]
     op, names = module.fused_kernel(dtype)
-    xs = [random_x(shape, dtype, seed) for seed, shape in enumerate([(1, K), (K,), (2, 1, K), (GEMV_MAX_M, K)])]
+    rows = max(GEMV_MAX_M, cpu._batch_max_m(N, K, dtype))
+    shapes = [(1, K), (K,), (2, 1, K), (GEMV_MAX_M, K)] + ([(GEMV_MAX_M + 1, K), (1, rows, K)] if rows > GEMV_MAX_M else [])
+    xs = [random_x(shape, dtype, seed) for seed, shape in enumerate(shapes)]
     xs[0][0, 3] = float("nan")
+    xs[-1].view(-1, K)[-1, 5] = float("nan")
     wants = [op(x.reshape(-1, K), *[module._buffers[name] for name in names], module.bias).reshape(
         *x.shape[:-1], N) for x in xs]
     module(xs[0])  # the full path: finds the fused kernel
@@ -232,7 +263,7 @@ def test_fused_weight_only_layers_run_the_operator_in_one_call(scheme, dtype, th
     finally:
         torch.set_num_threads(previous)
     with pytest.raises(pytest.fail.Exception, match="took the PreparedCall"):
-        module(random_x((GEMV_MAX_M + 1, K), dtype, 9))
+        module(random_x((rows + 1, K), dtype, 9))
 
 
 def _rounding_edge_values(dtype, count, seed):

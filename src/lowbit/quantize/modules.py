@@ -355,11 +355,15 @@ def int4_msd_max_rows(dtype: torch.dtype) -> int:
 
 def _plus_bias(y: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """``y + bias`` for a layer's output ``y`` (a tensor of this call's own, not recorded by autograd), added into
-    y where bias is of y's dtype (the same bits): a second output of M x N costs its page faults, 1.5 ms of an
-    int4-a16w4 layer's 2.6 ms at M = 1888, N = 1536, K = 384 on an Intel Xeon under KVM."""
+    y where that gives y's shape and dtype in a plain context (the same bits): a second output of M x N costs its
+    page faults, 1.5 ms of an int4-a16w4 layer's 2.6 ms at M = 1888, N = 1536, K = 384 on an Intel Xeon under
+    KVM. Elsewhere (another dtype; a bias of another shape, as torch.func.functional_call may pass; a
+    functorch transform) a new tensor, as before."""
     if bias is None:
         return y
-    return y.add_(bias) if bias.dtype == y.dtype else y + bias
+    if bias.dtype == y.dtype and bias.shape == y.shape[-1:] and plain_context():
+        return y.add_(bias)
+    return y + bias
 
 
 def _dequant_reads_packed(dtype: torch.dtype) -> bool:
@@ -449,10 +453,12 @@ class Int4Linear(PackedLinear):
         """The bound call of this layer's PackedWeight (made again where stale) for ``algorithm``: the plan's
         bound decode ("msd"), or its bound prefill ("dequant", WqbmmPlan._bound_dequant: compute's prefill on
         the PackedWeight without the plan's per-call checks and workspace); None where the plan has none
-        (another backend or device) or the bias is not of the scale's dtype (_run_one_call's ``bind``:
-        ``sources`` are the weight, scale, offset and bias)."""
+        (another backend or device) or the bias is not an (N,) tensor of the scale's dtype (_run_one_call's
+        ``bind``: ``sources`` are the weight, scale, offset and bias; torch.func.functional_call may pass a bias
+        that broadcasts to more dimensions, which the full path adds as torch does)."""
         _, scale, offset, bias = sources
-        if self.cfg_meta["geometry"]["type"] != "Linear" or (bias is not None and bias.dtype != scale.dtype):
+        if self.cfg_meta["geometry"]["type"] != "Linear" or (
+                bias is not None and (bias.dtype != scale.dtype or bias.shape != (self.out_features,))):
             return None
         plan = self._plan(1, self.weight.device, algorithm)
         bind = plan._bound_decode if algorithm == "msd" else plan._bound_dequant
@@ -500,9 +506,9 @@ class SVDQuantLinearDeploy(QuantizedLinearBase):
 
     def _bind_decode(self, x, sources, _):
         """The svd_quant kernel's bound decode with this layer's bias (_run_one_call's ``bind``), or None where
-        the kernel has none or the bias is not a plain tensor."""
+        the kernel has none or the bias is not a plain (N,) tensor."""
         *factors, bias = sources
-        if bias is not None and not plain_tensor(bias):
+        if bias is not None and not (plain_tensor(bias) and bias.shape == (self.out_features,)):
             return None
         return self.prepared_call(SVD_QUANT, tuple(factors))._bound_gemv(x.dtype, self.in_features, bias)
 

@@ -2868,8 +2868,12 @@ _CANONICAL_NANS = SerialOrParallel(_canonical_nans)
 
 def canonical_nan_bf16(bits: np.ndarray) -> None:
     """Every NaN of BF16 bit patterns (a 1-D int16 array) replaced by the canonical one, in place; on numba's
-    threads from _CANONICAL_ONE_THREAD_WORDS words on."""
-    _CANONICAL_NANS(bits, serial=runs_serially(bits.size, _CANONICAL_ONE_THREAD_WORDS))
+    threads from _CANONICAL_ONE_THREAD_WORDS words on, its tasks split evenly among them (chunk size 0, whatever
+    the caller's: run_gemm_path's suits the tile decoder's rows)."""
+    if runs_serially(bits.size, _CANONICAL_ONE_THREAD_WORDS):
+        _CANONICAL_NANS.serial(bits)
+    else:
+        call_in_chunks(0, _CANONICAL_NANS.parallel, bits)
 
 
 @numba.njit(**NJIT_OPTIONS)
@@ -2955,6 +2959,47 @@ def _one_call_gemv(template, kernel, x_operands):
                       _X_OPERANDS=x_operands)
 
 
+@numba.njit(**_INLINE)
+def _batched_x_bits(x_bits, bf16, order):
+    """The batched kernels' x (M, Kp) where BATCH_IN_BF16: BF16 bits in the register order (_gather_x_bits)."""
+    x_reg = np.empty((x_bits.shape[0], -(-x_bits.shape[1] // LANES) * LANES), dtype=np.int16)
+    _gather_x_bits(x_bits, order, x_reg)
+    return x_reg
+
+
+@numba.njit(**_INLINE)
+def _batched_x_float32(x_bits, bf16, order):
+    """The batched kernels' x (M, Kp) elsewhere: float32 in the register order (_gather_x)."""
+    x_reg = np.empty((x_bits.shape[0], -(-x_bits.shape[1] // LANES) * LANES), dtype=np.float32)
+    _gather_x(x_bits, bf16, order, x_reg)
+    return x_reg
+
+
+def _serial_batched(x_bits, bf16, order, n, operands, bias_bits, bias_kind, out_bits):
+    """WeightOnlyLinear._run_batched in one numba call on the calling thread (bound per format by
+    _one_call_batched: its batched rows kernel ``_KERNEL``, and ``_BATCHED_X``, x's gather): the same steps,
+    the same bits, without two calls from Python (docs/weight_only.md, 'One call')."""
+    x_reg = _BATCHED_X(x_bits, bf16, order)  # noqa: F821 (bound)
+    y32 = np.empty((x_bits.shape[0], n), dtype=np.float32)
+    _KERNEL(x_reg, *operands, 0, n, y32)  # noqa: F821 (bound per format)
+    _finish(y32, bias_bits, bias_kind, bf16, out_bits)
+
+
+def _parallel_batched(x_bits, bf16, order, n, operands, bias_bits, bias_kind, out_bits):
+    """_serial_batched with the rows of W in numba's parallel loop (``_KERNEL``: the format's parallel batched
+    kernel)."""
+    x_reg = _BATCHED_X(x_bits, bf16, order)  # noqa: F821 (bound)
+    y32 = np.empty((x_bits.shape[0], n), dtype=np.float32)
+    _KERNEL(x_reg, *operands, y32)  # noqa: F821 (bound per format)
+    _finish(y32, bias_bits, bias_kind, bf16, out_bits)
+
+
+def _one_call_batched(template, kernel):
+    """The numba dispatcher of ``template`` (_serial_batched or _parallel_batched) with ``_KERNEL`` = kernel."""
+    return bound_njit(template, f"{template.__name__}{kernel.py_func.__name__}", _KERNEL=kernel,
+                      _BATCHED_X=_batched_x_bits if BATCH_IN_BF16 else _batched_x_float32)
+
+
 # Whether the GEMM path hands BF16 x to torch's BF16 GEMM (on BF16 tiles) rather than its float32 GEMM: only
 # where the CPU multiplies BF16 in hardware (simd.TORCH_BF16_GEMM_IN_HARDWARE). Without AVX512-BF16 or AMX
 # (AMD Zen 3, Intel Xeon before Cooper Lake) torch's BF16 GEMM, and F.linear in BF16, ran 3.5-4x slower than
@@ -2992,20 +3037,29 @@ def _gemv_chunksize(n: int) -> int:
 
 
 class BoundGemv:
-    """A prepared weight's GEMV (x of at most ``max_rows`` = GEMV_MAX_M rows, of one dtype and K) in one numba
-    call: ``serial_gemv`` on the calling thread, or ``parallel_gemv`` on numba's threads, as the kernel's
-    ``run`` chooses (runs_serially). ``f(x_bits, out_bits) -> True``: x's and out's int16 bit patterns, (M, K)
-    and (M, N), C-contiguous, not checked here (the caller's: lowbit.ops.library.PreparedCall._bound_gemv)."""
-
-    max_rows = GEMV_MAX_M
+    """A prepared weight's product with x of one dtype and K in one numba call: the GEMV for up to GEMV_MAX_M rows
+    (``serial_gemv`` on the calling thread, or ``parallel_gemv`` on numba's threads, as the kernel's ``run``
+    chooses: runs_serially), the batched kernel for more, up to ``max_rows`` = _batch_max_m (``serial_batched``,
+    ``parallel_batched``). ``f(x_bits, out_bits) -> True``: x's and out's int16 bit patterns, (M, K) and (M, N),
+    C-contiguous, not checked here (the caller's: lowbit.ops.library.PreparedCall._bound_gemv)."""
 
     def __init__(self, kernel: "WeightOnlyLinear", prepared: tuple, n: int, k: int, dtype: torch.dtype) -> None:
         operands, _, bias_bits = prepared
         self._serial, self._parallel = kernel.serial_gemv, kernel.parallel_gemv
         self._args = (dtype == torch.bfloat16, kernel.order, n, operands, kernel.x_consts, *bias_bits)
         self._work, self._chunksize = n * k, _gemv_chunksize(n)
+        self._batched = kernel.serial_batched, kernel.parallel_batched
+        self._batched_args = (dtype == torch.bfloat16, kernel.order, n, operands, *bias_bits)
+        self.max_rows = max(GEMV_MAX_M, _batch_max_m(n, k, dtype))
 
     def __call__(self, x_bits: np.ndarray, out_bits: np.ndarray) -> bool:
+        m = x_bits.shape[0]
+        if m > GEMV_MAX_M:  # as _run's batched path: tasks of _BATCH_ROWS_PER_TASK rows, one at a time
+            if runs_serially(m * self._work, GEMV_ONE_THREAD_WEIGHTS):
+                self._batched[0](x_bits, *self._batched_args, out_bits)
+            else:
+                call_in_chunks(1, self._batched[1], x_bits, *self._batched_args, out_bits)
+            return True
         if runs_serially(self._work, GEMV_ONE_THREAD_WEIGHTS):
             self._serial(x_bits, *self._args, out_bits)
         else:
@@ -3062,6 +3116,8 @@ class WeightOnlyLinear(Kernel):
             self.x_operands, self.x_consts = _code8_x_operands, ()
         self.serial_gemv = _one_call_gemv(_serial_gemv, gemv[0], self.x_operands)
         self.parallel_gemv = _one_call_gemv(_parallel_gemv, gemv[1], self.x_operands)
+        self.serial_batched = _one_call_batched(_serial_batched, batched[0])
+        self.parallel_batched = _one_call_batched(_parallel_batched, batched[1])
 
     def run(self, x: torch.Tensor, *args, out: torch.Tensor) -> None:
         *weight, bias = args
@@ -3094,7 +3150,7 @@ class WeightOnlyLinear(Kernel):
             x, out = x.reshape(m, k), out.view(m, n)
         # Rows are handed out in chunks on demand (not split evenly up front), so a thread that the OS
         # deschedules on a shared machine does not make the other one wait at the end.
-        if m <= GEMV_MAX_M and one_call:
+        if one_call and m <= max(GEMV_MAX_M, _batch_max_m(n, k, x.dtype)):
             self.bind_gemv(prepared, n, k, x.dtype)(x.view(torch.int16).numpy(), out.view(torch.int16).numpy())
             return
         if m <= GEMV_MAX_M:

@@ -286,8 +286,8 @@ class BoundDequant:
     tiles, the scale, offset and bias fixed: the scale and offset widened once (a copy: its maker makes a new
     one whenever they change), the GEMM path's tile in the calling thread's scratch buffer. ``f(x_bits,
     out_bits) -> True``: x's and out's bit patterns, int16 (M, K) and (M, N), C-contiguous, of the scale's
-    dtype, not checked here (the caller's); the bias (N,) of that dtype or None, added by torch in place. The
-    same bits as the operator's path; every row count (``max_rows``)."""
+    dtype, not checked here (the caller's); the bias (N,) of that dtype or None (held as it is, not copied),
+    added by torch in place. The same bits as the operator's path; every row count (``max_rows``)."""
 
     max_rows = 1 << 62
 
