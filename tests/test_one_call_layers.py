@@ -174,6 +174,10 @@ def test_prefill_on_the_packed_weight_gives_the_full_paths_bits(symmetric, has_b
     shapes = [(rows + 1, K), (2, 40, K), (300, K)]
     xs = [random_x(shape, torch.bfloat16, seed) for seed, shape in enumerate(shapes)]
     xs[2][7, 3] = float("nan")
+    xs[2][9] = -0.0  # a row of negative zeros
+    xs[2][11, 5] = float("inf")
+    xs[0][1, :8] = 1e-40  # BF16 subnormals (a BF16 GEMM flushes them: both paths run the same GEMM)
+    xs.append(torch.cat([xs[0], xs[0]], dim=1)[:, ::2])  # not contiguous
     wants = [full_path(module, x) for x in xs]
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -185,7 +189,7 @@ def test_prefill_on_the_packed_weight_gives_the_full_paths_bits(symmetric, has_b
                 got = module(x)
                 assert lowbit.last_backend("weight_quant_batch_matmul") == "native"
                 assert got.shape == want.shape and torch.equal(bits(got), bits(want)), x.shape
-        assert wants[2][7].isnan().all()
+        assert wants[2][7].isnan().all() and wants[2][11].isinf().any() and not xs[-1].is_contiguous()
         calls = []
         full = Int4Linear.compute
         monkeypatch.setattr(Int4Linear, "compute", lambda self, x_q: calls.append(x_q.dtype) or full(self, x_q))

@@ -2960,27 +2960,20 @@ def _one_call_gemv(template, kernel, x_operands):
 
 
 @numba.njit(**_INLINE)
-def _batched_x_bits(x_bits, bf16, order):
-    """The batched kernels' x (M, Kp) where BATCH_IN_BF16: BF16 bits in the register order (_gather_x_bits)."""
-    x_reg = np.empty((x_bits.shape[0], -(-x_bits.shape[1] // LANES) * LANES), dtype=np.int16)
+def _batched_bits_arrays(x_bits, bf16, order, n):
+    """_gemv_arrays for the batched kernels where BATCH_IN_BF16: x's BF16 bits in the register order (M, Kp)
+    (_gather_x_bits), and the (M, N) float32 sums' array."""
+    m, k = x_bits.shape
+    x_reg = np.empty((m, -(-k // LANES) * LANES), dtype=np.int16)
     _gather_x_bits(x_bits, order, x_reg)
-    return x_reg
-
-
-@numba.njit(**_INLINE)
-def _batched_x_float32(x_bits, bf16, order):
-    """The batched kernels' x (M, Kp) elsewhere: float32 in the register order (_gather_x)."""
-    x_reg = np.empty((x_bits.shape[0], -(-x_bits.shape[1] // LANES) * LANES), dtype=np.float32)
-    _gather_x(x_bits, bf16, order, x_reg)
-    return x_reg
+    return x_reg, np.empty((m, n), dtype=np.float32)
 
 
 def _serial_batched(x_bits, bf16, order, n, operands, bias_bits, bias_kind, out_bits):
     """WeightOnlyLinear._run_batched in one numba call on the calling thread (bound per format by
-    _one_call_batched: its batched rows kernel ``_KERNEL``, and ``_BATCHED_X``, x's gather): the same steps,
-    the same bits, without two calls from Python (docs/weight_only.md, 'One call')."""
-    x_reg = _BATCHED_X(x_bits, bf16, order)  # noqa: F821 (bound)
-    y32 = np.empty((x_bits.shape[0], n), dtype=np.float32)
+    _one_call_batched: its batched rows kernel ``_KERNEL``, and ``_ARRAYS``, x's gather): the same steps, the
+    same bits, without two calls from Python (docs/weight_only.md, 'One call')."""
+    x_reg, y32 = _ARRAYS(x_bits, bf16, order, n)  # noqa: F821 (bound)
     _KERNEL(x_reg, *operands, 0, n, y32)  # noqa: F821 (bound per format)
     _finish(y32, bias_bits, bias_kind, bf16, out_bits)
 
@@ -2988,16 +2981,16 @@ def _serial_batched(x_bits, bf16, order, n, operands, bias_bits, bias_kind, out_
 def _parallel_batched(x_bits, bf16, order, n, operands, bias_bits, bias_kind, out_bits):
     """_serial_batched with the rows of W in numba's parallel loop (``_KERNEL``: the format's parallel batched
     kernel)."""
-    x_reg = _BATCHED_X(x_bits, bf16, order)  # noqa: F821 (bound)
-    y32 = np.empty((x_bits.shape[0], n), dtype=np.float32)
+    x_reg, y32 = _ARRAYS(x_bits, bf16, order, n)  # noqa: F821 (bound)
     _KERNEL(x_reg, *operands, y32)  # noqa: F821 (bound per format)
     _finish(y32, bias_bits, bias_kind, bf16, out_bits)
 
 
 def _one_call_batched(template, kernel):
-    """The numba dispatcher of ``template`` (_serial_batched or _parallel_batched) with ``_KERNEL`` = kernel."""
+    """The numba dispatcher of ``template`` (_serial_batched or _parallel_batched) with ``_KERNEL`` = kernel and
+    x gathered as _run_batched gathers it (BF16 bits where BATCH_IN_BF16, else float32 as the GEMV's)."""
     return bound_njit(template, f"{template.__name__}{kernel.py_func.__name__}", _KERNEL=kernel,
-                      _BATCHED_X=_batched_x_bits if BATCH_IN_BF16 else _batched_x_float32)
+                      _ARRAYS=_batched_bits_arrays if BATCH_IN_BF16 else _gemv_arrays)
 
 
 # Whether the GEMM path hands BF16 x to torch's BF16 GEMM (on BF16 tiles) rather than its float32 GEMM: only

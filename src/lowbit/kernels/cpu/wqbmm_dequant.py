@@ -253,8 +253,8 @@ def workspace_sizes(m: int, k: int, n: int, group_size: int, prepacked: bool = F
 
 
 def _float32_scales(antiquant_scale: torch.Tensor, antiquant_offset: torch.Tensor | None, view) -> tuple:
-    """(scale32, offset32): the (K/G, N) scale and offset widened into the workspace's (K/G, Np) float32
-    buffers, zeros past N (the offset's buffer left as it is without an offset)."""
+    """(scale32, offset32): the (K/G, N) scale and offset widened into (K/G, Np) float32 buffers from ``view``
+    (the workspace's, or new ones), zeros past N (the offset's buffer left as it is without an offset)."""
     groups, n = antiquant_scale.shape
     scale32 = view("scale32", torch.float32, (groups, padded_columns(n)))
     offset32 = view("offset32", torch.float32, (groups, padded_columns(n)))
@@ -292,11 +292,8 @@ class BoundDequant:
     max_rows = 1 << 62
 
     def __init__(self, tiles: torch.Tensor, scale: torch.Tensor, offset, bias, group_size: int) -> None:
-        groups, n = scale.shape
-        wide = [torch.zeros(groups, padded_columns(n), dtype=torch.float32) for _ in range(2)]
-        for buffer, narrow in zip(wide, (scale, offset)):
-            if narrow is not None:
-                buffer[:, :n] = narrow.detach()
+        wide = _float32_scales(scale.detach(), None if offset is None else offset.detach(),
+                               lambda name, dtype, shape: torch.empty(shape, dtype=dtype))
         self.dtype, self.bias = scale.dtype, None if bias is None else bias.detach()
         self.operands = _packed_operands(tiles, *wide, offset is not None, group_size, scale.dtype)
 
