@@ -17,6 +17,7 @@ from lowbit.formats import hifloat4, hifloat8, mxfp4, mxfp8
 from lowbit.formats import weight_only as reference
 from lowbit.kernels.cpu import _code8_columns as columns
 from lowbit.kernels.cpu import _simd as simd
+from lowbit.kernels.cpu import amx
 from lowbit.kernels.cpu import weight_only as cpu
 from lowbit.kernels.cpu._runtime import run_tasks
 from lowbit.kernels.cpu.memory import thread_scratch
@@ -648,8 +649,10 @@ def test_rows_of_x_in_pairs_with_one_that_may_not_fuse(fmt):
 @pytest.mark.parametrize("m", [1, 3, 9])
 def test_result_does_not_depend_on_the_thread_count(fmt, m, monkeypatch):
     """One thread runs the GEMV's rows on the calling thread, two the parallel loop (forced here for a
-    small weight): the same bits; so do the batched kernel's tasks (m = 9, BF16)."""
+    small weight): the same bits; so do the batched kernel's tasks and, on AMX CPUs, the AMX kernel's (m = 9,
+    BF16)."""
     monkeypatch.setattr(cpu, "GEMV_ONE_THREAD_WEIGHTS", 0)
+    monkeypatch.setattr(amx, "ONE_THREAD_PRODUCTS", 0)
     g = gen(m)
     weight = WEIGHTS[fmt](67, 256, g)
     x = torch.randn(m, 256, generator=g).bfloat16()
@@ -773,6 +776,7 @@ def test_bf16_gemm_path_orientation(monkeypatch, path, with_bias):
     TRANSPOSED_GEMM_BYTES, the result is torch's y^T = W x^T (a bias as a column, before the one rounding)
     transposed; else F.linear's, bit for bit (the two orders agree at this size on the CPUs measured, so
     which path ran is seen from its transpose call)."""
+    monkeypatch.setattr(cpu, "AMX_GEMM", False)  # torch's GEMM on decoded tiles
     transposes, transpose = [], cpu.transpose_bf16
     monkeypatch.setattr(cpu, "transpose_bf16", lambda src, dst: transposes.append(transpose(src, dst)))
     monkeypatch.setattr(cpu, "BF16_GEMM", True)
@@ -803,6 +807,7 @@ def test_bf16_gemm_path_orientation(monkeypatch, path, with_bias):
 def test_gemm_orientation_follows_the_weights_shape(monkeypatch, m, n, k, transposed):
     """The transposed GEMM only where N and K are both at least TRANSPOSED_MIN_SIDE, and past TRANSPOSED_MAX_M rows
     of x only where K is at least TRANSPOSED_LONG_K (the limits scaled down here); either way the interval."""
+    monkeypatch.setattr(cpu, "AMX_GEMM", False)  # torch's GEMM on decoded tiles
     transposes, transpose = [], cpu.transpose_bf16
     monkeypatch.setattr(cpu, "transpose_bf16", lambda src, dst: transposes.append(transpose(src, dst)))
     for name, value in (("BF16_GEMM", True), ("TRANSPOSED_GEMM", True), ("TRANSPOSED_MIN_SIDE", 64),
@@ -869,6 +874,7 @@ def test_torch_adds_a_bf16_bias_before_its_one_rounding():
 def test_gemm_path_in_several_tiles(monkeypatch, dtype, transposed):
     """Tiles of 3 float32 or 6 BF16 rows (a short last one), each with its own GEMM into a column slice of out
     (or, transposed, into rows of y^T, then transposed); NaN canonical."""
+    monkeypatch.setattr(cpu, "AMX_GEMM", False)  # torch's GEMM on decoded tiles
     monkeypatch.setattr(cpu, "GEMM_TILE_BYTES", 3 * 4 * 384)
     monkeypatch.setattr(cpu, "TRANSPOSED_GEMM", transposed)
     monkeypatch.setattr(cpu, "TRANSPOSED_MIN_SIDE", 0)
@@ -962,6 +968,7 @@ def test_batched_kernel_within_the_order_interval(fmt, m, dtype, monkeypatch):
     rows, an odd one; K with a short last step or an odd 32-block; a chunk boundary of K inside a row), with
     NaN / Inf weights, a non-contiguous x with Inf / NaN, -0 and BF16 subnormals (flushed by vdpbf16ps), a
     bias in x's dtype; every output within the interval or NaN where the reference is; NaN canonical."""
+    monkeypatch.setattr(cpu, "AMX_GEMM", False)  # (which replaces it on AMX CPUs)
     calls = []
     kernel = CPU_KERNELS[fmt]
     monkeypatch.setattr(kernel, "batched", tuple(lambda *args, run=run: calls.append(1) or run(*args)
@@ -1019,6 +1026,7 @@ def test_rows_of_x_choose_the_batched_kernel_or_the_gemm_path(monkeypatch, amx, 
     """x with 5-32 rows runs the batched kernel (BF16 x only where its products are BF16 dot products),
     except on CPUs with AMX-BF16 for weights of at least AMX_GEMM_WEIGHTS (here 2048 x 1024), which take
     torch's AMX GEMM on decoded tiles from M = 5 on."""
+    monkeypatch.setattr(cpu, "AMX_GEMM", False)  # lowbit's AMX kernel: the next test
     monkeypatch.setattr(simd, "HAS_AMX_BF16", amx)
     paths = []
     kernel = cpu.MXFP4_LINEAR
@@ -1031,6 +1039,119 @@ def test_rows_of_x_choose_the_batched_kernel_or_the_gemm_path(monkeypatch, amx, 
     lowbit.mxfp4_linear(x, *mxfp4_weight(n, k, g), backend="native")
     runs_batched = (batched or not amx) and (dtype == torch.bfloat16 or not cpu.BATCH_IN_BF16)
     assert set(paths) == {"batched" if runs_batched else "tile"}
+
+
+# --- lowbit's AMX kernel (CPUs with AMX-BF16): BF16 x, within the interval -------------------------------------
+
+needs_amx = pytest.mark.skipif(not amx.AVAILABLE, reason="no AMX-BF16 here (CPU, OS or a generic NUMBA_CPU_NAME)")
+
+
+def _counting_amx(monkeypatch) -> list:
+    """amx.run counted: the list gets a 1 per call."""
+    calls, run = [], amx.run
+    monkeypatch.setattr(amx, "run", lambda *args: calls.append(1) or run(*args))
+    return calls
+
+
+@needs_amx
+@pytest.mark.parametrize("fmt", WEIGHTS)
+@pytest.mark.parametrize("m, n", [(cpu.GEMV_MAX_M + 1, 131), (32, 67), (33, 160), (70, 29)])
+@pytest.mark.parametrize("bias_dtype", [None, torch.bfloat16, torch.float32])
+def test_amx_kernel_within_the_order_interval(monkeypatch, fmt, m, n, bias_dtype):
+    """BF16 x of GEMV_MAX_M + 1 .. rows on the tiles: M and N on and off the 32-row blocks (a last task of 3
+    rows, N below one panel), K with a short last tile row (HiFloat8, FP8: 319) or an odd 32-block; NaN / Inf
+    weights, a non-contiguous x with Inf / NaN, -0 and BF16 subnormals (flushed by the tiles), every bias kind;
+    each output within the interval or NaN where the reference is; NaN canonical."""
+    calls = _counting_amx(monkeypatch)
+    g = gen(m + n)
+    k = {"hifloat8": 319, "float8": 319, "mxfp8": 352, "mxfp4": 352, "hifloat4": 320}[fmt]
+    weight = WEIGHTS[fmt](n, k, g)
+    if fmt in ("hifloat8", "float8"):
+        weight[0][5, 7], weight[0][9, 0] = (0x80, 0x6F) if fmt == "hifloat8" else (0x7F, 0x7E)
+    elif fmt in ("mxfp8", "mxfp4"):
+        weight[1][5, 2] = 0xFF  # a NaN block
+    x = torch.randn(m, 2 * k, generator=g).bfloat16()[:, ::2]
+    x[0, :8] = 2.0**-130  # BF16 subnormals
+    x[m - 1, 3] = float("inf")
+    x[1, 100] = float("nan")
+    x[2, 200:232] = -0.0
+    bias = None if bias_dtype is None else torch.randn(n, generator=g).to(bias_dtype)
+    got = OPS[fmt](x, *weight, bias, backend="native")
+    assert calls == [1]
+    dense = _dense(fmt, weight, torch.bfloat16)
+    want = reference.linear(x, dense, bias)
+    assert reference.meets_contract(got, want, x, dense, bias)
+    assert (bits(got)[got.isnan()] == reference.NAN_BITS[torch.bfloat16]).all()
+    assert got.isnan().any() and not got.isnan().all()
+
+
+@needs_amx
+@needs_two_numba_threads
+@pytest.mark.parametrize("fmt", ["mxfp4", "hifloat8"])
+def test_amx_kernel_gives_the_same_bits_on_any_thread_count(monkeypatch, fmt):
+    """Each output's sums come from one task whatever thread runs it: numba's threads (ONE_THREAD_PRODUCTS 0)
+    give the calling thread's bits (N = 300: three tasks of 128, 128 and 44 rows)."""
+    g = gen(5)
+    weight = WEIGHTS[fmt](300, 512, g)
+    x = torch.randn(45, 512, generator=g).bfloat16()
+    outs = []
+    for products in (1 << 62, 0):
+        monkeypatch.setattr(amx, "ONE_THREAD_PRODUCTS", products)
+        outs.append(OPS[fmt](x, *weight, None, backend="native"))
+    assert_bits(outs[0], outs[1])
+
+
+@needs_amx
+@pytest.mark.parametrize("m, k", [(1, 1), (5, 31), (16, 32), (17, 33), (33, 64), (48, 100), (64, 96)])
+def test_x_pairs_is_x_transposed_in_pairs(m, k):
+    """x^T for the tiles: row i holds the pairs (x[r, 2i], x[r, 2i + 1]) of every row r, zeros past M and K (the
+    16 x 16 blocks of pairs in registers, the edges one by one)."""
+    x = torch.randint(-(1 << 15), 1 << 15, (m, k), generator=gen(m * k), dtype=torch.int16)
+    kp, mp = -(-k // amx.TILE_K) * amx.TILE_K, -(-m // amx.PANEL) * amx.PANEL
+    padded = torch.zeros(mp, kp, dtype=torch.int16)
+    padded[:m, :k] = x
+    want = padded.view(mp, kp // 2, 2).transpose(0, 1).reshape(kp // 2, 2 * mp)
+    got = amx.x_pairs(x.numpy(), kp, mp)
+    assert got.shape == (kp // 2, mp)
+    assert torch.equal(torch.from_numpy(got.view(np.int16)), want)
+
+
+@numba.njit(nogil=True)
+def _nan_padded_rows_for_amx_test(values, r0, first, end, w):
+    """A tile decoder that writes NaN past the weight's K = values.shape[1] columns (the contract allows only
+    zeros there, or nothing): the AMX kernel must not let them reach a sum."""
+    for i in range(first, end):
+        for c in range(w.shape[1]):
+            w[i, c] = values[r0 + i, c] if c < values.shape[1] else np.int16(0x7FC1)
+
+
+@needs_amx
+def test_amx_kernel_zeroes_the_columns_past_k():
+    """Columns K .. of a decoded row (K = 40 here: 24 of the second tile row's 32) set to 0 before the products:
+    a decoder's NaN there changes no output."""
+    g = gen(9)
+    w = torch.randn(48, 40, generator=g).bfloat16()
+    x = torch.randn(7, 40, generator=g).bfloat16()
+    out = torch.empty(7, 48, dtype=torch.bfloat16)
+    amx.run(_nan_padded_rows_for_amx_test, (bits(w).numpy(),), bits(x).numpy(), 48, 96, *cpu._bias_bits(None),
+            bits(out).numpy())
+    assert not out.isnan().any()
+    assert reference.meets_contract(out, reference.linear(x, w), x, w)
+
+
+@needs_amx
+@pytest.mark.parametrize("m, k, dtype, on_tiles", [
+    (cpu.GEMV_MAX_M + 1, 256, torch.bfloat16, True), (cpu.AMX_MAX_M, 256, torch.bfloat16, True),
+    (cpu.AMX_MAX_M + 1, 64, torch.bfloat16, False), (64, cpu.AMX_X_BYTES // 128, torch.bfloat16, True),
+    (65, cpu.AMX_X_BYTES // 128, torch.bfloat16, False), (32, 256, torch.float16, False)])
+def test_rows_of_x_choose_the_amx_kernel(monkeypatch, m, k, dtype, on_tiles):
+    """BF16 x from GEMV_MAX_M + 1 rows up to AMX_MAX_M whose x^T (M and K padded to the tiles) fits AMX_X_BYTES
+    runs lowbit's AMX kernel (never the batched kernel); beyond either, and for FP16 x, the other paths."""
+    calls = _counting_amx(monkeypatch)
+    g = gen(m + k)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    lowbit.mxfp4_linear(x, *mxfp4_weight(64, k, g), backend="native")
+    assert calls == ([1] if on_tiles else [])
 
 
 # --- Triton (interpreted on the CPU): bit-exact for every M ---------------------------------------------------

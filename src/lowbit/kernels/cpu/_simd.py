@@ -321,6 +321,8 @@ def _make_store(vector_type, doc):
 i32v_load = _make_load(_VI32, I32V, """LANES int32 lanes from a 1-D C-contiguous array at element ``index`` (4 * LANES
 bytes, any alignment); a uint8 array is read as 4 * LANES bytes, lane i = bytes 4i..4i+3 (little-endian).""")
 i32v_store = _make_store(_VI32, "Store LANES int32 lanes into a 1-D C-contiguous int32 array at element ``index``.")
+i16v_load = _make_load(_VI16, I16V, "LANES int16 lanes from a 1-D C-contiguous int16 array at element ``index``.")
+i16v_store = _make_store(_VI16, "Store LANES int16 lanes into a 1-D C-contiguous int16 array at element ``index``.")
 
 
 @intrinsic

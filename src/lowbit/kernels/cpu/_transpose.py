@@ -1,6 +1,7 @@
 """Blocks of the transpose of a matrix of BF16 bit patterns, every NaN made the canonical one, for the CPU
 GEMM path's last step where torch computed y^T = W x^T (weight_only.transpose_bf16; docs/weight_only.md,
-'CPU GEMM').
+'CPU GEMM'); and ``transpose_pairs``, the same rounds on 16 x 16 pairs of words (32-bit elements, no NaN
+handling): x^T in the AMX tiles' pair layout (lowbit.kernels.cpu.amx).
 
 Blocks of 32 x 32 words are transposed in registers: 32 rows of 32 words, then five rounds that each swap one
 bit of the row index with the same bit of the column index (rows i and i + b exchange the second half of
@@ -12,6 +13,8 @@ to 128/256-bit lane shuffles, 64-bit unpacks and two-source permutes (vpermt2q /
 
 from __future__ import annotations
 
+import numba
+import numpy as np
 import torch
 from llvmlite import ir
 from numba import types
@@ -20,20 +23,62 @@ from numba.extending import intrinsic
 
 from lowbit.formats import weight_only as reference
 from lowbit.kernels.cpu import _simd as simd
+from lowbit.kernels.cpu._runtime import NJIT_OPTIONS
 
 BLOCK = 32  # words per block side: one 512-bit register per row
 _I16 = ir.IntType(16)
 _ROW = ir.VectorType(_I16, BLOCK)
 
 
-def _round_masks(b: int) -> tuple[list[int], list[int]]:
+_BF16_NAN = np.int16(reference.NAN_BITS[torch.bfloat16])
+
+
+@numba.njit(**dict(NJIT_OPTIONS, inline="always"))
+def canonical_word(word):
+    """A BF16 bit pattern, the canonical NaN if it is a NaN."""
+    return _BF16_NAN if (word & 0x7FFF) > 0x7F80 else word
+
+
+PAIR_BLOCK = 16  # pairs of words per block side of transpose_pairs: one 512-bit register per row
+_PAIR_ROW = ir.VectorType(ir.IntType(32), PAIR_BLOCK)
+
+
+def _round_masks(b: int, block: int) -> tuple[list[int], list[int]]:
     """shufflevector masks of rows i and i + b after the round that swaps bit b of the row and column index."""
-    first = [c for s in range(0, BLOCK, 2 * b) for c in (*range(s, s + b), *range(BLOCK + s, BLOCK + s + b))]
+    first = [c for s in range(0, block, 2 * b) for c in (*range(s, s + b), *range(block + s, block + s + b))]
     return first, [c + b for c in first]
 
 
-_ROUNDS = [(b, *(ir.Constant(ir.VectorType(ir.IntType(32), BLOCK), mask) for mask in _round_masks(b)))
-           for b in (16, 8, 4, 2, 1)]
+def _rounds(block: int) -> list:
+    """(b, first mask, second mask) of each round of a ``block`` x ``block`` transpose."""
+    return [(b, *(ir.Constant(ir.VectorType(ir.IntType(32), block), mask) for mask in _round_masks(b, block)))
+            for b in (block // 2, block // 4, block // 8, block // 16, block // 32) if b]
+
+
+_ROUNDS, _PAIR_ROUNDS = _rounds(BLOCK), _rounds(PAIR_BLOCK)
+
+
+def _transposed_rows(builder, rows: list, rounds: list) -> list:
+    """The registers ``rows`` (one row of a square block each) after ``rounds``: the block's transpose."""
+    for b, first, second in rounds:
+        swapped = list(rows)
+        for i in (r for r in range(len(rows)) if not r & b):
+            swapped[i] = builder.shuffle_vector(rows[i], rows[i + b], first)
+            swapped[i + b] = builder.shuffle_vector(rows[i], rows[i + b], second)
+        rows = swapped
+    return rows
+
+
+def _offsets(builder, args):
+    """Element offsets and strides, as i64."""
+    i64 = ir.IntType(64)
+    return [builder.sext(a, i64) if a.type.width < 64 else a for a in args]
+
+
+def _row_pointer(context, builder, array_type, array, at, stride, row, vector_type):
+    """Pointer to the ``vector_type`` at element ``at + row * stride`` of a 1-D int16 array."""
+    at = builder.add(at, builder.mul(stride, ir.Constant(ir.IntType(64), row)))
+    return simd._element_ptr(context, builder, array_type, array, at, vector_type)
 
 
 def _make_transpose_block(streaming: bool):
@@ -48,22 +93,14 @@ def _make_transpose_block(streaming: bool):
             return None
 
         def codegen(context, builder, sig, args):
-            i64 = ir.IntType(64)
-            src_at, src_stride, dst_at, dst_stride = (builder.sext(a, i64) if a.type.width < 64 else a
-                                                      for a in (args[1], args[2], args[4], args[5]))
+            src_at, src_stride, dst_at, dst_stride = _offsets(builder, (args[1], args[2], args[4], args[5]))
 
             def pointer(array_type, array, at, stride, row):
-                at = builder.add(at, builder.mul(stride, ir.Constant(i64, row)))
-                return simd._element_ptr(context, builder, array_type, array, at, _ROW)
+                return _row_pointer(context, builder, array_type, array, at, stride, row, _ROW)
 
             rows = [builder.load(pointer(sig.args[0], args[0], src_at, src_stride, r), align=1)
                     for r in range(BLOCK)]
-            for b, first, second in _ROUNDS:
-                swapped = list(rows)
-                for i in (r for r in range(BLOCK) if not r & b):
-                    swapped[i] = builder.shuffle_vector(rows[i], rows[i + b], first)
-                    swapped[i + b] = builder.shuffle_vector(rows[i], rows[i + b], second)
-                rows = swapped
+            rows = _transposed_rows(builder, rows, _ROUNDS)
             magnitude, infinity = ir.Constant(_ROW, [0x7FFF] * BLOCK), ir.Constant(_ROW, [0x7F80] * BLOCK)
             nan = ir.Constant(_ROW, [int(reference.NAN_BITS[torch.bfloat16])] * BLOCK)
             for r, row in enumerate(rows):
@@ -81,6 +118,25 @@ def _make_transpose_block(streaming: bool):
 
 transpose_block = _make_transpose_block(streaming=False)
 transpose_block_streaming = _make_transpose_block(streaming=True)
+
+
+@intrinsic
+def transpose_pairs(typingctx, src, src_at, src_stride, dst, dst_at, dst_stride):
+    """dst[dst_at + r * dst_stride + 2 c + e] <- src[src_at + c * src_stride + 2 r + e] for r, c < PAIR_BLOCK and
+    e < 2 (``src`` and ``dst``: 1-D int16 arrays): a 16 x 16 block of 32-bit pairs of words transposed."""
+    if not all(isinstance(a, types.Array) and a.dtype == types.int16 for a in (src, dst)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        src_at, src_stride, dst_at, dst_stride = _offsets(builder, (args[1], args[2], args[4], args[5]))
+        rows = [builder.load(_row_pointer(context, builder, sig.args[0], args[0], src_at, src_stride, r, _PAIR_ROW),
+                             align=1) for r in range(PAIR_BLOCK)]
+        for r, row in enumerate(_transposed_rows(builder, rows, _PAIR_ROUNDS)):
+            builder.store(row, _row_pointer(context, builder, sig.args[3], args[3], dst_at, dst_stride, r, _PAIR_ROW),
+                          align=1)
+        return context.get_dummy_value()
+
+    return types.void(src, src_at, src_stride, dst, dst_at, dst_stride), codegen
 
 
 @intrinsic

@@ -47,6 +47,7 @@ from lowbit.backends import Kernel
 from lowbit.formats import hifloat8, mxfp4, mxfp8
 from lowbit.formats import weight_only as reference
 from lowbit.kernels.cpu import _code8_columns as _columns
+from lowbit.kernels.cpu import amx
 from lowbit.kernels.cpu import _transpose
 from lowbit.kernels.cpu import _simd as simd
 from lowbit.kernels.cpu._runtime import (NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, SerialOrParallel, as_numpy, bound_njit,
@@ -2803,7 +2804,7 @@ def _gather_x(x_bits, bf16, order, x_reg):
                 x_reg[m, j + p] = widened[j + order[p]]
 
 
-_NO_BIAS, _BIAS_LIKE_X, _BIAS_FLOAT32 = 0, 1, 2  # _finish's bias kinds
+_NO_BIAS, _BIAS_LIKE_X, _BIAS_FLOAT32 = amx.BIAS_NONE, amx.BIAS_BF16, amx.BIAS_FLOAT32  # _finish's bias kinds
 
 
 @numba.njit(**NJIT_OPTIONS)
@@ -2840,15 +2841,6 @@ def _finish(y32, bias_bits, bias_kind, bf16, out_bits):
                 copy_elements(out_bits[m], j, out_chunk, 0, count)
 
 
-_BF16_NAN = np.int16(reference.NAN_BITS[torch.bfloat16])
-
-
-@numba.njit(**_INLINE)
-def _canonical_word(word):
-    """A BF16 bit pattern, the canonical NaN if it is a NaN."""
-    return _BF16_NAN if (word & 0x7FFF) > 0x7F80 else word
-
-
 # The canonical-NaN pass over a GEMM's output: words per prange iteration, and the size from which it runs on
 # numba's threads (M = 1888, N = 1536: 0.20 ms on one thread, a tenth of the layer's time on an Intel Xeon).
 _CANONICAL_TASK_WORDS = 1 << 16
@@ -2860,7 +2852,8 @@ def _canonical_nans(bits):
     size, words = np.uint64(bits.size), np.uint64(_CANONICAL_TASK_WORDS)
     for task in numba.prange((size + words - np.uint64(1)) // words):
         for i in range(np.uint64(task) * words, min(size, (np.uint64(task) + np.uint64(1)) * words)):
-            bits[i] = _canonical_word(bits[i])  # unsigned i: no negative-index code, so LLVM vectorizes the loop
+            # unsigned i: no negative-index code, so LLVM vectorizes the loop
+            bits[i] = _transpose.canonical_word(bits[i])
 
 
 _CANONICAL_NANS = SerialOrParallel(_canonical_nans)
@@ -2896,10 +2889,10 @@ def transpose_bf16(src, dst):
         _transpose.store_fence()
     for j in range(m_blocks, m):  # src's last columns, all its rows
         for i in range(n):
-            dst[j, i] = _canonical_word(src[i, j])
+            dst[j, i] = _transpose.canonical_word(src[i, j])
     for i in range(n_blocks, n):  # src's last rows, in the columns the blocks covered
         for j in range(m_blocks):
-            dst[j, i] = _canonical_word(src[i, j])
+            dst[j, i] = _transpose.canonical_word(src[i, j])
 
 
 # ---- kernels -----------------------------------------------------------------------------------------------
@@ -3062,7 +3055,7 @@ class BoundGemv:
 
 def _batch_max_m(n: int, k: int, dtype: torch.dtype) -> int:
     """Rows of x of ``dtype`` up to which an (N, K) weight runs the batched kernel (GEMV_MAX_M: never)."""
-    if BATCH_IN_BF16 and dtype != torch.bfloat16:
+    if BATCH_IN_BF16 and dtype != torch.bfloat16 or AMX_GEMM and dtype == torch.bfloat16:
         return GEMV_MAX_M
     if simd.HAS_AMX_BF16 and n * k >= AMX_GEMM_WEIGHTS:
         return AMX_BATCH_MAX_M
@@ -3197,6 +3190,24 @@ class WeightOnlyLinear(Kernel):
         _round_into(y32, bias, bf16, out)
 
 
+# On CPUs with AMX-BF16, BF16 x of at most AMX_MAX_M rows whose x^T (M and K padded to the tiles) takes at most
+# AMX_X_BYTES multiplies the packed weight on AMX tiles itself (lowbit.kernels.cpu.amx: each panel of W decoded
+# into the cache, no BF16 tile written out, no torch GEMM), from GEMV_MAX_M + 1 rows on (the batched kernel is
+# not used there). Beyond, torch's GEMM (oneDNN) reached more of the tiles' throughput than lowbit's kernel,
+# whose x^T no longer stays in the L2 (Intel Xeon Emerald Rapids, MXFP4 and HiFloat8: 4096^2 1.0-1.2x F.linear's
+# time at M = 128 either way, 1.75x against 1.2x at M = 256; 1536 x 384 at M = 768 1.9x against 1.55x;
+# benchmarks/results_weight_only.md, 'Intel Xeon Emerald Rapids: lowbit's AMX kernel').
+AMX_GEMM = amx.AVAILABLE
+AMX_MAX_M = 512
+AMX_X_BYTES = 768 << 10
+
+
+def _amx_multiplies(m: int, k: int, dtype: torch.dtype) -> bool:
+    """Whether the GEMM path of M rows of x of ``dtype`` with K columns runs on lowbit's own AMX kernel."""
+    x_bytes = 2 * -(-m // amx.PANEL) * amx.PANEL * -(-k // amx.TILE_K) * amx.TILE_K
+    return AMX_GEMM and dtype == torch.bfloat16 and m <= AMX_MAX_M and x_bytes <= AMX_X_BYTES
+
+
 def _transposes(m: int, n: int, k: int) -> bool:
     """Whether the BF16 GEMM of M rows of x and an (N, K) weight runs transposed (TRANSPOSED_GEMM and the limits
     after it)."""
@@ -3256,6 +3267,9 @@ def run_gemm_path(tile: tuple, operands: tuple, x: torch.Tensor, bias, out: torc
     scratch buffer, or in ``scratch`` (uint8, at least :func:`gemm_scratch_nbytes`; bias None) where given.
     Operands checked by the caller; out C-contiguous."""
     (m, k), n = x.shape, out.shape[1]
+    if _amx_multiplies(m, k, x.dtype):
+        amx.run(tile[0], operands, as_numpy(x.contiguous()), n, _tile_width(k), *_bias_bits(bias), as_numpy(out))
+        return
     path, tile_dtype, transposed = _gemm_path(m, n, k, x.dtype, bias)
     rows, _ = _tile_layout(n, k, tile_dtype, transposed)
     after = (n, m) if transposed else (0,)

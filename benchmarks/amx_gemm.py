@@ -1,0 +1,98 @@
+"""lowbit's AMX kernel (lowbit.kernels.cpu.amx) against the paths it replaces, on a CPU with AMX-BF16: for each
+weight-only format and (N x K, M), BF16 x through the operator with the AMX kernel (whatever the size of x:
+AMX_MAX_M and AMX_X_BYTES lifted) and without it (the batched kernel up to its rows, then torch's BF16 GEMM on decoded
+tiles), time over BF16 F.linear's, the cases of a round
+interleaved, each call after a SiLU, medians of --rounds (after half a second of warm-up calls).
+
+    PYTHONPATH=src python benchmarks/amx_gemm.py --shapes 384x384 1536x384 384x1536 4096x4096 \
+        --ms 5 8 16 32 64 128 256 512 [--formats mxfp4 hifloat4 hifloat8] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import lowbit  # noqa: I001  (first: sets the OpenMP wait policy before torch loads)
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from lowbit.cli.smoke._common import device_name
+from lowbit.formats import hifloat4, mxfp4
+from lowbit.kernels.cpu import amx
+from lowbit.kernels.cpu import weight_only as cpu
+
+
+def _weights(w: torch.Tensor) -> dict:
+    """Each format's operator and quantized weight of ``w`` (N, K) float32."""
+    row_scale = w.abs().amax(1) / 32768
+    return {"mxfp4": (lowbit.mxfp4_linear, mxfp4.quantize(w)),
+            "hifloat4": (lowbit.hifloat4_linear, hifloat4.pack(w)),
+            "hifloat8": (lowbit.hifloat8_linear,
+                         (lowbit.encode_to_hifloat8((w / row_scale[:, None]).bfloat16()), row_scale))}
+
+
+def _medians(cases: dict, rounds: int, activation: torch.Tensor) -> dict[str, float]:
+    """Median seconds of each case, the cases of a round interleaved, each call after a SiLU."""
+    warm_until = time.perf_counter() + 0.5
+    while time.perf_counter() < warm_until:
+        for call in cases.values():
+            call()
+    times = {name: [] for name in cases}
+    for _ in range(rounds):
+        for name, call in cases.items():
+            F.silu(activation)
+            start = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def compare(n: int, k: int, ms: list[int], formats: list[str], rounds: int) -> None:
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(n, k, generator=gen)
+    w_bf16 = w.bfloat16()
+    weights = {name: value for name, value in _weights(w).items() if name in formats}
+    saved = cpu.AMX_GEMM, cpu.AMX_MAX_M, cpu.AMX_X_BYTES
+    try:
+        for m in ms:
+            x = torch.randn(m, k, generator=gen).bfloat16()
+            cases = {"F.linear": lambda: F.linear(x, w_bf16)}
+            for name, (op, weight) in weights.items():
+                for label, on in (("amx", True), ("before", False)):
+                    def call(op=op, weight=weight, on=on):
+                        cpu.AMX_GEMM, cpu.AMX_MAX_M, cpu.AMX_X_BYTES = on, 1 << 62, 1 << 62
+                        op(x, *weight, backend="native")
+                    cases[f"{name} {label}"] = call
+            times = _medians(cases, rounds, torch.randn(64, 4 * k).bfloat16())
+            base = times.pop("F.linear")
+            print(f"{n} x {k}, M = {m}: F.linear {base * 1e3:.3f} ms; time over F.linear's: "
+                  + "  ".join(f"{name} {t / base:.2f}" for name, t in times.items()), flush=True)
+    finally:
+        cpu.AMX_GEMM, cpu.AMX_MAX_M, cpu.AMX_X_BYTES = saved
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", nargs="+", default=["384x384", "1536x384", "384x1536", "4096x4096"],
+                        help="N x K of each weight")
+    parser.add_argument("--ms", type=int, nargs="+", default=[5, 8, 16, 32, 64, 128, 256, 512])
+    parser.add_argument("--formats", nargs="+", default=["mxfp4", "hifloat4", "hifloat8"])
+    parser.add_argument("--rounds", type=int, default=21)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not amx.AVAILABLE:
+        raise SystemExit("this CPU (or OS) runs no AMX-BF16: nothing to compare")
+    print(f"CPU: {device_name(torch.device('cpu'))}, torch {torch.__version__}, {torch.get_num_threads()} threads; "
+          f"AMX_MAX_M {cpu.AMX_MAX_M}, AMX_X_BYTES {cpu.AMX_X_BYTES}, SUBPANELS {amx.SUBPANELS}")
+    for shape in args.shapes:
+        n, k = (int(v) for v in shape.split("x"))
+        compare(n, k, args.ms, args.formats, args.rounds)
+
+
+if __name__ == "__main__":
+    main()

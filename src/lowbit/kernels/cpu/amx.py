@@ -1,0 +1,307 @@
+"""The GEMM path on AMX tiles: a packed weight decoded 32 rows at a time into the cache and multiplied there by
+``tdpbf16ps``, for BF16 x on CPUs with AMX-BF16 (Intel Xeon since Sapphire Rapids; docs/weight_only.md, 'AMX').
+
+torch's BF16 GEMM reads a decoded weight from memory: the GEMM path wrote every decoded weight as a BF16 word
+(stores that ran at 16-20 GB/s per core) and oneDNN read it back, repacked. Here a task decodes a panel of 32
+rows of W (the format's own tile decoder, ``tile_rows``) into a buffer that stays in the L1 / L2 and runs the
+tiles on it for every row of x at once:
+
+    C^T (32 rows of W x 32 rows of x) += W panel (A: 2 tiles of 16 rows x 32 K) . x^T (B: 2 tiles of 16 K pairs
+    x 16 rows of x, the pair layout tdpbf16ps reads)
+
+x^T is laid out once per call (``transpose_pairs``), each C^T block is rounded to BF16 (the bias added first)
+and transposed into the output by the GEMM path's word transpose, every NaN made the canonical one. The sums
+are float32 in AMX's order, with its handling of subnormals (inputs and results flushed to zero), as torch's
+GEMM on these CPUs: inside the GEMM path's interval (docs/weight_only.md, 'Tolerance of the GEMM path').
+
+The tile registers: C^T blocks tmm0-3, the two W tiles tmm4-5, the two x^T tiles tmm6-7, each 16 rows of 64
+bytes. Instructions come as inline assembly (LLVM's intrinsics for them are not reachable from numba), which
+numba's JIT can only assemble once LLVM's assembly parser is set up (``_enable``). Linux lets a process use
+the tiles' 8 KiB of state only after it asks (arch_prctl ARCH_REQ_XCOMP_PERM): ``AVAILABLE`` is whether it
+did; where the CPU, the OS or a ``NUMBA_CPU_NAME`` override rules AMX out, nothing here is compiled or run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+
+import numba
+import numpy as np
+from llvmlite import binding as llvm_binding
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+from lowbit.kernels.cpu import _simd as simd
+from lowbit.kernels.cpu import _transpose
+from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, SerialOrParallel, call_in_chunks, copy_elements, runs_serially
+
+_SYS_ARCH_PRCTL = 158  # x86-64
+_ARCH_REQ_XCOMP_PERM = 0x1023
+_XFEATURE_XTILEDATA = 18
+
+
+def _enable() -> bool:
+    """Ask Linux for the tile data state (once per process; inherited by its threads) and set up LLVM's
+    assembly parser; whether AMX-BF16 can run here."""
+    if not (simd.HAS_AMX_BF16 and sys.platform == "linux"):
+        return False
+    try:
+        granted = ctypes.CDLL(None, use_errno=True).syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM,
+                                                             _XFEATURE_XTILEDATA) == 0
+    except (OSError, AttributeError):
+        return False
+    if granted:
+        llvm_binding.initialize_native_asmparser()
+    return granted
+
+
+AVAILABLE = _enable()
+
+PANEL = 32  # rows of W per C^T block: two A tiles
+SUBPANELS = 4  # panels per task
+TILE_K = 32  # elements of K per tile row (64 bytes of BF16)
+_I8P, _I64, _VOID = ir.IntType(8).as_pointer(), ir.IntType(64), ir.VoidType()
+
+
+def _config() -> np.ndarray:
+    """ldtilecfg's 64 bytes: palette 1, tiles 0-7 of 16 rows x 64 bytes."""
+    cfg = np.zeros(64, dtype=np.uint8)
+    cfg[0] = 1
+    for t in range(8):
+        cfg[16 + 2 * t] = 64  # bytes per row (16-bit little-endian field)
+        cfg[48 + t] = 16  # rows
+    return cfg
+
+
+_CONFIG = _config()
+
+
+def _asm(builder, text: str, operands=()) -> None:
+    """Inline assembly ``text`` (AT&T) with pointer / i64 ``operands`` as $0, $1, ...; it touches memory."""
+    kinds = [op.type for op in operands]
+    constraints = ",".join(["r"] * len(operands) + ["~{memory}"])
+    builder.call(ir.InlineAsm(ir.FunctionType(_VOID, kinds), text, constraints, side_effect=True), list(operands))
+
+
+def _byte_pointer(context, builder, array_type, array, offset):
+    """i8* to byte ``offset`` of an array's data."""
+    data = builder.bitcast(context.make_array(array_type)(context, builder, array).data, _I8P)
+    return builder.gep(data, [offset])
+
+
+@intrinsic
+def _load_config(typingctx, cfg):
+    """ldtilecfg from a 64-byte uint8 array."""
+
+    def codegen(context, builder, sig, args):
+        _asm(builder, "ldtilecfg ($0)", [_byte_pointer(context, builder, sig.args[0], args[0], ir.Constant(_I64, 0))])
+        return context.get_dummy_value()
+
+    return types.void(cfg), codegen
+
+
+@intrinsic
+def _release(typingctx):
+    """tilerelease: the tiles back to their initial state (the thread's AMX state no longer in use)."""
+
+    def codegen(context, builder, sig, args):
+        _asm(builder, "tilerelease")
+        return context.get_dummy_value()
+
+    return types.void(), codegen
+
+
+def _make_tile_op(text: str, doc: str):
+    """An intrinsic ``op(array, byte offset, byte stride)`` emitting ``text`` with $0 the address, $1 the stride."""
+
+    @intrinsic
+    def op(typingctx, array, offset, stride):
+        def codegen(context, builder, sig, args):
+            offset, stride = (builder.sext(a, _I64) if a.type.width < 64 else a for a in args[1:])
+            _asm(builder, text, [_byte_pointer(context, builder, sig.args[0], args[0], offset), stride])
+            return context.get_dummy_value()
+
+        return types.void(array, types.int64, types.int64), codegen
+
+    op.__doc__ = doc
+    return op
+
+
+def _make_plain(text: str, doc: str):
+    @intrinsic
+    def op(typingctx):
+        def codegen(context, builder, sig, args):
+            _asm(builder, text)
+            return context.get_dummy_value()
+
+        return types.void(), codegen
+
+    op.__doc__ = doc
+    return op
+
+
+_load = [_make_tile_op(f"tileloadd ($0,$1,1), %tmm{t}", f"tmm{t} <- 16 rows of 64 bytes") for t in range(8)]
+_store = [_make_tile_op(f"tilestored %tmm{t}, ($0,$1,1)", f"16 rows of 64 bytes <- tmm{t}") for t in range(4)]
+_zero = [_make_plain(f"tilezero %tmm{t}", f"tmm{t} <- 0") for t in range(4)]
+_C00, _C01, _C10, _C11 = (_make_plain(f"tdpbf16ps %tmm{b}, %tmm{a}, %tmm{c}", f"tmm{c} += tmm{a} . tmm{b}")
+                          for c, a, b in ((0, 4, 6), (1, 4, 7), (2, 5, 6), (3, 5, 7)))
+_load_a0, _load_a1, _load_b0, _load_b1 = _load[4:]
+_store_c00, _store_c01, _store_c10, _store_c11 = _store
+_zero_c00, _zero_c01, _zero_c10, _zero_c11 = _zero
+
+
+@numba.njit(**NJIT_OPTIONS)
+def x_pairs(x_bits, kp, mp):
+    """x^T for the B tiles: (kp / 2, mp) pairs of words as int32 (a pair: x[m, 2i], x[m, 2i + 1]) from x_bits
+    (M, K) int16, C-contiguous; zero past M and K (kp: K rounded up to TILE_K, mp: M rounded up to PANEL)."""
+    m, k = x_bits.shape
+    xt = np.zeros((kp // 2, mp), dtype=np.int32)
+    xt_words = xt.view(np.int16)
+    x_flat, xt_flat = simd.flat(x_bits), simd.flat(xt_words)
+    block = _transpose.PAIR_BLOCK
+    full_m, full_k = m - m % block, k - k % (2 * block)
+    for m0 in range(0, full_m, block):
+        for k0 in range(0, full_k, 2 * block):
+            _transpose.transpose_pairs(x_flat, m0 * k + k0, k, xt_flat, (k0 // 2) * 2 * mp + 2 * m0, 2 * mp)
+    for i in range(m):  # the edges: rows past the blocks, then columns past them
+        for c in range(0 if i >= full_m else full_k, k):
+            xt_words[c // 2, 2 * i + c % 2] = x_bits[i, c]
+    return xt
+
+
+@numba.njit(**dict(NJIT_OPTIONS, inline="always"))
+def _zero_padding(w, rows, k, kp):
+    """Columns K .. kp - 1 of the decoded rows set to 0: x^T is 0 there, but a NaN or Inf left in the buffer would
+    still make a NaN. (Rows of the buffer past the weight's last one are left as they are: each row of W only
+    makes its own row of sums, which is not stored.)"""
+    for r in range(rows):
+        for c in range(k, kp):
+            w[r, c] = 0
+
+
+@numba.njit(**dict(NJIT_OPTIONS, inline="always"))
+def _multiply_panel(w, r0, xt, m0, mp, kp, c32):
+    """c32 (PANEL, PANEL) float32 <- rows r0 .. r0 + PANEL - 1 of ``w`` (decoded W, BF16 bits, rows of kp or
+    more words) times x^T's columns m0 .. m0 + PANEL - 1, on the tiles (configured by the caller)."""
+    w_stride, xt_stride = 2 * w.shape[1], 4 * mp
+    _zero_c00()
+    _zero_c01()
+    _zero_c10()
+    _zero_c11()
+    for kk in range(0, kp, TILE_K):
+        _load_a0(w, 2 * (r0 * w.shape[1] + kk), w_stride)
+        _load_a1(w, 2 * ((r0 + 16) * w.shape[1] + kk), w_stride)
+        _load_b0(xt, 4 * ((kk // 2) * mp + m0), xt_stride)
+        _load_b1(xt, 4 * ((kk // 2) * mp + m0 + 16), xt_stride)
+        _C00()
+        _C01()
+        _C10()
+        _C11()
+    _store_c00(c32, 0, 4 * PANEL)
+    _store_c01(c32, 4 * 16, 4 * PANEL)
+    _store_c10(c32, 4 * 16 * PANEL, 4 * PANEL)
+    _store_c11(c32, 4 * (16 * PANEL + 16), 4 * PANEL)
+
+
+@numba.njit(**dict(NJIT_OPTIONS, inline="always"))
+def _round_block(c32, bias32, has_bias, n0, rows, m0, words, out_bits):
+    """out[m0 .., n0 ..] <- c32^T (the block's float32 sums, a row per row of W) plus the bias, rounded to BF16,
+    NaN canonical; only the block's ``rows`` rows of W and the rows of x below M."""
+    m, n = out_bits.shape
+    c_flat = simd.flat(c32)
+    for r in range(PANEL):
+        value = simd.f32v_load(c_flat, r * PANEL)
+        if has_bias:
+            value = simd.f32v_add(value, simd.f32v_splat(bias32[n0 + r]))
+        simd.f32v_store_as_bf16(words, r * PANEL, value)
+    cols, out_flat = min(PANEL, m - m0), simd.flat(out_bits)
+    if rows == PANEL and cols == PANEL:
+        _transpose.transpose_block(words, 0, PANEL, out_flat, m0 * n + n0, n)
+        return
+    _transpose.transpose_block(words, 0, PANEL, words, 0, PANEL)  # in place (every row is loaded first)
+    for i in range(cols):  # whole rows as vectors: scalar loads of the words just stored would stall
+        if rows == PANEL:
+            simd.i16v_store(out_flat, (m0 + i) * n + n0, simd.i16v_load(words, i * PANEL))
+        else:
+            copy_elements(out_flat, (m0 + i) * n + n0, words, i * PANEL, rows)
+
+
+BIAS_NONE, BIAS_BF16, BIAS_FLOAT32 = 0, 1, 2  # kinds of ``bias_bits``
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _bias_values(bias_bits, bias_kind, n):
+    """The bias as float32, N rounded up to PANEL (zeros past N, and everywhere for BIAS_NONE): ``bias_bits``
+    holds BF16 bit patterns (N,) for BIAS_BF16, float32 values' bits (2N,) for BIAS_FLOAT32."""
+    words = np.zeros(-(-n // PANEL) * PANEL, dtype=np.int32)
+    if bias_kind == BIAS_BF16:
+        for i in range(n):
+            words[i] = np.int32(bias_bits[i] & 0xFFFF) << 16  # a BF16 value is its float32's upper half
+    elif bias_kind == BIAS_FLOAT32:
+        copy_elements(words, 0, bias_bits.view(np.int32), 0, n)
+    return words.view(np.float32)
+
+
+def _amx_gemm(operands, x_bits, n, width, bias_bits, bias_kind, out_bits):
+    """out_bits (M, N) int16 <- x_bits (M, K) BF16 bits times the (N, K) weight whose rows
+    ``_TILE_ROWS(*operands, r0, first, end, w)`` decodes as BF16 bits (the GEMM path's tile decoder, bound by
+    _kernels), plus the bias (_bias_values): x^T laid out once (x_pairs), then a task per SUBPANELS panels of
+    PANEL rows of W, decoded into a buffer (rows of ``width`` >= the decoder's row) and multiplied on the tiles
+    by every PANEL rows of x, panel after panel (x^T's columns read again from the cache). Each block's
+    rounding overlaps the next block's products (two buffers of sums)."""
+    m, k = x_bits.shape
+    kp, mp = -(-k // TILE_K) * TILE_K, -(-m // PANEL) * PANEL
+    xt = x_pairs(x_bits, kp, mp)
+    bias32 = _bias_values(bias_bits, bias_kind, n)
+    for task in numba.prange(-(-n // (SUBPANELS * PANEL))):
+        first = task * SUBPANELS * PANEL
+        rows = min(SUBPANELS * PANEL, n - first)
+        w = np.empty((SUBPANELS * PANEL, width), dtype=np.int16)
+        c32 = np.empty((2, PANEL, PANEL), dtype=np.float32)  # this block's sums, and the previous block's
+        words = np.empty(PANEL * PANEL, dtype=np.int16)
+        _TILE_ROWS(*operands, first, 0, rows, w)  # noqa: F821 (bound per format)
+        panels = -(-rows // PANEL)
+        _zero_padding(w, rows, k, kp)
+        _load_config(_CONFIG)
+        blocks = panels * (mp // PANEL)
+        for b in range(blocks + 1):
+            if b < blocks:  # its products go to the tiles; the previous block is rounded while they run
+                _multiply_panel(w, (b % panels) * PANEL, xt, (b // panels) * PANEL, mp, kp, c32[b % 2])
+            if b > 0:
+                p, m0 = (b - 1) % panels, ((b - 1) // panels) * PANEL
+                _round_block(c32[(b - 1) % 2], bias32, bias_kind != BIAS_NONE, first + p * PANEL,
+                             min(PANEL, rows - p * PANEL), m0, words, out_bits)
+        _release()
+
+
+_KERNELS: dict = {}
+
+
+def _kernels(tile_rows) -> SerialOrParallel:
+    """_amx_gemm bound to the tile decoder ``tile_rows`` (a numba function), made once per decoder."""
+    name = f"_amx_gemm{tile_rows.py_func.__name__}"
+    if name not in _KERNELS:
+        _KERNELS[name] = SerialOrParallel(_amx_gemm, name, _TILE_ROWS=tile_rows)
+    return _KERNELS[name]
+
+
+# Products (M N K) below which a call runs on the calling thread.
+ONE_THREAD_PRODUCTS = 1 << 23
+
+
+def run(tile_rows, operands: tuple, x_bits: np.ndarray, n: int, width: int, bias_bits: np.ndarray, bias_kind: int,
+        out_bits: np.ndarray) -> None:
+    """out_bits (M, N) <- x_bits (M, K) times the (N, K) weight that ``tile_rows(*operands, r0, first, end, w)``
+    decodes (rows r0 + first .. r0 + end - 1 into rows first .. of ``w``, (rows, width) int16 BF16 bits, columns
+    from K on zeros or not written), plus the bias (``bias_bits`` of ``bias_kind``, _bias_values), rounded to
+    BF16, NaN canonical; x_bits and out_bits BF16 bit patterns (int16), C-contiguous. In one numba call, on
+    numba's threads from ONE_THREAD_PRODUCTS on. Only where AVAILABLE; shapes and dtypes checked by the caller
+    (weight_only.run_gemm_path)."""
+    kernel = _kernels(tile_rows)
+    args = (operands, x_bits, n, width, bias_bits, bias_kind, out_bits)
+    if runs_serially(x_bits.shape[0] * n * x_bits.shape[1], ONE_THREAD_PRODUCTS):
+        kernel.serial(*args)
+    else:
+        call_in_chunks(1, kernel.parallel, *args)
