@@ -241,14 +241,14 @@ def test_a_layer_large_enough_for_numbas_threads(dtype, one_call_only):
 @pytest.mark.parametrize("threads", [1, 2])
 def test_fused_weight_only_layers_run_the_operator_in_one_call(scheme, dtype, threads, monkeypatch):
     """After a layer's first call (the full path, which finds its fused kernel), x of up to GEMV_MAX_M rows (the
-    GEMV), and up to the batched kernel's rows where it runs (cpu._batch_max_m), takes one kernel call with the
-    operator's bits and records the operator's run; more rows take the PreparedCall."""
+    GEMV), and up to the batched kernel's or the AMX kernel's rows where one runs (cpu.one_call_max_rows), takes
+    one kernel call with the operator's bits and records the operator's run; more rows take the PreparedCall."""
     torch.manual_seed(2)
     model = nn.Sequential(nn.Linear(K, N)).to(dtype)
     lowbit.quantize_(model, scheme)
     module = model[0]
     op, names = module.fused_kernel(dtype)
-    rows = max(GEMV_MAX_M, cpu._batch_max_m(N, K, dtype))
+    rows = cpu.one_call_max_rows(N, K, dtype)
     shapes = [(1, K), (K,), (2, 1, K), (GEMV_MAX_M, K)] + ([(GEMV_MAX_M + 1, K), (1, rows, K)] if rows > GEMV_MAX_M else [])
     xs = [random_x(shape, dtype, seed) for seed, shape in enumerate(shapes)]
     xs[0][0, 3] = float("nan")

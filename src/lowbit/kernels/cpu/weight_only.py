@@ -3026,7 +3026,8 @@ class BoundGemv:
     """A prepared weight's product with x of one dtype and K in one numba call: the GEMV for up to GEMV_MAX_M rows
     (``serial_gemv`` on the calling thread, or ``parallel_gemv`` on numba's threads, as the kernel's ``run``
     chooses: runs_serially), the batched kernel for more, up to ``max_rows`` = _batch_max_m (``serial_batched``,
-    ``parallel_batched``). ``f(x_bits, out_bits) -> True``: x's and out's int16 bit patterns, (M, K) and (M, N),
+    ``parallel_batched``), or, where the GEMM path runs on lowbit's AMX kernel, that kernel up to ``max_rows`` =
+    _amx_max_m (amx.run). ``f(x_bits, out_bits) -> True``: x's and out's int16 bit patterns, (M, K) and (M, N),
     C-contiguous, not checked here (the caller's: lowbit.ops.library.PreparedCall._bound_gemv)."""
 
     def __init__(self, kernel: "WeightOnlyLinear", prepared: tuple, n: int, k: int, dtype: torch.dtype) -> None:
@@ -3036,10 +3037,16 @@ class BoundGemv:
         self._work, self._chunksize = n * k, _gemv_chunksize(n)
         self._batched = kernel.serial_batched, kernel.parallel_batched
         self._batched_args = (dtype == torch.bfloat16, kernel.order, n, operands, *bias_bits)
-        self.max_rows = max(GEMV_MAX_M, _batch_max_m(n, k, dtype))
+        self._amx_args = (kernel.tile[0], operands, n, _tile_width(k), *bias_bits)
+        self._on_tiles = _amx_max_m(k, dtype) > GEMV_MAX_M
+        self.max_rows = one_call_max_rows(n, k, dtype)
 
     def __call__(self, x_bits: np.ndarray, out_bits: np.ndarray) -> bool:
         m = x_bits.shape[0]
+        if m > GEMV_MAX_M and self._on_tiles:
+            tile_rows, operands, n, width, *bias_bits = self._amx_args
+            amx.run(tile_rows, operands, x_bits, n, width, *bias_bits, out_bits)
+            return True
         if m > GEMV_MAX_M:  # as _run's batched path: tasks of _BATCH_ROWS_PER_TASK rows, one at a time
             if runs_serially(m * self._work, GEMV_ONE_THREAD_WEIGHTS):
                 self._batched[0](x_bits, *self._batched_args, out_bits)
@@ -3051,6 +3058,13 @@ class BoundGemv:
         else:
             call_in_chunks(self._chunksize, self._parallel, x_bits, *self._args, out_bits)
         return True
+
+
+def one_call_max_rows(n: int, k: int, dtype: torch.dtype) -> int:
+    """Rows of x of ``dtype`` up to which a prepared (N, K) weight's product runs in one numba call (BoundGemv):
+    the GEMV's, and the AMX kernel's (_amx_max_m) or else the batched kernel's (_batch_max_m)."""
+    on_tiles = _amx_max_m(k, dtype)
+    return max(GEMV_MAX_M, on_tiles if on_tiles > GEMV_MAX_M else _batch_max_m(n, k, dtype))
 
 
 def _batch_max_m(n: int, k: int, dtype: torch.dtype) -> int:
@@ -3202,10 +3216,11 @@ AMX_MAX_M = 512
 AMX_X_BYTES = 768 << 10
 
 
-def _amx_multiplies(m: int, k: int, dtype: torch.dtype) -> bool:
-    """Whether the GEMM path of M rows of x of ``dtype`` with K columns runs on lowbit's own AMX kernel."""
-    x_bytes = 2 * -(-m // amx.PANEL) * amx.PANEL * -(-k // amx.TILE_K) * amx.TILE_K
-    return AMX_GEMM and dtype == torch.bfloat16 and m <= AMX_MAX_M and x_bytes <= AMX_X_BYTES
+def _amx_max_m(k: int, dtype: torch.dtype) -> int:
+    """Rows of x of ``dtype`` with K columns up to which the GEMM path runs on lowbit's own AMX kernel (0: never)."""
+    if not (AMX_GEMM and dtype == torch.bfloat16):
+        return 0
+    return min(AMX_MAX_M, AMX_X_BYTES // (2 * -(-k // amx.TILE_K) * amx.TILE_K) // amx.PANEL * amx.PANEL)
 
 
 def _transposes(m: int, n: int, k: int) -> bool:
@@ -3267,7 +3282,7 @@ def run_gemm_path(tile: tuple, operands: tuple, x: torch.Tensor, bias, out: torc
     scratch buffer, or in ``scratch`` (uint8, at least :func:`gemm_scratch_nbytes`; bias None) where given.
     Operands checked by the caller; out C-contiguous."""
     (m, k), n = x.shape, out.shape[1]
-    if _amx_multiplies(m, k, x.dtype):
+    if m <= _amx_max_m(k, x.dtype):
         amx.run(tile[0], operands, as_numpy(x.contiguous()), n, _tile_width(k), *_bias_bits(bias), as_numpy(out))
         return
     path, tile_dtype, transposed = _gemm_path(m, n, k, x.dtype, bias)
