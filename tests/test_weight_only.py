@@ -2,6 +2,8 @@
 GEMM path stays within the derived interval, the SIMD building blocks in both lowerings, and errors."""
 
 import math
+import subprocess
+import sys
 
 import numba
 import numpy as np
@@ -1055,11 +1057,11 @@ def _counting_amx(monkeypatch) -> list:
 
 @needs_amx
 @pytest.mark.parametrize("fmt", WEIGHTS)
-@pytest.mark.parametrize("m, n", [(cpu.GEMV_MAX_M + 1, 131), (32, 67), (33, 160), (70, 29)])
+@pytest.mark.parametrize("m, n", [(cpu.GEMV_MAX_M + 1, 131), (18, 40), (32, 67), (33, 160), (70, 29)])
 @pytest.mark.parametrize("bias_dtype", [None, torch.bfloat16, torch.float32])
 def test_amx_kernel_within_the_order_interval(monkeypatch, fmt, m, n, bias_dtype):
     """BF16 x of GEMV_MAX_M + 1 .. rows on the tiles: M and N on and off the 32-row blocks (a last task of 3
-    rows, N below one panel), K with a short last tile row (HiFloat8, FP8: 319) or an odd 32-block; NaN / Inf
+    rows, N below one panel; blocks of x with at most 16 rows take half the tiles, 18 rows all), K with a short last tile row (HiFloat8, FP8: 319) or an odd 32-block; NaN / Inf
     weights, a non-contiguous x with Inf / NaN, -0 and BF16 subnormals (flushed by the tiles), every bias kind;
     each output within the interval or NaN where the reference is; NaN canonical."""
     calls = _counting_amx(monkeypatch)
@@ -1101,18 +1103,36 @@ def test_amx_kernel_gives_the_same_bits_on_any_thread_count(monkeypatch, fmt):
     assert_bits(outs[0], outs[1])
 
 
+_FIRST_CALL = """
+import torch, lowbit
+x = torch.ones(32, 64, dtype=torch.bfloat16)
+y = lowbit.mxfp4_linear(x, *lowbit.mxfp4_quantize(torch.ones(64, 64)), backend="native")
+assert y.eq(64).all(), y
+"""
+
+
+@needs_amx
+def test_amx_kernel_as_a_process_first_numba_call():
+    """A process whose first numba kernel is the AMX kernel's serial loop (numba's threading layer not started),
+    compiled and then loaded from numba's cache: no crash (the parallel loop's slot, numba.get_thread_id, once
+    reached the serial loop, where LLVM called it ahead of the branch that skipped it)."""
+    for _ in range(2):
+        result = subprocess.run([sys.executable, "-c", _FIRST_CALL], capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-2000:]
+
+
 @needs_amx
 @pytest.mark.parametrize("m, k", [(1, 1), (5, 31), (16, 32), (17, 33), (33, 64), (48, 100), (64, 96)])
 def test_x_pairs_is_x_transposed_in_pairs(m, k):
-    """x^T for the tiles: row i holds the pairs (x[r, 2i], x[r, 2i + 1]) of every row r, zeros past M and K (the
-    16 x 16 blocks of pairs in registers, the edges one by one)."""
+    """x^T for the tiles, in slabs of 32 rows of x: slab s row i holds the pairs (x[r, 2i], x[r, 2i + 1]) of rows
+    r = 32 s .. 32 s + 31, zeros past M and K (the 16 x 16 blocks of pairs in registers, the edges one by one)."""
     x = torch.randint(-(1 << 15), 1 << 15, (m, k), generator=gen(m * k), dtype=torch.int16)
     kp, mp = -(-k // amx.TILE_K) * amx.TILE_K, -(-m // amx.PANEL) * amx.PANEL
     padded = torch.zeros(mp, kp, dtype=torch.int16)
     padded[:m, :k] = x
-    want = padded.view(mp, kp // 2, 2).transpose(0, 1).reshape(kp // 2, 2 * mp)
-    got = amx.x_pairs(x.numpy(), kp, mp)
-    assert got.shape == (kp // 2, mp)
+    want = padded.view(mp // 32, 32, kp // 2, 2).transpose(1, 2).reshape(mp // 32, kp // 2, 64)
+    got = np.full((mp // 32, kp // 2, 32), -1, dtype=np.int32)  # what a reused buffer held before
+    amx.x_pairs(x.numpy(), got)
     assert torch.equal(torch.from_numpy(got.view(np.int16)), want)
 
 

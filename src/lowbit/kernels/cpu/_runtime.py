@@ -51,14 +51,15 @@ class SerialOrParallel:
     Python only: ``kernel(*args, serial=...)``. ``SerialOrParallel(template, name, **bound)``: the pair of a
     copy of ``template`` named ``name`` whose global names ``bound`` are replaced by the given values (numba
     functions, constants; as :func:`bound_njit`): one template for several kernels, each compiled only when
-    called and cached under its own name."""
+    called and cached under its own name. ``serial_bound``: globals bound in ``serial`` only, over ``bound``
+    (say a thread's slot that only the parallel loop may ask numba's threading layer for)."""
 
-    def __init__(self, py_func, name: str | None = None, **bound):
+    def __init__(self, py_func, name: str | None = None, serial_bound: Optional[dict] = None, **bound):
         if name is not None:
             py_func = _renamed_copy(py_func, name, bound)
-        elif bound:
+        elif bound or serial_bound:
             raise ValueError("SerialOrParallel: bound globals need a name of their own")
-        self.serial = numba.njit(**NJIT_OPTIONS)(_renamed_copy(py_func, py_func.__name__ + "_serial"))
+        self.serial = numba.njit(**NJIT_OPTIONS)(_renamed_copy(py_func, py_func.__name__ + "_serial", serial_bound))
         self.parallel = numba.njit(**PARALLEL_NJIT_OPTIONS)(py_func)
         self.__doc__ = py_func.__doc__
 

@@ -36,6 +36,7 @@ from numba.extending import intrinsic
 from lowbit.kernels.cpu import _simd as simd
 from lowbit.kernels.cpu import _transpose
 from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, SerialOrParallel, call_in_chunks, copy_elements, runs_serially
+from lowbit.kernels.cpu.memory import thread_scratch
 
 _SYS_ARCH_PRCTL = 158  # x86-64
 _ARCH_REQ_XCOMP_PERM = 0x1023
@@ -153,22 +154,29 @@ _zero_c00, _zero_c01, _zero_c10, _zero_c11 = _zero
 
 
 @numba.njit(**NJIT_OPTIONS)
-def x_pairs(x_bits, kp, mp):
-    """x^T for the B tiles: (kp / 2, mp) pairs of words as int32 (a pair: x[m, 2i], x[m, 2i + 1]) from x_bits
-    (M, K) int16, C-contiguous; zero past M and K (kp: K rounded up to TILE_K, mp: M rounded up to PANEL)."""
+def x_pairs(x_bits, xt):
+    """xt <- x^T for the B tiles, in slabs of PANEL rows of x: xt (mp / PANEL, kp / 2, PANEL) int32 (any contents
+    before), slab s row i column j the pair of words (x[r, 2i], x[r, 2i + 1]) of row r = PANEL s + j, from x_bits
+    (M, K) int16, C-contiguous; zero past M and K (kp: K rounded up to TILE_K, mp: M rounded up to PANEL). A
+    slab's B tiles (16 rows of 64 bytes, 128 bytes apart) then lie in 2 KiB, not in 16 rows a whole x^T row
+    apart (16 pages at M = 1888: 1.6-2.1x -> 1.3-1.6x F.linear's time at 4096^2, M = 256, on the Xeon here)."""
     m, k = x_bits.shape
-    xt = np.zeros((kp // 2, mp), dtype=np.int32)
+    slabs, pairs = xt.shape[0], xt.shape[1]
     xt_words = xt.view(np.int16)
     x_flat, xt_flat = simd.flat(x_bits), simd.flat(xt_words)
     block = _transpose.PAIR_BLOCK
     full_m, full_k = m - m % block, k - k % (2 * block)
+    for s in range(slabs):  # zeros where the blocks below do not write: the edges fill theirs in after
+        for i in range(full_k // 2 if s < full_m // PANEL else 0, pairs):
+            for j in range(PANEL):
+                xt[s, i, j] = 0
     for m0 in range(0, full_m, block):
+        slab_at = (m0 // PANEL) * 2 * pairs * PANEL + 2 * (m0 % PANEL)  # in words
         for k0 in range(0, full_k, 2 * block):
-            _transpose.transpose_pairs(x_flat, m0 * k + k0, k, xt_flat, (k0 // 2) * 2 * mp + 2 * m0, 2 * mp)
+            _transpose.transpose_pairs(x_flat, m0 * k + k0, k, xt_flat, slab_at + k0 * PANEL, 2 * PANEL)
     for i in range(m):  # the edges: rows past the blocks, then columns past them
         for c in range(0 if i >= full_m else full_k, k):
-            xt_words[c // 2, 2 * i + c % 2] = x_bits[i, c]
-    return xt
+            xt_words[i // PANEL, c // 2, 2 * (i % PANEL) + c % 2] = x_bits[i, c]
 
 
 @numba.njit(**dict(NJIT_OPTIONS, inline="always"))
@@ -182,27 +190,33 @@ def _zero_padding(w, rows, k, kp):
 
 
 @numba.njit(**dict(NJIT_OPTIONS, inline="always"))
-def _multiply_panel(w, r0, xt, m0, mp, kp, c32):
+def _multiply_panel(w, r0, xt, m0, kp, c32, columns):
     """c32 (PANEL, PANEL) float32 <- rows r0 .. r0 + PANEL - 1 of ``w`` (decoded W, BF16 bits, rows of kp or
-    more words) times x^T's columns m0 .. m0 + PANEL - 1, on the tiles (configured by the caller)."""
-    w_stride, xt_stride = 2 * w.shape[1], 4 * mp
+    more words) times x^T's columns m0 .. m0 + PANEL - 1, on the tiles (configured by the caller); only the first
+    16 columns where ``columns`` (the rows of x left from m0) is at most 16: half the tile loads and products
+    (rows of x past M are zeros, so the other half would be thrown away)."""
+    w_stride, slab = 2 * w.shape[1], m0 // PANEL
+    both = columns > 16
     _zero_c00()
-    _zero_c01()
     _zero_c10()
-    _zero_c11()
+    if both:
+        _zero_c01()
+        _zero_c11()
     for kk in range(0, kp, TILE_K):
         _load_a0(w, 2 * (r0 * w.shape[1] + kk), w_stride)
         _load_a1(w, 2 * ((r0 + 16) * w.shape[1] + kk), w_stride)
-        _load_b0(xt, 4 * ((kk // 2) * mp + m0), xt_stride)
-        _load_b1(xt, 4 * ((kk // 2) * mp + m0 + 16), xt_stride)
+        _load_b0(xt, 4 * PANEL * (slab * xt.shape[1] + kk // 2), 4 * PANEL)
         _C00()
-        _C01()
         _C10()
-        _C11()
+        if both:
+            _load_b1(xt, 4 * (PANEL * (slab * xt.shape[1] + kk // 2) + 16), 4 * PANEL)
+            _C01()
+            _C11()
     _store_c00(c32, 0, 4 * PANEL)
-    _store_c01(c32, 4 * 16, 4 * PANEL)
     _store_c10(c32, 4 * 16 * PANEL, 4 * PANEL)
-    _store_c11(c32, 4 * (16 * PANEL + 16), 4 * PANEL)
+    if both:
+        _store_c01(c32, 4 * 16, 4 * PANEL)
+        _store_c11(c32, 4 * (16 * PANEL + 16), 4 * PANEL)
 
 
 @numba.njit(**dict(NJIT_OPTIONS, inline="always"))
@@ -244,23 +258,50 @@ def _bias_values(bias_bits, bias_kind, n):
     return words.view(np.float32)
 
 
-def _amx_gemm(operands, x_bits, n, width, bias_bits, bias_kind, out_bits):
+def scratch_layout(m: int, k: int, width: int, slots: int) -> tuple[int, int, int]:
+    """(x^T's bytes, one task slot's bytes, total) of _amx_gemm's scratch for M rows of x, K columns, decoded rows
+    of ``width`` words and ``slots`` task slots (one per thread that may run tasks): x^T (x_pairs) first, then
+    per slot a task's decoded rows (SUBPANELS * PANEL rows of ``width``), two blocks of float32 sums and one of
+    words; each part a whole number of 64-byte lines."""
+    xt = -(-m // PANEL) * PANEL * -(-k // TILE_K) * TILE_K * 2
+    slot = _lines(SUBPANELS * PANEL * width * 2) + _lines(2 * PANEL * PANEL * 4) + _lines(PANEL * PANEL * 2)
+    return _lines(xt), slot, _lines(xt) + slots * slot
+
+
+@numba.njit(**dict(NJIT_OPTIONS, inline="always"))
+def _lines(nbytes):
+    return -(-nbytes // 64) * 64
+
+
+@numba.njit(**dict(NJIT_OPTIONS, inline="always"))
+def _task_slot(scratch, at, width):
+    """(decoded rows, two blocks of sums, one block of words) in the task slot at byte ``at`` of ``scratch``."""
+    w_bytes, c_bytes = _lines(SUBPANELS * PANEL * width * 2), _lines(2 * PANEL * PANEL * 4)
+    w = scratch[at : at + SUBPANELS * PANEL * width * 2].view(np.int16).reshape((SUBPANELS * PANEL, width))
+    c32 = scratch[at + w_bytes : at + w_bytes + c_bytes].view(np.float32).reshape((2, PANEL, PANEL))
+    words = scratch[at + w_bytes + c_bytes : at + w_bytes + c_bytes + PANEL * PANEL * 2].view(np.int16)
+    return w, c32, words
+
+
+def _amx_gemm(operands, x_bits, n, width, bias_bits, bias_kind, scratch, slots, out_bits):
     """out_bits (M, N) int16 <- x_bits (M, K) BF16 bits times the (N, K) weight whose rows
     ``_TILE_ROWS(*operands, r0, first, end, w)`` decodes as BF16 bits (the GEMM path's tile decoder, bound by
     _kernels), plus the bias (_bias_values): x^T laid out once (x_pairs), then a task per SUBPANELS panels of
     PANEL rows of W, decoded into a buffer (rows of ``width`` >= the decoder's row) and multiplied on the tiles
-    by every PANEL rows of x, panel after panel (x^T's columns read again from the cache). Each block's
-    rounding overlaps the next block's products (two buffers of sums)."""
+    by every PANEL rows of x, panel after panel (x^T's slabs read again from the cache). Each block's rounding
+    overlaps the next block's products (two buffers of sums). ``scratch``: uint8, scratch_layout's total for
+    ``slots`` slots (1, or numba's largest thread count: a task takes its thread's slot, ``_SLOT()``)."""
     m, k = x_bits.shape
     kp, mp = -(-k // TILE_K) * TILE_K, -(-m // PANEL) * PANEL
-    xt = x_pairs(x_bits, kp, mp)
+    xt_bytes = _lines(mp * kp * 2)
+    xt = scratch[: mp * kp * 2].view(np.int32).reshape((mp // PANEL, kp // 2, PANEL))
+    x_pairs(x_bits, xt)
     bias32 = _bias_values(bias_bits, bias_kind, n)
+    slot_bytes = (scratch.size - xt_bytes) // slots
     for task in numba.prange(-(-n // (SUBPANELS * PANEL))):
         first = task * SUBPANELS * PANEL
         rows = min(SUBPANELS * PANEL, n - first)
-        w = np.empty((SUBPANELS * PANEL, width), dtype=np.int16)
-        c32 = np.empty((2, PANEL, PANEL), dtype=np.float32)  # this block's sums, and the previous block's
-        words = np.empty(PANEL * PANEL, dtype=np.int16)
+        w, c32, words = _task_slot(scratch, xt_bytes + _SLOT() * slot_bytes, width)  # noqa: F821 (bound)
         _TILE_ROWS(*operands, first, 0, rows, w)  # noqa: F821 (bound per format)
         panels = -(-rows // PANEL)
         _zero_padding(w, rows, k, kp)
@@ -268,7 +309,8 @@ def _amx_gemm(operands, x_bits, n, width, bias_bits, bias_kind, out_bits):
         blocks = panels * (mp // PANEL)
         for b in range(blocks + 1):
             if b < blocks:  # its products go to the tiles; the previous block is rounded while they run
-                _multiply_panel(w, (b % panels) * PANEL, xt, (b // panels) * PANEL, mp, kp, c32[b % 2])
+                m0 = (b // panels) * PANEL
+                _multiply_panel(w, (b % panels) * PANEL, xt, m0, kp, c32[b % 2], m - m0)
             if b > 0:
                 p, m0 = (b - 1) % panels, ((b - 1) // panels) * PANEL
                 _round_block(c32[(b - 1) % 2], bias32, bias_kind != BIAS_NONE, first + p * PANEL,
@@ -276,14 +318,29 @@ def _amx_gemm(operands, x_bits, n, width, bias_bits, bias_kind, out_bits):
         _release()
 
 
+@numba.njit(**dict(NJIT_OPTIONS, inline="always"))
+def _thread_slot():
+    """The task slot of the thread running this iteration of the parallel loop: its id in numba's pool."""
+    return numba.get_thread_id()
+
+
+@numba.njit(**dict(NJIT_OPTIONS, inline="always"))
+def _first_slot():
+    """The one task slot of the serial loop. (Not numba.get_thread_id(): LLVM may call that ahead of a branch
+    meant to skip it, and before numba's threading layer has started it crashes the process.)"""
+    return 0
+
+
 _KERNELS: dict = {}
 
 
 def _kernels(tile_rows) -> SerialOrParallel:
-    """_amx_gemm bound to the tile decoder ``tile_rows`` (a numba function), made once per decoder."""
+    """_amx_gemm bound to the tile decoder ``tile_rows`` (a numba function), made once per decoder; the parallel
+    loop's tasks take their thread's slot, the serial loop's the first."""
     name = f"_amx_gemm{tile_rows.py_func.__name__}"
     if name not in _KERNELS:
-        _KERNELS[name] = SerialOrParallel(_amx_gemm, name, _TILE_ROWS=tile_rows)
+        _KERNELS[name] = SerialOrParallel(_amx_gemm, name, serial_bound={"_SLOT": _first_slot},
+                                          _TILE_ROWS=tile_rows, _SLOT=_thread_slot)
     return _KERNELS[name]
 
 
@@ -300,8 +357,11 @@ def run(tile_rows, operands: tuple, x_bits: np.ndarray, n: int, width: int, bias
     numba's threads from ONE_THREAD_PRODUCTS on. Only where AVAILABLE; shapes and dtypes checked by the caller
     (weight_only.run_gemm_path)."""
     kernel = _kernels(tile_rows)
-    args = (operands, x_bits, n, width, bias_bits, bias_kind, out_bits)
-    if runs_serially(x_bits.shape[0] * n * x_bits.shape[1], ONE_THREAD_PRODUCTS):
-        kernel.serial(*args)
-    else:
-        call_in_chunks(1, kernel.parallel, *args)
+    serial = runs_serially(x_bits.shape[0] * n * x_bits.shape[1], ONE_THREAD_PRODUCTS)
+    slots = 1 if serial else numba.config.NUMBA_NUM_THREADS
+    with thread_scratch(scratch_layout(x_bits.shape[0], x_bits.shape[1], width, slots)[2]) as scratch:
+        args = (operands, x_bits, n, width, bias_bits, bias_kind, scratch.numpy(), slots, out_bits)
+        if serial:
+            kernel.serial(*args)
+        else:
+            call_in_chunks(1, kernel.parallel, *args)
