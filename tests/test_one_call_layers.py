@@ -64,7 +64,7 @@ def random_x(shape, dtype, seed):
 @pytest.mark.parametrize("threads", [1, 2])
 def test_one_call_gives_the_full_paths_bits(dtype, symmetric, has_bias, threads, monkeypatch):
     module = layer(dtype, symmetric, has_bias)
-    shapes = [(1, K), (K,), (3, K), (2, 1, K), (5, K), (16, K)]
+    shapes = [(1, K), (K,), (3, K), (2, 1, K), (5, K), (min(16, int4_msd_max_rows(dtype)), K)]  # MSD's rows
     xs = [random_x(shape, dtype, seed) for seed, shape in enumerate(shapes)]
     xs[4][1, :32] = 0  # a zero group
     xs[4][2, 40] = torch.finfo(dtype).max  # a group whose products round to Inf

@@ -340,10 +340,12 @@ class PackedLinear(QuantizedLinearBase):
 
 # Int4Linear on the CPU: rows of x up to which it runs MSD; above, the "dequant" algorithm (the weight decoded
 # tile by tile, torch's GEMM), faster from about 64 rows on (docs/quantize.md, 'Packed layouts'). On CPUs with
-# AMX-BF16, BF16 x on the PackedWeight: from about 22 rows on (Intel Xeon, N = K = 4096: MSD 1.87 / 2.19 /
-# 2.76 ms at M = 20 / 24 / 32 against 2.06 / 2.08 / 2.04 ms).
+# AMX-BF16, BF16 x on the PackedWeight, where the dequant algorithm runs on lowbit's AMX kernel: from about 13
+# rows on (Intel Xeon Emerald Rapids, time over BF16 nn.Linear's, MSD / dequant: N = K = 4096 at M = 12 1.09 /
+# 0.96x, M = 16 1.24 / 0.86x; 1536 x 384 at M = 12 1.43 / 1.73x, M = 16 1.68 / 1.40x; 384 x 1536 at M = 12 1.50 /
+# 1.51x; before that kernel, torch's GEMM took over from about 22 rows).
 INT4_MSD_MAX_ROWS = 48
-INT4_MSD_MAX_ROWS_AMX = 20
+INT4_MSD_MAX_ROWS_AMX = 12
 
 
 def int4_msd_max_rows(dtype: torch.dtype) -> int:

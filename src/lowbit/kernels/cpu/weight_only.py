@@ -3208,12 +3208,13 @@ class WeightOnlyLinear(Kernel):
 # AMX_X_BYTES multiplies the packed weight on AMX tiles itself (lowbit.kernels.cpu.amx: each panel of W decoded
 # into the cache, no BF16 tile written out, no torch GEMM), from GEMV_MAX_M + 1 rows on (the batched kernel is
 # not used there). Beyond, torch's GEMM (oneDNN) reached more of the tiles' throughput than lowbit's kernel,
-# whose x^T no longer stays in the L2 (Intel Xeon Emerald Rapids, MXFP4 and HiFloat8: 4096^2 1.0-1.2x F.linear's
-# time at M = 128 either way, 1.75x against 1.2x at M = 256; 1536 x 384 at M = 768 1.9x against 1.55x;
+# which reads x^T again for every task (Intel Xeon Emerald Rapids, MXFP4 / HiFloat4 / HiFloat8, time over
+# F.linear's: 4096^2 at M = 512 1.00-1.05x either way; 12288 x 8192 at M = 256 (4 MiB) 1.41-1.49x against
+# 1.06-1.09x, at M = 64 0.96-1.16x against 1.08-1.15x; 1536 x 384 at M = 768 1.77-1.82x against 1.51-1.71x;
 # benchmarks/results_weight_only.md, 'Intel Xeon Emerald Rapids: lowbit's AMX kernel').
 AMX_GEMM = amx.AVAILABLE
 AMX_MAX_M = 512
-AMX_X_BYTES = 768 << 10
+AMX_X_BYTES = 2 << 20
 
 
 def _amx_max_m(k: int, dtype: torch.dtype) -> int:
