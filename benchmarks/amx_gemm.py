@@ -13,11 +13,10 @@ from __future__ import annotations
 import lowbit  # noqa: I001  (first: sets the OpenMP wait policy before torch loads)
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
+from gemm_path import _medians  # the sibling benchmark's interleaved medians (this script's folder is on the path)
 
 from lowbit.cli.smoke._common import device_name
 from lowbit.formats import hifloat4, mxfp4
@@ -32,22 +31,6 @@ def _weights(w: torch.Tensor) -> dict:
             "hifloat4": (lowbit.hifloat4_linear, hifloat4.pack(w)),
             "hifloat8": (lowbit.hifloat8_linear,
                          (lowbit.encode_to_hifloat8((w / row_scale[:, None]).bfloat16()), row_scale))}
-
-
-def _medians(cases: dict, rounds: int, activation: torch.Tensor) -> dict[str, float]:
-    """Median seconds of each case, the cases of a round interleaved, each call after a SiLU."""
-    warm_until = time.perf_counter() + 0.5
-    while time.perf_counter() < warm_until:
-        for call in cases.values():
-            call()
-    times = {name: [] for name in cases}
-    for _ in range(rounds):
-        for name, call in cases.items():
-            F.silu(activation)
-            start = time.perf_counter()
-            call()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def compare(n: int, k: int, ms: list[int], formats: list[str], rounds: int) -> None:
