@@ -258,19 +258,20 @@ def _bias_values(bias_bits, bias_kind, n):
     return words.view(np.float32)
 
 
-def scratch_layout(m: int, k: int, width: int, slots: int) -> tuple[int, int, int]:
+@numba.njit(**dict(NJIT_OPTIONS, inline="always"))
+def _lines(nbytes):
+    return -(-nbytes // 64) * 64
+
+
+@numba.njit(**NJIT_OPTIONS)
+def scratch_layout(m, k, width, slots):
     """(x^T's bytes, one task slot's bytes, total) of _amx_gemm's scratch for M rows of x, K columns, decoded rows
     of ``width`` words and ``slots`` task slots (one per thread that may run tasks): x^T (x_pairs) first, then
     per slot a task's decoded rows (SUBPANELS * PANEL rows of ``width``), two blocks of float32 sums and one of
     words; each part a whole number of 64-byte lines."""
-    xt = -(-m // PANEL) * PANEL * -(-k // TILE_K) * TILE_K * 2
+    xt = _lines(-(-m // PANEL) * PANEL * -(-k // TILE_K) * TILE_K * 2)
     slot = _lines(SUBPANELS * PANEL * width * 2) + _lines(2 * PANEL * PANEL * 4) + _lines(PANEL * PANEL * 2)
-    return _lines(xt), slot, _lines(xt) + slots * slot
-
-
-@numba.njit(**dict(NJIT_OPTIONS, inline="always"))
-def _lines(nbytes):
-    return -(-nbytes // 64) * 64
+    return xt, slot, xt + slots * slot
 
 
 @numba.njit(**dict(NJIT_OPTIONS, inline="always"))
@@ -293,11 +294,10 @@ def _amx_gemm(operands, x_bits, n, width, bias_bits, bias_kind, scratch, slots, 
     ``slots`` slots (1, or numba's largest thread count: a task takes its thread's slot, ``_SLOT()``)."""
     m, k = x_bits.shape
     kp, mp = -(-k // TILE_K) * TILE_K, -(-m // PANEL) * PANEL
-    xt_bytes = _lines(mp * kp * 2)
+    xt_bytes, slot_bytes, _ = scratch_layout(m, k, width, slots)
     xt = scratch[: mp * kp * 2].view(np.int32).reshape((mp // PANEL, kp // 2, PANEL))
     x_pairs(x_bits, xt)
     bias32 = _bias_values(bias_bits, bias_kind, n)
-    slot_bytes = (scratch.size - xt_bytes) // slots
     for task in numba.prange(-(-n // (SUBPANELS * PANEL))):
         first = task * SUBPANELS * PANEL
         rows = min(SUBPANELS * PANEL, n - first)
