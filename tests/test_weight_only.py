@@ -22,6 +22,7 @@ from lowbit.kernels.cpu import _simd as simd
 from lowbit.kernels.cpu import amx
 from lowbit.kernels.cpu import weight_only as cpu
 from lowbit.kernels.cpu._runtime import run_tasks
+from lowbit.kernels.cpu import memory
 from lowbit.kernels.cpu.memory import thread_scratch
 from lowbit.ops import weight_only as ops
 from lowbit.ops import library
@@ -1101,6 +1102,26 @@ def test_amx_kernel_gives_the_same_bits_on_any_thread_count(monkeypatch, fmt):
         monkeypatch.setattr(amx, "ONE_THREAD_PRODUCTS", products)
         outs.append(OPS[fmt](x, *weight, None, backend="native"))
     assert_bits(outs[0], outs[1])
+
+
+@needs_amx
+@pytest.mark.parametrize("m", [cpu.GEMV_MAX_M + 1, 70])
+def test_amx_kernel_runs_in_a_given_scratch(monkeypatch, m):
+    """run_gemm_path with a caller's scratch of gemm_scratch_nbytes (a plan's workspace): the AMX kernel keeps x^T
+    and its tasks' buffers there (the thread's scratch untouched, on numba's threads too), the same bits."""
+    g = gen(m)
+    codes, scales = mxfp4_weight(300, 256, g)
+    x = torch.randn(m, 256, generator=g).bfloat16()
+    operands = cpu.MXFP4_LINEAR._operands(codes, scales, 256, torch.bfloat16)
+    want = torch.empty(m, 300, dtype=torch.bfloat16)
+    cpu.run_gemm_path(cpu.MXFP4_LINEAR.tile, operands, x, None, want)
+    monkeypatch.setattr(memory, "thread_scratch", lambda nbytes: pytest.fail("took the thread's scratch"))
+    scratch = torch.full((cpu.gemm_scratch_nbytes(m, 300, 256, torch.bfloat16),), 0xFF, dtype=torch.uint8)
+    for products in (1 << 62, 0):  # the calling thread, then numba's
+        monkeypatch.setattr(amx, "ONE_THREAD_PRODUCTS", products)
+        got = torch.empty_like(want)
+        cpu.run_gemm_path(cpu.MXFP4_LINEAR.tile, operands, x, None, got, scratch=scratch)
+        assert_bits(got, want)
 
 
 _FIRST_CALL = """

@@ -36,7 +36,7 @@ from numba.extending import intrinsic
 from lowbit.kernels.cpu import _simd as simd
 from lowbit.kernels.cpu import _transpose
 from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, SerialOrParallel, call_in_chunks, copy_elements, runs_serially
-from lowbit.kernels.cpu.memory import thread_scratch
+from lowbit.kernels.cpu.memory import scratch_or_thread
 
 _SYS_ARCH_PRCTL = 158  # x86-64
 _ARCH_REQ_XCOMP_PERM = 0x1023
@@ -159,7 +159,8 @@ def x_pairs(x_bits, xt):
     before), slab s row i column j the pair of words (x[r, 2i], x[r, 2i + 1]) of row r = PANEL s + j, from x_bits
     (M, K) int16, C-contiguous; zero past M and K (kp: K rounded up to TILE_K, mp: M rounded up to PANEL). A
     slab's B tiles (16 rows of 64 bytes, 128 bytes apart) then lie in 2 KiB, not in 16 rows a whole x^T row
-    apart (16 pages at M = 1888: 1.6-2.1x -> 1.3-1.6x F.linear's time at 4096^2, M = 256, on the Xeon here)."""
+    apart (16 pages at M = 1888; with the scratch kept between calls, 4096^2 at M = 256 went from 1.5-2.2x to
+    1.1x F.linear's time on the Xeon here)."""
     m, k = x_bits.shape
     slabs, pairs = xt.shape[0], xt.shape[1]
     xt_words = xt.view(np.int16)
@@ -344,23 +345,30 @@ def _kernels(tile_rows) -> SerialOrParallel:
     return _KERNELS[name]
 
 
+def scratch_bytes(m: int, k: int, width: int) -> int:
+    """Bytes of the scratch :func:`run` uses for M rows of x, K columns and decoded rows of ``width`` words,
+    whatever numba's thread count (a slot for each of its threads)."""
+    return int(scratch_layout(m, k, width, numba.config.NUMBA_NUM_THREADS)[2])
+
+
 # Products (M N K) below which a call runs on the calling thread.
 ONE_THREAD_PRODUCTS = 1 << 23
 
 
 def run(tile_rows, operands: tuple, x_bits: np.ndarray, n: int, width: int, bias_bits: np.ndarray, bias_kind: int,
-        out_bits: np.ndarray) -> None:
+        out_bits: np.ndarray, scratch=None) -> None:
     """out_bits (M, N) <- x_bits (M, K) times the (N, K) weight that ``tile_rows(*operands, r0, first, end, w)``
     decodes (rows r0 + first .. r0 + end - 1 into rows first .. of ``w``, (rows, width) int16 BF16 bits, columns
     from K on zeros or not written), plus the bias (``bias_bits`` of ``bias_kind``, _bias_values), rounded to
     BF16, NaN canonical; x_bits and out_bits BF16 bit patterns (int16), C-contiguous. In one numba call, on
-    numba's threads from ONE_THREAD_PRODUCTS on. Only where AVAILABLE; shapes and dtypes checked by the caller
-    (weight_only.run_gemm_path)."""
+    numba's threads from ONE_THREAD_PRODUCTS on. x^T and the tasks' buffers go in the calling thread's scratch
+    buffer, or in ``scratch`` (uint8, at least :func:`scratch_bytes`) where given. Only where AVAILABLE; shapes
+    and dtypes checked by the caller (weight_only.run_gemm_path)."""
     kernel = _kernels(tile_rows)
     serial = runs_serially(x_bits.shape[0] * n * x_bits.shape[1], ONE_THREAD_PRODUCTS)
     slots = 1 if serial else numba.config.NUMBA_NUM_THREADS
-    with thread_scratch(scratch_layout(x_bits.shape[0], x_bits.shape[1], width, slots)[2]) as scratch:
-        args = (operands, x_bits, n, width, bias_bits, bias_kind, scratch.numpy(), slots, out_bits)
+    with scratch_or_thread(scratch, scratch_layout(x_bits.shape[0], x_bits.shape[1], width, slots)[2]) as buffer:
+        args = (operands, x_bits, n, width, bias_bits, bias_kind, buffer.numpy(), slots, out_bits)
         if serial:
             kernel.serial(*args)
         else:

@@ -99,3 +99,9 @@ def thread_scratch(nbytes: int):
         yield buffer[:nbytes]
     finally:
         _SCRATCH.in_use = False
+
+
+def scratch_or_thread(scratch: Optional[torch.Tensor], nbytes: int):
+    """``with scratch_or_thread(scratch, nbytes) as buffer``: the first ``nbytes`` of ``scratch`` (a 1-D uint8 CPU
+    tensor of at least that many bytes, a caller's workspace) where given, else :func:`thread_scratch`."""
+    return contextlib.nullcontext(scratch[:nbytes]) if scratch is not None else thread_scratch(nbytes)

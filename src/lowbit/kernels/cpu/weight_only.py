@@ -31,7 +31,6 @@ Decoding (docs/weight_only.md, 'Weights'):
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 
@@ -52,7 +51,7 @@ from lowbit.kernels.cpu import _transpose
 from lowbit.kernels.cpu import _simd as simd
 from lowbit.kernels.cpu._runtime import (NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, SerialOrParallel, as_numpy, bound_njit,
                                          call_in_chunks, copy_elements, run_tasks, runs_serially)
-from lowbit.kernels.cpu.memory import huge_page_empty, thread_scratch
+from lowbit.kernels.cpu.memory import huge_page_empty, scratch_or_thread
 
 LANES = reference.LANES  # 64 = two F32V
 HALF = simd.LANES  # 32
@@ -3270,7 +3269,10 @@ def _tile_layout(n: int, k: int, tile_dtype: torch.dtype, transposed: bool) -> t
 
 def gemm_scratch_nbytes(m: int, n: int, k: int, dtype: torch.dtype) -> int:
     """Bytes of the ``scratch`` that :func:`run_gemm_path` uses for M rows of x of ``dtype``, an (N, K) weight
-    and no bias: its tile, and the transposed GEMM's (N, M) result after it."""
+    and no bias: the AMX kernel's x^T and task buffers where it runs (amx.scratch_bytes), else its tile, and the
+    transposed GEMM's (N, M) result after it."""
+    if m <= _amx_max_m(k, dtype):
+        return amx.scratch_bytes(m, k, _tile_width(k))
     _, tile_dtype, transposed = _gemm_path(m, n, k, dtype, None)
     return _tile_layout(n, k, tile_dtype, transposed)[1] + (2 * n * m if transposed else 0)
 
@@ -3279,12 +3281,14 @@ def run_gemm_path(tile: tuple, operands: tuple, x: torch.Tensor, bias, out: torc
     """out (M, N) <- x (M, K) FP16 / BF16 times an (N, K) weight decoded tile by tile by ``tile`` (a pair
     (serial, parallel) for run_tasks with args (*operands, r0): rows r0 ... of the weight, as float32 values
     or BF16 bits, int16, in the tile's dtype; each decoded weight a value of x's dtype), plus ``bias`` ((N,) or
-    None): torch's GEMM (float32 sums, one rounding), NaN canonical. The tiles go in the calling thread's
-    scratch buffer, or in ``scratch`` (uint8, at least :func:`gemm_scratch_nbytes`; bias None) where given.
-    Operands checked by the caller; out C-contiguous."""
+    None): lowbit's AMX kernel where it runs (_amx_max_m), else torch's GEMM (float32 sums, one rounding), NaN
+    canonical. The tiles (the AMX kernel's buffers) go in the calling thread's scratch buffer, or in ``scratch``
+    (uint8, at least :func:`gemm_scratch_nbytes`; bias None) where given. Operands checked by the caller; out
+    C-contiguous."""
     (m, k), n = x.shape, out.shape[1]
     if m <= _amx_max_m(k, x.dtype):
-        amx.run(tile[0], operands, as_numpy(x.contiguous()), n, _tile_width(k), *_bias_bits(bias), as_numpy(out))
+        amx.run(tile[0], operands, as_numpy(x.contiguous()), n, _tile_width(k), *_bias_bits(bias), as_numpy(out),
+                scratch)
         return
     path, tile_dtype, transposed = _gemm_path(m, n, k, x.dtype, bias)
     rows, _ = _tile_layout(n, k, tile_dtype, transposed)
@@ -3308,7 +3312,7 @@ def _tiles(tile: tuple, operands: tuple, n: int, k: int, dtype: torch.dtype, ser
     width = _tile_width(k)
     rows, tile_bytes = _tile_layout(n, k, dtype, transposed)
     nbytes = tile_bytes + math.prod(after) * dtype.itemsize
-    with (contextlib.nullcontext(scratch[:nbytes]) if scratch is not None else thread_scratch(nbytes)) as raw:
+    with scratch_or_thread(scratch, nbytes) as raw:
         buffer = raw[:tile_bytes].view(dtype)[: rows * width].view(rows, width)
         spare = raw[tile_bytes:].view(dtype).view(after)
         for r0 in range(0, n, rows):
