@@ -12,7 +12,9 @@ tiles on it for every row of x at once:
 x^T is laid out once per call (``transpose_pairs``), each C^T block is rounded to BF16 (the bias added first)
 and transposed into the output by the GEMM path's word transpose, every NaN made the canonical one. The sums
 are float32 in AMX's order, with its handling of subnormals (inputs and results flushed to zero), as torch's
-GEMM on these CPUs: inside the GEMM path's interval (docs/weight_only.md, 'Tolerance of the GEMM path').
+GEMM on these CPUs: inside the GEMM path's interval (docs/weight_only.md, 'Tolerance of the GEMM path'). With
+svd_quant's low-rank branch each block also gets L = T u on the tiles and is written as bf16(bf16(L) + bf16(P))
+(docs/weight_only.md, 'AMX': 'A low-rank branch').
 
 The tile registers: C^T blocks tmm0-3, the two W tiles tmm4-5, the two x^T tiles tmm6-7, each 16 rows of 64
 bytes. Instructions come as inline assembly (LLVM's intrinsics for them are not reachable from numba), which
@@ -143,6 +145,29 @@ def _make_plain(text: str, doc: str):
     return op
 
 
+_HALF = ir.VectorType(ir.FloatType(), simd.LANES // 2)
+
+
+@intrinsic
+def _tile_sums_as_bf16(typingctx, value):
+    """A vector of the tiles' float32 sums (simd.F32V), each rounded to BF16 (as float32) by one
+    ``vcvtne2ps2bf16``: ties to even, NaN stays NaN. The instruction flushes subnormal inputs to zero, which
+    the tiles' sums never are (tdpbf16ps flushes its subnormal results), so it rounds them exactly."""
+
+    def codegen(context, builder, sig, args):
+        halves = [builder.shuffle_vector(args[0], args[0], ir.Constant(ir.VectorType(ir.IntType(32), simd.LANES // 2),
+                                                                        list(range(h, h + simd.LANES // 2))))
+                  for h in (0, simd.LANES // 2)]
+        words_type = ir.VectorType(ir.IntType(16), simd.LANES)
+        convert = ir.InlineAsm(ir.FunctionType(words_type, [_HALF, _HALF]), "vcvtne2ps2bf16 $2, $1, $0", "=v,v,v")
+        words = builder.call(convert, [halves[1], halves[0]])  # the low half from the last operand
+        widened = builder.zext(words, ir.VectorType(ir.IntType(32), simd.LANES))
+        upper = builder.shl(widened, ir.Constant(widened.type, [16] * simd.LANES))
+        return builder.bitcast(upper, ir.VectorType(ir.FloatType(), simd.LANES))
+
+    return simd.F32V(value), codegen
+
+
 _load = [_make_tile_op(f"tileloadd ($0,$1,1), %tmm{t}", f"tmm{t} <- 16 rows of 64 bytes") for t in range(8)]
 _store = [_make_tile_op(f"tilestored %tmm{t}, ($0,$1,1)", f"16 rows of 64 bytes <- tmm{t}") for t in range(4)]
 _zero = [_make_plain(f"tilezero %tmm{t}", f"tmm{t} <- 0") for t in range(4)]
@@ -160,24 +185,32 @@ def x_pairs(x_bits, xt):
     (M, K) int16, C-contiguous; zero past M and K (kp: K rounded up to TILE_K, mp: M rounded up to PANEL). A
     slab's B tiles (16 rows of 64 bytes, 128 bytes apart) then lie in 2 KiB, not in 16 rows a whole x^T row
     apart (16 pages at M = 1888; with the scratch kept between calls, 4096^2 at M = 256 went from 1.5-2.2x to
-    1.1x F.linear's time on the Xeon here)."""
+    1.1x F.linear's time on the Xeon here). Slab by slab (:func:`_x_pairs_slab`)."""
+    for s in range(xt.shape[0]):
+        _x_pairs_slab(x_bits, xt, s)
+
+
+@numba.njit(**dict(NJIT_OPTIONS, inline="always"))
+def _x_pairs_slab(x_bits, xt, s):
+    """Slab ``s`` of x_pairs' xt: rows PANEL s .. PANEL s + PANEL - 1 of x."""
     m, k = x_bits.shape
-    slabs, pairs = xt.shape[0], xt.shape[1]
+    pairs = xt.shape[1]
     xt_words = xt.view(np.int16)
     x_flat, xt_flat = simd.flat(x_bits), simd.flat(xt_words)
     block = _transpose.PAIR_BLOCK
     full_m, full_k = m - m % block, k - k % (2 * block)
-    for s in range(slabs):  # zeros where the blocks below do not write: the edges fill theirs in after
-        for i in range(full_k // 2 if s < full_m // PANEL else 0, pairs):
-            for j in range(PANEL):
-                xt[s, i, j] = 0
-    for m0 in range(0, full_m, block):
-        slab_at = (m0 // PANEL) * 2 * pairs * PANEL + 2 * (m0 % PANEL)  # in words
+    first, end = PANEL * s, min(PANEL * (s + 1), m)
+    for i in range(full_k // 2 if PANEL * (s + 1) <= full_m else 0, pairs):  # zeros where the blocks do not write:
+        for j in range(PANEL):  # the edges fill theirs in after
+            xt[s, i, j] = 0
+    slab_at = s * 2 * pairs * PANEL
+    for m0 in range(first, min(end, full_m), block):
         for k0 in range(0, full_k, 2 * block):
-            _transpose.transpose_pairs(x_flat, m0 * k + k0, k, xt_flat, slab_at + k0 * PANEL, 2 * PANEL)
-    for i in range(m):  # the edges: rows past the blocks, then columns past them
+            _transpose.transpose_pairs(x_flat, m0 * k + k0, k, xt_flat, slab_at + 2 * (m0 - first) + k0 * PANEL,
+                                       2 * PANEL)
+    for i in range(first, end):  # the edges: rows past the blocks, then columns past them
         for c in range(0 if i >= full_m else full_k, k):
-            xt_words[i // PANEL, c // 2, 2 * (i % PANEL) + c % 2] = x_bits[i, c]
+            xt_words[s, c // 2, 2 * (i - first) + c % 2] = x_bits[i, c]
 
 
 @numba.njit(**dict(NJIT_OPTIONS, inline="always"))
@@ -221,15 +254,18 @@ def _multiply_panel(w, r0, xt, m0, kp, c32, columns):
 
 
 @numba.njit(**dict(NJIT_OPTIONS, inline="always"))
-def _round_block(c32, bias32, has_bias, n0, rows, m0, words, out_bits):
+def _round_block(c32, bias32, has_bias, low32, has_low, n0, rows, m0, words, out_bits):
     """out[m0 .., n0 ..] <- c32^T (the block's float32 sums, a row per row of W) plus the bias, rounded to BF16,
-    NaN canonical; only the block's ``rows`` rows of W and the rows of x below M."""
+    NaN canonical; where ``has_low``, bf16(bf16(low32) + that), ``low32`` the block's low-rank sums (as c32).
+    Only the block's ``rows`` rows of W and the rows of x below M."""
     m, n = out_bits.shape
-    c_flat = simd.flat(c32)
-    for r in range(PANEL):
+    c_flat, low_flat = simd.flat(c32), simd.flat(low32)
+    for r in range(PANEL):  # a row is one vector (simd.LANES == PANEL)
         value = simd.f32v_load(c_flat, r * PANEL)
         if has_bias:
             value = simd.f32v_add(value, simd.f32v_splat(bias32[n0 + r]))
+        if has_low:  # both sums straight from the tiles
+            value = simd.f32v_add(_tile_sums_as_bf16(simd.f32v_load(low_flat, r * PANEL)), _tile_sums_as_bf16(value))
         simd.f32v_store_as_bf16(words, r * PANEL, value)
     cols, out_flat = min(PANEL, m - m0), simd.flat(out_bits)
     if rows == PANEL and cols == PANEL:
@@ -265,57 +301,96 @@ def _lines(nbytes):
 
 
 @numba.njit(**NJIT_OPTIONS)
-def scratch_layout(m, k, width, slots):
-    """(x^T's bytes, one task slot's bytes, total) of _amx_gemm's scratch for M rows of x, K columns, decoded rows
-    of ``width`` words and ``slots`` task slots (one per thread that may run tasks): x^T (x_pairs) first, then
-    per slot a task's decoded rows (SUBPANELS * PANEL rows of ``width``), two blocks of float32 sums and one of
-    words; each part a whole number of 64-byte lines."""
-    xt = _lines(-(-m // PANEL) * PANEL * -(-k // TILE_K) * TILE_K * 2)
-    slot = _lines(SUBPANELS * PANEL * width * 2) + _lines(2 * PANEL * PANEL * 4) + _lines(PANEL * PANEL * 2)
-    return xt, slot, xt + slots * slot
+def scratch_layout(m, k, rp, width, slots):
+    """(x^T's bytes, T^T's bytes, one task slot's bytes, total) of _amx_gemm's scratch for M rows of x, K columns,
+    a low-rank branch of ``rp`` (R rounded up to TILE_K; 0: none), decoded rows of ``width`` words and ``slots``
+    task slots (one per thread that may run tasks): x^T (x_pairs) first, then T^T, then per slot a task's decoded
+    rows (SUBPANELS * PANEL rows of ``width``), four blocks of float32 sums, one of words and the task's rows of
+    u^T (SUBPANELS * PANEL rows of ``rp``); each part a whole number of 64-byte lines."""
+    mp = -(-m // PANEL) * PANEL
+    xt, tt = _lines(mp * -(-k // TILE_K) * TILE_K * 2), _lines(mp * rp * 2)
+    slot = (_lines(SUBPANELS * PANEL * width * 2) + _lines(4 * PANEL * PANEL * 4) + _lines(PANEL * PANEL * 2)
+            + _lines(SUBPANELS * PANEL * rp * 2))
+    return xt, tt, slot, xt + tt + slots * slot
 
 
 @numba.njit(**dict(NJIT_OPTIONS, inline="always"))
-def _task_slot(scratch, at, width):
-    """(decoded rows, two blocks of sums, one block of words) in the task slot at byte ``at`` of ``scratch``."""
-    w_bytes, c_bytes = _lines(SUBPANELS * PANEL * width * 2), _lines(2 * PANEL * PANEL * 4)
-    w = scratch[at : at + SUBPANELS * PANEL * width * 2].view(np.int16).reshape((SUBPANELS * PANEL, width))
-    c32 = scratch[at + w_bytes : at + w_bytes + c_bytes].view(np.float32).reshape((2, PANEL, PANEL))
-    words = scratch[at + w_bytes + c_bytes : at + w_bytes + c_bytes + PANEL * PANEL * 2].view(np.int16)
-    return w, c32, words
+def _task_slot(scratch, at, width, rp):
+    """(decoded rows, four blocks of sums: two of products, two of low-rank sums, one block of words, rows of u^T)
+    in the task slot at byte ``at`` of ``scratch`` (scratch_layout)."""
+    rows = SUBPANELS * PANEL
+    w_bytes, c_bytes, words_bytes = _lines(rows * width * 2), _lines(4 * PANEL * PANEL * 4), _lines(PANEL * PANEL * 2)
+    w = scratch[at : at + rows * width * 2].view(np.int16).reshape((rows, width))
+    at += w_bytes
+    c32 = scratch[at : at + c_bytes].view(np.float32).reshape((4, PANEL, PANEL))
+    at += c_bytes
+    words = scratch[at : at + PANEL * PANEL * 2].view(np.int16)
+    at += words_bytes
+    ut = scratch[at : at + rows * rp * 2].view(np.int16).reshape((rows, rp))
+    return w, c32, words, ut
 
 
-def _amx_gemm(operands, x_bits, n, width, bias_bits, bias_kind, scratch, slots, out_bits):
+@numba.njit(**dict(NJIT_OPTIONS, inline="always"))
+def _low_rank_rows(u_bits, first, rows, ut):
+    """ut[i, c] <- u[c, first + i] for i < ``rows`` and c < R, 0 for R <= c < rp: a task's rows of u^T, from
+    u_bits (R, N) int16 C-contiguous into ut (>= rows, rp) int16 (rows past ``rows`` not written: each only
+    makes its own row of sums, which is not stored). NaN canonical (transpose_block's)."""
+    r, n = u_bits.shape
+    rp = ut.shape[1]
+    u_flat, ut_flat = simd.flat(u_bits), simd.flat(ut)
+    full_rows, full_r = rows - rows % PANEL, r - r % PANEL
+    for i0 in range(0, full_rows, PANEL):
+        for c0 in range(0, full_r, PANEL):
+            _transpose.transpose_block(u_flat, c0 * n + first + i0, n, ut_flat, i0 * rp + c0, rp)
+    for i in range(rows):  # the edges: columns past the blocks, then rows past them
+        for c in range(full_r if i < full_rows else 0, rp):
+            ut[i, c] = u_bits[c, first + i] if c < r else 0
+
+
+def _amx_gemm(operands, x_bits, n, width, bias_bits, bias_kind, t_bits, u_bits, scratch, slots, out_bits):
     """out_bits (M, N) int16 <- x_bits (M, K) BF16 bits times the (N, K) weight whose rows
     ``_TILE_ROWS(*operands, r0, first, end, w)`` decodes as BF16 bits (the GEMM path's tile decoder, bound by
     _kernels), plus the bias (_bias_values): x^T laid out once (x_pairs), then a task per SUBPANELS panels of
     PANEL rows of W, decoded into a buffer (rows of ``width`` >= the decoder's row) and multiplied on the tiles
     by every PANEL rows of x, panel after panel (x^T's slabs read again from the cache). Each block's rounding
-    overlaps the next block's products (two buffers of sums). ``scratch``: uint8, scratch_layout's total for
-    ``slots`` slots (1, or numba's largest thread count: a task takes its thread's slot, ``_SLOT()``)."""
+    overlaps the next block's products (two buffers of sums). With a low-rank branch (``t_bits`` (M, R) and
+    ``u_bits`` (R, N) BF16 bits, R > 0), each task also lays out its rows of u^T and each block gets its sums of
+    T u on the tiles: the result is bf16(bf16(T u) + bf16(x W^T)) (no bias then).
+    ``scratch``: uint8, scratch_layout's total for ``slots`` slots (1, or numba's largest thread count: a task
+    takes its thread's slot, ``_SLOT()``)."""
     m, k = x_bits.shape
+    rp = -(-u_bits.shape[0] // TILE_K) * TILE_K
     kp, mp = -(-k // TILE_K) * TILE_K, -(-m // PANEL) * PANEL
-    xt_bytes, slot_bytes, _ = scratch_layout(m, k, width, slots)
+    xt_bytes, tt_bytes, slot_bytes, _ = scratch_layout(m, k, rp, width, slots)
     xt = scratch[: mp * kp * 2].view(np.int32).reshape((mp // PANEL, kp // 2, PANEL))
-    x_pairs(x_bits, xt)
+    for s in numba.prange(mp // PANEL):
+        _x_pairs_slab(x_bits, xt, s)
+    tt = scratch[xt_bytes : xt_bytes + mp * rp * 2].view(np.int32).reshape((mp // PANEL, rp // 2, PANEL))
+    if rp:
+        x_pairs(t_bits, tt)
     bias32 = _bias_values(bias_bits, bias_kind, n)
     for task in numba.prange(-(-n // (SUBPANELS * PANEL))):
         first = task * SUBPANELS * PANEL
         rows = min(SUBPANELS * PANEL, n - first)
-        w, c32, words = _task_slot(scratch, xt_bytes + _SLOT() * slot_bytes, width)  # noqa: F821 (bound)
+        at = xt_bytes + tt_bytes + _SLOT() * slot_bytes  # noqa: F821 (bound)
+        w, c32, words, ut = _task_slot(scratch, at, width, rp)
         _TILE_ROWS(*operands, first, 0, rows, w)  # noqa: F821 (bound per format)
+        if rp:
+            _low_rank_rows(u_bits, first, rows, ut)
         panels = -(-rows // PANEL)
         _zero_padding(w, rows, k, kp)
         _load_config(_CONFIG)
         blocks = panels * (mp // PANEL)
         for b in range(blocks + 1):
             if b < blocks:  # its products go to the tiles; the previous block is rounded while they run
-                m0 = (b // panels) * PANEL
-                _multiply_panel(w, (b % panels) * PANEL, xt, m0, kp, c32[b % 2], m - m0)
+                p, m0 = b % panels, (b // panels) * PANEL
+                _multiply_panel(w, p * PANEL, xt, m0, kp, c32[b % 2], m - m0)
+                if rp:
+                    _multiply_panel(ut, p * PANEL, tt, m0, rp, c32[2 + b % 2], m - m0)
             if b > 0:
                 p, m0 = (b - 1) % panels, ((b - 1) // panels) * PANEL
-                _round_block(c32[(b - 1) % 2], bias32, bias_kind != BIAS_NONE, first + p * PANEL,
-                             min(PANEL, rows - p * PANEL), m0, words, out_bits)
+                _round_block(c32[(b - 1) % 2], bias32, bias_kind != BIAS_NONE, c32[2 + (b - 1) % 2], rp > 0,
+                             first + p * PANEL, min(PANEL, rows - p * PANEL), m0, words, out_bits)
         _release()
 
 
@@ -345,30 +420,34 @@ def _kernels(tile_rows) -> SerialOrParallel:
     return _KERNELS[name]
 
 
-def scratch_bytes(m: int, k: int, width: int) -> int:
-    """Bytes of the scratch :func:`run` uses for M rows of x, K columns and decoded rows of ``width`` words,
-    whatever numba's thread count (a slot for each of its threads)."""
-    return int(scratch_layout(m, k, width, numba.config.NUMBA_NUM_THREADS)[2])
+def scratch_bytes(m: int, k: int, width: int, r: int = 0) -> int:
+    """Bytes of the scratch :func:`run` uses for M rows of x, K columns, decoded rows of ``width`` words and a
+    low-rank branch of rank ``r`` (0: none), whatever numba's thread count (a slot for each of its threads)."""
+    return int(scratch_layout(m, k, -(-r // TILE_K) * TILE_K, width, numba.config.NUMBA_NUM_THREADS)[3])
 
 
 # Products (M N K) below which a call runs on the calling thread.
 ONE_THREAD_PRODUCTS = 1 << 23
+_NO_LOW_RANK = (np.zeros((0, 0), dtype=np.int16), np.zeros((0, 0), dtype=np.int16))
 
 
 def run(tile_rows, operands: tuple, x_bits: np.ndarray, n: int, width: int, bias_bits: np.ndarray, bias_kind: int,
-        out_bits: np.ndarray, scratch=None) -> None:
+        out_bits: np.ndarray, scratch=None, low_rank: tuple = _NO_LOW_RANK) -> None:
     """out_bits (M, N) <- x_bits (M, K) times the (N, K) weight that ``tile_rows(*operands, r0, first, end, w)``
     decodes (rows r0 + first .. r0 + end - 1 into rows first .. of ``w``, (rows, width) int16 BF16 bits, columns
     from K on zeros or not written), plus the bias (``bias_bits`` of ``bias_kind``, _bias_values), rounded to
-    BF16, NaN canonical; x_bits and out_bits BF16 bit patterns (int16), C-contiguous. In one numba call, on
-    numba's threads from ONE_THREAD_PRODUCTS on. x^T and the tasks' buffers go in the calling thread's scratch
-    buffer, or in ``scratch`` (uint8, at least :func:`scratch_bytes`) where given. Only where AVAILABLE; shapes
-    and dtypes checked by the caller (weight_only.run_gemm_path)."""
+    BF16, NaN canonical; x_bits and out_bits BF16 bit patterns (int16), C-contiguous. ``low_rank``: none, or
+    (T (M, R), u (R, N)) BF16 bits, C-contiguous, with BIAS_NONE: out = bf16(bf16(T u) + bf16(x W^T)), T u summed
+    on the tiles too. In one numba call, on numba's
+    threads from ONE_THREAD_PRODUCTS on. x^T and the tasks' buffers go in the calling thread's scratch buffer, or
+    in ``scratch`` (uint8, at least :func:`scratch_bytes`) where given. Only where AVAILABLE; shapes and dtypes
+    checked by the caller (weight_only.run_gemm_path, weight_only.WeightOnlyLinear.run_low_rank)."""
     kernel = _kernels(tile_rows)
-    serial = runs_serially(x_bits.shape[0] * n * x_bits.shape[1], ONE_THREAD_PRODUCTS)
+    (m, k), rp = x_bits.shape, -(-low_rank[1].shape[0] // TILE_K) * TILE_K
+    serial = runs_serially(m * n * (k + rp), ONE_THREAD_PRODUCTS)
     slots = 1 if serial else numba.config.NUMBA_NUM_THREADS
-    with scratch_or_thread(scratch, scratch_layout(x_bits.shape[0], x_bits.shape[1], width, slots)[2]) as buffer:
-        args = (operands, x_bits, n, width, bias_bits, bias_kind, buffer.numpy(), slots, out_bits)
+    with scratch_or_thread(scratch, scratch_layout(m, k, rp, width, slots)[3]) as buffer:
+        args = (operands, x_bits, n, width, bias_bits, bias_kind, *low_rank, buffer.numpy(), slots, out_bits)
         if serial:
             kernel.serial(*args)
         else:

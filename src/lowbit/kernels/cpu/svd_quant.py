@@ -14,7 +14,8 @@ final add'). ``P = deq(xq) @ deq(w)^T``:
 * With more rows, the weight-only MXFP4 kernel on the dequantized activation: its batched kernel (up to its
   BATCH_MAX_M rows) or its GEMM path (the weight decoded in tiles of rows for torch's GEMM); a float32
   matmul of the whole dequantized weight where a block's values are BF16 subnormals
-  (:func:`_has_subnormal_values`).
+  (:func:`_has_subnormal_values`). On AMX CPUs, up to the AMX kernel's rows, that kernel computes L = T u
+  beside P and the final add (WeightOnlyLinear.run_low_rank; docs/svd_quant.md, 'Prefill on AMX tiles').
 
 The integer products: every E2M1 value is an integer over 2 (0, 0.5, 1, 1.5, 2, 3, 4, 6), so a product of
 an activation element and a weight element of blocks with scales 2^ex and 2^ew is
@@ -31,8 +32,8 @@ Exactness is checked per pair of (activation row, weight row) from the scale byt
 
 Memory: the activation's codes, scales and integer operands (at decode; its (M, K) BF16 dequantized copy
 only for rows that fall back, or at prefill), and with more than GEMV_MAX_M rows a temporary BF16 tile of
-the weight (the weight-only kernel's, at most 16 MiB; a float32 copy of the whole weight where a block's
-values are BF16 subnormals); nothing is cached between calls.
+the weight (the weight-only kernel's, at most 16 MiB; the AMX kernel's buffers instead where it runs; a float32
+copy of the whole weight where a block's values are BF16 subnormals); nothing is cached between calls.
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ from lowbit.kernels.cpu import _block_sums, mxfp4
 from lowbit.kernels.cpu import _simd as simd
 from lowbit.kernels.cpu._runtime import (NJIT_OPTIONS, SerialOrParallel, as_numpy, bound_njit, copy_elements,
                                          kernel_threads, sync_threads)
-from lowbit.kernels.cpu.weight_only import (GEMV_MAX_M, GEMV_ONE_THREAD_WEIGHTS, MXFP4_LINEAR, _low_byte_range,
-                                             _prefetch_ahead)
+from lowbit.kernels.cpu.weight_only import (GEMV_MAX_M, GEMV_ONE_THREAD_WEIGHTS, MXFP4_LINEAR, _amx_max_m,
+                                             _low_byte_range, _prefetch_ahead)
 
 INTEGER_PRODUCTS = simd.HAS_VNNI or simd.HAS_AVX2  # else decode runs the float32 weight-only kernel
 # The integer GEMV runs on one thread below this many weights. With VNNI it takes half the float32 GEMV's time
@@ -491,18 +492,22 @@ class SvdQuant(Kernel):
         w, scales, d, u = prepared
         k, n = x.shape[-1], u.shape[1]
         x2d, out2d = x.view(-1, k), out.view(-1, n)
-        if x2d.shape[0] <= GEMV_MAX_M and INTEGER_PRODUCTS:
+        m = x2d.shape[0]
+        if m <= GEMV_MAX_M and INTEGER_PRODUCTS:
             self._decode(x2d, w, scales, d, u, out2d, one_call)
             return
         x_codes = torch.empty(x2d.shape[0], k // 2, dtype=torch.uint8)
         x_scales = torch.empty(x2d.shape[0], k // BLOCK, dtype=torch.uint8)
         x_deq = torch.empty_like(x2d)
         mxfp4.quantize_into(x2d, BLOCK, "floor", "ta", x_codes, x_scales, x_deq)
-        prefill = x2d.shape[0] > GEMV_MAX_M
+        prefill = m > GEMV_MAX_M
         if prefill and (_has_subnormal_values(x_codes, x_scales) or _has_subnormal_values(w, scales)):
             w32 = torch.empty(n, k, dtype=torch.float32)
             mxfp4.DEQUANTIZE.run(w, scales, torch.float32, -1, out=w32)
             out2d.copy_(x_deq.float() @ w32.T)
+        elif prefill and m <= _amx_max_m(k, x.dtype):  # lowbit's AMX kernel: T u and the add on the tiles too
+            MXFP4_LINEAR.run_low_rank(x_deq, w, scales, x2d @ d, u, out=out2d)
+            return
         else:  # the weight-only kernel: its float32 GEMV, its batched kernel, or decoded tiles and torch's GEMM
             MXFP4_LINEAR.run(x_deq, w, scales, None, out=out2d)
         out2d.add_((x2d @ d) @ u)

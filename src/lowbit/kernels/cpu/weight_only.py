@@ -3167,6 +3167,25 @@ class WeightOnlyLinear(Kernel):
             return
         call_in_chunks(chunksize, path, x, operands, bias, out, False)
 
+    def run_low_rank(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, t: torch.Tensor, u: torch.Tensor,
+                     *, out: torch.Tensor) -> None:
+        """out (M, N) <- bf16(bf16(t @ u) + bf16(x W^T)) on lowbit's AMX kernel (amx.run with a low-rank branch),
+        the sums of both products on the tiles: x (M, K), t (M, R), u (R, N) and out (M, N) BF16, C-contiguous,
+        M at most _amx_max_m(K); ``a``, ``b`` the format's weight (validated). Raises RuntimeError where the AMX
+        kernel does not take x, ValueError for other shapes, dtypes or layouts."""
+        (m, k), n = x.shape, out.shape[1]
+        if not 0 < m <= _amx_max_m(k, x.dtype):
+            raise RuntimeError(f"run_low_rank: lowbit's AMX kernel does not take x {tuple(x.shape)} {x.dtype} here")
+        tensors = {"t": t, "u": u, "out": out}
+        if any(v.dtype != torch.bfloat16 or v.dim() != 2 or not v.is_contiguous() for v in tensors.values()):
+            raise ValueError("run_low_rank: t, u and out must be 2-D C-contiguous BF16, got "
+                             + ", ".join(f"{name} {tuple(v.shape)} {v.dtype}" for name, v in tensors.items()))
+        if t.shape[0] != m or out.shape[0] != m or u.shape != (t.shape[1], n) or not x.is_contiguous():
+            raise ValueError(f"run_low_rank: x {tuple(x.shape)} (C-contiguous), t {tuple(t.shape)}, u {tuple(u.shape)}"
+                             f" and out {tuple(out.shape)} do not make (M, K) (M, R) (R, N) (M, N)")
+        amx.run(self.tile[0], self._operands(a, b, k, x.dtype), as_numpy(x), n, _tile_width(k),
+                *_bias_bits(None), as_numpy(out), low_rank=(as_numpy(t), as_numpy(u)))
+
     def bind_gemv(self, prepared: tuple, n: int, k: int, dtype: torch.dtype) -> "BoundGemv":
         """:class:`BoundGemv` of the weight (N, K) prepared by :meth:`prepare` for x of ``dtype``."""
         return BoundGemv(self, prepared, n, k, dtype)

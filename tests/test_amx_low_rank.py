@@ -1,0 +1,171 @@
+"""lowbit's AMX kernel with svd_quant's low-rank branch (amx.run's ``low_rank``, WeightOnlyLinear.run_low_rank,
+svd_quant's prefill on the tiles): out = bf16(bf16(T u) + bf16(x W^T)), both products summed on the tiles.
+
+Data of small integers make every float32 sum exact in any order, so the results are compared bit for bit with
+the same formula in float64 (each rounding to BF16 still happens: sums past 256 are not BF16 values)."""
+
+import numba
+import pytest
+import torch
+
+from helpers import bits
+from lowbit.formats import mxfp4
+from lowbit.kernels.cpu import amx
+from lowbit.kernels.cpu import svd_quant as cpu_svd
+from lowbit.kernels.cpu import weight_only as cpu
+from lowbit.ops import svd_quant as op
+
+pytestmark = pytest.mark.skipif(not amx.AVAILABLE, reason="no AMX-BF16 here (CPU, OS or a generic NUMBA_CPU_NAME)")
+BF16_NAN = 0x7FC0
+
+
+@numba.njit(nogil=True)
+def _bf16_rows(values, r0, first, end, w):
+    """A tile decoder of plain BF16 rows (``values`` (N, K) int16): rows r0 + first .. r0 + end - 1 into w."""
+    for i in range(first, end):
+        for c in range(values.shape[1]):
+            w[i, c] = values[r0 + i, c]
+
+
+def _ints(g, *shape, high=15):
+    return torch.randint(-high, high + 1, shape, generator=g).bfloat16()
+
+
+def _formula(x, w, t, u):
+    """bf16(bf16(t u) + bf16(x w^T)) with the products summed exactly (float64) and rounded once to float32."""
+    low = (t.double() @ u.double()).float().bfloat16()
+    products = (x.double() @ w.double().T).float().bfloat16()
+    return (low.float() + products.float()).bfloat16()
+
+
+def _run(x, w, t, u, scratch=None):
+    """amx.run of x (M, K) and the BF16 rows w (N, K) with the low-rank branch (t (M, R), u (R, N))."""
+    out = torch.empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
+    amx.run(_bf16_rows, (bits(w).numpy(),), bits(x).numpy(), w.shape[0], cpu._tile_width(x.shape[1]),
+            *cpu._bias_bits(None), bits(out).numpy(), scratch, low_rank=(bits(t).numpy(), bits(u).numpy()))
+    return out
+
+
+def _assert_same(got, want):
+    """Equal bits where ``want`` is a number; NaN (the canonical one) exactly where ``want`` is NaN."""
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(bits(got)[~want.isnan()], bits(want)[~want.isnan()])
+    assert (bits(got)[got.isnan()] == BF16_NAN).all()
+
+
+@pytest.mark.parametrize("m, n, k, r", [(5, 40, 64, 32), (16, 32, 32, 1), (17, 100, 96, 40), (33, 130, 64, 8),
+                                        (40, 257, 128, 64), (64, 64, 300, 70)])
+@pytest.mark.parametrize("threads", ["calling", "numba"])
+def test_low_rank_is_the_formula_where_sums_are_exact(monkeypatch, m, n, k, r, threads):
+    """M, N and R on and off the tiles' blocks (half tiles below 17 rows, several tasks past 128 rows of W, R past
+    one tile step), in a scratch full of NaN bits, on the calling thread and on numba's."""
+    monkeypatch.setattr(amx, "ONE_THREAD_PRODUCTS", 1 << 62 if threads == "calling" else 0)
+    g = torch.Generator().manual_seed(m * n + r)
+    x, w, t, u = _ints(g, m, k), _ints(g, n, k), _ints(g, m, r), _ints(g, r, n)
+    scratch = torch.full((amx.scratch_bytes(m, k, cpu._tile_width(k), r),), 0xFF, dtype=torch.uint8)
+    got = _run(x, w, t, u, scratch)
+    want = _formula(x, w, t, u)
+    assert bits(got).eq(bits(want)).all()
+    assert (want.float() != (t.double() @ u.double() + x.double() @ w.double().T).float()).any()  # roundings ran
+
+
+def test_special_values_reach_their_rows_and_columns():
+    """NaN in T, x or W, Inf in u (NaN where it meets a zero of T) and both infinities: IEEE's results, NaN
+    canonical."""
+    g = torch.Generator().manual_seed(1)
+    m, n, k, r = 20, 48, 64, 16
+    x, w, t, u = _ints(g, m, k), _ints(g, n, k), _ints(g, m, r), _ints(g, r, n)
+    t[1, 3] = float("nan")
+    x[4, 10] = float("nan")
+    w[7, 0] = float("nan")
+    u[2, 5], u[3, 5] = float("inf"), float("inf")
+    t[6, 2] = 0
+    u[2, 9], u[3, 9] = float("inf"), float("-inf")
+    got, want = _run(x, w, t, u), _formula(x, w, t, u)
+    assert want.isnan().any() and want.isinf().any()
+    _assert_same(got, want)
+
+
+def test_overflow_to_infinity_in_each_rounding():
+    """T u and x W^T past the float32 range, and a final add of two finite BF16 values past it: Inf, as the
+    formula's (row 0: T u overflows; row 1: x W^T; row 2, column 1: the add)."""
+    big = 1.5 * 2.0**127
+    x, w = torch.zeros(3, 32).bfloat16(), torch.zeros(2, 32).bfloat16()
+    x[1, :2], x[2, 0], w[:, :2] = big, big, 1.0
+    t = torch.tensor([[big, big], [0.0, 0.0], [big, 0.0]]).bfloat16()
+    u = torch.tensor([[2.0, 1.0], [2.0, 1.0]]).bfloat16()
+    got, want = _run(x, w, t, u), _formula(x, w, t, u)
+    assert want.isinf().all() and not torch.isinf((x.double() @ w.double().T)[2]).any()
+    _assert_same(got, want)
+
+
+def test_tile_sums_are_never_subnormal():
+    """The tiles flush a subnormal float32 sum to zero (as torch's GEMM on them does), which the kernel's rounding
+    of each sum by vcvtne2ps2bf16 relies on; the final add keeps a subnormal result, rounded exactly. Row 0:
+    T u = 2^-127 (subnormal: 0), x W^T = 0; row 1: T u = 2^-126 (1 + 2^-7), x W^T = -2^-126, their sum 2^-133."""
+    tiny = 2.0**-63
+    t = torch.tensor([[tiny / 2], [tiny * (1 + 2.0**-7)]]).bfloat16()
+    u = torch.tensor([[tiny]]).bfloat16()
+    x, w = torch.zeros(2, 32).bfloat16(), torch.zeros(1, 32).bfloat16()
+    x[1, 0], w[0, 0] = -tiny, tiny
+    got = _run(x, w, t, u)
+    assert bits(got[0, 0]) == 0
+    assert got[1, 0].item() == 2.0**-133
+
+
+def test_run_low_rank_checks_its_operands():
+    g = torch.Generator().manual_seed(2)
+    codes, scales = mxfp4.quantize(torch.randn(40, 64, generator=g))
+    x, t, u = _ints(g, 8, 64), _ints(g, 8, 4), _ints(g, 4, 40)
+    out = torch.empty(8, 40, dtype=torch.bfloat16)
+    cpu.MXFP4_LINEAR.run_low_rank(x, codes, scales, t, u, out=out)
+    for bad_t, bad_u, bad_out, words in [(t.float(), u, out, "t (8, 4) torch.float32"),
+                                         (t, u[:, :39], out, "u (4, 39)"),
+                                         (t, u.T.contiguous().T, out, "C-contiguous"),
+                                         (t[:7], u, out, "t (7, 4)"),
+                                         (t, u, torch.empty(8, 39, dtype=torch.bfloat16), "(M, N)")]:
+        with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
+            cpu.MXFP4_LINEAR.run_low_rank(x, codes, scales, bad_t, bad_u, out=bad_out)
+    many = _ints(g, cpu.AMX_MAX_M + 1, 64)
+    with pytest.raises(RuntimeError, match="does not take x"):
+        cpu.MXFP4_LINEAR.run_low_rank(many, codes, scales, _ints(g, many.shape[0], 4), u,
+                                      out=torch.empty(many.shape[0], 40, dtype=torch.bfloat16))
+
+
+def _exact_svd_inputs(m, n, k, r, seed):
+    """svd_quant inputs whose quantized activation is x itself (E2M1 values, each block's largest magnitude 6:
+    scale 2^0) and whose products and low-rank sums are exact in float32."""
+    g = torch.Generator().manual_seed(seed)
+    values = mxfp4.dequantize(torch.arange(16, dtype=torch.uint8).repeat(8).view(8, 16), torch.full((8, 1), 127,
+                                                                                                   dtype=torch.uint8))
+    levels = values.reshape(-1).unique()
+    x = levels[torch.randint(0, len(levels), (m, k), generator=g)].bfloat16()
+    x[:, ::32] = 6
+    w, s = mxfp4.dynamic_mx_quant(_ints(g, n, k, high=6), 32, "round")
+    return x, w, s, _ints(g, k, r, high=3), _ints(g, r, n, high=3)
+
+
+@pytest.mark.parametrize("m, n, k, r", [(cpu.GEMV_MAX_M + 1, 72, 64, 32), (40, 130, 128, 8), (96, 64, 96, 40)])
+def test_svd_quant_prefill_on_the_tiles_is_the_formula(monkeypatch, m, n, k, r):
+    """svd_quant's prefill rows go to run_low_rank and give bf16(bf16(T u) + bf16(P)), T = bf16(x d), bit for bit
+    where the sums are exact; so do the decode rows of the same data."""
+    calls = []
+    original = cpu.WeightOnlyLinear.run_low_rank
+    monkeypatch.setattr(cpu.WeightOnlyLinear, "run_low_rank", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    x, w, s, d, u = _exact_svd_inputs(m, n, k, r, seed=m + n)
+    got = op.svd_quant(x, w, s, d, u, backend="native")
+    assert calls == [1]
+    w_values = mxfp4.dequantize(w, cpu_svd.weight_scales(s, k), torch.float64)
+    products = (x.double() @ w_values.T).float().bfloat16()
+    low = ((x.double() @ d.double()).float().bfloat16().double() @ u.double()).float().bfloat16()
+    want = (low.float() + products.float()).bfloat16()
+    assert bits(got).eq(bits(want)).all()
+    assert torch.equal(op.svd_quant(x[:1], w, s, d, u, backend="native"), got[:1])
+
+
+def test_svd_quant_beyond_the_tiles_rows_keeps_torch_matmuls(monkeypatch):
+    """Past _amx_max_m rows the prefill takes the weight-only kernel and torch's low-rank matmuls, as before."""
+    monkeypatch.setattr(cpu, "AMX_MAX_M", 32)
+    monkeypatch.setattr(cpu.WeightOnlyLinear, "run_low_rank", lambda *a, **kw: pytest.fail("ran on the tiles"))
+    x, w, s, d, u = _exact_svd_inputs(33, 40, 64, 8, seed=3)
+    op.svd_quant(x, w, s, d, u, backend="native")
