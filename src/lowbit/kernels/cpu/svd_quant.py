@@ -496,17 +496,18 @@ class SvdQuant(Kernel):
         if m <= GEMV_MAX_M and INTEGER_PRODUCTS:
             self._decode(x2d, w, scales, d, u, out2d, one_call)
             return
+        prefill, on_tiles = m > GEMV_MAX_M, GEMV_MAX_M < m <= _amx_max_m(k, x.dtype)
+        t = x2d @ d if on_tiles else None  # torch's matmul before the numba kernels: one hand-over of threads
         x_codes = torch.empty(x2d.shape[0], k // 2, dtype=torch.uint8)
         x_scales = torch.empty(x2d.shape[0], k // BLOCK, dtype=torch.uint8)
         x_deq = torch.empty_like(x2d)
         mxfp4.quantize_into(x2d, BLOCK, "floor", "ta", x_codes, x_scales, x_deq)
-        prefill = m > GEMV_MAX_M
         if prefill and (_has_subnormal_values(x_codes, x_scales) or _has_subnormal_values(w, scales)):
             w32 = torch.empty(n, k, dtype=torch.float32)
             mxfp4.DEQUANTIZE.run(w, scales, torch.float32, -1, out=w32)
             out2d.copy_(x_deq.float() @ w32.T)
-        elif prefill and m <= _amx_max_m(k, x.dtype):  # lowbit's AMX kernel: T u and the add on the tiles too
-            MXFP4_LINEAR.run_low_rank(x_deq, w, scales, x2d @ d, u, out=out2d)
+        elif on_tiles:  # lowbit's AMX kernel: T u and the final add on the tiles too
+            MXFP4_LINEAR.run_low_rank(x_deq, w, scales, t, u, out=out2d)
             return
         else:  # the weight-only kernel: its float32 GEMV, its batched kernel, or decoded tiles and torch's GEMM
             MXFP4_LINEAR.run(x_deq, w, scales, None, out=out2d)
