@@ -27,6 +27,17 @@ def _bf16_rows(values, r0, first, end, w):
             w[i, c] = values[r0 + i, c]
 
 
+amx.carry_low_rank(_bf16_rows)
+
+
+@numba.njit(nogil=True)
+def _rows_without_low_rank(values, r0, first, end, w):
+    """_bf16_rows again, under a name whose kernel has no low-rank branch."""
+    for i in range(first, end):
+        for c in range(values.shape[1]):
+            w[i, c] = values[r0 + i, c]
+
+
 def _ints(g, *shape, high=15):
     return torch.randint(-high, high + 1, shape, generator=g).bfloat16()
 
@@ -111,6 +122,18 @@ def test_tile_sums_are_never_subnormal():
     got = _run(x, w, t, u)
     assert bits(got[0, 0]) == 0
     assert got[1, 0].item() == 2.0**-133
+
+
+def test_a_kernel_without_the_branch_refuses_a_low_rank():
+    g = torch.Generator().manual_seed(3)
+    x, w, t, u = _ints(g, 8, 32), _ints(g, 8, 32), _ints(g, 8, 2), _ints(g, 2, 8)
+    out = torch.empty(8, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="_rows_without_low_rank has no low-rank branch"):
+        amx.run(_rows_without_low_rank, (bits(w).numpy(),), bits(x).numpy(), 8, cpu._tile_width(32),
+                *cpu._bias_bits(None), bits(out).numpy(), low_rank=(bits(t).numpy(), bits(u).numpy()))
+    amx.run(_rows_without_low_rank, (bits(w).numpy(),), bits(x).numpy(), 8, cpu._tile_width(32),
+            *cpu._bias_bits(None), bits(out).numpy())
+    assert torch.equal(out, (x.double() @ w.double().T).float().bfloat16())
 
 
 def test_run_low_rank_checks_its_operands():

@@ -190,7 +190,7 @@ def x_pairs(x_bits, xt):
         _x_pairs_slab(x_bits, xt, s)
 
 
-@numba.njit(**dict(NJIT_OPTIONS, inline="always"))
+@numba.njit(**NJIT_OPTIONS)
 def _x_pairs_slab(x_bits, xt, s):
     """Slab ``s`` of x_pairs' xt: rows PANEL s .. PANEL s + PANEL - 1 of x."""
     m, k = x_bits.shape
@@ -330,7 +330,7 @@ def _task_slot(scratch, at, width, rp):
     return w, c32, words, ut
 
 
-@numba.njit(**dict(NJIT_OPTIONS, inline="always"))
+@numba.njit(**NJIT_OPTIONS)
 def _low_rank_rows(u_bits, first, rows, ut):
     """ut[i, c] <- u[c, first + i] for i < ``rows`` and c < R, 0 for R <= c < rp: a task's rows of u^T, from
     u_bits (R, N) int16 C-contiguous into ut (>= rows, rp) int16 (rows past ``rows`` not written: each only
@@ -347,7 +347,27 @@ def _low_rank_rows(u_bits, first, rows, ut):
             ut[i, c] = u_bits[c, first + i] if c < r else 0
 
 
-def _amx_gemm(operands, x_bits, n, width, bias_bits, bias_kind, t_bits, u_bits, scratch, slots, out_bits):
+def _lay_out(x_bits, t_bits, rp, scratch, xt_bytes):
+    """x^T (x_pairs' slabs, slab by slab) at the start of ``scratch`` and, where ``rp`` (R rounded up to TILE_K)
+    is not 0, T^T at byte ``xt_bytes``: _amx_gemm's operands of the tiles' B (scratch_layout)."""
+    m, k = x_bits.shape
+    kp, mp = -(-k // TILE_K) * TILE_K, -(-m // PANEL) * PANEL
+    xt = scratch[: mp * kp * 2].view(np.int32).reshape((mp // PANEL, kp // 2, PANEL))
+    for s in numba.prange(mp // PANEL):
+        _x_pairs_slab(x_bits, xt, s)
+    if rp:
+        x_pairs(t_bits, scratch[xt_bytes : xt_bytes + mp * rp * 2].view(np.int32).reshape((mp // PANEL, rp // 2, PANEL)))
+
+
+# One layout for every format's kernel: its parallel loop compiled once (inside each kernel's parallel loop, a
+# second prange cost 2.5 s of compiling per format), run by :func:`run` before the kernel's parallel form; the
+# serial form calls the serial one itself (one numba call from Python).
+_LAY_OUT = SerialOrParallel(_lay_out)
+_lay_out_here = _LAY_OUT.serial
+
+
+def _amx_gemm(operands, x_bits, n, width, bias_bits, bias_kind, t_bits, u_bits, scratch, slots, laid_out,
+              out_bits):
     """out_bits (M, N) int16 <- x_bits (M, K) BF16 bits times the (N, K) weight whose rows
     ``_TILE_ROWS(*operands, r0, first, end, w)`` decodes as BF16 bits (the GEMM path's tile decoder, bound by
     _kernels), plus the bias (_bias_values): x^T laid out once (x_pairs), then a task per SUBPANELS panels of
@@ -357,17 +377,17 @@ def _amx_gemm(operands, x_bits, n, width, bias_bits, bias_kind, t_bits, u_bits, 
     ``u_bits`` (R, N) BF16 bits, R > 0), each task also lays out its rows of u^T and each block gets its sums of
     T u on the tiles: the result is bf16(bf16(T u) + bf16(x W^T)) (no bias then).
     ``scratch``: uint8, scratch_layout's total for ``slots`` slots (1, or numba's largest thread count: a task
-    takes its thread's slot, ``_SLOT()``)."""
+    takes its thread's slot, ``_SLOT()``), x^T and T^T already in it where ``laid_out`` (_lay_out)."""
     m, k = x_bits.shape
-    rp = -(-u_bits.shape[0] // TILE_K) * TILE_K
+    rp = 0
+    if _LOW_RANK:  # noqa: F821 (bound: a constant, so that the other formats' kernels compile none of the branch)
+        rp = -(-u_bits.shape[0] // TILE_K) * TILE_K
     kp, mp = -(-k // TILE_K) * TILE_K, -(-m // PANEL) * PANEL
     xt_bytes, tt_bytes, slot_bytes, _ = scratch_layout(m, k, rp, width, slots)
+    if not laid_out:
+        _lay_out_here(x_bits, t_bits, rp, scratch, xt_bytes)
     xt = scratch[: mp * kp * 2].view(np.int32).reshape((mp // PANEL, kp // 2, PANEL))
-    for s in numba.prange(mp // PANEL):
-        _x_pairs_slab(x_bits, xt, s)
     tt = scratch[xt_bytes : xt_bytes + mp * rp * 2].view(np.int32).reshape((mp // PANEL, rp // 2, PANEL))
-    if rp:
-        x_pairs(t_bits, tt)
     bias32 = _bias_values(bias_bits, bias_kind, n)
     for task in numba.prange(-(-n // (SUBPANELS * PANEL))):
         first = task * SUBPANELS * PANEL
@@ -375,7 +395,7 @@ def _amx_gemm(operands, x_bits, n, width, bias_bits, bias_kind, t_bits, u_bits, 
         at = xt_bytes + tt_bytes + _SLOT() * slot_bytes  # noqa: F821 (bound)
         w, c32, words, ut = _task_slot(scratch, at, width, rp)
         _TILE_ROWS(*operands, first, 0, rows, w)  # noqa: F821 (bound per format)
-        if rp:
+        if _LOW_RANK and rp:  # noqa: F821 (bound)
             _low_rank_rows(u_bits, first, rows, ut)
         panels = -(-rows // PANEL)
         _zero_padding(w, rows, k, kp)
@@ -385,7 +405,7 @@ def _amx_gemm(operands, x_bits, n, width, bias_bits, bias_kind, t_bits, u_bits, 
             if b < blocks:  # its products go to the tiles; the previous block is rounded while they run
                 p, m0 = b % panels, (b // panels) * PANEL
                 _multiply_panel(w, p * PANEL, xt, m0, kp, c32[b % 2], m - m0)
-                if rp:
+                if _LOW_RANK and rp:  # noqa: F821 (bound)
                     _multiply_panel(ut, p * PANEL, tt, m0, rp, c32[2 + b % 2], m - m0)
             if b > 0:
                 p, m0 = (b - 1) % panels, ((b - 1) // panels) * PANEL
@@ -408,15 +428,24 @@ def _first_slot():
 
 
 _KERNELS: dict = {}
+_LOW_RANK_DECODERS: set = set()  # names of the tile decoders whose kernel carries the low-rank branch
+
+
+def carry_low_rank(tile_rows) -> None:
+    """Have the kernel of the tile decoder ``tile_rows`` carry the low-rank branch (``run``'s ``low_rank``; every
+    call of that decoder then uses the one kernel that has it: one compiling). Before its first :func:`run`."""
+    _LOW_RANK_DECODERS.add(tile_rows.py_func.__name__)
 
 
 def _kernels(tile_rows) -> SerialOrParallel:
     """_amx_gemm bound to the tile decoder ``tile_rows`` (a numba function), made once per decoder; the parallel
-    loop's tasks take their thread's slot, the serial loop's the first."""
+    loop's tasks take their thread's slot, the serial loop's the first; the low-rank branch where
+    :func:`carry_low_rank` asked for it."""
     name = f"_amx_gemm{tile_rows.py_func.__name__}"
     if name not in _KERNELS:
         _KERNELS[name] = SerialOrParallel(_amx_gemm, name, serial_bound={"_SLOT": _first_slot},
-                                          _TILE_ROWS=tile_rows, _SLOT=_thread_slot)
+                                          _TILE_ROWS=tile_rows, _SLOT=_thread_slot,
+                                          _LOW_RANK=tile_rows.py_func.__name__ in _LOW_RANK_DECODERS)
     return _KERNELS[name]
 
 
@@ -444,11 +473,16 @@ def run(tile_rows, operands: tuple, x_bits: np.ndarray, n: int, width: int, bias
     checked by the caller (weight_only.run_gemm_path, weight_only.WeightOnlyLinear.run_low_rank)."""
     kernel = _kernels(tile_rows)
     (m, k), rp = x_bits.shape, -(-low_rank[1].shape[0] // TILE_K) * TILE_K
+    if rp and tile_rows.py_func.__name__ not in _LOW_RANK_DECODERS:
+        raise ValueError(f"amx.run: the kernel of {tile_rows.py_func.__name__} has no low-rank branch (carry_low_rank)")
     serial = runs_serially(m * n * (k + rp), ONE_THREAD_PRODUCTS)
     slots = 1 if serial else numba.config.NUMBA_NUM_THREADS
-    with scratch_or_thread(scratch, scratch_layout(m, k, rp, width, slots)[3]) as buffer:
-        args = (operands, x_bits, n, width, bias_bits, bias_kind, *low_rank, buffer.numpy(), slots, out_bits)
+    xt_bytes, _, _, nbytes = scratch_layout(m, k, rp, width, slots)
+    with scratch_or_thread(scratch, nbytes) as buffer:
+        scratch = buffer.numpy()
+        args = (operands, x_bits, n, width, bias_bits, bias_kind, *low_rank, scratch, slots)
         if serial:
-            kernel.serial(*args)
+            kernel.serial(*args, False, out_bits)
         else:
-            call_in_chunks(1, kernel.parallel, *args)
+            call_in_chunks(1, _LAY_OUT.parallel, x_bits, low_rank[0], rp, scratch, xt_bytes)
+            call_in_chunks(1, kernel.parallel, *args, True, out_bits)

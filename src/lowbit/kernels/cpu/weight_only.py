@@ -3539,6 +3539,7 @@ MXFP8_LINEAR = WeightOnlyLinear((_mxfp8_rows, _mxfp8_gemv), (_mxfp8_batched_rows
 MXFP4_LINEAR = WeightOnlyLinear((_mxfp4_rows, _mxfp4_gemv), (_mxfp4_batched_rows, _mxfp4_batched),
                                 (_mxfp4_tile_rows, _mxfp4_tile), FOUR_BIT_SPLIT, _mxfp4_operands, _MXFP4_EXPONENTS,
                                 PAIR_ORDER)
+amx.carry_low_rank(_mxfp4_tile_rows)  # svd_quant's prefill on the tiles (WeightOnlyLinear.run_low_rank)
 HIFLOAT4_LINEAR = WeightOnlyLinear((_hifloat4_rows, _hifloat4_gemv), (_hifloat4_batched_rows, _hifloat4_batched),
                                    (_hifloat4_tile_rows, _hifloat4_tile), HIFLOAT4_SPLIT, _hifloat4_operands,
                                    _HIFLOAT4_EXPONENTS, PAIR_ORDER if _HIFLOAT4_PAIRS else None,
