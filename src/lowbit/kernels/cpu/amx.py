@@ -356,7 +356,8 @@ def _lay_out(x_bits, t_bits, rp, scratch, xt_bytes):
     for s in numba.prange(mp // PANEL):
         _x_pairs_slab(x_bits, xt, s)
     if rp:
-        x_pairs(t_bits, scratch[xt_bytes : xt_bytes + mp * rp * 2].view(np.int32).reshape((mp // PANEL, rp // 2, PANEL)))
+        tt = scratch[xt_bytes : xt_bytes + mp * rp * 2].view(np.int32)
+        x_pairs(t_bits, tt.reshape((mp // PANEL, rp // 2, PANEL)))
 
 
 # One layout for every format's kernel: its parallel loop compiled once (inside each kernel's parallel loop, a
