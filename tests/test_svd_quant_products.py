@@ -492,6 +492,18 @@ def test_prefill_with_subnormal_dequantized_values_multiplies_in_float32(where):
     assert op.agrees(out, want)
 
 
+@pytest.mark.parametrize("size", [0, 1, 63, 64, 65, 1000, 180224])
+def test_smallest_byte_wherever_it_lies(size):
+    """The scan of scale bytes finds the minimum at every position class (vector body and tail), 255 for none."""
+    rng = np.random.default_rng(size)
+    data = rng.integers(2, 256, size, dtype=np.uint8)
+    assert cpu_backend._smallest_byte(data) == (data.min() if size else 255)
+    for at in {0, size // 2, size - 1} if size else ():
+        low = data.copy()
+        low[at] = 1
+        assert cpu_backend._smallest_byte(low) == 1
+
+
 def test_zero_blocks_with_small_scales_keep_the_bf16_gemm():
     codes = torch.zeros(3, 64, dtype=torch.uint8)
     scales = torch.zeros(3, 4, dtype=torch.uint8)
