@@ -261,6 +261,53 @@ def test_block_code_search_equals_the_compares(dtype, rounding):
         assert np.array_equal(by_compares, by_search), byte
 
 
+@numba.njit
+def _values_in_registers(elems, mask, thr, values, blocks_bytes, out):
+    for b in range(blocks_bytes.size):
+        cpu_kernels._store_block_values16(elems, 32 * b, mask, thr, blocks_bytes[b], values, out, 32 * b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rounding", mxfp4.ROUNDINGS)
+def test_block_values_in_registers_are_the_codes_decoded(dtype, rounding):
+    """The fake quant's registers (threshold count, vpermw into the scale's row of values, the sign) give, for
+    every 16-bit pattern in varying lanes under every scale byte but 0xFF (a NaN block never reaches them), the
+    bits that the block codes decoded by the reference's (scale, code byte) table give."""
+    if not simd.HAS_AVX512BW:
+        pytest.skip("no AVX512-BW on this CPU")
+    patterns = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    thr, mask = cpu_kernels._padded_thresholds(dtype, rounding), np.uint16(0x7FFF)
+    values, pairs = cpu_kernels._block_values(dtype), cpu_kernels._dequant_pair_table(dtype).reshape(256, 256)
+    for byte in range(255):
+        elems = np.random.default_rng(byte).permutation(patterns)
+        blocks_bytes = np.full(elems.size // 32, byte, dtype=np.int64)
+        codes, got = np.empty(elems.size // 2, dtype=np.uint8), np.empty(elems.size, dtype=np.uint16)
+        _codes_by_search(elems, mask, thr, blocks_bytes, codes)
+        _values_in_registers(elems, mask, thr, values, blocks_bytes, got)
+        nibbles = np.stack([codes & 15, codes >> 4], 1).reshape(-1)
+        want = (pairs[byte, nibbles] & 0xFFFF).astype(np.uint16)
+        assert np.array_equal(got, want), byte
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rule, rounding", RULE_ROUNDING)
+def test_fake_quantize_in_registers_is_the_reference(dtype, rule, rounding):
+    """fake_quantize_into: every 16-bit pattern (NaN and Inf blocks included) and blocks of every magnitude,
+    values and scale bytes equal the reference's quantize then dequantize, on numba's threads and on one."""
+    if not cpu_kernels.fake_quantizes_in_registers(dtype, 32):
+        pytest.skip("no AVX512-BW on this CPU")
+    g = torch.Generator().manual_seed(len(rule) + len(rounding))
+    patterns = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
+    shuffled = patterns[torch.randperm(65536, generator=g)]
+    spread = torch.randn(2048, 32, generator=g) * torch.logspace(-40, 40, 2048).reshape(-1, 1)
+    many = torch.cat([patterns, shuffled, spread.to(dtype).reshape(-1)]).reshape(-1, 512)  # numba's threads
+    for x in (many, shuffled[:4096].reshape(-1, 64)):
+        out, scales = torch.empty_like(x), torch.empty(x.shape[0], x.shape[1] // 32, dtype=torch.uint8)
+        cpu_kernels.fake_quantize_into(x, 32, rule, rounding, scales, out)
+        codes, want_scales = mxfp4.quantize(x, 32, rule, rounding)
+        assert_same([out, scales], [mxfp4.dequantize(codes, want_scales, dtype), want_scales])
+
+
 @settings(max_examples=10)
 @given(data=st.data())
 def test_triton_random_inputs_bit_exact(data):

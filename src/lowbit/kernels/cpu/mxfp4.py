@@ -17,7 +17,9 @@ seven vector compares), and lane pairs packed into code bytes. Otherwise the inp
 two elements (element 2i in the low half), which is exactly one output code byte. Work is split into
 tasks of _BLOCKS_PER_TASK blocks, each running a few passes over L1/L2-resident scratch (see
 quantize_task). Dequantize gathers both elements of a code byte at once from
-a (scale byte, code byte) table built by the reference; :func:`fake_quantize` does both in one pass.
+a (scale byte, code byte) table built by the reference; :func:`fake_quantize` does both in one pass, for
+FP16 / BF16 blocks of 32 on AVX512-BW CPUs in registers (:func:`fake_quantize_into`: each element's value
+looked up by its threshold count in the scale's row of values, no codes written).
 Scale rules and element rounding: docs/mxfp4.md, sections 'Scale rules' and 'Element rounding'.
 """
 
@@ -317,7 +319,8 @@ def _make_store_block_codes16(count_reached):
         def codegen(context, builder, sig, args):
             elements, magnitudes = _load_block16(context, builder, sig, args)
             table = context.make_array(sig.args[3])(context, builder, args[3]).data
-            row = builder.mul(context.cast(builder, args[4], sig.args[4], types.intp), ir.Constant(ir.IntType(64), _ROW))
+            byte = context.cast(builder, args[4], sig.args[4], types.intp)
+            row = builder.mul(byte, ir.Constant(ir.IntType(64), _ROW))
             row_type = ir.VectorType(_I16, _ROW)
             row_words = builder.load(builder.bitcast(builder.gep(table, [row]), row_type.as_pointer()), align=2)
             count = count_reached(builder, magnitudes, row_words)
@@ -341,6 +344,62 @@ def _make_store_block_codes16(count_reached):
 _store_block_codes16_compares = _make_store_block_codes16(_count_by_compares)
 _store_block_codes16_search = _make_store_block_codes16(_count_by_search)
 _store_block_codes16 = _store_block_codes16_search if simd.HAS_AVX512BW else _store_block_codes16_compares
+
+
+@functools.cache
+def _block_values(dtype: torch.dtype) -> np.ndarray:
+    """(256, 8) uint16: [scale byte, code 0..7] -> the bits of that E2M1 magnitude times the scale in ``dtype``
+    (FP16 / BF16), as the reference dequantizes it (row 0xFF: its NaN); a negative code's value is the same
+    with the sign bit set (checked here)."""
+    pairs = _dequant_pair_table(dtype).reshape(256, 256)
+    values = (pairs[:, :16] & 0xFFFF).astype(np.uint16)
+    finite = np.arange(256) != 0xFF
+    assert (values[finite, 8:] == (values[finite, :8] | 0x8000)).all()
+    return np.ascontiguousarray(values[:, :8])
+
+
+def _make_store_block_values16(count_reached):
+    """An intrinsic ``(elems, index, mask, thr, byte, values, out, out_index)`` that stores the 32 dequantized
+    elements of the finite block ``elems[index : index + 32]`` under scale byte ``byte`` at ``out[out_index]``
+    (no bounds checks): per element the number of thresholds ``thr[byte, :7]`` its magnitude reaches, counted
+    by ``count_reached``, looked up in the row ``values[byte]`` (_block_values) by vpermw, and its sign bit:
+    the bits of quantize then dequantize in one register (AVX512-BW)."""
+
+    @intrinsic
+    def store_block_values16(typingctx, elems, index, mask, thr, byte, values, out, out_index):
+        if not (_is_c_array(elems, types.uint16, 1) and mask == types.uint16 and _is_c_array(thr, types.uint16, 2)
+                and isinstance(byte, types.Integer) and _is_c_array(values, types.uint16, 2)
+                and _is_c_array(out, types.uint16, 1)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            elements, magnitudes = _load_block16(context, builder, sig, args)
+            byte = context.cast(builder, args[4], sig.args[4], types.intp)
+            row = builder.mul(byte, ir.Constant(ir.IntType(64), _ROW))
+            row_type = ir.VectorType(_I16, _ROW)
+
+            def row_of(table_index):
+                table = context.make_array(sig.args[table_index])(context, builder, args[table_index]).data
+                return builder.load(builder.bitcast(builder.gep(table, [row]), row_type.as_pointer()), align=2)
+
+            count = count_reached(builder, magnitudes, row_of(3))
+            lanes = ir.VectorType(_I32, _BLOCK32)
+            value_row = row_of(5)
+            repeated = ir.Constant(lanes, [i % _ROW for i in range(_BLOCK32)])
+            table = builder.shuffle_vector(value_row, value_row, repeated)
+            picked = builder.call(simd.vpermw(builder), [table, count])
+            signed = builder.or_(picked, builder.and_(elements, ir.Constant(_V32xI16, [-0x8000] * _BLOCK32)))
+            at = simd._element_ptr(context, builder, sig.args[6], args[6],
+                                   context.cast(builder, args[7], sig.args[7], types.intp), _V32xI16)
+            builder.store(signed, at, align=2)
+            return context.get_dummy_value()
+
+        return types.void(elems, index, mask, thr, byte, values, out, out_index), codegen
+
+    return store_block_values16
+
+
+_store_block_values16 = _make_store_block_values16(_count_by_search)
 
 
 # A block prefetches the input 16 blocks on (1 KiB of FP16 / BF16): on an Intel Xeon the 64M quantize took
@@ -445,10 +504,13 @@ def fake_quantize(x: torch.Tensor, block_size: int, scale_rule: str, rounding: s
                          "and of one shape")
     if x.device.type != "cpu" or out.device.type != "cpu":
         raise DeviceError(f"mxfp4 fake_quantize needs CPU tensors, got x on {x.device} and out on {out.device}")
-    if x.numel():
-        codes = torch.empty(codes_shape, dtype=torch.uint8)
-        scales = torch.empty(scales_shape, dtype=torch.uint8)
-        quantize_into(x, block_size, scale_rule, rounding, codes, scales, out)
+    if not x.numel():
+        return
+    scales = torch.empty(scales_shape, dtype=torch.uint8)
+    if out.dtype == x.dtype and fake_quantizes_in_registers(x.dtype, block_size):
+        fake_quantize_into(x, block_size, scale_rule, rounding, scales, out)
+        return
+    quantize_into(x, block_size, scale_rule, rounding, torch.empty(codes_shape, dtype=torch.uint8), scales, out)
 
 
 # Inputs of fewer elements are quantized on one thread (a decode step's activation: 2048 elements took 0.09 ms
@@ -462,6 +524,52 @@ def quantize_into(xt, block_size, scale_rule, rounding, codes, scales, dequantiz
     its dequantized values into ``dequantized`` (contiguous, xt's shape, FP16/BF16/FP32)."""
     serial = runs_serially(xt.numel(), ONE_THREAD_ELEMENTS)
     _quantize_blocks_of(xt, block_size, scale_rule, rounding, codes, scales, dequantized, serial)
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _fake_quantize_range16(elems, mask, scale_of, thr, values, scales, first_block, end_block, out):
+    """Quantize then dequantize blocks first_block .. end_block - 1 of 32 FP16 / BF16 elements in registers:
+    ``elems`` and ``out`` (32 * blocks,) uint16 bit patterns of one dtype, ``values`` its _block_values,
+    scales (blocks,) uint8 the blocks' scale bytes; the other operands as _quantize_range16's. A block with a
+    NaN or Inf (scale 0xFF) is the reference's NaN throughout."""
+    for b in range(np.uint64(first_block), np.uint64(end_block)):  # unsigned: no negative-index wrapping
+        start = np.uint64(_BLOCK32) * b
+        simd.prefetch_span(elems, start + np.uint64(_PREFETCH_ELEMENTS), _BLOCK32)
+        byte = scale_of[_block_amax16(elems, start, mask)]
+        scales[b] = byte
+        if byte == 0xFF:
+            for i in range(start, start + np.uint64(_BLOCK32)):
+                out[i] = values[0xFF, 0]
+        else:
+            _store_block_values16(elems, start, mask, thr, byte, values, out, start)
+
+
+@numba.njit(**PARALLEL_NJIT_OPTIONS)
+def _fake_quantize_blocks16(elems, mask, scale_of, thr, values, scales, out):
+    """Every block, as _fake_quantize_range16, in parallel tasks of _BLOCKS_PER_TASK blocks."""
+    n_blocks = scales.size
+    for task in numba.prange((n_blocks + _BLOCKS_PER_TASK - 1) // _BLOCKS_PER_TASK):
+        _fake_quantize_range16(elems, mask, scale_of, thr, values, scales, task * _BLOCKS_PER_TASK,
+                               min(n_blocks, (task + 1) * _BLOCKS_PER_TASK), out)
+
+
+def fake_quantizes_in_registers(dtype: torch.dtype, block_size: int) -> bool:
+    """Whether :func:`fake_quantize_into` takes x of ``dtype`` in blocks of ``block_size``: FP16 / BF16 in MX's
+    blocks of 32 on AVX512-BW CPUs (vpermw)."""
+    return simd.HAS_AVX512BW and block_size == _BLOCK32 and dtype in (torch.float16, torch.bfloat16)
+
+
+def fake_quantize_into(xt, block_size, scale_rule, rounding, scales, out) -> None:
+    """out <- dequantize(quantize(xt)) in xt's dtype and ``scales`` <- the blocks' scale bytes, in registers, no
+    codes written (_fake_quantize_range16): contiguous ``xt`` and ``out`` of one shape and dtype, contiguous uint8
+    ``scales`` of the reference's shape, where :func:`fake_quantizes_in_registers`; arguments validated by
+    the caller. The reference's bits (tests: every BF16 and FP16 pattern in every lane, each rule)."""
+    operands = (as_numpy(xt).reshape(-1).view(np.uint16), np.uint16(_ABS_MASK[xt.dtype]),
+                _scale_bytes(xt.dtype, scale_rule), _padded_thresholds(xt.dtype, rounding), _block_values(xt.dtype),
+                as_numpy(scales).reshape(-1))
+    serial = runs_serially(xt.numel(), ONE_THREAD_ELEMENTS)
+    run_tasks((_fake_quantize_range16, _fake_quantize_blocks16), operands, scales.numel(),
+              as_numpy(out).reshape(-1).view(np.uint16), serial)
 
 
 @functools.cache
