@@ -4,6 +4,11 @@ svd_quant's prefill on the tiles): out = bf16(bf16(T u) + bf16(x W^T)), both pro
 Data of small integers make every float32 sum exact in any order, so the results are compared bit for bit with
 the same formula in float64 (each rounding to BF16 still happens: sums past 256 are not BF16 values)."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numba
 import pytest
 import torch
@@ -168,7 +173,7 @@ def _exact_svd_inputs(m, n, k, r, seed):
     return x, w, s, _ints(g, k, r, high=3), _ints(g, r, n, high=3)
 
 
-@pytest.mark.parametrize("m, n, k, r", [(cpu.GEMV_MAX_M + 1, 72, 64, 32), (40, 130, 128, 8), (96, 64, 96, 40)])
+@pytest.mark.parametrize("m, n, k, r", [(cpu.GEMV_MAX_M + 1, 72, 64, 32), (40, 130, 128, 8), (96, 64, 96, 64)])
 def test_svd_quant_prefill_on_the_tiles_is_the_formula(monkeypatch, m, n, k, r):
     """svd_quant's prefill rows go to run_low_rank and give bf16(bf16(T u) + bf16(P)), T = bf16(x d), bit for bit
     where the sums are exact; so do the decode rows of the same data."""
@@ -192,3 +197,79 @@ def test_svd_quant_beyond_the_tiles_rows_keeps_torch_matmuls(monkeypatch):
     monkeypatch.setattr(cpu.WeightOnlyLinear, "run_low_rank", lambda *a, **kw: pytest.fail("ran on the tiles"))
     x, w, s, d, u = _exact_svd_inputs(33, 40, 64, 8, seed=3)
     op.svd_quant(x, w, s, d, u, backend="native")
+
+
+def test_a_bias_with_a_low_rank_is_refused():
+    """P + bias could be a subnormal, which the branch's rounding of each tile sum would flush."""
+    g = torch.Generator().manual_seed(4)
+    x, w, t, u = _ints(g, 8, 32), _ints(g, 8, 32), _ints(g, 8, 2), _ints(g, 2, 8)
+    out = torch.empty(8, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="no bias"):
+        amx.run(_bf16_rows, (bits(w).numpy(),), bits(x).numpy(), 8, cpu._tile_width(32),
+                *cpu._bias_bits(torch.ones(8, dtype=torch.bfloat16)), bits(out).numpy(),
+                low_rank=(bits(t).numpy(), bits(u).numpy()))
+
+
+@pytest.mark.parametrize("scratch", [torch.zeros(100, dtype=torch.uint8), torch.zeros(1 << 20, dtype=torch.int16),
+                                     torch.zeros(2, 1 << 20, dtype=torch.uint8)])
+def test_a_scratch_that_does_not_fit_is_refused(scratch):
+    g = torch.Generator().manual_seed(5)
+    x, w, t, u = _ints(g, 8, 32), _ints(g, 8, 32), _ints(g, 8, 2), _ints(g, 2, 8)
+    with pytest.raises(ValueError, match="bytes needed"):
+        _run(x, w, t, u, scratch)
+
+
+_TWO_PROCESSES = """
+import sys, numba, numpy as np, torch
+from lowbit.kernels.cpu import amx, weight_only as cpu
+
+@numba.njit(nogil=True, cache=True)
+def rows_for_the_cache_test(values, r0, first, end, w):
+    for i in range(first, end):
+        for c in range(values.shape[1]):
+            w[i, c] = values[r0 + i, c]
+
+def words(t):
+    return t.view(torch.int16).numpy()
+
+x, w = torch.ones(8, 32).bfloat16(), torch.zeros(8, 32).bfloat16()
+t, u = torch.ones(8, 1).bfloat16(), torch.full((1, 8), 2.0).bfloat16()
+out = torch.empty(8, 8, dtype=torch.bfloat16)
+if sys.argv[1] == "branch":
+    amx.carry_low_rank(rows_for_the_cache_test)
+    amx.run(rows_for_the_cache_test, (words(w),), words(x), 8, 40, *cpu._bias_bits(None), words(out),
+            low_rank=(words(t), words(u)))
+    assert out.eq(2).all(), out
+else:
+    amx.run(rows_for_the_cache_test, (words(w),), words(x), 8, 40, *cpu._bias_bits(None), words(out))
+    assert out.eq(0).all(), out
+"""
+
+
+def test_a_cached_kernel_without_the_branch_is_not_taken_for_one_with_it(tmp_path):
+    """A process that compiled (and cached) a decoder's kernel without the branch, then one that asks for the
+    branch: the second compiles its own kernel (its name says so), not the cached one without T u."""
+    script = tmp_path / "cache_case.py"
+    script.write_text(_TWO_PROCESSES)
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba_cache"),
+           "PYTHONPATH": os.pathsep.join([str(Path(amx.__file__).parents[3]), os.environ.get("PYTHONPATH", "")])}
+    for case in ("plain", "branch"):
+        done = subprocess.run([sys.executable, str(script), case], env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("r, on_tiles", [(8, True), (32, True), (64, True), (40, False), (100, False)])
+def test_svd_quant_prefill_low_rank_is_torchs(monkeypatch, r, on_tiles):
+    """On random upstream-style data (U(-10, 10): sums not exact) the prefill's L is torch's ``(x @ d) @ u`` bit
+    for bit, as the upstream check compares against: on the tiles for R up to 32 or a multiple of 32 (where
+    oneDNN sums in the tiles' order), torch's matmuls for other R."""
+    calls = []
+    original = cpu.WeightOnlyLinear.run_low_rank
+    monkeypatch.setattr(cpu.WeightOnlyLinear, "run_low_rank", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    x, w, s, d, u = op.probe_inputs(100, 300, 512, r, seed=r)
+    got = op.svd_quant(x, w, s, d, u, backend="native")
+    assert calls == ([1] if on_tiles else [])
+    x_deq = mxfp4.dequantize(*mxfp4.quantize(x, 32, "floor", "ta"), torch.bfloat16)
+    products = torch.empty(100, 300, dtype=torch.bfloat16)
+    cpu.MXFP4_LINEAR.run(x_deq, w, cpu_svd.weight_scales(s, 512), None, out=products)
+    assert bits(got).eq(bits(products + (x @ d) @ u)).all()

@@ -442,11 +442,11 @@ def _kernels(tile_rows) -> SerialOrParallel:
     """_amx_gemm bound to the tile decoder ``tile_rows`` (a numba function), made once per decoder; the parallel
     loop's tasks take their thread's slot, the serial loop's the first; the low-rank branch where
     :func:`carry_low_rank` asked for it."""
-    name = f"_amx_gemm{tile_rows.py_func.__name__}"
+    low_rank = tile_rows.py_func.__name__ in _LOW_RANK_DECODERS
+    name = f"_amx_gemm{tile_rows.py_func.__name__}" + ("_low_rank" if low_rank else "")  # numba's cache key
     if name not in _KERNELS:
         _KERNELS[name] = SerialOrParallel(_amx_gemm, name, serial_bound={"_SLOT": _first_slot},
-                                          _TILE_ROWS=tile_rows, _SLOT=_thread_slot,
-                                          _LOW_RANK=tile_rows.py_func.__name__ in _LOW_RANK_DECODERS)
+                                          _TILE_ROWS=tile_rows, _SLOT=_thread_slot, _LOW_RANK=low_rank)
     return _KERNELS[name]
 
 
@@ -476,6 +476,8 @@ def run(tile_rows, operands: tuple, x_bits: np.ndarray, n: int, width: int, bias
     (m, k), rp = x_bits.shape, -(-low_rank[1].shape[0] // TILE_K) * TILE_K
     if rp and tile_rows.py_func.__name__ not in _LOW_RANK_DECODERS:
         raise ValueError(f"amx.run: the kernel of {tile_rows.py_func.__name__} has no low-rank branch (carry_low_rank)")
+    if rp and bias_kind != BIAS_NONE:  # P + bias could be subnormal, which _tile_sums_as_bf16 would flush
+        raise ValueError("amx.run: a low-rank branch takes no bias")
     serial = runs_serially(m * n * (k + rp), ONE_THREAD_PRODUCTS)
     slots = 1 if serial else numba.config.NUMBA_NUM_THREADS
     xt_bytes, _, _, nbytes = scratch_layout(m, k, rp, width, slots)

@@ -103,5 +103,11 @@ def thread_scratch(nbytes: int):
 
 def scratch_or_thread(scratch: Optional[torch.Tensor], nbytes: int):
     """``with scratch_or_thread(scratch, nbytes) as buffer``: the first ``nbytes`` of ``scratch`` (a 1-D uint8 CPU
-    tensor of at least that many bytes, a caller's workspace) where given, else :func:`thread_scratch`."""
-    return contextlib.nullcontext(scratch[:nbytes]) if scratch is not None else thread_scratch(nbytes)
+    tensor of at least that many bytes, a caller's workspace) where given, else :func:`thread_scratch`.
+    ValueError for a ``scratch`` that is not such a tensor (a kernel would write past it)."""
+    if scratch is None:
+        return thread_scratch(nbytes)
+    if scratch.dtype != torch.uint8 or scratch.dim() != 1 or scratch.numel() < nbytes or not scratch.is_contiguous():
+        raise ValueError(f"scratch: {nbytes} bytes needed in a contiguous 1-D uint8 tensor, got {tuple(scratch.shape)} "
+                         f"{scratch.dtype}")
+    return contextlib.nullcontext(scratch[:nbytes])

@@ -47,7 +47,7 @@ import torch
 from lowbit.backends import Kernel
 from lowbit.formats import mxfp4 as mxfp4_format
 from lowbit.formats.svd_quant import BLOCK, weight_scales
-from lowbit.kernels.cpu import _block_sums, mxfp4
+from lowbit.kernels.cpu import _block_sums, amx, mxfp4
 from lowbit.kernels.cpu import _simd as simd
 from lowbit.kernels.cpu._runtime import (NJIT_OPTIONS, SerialOrParallel, as_numpy, bound_njit, copy_elements,
                                          kernel_threads, sync_threads)
@@ -471,6 +471,15 @@ def _has_subnormal_values(codes: torch.Tensor, scales: torch.Tensor) -> bool:
     return bool(nonzero[tiny].any())
 
 
+def _tiles_sum_as_torch(d: torch.Tensor) -> bool:
+    """Whether the AMX kernel's low-rank sums T u come out as torch's ``T @ u`` for a rank R = d.shape[1] (what
+    the upstream check of svd_quant compares with, which one BF16 step of L can fail where L and P nearly
+    cancel): R up to a tile row (32) or a multiple of it, where oneDNN's AMX GEMM sums in the tiles' order
+    (every output equal on all data compared, torch 2.13); it sums a remainder past 32 otherwise."""
+    r = d.shape[1]
+    return r <= amx.TILE_K or r % amx.TILE_K == 0
+
+
 def _quantized_activation(x2d: torch.Tensor, x_scales: torch.Tensor) -> torch.Tensor:
     """deq(MXFP4(x)) (M, K) BF16, and ``x_scales`` (M, K/32) <- the blocks' scale bytes: quantized and
     dequantized in registers where the CPU allows (mxfp4.fake_quantize_into: 0.08 against 0.15 ms on one thread
@@ -528,7 +537,7 @@ class SvdQuant(Kernel):
         if m <= GEMV_MAX_M and INTEGER_PRODUCTS:
             self._decode(x2d, w, scales, d, u, out2d, one_call)
             return
-        prefill, on_tiles = m > GEMV_MAX_M, GEMV_MAX_M < m <= _amx_max_m(k, x.dtype)
+        prefill, on_tiles = m > GEMV_MAX_M, GEMV_MAX_M < m <= _amx_max_m(k, x.dtype) and _tiles_sum_as_torch(d)
         t = x2d @ d if on_tiles else None  # torch's matmul before the numba kernels: one hand-over of threads
         x_scales = torch.empty(m, k // BLOCK, dtype=torch.uint8)
         x_deq = _quantized_activation(x2d, x_scales)
@@ -541,7 +550,7 @@ class SvdQuant(Kernel):
             return
         else:  # the weight-only kernel: its float32 GEMV, its batched kernel, or decoded tiles and torch's GEMM
             MXFP4_LINEAR.run(x_deq, w, scales, None, out=out2d)
-        out2d.add_((x2d @ d) @ u)
+        out2d.add_((x2d @ d if t is None else t) @ u)
 
     @staticmethod
     def _decode(x2d, w, scales, d, u, out2d, one_call: bool) -> None:
