@@ -16,6 +16,7 @@ import torch
 from helpers import bits
 from lowbit.formats import mxfp4
 from lowbit.kernels.cpu import amx
+from lowbit.kernels.cpu import mxfp4 as mxfp4_kernels
 from lowbit.kernels.cpu import svd_quant as cpu_svd
 from lowbit.kernels.cpu import weight_only as cpu
 from lowbit.ops import svd_quant as op
@@ -273,3 +274,34 @@ def test_svd_quant_prefill_low_rank_is_torchs(monkeypatch, r, on_tiles):
     products = torch.empty(100, 300, dtype=torch.bfloat16)
     cpu.MXFP4_LINEAR.run(x_deq, w, cpu_svd.weight_scales(s, 512), None, out=products)
     assert bits(got).eq(bits(products + (x @ d) @ u)).all()
+
+
+@pytest.mark.parametrize("m, n, k, r", [(5, 40, 64, 32), (17, 100, 96, 8), (40, 257, 2048, 32), (100, 64, 32, 64),
+                                        (256, 300, 512, 16)])
+@pytest.mark.parametrize("threads", ["calling", "numba"])
+def test_fake_quant_laid_out_on_the_way_is_the_fake_quant_then_the_kernel(monkeypatch, m, n, k, r, threads):
+    """run_low_rank with x_scales: x's MXFP4 fake quant laid out straight into the tiles' operand gives the bits
+    and scale bytes of the fake quant written out first (mxfp4.fake_quantize_into) and then multiplied; NaN and
+    Inf blocks too, 16-row groups and the rows past them, on the calling thread and on numba's."""
+    monkeypatch.setattr(amx, "ONE_THREAD_PRODUCTS", 1 << 62 if threads == "calling" else 0)
+    x, w, s, d, u = op.probe_inputs(m, n, k, r, seed=m + k)
+    x[0, 3], x[m - 1, k - 1] = float("nan"), float("-inf")
+    scales, t = cpu_svd.weight_scales(s, k).contiguous(), x @ d
+    want_scales, x_deq = torch.empty(m, k // 32, dtype=torch.uint8), torch.empty_like(x)
+    mxfp4_kernels.fake_quantize_into(x, 32, "floor", "ta", want_scales, x_deq)
+    want = torch.empty(m, n, dtype=torch.bfloat16)
+    cpu.MXFP4_LINEAR.run_low_rank(x_deq, w, scales, t, u, out=want)
+    got, x_scales = torch.empty_like(want), torch.full((m, k // 32), 7, dtype=torch.uint8)
+    cpu.MXFP4_LINEAR.run_low_rank(x, w, scales, t, u, out=got, x_scales=x_scales)
+    assert torch.equal(x_scales, want_scales)
+    assert bits(got).eq(bits(want)).all()
+
+
+def test_fake_quant_scales_are_checked():
+    x, w, s, d, u = op.probe_inputs(8, 40, 64, 4)
+    scales, t = cpu_svd.weight_scales(s, 64).contiguous(), x @ d
+    out = torch.empty(8, 40, dtype=torch.bfloat16)
+    for bad in (torch.empty(8, 3, dtype=torch.uint8), torch.empty(8, 2, dtype=torch.int8),
+                torch.empty(2, 8, dtype=torch.uint8).T):
+        with pytest.raises(ValueError, match="x_scales"):
+            cpu.MXFP4_LINEAR.run_low_rank(x, w, scales, t, u, out=out, x_scales=bad)

@@ -37,6 +37,7 @@ from numba.extending import intrinsic
 
 from lowbit.kernels.cpu import _simd as simd
 from lowbit.kernels.cpu import _transpose
+from lowbit.kernels.cpu.mxfp4 import fake_quantize_block16 as _fake_quantize_block
 from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, SerialOrParallel, call_in_chunks, copy_elements, runs_serially
 from lowbit.kernels.cpu.memory import scratch_or_thread
 
@@ -347,14 +348,44 @@ def _low_rank_rows(u_bits, first, rows, ut):
             ut[i, c] = u_bits[c, first + i] if c < r else 0
 
 
-def _lay_out(x_bits, t_bits, rp, scratch, xt_bytes):
-    """x^T (x_pairs' slabs, slab by slab) at the start of ``scratch`` and, where ``rp`` (R rounded up to TILE_K)
-    is not 0, T^T at byte ``xt_bytes``: _amx_gemm's operands of the tiles' B (scratch_layout)."""
+@numba.njit(**NJIT_OPTIONS)
+def _quantized_pairs_slab(x_bits, xt, s, mask, scale_of, thr, values, scales):
+    """Slab ``s`` of x_pairs' xt for x's MXFP4 fake quant instead of x (blocks of 32 along K, K a multiple of 32;
+    lowbit.kernels.cpu.mxfp4.fake_quantize_block16 with ``mask`` .. ``values``), and ``scales`` (M, K/32) uint8
+    <- the blocks' scale bytes: 16 rows' blocks quantized into 1 KiB, then transposed as pairs, so the
+    quantized x is never written out. Columns of the slab past M are left as they are: each only makes its own
+    column of sums, which is not stored (and with K a multiple of 32 there are no pairs past K)."""
+    m, k = x_bits.shape
+    pairs, block = xt.shape[1], _transpose.PAIR_BLOCK
+    xt_words = xt.view(np.int16)
+    x_flat, xt_flat = simd.flat(x_bits).view(np.uint16), simd.flat(xt_words)
+    full_m, first, end = m - m % block, PANEL * s, min(PANEL * (s + 1), m)
+    rows = np.empty(block * TILE_K, dtype=np.uint16)
+    row_words = rows.view(np.int16)
+    slab_at = s * 2 * pairs * PANEL
+    for m0 in range(first, min(end, full_m), block):
+        for b in range(k // TILE_K):
+            for r in range(block):
+                scales[m0 + r, b] = _fake_quantize_block(x_flat, (m0 + r) * k + TILE_K * b, mask, scale_of, thr,
+                                                         values, rows, TILE_K * r)
+            _transpose.transpose_pairs(row_words, 0, TILE_K, xt_flat, slab_at + 2 * (m0 - first) + TILE_K * b * PANEL,
+                                       2 * PANEL)
+    for i in range(max(first, full_m), end):
+        for b in range(k // TILE_K):
+            scales[i, b] = _fake_quantize_block(x_flat, i * k + TILE_K * b, mask, scale_of, thr, values, rows, 0)
+            for c in range(TILE_K):
+                xt_words[s, (TILE_K * b + c) // 2, 2 * (i - first) + c % 2] = row_words[c]
+
+
+def _lay_out(x_bits, t_bits, rp, scratch, xt_bytes, slab_args):
+    """x^T (x_pairs' slabs, slab by slab: ``_SLAB(x_bits, xt, s, *slab_args)``, bound) at the start of ``scratch``
+    and, where ``rp`` (R rounded up to TILE_K) is not 0, T^T at byte ``xt_bytes``: _amx_gemm's operands of the
+    tiles' B (scratch_layout)."""
     m, k = x_bits.shape
     kp, mp = -(-k // TILE_K) * TILE_K, -(-m // PANEL) * PANEL
     xt = scratch[: mp * kp * 2].view(np.int32).reshape((mp // PANEL, kp // 2, PANEL))
     for s in numba.prange(mp // PANEL):
-        _x_pairs_slab(x_bits, xt, s)
+        _SLAB(x_bits, xt, s, *slab_args)  # noqa: F821 (bound)
     if rp:
         tt = scratch[xt_bytes : xt_bytes + mp * rp * 2].view(np.int32)
         x_pairs(t_bits, tt.reshape((mp // PANEL, rp // 2, PANEL)))
@@ -362,8 +393,9 @@ def _lay_out(x_bits, t_bits, rp, scratch, xt_bytes):
 
 # One layout for every format's kernel: its parallel loop compiled once (inside each kernel's parallel loop, a
 # second prange cost 2.5 s of compiling per format), run by :func:`run` before the kernel's parallel form; the
-# serial form calls the serial one itself (one numba call from Python).
-_LAY_OUT = SerialOrParallel(_lay_out)
+# serial form calls the serial one itself (one numba call from Python). The quantized one: svd_quant's prefill.
+_LAY_OUT = SerialOrParallel(_lay_out, "_amx_lay_out", _SLAB=_x_pairs_slab)
+_LAY_OUT_QUANTIZED = SerialOrParallel(_lay_out, "_amx_lay_out_quantized", _SLAB=_quantized_pairs_slab)
 _lay_out_here = _LAY_OUT.serial
 
 
@@ -386,7 +418,7 @@ def _amx_gemm(operands, x_bits, n, width, bias_bits, bias_kind, t_bits, u_bits, 
     kp, mp = -(-k // TILE_K) * TILE_K, -(-m // PANEL) * PANEL
     xt_bytes, tt_bytes, slot_bytes, _ = scratch_layout(m, k, rp, width, slots)
     if not laid_out:
-        _lay_out_here(x_bits, t_bits, rp, scratch, xt_bytes)
+        _lay_out_here(x_bits, t_bits, rp, scratch, xt_bytes, ())
     xt = scratch[: mp * kp * 2].view(np.int32).reshape((mp // PANEL, kp // 2, PANEL))
     tt = scratch[xt_bytes : xt_bytes + mp * rp * 2].view(np.int32).reshape((mp // PANEL, rp // 2, PANEL))
     bias32 = _bias_values(bias_bits, bias_kind, n)
@@ -462,30 +494,42 @@ _NO_LOW_RANK = (np.zeros((0, 0), dtype=np.int16), np.zeros((0, 0), dtype=np.int1
 
 
 def run(tile_rows, operands: tuple, x_bits: np.ndarray, n: int, width: int, bias_bits: np.ndarray, bias_kind: int,
-        out_bits: np.ndarray, scratch=None, low_rank: tuple = _NO_LOW_RANK) -> None:
+        out_bits: np.ndarray, scratch=None, low_rank: tuple = _NO_LOW_RANK, fake_quant=None) -> None:
     """out_bits (M, N) <- x_bits (M, K) times the (N, K) weight that ``tile_rows(*operands, r0, first, end, w)``
     decodes (rows r0 + first .. r0 + end - 1 into rows first .. of ``w``, (rows, width) int16 BF16 bits, columns
     from K on zeros or not written), plus the bias (``bias_bits`` of ``bias_kind``, _bias_values), rounded to
     BF16, NaN canonical; x_bits and out_bits BF16 bit patterns (int16), C-contiguous. ``low_rank``: none, or
     (T (M, R), u (R, N)) BF16 bits, C-contiguous, with BIAS_NONE: out = bf16(bf16(T u) + bf16(x W^T)), T u summed
-    on the tiles too. In one numba call, on numba's
-    threads from ONE_THREAD_PRODUCTS on. x^T and the tasks' buffers go in the calling thread's scratch buffer, or
-    in ``scratch`` (uint8, at least :func:`scratch_bytes`) where given. Only where AVAILABLE; shapes and dtypes
-    checked by the caller (weight_only.run_gemm_path, weight_only.WeightOnlyLinear.run_low_rank)."""
+    on the tiles too. ``fake_quant``: none, or (mask, scale_of, thr, values, scales) of
+    lowbit.kernels.cpu.mxfp4.fake_quantizer and scales (M, K/32) uint8: x's MXFP4 fake quant takes x's place
+    (laid out straight into x^T; K a multiple of 32) and ``scales`` gets its blocks' scale bytes. In one numba
+    call (two with a fake quant), on numba's threads from ONE_THREAD_PRODUCTS on. x^T and the tasks' buffers go
+    in the calling thread's scratch buffer, or in ``scratch`` (uint8, at least :func:`scratch_bytes`) where given.
+    Only where AVAILABLE; shapes and dtypes checked by the caller (weight_only.run_gemm_path,
+    weight_only.WeightOnlyLinear.run_low_rank)."""
     kernel = _kernels(tile_rows)
     (m, k), rp = x_bits.shape, -(-low_rank[1].shape[0] // TILE_K) * TILE_K
     if rp and tile_rows.py_func.__name__ not in _LOW_RANK_DECODERS:
         raise ValueError(f"amx.run: the kernel of {tile_rows.py_func.__name__} has no low-rank branch (carry_low_rank)")
     if rp and bias_kind != BIAS_NONE:  # P + bias could be subnormal, which _tile_sums_as_bf16 would flush
         raise ValueError("amx.run: a low-rank branch takes no bias")
+    if fake_quant is not None and k % TILE_K:
+        raise ValueError(f"amx.run: x's fake quant needs K a multiple of {TILE_K}, got {k}")
     serial = runs_serially(m * n * (k + rp), ONE_THREAD_PRODUCTS)
     slots = 1 if serial else numba.config.NUMBA_NUM_THREADS
     xt_bytes, _, _, nbytes = scratch_layout(m, k, rp, width, slots)
     with scratch_or_thread(scratch, nbytes) as buffer:
         scratch = buffer.numpy()
         args = (operands, x_bits, n, width, bias_bits, bias_kind, *low_rank, scratch, slots)
+        laid_out = fake_quant is not None or not serial  # else the serial kernel lays x out itself
+        if laid_out:
+            lay_out = _LAY_OUT if fake_quant is None else _LAY_OUT_QUANTIZED
+            layout_args = (x_bits, low_rank[0], rp, scratch, xt_bytes, () if fake_quant is None else fake_quant)
+            if serial:
+                lay_out.serial(*layout_args)
+            else:
+                call_in_chunks(1, lay_out.parallel, *layout_args)
         if serial:
-            kernel.serial(*args, False, out_bits)
+            kernel.serial(*args, laid_out, out_bits)
         else:
-            call_in_chunks(1, _LAY_OUT.parallel, x_bits, low_rank[0], rp, scratch, xt_bytes)
-            call_in_chunks(1, kernel.parallel, *args, True, out_bits)
+            call_in_chunks(1, kernel.parallel, *args, laid_out, out_bits)

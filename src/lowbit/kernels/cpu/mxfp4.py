@@ -526,22 +526,31 @@ def quantize_into(xt, block_size, scale_rule, rounding, codes, scales, dequantiz
     _quantize_blocks_of(xt, block_size, scale_rule, rounding, codes, scales, dequantized, serial)
 
 
+@numba.njit(**dict(NJIT_OPTIONS, inline="always"))
+def fake_quantize_block16(elems, start, mask, scale_of, thr, values, out, at):
+    """The 32 FP16 / BF16 elements ``elems[start ..]`` quantized then dequantized into ``out[at ..]`` in registers
+    (both uint16 bit patterns of one dtype, no bounds checks): their scale byte (returned) from their largest
+    magnitude, each value looked up by its threshold count in ``values`` (_block_values), its sign put back; a
+    block with a NaN or Inf (scale 0xFF) is the reference's NaN throughout. ``mask``, ``scale_of``, ``thr``: as
+    _quantize_range16's."""
+    byte = scale_of[_block_amax16(elems, start, mask)]
+    if byte == 0xFF:
+        for i in range(_BLOCK32):
+            out[at + i] = values[0xFF, 0]
+    else:
+        _store_block_values16(elems, start, mask, thr, byte, values, out, at)
+    return byte
+
+
 @numba.njit(**NJIT_OPTIONS)
 def _fake_quantize_range16(elems, mask, scale_of, thr, values, scales, first_block, end_block, out):
-    """Quantize then dequantize blocks first_block .. end_block - 1 of 32 FP16 / BF16 elements in registers:
-    ``elems`` and ``out`` (32 * blocks,) uint16 bit patterns of one dtype, ``values`` its _block_values,
-    scales (blocks,) uint8 the blocks' scale bytes; the other operands as _quantize_range16's. A block with a
-    NaN or Inf (scale 0xFF) is the reference's NaN throughout."""
+    """Quantize then dequantize blocks first_block .. end_block - 1 of 32 FP16 / BF16 elements in registers
+    (fake_quantize_block16): ``elems`` and ``out`` (32 * blocks,) uint16 bit patterns of one dtype, scales
+    (blocks,) uint8 the blocks' scale bytes."""
     for b in range(np.uint64(first_block), np.uint64(end_block)):  # unsigned: no negative-index wrapping
         start = np.uint64(_BLOCK32) * b
         simd.prefetch_span(elems, start + np.uint64(_PREFETCH_ELEMENTS), _BLOCK32)
-        byte = scale_of[_block_amax16(elems, start, mask)]
-        scales[b] = byte
-        if byte == 0xFF:
-            for i in range(start, start + np.uint64(_BLOCK32)):
-                out[i] = values[0xFF, 0]
-        else:
-            _store_block_values16(elems, start, mask, thr, byte, values, out, start)
+        scales[b] = fake_quantize_block16(elems, start, mask, scale_of, thr, values, out, start)
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
@@ -559,13 +568,18 @@ def fake_quantizes_in_registers(dtype: torch.dtype, block_size: int) -> bool:
     return simd.HAS_AVX512BW and block_size == _BLOCK32 and dtype in (torch.float16, torch.bfloat16)
 
 
+def fake_quantizer(dtype: torch.dtype, scale_rule: str, rounding: str) -> tuple:
+    """(mask, scale_of, thr, values) of fake_quantize_block16 for FP16 / BF16 ``dtype``, the rule and rounding."""
+    return (np.uint16(_ABS_MASK[dtype]), _scale_bytes(dtype, scale_rule), _padded_thresholds(dtype, rounding),
+            _block_values(dtype))
+
+
 def fake_quantize_into(xt, block_size, scale_rule, rounding, scales, out) -> None:
     """out <- dequantize(quantize(xt)) in xt's dtype and ``scales`` <- the blocks' scale bytes, in registers, no
     codes written (_fake_quantize_range16): contiguous ``xt`` and ``out`` of one shape and dtype, contiguous uint8
     ``scales`` of the reference's shape, where :func:`fake_quantizes_in_registers`; arguments validated by
     the caller. The reference's bits (tests: every BF16 and FP16 pattern in every lane, each rule)."""
-    operands = (as_numpy(xt).reshape(-1).view(np.uint16), np.uint16(_ABS_MASK[xt.dtype]),
-                _scale_bytes(xt.dtype, scale_rule), _padded_thresholds(xt.dtype, rounding), _block_values(xt.dtype),
+    operands = (as_numpy(xt).reshape(-1).view(np.uint16), *fake_quantizer(xt.dtype, scale_rule, rounding),
                 as_numpy(scales).reshape(-1))
     serial = runs_serially(xt.numel(), ONE_THREAD_ELEMENTS)
     run_tasks((_fake_quantize_range16, _fake_quantize_blocks16), operands, scales.numel(),

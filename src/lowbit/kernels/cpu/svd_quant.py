@@ -537,20 +537,34 @@ class SvdQuant(Kernel):
         if m <= GEMV_MAX_M and INTEGER_PRODUCTS:
             self._decode(x2d, w, scales, d, u, out2d, one_call)
             return
-        prefill, on_tiles = m > GEMV_MAX_M, GEMV_MAX_M < m <= _amx_max_m(k, x.dtype) and _tiles_sum_as_torch(d)
-        t = x2d @ d if on_tiles else None  # torch's matmul before the numba kernels: one hand-over of threads
+        prefill = m > GEMV_MAX_M
         x_scales = torch.empty(m, k // BLOCK, dtype=torch.uint8)
+        if self._on_tiles(x2d, w, scales, d, u, out2d, x_scales):
+            return
         x_deq = _quantized_activation(x2d, x_scales)
         if prefill and (_activation_has_subnormal_values(x2d, x_scales) or _has_subnormal_values(w, scales)):
             w32 = torch.empty(n, k, dtype=torch.float32)
             mxfp4.DEQUANTIZE.run(w, scales, torch.float32, -1, out=w32)
             out2d.copy_(x_deq.float() @ w32.T)
-        elif on_tiles:  # lowbit's AMX kernel: T u and the final add on the tiles too
-            MXFP4_LINEAR.run_low_rank(x_deq, w, scales, t, u, out=out2d)
-            return
         else:  # the weight-only kernel: its float32 GEMV, its batched kernel, or decoded tiles and torch's GEMM
             MXFP4_LINEAR.run(x_deq, w, scales, None, out=out2d)
-        out2d.add_((x2d @ d if t is None else t) @ u)
+        out2d.add_((x2d @ d) @ u)
+
+    @staticmethod
+    def _on_tiles(x2d, w, scales, d, u, out2d, x_scales) -> bool:
+        """Prefill on lowbit's AMX kernel where it takes x (GEMV_MAX_M < M <= _amx_max_m) and the rank
+        (_tiles_sum_as_torch), and no MXFP4 value of x or W is a BF16 subnormal (the tiles would flush it):
+        T = x d by torch, then x's fake quant laid out straight into the tiles' operand, P, L = T u and the final
+        add in one call (WeightOnlyLinear.run_low_rank). Returns whether ``out2d`` holds the result; ``x_scales``
+        gets x's scale bytes either way where it ran."""
+        m, k = x2d.shape
+        if not (GEMV_MAX_M < m <= _amx_max_m(k, x2d.dtype) and _tiles_sum_as_torch(d)):
+            return False
+        if _has_subnormal_values(w, scales):
+            return False
+        t = x2d @ d  # torch's matmul before the numba kernels: one hand-over of threads
+        MXFP4_LINEAR.run_low_rank(x2d, w, scales, t, u, out=out2d, x_scales=x_scales)
+        return not _activation_has_subnormal_values(x2d, x_scales)  # else the float32 path redoes it
 
     @staticmethod
     def _decode(x2d, w, scales, d, u, out2d, one_call: bool) -> None:

@@ -47,6 +47,7 @@ from lowbit.formats import hifloat8, mxfp4, mxfp8
 from lowbit.formats import weight_only as reference
 from lowbit.kernels.cpu import _code8_columns as _columns
 from lowbit.kernels.cpu import amx
+from lowbit.kernels.cpu import mxfp4 as mxfp4_kernels
 from lowbit.kernels.cpu import _transpose
 from lowbit.kernels.cpu import _simd as simd
 from lowbit.kernels.cpu._runtime import (NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, SerialOrParallel, as_numpy, bound_njit,
@@ -3168,11 +3169,14 @@ class WeightOnlyLinear(Kernel):
         call_in_chunks(chunksize, path, x, operands, bias, out, False)
 
     def run_low_rank(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, t: torch.Tensor, u: torch.Tensor,
-                     *, out: torch.Tensor) -> None:
+                     *, out: torch.Tensor, x_scales: torch.Tensor | None = None) -> None:
         """out (M, N) <- bf16(bf16(t @ u) + bf16(x W^T)) on lowbit's AMX kernel (amx.run with a low-rank branch),
         the sums of both products on the tiles: x (M, K), t (M, R), u (R, N) and out (M, N) BF16, C-contiguous,
-        M at most _amx_max_m(K); ``a``, ``b`` the format's weight (validated). Raises RuntimeError where the AMX
-        kernel does not take x, ValueError for other shapes, dtypes or layouts."""
+        M at most _amx_max_m(K); ``a``, ``b`` the format's weight (validated). With ``x_scales`` ((M, K/32) uint8,
+        C-contiguous; K a multiple of 32), x's MXFP4 fake quant (svd_quant's activation quantizer: floor scale,
+        ties away) takes x's place, laid out straight into the tiles' operand, and ``x_scales`` gets its scale
+        bytes. Raises RuntimeError where the AMX kernel does not take x, ValueError for other shapes, dtypes or
+        layouts."""
         (m, k), n = x.shape, out.shape[1]
         if not 0 < m <= _amx_max_m(k, x.dtype):
             raise RuntimeError(f"run_low_rank: lowbit's AMX kernel does not take x {tuple(x.shape)} {x.dtype} here")
@@ -3183,8 +3187,15 @@ class WeightOnlyLinear(Kernel):
         if t.shape[0] != m or out.shape[0] != m or u.shape != (t.shape[1], n) or not x.is_contiguous():
             raise ValueError(f"run_low_rank: x {tuple(x.shape)} (C-contiguous), t {tuple(t.shape)}, u {tuple(u.shape)}"
                              f" and out {tuple(out.shape)} do not make (M, K) (M, R) (R, N) (M, N)")
+        fake_quant = None
+        if x_scales is not None:
+            fits = x_scales.dtype == torch.uint8 and x_scales.shape == (m, k // 32) and x_scales.is_contiguous()
+            if k % 32 or not fits:
+                raise ValueError(f"run_low_rank: x_scales {tuple(x_scales.shape)} {x_scales.dtype} for x "
+                                 f"{tuple(x.shape)}: expected (M, K/32) uint8, C-contiguous, K a multiple of 32")
+            fake_quant = (*mxfp4_kernels.fake_quantizer(x.dtype, "floor", "ta"), as_numpy(x_scales))
         amx.run(self.tile[0], self._operands(a, b, k, x.dtype), as_numpy(x), n, _tile_width(k),
-                *_bias_bits(None), as_numpy(out), low_rank=(as_numpy(t), as_numpy(u)))
+                *_bias_bits(None), as_numpy(out), low_rank=(as_numpy(t), as_numpy(u)), fake_quant=fake_quant)
 
     def bind_gemv(self, prepared: tuple, n: int, k: int, dtype: torch.dtype) -> "BoundGemv":
         """:class:`BoundGemv` of the weight (N, K) prepared by :meth:`prepare` for x of ``dtype``."""
