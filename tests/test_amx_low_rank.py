@@ -55,12 +55,20 @@ def _formula(x, w, t, u):
     return (low.float() + products.float()).bfloat16()
 
 
-def _run(x, w, t, u, scratch=None):
-    """amx.run of x (M, K) and the BF16 rows w (N, K) with the low-rank branch (t (M, R), u (R, N))."""
+def _run(x, w, t, u, scratch=None, decoder=_bf16_rows, bias=None, low_rank=True):
+    """amx.run of x (M, K) and the BF16 rows w (N, K) (by ``decoder``) with the low-rank branch (t (M, R),
+    u (R, N)) or without it."""
     out = torch.empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
-    amx.run(_bf16_rows, (bits(w).numpy(),), bits(x).numpy(), w.shape[0], cpu._tile_width(x.shape[1]),
-            *cpu._bias_bits(None), bits(out).numpy(), scratch, low_rank=(bits(t).numpy(), bits(u).numpy()))
+    branch = (bits(t).numpy(), bits(u).numpy()) if low_rank else amx._NO_LOW_RANK
+    amx.run(decoder, (bits(w).numpy(),), bits(x).numpy(), w.shape[0], cpu._tile_width(x.shape[1]),
+            *cpu._bias_bits(bias), bits(out).numpy(), scratch, low_rank=branch)
     return out
+
+
+def _small_case(seed):
+    """(x (8, 32), w (8, 32), t (8, 2), u (2, 8)) of small integers."""
+    g = torch.Generator().manual_seed(seed)
+    return _ints(g, 8, 32), _ints(g, 8, 32), _ints(g, 8, 2), _ints(g, 2, 8)
 
 
 def _assert_same(got, want):
@@ -131,15 +139,11 @@ def test_tile_sums_are_never_subnormal():
 
 
 def test_a_kernel_without_the_branch_refuses_a_low_rank():
-    g = torch.Generator().manual_seed(3)
-    x, w, t, u = _ints(g, 8, 32), _ints(g, 8, 32), _ints(g, 8, 2), _ints(g, 2, 8)
-    out = torch.empty(8, 8, dtype=torch.bfloat16)
+    x, w, t, u = _small_case(3)
     with pytest.raises(ValueError, match="_rows_without_low_rank has no low-rank branch"):
-        amx.run(_rows_without_low_rank, (bits(w).numpy(),), bits(x).numpy(), 8, cpu._tile_width(32),
-                *cpu._bias_bits(None), bits(out).numpy(), low_rank=(bits(t).numpy(), bits(u).numpy()))
-    amx.run(_rows_without_low_rank, (bits(w).numpy(),), bits(x).numpy(), 8, cpu._tile_width(32),
-            *cpu._bias_bits(None), bits(out).numpy())
-    assert torch.equal(out, (x.double() @ w.double().T).float().bfloat16())
+        _run(x, w, t, u, decoder=_rows_without_low_rank)
+    got = _run(x, w, t, u, decoder=_rows_without_low_rank, low_rank=False)
+    assert torch.equal(got, (x.double() @ w.double().T).float().bfloat16())
 
 
 def test_run_low_rank_checks_its_operands():
@@ -202,20 +206,15 @@ def test_svd_quant_beyond_the_tiles_rows_keeps_torch_matmuls(monkeypatch):
 
 def test_a_bias_with_a_low_rank_is_refused():
     """P + bias could be a subnormal, which the branch's rounding of each tile sum would flush."""
-    g = torch.Generator().manual_seed(4)
-    x, w, t, u = _ints(g, 8, 32), _ints(g, 8, 32), _ints(g, 8, 2), _ints(g, 2, 8)
-    out = torch.empty(8, 8, dtype=torch.bfloat16)
+    x, w, t, u = _small_case(4)
     with pytest.raises(ValueError, match="no bias"):
-        amx.run(_bf16_rows, (bits(w).numpy(),), bits(x).numpy(), 8, cpu._tile_width(32),
-                *cpu._bias_bits(torch.ones(8, dtype=torch.bfloat16)), bits(out).numpy(),
-                low_rank=(bits(t).numpy(), bits(u).numpy()))
+        _run(x, w, t, u, bias=torch.ones(8, dtype=torch.bfloat16))
 
 
 @pytest.mark.parametrize("scratch", [torch.zeros(100, dtype=torch.uint8), torch.zeros(1 << 20, dtype=torch.int16),
                                      torch.zeros(2, 1 << 20, dtype=torch.uint8)])
 def test_a_scratch_that_does_not_fit_is_refused(scratch):
-    g = torch.Generator().manual_seed(5)
-    x, w, t, u = _ints(g, 8, 32), _ints(g, 8, 32), _ints(g, 8, 2), _ints(g, 2, 8)
+    x, w, t, u = _small_case(5)
     with pytest.raises(ValueError, match="bytes needed"):
         _run(x, w, t, u, scratch)
 
