@@ -47,7 +47,6 @@ from lowbit.formats import hifloat8, mxfp4, mxfp8
 from lowbit.formats import weight_only as reference
 from lowbit.kernels.cpu import _code8_columns as _columns
 from lowbit.kernels.cpu import amx
-from lowbit.kernels.cpu import mxfp4 as mxfp4_kernels
 from lowbit.kernels.cpu import _transpose
 from lowbit.kernels.cpu import _simd as simd
 from lowbit.kernels.cpu._runtime import (NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, SerialOrParallel, as_numpy, bound_njit,
@@ -3193,7 +3192,11 @@ class WeightOnlyLinear(Kernel):
             if k % 32 or not fits:
                 raise ValueError(f"run_low_rank: x_scales {tuple(x_scales.shape)} {x_scales.dtype} for x "
                                  f"{tuple(x.shape)}: expected (M, K/32) uint8, C-contiguous, K a multiple of 32")
-            fake_quant = (*mxfp4_kernels.fake_quantizer(x.dtype, "floor", "ta"), as_numpy(x_scales))
+            # imported here: only svd_quant's prefill runs the MXFP4 fake quant, and its warm-up task (which
+            # waits for the MXFP4 family: lowbit.kernels.cpu.warm) compiles it, not the weight-only family's
+            from lowbit.kernels.cpu.mxfp4 import fake_quantizer
+
+            fake_quant = (*fake_quantizer(x.dtype, "floor", "ta"), as_numpy(x_scales))
         amx.run(self.tile[0], self._operands(a, b, k, x.dtype), as_numpy(x), n, _tile_width(k),
                 *_bias_bits(None), as_numpy(out), low_rank=(as_numpy(t), as_numpy(u)), fake_quant=fake_quant)
 
