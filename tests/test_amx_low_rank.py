@@ -159,6 +159,11 @@ def test_run_low_rank_checks_its_operands():
                                          (t, u, torch.empty(8, 39, dtype=torch.bfloat16), "(M, N)")]:
         with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
             cpu.MXFP4_LINEAR.run_low_rank(x, codes, scales, bad_t, bad_u, out=bad_out)
+    for bad_x, bad_t, bad_out, words in [(x[0], t, out, "x must be a 2-D CPU tensor"),
+                                         (x, t.to("meta"), out, "t must be a 2-D CPU tensor, got .* on meta"),
+                                         (x, t, out.reshape(-1), "out must be a 2-D CPU tensor")]:
+        with pytest.raises(ValueError, match=words):
+            cpu.MXFP4_LINEAR.run_low_rank(bad_x, codes, scales, bad_t, u, out=bad_out)
     many = _ints(g, cpu.AMX_MAX_M + 1, 64)
     with pytest.raises(RuntimeError, match="does not take x"):
         cpu.MXFP4_LINEAR.run_low_rank(many, codes, scales, _ints(g, many.shape[0], 4), u,
@@ -301,6 +306,6 @@ def test_fake_quant_scales_are_checked():
     scales, t = cpu_svd.weight_scales(s, 64).contiguous(), x @ d
     out = torch.empty(8, 40, dtype=torch.bfloat16)
     for bad in (torch.empty(8, 3, dtype=torch.uint8), torch.empty(8, 2, dtype=torch.int8),
-                torch.empty(2, 8, dtype=torch.uint8).T):
+                torch.empty(2, 8, dtype=torch.uint8).T, torch.empty(16, dtype=torch.uint8)):
         with pytest.raises(ValueError, match="x_scales"):
             cpu.MXFP4_LINEAR.run_low_rank(x, w, scales, t, u, out=out, x_scales=bad)

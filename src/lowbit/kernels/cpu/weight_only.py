@@ -3174,14 +3174,18 @@ class WeightOnlyLinear(Kernel):
         M at most _amx_max_m(K); ``a``, ``b`` the format's weight (validated). With ``x_scales`` ((M, K/32) uint8,
         C-contiguous; K a multiple of 32), x's MXFP4 fake quant (svd_quant's activation quantizer: floor scale,
         ties away) takes x's place, laid out straight into the tiles' operand, and ``x_scales`` gets its scale
-        bytes. Raises RuntimeError where the AMX kernel does not take x, ValueError for other shapes, dtypes or
-        layouts."""
+        bytes. Raises ValueError for a tensor that is not a 2-D CPU one, RuntimeError where the AMX kernel does not
+        take x, ValueError for other shapes, dtypes or layouts."""
+        given = {"x": x, "t": t, "u": u, "out": out, **({} if x_scales is None else {"x_scales": x_scales})}
+        for name, v in given.items():
+            if v.dim() != 2 or v.device.type != "cpu":
+                raise ValueError(f"run_low_rank: {name} must be a 2-D CPU tensor, got {tuple(v.shape)} on {v.device}")
         (m, k), n = x.shape, out.shape[1]
         if not 0 < m <= _amx_max_m(k, x.dtype):
             raise RuntimeError(f"run_low_rank: lowbit's AMX kernel does not take x {tuple(x.shape)} {x.dtype} here")
         tensors = {"t": t, "u": u, "out": out}
-        if any(v.dtype != torch.bfloat16 or v.dim() != 2 or not v.is_contiguous() for v in tensors.values()):
-            raise ValueError("run_low_rank: t, u and out must be 2-D C-contiguous BF16, got "
+        if any(v.dtype != torch.bfloat16 or not v.is_contiguous() for v in tensors.values()):
+            raise ValueError("run_low_rank: t, u and out must be C-contiguous BF16, got "
                              + ", ".join(f"{name} {tuple(v.shape)} {v.dtype}" for name, v in tensors.items()))
         if t.shape[0] != m or out.shape[0] != m or u.shape != (t.shape[1], n) or not x.is_contiguous():
             raise ValueError(f"run_low_rank: x {tuple(x.shape)} (C-contiguous), t {tuple(t.shape)}, u {tuple(u.shape)}"
