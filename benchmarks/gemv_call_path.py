@@ -69,8 +69,11 @@ def main() -> None:
                 return out
 
             def one_call():
-                gemv = kernel.serial_gemv if serial else kernel.parallel_gemv
-                gemv(as_numpy(x), True, kernel.order, n, operands, kernel.x_consts, *bias_bits, as_numpy(out))
+                args = (as_numpy(x), True, kernel.order, n, operands, kernel.x_consts, *bias_bits, as_numpy(out))
+                if serial:
+                    kernel.serial_gemv(*args)
+                else:
+                    kernel.parallel_gemv(*args, cpu._gemv_chunksize(n))
                 return out
 
             def run_prepared():

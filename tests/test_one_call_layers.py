@@ -6,6 +6,7 @@ decode and torch's bias add), for every x they take; the full path for every oth
 import copy
 import pickle
 
+import numba
 import pytest
 import torch
 from torch import nn
@@ -228,12 +229,45 @@ def test_a_layer_large_enough_for_numbas_threads(dtype, one_call_only):
     assert 1 * 1024 * 1600 >= wqbmm_cpu._ONE_THREAD_WORK  # every x here takes the parallel preload
     previous = torch.get_num_threads()
     torch.set_num_threads(2)
+    chunksize = numba.set_parallel_chunksize(5)
     try:
         for x in xs:
             assert torch.equal(bits(module(x)), bits(operator_result(module, x)))
+            assert numba.get_parallel_chunksize() == 5  # set inside the one call, and put back
     finally:
         torch.set_num_threads(previous)
+        numba.set_parallel_chunksize(chunksize)
     assert module._one_call[0].bound._parallel.signatures  # compiled: it ran
+
+
+@needs_two_numba_threads
+@pytest.mark.parametrize("scheme", ["mxfp4-wo", "hif8-wo"])
+def test_weight_only_one_call_on_numbas_threads_keeps_the_callers_chunk_size(scheme, monkeypatch):
+    """The GEMV's one call on numba's threads (and the batched kernel's, where this CPU runs one for these rows)
+    sets its loop's chunk size inside the compiled call and puts the caller's back: the operator's bits, and
+    numba's chunk size after the call is the one set before it."""
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(K, N)).to(torch.bfloat16)
+    lowbit.quantize_(model, scheme)
+    module = model[0]
+    op, names = module.fused_kernel(torch.bfloat16)
+    monkeypatch.setattr(cpu, "GEMV_ONE_THREAD_WEIGHTS", 0)  # a small weight on numba's threads
+    rows = [1, GEMV_MAX_M] + ([GEMV_MAX_M + 1] if cpu._batch_max_m(N, K, torch.bfloat16) > GEMV_MAX_M else [])
+    module(random_x((1, K), torch.bfloat16, 0))  # the full path: finds the fused kernel
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    chunksize = numba.set_parallel_chunksize(5)
+    try:
+        for m in rows:
+            x = random_x((m, K), torch.bfloat16, m)
+            want = op(x, *[module._buffers[name] for name in names], module.bias)
+            assert torch.equal(bits(module(x)), bits(want)), m
+            assert numba.get_parallel_chunksize() == 5, m
+    finally:
+        torch.set_num_threads(previous)
+        numba.set_parallel_chunksize(chunksize)
+    kernel = module._one_call[0].bound._parallel  # BoundGemv's parallel GEMV ran
+    assert kernel.signatures
 
 
 @pytest.mark.parametrize("scheme", ["hif8-wo", "fp8-wo", "mxfp4-wo", "hif4-wo"])

@@ -8,7 +8,7 @@ import numba
 import pytest
 import torch
 
-from lowbit.kernels.cpu._runtime import sync_threads
+from lowbit.kernels.cpu._runtime import swap_parallel_chunksize, sync_threads
 
 SCRIPT = """
 import torch
@@ -49,3 +49,52 @@ def test_sync_threads_syncs_each_python_thread():
     finally:
         torch.set_num_threads(previous)
     assert seen == [(1, 1)]
+
+
+@numba.njit(parallel=True)
+def _swap_twice(chunksize):
+    total = 0
+    for i in numba.prange(4):  # a parallel loop: the threading layer that defines the functions is loaded
+        total += i
+    previous = swap_parallel_chunksize(numba.uintp(chunksize))
+    seen = swap_parallel_chunksize(previous)
+    return previous, seen, total
+
+
+def test_swap_parallel_chunksize_sets_and_returns_the_threads_chunk_size_in_compiled_code():
+    before = numba.set_parallel_chunksize(3)
+    try:
+        assert _swap_twice(7) == (3, 7, 6)
+        assert numba.get_parallel_chunksize() == 3  # put back by the second swap
+    finally:
+        numba.set_parallel_chunksize(before)
+
+
+CACHED = """
+import numba
+from lowbit.kernels.cpu._runtime import swap_parallel_chunksize
+
+@numba.njit(parallel=True, cache=True)
+def swapped(chunksize):
+    total = 0
+    for i in numba.prange(4):
+        total += i
+    previous = swap_parallel_chunksize(numba.uintp(chunksize))
+    swap_parallel_chunksize(previous)
+    return previous + total
+
+assert swapped(9) == 6
+print(len(swapped.stats.cache_hits))
+"""
+
+
+def test_a_function_that_swaps_the_chunk_size_is_cached(tmp_path):
+    """The intrinsic declares the threading layer's functions by name (numba.set_parallel_chunksize in compiled
+    code holds a ctypes pointer, which numba refuses to cache): a second process loads the first's compiled
+    function instead of compiling it again."""
+    (tmp_path / "swapped.py").write_text(CACHED)
+    env = {"PYTHONPATH": ":".join([str(tmp_path), *sys.path]), "PATH": "", "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+    hits = [subprocess.run([sys.executable, "-W", "error::numba.NumbaWarning", "-c", "import swapped"],
+                           capture_output=True, text=True, env=env) for _ in range(2)]
+    assert [r.returncode for r in hits] == [0, 0], [r.stderr for r in hits]
+    assert [r.stdout.strip() for r in hits] == ["0", "1"]

@@ -1270,7 +1270,8 @@ def test_8bit_gemv_with_other_tables_equals_the_reference(fmt, dtype, kind, k):
     y32 = torch.empty(3, 23)
     x_reg = cpu._reorder(x_reg, *cpu.CODE8_SPLIT).numpy()
     weight_operands = operands(codes, scale, k, dtype, kind)
-    cpu._code8_gemv(x_reg, *weight_operands, *cpu._code8_x_operands(x_reg, weight_operands, ()), y32.numpy())
+    kernel = cpu.HIFLOAT8_LINEAR
+    cpu._code8_gemv(x_reg, *weight_operands, *kernel.x_operands(x_reg, weight_operands, kernel.x_consts), y32.numpy())
     want = reference.lane_sums(x.float(), weight(codes, scale, dtype))
     assert torch.equal(y32.view(torch.int32), want.view(torch.int32))
 
@@ -1288,7 +1289,7 @@ def test_mxfp8_every_code_under_every_scale_byte(dtype, kind):
     y32 = torch.empty(2, 32)
     x_reg = cpu._reorder(x_reg, *cpu.CODE8_SPLIT).numpy()
     operands = cpu._mxfp8_operands(codes, scales, 736, dtype, kind)
-    cpu._mxfp8_gemv(x_reg, *operands, *cpu._code8_x_operands(x_reg, operands, ()), y32.numpy())
+    cpu._mxfp8_gemv(x_reg, *operands, *cpu._x_bounds_operands(x_reg, operands, ()), y32.numpy())
     want = reference.lane_sums(x.float(), reference.mxfp8_weight(codes, scales, dtype))
     assert torch.equal(y32.isnan(), want.isnan())
     finite = ~want.isnan()

@@ -12,7 +12,10 @@ from typing import Optional
 import numba
 import numpy as np
 import torch
+from llvmlite import ir
+from numba.core import cgutils, types as numba_types
 from numba.core import event as numba_event
+from numba.extending import intrinsic
 
 # Options every CPU kernel is compiled with: one place to change them.
 NJIT_OPTIONS = dict(nogil=True, cache=True, boundscheck=False)
@@ -195,6 +198,28 @@ def kernel_threads(work: int, one_thread_below: int, chunksize: Optional[int] = 
     finally:
         if previous_chunksize is not None:
             numba.set_parallel_chunksize(previous_chunksize)
+
+
+@intrinsic
+def swap_parallel_chunksize(typingctx, chunksize):
+    """In compiled code: set this thread's chunk size of numba's parallel loops to ``chunksize`` (uintp) and
+    return the previous one. The threading layer's own functions, declared by name as numba's parallel loops
+    declare them, so a caller stays cacheable (``numba.set_parallel_chunksize`` in compiled code calls them
+    through a ctypes pointer, which numba does not cache) and spares Python's two calls of call_in_chunks.
+    Only in functions that run a parallel loop: loading one starts the threading layer, which defines them."""
+    if chunksize != numba_types.uintp:
+        return None
+
+    def codegen(context, builder, sig, args):
+        word = ir.IntType(numba_types.uintp.bitwidth)
+        get = cgutils.get_or_insert_function(builder.module, ir.FunctionType(word, []), "get_parallel_chunksize")
+        put = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [word]),
+                                             "set_parallel_chunksize")
+        previous = builder.call(get, [])
+        builder.call(put, [args[0]])
+        return previous
+
+    return numba_types.uintp(chunksize), codegen
 
 
 def call_in_chunks(chunksize: int, kernel, *args):

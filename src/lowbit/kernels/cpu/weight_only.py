@@ -50,7 +50,8 @@ from lowbit.kernels.cpu import amx
 from lowbit.kernels.cpu import _transpose
 from lowbit.kernels.cpu import _simd as simd
 from lowbit.kernels.cpu._runtime import (NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, SerialOrParallel, as_numpy, bound_njit,
-                                         call_in_chunks, copy_elements, run_tasks, runs_serially)
+                                         call_in_chunks, copy_elements, run_tasks, runs_serially,
+                                         swap_parallel_chunksize)
 from lowbit.kernels.cpu.memory import huge_page_empty, scratch_or_thread
 
 LANES = reference.LANES  # 64 = two F32V
@@ -408,6 +409,92 @@ def code8_decode_half(typingctx, codes, index, table, nan_code):
         return lower(context, builder, both, (sig.args[2], args[2]), args[3])[0]
 
     return simd.F32V(codes, index, table, nan_code), codegen
+
+
+# HiFloat8 and FP8 E4M3 in BF16 pairs (code8_pairs; CPUs with AVX512-BF16 and VBMI, BF16 x): a pair step is two
+# steps t and t + 1 of a row, their 128 codes interleaved byte by byte (vpunpck{l,h}bw: step t + 1's code of
+# element e, then step t's), looked up in the row's BF16 byte tables (vpermi2b each for the high and the low
+# bytes, the code's sign XORed in) and paired into words again by unpacks: dword lane i of each register holds
+# element e of step t + 1 (even word) and of step t (odd word), so one vdpbf16ps makes lane e's two reference
+# additions in order (docs/weight_only.md, 'Summation order', 'BF16 pairs'). I32V A (from the codes' low
+# unpack) lane i holds element 16 (i % 16 // 4) + 4 (i // 16) + i % 4, I32V B the same plus 8.
+CODE8_PAIRS = simd.HAS_AVX512BF16 and simd.HAS_AVX512VBMI
+CODE8_PAIR_ORDER = [16 * (i % 16 // 4) + 8 * register + 4 * (i // 16) + i % 4
+                    for register in (0, 1) for i in range(HALF)]
+assert sorted(CODE8_PAIR_ORDER) == list(range(LANES))
+_row_sum_code8_pairs = _make_fold(CODE8_PAIR_ORDER)
+# HiFloat8's NaN code is 0x80, the sign bit over zero's magnitude: the byte tables cannot hold it (code 0x00 shares
+# its look-up), so the pair step also keeps the smallest signed byte of a row's codes (-128: a NaN weight); FP8
+# E4M3's NaN codes 0x7F / 0xFF look up the NaN its table holds (checked here).
+_CODE8_NAN_BY_MINIMUM = 0x80
+assert hifloat8.NAN_CODE == _CODE8_NAN_BY_MINIMUM and np.isnan(_E4M3_MAGNITUDES[_E4M3_NAN_CODE])
+
+
+def _code8_pair_registers(builder, codes, quarters, vpermi2b):
+    """I32V of BF16 word pairs from the interleaved codes ``codes`` (<64 x i8>): the
+    high and low bytes looked up in the row's tables (``quarters``: its four 64-byte quarters), the code's sign
+    XORed into the high byte, the bytes paired into words per 128-bit lane (bytes 0-7, then 8-15)."""
+    high = builder.call(vpermi2b, [quarters[0], codes, quarters[1]])
+    low = builder.call(vpermi2b, [quarters[2], codes, quarters[3]])
+    high = builder.xor(high, builder.and_(codes, ir.Constant(_V8x64, [0x80] * LANES)))
+    words = [i for h in (0, 1) for lane in range(4) for j in range(16 * lane + 8 * h, 16 * lane + 8 * h + 8)
+             for i in (j, LANES + j)]
+    return builder.bitcast(builder.shuffle_vector(low, high, _mask(words)), simd._VI32)
+
+
+@intrinsic
+def code8_pairs(typingctx, codes, start, table, smallest):
+    """(A, B, smallest): the BF16 pairs of the pair step of 128 codes at ``codes[start]`` (1-D uint8; steps t and
+    t + 1) from the row's byte ``table`` (uint8[256]: _fill_row_table's BF16 bytes, for BF16 x), two I32V in
+    CODE8_PAIR_ORDER; and ``smallest`` (U8P) lowered to the signed minimum of these codes' bytes (-128 where one
+    is 0x80: HiFloat8's NaN code). Where CODE8_PAIRS (AVX512-BF16 and VBMI). Typed for any row table, so that
+    the rows kernel compiles for every table kind: for other tables (and CPUs) zeros, never used, as x's pairs
+    are made only for BF16 byte tables there (_code8_x_operands)."""
+    if not isinstance(table, types.Array):
+        return None
+
+    def codegen(context, builder, sig, args):
+        if not (CODE8_PAIRS and table.dtype == types.uint8 and table.ndim == 1):  # never run (_code8_pairable)
+            zero = ir.Constant(simd._VI32, [0] * HALF)
+            return context.make_tuple(builder, sig.return_type, [zero, zero, args[3]])
+        first = builder.load(simd._element_ptr(context, builder, sig.args[0], args[0], args[1], _V8x64), align=1)
+        second = builder.load(simd._element_ptr(context, builder, sig.args[0], args[0],
+                                                builder.add(args[1], ir.Constant(args[1].type, LANES)), _V8x64),
+                              align=1)
+        smin = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8x64, [_V8x64] * 2), "llvm.smin.v64i8")
+        smallest = builder.call(smin, [args[3], builder.call(smin, [first, second])])
+        vpermi2b = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8x64, [_V8x64] * 3),
+                                                  "llvm.x86.avx512.vpermi2var.qi.512")
+        data = builder.bitcast(context.make_array(sig.args[2])(context, builder, args[2]).data,
+                               ir.IntType(8).as_pointer())
+        quarters = [builder.load(builder.bitcast(builder.gep(data, [ir.Constant(_I32, LANES * q)]),
+                                                 _V8x64.as_pointer()), align=1) for q in range(4)]
+        registers = []
+        for half in (0, 1):  # step t + 1's byte, then step t's, per 128-bit lane: bytes 0-7, then 8-15
+            interleaved = builder.shuffle_vector(second, first, _mask(
+                [i for lane in range(4) for j in range(16 * lane + 8 * half, 16 * lane + 8 * half + 8)
+                 for i in (j, LANES + j)]))
+            registers.append(_code8_pair_registers(builder, interleaved, quarters, vpermi2b))
+        return context.make_tuple(builder, sig.return_type, [*registers, smallest])
+
+    return types.Tuple([simd.I32V, simd.I32V, simd.U8P])(codes, start, table, smallest), codegen
+
+
+@intrinsic
+def u8p_largest(typingctx):
+    """U8P of 0x7F in every byte: the start of code8_pairs' signed minimum."""
+    return simd.U8P(), lambda context, builder, sig, args: ir.Constant(_V8x64, [0x7F] * LANES)
+
+
+@intrinsic
+def u8p_holds_minimum(typingctx, smallest):
+    """Whether a byte of ``smallest`` (U8P) is -128 (0x80)."""
+
+    def codegen(context, builder, sig, args):
+        found = builder.icmp_signed("==", args[0], ir.Constant(_V8x64, [-128] * LANES))
+        return builder.icmp_unsigned("!=", builder.bitcast(found, ir.IntType(LANES)), ir.Constant(ir.IntType(LANES), 0))
+
+    return types.boolean(smallest), codegen
 
 
 # HiFloat8 and FP8 E4M3 codes re-encoded by columns (lowbit.kernels.cpu._code8_columns): a prepared BF16-x weight
@@ -1303,6 +1390,16 @@ def _pair_sources(order: list[int], pair_order: list[int]) -> np.ndarray:
 
 
 @numba.njit(**_INLINE)
+def _fill_x_pairs(row, kp, sources, pairs):
+    """``pairs`` (Kq,) int16 <- each pair step's BF16 bits of x ``row`` (Kp,) (the int32 view of float32 BF16
+    values in register order) in the order ``sources`` (_pair_sources), zeros past Kp."""
+    for j0 in range(0, pairs.size, PAIR_LANES):
+        for j in range(PAIR_LANES):
+            source = j0 + sources[j]
+            pairs[j0 + j] = np.int16(row[source] >> 16) if source < kp else np.int16(0)
+
+
+@numba.njit(**_INLINE)
 def _paired_bytes(x_reg, bounds, exponents, sources, x_pairs):
     """(M, 256) bool: whether row m of x_reg (M, Kp) float32, register order, may be summed in BF16 pairs
     (vdpbf16ps, which flushes subnormal inputs and results) with blocks of scale byte b: the row holds BF16
@@ -1324,10 +1421,7 @@ def _paired_bytes(x_reg, bounds, exponents, sources, x_pairs):
             low_bits |= row[i] & 0xFFFF
         if low_bits != 0:  # not BF16 values
             continue
-        for j0 in range(0, kq, PAIR_LANES):
-            for j in range(PAIR_LANES):
-                source = j0 + sources[j]
-                x_pairs[m, j0 + j] = np.int16(row[source] >> 16) if source < kp else np.int16(0)
+        _fill_x_pairs(row, kp, sources, x_pairs[m])
         for b in range(256):
             paired[m, b] = (exponents[0, b] >= -126 and bounds[m, 0] + exponents[0, b] >= -103
                             and bounds[m, 1] + exponents[1, b] <= 126)
@@ -1357,6 +1451,20 @@ def _low_byte_range(flat, start, count):
 
 
 # ---- steps of a row that end early (a K that is not a multiple of 64) -------------------------------------
+
+
+_ROW_TABLE_BYTES = 1024  # the largest row table: 256 float32 values
+
+
+@numba.njit(**_INLINE)
+def _row_table(table_like):
+    """An uninitialised row table like ``table_like`` (its dtype and shape) in the calling kernel's stack frame
+    (simd.stack_bytes: valid until it returns), on a 64-byte boundary and without reference counting: the
+    look-ups load it in 64-byte pieces, which numba's own allocations (32 bytes past a boundary) split over two
+    cache lines each, and every tuple of arrays built around it counted references at each block of rows
+    (about 0.1 ms of a 4096 x 4096 GEMV)."""
+    raw = simd.stack_bytes(_ROW_TABLE_BYTES)
+    return raw[: table_like.nbytes].view(table_like.dtype).reshape(table_like.shape)
 
 
 @numba.njit(**_INLINE)
@@ -1463,10 +1571,63 @@ def _store_block(y32, m, row, sums):
 
 
 @numba.njit(**_INLINE)
-def _code8_block_rows(step, x_flat, kp, steps, operands, starts, row, y32):
+def _code8_pair_rows(x_flat, x0, steps, codes_flat, table_a, table_b, first, second, ahead, nan_by_minimum):
+    """The folded sums of two rows of W (codes at ``first`` and ``second``, their byte tables ``tables[0]`` and
+    ``tables[1]``) in BF16 pairs (code8_pairs: ``steps`` pair steps) times x's pairs at x_flat[x0:]
+    (_code8_x_operands); a row holding the code 0x80 sums to NaN where ``nan_by_minimum`` (HiFloat8's NaN)."""
+    a0, a1, b0, b1 = simd.f32v_zero(), simd.f32v_zero(), simd.f32v_zero(), simd.f32v_zero()
+    low_a, low_b = u8p_largest(), u8p_largest()
+    for t in range(steps):
+        x_low, x_high = _x_pair_step(x_flat, x0, t)
+        at = np.uint64(first + PAIR_LANES * t)  # unsigned: no negative-index wraparound code
+        w0, w1, low_a = code8_pairs(codes_flat, at, table_a, low_a)
+        a0, a1 = _dot_pairs(a0, a1, x_low, x_high, w0, w1)
+        at = np.uint64(second + PAIR_LANES * t)
+        w0, w1, low_b = code8_pairs(codes_flat, at, table_b, low_b)
+        b0, b1 = _dot_pairs(b0, b1, x_low, x_high, w0, w1)
+    sum_a, sum_b = _row_sum_code8_pairs(a0, a1), _row_sum_code8_pairs(b0, b1)
+    if nan_by_minimum and u8p_holds_minimum(low_a):
+        sum_a = np.float32(np.nan)
+    if nan_by_minimum and u8p_holds_minimum(low_b):
+        sum_b = np.float32(np.nan)
+    return sum_a, sum_b
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _code8_pair_sums(x_flat, x0, steps, codes_flat, tables, starts, ahead, nan_by_minimum):
+    a, b = _code8_pair_rows(x_flat, x0, steps, codes_flat, tables[0], tables[1], starts[0], starts[1], ahead,
+                            nan_by_minimum)
+    c, d = _code8_pair_rows(x_flat, x0, steps, codes_flat, tables[2], tables[3], starts[2], starts[3], ahead,
+                            nan_by_minimum)
+    return a, b, c, d
+
+
+@numba.njit(**_INLINE)
+def _code8_pairable(x_bounds, kq, m, scale_bits, row):
+    """Whether x row m and the ROW_BLOCK rows of W from ``row`` may be summed in BF16 pairs (vdpbf16ps flushes
+    subnormal inputs and results): x's pairs were made (``kq`` > 0 columns: _code8_x_operands, for BF16 x, K a
+    multiple of PAIR_LANES), x holds no subnormal value, no weight is subnormal and every nonzero |x w| lies in
+    [2^-103, 2^128) (x's exponent bounds _x_bounds; each row's weights' from its scale's exponent, _CODE8_LOW ..
+    _COLUMN_HIGH above it, read from ``scale_bits``, the int32 bits of the float32 row scales, viewed once by the
+    caller: a view made here cost 200 cycles a block), so every product is exact and a multiple of 2^-126 and
+    no partial sum is flushed (docs/weight_only.md, 'BF16 pairs')."""
+    if kq == 0 or x_bounds[m, 0] < -126:
+        return False
+    for r in range(ROW_BLOCK):
+        e_s = _bits_exponent(np.int64(scale_bits[row + r]) & 0x7FFFFFFF)  # zero, Inf, NaN: out of range
+        if not (e_s + _CODE8_LOW >= -126 and x_bounds[m, 0] + e_s + _CODE8_LOW >= -103
+                and x_bounds[m, 1] + e_s + _COLUMN_HIGH <= 126):
+            return False
+    return True
+
+
+@numba.njit(**_INLINE)
+def _code8_block_rows(step, x_flat, kp, steps, operands, starts, row, y32, pairs):
     """y32[:, row : row + ROW_BLOCK] of an 8-bit format's block of W rows (``step``, ``operands``, ``starts`` as
     for _block_sums; mul + add products): rows of x (M = y32.shape[0], Kp = ``kp`` apart in x_flat) in pairs,
-    each step decoded once for both, then a last, odd one."""
+    each step decoded once for both, then a last, odd one: in BF16 pairs where _code8_pairable (``pairs``: x's
+    exponent bounds, its pairs' flat view and columns, the rows' scale bits and the NaN rule of _code8_pair_rows;
+    None: never, which numba compiles without the pair code: MXFP8), else as the others."""
     m_rows = y32.shape[0]
     for m in range(0, m_rows - 1, 2):
         first, second = _block_sums_pair(step, _add_products, _row_sum_code8, _x_step, x_flat, m * kp, (m + 1) * kp,
@@ -1474,8 +1635,15 @@ def _code8_block_rows(step, x_flat, kp, steps, operands, starts, row, y32):
         _store_block(y32, m, row, first)
         _store_block(y32, m + 1, row, second)
     if m_rows % 2:
-        _store_block(y32, m_rows - 1, row, _block_sums(step, _add_products, _row_sum_code8, _x_step, x_flat,
-                                                       (m_rows - 1) * kp, steps, operands, starts))
+        m = m_rows - 1
+        if pairs is not None and _code8_pairable(pairs[0], pairs[2], m, pairs[3], row):
+            x_bounds, xp_flat, kq, scale_bits, nan_by_minimum = pairs
+            codes_flat, tables, _, ahead = operands
+            _store_block(y32, m, row, _code8_pair_sums(xp_flat, m * kq, steps // 2, codes_flat, tables, starts, ahead,
+                                                       nan_by_minimum))
+        else:
+            _store_block(y32, m, row, _block_sums(step, _add_products, _row_sum_code8, _x_step, x_flat, m * kp, steps,
+                                                  operands, starts))
 
 
 @numba.njit(**_INLINE)
@@ -1627,22 +1795,23 @@ def _code8_block_step(operands, start, r, t):
 
 @numba.njit(**NJIT_OPTIONS)
 def _code8_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, slow_blocks, column_tables,
-                x_bounds, row, end, y32):
+                x_bounds, x_pairs, row, end, y32):
     """Rows row .. end - 1 of _code8_gemv (one task; a function of its own, so that numba's parallel
     passes do not analyse its body): on AVX-512 CPUs blocks of ROW_BLOCK rows first, then the rest one by one,
     by columns where the codes are re-encoded (_code8_column_rows), else by the table (_code8_table_rows)."""
     k = codes.shape[1]
     kp = x_reg.shape[1]
     codes_flat, x_flat = simd.borrowed_flat(codes), simd.borrowed_flat(x_reg)
-    tables = (np.empty_like(table_like), np.empty_like(table_like), np.empty_like(table_like),
-              np.empty_like(table_like))
+    tables = (_row_table(table_like), _row_table(table_like), _row_table(table_like), _row_table(table_like))
+    scale_bits, xp_flat = simd.borrowed_flat(scale).view(np.int32), simd.borrowed_flat(x_pairs)  # (no counting)
     if BLOCK_ROWS and k % LANES == 0:  # blocks of rows (no short last step)
         while row + ROW_BLOCK <= end:
             for r in range(ROW_BLOCK):
                 _fill_row_table(magnitudes, scale[row + r], bf16, nan_code, tables[r])
             starts = (row * k, (row + 1) * k, (row + 2) * k, (row + 3) * k)
             operands = (codes_flat, tables, nan_code, np.uint64(ROW_BLOCK * k))
-            _code8_block_rows(_code8_block_step, x_flat, kp, k // LANES, operands, starts, row, y32)
+            pairs = (x_bounds, xp_flat, x_pairs.shape[1], scale_bits, nan_code == _CODE8_NAN_BY_MINIMUM)
+            _code8_block_rows(_code8_block_step, x_flat, kp, k // LANES, operands, starts, row, y32, pairs)
             row += ROW_BLOCK
     args = (x_flat, kp, codes_flat, k, scale, bf16, magnitudes, nan_code, table_like, keep, fast, slow_blocks,
             column_tables, x_bounds, row, end, y32)
@@ -1654,7 +1823,7 @@ def _code8_table_rows(x_flat, kp, codes_flat, k, scale, bf16, magnitudes, nan_co
                       slow_blocks, column_tables, x_bounds, row, end, y32):
     """Rows row .. end - 1 of _code8_rows one by one, by the table (codes not re-encoded)."""
     x_flat, codes_flat = simd.borrowed_flat(x_flat), simd.borrowed_flat(codes_flat)  # see _code8_column_rows
-    table, scratch = np.empty_like(table_like), simd.stack_bytes(LANES)
+    table, scratch = _row_table(table_like), simd.stack_bytes(LANES)
     for row in range(row, end):
         _code8_table_row(x_flat, kp, codes_flat, k, scale, bf16, magnitudes, nan_code, table, keep, scratch, row, y32)
 
@@ -1668,7 +1837,7 @@ def _code8_column_rows(x_flat, kp, codes_flat, k, scale, bf16, magnitudes, nan_c
     # inlined loop: 2-3x the time) and this function's own scratch and row table (the caller's, which might
     # alias anything: 8-10 % more time); the row's table is a 1-D byte table (BF16 x only, as every row by
     # columns).
-    table, scratch = np.empty_like(table_like), simd.stack_bytes(LANES)
+    table, scratch = _row_table(table_like), simd.stack_bytes(LANES)
     x_flat, codes_flat = simd.borrowed_flat(x_flat), simd.borrowed_flat(codes_flat)
     slow_flat, tables, row_table = (simd.borrowed_flat(slow_blocks), simd.borrowed_flat(column_tables),
                                     simd.borrowed_flat(table))
@@ -1704,7 +1873,7 @@ def _code8_table_row(x_flat, kp, codes_flat, k, scale, bf16, magnitudes, nan_cod
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
 def _code8_gemv(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, slow_blocks, column_tables,
-                x_bounds, y32):
+                x_bounds, x_pairs, y32):
     """codes (N, K) uint8; scale (N,) float32 and magnitudes (128,) float32 as _fill_row_table takes them;
     bf16: x is BF16 (else FP16); nan_code: the code that decodes to NaN; table_like: an array of the
     row-table kind (see code8_decode); keep int32[64] (the tail's lanes); fast (N,) uint8: for 8-bit codes
@@ -1712,25 +1881,53 @@ def _code8_gemv(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, kee
     (N, _columns.TABLE_BYTES) uint8), 2 where it does but for the blocks of 32 codes marked in slow_blocks
     (N, K/32) uint8 (by the row's table), 0 where the table decodes it (whose magnitudes and NaN code are then
     the re-encoded ones); for codes not re-encoded the three are empty, column_tables int8 (_NOT_BY_COLUMNS:
-    the kernels are compiled without the columns' code); x_bounds (M, 2) int64: _x_bounds of x_reg where the
-    codes are re-encoded (else empty, not read: _code8_x_operands); x_reg (M, Kp) float32 (register order,
-    zero-padded); y32 (M, N) float32. Every row, in numba's parallel loop (_code8_rows: some rows on the
-    calling thread)."""
+    the kernels are compiled without the columns' code); x_bounds, x_pairs: _code8_x_operands (x's exponent
+    bounds, read where the codes are re-encoded or x's BF16 pairs were made; x_pairs (M, 0) where they were
+    not); x_reg (M, Kp) float32 (register order, zero-padded); y32 (M, N) float32. Every row, in numba's
+    parallel loop (_code8_rows: some rows on the calling thread)."""
     n = codes.shape[0]
     for task in numba.prange((n + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
         _code8_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, slow_blocks,
-                    column_tables, x_bounds, task * _ROWS_PER_TASK, min(n, (task + 1) * _ROWS_PER_TASK), y32)
+                    column_tables, x_bounds, x_pairs, task * _ROWS_PER_TASK, min(n, (task + 1) * _ROWS_PER_TASK), y32)
 
 
 # ---- x's per-call operands of the GEMV kernels (after the weight's): f(x_reg, operands, x_consts) ----------
 
 
 @numba.njit(**NJIT_OPTIONS)
-def _code8_x_operands(x_reg, operands, x_consts):
-    """(x_bounds,) of _code8_gemv and _mxfp8_gemv: _x_bounds of x_reg where the weight was re-encoded by
-    columns (its column tables, the operands' last: _by_column_tables), else an empty (0, 2) array (not
-    read)."""
+def _x_bounds_operands(x_reg, operands, x_consts):
+    """(x_bounds,) of _mxfp8_gemv: _x_bounds of x_reg where the weight was re-encoded by columns (its column
+    tables, the operands' last: _by_column_tables), else an empty (0, 2) array (not read)."""
     return (_x_bounds_by(operands[-1], (x_reg,)),)
+
+
+def _pairs_for(table_like):
+    raise NotImplementedError("numba only")
+
+
+@overload(_pairs_for, jit_options=NJIT_OPTIONS)
+def _pairs_for_typed(table_like):
+    """Whether rows of this table kind are summed in BF16 pairs (_code8_pair_sums_by): a constant of the type."""
+    pairs = CODE8_PAIRS and table_like.dtype == types.uint8 and table_like.ndim == 1
+    return lambda table_like: pairs
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _code8_x_operands(x_reg, operands, x_consts):
+    """(x_bounds, x_pairs) of _code8_gemv. x_pairs (M, Kp) int16: x's BF16 bits in the pair order of
+    x_consts[0] (_pair_sources of CODE8_PAIR_ORDER) where rows may be summed in BF16 pairs (CODE8_PAIRS, BF16 x,
+    BF16 byte tables, K a multiple of PAIR_LANES), else (M, 0); x_bounds: _x_bounds of x_reg there or where
+    the weight was re-encoded by columns (its column tables, the operands' last: _by_column_tables), else an
+    empty (0, 2) array (not read)."""
+    (sources,) = x_consts
+    codes, bf16, table_like = operands[0], operands[2], operands[5]
+    m_rows, kp = x_reg.shape
+    if _pairs_for(table_like) and bf16 and codes.shape[1] % PAIR_LANES == 0:
+        x_pairs = np.empty((m_rows, kp), dtype=np.int16)  # Kp = K: a multiple of PAIR_LANES
+        for m in range(m_rows):
+            _fill_x_pairs(x_reg[m].view(np.int32), kp, sources, x_pairs[m])
+        return _x_bounds(x_reg), x_pairs
+    return _x_bounds_by(operands[-1], (x_reg,)), np.empty((m_rows, 0), dtype=np.int16)
 
 
 @numba.njit(**NJIT_OPTIONS)
@@ -1880,7 +2077,7 @@ def _mxfp8_table_rows(x_flat, kp, codes_flat, scales_flat, k, blocks, bf16, tabl
             if exact_range[0] <= low and high <= exact_range[1]:
                 starts = (row * k, (row + 1) * k, (row + 2) * k, (row + 3) * k)
                 operands = (codes_flat, scales_flat, table, np.uint64(ROW_BLOCK * k))
-                _code8_block_rows(_mxfp8_block_step, x_flat, kp, k // LANES, operands, starts, row, y32)
+                _code8_block_rows(_mxfp8_block_step, x_flat, kp, k // LANES, operands, starts, row, y32, None)
                 row += ROW_BLOCK
                 continue
         _mxfp8_table_row(x_flat, kp, codes_flat, scales_flat, k, blocks, bf16, table, scratch, row, y32)
@@ -2269,7 +2466,7 @@ def _code8_tile_rows(codes, scale, bf16, magnitudes, nan_code, table_like, keep,
     kp = w32.shape[1]
     codes_flat, w_flat = simd.flat(codes), simd.flat(w32)
     scratch = np.zeros(LANES, dtype=np.uint8)
-    table = np.empty_like(table_like)
+    table = _row_table(table_like)
     for i in range(row, end):
         _fill_row_table(magnitudes, scale[r0 + i], bf16, nan_code, table)
         _code8_tile_row_any(codes_flat, k, r0 + i, table, nan_code, keep, scratch, w_flat, i * kp)
@@ -2693,7 +2890,7 @@ def _code8_batched_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_l
     """Rows row .. end - 1 of W: the serial part of _code8_batched."""
     k = codes.shape[1]
     m_rows, kp = x_reg.shape
-    operands = (simd.flat(codes), k, scale, bf16, magnitudes, nan_code, np.empty_like(table_like), keep,
+    operands = (simd.flat(codes), k, scale, bf16, magnitudes, nan_code, _row_table(table_like), keep,
                 np.zeros(LANES, dtype=np.uint8), fast, column_tables)
     args = (operands, row, end, simd.flat(x_reg), kp, m_rows, y32)
     _code8_batch_rows_by(column_tables, args)
@@ -2936,11 +3133,14 @@ def _serial_gemv(x_bits, bf16, order, n, operands, x_consts, bias_bits, bias_kin
     _finish(y32, bias_bits, bias_kind, bf16, out_bits)
 
 
-def _parallel_gemv(x_bits, bf16, order, n, operands, x_consts, bias_bits, bias_kind, out_bits):
+def _parallel_gemv(x_bits, bf16, order, n, operands, x_consts, bias_bits, bias_kind, out_bits, chunksize):
     """_serial_gemv with the rows in numba's parallel loop: ``_KERNEL`` is the format's parallel GEMV (a call
-    of it from here launches the threads as a call from Python would, with the caller's chunk size)."""
+    of it from here launches the threads as a call from Python would), its loop in chunks of ``chunksize``
+    iterations, set and put back in here (call_in_chunks from Python: two more calls after other work)."""
     x_reg, y32 = _gemv_arrays(x_bits, bf16, order, n)
+    previous = swap_parallel_chunksize(numba.uintp(chunksize))
     _KERNEL(x_reg, *operands, *_X_OPERANDS(x_reg, operands, x_consts), y32)  # noqa: F821 (bound per format)
+    swap_parallel_chunksize(previous)
     _finish(y32, bias_bits, bias_kind, bf16, out_bits)
 
 
@@ -2972,9 +3172,11 @@ def _serial_batched(x_bits, bf16, order, n, operands, bias_bits, bias_kind, out_
 
 def _parallel_batched(x_bits, bf16, order, n, operands, bias_bits, bias_kind, out_bits):
     """_serial_batched with the rows of W in numba's parallel loop (``_KERNEL``: the format's parallel batched
-    kernel)."""
+    kernel), one task (_BATCH_ROWS_PER_TASK rows of W) per chunk."""
     x_reg, y32 = _ARRAYS(x_bits, bf16, order, n)  # noqa: F821 (bound)
+    previous = swap_parallel_chunksize(numba.uintp(1))
     _KERNEL(x_reg, *operands, y32)  # noqa: F821 (bound per format)
+    swap_parallel_chunksize(previous)
     _finish(y32, bias_bits, bias_kind, bf16, out_bits)
 
 
@@ -3050,12 +3252,12 @@ class BoundGemv:
             if runs_serially(m * self._work, GEMV_ONE_THREAD_WEIGHTS):
                 self._batched[0](x_bits, *self._batched_args, out_bits)
             else:
-                call_in_chunks(1, self._batched[1], x_bits, *self._batched_args, out_bits)
+                self._batched[1](x_bits, *self._batched_args, out_bits)
             return True
         if runs_serially(self._work, GEMV_ONE_THREAD_WEIGHTS):
             self._serial(x_bits, *self._args, out_bits)
         else:
-            call_in_chunks(self._chunksize, self._parallel, x_bits, *self._args, out_bits)
+            self._parallel(x_bits, *self._args, out_bits, self._chunksize)
         return True
 
 
@@ -3092,8 +3294,8 @@ class WeightOnlyLinear(Kernel):
     ``split``: the register order (see _reorder); ``operands(a, b, k, dtype)``: the numba kernels' weight
     operands for x of ``dtype``; ``exponents``: a 4-bit format's table for _exact_bytes, whose results (fused,
     x_pairs, paired) the GEMV kernels take after the operands (None: an 8-bit format, whose GEMV takes x's
-    exponent bounds there instead: _code8_x_operands); ``pair_order``: the format's BF16 pair order (None: no
-    pair kernel). The GEMV's
+    exponent bounds there instead, and with a ``pair_order`` x's BF16 pairs too: _code8_x_operands;
+    _x_bounds_operands); ``pair_order``: the format's BF16 pair order (None: no pair kernel). The GEMV's
     per-call operands of x: ``x_operands(x_reg, operands, x_consts)``; on the calling thread the whole call
     is one numba function, ``serial_gemv`` (_serial_gemv), and so it is on numba's threads,
     ``parallel_gemv`` (_parallel_gemv). With BF16 x every
@@ -3108,11 +3310,13 @@ class WeightOnlyLinear(Kernel):
         self.order = np.array(_order(*split), dtype=np.int32)
         self.pair_sources = (_pair_sources(_order(*split), pair_order)
                              if pair_order is not None and simd.HAS_AVX512BF16 else None)
+        sources = _NO_PAIR_SOURCES if self.pair_sources is None else self.pair_sources
         if exponents is not None:  # a 4-bit format: fused multiply-adds and BF16 pairs where exact
-            sources = _NO_PAIR_SOURCES if self.pair_sources is None else self.pair_sources
             self.x_operands, self.x_consts = _four_bit_x_operands, (exponents, sources, self.pair_sources is not None)
-        else:  # 8-bit codes by columns: fused multiply-adds where exact
-            self.x_operands, self.x_consts = _code8_x_operands, ()
+        elif pair_order is not None:  # HiFloat8, FP8: BF16 pairs where exact; by columns: fused multiply-adds
+            self.x_operands, self.x_consts = _code8_x_operands, (sources,)
+        else:  # MXFP8 by columns: fused multiply-adds where exact
+            self.x_operands, self.x_consts = _x_bounds_operands, ()
         self.serial_gemv = _one_call_gemv(_serial_gemv, gemv[0], self.x_operands)
         self.parallel_gemv = _one_call_gemv(_parallel_gemv, gemv[1], self.x_operands)
         self.serial_batched = _one_call_batched(_serial_batched, batched[0])
@@ -3147,8 +3351,9 @@ class WeightOnlyLinear(Kernel):
         m = out.numel() // n
         if out.dim() != 2:  # x too: (..., K) -> (M, K)
             x, out = x.reshape(m, k), out.view(m, n)
-        # Rows are handed out in chunks on demand (not split evenly up front), so a thread that the OS
-        # deschedules on a shared machine does not make the other one wait at the end.
+        # Rows in chunks: under numba's TBB layer handed out on demand, so a thread that the OS deschedules on a
+        # shared machine does not make the other one wait at the end (OpenMP and workqueue split them evenly
+        # up front: docs/architecture.md, 'CPU threads').
         if one_call and m <= max(GEMV_MAX_M, _batch_max_m(n, k, x.dtype)):
             self.bind_gemv(prepared, n, k, x.dtype)(x.view(torch.int16).numpy(), out.view(torch.int16).numpy())
             return
@@ -3547,9 +3752,9 @@ def _hifloat4_prepared_operands(scale, value, k, dtype):
 
 
 _CODE8 = ((_code8_rows, _code8_gemv), (_code8_batched_rows, _code8_batched), (_code8_tile_rows, _code8_tile))
-HIFLOAT8_LINEAR = WeightOnlyLinear(*_CODE8, CODE8_SPLIT, _hifloat8_operands,
+HIFLOAT8_LINEAR = WeightOnlyLinear(*_CODE8, CODE8_SPLIT, _hifloat8_operands, pair_order=CODE8_PAIR_ORDER,
                                   prepared_operands=_hifloat8_prepared_operands)
-FLOAT8_E4M3FN_LINEAR = WeightOnlyLinear(*_CODE8, CODE8_SPLIT, _float8_operands,
+FLOAT8_E4M3FN_LINEAR = WeightOnlyLinear(*_CODE8, CODE8_SPLIT, _float8_operands, pair_order=CODE8_PAIR_ORDER,
                                         prepared_operands=_float8_prepared_operands)
 MXFP8_LINEAR = WeightOnlyLinear((_mxfp8_rows, _mxfp8_gemv), (_mxfp8_batched_rows, _mxfp8_batched),
                                 (_mxfp8_tile_rows, _mxfp8_tile), CODE8_SPLIT, _mxfp8_operands,

@@ -51,7 +51,7 @@ from lowbit.formats import wqbmm as reference
 from lowbit.kernels.cpu import _simd as simd
 from lowbit.kernels.cpu import wqbmm_dequant as dequant
 from lowbit.kernels.cpu._runtime import (NJIT_OPTIONS, SerialOrParallel, as_numpy, bound_njit, call_in_chunks,
-                                         runs_serially)
+                                         runs_serially, swap_parallel_chunksize)
 from lowbit.kernels.wqbmm_kernel import MSD, WqbmmKernel, aligned_offsets
 
 TILE_N = simd.LANES  # columns per register tile (32)
@@ -639,8 +639,9 @@ def _msd_into(
     if runs_serially(m * k * layout.n, _ONE_THREAD_WORK):
         _run_stages(*stages, serial=True)
     else:
-        # Column tiles are handed out in small chunks on demand (not split evenly up front), so a thread
-        # that the OS deschedules on a shared machine does not make the other one wait at the end.
+        # Column tiles in small chunks: under numba's TBB layer handed out on demand, so a thread that the OS
+        # deschedules on a shared machine does not make the other one wait at the end (docs/architecture.md,
+        # 'CPU threads').
         call_in_chunks(1 if layout.raw else _PARALLEL_CHUNK, lambda: _run_stages(*stages, serial=False))
     out.copy_(y32[:, : layout.n])
 
@@ -788,8 +789,13 @@ def _decode(x_bits, is_bf16, tiles, scale_bits, offset_bits, has_offset, group_s
     a_sum = np.empty((m, 3, groups), dtype=np.int32)
     _msd_preprocess_serial(x32, group_size, a_i8, a_max, a_sum)
     y32 = np.empty((m, scale_bits.size // groups), dtype=np.float32)
+    previous = numba.uintp(0)
+    if _CHUNK:  # noqa: F821 (bound: 0 in the serial form, whose branches numba prunes: it has no parallel loop)
+        previous = swap_parallel_chunksize(numba.uintp(_CHUNK))  # noqa: F821
     _PRELOAD(tiles, a_i8.reshape(-1).view(np.int32), a_max, a_sum, scale_bits,  # noqa: F821 (bound)
              offset_bits, group_size, is_bf16, has_offset, y32)
+    if _CHUNK:  # noqa: F821
+        swap_parallel_chunksize(previous)
     return _round_and_add_bias(y32, bias32, has_bias, is_bf16, out_bits)
 
 
@@ -797,9 +803,11 @@ _msd_preprocess_serial = _msd_preprocess.serial
 
 
 def _decode_kernel(serial: bool):
-    """The numba dispatcher of :func:`_decode` with the serial or the parallel preload."""
+    """The numba dispatcher of :func:`_decode` with the serial or the parallel preload (its loop in chunks of
+    _PARALLEL_CHUNK)."""
     preload = _preload.serial if serial else _preload.parallel
-    return bound_njit(_decode, "_decode" + ("_serial" if serial else "_parallel"), _PRELOAD=preload)
+    return bound_njit(_decode, "_decode" + ("_serial" if serial else "_parallel"), _PRELOAD=preload,
+                      _CHUNK=0 if serial else _PARALLEL_CHUNK)
 
 
 class BoundDecode:
@@ -836,4 +844,4 @@ class BoundDecode:
         unspecified)."""
         if runs_serially(x_bits.shape[0] * self.k * self.n, _ONE_THREAD_WORK):
             return self._serial(x_bits, self.is_bf16, *self.operands, out_bits)
-        return call_in_chunks(_PARALLEL_CHUNK, self._parallel, x_bits, self.is_bf16, *self.operands, out_bits)
+        return self._parallel(x_bits, self.is_bf16, *self.operands, out_bits)
