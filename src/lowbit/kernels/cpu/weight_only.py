@@ -1572,17 +1572,22 @@ def _store_block(y32, m, row, sums):
 
 @numba.njit(**_INLINE)
 def _code8_pair_rows(x_flat, x0, steps, codes_flat, table_a, table_b, first, second, ahead, nan_by_minimum):
-    """The folded sums of two rows of W (codes at ``first`` and ``second``, their byte tables ``tables[0]`` and
-    ``tables[1]``) in BF16 pairs (code8_pairs: ``steps`` pair steps) times x's pairs at x_flat[x0:]
-    (_code8_x_operands); a row holding the code 0x80 sums to NaN where ``nan_by_minimum`` (HiFloat8's NaN)."""
+    """The folded sums of two rows of W (codes at ``first`` and ``second``, their byte tables ``table_a`` and
+    ``table_b``) in BF16 pairs (code8_pairs: ``steps`` pair steps) times x's pairs at x_flat[x0:]
+    (_code8_x_operands); a row holding the code 0x80 sums to NaN where ``nan_by_minimum`` (HiFloat8's NaN).
+    Each pair step prefetches its two cache lines of codes ``ahead`` codes on (_prefetch_ahead)."""
     a0, a1, b0, b1 = simd.f32v_zero(), simd.f32v_zero(), simd.f32v_zero(), simd.f32v_zero()
     low_a, low_b = u8p_largest(), u8p_largest()
     for t in range(steps):
         x_low, x_high = _x_pair_step(x_flat, x0, t)
         at = np.uint64(first + PAIR_LANES * t)  # unsigned: no negative-index wraparound code
+        _prefetch_ahead(codes_flat, at, ahead)
+        _prefetch_ahead(codes_flat, at + np.uint64(LANES), ahead)
         w0, w1, low_a = code8_pairs(codes_flat, at, table_a, low_a)
         a0, a1 = _dot_pairs(a0, a1, x_low, x_high, w0, w1)
         at = np.uint64(second + PAIR_LANES * t)
+        _prefetch_ahead(codes_flat, at, ahead)
+        _prefetch_ahead(codes_flat, at + np.uint64(LANES), ahead)
         w0, w1, low_b = code8_pairs(codes_flat, at, table_b, low_b)
         b0, b1 = _dot_pairs(b0, b1, x_low, x_high, w0, w1)
     sum_a, sum_b = _row_sum_code8_pairs(a0, a1), _row_sum_code8_pairs(b0, b1)
