@@ -63,8 +63,13 @@ INTEGER_PRODUCTS = simd.HAS_VNNI or simd.HAS_AVX2  # else decode runs the float3
 # on two threads against 425-430 us on one; benchmarks/results_weight_only.md, 'svd_quant's product on AVX2').
 # Measured again with the block sums (BLOCK_SUMS; AMD Zen 3, run_prepared after a 4096^2 F.linear, K = 2048):
 # one thread 185 / 212 / 247 / 290 us at N = 512 / 768 / 1024 / 1536, two 215 / 262 / 243 / 263 us: two threads
-# pay off from about 2-3M weights, so the threshold stays.
-_PRODUCT_ONE_THREAD_WEIGHTS = (2 if simd.HAS_VNNI else 1) * GEMV_ONE_THREAD_WEIGHTS
+# pay off from about 2-3M weights, so the threshold stays. Intel's VNNI CPUs wake the second thread for less: on
+# an Intel Xeon Emerald Rapids (the op, hot loop / each call after an F.linear, one thread against two) 1024 x 1024
+# 0.113 / 0.171 against 0.114 / 0.162 ms, 1536 x 1024 0.163 / 0.258 against 0.158 / 0.235, 1536 x 1536 0.195 /
+# 0.272 against 0.163 / 0.236, 2816 x 2048 0.288 / 0.364 against 0.244 / 0.313 (benchmarks/results_weight_only.md,
+# 'Intel Xeon Emerald Rapids: HiFloat8 and FP8 in BF16 pairs'), so there two threads from 1.5M weights.
+_PRODUCT_ONE_THREAD_WEIGHTS = ((2 * GEMV_ONE_THREAD_WEIGHTS if simd.HOST_IS_AMD_ZEN else 3 << 19) if simd.HAS_VNNI
+                               else GEMV_ONE_THREAD_WEIGHTS)
 # Weights below which product_gemv runs its serial version (see SerialOrParallel); from there to
 # _PRODUCT_ONE_THREAD_WEIGHTS its parallel loop on one thread, which is faster there with VNNI (AMD Zen 4: the
 # serial version took 0.29 ms at N = 2816, K = 2048 against 0.27 ms: benchmarks/results_first_run.md). On AVX2
