@@ -68,7 +68,7 @@ INTEGER_PRODUCTS = simd.HAS_VNNI or simd.HAS_AVX2  # else decode runs the float3
 # 0.113 / 0.171 against 0.114 / 0.162 ms, 1536 x 1024 0.163 / 0.258 against 0.158 / 0.235, 1536 x 1536 0.195 /
 # 0.272 against 0.163 / 0.236, 2816 x 2048 0.288 / 0.364 against 0.244 / 0.313 (benchmarks/results_weight_only.md,
 # 'Intel Xeon Emerald Rapids: HiFloat8 and FP8 in BF16 pairs'), so there two threads from 1.5M weights.
-_PRODUCT_ONE_THREAD_WEIGHTS = ((2 * GEMV_ONE_THREAD_WEIGHTS if simd.HOST_IS_AMD_ZEN else 3 << 19) if simd.HAS_VNNI
+_PRODUCT_ONE_THREAD_WEIGHTS = ((6 << 20 if simd.HOST_IS_AMD_ZEN else 3 << 19) if simd.HAS_VNNI
                                else GEMV_ONE_THREAD_WEIGHTS)
 # Weights below which product_gemv runs its serial version (see SerialOrParallel); from there to
 # _PRODUCT_ONE_THREAD_WEIGHTS its parallel loop on one thread, which is faster there with VNNI (AMD Zen 4: the

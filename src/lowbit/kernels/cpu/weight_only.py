@@ -65,8 +65,12 @@ GEMV_MAX_M = reference.EXACT_ROWS  # rows of x up to which the bit-exact GEMV pa
 # 1.35-1.55x for 16 MiB ones allocated per call (benchmarks/results_weight_only.md, 'Intel Xeon').
 GEMM_TILE_BYTES = 64 << 20
 # A GEMV over fewer weights runs on one thread: waking numba's threads costs more than they save there
-# (here, following a torch op: 384^2 MXFP4 38 vs 115 us, 1024^2 92 vs 141 us, 2048^2 equal).
-GEMV_ONE_THREAD_WEIGHTS = 3 << 20
+# (AMD Zen, following a torch op: 384^2 MXFP4 38 vs 115 us, 1024^2 92 vs 141 us, 2048^2 equal). Intel's CPUs
+# gain from the second thread sooner (Intel Xeon Emerald Rapids, a converted layer at M = 1 after a BF16 F.linear,
+# one thread against two: MXFP4 / HiFloat8 1536 x 384 0.078 / 0.106 against 0.079 / 0.129 ms, 1024^2 0.085 / 0.115
+# against 0.081 / 0.108, 2048 x 1024 0.151 / 0.202 against 0.126 / 0.180, 1536^2 0.190 / 0.218 against 0.152 /
+# 0.187; benchmarks/results_weight_only.md, 'Intel Xeon Emerald Rapids: HiFloat8 and FP8 in BF16 pairs').
+GEMV_ONE_THREAD_WEIGHTS = 3 << 20 if simd.HOST_IS_AMD_ZEN else 1 << 20
 _ROWS_PER_TASK = 8  # weight rows per prange iteration
 _CHUNKS = 32  # prange iterations are handed out in about this many chunks (at least 4 iterations each)
 _INLINE = dict(NJIT_OPTIONS, inline="always")
