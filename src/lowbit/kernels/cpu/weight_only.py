@@ -1604,6 +1604,10 @@ def _code8_pair_rows(x_flat, x0, steps, codes_flat, table_a, table_b, first, sec
 
 @numba.njit(**NJIT_OPTIONS)
 def _code8_pair_sums(x_flat, x0, steps, codes_flat, tables, starts, ahead, nan_by_minimum):
+    """The folded sums of a block of ROW_BLOCK rows of W (``tables``, ``starts``: theirs) in BF16 pairs, two rows
+    at a time (_code8_pair_rows; four at once measured no faster). A function of its own, not inlined into the
+    rows kernel (its compile time, as _mxfp4_pair_sums_bf16), called directly: a chooser between it and a
+    stand-in, called with the arguments as a tuple, cost about 650 cycles a block."""
     a, b = _code8_pair_rows(x_flat, x0, steps, codes_flat, tables[0], tables[1], starts[0], starts[1], ahead,
                             nan_by_minimum)
     c, d = _code8_pair_rows(x_flat, x0, steps, codes_flat, tables[2], tables[3], starts[2], starts[3], ahead,
@@ -1916,7 +1920,8 @@ def _pairs_for(table_like):
 
 @overload(_pairs_for, jit_options=NJIT_OPTIONS)
 def _pairs_for_typed(table_like):
-    """Whether rows of this table kind are summed in BF16 pairs (_code8_pair_sums_by): a constant of the type."""
+    """Whether rows of this table kind may be summed in BF16 pairs (code8_pairs looks up BF16 byte tables only):
+    a constant of the type, so that _code8_x_operands makes x's pairs only for them."""
     pairs = CODE8_PAIRS and table_like.dtype == types.uint8 and table_like.ndim == 1
     return lambda table_like: pairs
 
