@@ -10,6 +10,7 @@ from lowbit.formats import hifloat8
 from lowbit.formats import weight_only as reference
 from lowbit.kernels.cpu import weight_only as cpu
 from lowbit.ops import weight_only as ops
+from lowbit.ops.library import PreparedCall
 
 pytestmark = pytest.mark.skipif(not cpu.CODE8_PAIRS, reason="no AVX512-BF16 with AVX512-VBMI on this CPU")
 
@@ -30,8 +31,9 @@ def random_codes(n, k, g, codes):
 
 
 def gemv_sums(fmt, x, codes, scale):
-    """The GEMV rows kernel's float32 sums (M, N) for BF16 x, with x's per-call operands as the operator makes
-    them, and whether each row of x was put in pairs (x_pairs has columns) for the first block of W."""
+    """The one-call GEMV's rows kernel's float32 sums (M, N) for BF16 x (one_call_gemv: a prepared weight's), with
+    x's per-call operands as that call makes them, and whether each row of x may take pairs with the first block
+    of W (_code8_pairable)."""
     _, kernel, operands_of, _ = FORMATS[fmt]
     m, k = x.shape
     operands = operands_of(codes, scale, k, torch.bfloat16)
@@ -39,7 +41,7 @@ def gemv_sums(fmt, x, codes, scale):
     cpu._gather_x(x.view(torch.int16).numpy(), True, kernel.order, x_reg)
     x_operands = kernel.x_operands(x_reg, operands, kernel.x_consts)
     y32 = np.empty((m, codes.shape[0]), dtype=np.float32)
-    kernel.gemv[0](x_reg, *operands, *x_operands, 0, codes.shape[0], y32)
+    kernel.one_call_gemv[0](x_reg, *operands, *x_operands, 0, codes.shape[0], y32)
     x_bounds, x_pairs = x_operands
     scale_bits = operands[1].view(np.int32)
     paired = [bool(cpu._code8_pairable(x_bounds, x_pairs.shape[1], i, scale_bits, 0)) for i in range(m)]
@@ -71,9 +73,10 @@ def test_pairs_give_the_reference_lane_sums_for_every_code(fmt, m):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("threads", [1, 2])
-def test_the_operator_on_pairs_equals_the_reference(fmt, threads):
-    """The operator (M = 1, 2 and 3; 70 rows: blocks and a tail) with x holding zeros, a -0 and values across
-    BF16's range, and rows of extreme scales: the reference's bits on one thread and two."""
+def test_a_prepared_weight_on_pairs_equals_the_reference(fmt, threads, monkeypatch):
+    """A prepared weight's call (PreparedCall: the one-call GEMV, whose rows take the pairs; M = 1, 2 and 3; 70
+    rows: blocks and a tail) with x holding zeros, a -0 and values across BF16's range, and rows of extreme
+    scales: the reference's bits on one thread and two (numba's threads from the smallest weight on)."""
     op = FORMATS[fmt][0]
     g = gen(2)
     k = 256
@@ -81,14 +84,18 @@ def test_the_operator_on_pairs_equals_the_reference(fmt, threads):
     scale = torch.rand(70, generator=g) + 0.5
     scale[8:12] = 2.0**-100  # weights near the pairs' floor: that block by multiply and add
     scale[20:24] = 2.0**90
+    prepared = PreparedCall(op, (codes, scale, None))
+    monkeypatch.setattr(cpu, "GEMV_ONE_THREAD_WEIGHTS", 0)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         for m in (1, 2, 3):
             x = (torch.randn(m, k, generator=g) * 2.0 ** torch.randint(-30, 30, (m, k), generator=g)).bfloat16()
             x[:, :5] = torch.tensor([0.0, -0.0, 1.0, -3.5, 2.0**-20])
-            got = op(x, codes, scale, None, backend="native")
+            got = prepared(x)
             want = op(x, codes, scale, None, backend="reference")
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), m
+            got = op(x, codes, scale, None, backend="native")  # the direct call: rows without the pairs
             assert torch.equal(got.view(torch.int16), want.view(torch.int16)), m
     finally:
         torch.set_num_threads(previous)
@@ -198,3 +205,14 @@ def test_the_pair_order_folds_as_the_reference():
             element = cpu.CODE8_PAIR_ORDER[32 * register + lane]
             even, odd = sources[64 * register + 2 * lane], sources[64 * register + 2 * lane + 1]
             assert (even - 64, odd) == (cpu.CODE8_ORDER.index(element),) * 2
+
+
+def test_the_direct_call_compiles_no_pairs():
+    """The operator's direct call (as in ``lowbit smoke``) runs rows without the pairs' code and makes no x pairs
+    (compile time of a first call); the one call of a prepared weight runs the paired rows."""
+    for kernel in (cpu.HIFLOAT8_LINEAR, cpu.FLOAT8_E4M3FN_LINEAR):
+        assert kernel.gemv[0] is cpu._code8_rows and kernel.one_call_gemv[0] is cpu._code8_rows_paired
+        operands = cpu._float8_operands(torch.zeros(4, 128, dtype=torch.uint8), torch.ones(4), 128, torch.bfloat16)
+        x_reg = np.zeros((1, 128), dtype=np.float32)
+        assert kernel.direct_x_operands(x_reg, operands, kernel.x_consts)[1].shape == (1, 0)
+        assert kernel.x_operands(x_reg, operands, kernel.x_consts)[1].shape == (1, 128)

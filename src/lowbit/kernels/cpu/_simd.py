@@ -177,6 +177,29 @@ def stack_bytes(typingctx, count):
     return result(count), codegen
 
 
+@intrinsic
+def stack_like(typingctx, like, count):
+    """An array of ``like``'s type and shape (C-contiguous) on ``count`` bytes (a compile-time constant, at least
+    ``like.nbytes``: not checked) of the compiled function's stack frame, 64-byte aligned, not initialised and
+    without reference counting (as stack_bytes): no reshape or view, whose size checks numba compiles with its
+    error formatting (seconds per process)."""
+    if not (isinstance(like, types.Array) and like.layout == "C" and isinstance(count, types.IntegerLiteral)):
+        return None
+    size = count.literal_value
+
+    def codegen(context, builder, sig, args):
+        storage = cgutils.alloca_once(builder, ir.ArrayType(_I8, size))
+        storage.align = 64
+        source = context.make_array(sig.args[0])(context, builder, args[0])
+        view = context.make_array(sig.return_type)(context, builder)
+        data = builder.bitcast(storage, source.data.type)
+        populate_array(view, data=data, shape=cgutils.unpack_tuple(builder, source.shape),
+                       strides=cgutils.unpack_tuple(builder, source.strides), itemsize=source.itemsize, meminfo=None)
+        return view._getvalue()
+
+    return like(like, count), codegen
+
+
 PREFER_512_BIT = '"prefer-vector-width"="512"'  # the LLVM function attribute (what clang -mprefer-vector-width sets)
 
 

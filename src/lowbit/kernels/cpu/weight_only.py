@@ -1467,8 +1467,7 @@ def _row_table(table_like):
     look-ups load it in 64-byte pieces, which numba's own allocations (32 bytes past a boundary) split over two
     cache lines each, and every tuple of arrays built around it counted references at each block of rows
     (about 0.1 ms of a 4096 x 4096 GEMV)."""
-    raw = simd.stack_bytes(_ROW_TABLE_BYTES)
-    return raw[: table_like.nbytes].view(table_like.dtype).reshape(table_like.shape)
+    return simd.stack_like(table_like, _ROW_TABLE_BYTES)
 
 
 @numba.njit(**_INLINE)
@@ -1635,28 +1634,41 @@ def _code8_pairable(x_bounds, kq, m, scale_bits, row):
 
 
 @numba.njit(**_INLINE)
-def _code8_block_rows(step, x_flat, kp, steps, operands, starts, row, y32, pairs):
-    """y32[:, row : row + ROW_BLOCK] of an 8-bit format's block of W rows (``step``, ``operands``, ``starts`` as
-    for _block_sums; mul + add products): rows of x (M = y32.shape[0], Kp = ``kp`` apart in x_flat) in pairs,
-    each step decoded once for both, then a last, odd one: in BF16 pairs where _code8_pairable (``pairs``: x's
-    exponent bounds, its pairs' flat view and columns, the rows' scale bits and the NaN rule of _code8_pair_rows;
-    None: never, which numba compiles without the pair code: MXFP8), else as the others."""
-    m_rows = y32.shape[0]
-    for m in range(0, m_rows - 1, 2):
+def _code8_x_row_pairs(step, x_flat, kp, steps, operands, starts, row, y32, m_end):
+    """y32[:m_end, row : row + ROW_BLOCK] of an 8-bit format's block of W rows (``step``, ``operands``, ``starts``
+    as for _block_sums; mul + add products): rows 0 .. m_end - 1 of x (``m_end`` even; Kp = ``kp`` apart in
+    x_flat) in pairs, each step decoded once for both."""
+    for m in range(0, m_end - 1, 2):
         first, second = _block_sums_pair(step, _add_products, _row_sum_code8, _x_step, x_flat, m * kp, (m + 1) * kp,
                                          steps, operands, starts)
         _store_block(y32, m, row, first)
         _store_block(y32, m + 1, row, second)
+
+
+@numba.njit(**_INLINE)
+def _code8_block_rows(step, x_flat, kp, steps, operands, starts, row, y32):
+    """y32[:, row : row + ROW_BLOCK] of an 8-bit format's block of W rows: the rows of x (M = y32.shape[0]) in
+    pairs (_code8_x_row_pairs), then a last, odd one."""
+    m_rows = y32.shape[0]
+    _code8_x_row_pairs(step, x_flat, kp, steps, operands, starts, row, y32, m_rows - m_rows % 2)
     if m_rows % 2:
-        m = m_rows - 1
-        if pairs is not None and _code8_pairable(pairs[0], pairs[2], m, pairs[3], row):
-            x_bounds, xp_flat, kq, scale_bits, nan_by_minimum = pairs
-            codes_flat, tables, _, ahead = operands
-            _store_block(y32, m, row, _code8_pair_sums(xp_flat, m * kq, steps // 2, codes_flat, tables, starts, ahead,
-                                                       nan_by_minimum))
-        else:
-            _store_block(y32, m, row, _block_sums(step, _add_products, _row_sum_code8, _x_step, x_flat, m * kp, steps,
-                                                  operands, starts))
+        _store_block(y32, m_rows - 1, row, _block_sums(step, _add_products, _row_sum_code8, _x_step, x_flat,
+                                                       (m_rows - 1) * kp, steps, operands, starts))
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _code8_pair_block(pairs, m, operands, steps, starts, row, y32):
+    """y32[m, row : row + ROW_BLOCK] by _code8_pair_sums where _code8_pairable (``pairs``: x's exponent bounds,
+    its pairs' flat view and columns, the rows' scale bits, the NaN rule of _code8_pair_rows; ``operands``,
+    ``steps`` and ``starts`` as _code8_block_rows has them); whether it did. A function of its own: inlined, its
+    code made numba's passes over every rows kernel slower even where they prune it."""
+    x_bounds, xp_flat, kq, scale_bits, nan_by_minimum = pairs
+    if not _code8_pairable(x_bounds, kq, m, scale_bits, row):
+        return False
+    codes_flat, tables, _, ahead = operands
+    _store_block(y32, m, row, _code8_pair_sums(xp_flat, m * kq, steps // 2, codes_flat, tables, starts, ahead,
+                                               nan_by_minimum))
+    return True
 
 
 @numba.njit(**_INLINE)
@@ -1807,28 +1819,53 @@ def _code8_block_step(operands, start, r, t):
 
 
 @numba.njit(**NJIT_OPTIONS)
-def _code8_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, slow_blocks, column_tables,
-                x_bounds, x_pairs, row, end, y32):
-    """Rows row .. end - 1 of _code8_gemv (one task; a function of its own, so that numba's parallel
-    passes do not analyse its body): on AVX-512 CPUs blocks of ROW_BLOCK rows first, then the rest one by one,
-    by columns where the codes are re-encoded (_code8_column_rows), else by the table (_code8_table_rows)."""
+def _code8_rows_body(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, slow_blocks,
+                     column_tables, x_bounds, x_pairs, row, end, y32):
+    """_code8_rows (``x_pairs`` None: numba prunes the pair code) and _code8_rows_paired (x's pairs: a lone row
+    of x may take BF16 pairs, _code8_block_rows)."""
     k = codes.shape[1]
     kp = x_reg.shape[1]
     codes_flat, x_flat = simd.borrowed_flat(codes), simd.borrowed_flat(x_reg)
     tables = (_row_table(table_like), _row_table(table_like), _row_table(table_like), _row_table(table_like))
-    scale_bits, xp_flat = simd.borrowed_flat(scale).view(np.int32), simd.borrowed_flat(x_pairs)  # (no counting)
     if BLOCK_ROWS and k % LANES == 0:  # blocks of rows (no short last step)
         while row + ROW_BLOCK <= end:
             for r in range(ROW_BLOCK):
                 _fill_row_table(magnitudes, scale[row + r], bf16, nan_code, tables[r])
             starts = (row * k, (row + 1) * k, (row + 2) * k, (row + 3) * k)
             operands = (codes_flat, tables, nan_code, np.uint64(ROW_BLOCK * k))
-            pairs = (x_bounds, xp_flat, x_pairs.shape[1], scale_bits, nan_code == _CODE8_NAN_BY_MINIMUM)
-            _code8_block_rows(_code8_block_step, x_flat, kp, k // LANES, operands, starts, row, y32, pairs)
+            m_rows = y32.shape[0]
+            if x_pairs is not None and m_rows % 2 and _code8_pair_block(
+                    (x_bounds, simd.borrowed_flat(x_pairs), x_pairs.shape[1], simd.borrowed_flat(scale).view(np.int32),
+                     nan_code == _CODE8_NAN_BY_MINIMUM), m_rows - 1, operands, k // LANES, starts, row, y32):
+                # the last row of x (a lone one) in BF16 pairs; the others in pairs of rows of x
+                _code8_x_row_pairs(_code8_block_step, x_flat, kp, k // LANES, operands, starts, row, y32, m_rows - 1)
+            else:
+                _code8_block_rows(_code8_block_step, x_flat, kp, k // LANES, operands, starts, row, y32)
             row += ROW_BLOCK
     args = (x_flat, kp, codes_flat, k, scale, bf16, magnitudes, nan_code, table_like, keep, fast, slow_blocks,
             column_tables, x_bounds, row, end, y32)
     _code8_rows_by(column_tables, args)
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _code8_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, slow_blocks, column_tables,
+                x_bounds, x_pairs, row, end, y32):
+    """Rows row .. end - 1 of _code8_gemv (one task; a function of its own, so that numba's parallel
+    passes do not analyse its body): on AVX-512 CPUs blocks of ROW_BLOCK rows first, then the rest one by one,
+    by columns where the codes are re-encoded (_code8_column_rows), else by the table (_code8_table_rows).
+    Compiled without the BF16 pairs (x_pairs not read): the operator's direct call, as in ``lowbit smoke``, which
+    would otherwise compile them too (about 2 s more for its first call)."""
+    _code8_rows_body(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, slow_blocks,
+                     column_tables, x_bounds, None, row, end, y32)
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _code8_rows_paired(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, slow_blocks,
+                       column_tables, x_bounds, x_pairs, row, end, y32):
+    """_code8_rows with a lone row of x in BF16 pairs where _code8_pairable: the rows of the one-call GEMV of a
+    prepared weight (serial_gemv, parallel_gemv), compiled only for it."""
+    _code8_rows_body(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, slow_blocks,
+                     column_tables, x_bounds, x_pairs, row, end, y32)
 
 
 @numba.njit(**NJIT_OPTIONS)
@@ -1896,12 +1933,23 @@ def _code8_gemv(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, kee
     the re-encoded ones); for codes not re-encoded the three are empty, column_tables int8 (_NOT_BY_COLUMNS:
     the kernels are compiled without the columns' code); x_bounds, x_pairs: _code8_x_operands (x's exponent
     bounds, read where the codes are re-encoded or x's BF16 pairs were made; x_pairs (M, 0) where they were
-    not); x_reg (M, Kp) float32 (register order, zero-padded); y32 (M, N) float32. Every row, in numba's
-    parallel loop (_code8_rows: some rows on the calling thread)."""
+    not; read by _code8_gemv_paired only); x_reg (M, Kp) float32 (register order, zero-padded); y32 (M, N)
+    float32. Every row, in numba's parallel loop (_code8_rows: some rows on the calling thread)."""
     n = codes.shape[0]
     for task in numba.prange((n + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
         _code8_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, slow_blocks,
                     column_tables, x_bounds, x_pairs, task * _ROWS_PER_TASK, min(n, (task + 1) * _ROWS_PER_TASK), y32)
+
+
+@numba.njit(**PARALLEL_NJIT_OPTIONS)
+def _code8_gemv_paired(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, slow_blocks,
+                       column_tables, x_bounds, x_pairs, y32):
+    """_code8_gemv by _code8_rows_paired: the one-call GEMV's parallel rows."""
+    n = codes.shape[0]
+    for task in numba.prange((n + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
+        _code8_rows_paired(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, slow_blocks,
+                           column_tables, x_bounds, x_pairs, task * _ROWS_PER_TASK,
+                           min(n, (task + 1) * _ROWS_PER_TASK), y32)
 
 
 # ---- x's per-call operands of the GEMV kernels (after the weight's): f(x_reg, operands, x_consts) ----------
@@ -1912,6 +1960,13 @@ def _x_bounds_operands(x_reg, operands, x_consts):
     """(x_bounds,) of _mxfp8_gemv: _x_bounds of x_reg where the weight was re-encoded by columns (its column
     tables, the operands' last: _by_column_tables), else an empty (0, 2) array (not read)."""
     return (_x_bounds_by(operands[-1], (x_reg,)),)
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _code8_direct_x_operands(x_reg, operands, x_consts):
+    """_code8_x_operands without x's pairs (M, 0), for the operator's direct call, whose rows kernel (_code8_rows)
+    does not read them: compiled without the pairs' code."""
+    return _x_bounds_by(operands[-1], (x_reg,)), np.empty((x_reg.shape[0], 0), dtype=np.int16)
 
 
 def _pairs_for(table_like):
@@ -2091,7 +2146,7 @@ def _mxfp8_table_rows(x_flat, kp, codes_flat, scales_flat, k, blocks, bf16, tabl
             if exact_range[0] <= low and high <= exact_range[1]:
                 starts = (row * k, (row + 1) * k, (row + 2) * k, (row + 3) * k)
                 operands = (codes_flat, scales_flat, table, np.uint64(ROW_BLOCK * k))
-                _code8_block_rows(_mxfp8_block_step, x_flat, kp, k // LANES, operands, starts, row, y32, None)
+                _code8_block_rows(_mxfp8_block_step, x_flat, kp, k // LANES, operands, starts, row, y32)
                 row += ROW_BLOCK
                 continue
         _mxfp8_table_row(x_flat, kp, codes_flat, scales_flat, k, blocks, bf16, table, scratch, row, y32)
@@ -3310,14 +3365,16 @@ class WeightOnlyLinear(Kernel):
     x_pairs, paired) the GEMV kernels take after the operands (None: an 8-bit format, whose GEMV takes x's
     exponent bounds there instead, and with a ``pair_order`` x's BF16 pairs too: _code8_x_operands;
     _x_bounds_operands); ``pair_order``: the format's BF16 pair order (None: no pair kernel). The GEMV's
-    per-call operands of x: ``x_operands(x_reg, operands, x_consts)``; on the calling thread the whole call
-    is one numba function, ``serial_gemv`` (_serial_gemv), and so it is on numba's threads,
-    ``parallel_gemv`` (_parallel_gemv). With BF16 x every
+    per-call operands of x: ``x_operands(x_reg, operands, x_consts)`` (``direct_x_operands`` in the operator's
+    direct call); on the calling thread the whole call is one numba function, ``serial_gemv`` (_serial_gemv),
+    and so it is on numba's threads, ``parallel_gemv`` (_parallel_gemv), both over ``one_call_gemv``'s rows
+    (default: ``gemv``; HiFloat8 and FP8: rows that take BF16 pairs, compiled for prepared weights only). With
+    BF16 x every
     format's decoded weight is a BF16 value (the GEMM path uses torch's BF16 GEMM).
     """
 
     def __init__(self, gemv: tuple, batched: tuple, tile: tuple, split: tuple, operands, exponents=None,
-                 pair_order=None, prepared_operands=None):
+                 pair_order=None, prepared_operands=None, one_call_gemv=None):
         self.gemv, self.batched, self.tile, self.split, self._operands = gemv, batched, tile, split, operands
         self._prepared_operands = prepared_operands or operands
         self.exponents = exponents
@@ -3331,8 +3388,13 @@ class WeightOnlyLinear(Kernel):
             self.x_operands, self.x_consts = _code8_x_operands, (sources,)
         else:  # MXFP8 by columns: fused multiply-adds where exact
             self.x_operands, self.x_consts = _x_bounds_operands, ()
-        self.serial_gemv = _one_call_gemv(_serial_gemv, gemv[0], self.x_operands)
-        self.parallel_gemv = _one_call_gemv(_parallel_gemv, gemv[1], self.x_operands)
+        # The direct call's x operands (gemv_sums): for HiFloat8 and FP8 without x's pairs, which their direct
+        # call's rows kernel does not read (one_call_gemv)
+        code8_pairs = pair_order is not None and exponents is None
+        self.direct_x_operands = _code8_direct_x_operands if code8_pairs else self.x_operands
+        self.one_call_gemv = one_call_gemv = one_call_gemv or gemv
+        self.serial_gemv = _one_call_gemv(_serial_gemv, one_call_gemv[0], self.x_operands)
+        self.parallel_gemv = _one_call_gemv(_parallel_gemv, one_call_gemv[1], self.x_operands)
         self.serial_batched = _one_call_batched(_serial_batched, batched[0])
         self.parallel_batched = _one_call_batched(_parallel_batched, batched[1])
 
@@ -3440,7 +3502,7 @@ class WeightOnlyLinear(Kernel):
     def gemv_sums(self, x_reg: np.ndarray, operands: tuple, y32: np.ndarray, serial: bool) -> None:
         """y32 (M, N) float32 <- the GEMV's float32 sums of x_reg (M, Kp) float32 (x in the register order,
         zero-padded) with the weight ``operands``, before the rounding to x's dtype."""
-        extra = self.x_operands(x_reg, operands, self.x_consts)
+        extra = self.direct_x_operands(x_reg, operands, self.x_consts)
         run_tasks(self.gemv, (x_reg, *operands, *extra), y32.shape[1], y32, serial)
 
     def _run_batched(self, x: torch.Tensor, operands: tuple, bias, out: torch.Tensor, serial: bool) -> None:
@@ -3766,10 +3828,11 @@ def _hifloat4_prepared_operands(scale, value, k, dtype):
 
 
 _CODE8 = ((_code8_rows, _code8_gemv), (_code8_batched_rows, _code8_batched), (_code8_tile_rows, _code8_tile))
+_CODE8_PAIRED = (_code8_rows_paired, _code8_gemv_paired)
 HIFLOAT8_LINEAR = WeightOnlyLinear(*_CODE8, CODE8_SPLIT, _hifloat8_operands, pair_order=CODE8_PAIR_ORDER,
-                                  prepared_operands=_hifloat8_prepared_operands)
+                                  prepared_operands=_hifloat8_prepared_operands, one_call_gemv=_CODE8_PAIRED)
 FLOAT8_E4M3FN_LINEAR = WeightOnlyLinear(*_CODE8, CODE8_SPLIT, _float8_operands, pair_order=CODE8_PAIR_ORDER,
-                                        prepared_operands=_float8_prepared_operands)
+                                        prepared_operands=_float8_prepared_operands, one_call_gemv=_CODE8_PAIRED)
 MXFP8_LINEAR = WeightOnlyLinear((_mxfp8_rows, _mxfp8_gemv), (_mxfp8_batched_rows, _mxfp8_batched),
                                 (_mxfp8_tile_rows, _mxfp8_tile), CODE8_SPLIT, _mxfp8_operands,
                                 prepared_operands=_mxfp8_prepared_operands)
