@@ -1,6 +1,7 @@
 """HiFloat8 and FP8 E4M3 GEMV rows in BF16 pairs (lowbit.kernels.cpu.weight_only: code8_pairs, _code8_pairable;
-docs/weight_only.md, 'BF16 pairs'): the reference's bits wherever the pairs run, and the rows they must not take
-(subnormal x or weights, flushed partial sums, extreme products, NaN codes) left to the multiply-and-add path."""
+docs/weight_only.md, 'Summation order' and 'Kernels'): the reference's bits wherever the pairs run, and the rows
+they must not take (subnormal x or weights, flushed partial sums, extreme products, NaN codes) left to the
+multiply-and-add path."""
 
 import numpy as np
 import pytest
