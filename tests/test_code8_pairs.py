@@ -217,3 +217,28 @@ def test_the_direct_call_compiles_no_pairs():
         x_reg = np.zeros((1, 128), dtype=np.float32)
         assert kernel.direct_x_operands(x_reg, operands, kernel.x_consts)[1].shape == (1, 0)
         assert kernel.x_operands(x_reg, operands, kernel.x_consts)[1].shape == (1, 128)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_lone_row_with_nan_inf_and_a_strided_x_on_pairs(fmt):
+    """A prepared weight's lone row of x holding NaN, +-Inf, -0 and +-2^100 (no subnormal, no product that could
+    overflow: the row stays in the pairs), given as a non-contiguous view: the reference's bits (canonical NaN
+    where a NaN or Inf times zero meets the sums)."""
+    op = FORMATS[fmt][0]
+    g = gen(8)
+    k = 256
+    codes = random_codes(8, k, g, ALL_HIF8 if fmt == "hifloat8" else ALL_E4M3)
+    codes[5] = 0x00  # a row of zeros: Inf times 0 is NaN there
+    scale = torch.rand(8, generator=g) * 1e-3 + 1e-4
+    x = torch.randn(1, k, generator=g)
+    x[0, :6] = torch.tensor([float("nan"), float("inf"), float("-inf"), -0.0, 2.0**100, -(2.0**100)])
+    for nan in (float("nan"), 0.0):  # with the NaN; then the infinities and extremes alone
+        row = x.clone()
+        row[0, 0] = nan
+        row = row.bfloat16()
+        strided = torch.stack([row, -row], dim=-1)[..., 0]
+        assert not strided.is_contiguous()
+        assert gemv_sums(fmt, row, codes, scale)[1] == [True]
+        got = PreparedCall(op, (codes, scale, None))(strided)
+        want = op(strided.contiguous(), codes, scale, None, backend="reference")
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))

@@ -156,6 +156,13 @@ borrowed_flat = _make_flat(False, """flat(arr) without a reference to arr's memo
 the caller keeps alive for the view's whole life (a kernel's argument).""")
 
 
+def _aligned_stack(builder, size: int):
+    """``size`` bytes in the entry block's stack frame of the function being compiled, 64-byte aligned."""
+    storage = cgutils.alloca_once(builder, ir.ArrayType(_I8, size))
+    storage.align = 64
+    return storage
+
+
 @intrinsic
 def stack_bytes(typingctx, count):
     """A uint8[count] scratch array (``count`` a compile-time constant) in the compiled function's stack
@@ -167,8 +174,7 @@ def stack_bytes(typingctx, count):
     result = types.Array(types.uint8, 1, "C")
 
     def codegen(context, builder, sig, args):
-        storage = cgutils.alloca_once(builder, ir.ArrayType(_I8, size))
-        storage.align = 64
+        storage = _aligned_stack(builder, size)
         view = context.make_array(result)(context, builder)
         populate_array(view, data=builder.bitcast(storage, _I8.as_pointer()), shape=[ir.Constant(ir.IntType(64), size)],
                        strides=[ir.Constant(ir.IntType(64), 1)], itemsize=ir.Constant(ir.IntType(64), 1), meminfo=None)
@@ -188,8 +194,7 @@ def stack_like(typingctx, like, count):
     size = count.literal_value
 
     def codegen(context, builder, sig, args):
-        storage = cgutils.alloca_once(builder, ir.ArrayType(_I8, size))
-        storage.align = 64
+        storage = _aligned_stack(builder, size)
         source = context.make_array(sig.args[0])(context, builder, args[0])
         view = context.make_array(sig.return_type)(context, builder)
         data = builder.bitcast(storage, source.data.type)

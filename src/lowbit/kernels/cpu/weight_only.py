@@ -1828,15 +1828,17 @@ def _code8_rows_body(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like
     codes_flat, x_flat = simd.borrowed_flat(codes), simd.borrowed_flat(x_reg)
     tables = (_row_table(table_like), _row_table(table_like), _row_table(table_like), _row_table(table_like))
     if BLOCK_ROWS and k % LANES == 0:  # blocks of rows (no short last step)
+        m_rows = y32.shape[0]
+        if x_pairs is not None:  # views made once, not per block (a view cost about 200 cycles)
+            pairs = (x_bounds, simd.borrowed_flat(x_pairs), x_pairs.shape[1], simd.borrowed_flat(scale).view(np.int32),
+                     nan_code == _CODE8_NAN_BY_MINIMUM)
         while row + ROW_BLOCK <= end:
             for r in range(ROW_BLOCK):
                 _fill_row_table(magnitudes, scale[row + r], bf16, nan_code, tables[r])
             starts = (row * k, (row + 1) * k, (row + 2) * k, (row + 3) * k)
             operands = (codes_flat, tables, nan_code, np.uint64(ROW_BLOCK * k))
-            m_rows = y32.shape[0]
-            if x_pairs is not None and m_rows % 2 and _code8_pair_block(
-                    (x_bounds, simd.borrowed_flat(x_pairs), x_pairs.shape[1], simd.borrowed_flat(scale).view(np.int32),
-                     nan_code == _CODE8_NAN_BY_MINIMUM), m_rows - 1, operands, k // LANES, starts, row, y32):
+            if x_pairs is not None and m_rows % 2 and _code8_pair_block(pairs, m_rows - 1, operands, k // LANES,
+                                                                        starts, row, y32):
                 # the last row of x (a lone one) in BF16 pairs; the others in pairs of rows of x
                 _code8_x_row_pairs(_code8_block_step, x_flat, kp, k // LANES, operands, starts, row, y32, m_rows - 1)
             else:
@@ -3699,6 +3701,7 @@ _ROW_TABLES_LIKE = {("bytes", True): np.zeros(256, dtype=np.uint8),
                     ("values", False): np.zeros(256, dtype=np.float32),
                     ("words", True): np.zeros(128, dtype=np.int16),
                     ("words", False): np.zeros(128, dtype=np.uint16)}
+assert all(t.nbytes <= _ROW_TABLE_BYTES for t in _ROW_TABLES_LIKE.values())  # _row_table's stack room
 _KEEP = (_CODE8_ELEMENTS[None, :] < np.arange(LANES)[:, None]).astype(np.int32)
 
 
