@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from lowbit.formats import mxfp8
+from lowbit.kernels.cpu import _weight_only_layout as wo_layout
 from lowbit.kernels.cpu import weight_only as wo
 
 COPIES = 3
@@ -55,7 +56,7 @@ def main() -> None:
             slow_rows = operands[at].copy()
             slow_rows[slow_rows == 2] = 0
             by_table.append((*operands[:at], slow_rows, *operands[at + 1:]))
-        x_reg = wo._reorder(x.float(), *kernel.split).numpy()
+        x_reg = wo_layout._reorder(x.float(), *kernel.split).numpy()
         y32 = np.empty((1, n), dtype=np.float32)
         variants = {"blocks by the table": prepared, "rows by the table": by_table}
         times = {v: [] for v in variants}

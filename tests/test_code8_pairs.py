@@ -9,11 +9,14 @@ import torch
 
 from lowbit.formats import hifloat8
 from lowbit.formats import weight_only as reference
+from lowbit.kernels.cpu import _weight_only_decode8 as wo_decode8
+from lowbit.kernels.cpu import _weight_only_gemv8 as wo_gemv8
+from lowbit.kernels.cpu import _weight_only_layout as wo_layout
 from lowbit.kernels.cpu import weight_only as cpu
 from lowbit.ops import weight_only as ops
 from lowbit.ops.library import PreparedCall
 
-pytestmark = pytest.mark.skipif(not cpu.CODE8_PAIRS, reason="no AVX512-BF16 with AVX512-VBMI on this CPU")
+pytestmark = pytest.mark.skipif(not wo_decode8.CODE8_PAIRS, reason="no AVX512-BF16 with AVX512-VBMI on this CPU")
 
 FORMATS = {"hifloat8": (ops.HIFLOAT8_LINEAR, cpu.HIFLOAT8_LINEAR, cpu._hifloat8_operands, reference.hifloat8_weight),
            "float8": (ops.FLOAT8_E4M3FN_LINEAR, cpu.FLOAT8_E4M3FN_LINEAR, cpu._float8_operands,
@@ -45,7 +48,7 @@ def gemv_sums(fmt, x, codes, scale):
     kernel.one_call_gemv[0](x_reg, *operands, *x_operands, 0, codes.shape[0], y32)
     x_bounds, x_pairs = x_operands
     scale_bits = operands[1].view(np.int32)
-    paired = [bool(cpu._code8_pairable(x_bounds, x_pairs.shape[1], i, scale_bits, 0)) for i in range(m)]
+    paired = [bool(wo_gemv8._code8_pairable(x_bounds, x_pairs.shape[1], i, scale_bits, 0)) for i in range(m)]
     return torch.from_numpy(y32), paired
 
 
@@ -200,12 +203,12 @@ def test_the_pair_order_folds_as_the_reference():
     """CODE8_PAIR_ORDER is a permutation of a step's 64 elements, and x's pair sources put element e of step
     t + 1 in the even word and of step t in the odd word of lane e's pair (_pair_sources)."""
     assert sorted(cpu.CODE8_PAIR_ORDER) == list(range(64))
-    sources = cpu._pair_sources(cpu.CODE8_ORDER, cpu.CODE8_PAIR_ORDER)
+    sources = cpu._pair_sources(wo_layout.CODE8_ORDER, cpu.CODE8_PAIR_ORDER)
     for register in range(2):
         for lane in range(32):
             element = cpu.CODE8_PAIR_ORDER[32 * register + lane]
             even, odd = sources[64 * register + 2 * lane], sources[64 * register + 2 * lane + 1]
-            assert (even - 64, odd) == (cpu.CODE8_ORDER.index(element),) * 2
+            assert (even - 64, odd) == (wo_layout.CODE8_ORDER.index(element),) * 2
 
 
 def test_the_direct_call_compiles_no_pairs():

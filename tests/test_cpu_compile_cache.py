@@ -12,6 +12,7 @@ import torch
 import lowbit  # noqa: F401  (registers every operator)
 from lowbit.backends import Operator, operators
 from lowbit.kernels.cpu import warm
+from lowbit.kernels.cpu._runtime import family_module
 
 HIFLOAT8 = "lowbit.kernels.cpu.hifloat8"
 HIFLOAT4 = "lowbit.kernels.cpu.hifloat4"
@@ -45,6 +46,38 @@ def test_operators_are_grouped_by_their_cpu_kernel_module():
     expected = ("hifloat4", "hifloat8", "mxfp4", "svd_quant", "weight_only", "wqbmm")
     assert sorted(families) == [f"lowbit.kernels.cpu.{f}" for f in expected]
     assert sum(map(len, families.values())) == sum("cpu" in op.native for op in operators().values())
+
+
+def test_a_private_helper_module_belongs_to_the_family_its_name_starts_with():
+    """`_<family>_<part>` is family <family>'s where lowbit/kernels/cpu/<family>.py exists (the longest such
+    name); any other module is its own family."""
+    cpu = "lowbit.kernels.cpu"
+    assert family_module(f"{cpu}._weight_only_gemv8") == f"{cpu}.weight_only"
+    assert family_module(f"{cpu}._hifloat4_blocks") == f"{cpu}.hifloat4"
+    assert family_module(f"{cpu}.wqbmm_dequant") == f"{cpu}.wqbmm_dequant"
+    assert family_module(f"{cpu}._block_sums") == f"{cpu}._block_sums"  # no family `block`
+    assert family_module("lowbit.ops._weight_only_x") == "lowbit.ops._weight_only_x"  # another package
+
+
+def test_a_family_is_sized_with_its_helper_modules():
+    """The warm-up starts larger families first: weight_only's size counts its private modules."""
+    folder = os.path.dirname(warm.__file__)
+    helpers = [f for f in os.listdir(folder) if f.startswith("_weight_only_") and f.endswith(".py")]
+    assert len(helpers) >= 2
+    expected = sum(os.path.getsize(os.path.join(folder, f)) for f in helpers + ["weight_only.py"])
+    assert warm._family_bytes("lowbit.kernels.cpu.weight_only") == expected
+
+
+def test_a_helper_modules_kernels_compile_under_their_familys_notice(tmp_path):
+    """A cold weight-only call compiles kernels of weight_only's private modules: one notice, naming
+    weight_only."""
+    code = ("import torch, lowbit; from lowbit.formats import mxfp4; "
+            "codes, scales = mxfp4.quantize(torch.ones(4, 64)); lowbit.mxfp4_linear(torch.ones(1, 64, dtype=torch.bfloat16), codes, scales, backend='native')")
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    notices = [line for line in done.stderr.splitlines() if line.startswith("lowbit:")]
+    assert [line.split()[5] for line in notices] == ["weight_only"], done.stderr
 
 
 def test_a_module_without_numba_kernels_of_its_own_is_never_cold():

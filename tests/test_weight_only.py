@@ -20,6 +20,13 @@ from lowbit.formats import weight_only as reference
 from lowbit.kernels.cpu import _code8_columns as columns
 from lowbit.kernels.cpu import _simd as simd
 from lowbit.kernels.cpu import amx
+from lowbit.kernels.cpu import _weight_only_batched as wo_batched
+from lowbit.kernels.cpu import _weight_only_decode4 as wo_decode4
+from lowbit.kernels.cpu import _weight_only_decode8 as wo_decode8
+from lowbit.kernels.cpu import _weight_only_gemv4 as wo_gemv4
+from lowbit.kernels.cpu import _weight_only_gemv8 as wo_gemv8
+from lowbit.kernels.cpu import _weight_only_layout as wo_layout
+from lowbit.kernels.cpu import _weight_only_steps as wo_steps
 from lowbit.kernels.cpu import weight_only as cpu
 from lowbit.kernels.cpu._runtime import run_tasks
 from lowbit.kernels.cpu import memory
@@ -158,8 +165,8 @@ def _levels_both_ways(words, weights, by_masks, by_multipliers):
     for block in range(words.size):
         w0, w1 = simd.f32v_load(weights, 64 * block), simd.f32v_load(weights, 64 * block + 32)
         word = np.uint32(words[block])
-        a0, a1 = cpu._hifloat4_levels(w0, w1, word)
-        b0, b1 = cpu._hifloat4_levels_by_multipliers(w0, w1, word)
+        a0, a1 = wo_decode4._hifloat4_levels(w0, w1, word)
+        b0, b1 = wo_decode4._hifloat4_levels_by_multipliers(w0, w1, word)
         simd.f32v_store(by_masks, 64 * block, a0)
         simd.f32v_store(by_masks, 64 * block + 32, a1)
         simd.f32v_store(by_multipliers, 64 * block, b0)
@@ -207,7 +214,7 @@ def _every_block_both_ways(step, seed, prepared=False):
         _hifloat4_steps(step, step_words, step_value, got)
     else:
         _hifloat4_steps(step, words, value, got)
-    _hifloat4_steps(cpu._hifloat4_step_flags, words, value, by_flags)
+    _hifloat4_steps(wo_steps._hifloat4_step_flags, words, value, by_flags)
     return got, by_flags
 
 
@@ -219,8 +226,8 @@ def test_hifloat4_byte_shuffle_step_decodes_every_block_as_the_flag_doublings(la
     which it gives as +0 (no lane sum changes: docs/weight_only.md, 'CPUs without AVX-512'); so it does from
     a prepared weight's rearranged scale words (uint32: row indices, poisoned blocks' flags all set) and value
     bytes."""
-    shuffled, by_flags = _every_block_both_ways(cpu._hifloat4_step_shuffled, 10, layout == "prepared")
-    want = by_flags.reshape(-1, 64)[:, np.argsort(cpu.NIBBLE_ORDER)][:, cpu.HIFLOAT4_ORDER].reshape(-1)
+    shuffled, by_flags = _every_block_both_ways(wo_steps._hifloat4_step_shuffled, 10, layout == "prepared")
+    want = by_flags.reshape(-1, 64)[:, np.argsort(wo_layout.NIBBLE_ORDER)][:, wo_layout.HIFLOAT4_ORDER].reshape(-1)
     assert (want.view(np.uint32) == 0x80000000).sum() > 200_000  # every block's -0 nibbles
     want[want == 0] = 0.0
     assert np.isnan(want).sum() == 256 * 64  # the 256 blocks of the poisoned byte, all of their weights
@@ -230,7 +237,7 @@ def test_hifloat4_byte_shuffle_step_decodes_every_block_as_the_flag_doublings(la
 
 
 def _float32_lanes_kernel():
-    """A new jitted ``run(words, out)``: out (16 uint32) <- cpu._float32_lanes of words (16 int16), compiled on
+    """A new jitted ``run(words, out)``: out (16 uint32) <- wo_decode4._float32_lanes of words (16 int16), compiled on
     its first call with simd.HOST_IS_AMD_ZEN as it is then (not cached)."""
 
     @intrinsic
@@ -238,10 +245,10 @@ def _float32_lanes_kernel():
         def codegen(context, builder, sig, args):
             i64 = ir.IntType(64)
             raw = builder.load(simd._element_ptr(context, builder, sig.args[0], args[0], ir.Constant(i64, 0),
-                                                 cpu._V16x16), align=1)
-            for at, lanes in zip((0, 8), cpu._float32_lanes(builder, raw)):
+                                                 wo_decode4._V16x16), align=1)
+            for at, lanes in zip((0, 8), wo_decode4._float32_lanes(builder, raw)):
                 builder.store(lanes, simd._element_ptr(context, builder, sig.args[1], args[1],
-                                                       ir.Constant(i64, at), cpu._V8x32), align=1)
+                                                       ir.Constant(i64, at), wo_decode4._V8x32), align=1)
             return context.get_dummy_value()
 
         return types.none(words, out), codegen
@@ -292,7 +299,7 @@ def test_hifloat4_word_tables_decode_every_block_as_the_flag_doublings():
     bit (_every_block_both_ways)."""
     if not simd.HAS_AVX512BW:
         pytest.skip("no AVX512-BW on this CPU")
-    by_words, by_flags = _every_block_both_ways(cpu._hifloat4_step_words, 5)
+    by_words, by_flags = _every_block_both_ways(wo_steps._hifloat4_step_words, 5)
     assert np.isnan(by_flags).sum() == 256 * 64  # the 256 blocks of the poisoned byte, all of their weights
     assert np.array_equal(by_words.view(np.uint32), by_flags.view(np.uint32))
 
@@ -326,10 +333,10 @@ def test_hifloat4_pairs_decode_every_block_as_the_flag_doublings():
     words = _scale_words(rng, 255)
     value = rng.integers(0, 256, 32 * words.size, dtype=np.uint8)
     by_flags = np.empty(64 * words.size, dtype=np.float32)
-    _hifloat4_steps(cpu._hifloat4_step_flags, words, value, by_flags)
-    weights = by_flags.reshape(-1, 64)[:, np.argsort(cpu.NIBBLE_ORDER)]  # element order
+    _hifloat4_steps(wo_steps._hifloat4_step_flags, words, value, by_flags)
+    weights = by_flags.reshape(-1, 64)[:, np.argsort(wo_layout.NIBBLE_ORDER)]  # element order
     got = np.empty(32 * words.size, dtype=np.int32)  # 64 dwords per pair step of two blocks
-    _pair_steps(cpu._hifloat4_pair_step, words, value, words.size // 2, got)
+    _pair_steps(wo_gemv4._hifloat4_pair_step, words, value, words.size // 2, got)
     assert torch.equal(torch.from_numpy(got), _expected_pairs(weights, words.size // 2))
 
 
@@ -345,7 +352,7 @@ def test_mxfp4_pairs_give_every_code_under_every_normal_scale_byte():
     weights = reference.mxfp4_weight(torch.from_numpy(codes).view(-1, 16), torch.from_numpy(scales).view(-1, 1))
     assert torch.equal(weights.bfloat16().float(), weights)  # BF16 values
     got = np.empty(16 * scales.size, dtype=np.int32)  # 64 dwords per pair step of four blocks
-    _pair_steps(cpu._mxfp4_pair_step, scales, codes, scales.size // 4, got)
+    _pair_steps(wo_gemv4._mxfp4_pair_step, scales, codes, scales.size // 4, got)
     assert torch.equal(torch.from_numpy(got), _expected_pairs(weights.reshape(-1, 64).numpy(), scales.size // 4))
 
 
@@ -354,7 +361,7 @@ def _shuffled_steps(codes, scales, steps, out):
     """Steps 0 .. steps - 1 of a flat row through mxfp4_bf16_step; each step's two F32V one after the other."""
     for t in range(steps):
         b = np.uint64(2 * t)
-        w0, w1 = cpu.mxfp4_bf16_step(codes, np.uint64(16) * b, scales, b)
+        w0, w1 = wo_decode4.mxfp4_bf16_step(codes, np.uint64(16) * b, scales, b)
         simd.f32v_store(out, 64 * t, w0)
         simd.f32v_store(out, 64 * t + 32, w1)
 
@@ -370,7 +377,7 @@ def test_mxfp4_byte_shuffle_step_gives_every_code_under_every_scale_byte():
     weights = reference.mxfp4_weight(torch.from_numpy(codes).view(-1, 16), torch.from_numpy(scales).view(-1, 1))
     got = np.empty(32 * scales.size, dtype=np.float32)
     _shuffled_steps(codes, scales, scales.size // 2, got)
-    want = weights.reshape(-1, 64)[:, torch.tensor(cpu.FOUR_BIT_ORDER)].reshape(-1)
+    want = weights.reshape(-1, 64)[:, torch.tensor(wo_layout.FOUR_BIT_ORDER)].reshape(-1)
     assert torch.equal(torch.from_numpy(got).view(torch.int32), want.contiguous().view(torch.int32))
 
 
@@ -418,7 +425,7 @@ def gemv_lane_sums(fmt, x, weight):
     kernel = {"hifloat8": cpu.HIFLOAT8_LINEAR, "mxfp4": cpu.MXFP4_LINEAR, "hifloat4": cpu.HIFLOAT4_LINEAR}[fmt]
     m, k = x.shape
     y32 = torch.empty(m, weight[0].shape[0])
-    kernel.gemv_sums(cpu._reorder(x.float(), *kernel.split).numpy(), kernel._operands(*weight, k, x.dtype),
+    kernel.gemv_sums(wo_layout._reorder(x.float(), *kernel.split).numpy(), kernel._operands(*weight, k, x.dtype),
                      y32.numpy(), serial=False)
     return y32
 
@@ -441,7 +448,7 @@ def test_products_below_the_normal_range_are_rounded_before_the_sum(fmt):
 
 @pytest.mark.parametrize("fmt, k", [(fmt, k) for fmt in FUSING for k in (128, 192)] + [("mxfp4", 160), ("hifloat8", 160)])
 def test_blocks_of_rows_with_some_rows_not_fused(fmt, k):
-    """The GEMV sums rows cpu.ROW_BLOCK at a time; a block with a row that must not be fused goes row by row.
+    """The GEMV sums rows wo_steps.ROW_BLOCK at a time; a block with a row that must not be fused goes row by row.
     21 rows: blocks in both 8-row tasks, a short third task. Rows 2 and 9 hold +-2^17, whose products with x
     row 1 overflow float32: Inf as the reference sums them, finite if fused (see the test below); with the
     other x rows their blocks are fused. K = 160: no row blocks (an odd number of MXFP4 blocks, a short
@@ -492,9 +499,9 @@ PAIRING = {name: kernel for name, kernel in (("mxfp4", cpu.MXFP4_LINEAR), ("hifl
 def pair_and_fuse_tables(fmt, x):
     """The GEMV's (fused, paired) (M, 256) tables for x (M, K), K a multiple of 64."""
     kernel = PAIRING[fmt]
-    x_reg = cpu._reorder(x.float(), *kernel.split).numpy()
-    x_pairs = np.empty((x.shape[0], -(-x_reg.shape[1] // cpu.PAIR_LANES) * cpu.PAIR_LANES), dtype=np.int16)
-    return cpu._exact_bytes(x_reg, kernel.exponents, kernel.pair_sources, x_pairs)
+    x_reg = wo_layout._reorder(x.float(), *kernel.split).numpy()
+    x_pairs = np.empty((x.shape[0], -(-x_reg.shape[1] // wo_steps.PAIR_LANES) * wo_steps.PAIR_LANES), dtype=np.int16)
+    return wo_steps._exact_bytes(x_reg, kernel.exponents, kernel.pair_sources, x_pairs)
 
 
 def row_bytes(fmt, weight):
@@ -541,7 +548,7 @@ def test_self_check_probes_run_the_bf16_pairs(fmt):
     covered = False
     for x, *weight, bias in op.probes():
         steps = x.shape[-1] // cpu.LANES
-        if x.dtype != torch.bfloat16 or x.shape[0] != 1 or weight[0].shape[0] < cpu.ROW_BLOCK or steps % 2:
+        if x.dtype != torch.bfloat16 or x.shape[0] != 1 or weight[0].shape[0] < wo_steps.ROW_BLOCK or steps % 2:
             continue
         _, paired = pair_and_fuse_tables(fmt, x)
         if paired[0, row_bytes(fmt, weight)].all():
@@ -610,7 +617,7 @@ def test_bf16_pair_orders_pair_each_element_with_itself_one_step_on():
     for kernel, pair_order in orders:
         assert sorted(pair_order) == list(range(cpu.LANES))
         sources = cpu._pair_sources(cpu._order(*kernel.split), pair_order)
-        assert sorted(sources.tolist()) == list(range(cpu.PAIR_LANES))
+        assert sorted(sources.tolist()) == list(range(wo_steps.PAIR_LANES))
         elements = [int(kernel.order[s % cpu.LANES]) + cpu.LANES * (s // cpu.LANES) for s in sources.tolist()]
         assert elements[1::2] == pair_order and elements[0::2] == [e + cpu.LANES for e in pair_order]
 
@@ -977,7 +984,7 @@ def test_batched_kernel_within_the_order_interval(fmt, m, dtype, monkeypatch):
     monkeypatch.setattr(kernel, "batched", tuple(lambda *args, run=run: calls.append(1) or run(*args)
                                                  for run in kernel.batched))  # (serial, parallel)
     g = gen(40 + m)
-    k = cpu._BATCH_CHUNK + {"hifloat8": 319, "float8": 319, "mxfp8": 352, "mxfp4": 352, "hifloat4": 320}[fmt]
+    k = wo_batched._BATCH_CHUNK + {"hifloat8": 319, "float8": 319, "mxfp8": 352, "mxfp4": 352, "hifloat4": 320}[fmt]
     weight = WEIGHTS[fmt](131, k, g)
     if fmt in ("hifloat8", "float8"):
         weight[0][5, 7], weight[0][9, 0] = (0x80, 0x6F) if fmt == "hifloat8" else (0x7F, 0x7E)
@@ -1004,7 +1011,7 @@ def test_batched_kernel_gives_the_same_bits_on_any_thread_count(fmt):
     """Each output's sums come from one task whatever thread runs it: the parallel loop on two threads gives
     the serial kernel's bits (N = 131: tasks of 64, 64 and 3 rows)."""
     g = gen(3)
-    k = 2 * cpu._BATCH_CHUNK + 64
+    k = 2 * wo_batched._BATCH_CHUNK + 64
     weight = WEIGHTS[fmt](131, k, g)
     x = torch.randn(cpu.GEMV_MAX_M + 3, k, generator=g).bfloat16()
     kernel = {"mxfp4": cpu.MXFP4_LINEAR, "hifloat8": cpu.HIFLOAT8_LINEAR}[fmt]
@@ -1214,9 +1221,9 @@ def test_triton_kernel_equals_the_reference(fmt):
 
 @numba.njit
 def _decode_row(magnitudes, scale, bf16, nan_code, table, codes, out):
-    cpu._fill_row_table(magnitudes, scale, bf16, nan_code, table)
+    wo_decode8._fill_row_table(magnitudes, scale, bf16, nan_code, table)
     for start in range(0, codes.size, 64):
-        w0, w1 = cpu.code8_decode(codes, start, table, nan_code)
+        w0, w1 = wo_decode8.code8_decode(codes, start, table, nan_code)
         simd.f32v_store(out, start, w0)
         simd.f32v_store(out, start + 32, w1)
 
@@ -1243,7 +1250,7 @@ def test_row_table_decodes_every_8bit_code(fmt, dtype, kind, scale):
     _, scale_x, bf16, magnitudes, nan_code, table_like, *_ = operands(codes, torch.tensor([scale]), 256, dtype, kind)
     out = np.empty(256, dtype=np.float32)
     _decode_row(magnitudes, scale_x[0], bf16, nan_code, np.empty_like(table_like), codes.numpy().reshape(-1), out)
-    order = np.array(cpu.CODE8_ORDER)
+    order = np.array(wo_layout.CODE8_ORDER)
     logical = np.empty_like(out)
     for start in range(0, 256, 64):
         logical[start + order] = out[start : start + 64]
@@ -1259,7 +1266,7 @@ def test_row_table_decodes_every_8bit_code(fmt, dtype, kind, scale):
 @pytest.mark.parametrize("k", [189, 192])
 def test_8bit_gemv_with_other_tables_equals_the_reference(fmt, dtype, kind, k):
     """The table kinds of CPUs without AVX512-VBMI (or BW), on this one: codes, M up to 4, a K tail (rows
-    one by one) or none (blocks of cpu.ROW_BLOCK rows, 23 rows: a short last block)."""
+    one by one) or none (blocks of wo_steps.ROW_BLOCK rows, 23 rows: a short last block)."""
     skip_without_the_instructions_of(kind, dtype)
     g = gen(13)
     operands, weight = CODE8[fmt]
@@ -1268,7 +1275,7 @@ def test_8bit_gemv_with_other_tables_equals_the_reference(fmt, dtype, kind, k):
     x_reg = torch.zeros(3, 192)
     x_reg[:, :k] = x.float()
     y32 = torch.empty(3, 23)
-    x_reg = cpu._reorder(x_reg, *cpu.CODE8_SPLIT).numpy()
+    x_reg = wo_layout._reorder(x_reg, *cpu.CODE8_SPLIT).numpy()
     weight_operands = operands(codes, scale, k, dtype, kind)
     kernel = cpu.HIFLOAT8_LINEAR
     cpu._code8_gemv(x_reg, *weight_operands, *kernel.x_operands(x_reg, weight_operands, kernel.x_consts), y32.numpy())
@@ -1287,7 +1294,7 @@ def test_mxfp8_every_code_under_every_scale_byte(dtype, kind):
     x_reg = torch.zeros(2, 768)
     x_reg[:, :736] = x.float()
     y32 = torch.empty(2, 32)
-    x_reg = cpu._reorder(x_reg, *cpu.CODE8_SPLIT).numpy()
+    x_reg = wo_layout._reorder(x_reg, *cpu.CODE8_SPLIT).numpy()
     operands = cpu._mxfp8_operands(codes, scales, 736, dtype, kind)
     cpu._mxfp8_gemv(x_reg, *operands, *cpu._x_bounds_operands(x_reg, operands, ()), y32.numpy())
     want = reference.lane_sums(x.float(), reference.mxfp8_weight(codes, scales, dtype))
@@ -1302,7 +1309,7 @@ def test_mxfp8_rows_at_the_edges_of_the_exact_scale_range(dtype):
     kernel skips the rounding there), at both ends of it and one byte past each end, every finite code in each.
     Rows 0-3 are a block of exact rows (summed together), rows 4-7 a block of rows past the range (one by one,
     rounded), row 8 a last row on its own."""
-    low, high = cpu._MXFP8_EXACT_BYTES_BF16 if dtype == torch.bfloat16 else cpu._MXFP8_EXACT_BYTES_F16
+    low, high = wo_steps._MXFP8_EXACT_BYTES_BF16 if dtype == torch.bfloat16 else wo_steps._MXFP8_EXACT_BYTES_F16
     row_scales = [(low, high), (low, low), (high, high), (high, low), (low - 1, high), (low, high + 1),
                   (low - 1, low - 1), (high + 1, high + 1), (low, high)]
     codes = torch.tensor(FINITE_E4M3 + [0, 0], dtype=torch.uint8).repeat(len(row_scales), 1)  # K = 256, no NaN
@@ -1344,7 +1351,7 @@ def test_lookup16_signed_every_index_in_every_lane(lowering):
     entries = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 2.0**-130, 6.0e30, 0.0, 7.0, 0.25, 1e-3, 3.0, 5.0, 9.0, 2.0**100],
                        dtype=np.float32).reshape(2, 8)
     table = np.concatenate([entries, -entries], axis=1).reshape(-1)  # -0.0 at 8 and 24
-    assert cpu._sign_symmetric(table)
+    assert wo_layout._sign_symmetric(table)
     if lowering == "avx2":
         _every_lookup16_index(simd.lookup16_signed_avx2, table, simd.signed_tables_avx2(table))
     else:
@@ -1415,13 +1422,13 @@ def test_sum_tree_folds_in_the_reference_order():
         assert np.float32(tree(values)).view(np.int32) == acc.numpy().view(np.int32)[0]
 
 
-@pytest.mark.parametrize("split", [cpu.CODE8_BLOCK_SPLIT, cpu.CODE8_HALVES_SPLIT, cpu.NIBBLE_SPLIT, cpu.BYTE_SHUFFLE_SPLIT,
-                                   cpu.HIFLOAT4_SHUFFLE_SPLIT])
+@pytest.mark.parametrize("split", [wo_layout.CODE8_BLOCK_SPLIT, wo_layout.CODE8_HALVES_SPLIT, wo_layout.NIBBLE_SPLIT,
+                                   wo_layout.BYTE_SHUFFLE_SPLIT, wo_layout.HIFLOAT4_SHUFFLE_SPLIT])
 def test_every_register_order_folds_as_the_reference(split):
     """A row's 64 lanes kept in a register order fold, level by level where they lie, to the bits of the
     reference's fold of the logical lanes (lane i + lane i + 32, then halves)."""
     order = cpu._order(*split)
-    fold = cpu._make_fold(order)
+    fold = wo_layout._make_fold(order)
 
     @numba.njit
     def run(lanes):
@@ -1545,7 +1552,7 @@ def _prepared_sums(kernel, x, weight):
     tensors) prepared for BF16 x, on the calling thread."""
     y32 = torch.empty(x.shape[0], weight[0].shape[0])
     operands = kernel.prepare(torch.bfloat16, x.shape[1], *weight, None)[0]
-    kernel.gemv_sums(cpu._reorder(x.float(), *kernel.split).numpy(), operands, y32.numpy(), serial=True)
+    kernel.gemv_sums(wo_layout._reorder(x.float(), *kernel.split).numpy(), operands, y32.numpy(), serial=True)
     return y32
 
 
@@ -1617,8 +1624,9 @@ def test_x_exponents_are_the_bounds_of_the_finite_nonzero_values():
             part = x[3 : 3 + count].astype(np.float64)
             part = np.abs(part[np.isfinite(part) & (part != 0)])
             exps = np.where(part < 2.0**-126, -149, np.floor(np.log2(part)))
-            want = (int(exps.min()), int(exps.max())) if part.size else (cpu._NO_EXPONENT, -cpu._NO_EXPONENT)
-            assert cpu._x_exponents(x, 3, count) == want, (count, case)
+            none = (wo_layout._NO_EXPONENT, -wo_layout._NO_EXPONENT)
+            want = (int(exps.min()), int(exps.max())) if part.size else none
+            assert wo_steps._x_exponents(x, 3, count) == want, (count, case)
 
 
 @pytest.mark.parametrize("fmt", list(COLUMN_FORMATS))
@@ -1636,24 +1644,24 @@ def test_code8_column_weight_exponents_lie_in_the_fused_bounds(fmt, scale):
     relative = torch.floor(torch.log2(w)) - math.floor(math.log2(s.item()))
     low, high = COLUMN_CODES[fmt].fast_exponents
     assert relative.min().item() == low and relative.max().item() in (high, high + 1)
-    assert cpu._COLUMN_LOW <= low and high + 1 <= cpu._COLUMN_HIGH
+    assert wo_gemv8._COLUMN_LOW <= low and high + 1 <= wo_gemv8._COLUMN_HIGH
 
 
 def test_columns_fused_only_where_every_product_is_exact():
     """_columns_fused's bounds: every nonzero |x w| in [2^-126, 2^128) (x exponents (low, high), the row's
     scales' exponents from e_low to e_high: one for HiFloat8 / FP8, MXFP8's blocks' range; the weights'
     lowest exponent relative to the scale: the columns' or every code's)."""
-    high = cpu._COLUMN_HIGH
-    assert cpu._CODE8_LOW < cpu._COLUMN_LOW
-    for low in (cpu._COLUMN_LOW, cpu._CODE8_LOW):
+    high = wo_gemv8._COLUMN_HIGH
+    assert wo_gemv8._CODE8_LOW < wo_gemv8._COLUMN_LOW
+    for low in (wo_gemv8._COLUMN_LOW, wo_gemv8._CODE8_LOW):
         for e_low, e_high in ((-110, -110), (-3, -3), (0, 0), (7, 7), (110, 110), (-20, 5), (-110, 110)):
             x_low, x_high = -126 - e_low - low, 126 - e_high - high  # the smallest |x w| 2^-126, the largest < 2^128
             for bounds, want in (((x_low, x_high), True), ((x_low - 1, x_high), False), ((x_low, x_high + 1), False)):
-                assert cpu._columns_fused(np.array([bounds], dtype=np.int64), 0, e_low, e_high, low) == want
-    assert cpu._columns_fused(np.array([[-10, 10]], dtype=np.int64), 0, 0, 0, cpu._COLUMN_LOW)
+                assert wo_gemv8._columns_fused(np.array([bounds], dtype=np.int64), 0, e_low, e_high, low) == want
+    assert wo_gemv8._columns_fused(np.array([[-10, 10]], dtype=np.int64), 0, 0, 0, wo_gemv8._COLUMN_LOW)
     for e in (-126, -110, -1, 0, 5, 127):
         for mantissa in (1.0, 1.5, 1.9921875):
-            assert cpu._scale_exponent(np.float32(mantissa * 2.0**e)) == e
+            assert wo_gemv8._scale_exponent(np.float32(mantissa * 2.0**e)) == e
 
 
 @pytest.mark.parametrize("case", ["overflow", "subnormal tie"])
@@ -1718,7 +1726,7 @@ def test_code8_prepared_batched_rows_by_columns_equal_the_operator(fmt):
             x_reg = np.empty((m, k), dtype=np.int16)
             cpu._gather_x_bits(x.view(torch.int16).numpy(), kernel.order, x_reg)
         else:
-            x_reg = cpu._reorder(x.float(), *kernel.split).numpy()
+            x_reg = wo_layout._reorder(x.float(), *kernel.split).numpy()
         sums = []
         for operands in (prepared_operands, operator_operands):
             y32 = torch.empty(m, n)
@@ -1738,7 +1746,7 @@ def test_mxfp8_column_tables_give_every_code_its_bf16_weight_under_every_scale_b
     rounding); FP8's -0 is +0; bytes outside the range have zero tables (no fast row holds them)."""
     table, tables = cpu._mxfp8_column_operands()
     low, high = cpu._MXFP8_COLUMN_BYTES
-    assert cpu._MXFP8_EXACT_BYTES_BF16[0] <= low and high <= cpu._MXFP8_EXACT_BYTES_BF16[1]
+    assert wo_steps._MXFP8_EXACT_BYTES_BF16[0] <= low and high <= wo_steps._MXFP8_EXACT_BYTES_BF16[1]
     assert not tables[:low].any() and not tables[high + 1 :].any()
     codes = torch.tensor(COLUMN_E4M3, dtype=torch.uint8)
     r = torch.from_numpy(columns.FLOAT8_E4M3.encode[codes.numpy()].astype(np.int64))
@@ -1902,7 +1910,8 @@ def test_hifloat4_prepared_rows_sum_as_the_reference(monkeypatch):
         assert words.dtype == np.uint32 and values.shape == value.shape
         low = scale[..., 0].numpy()
         for row in (0, 5, 40):  # the E6M2 range of a row, as the GEMV's choice of the fused path reads it
-            assert cpu._low_byte_range(words.reshape(-1), row * (k // 64), k // 64) == (low[row].min(), low[row].max())
+            got = wo_steps._low_byte_range(words.reshape(-1), row * (k // 64), k // 64)
+            assert got == (low[row].min(), low[row].max())
     x = torch.randn(3, k, generator=g).bfloat16()
     prepared = PreparedCall(ops.HIFLOAT4_LINEAR, (scale, value, None))
     _check_prepared_rows(prepared, cpu.HIFLOAT4_LINEAR, x, (scale, value), reference.hifloat4_weight(scale, value),

@@ -4,6 +4,8 @@ one-line notice on stderr while a kernel family compiles."""
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib.util
 import sys
 import threading
 import types
@@ -99,10 +101,27 @@ def bound_njit(template, name: str, **bound):
 KERNEL_PACKAGE = __name__.rpartition(".")[0]  # "lowbit.kernels.cpu"
 
 
+@functools.lru_cache(maxsize=None)
+def family_module(module: str) -> str:
+    """The kernel family (the full name of its public module) of a module of KERNEL_PACKAGE: the module itself,
+    or for a private helper module named ``_<family>_<part>`` (``_weight_only_gemv8``) the public module
+    ``<family>`` where one exists (the longest such name); any other module is its own family."""
+    package, _, name = module.rpartition(".")
+    if package != KERNEL_PACKAGE or not name.startswith("_"):
+        return module
+    parts = name[1:].split("_")
+    for end in range(len(parts) - 1, 0, -1):
+        candidate = f"{KERNEL_PACKAGE}.{'_'.join(parts[:end])}"
+        if importlib.util.find_spec(candidate) is not None:
+            return candidate
+    return module
+
+
 class CompileNotice(numba_event.Listener):
     """Prints "lowbit: compiling CPU kernels for <family> (first run only; cached in <dir>)" on stderr the
     first time, in this process, that numba compiles (rather than loads from its on-disk cache) a kernel of
-    ``lowbit/kernels/cpu/<family>.py``; silent when the cache is warm."""
+    ``lowbit/kernels/cpu/<family>.py`` or of its private helper modules (family_module); silent when the cache
+    is warm."""
 
     def __init__(self) -> None:
         self.announced: set[str] = set()
@@ -112,7 +131,7 @@ class CompileNotice(numba_event.Listener):
         dispatcher = event.data["dispatcher"]
         module = getattr(dispatcher.py_func, "__module__", "")
         if module.rpartition(".")[0] == KERNEL_PACKAGE:
-            self.announce(module, dispatcher)
+            self.announce(family_module(module), dispatcher)
 
     def announce(self, module: str, dispatcher) -> None:
         """Print the line for kernel module ``module`` (its family: the module's last name) unless this

@@ -51,8 +51,8 @@ from lowbit.kernels.cpu import _block_sums, amx, mxfp4
 from lowbit.kernels.cpu import _simd as simd
 from lowbit.kernels.cpu._runtime import (NJIT_OPTIONS, SerialOrParallel, as_numpy, bound_njit, copy_elements,
                                          kernel_threads, sync_threads)
-from lowbit.kernels.cpu.weight_only import (GEMV_MAX_M, GEMV_ONE_THREAD_WEIGHTS, MXFP4_LINEAR, _amx_max_m,
-                                             _low_byte_range, _prefetch_ahead)
+from lowbit.kernels.cpu._weight_only_steps import _low_byte_range, _prefetch_ahead
+from lowbit.kernels.cpu.weight_only import GEMV_MAX_M, GEMV_ONE_THREAD_WEIGHTS, MXFP4_LINEAR, _amx_max_m
 
 INTEGER_PRODUCTS = simd.HAS_VNNI or simd.HAS_AVX2  # else decode runs the float32 weight-only kernel
 # The integer GEMV runs on one thread below this many weights. With VNNI it takes half the float32 GEMV's time
@@ -77,7 +77,7 @@ _PRODUCT_ONE_THREAD_WEIGHTS = ((6 << 20 if simd.HOST_IS_AMD_ZEN else 3 << 19) if
 # 1024 x 1024 71 against 81 us; benchmarks/results_weight_only.md, 'svd_quant's product on AVX2').
 _PRODUCT_SERIAL_WEIGHTS = 1 << 16 if simd.HAS_VNNI else _PRODUCT_ONE_THREAD_WEIGHTS
 _BF16_QUANTIZER = mxfp4.quantize_constants(torch.bfloat16, "floor", "ta")  # the activation quantizer's constants
-# Each step prefetches its codes in the row this many rows on (weight_only._prefetch_ahead): N = 2816, K = 2048
+# Each step prefetches its codes in the row this many rows on (_weight_only_steps._prefetch_ahead): N = 2816, K = 2048
 # at decode, the weight streamed from memory, Intel Xeon: 0.58 ms per call on one thread against 0.72 ms.
 _PREFETCH_ROWS = 4
 STEP = 256  # elements of a row per step: 128 code bytes, 8 blocks

@@ -18,6 +18,7 @@ import importlib
 import inspect
 import multiprocessing
 import os
+import pkgutil
 import sys
 import threading
 import time
@@ -27,7 +28,7 @@ import numba
 import torch
 
 from lowbit.backends import Operator
-from lowbit.kernels.cpu._runtime import COMPILE_NOTICE, SerialOrParallel
+from lowbit.kernels.cpu._runtime import COMPILE_NOTICE, SerialOrParallel, family_module
 
 DEVICE_TYPE = "cpu"
 
@@ -65,6 +66,15 @@ def _dispatchers(module) -> list:
         elif isinstance(value, numba.core.dispatcher.Dispatcher):
             found.append(value)
     return found
+
+
+def _family_bytes(module_name: str) -> int:
+    """The bytes of the source files of kernel family ``module_name``: its module's and its private helper
+    modules' (_runtime.family_module)."""
+    package, _, _ = module_name.rpartition(".")
+    folder = os.path.dirname(importlib.import_module(module_name).__file__)
+    return sum(os.path.getsize(os.path.join(folder, f"{info.name}.py")) for info in pkgutil.iter_modules([folder])
+               if family_module(f"{package}.{info.name}") == module_name)
 
 
 def _warm_operator(name: str) -> Optional[str]:
@@ -113,13 +123,14 @@ def cpu_kernels(ops: Iterable[Operator]) -> dict[str, object]:
 
 
 def _defining_module(value) -> Optional[str]:
-    """The name of module ``value`` or of the module defining it (for a numba kernel, its Python function;
-    for a SerialOrParallel kernel pair, its serial kernel's)."""
+    """The kernel family (_runtime.family_module) of module ``value`` or of the module defining it (for a
+    numba kernel, its Python function; for a SerialOrParallel kernel pair, its serial kernel's)."""
     if inspect.ismodule(value):
-        return value.__name__
+        return family_module(value.__name__)
     if isinstance(value, SerialOrParallel):
         value = value.serial
-    return getattr(getattr(value, "py_func", value), "__module__", None)
+    module = getattr(getattr(value, "py_func", value), "__module__", None)
+    return None if module is None else family_module(module)
 
 
 def _used_operators(module_name: str, cold: dict[str, list[str]], kernels: dict[str, object]) -> set[str]:
@@ -242,7 +253,7 @@ def warm_cache(ops: Iterable[Operator], workers: int | None = None,
     uses = {module: {family[n] for name in names for n in needs[name]} - {module} for module, names in cold.items()}
     used, users = set().union(*uses.values()), {module for module, others in uses.items() if others}
     order = sorted(cold, key=lambda m: (m not in used, m not in users,
-                                        -os.path.getsize(importlib.import_module(m).__file__)))
+                                        -_family_bytes(m)))
     for module in order:  # all up front; the workers print none (_worker_setup)
         COMPILE_NOTICE.announce(module, next(d for d in _dispatchers(importlib.import_module(module))
                                              if d.py_func.__module__ == module and _index_path(d)))

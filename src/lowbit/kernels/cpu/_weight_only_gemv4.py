@@ -1,0 +1,248 @@
+"""The GEMV kernels of 4-bit weights (MXFP4, HiFloat4): y32 (M, N) <- x (M, Kp, register order) @ W.T,
+bit-exact with the reference (docs/weight_only.md, 'Kernels')."""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from lowbit.kernels.cpu import _simd as simd
+from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS
+from lowbit.kernels.cpu._weight_only_decode4 import hifloat4_pairs, mxfp4_pairs
+from lowbit.kernels.cpu._weight_only_layout import (HALF, LANES, _INLINE, _ROWS_PER_TASK, _row_sum_4bit,
+                                                    _row_sum_hifloat4, _row_sum_nibbles)
+from lowbit.kernels.cpu._weight_only_steps import (BLOCK_ROWS, ROW_BLOCK, _accumulate, _accumulate_fused, _block_sums,
+                                                   _block_sums_pair, _dot_pairs, _fma_products, _hifloat4_step,
+                                                   _low_byte_range, _mxfp4_odd_block, _mxfp4_pair_of_blocks,
+                                                   _mxfp4_step, _prefetch_ahead, _store_block, _x_pair_step, _x_step)
+
+
+@numba.njit(**_INLINE)
+def _mxfp4_row_sum(accumulate, x_flat, x0, scales_flat, codes_flat, b0, blocks, scratch):
+    """One row of W (its blocks b0 .. b0 + blocks - 1) times x_flat[x0:] (FOUR_BIT_ORDER), summed with
+    ``accumulate`` (_accumulate or _accumulate_fused: a compile-time choice, so each loop is branch-free)."""
+    acc0 = simd.f32v_zero()
+    acc1 = simd.f32v_zero()
+    for t in range(blocks // 2):
+        w0, w1 = _mxfp4_pair_of_blocks(codes_flat, scales_flat, np.uint64(b0 + 2 * t))
+        acc0, acc1 = accumulate(acc0, acc1, x_flat, x0 + LANES * t, w0, w1)
+    if blocks % 2:
+        w0, w1 = _mxfp4_odd_block(codes_flat, b0 + blocks - 1, scales_flat, scratch)
+        acc0, acc1 = accumulate(acc0, acc1, x_flat, x0 + LANES * (blocks // 2), w0, w1)
+    return _row_sum_4bit(acc0, acc1)
+
+
+@numba.njit(**_INLINE)
+def _hifloat4_row_sum(accumulate, x_flat, x0, words_flat, value_flat, b0, blocks):
+    """One row of W (blocks b0 .. b0 + blocks - 1) times x_flat[x0:], as _mxfp4_row_sum."""
+    acc0 = simd.f32v_zero()
+    acc1 = simd.f32v_zero()
+    for b in range(blocks):
+        w0, w1 = _hifloat4_step(words_flat, value_flat, b0 + b)
+        acc0, acc1 = accumulate(acc0, acc1, x_flat, x0 + LANES * b, w0, w1)
+    return _row_sum_hifloat4(acc0, acc1)
+
+
+@numba.njit(**_INLINE)
+def _mxfp4_block_step(operands, start, r, t):
+    """MXFP4 step t of the row whose blocks start at ``start``: operands (scales, codes, ahead: the prefetch
+    distance of the codes, see _prefetch_ahead), flat."""
+    scales_flat, codes_flat, ahead = operands
+    b = np.uint64(start + 2 * t)  # unsigned: no negative-index wraparound code
+    if t % 2 == 0:  # a step reads half a cache line of codes
+        _prefetch_ahead(codes_flat, np.uint64(16) * b, ahead)
+    return _mxfp4_step(codes_flat, 16 * b, scales_flat[b], scales_flat[b + np.uint64(1)])
+
+
+@numba.njit(**_INLINE)
+def _hifloat4_block_step(operands, start, r, t):
+    """HiFloat4 step t (= block t) of the row whose blocks start at ``start``: operands (words, value, ahead:
+    the prefetch distance of the value bytes, see _prefetch_ahead), flat."""
+    words_flat, value_flat, ahead = operands
+    if t % 2 == 0:  # a step reads half a cache line of value bytes
+        _prefetch_ahead(value_flat, np.uint64(32 * (start + t)), ahead)
+    return _hifloat4_step(words_flat, value_flat, start + t)
+
+
+@numba.njit(**_INLINE)
+def _hifloat4_pair_step(operands, start, r, t):
+    """HiFloat4 pair step t (blocks start + 2t and start + 2t + 1) of a row as two I32V of BF16 pairs (low,
+    high nibbles; PAIR_ORDER): operands as _hifloat4_block_step's."""
+    words_flat, value_flat, ahead = operands
+    block = np.uint64(start + 2 * t)
+    _prefetch_ahead(value_flat, np.uint64(32) * block, ahead)  # a pair step reads one cache line of value bytes
+    return hifloat4_pairs(value_flat, np.uint64(32) * block, words_flat, block)
+
+
+@numba.njit(**_INLINE)
+def _mxfp4_pair_step(operands, start, r, t):
+    """MXFP4 pair step t (blocks start + 4t .. start + 4t + 3) of a row as two I32V of BF16 pairs (PAIR_ORDER):
+    operands as _mxfp4_block_step's."""
+    scales_flat, codes_flat, ahead = operands
+    b = np.uint64(start + 4 * t)  # unsigned: no negative-index wraparound code
+    _prefetch_ahead(codes_flat, np.uint64(16) * b, ahead)  # a pair step reads one cache line of codes
+    return mxfp4_pairs(codes_flat, np.uint64(16) * b, scales_flat, b)
+
+
+@numba.njit(**_INLINE)
+def _all_fused(fused, m, lows, highs, count):
+    """Whether row m of x may use fused multiply-adds with each of the ``count`` rows of W whose scale-byte
+    ranges are lows[r] .. highs[r] (see _fused_bytes)."""
+    result = True
+    for r in range(count):
+        result = result and fused[m, lows[r]] and fused[m, highs[r]]
+    return result
+
+
+@numba.njit(**_INLINE)
+def _nibble_rows(row_sum, block_step, block_steps, pairs, pair_sums, x_reg, scales, packed, fused, x_pairs, paired,
+                 row, end, y32):
+    """Rows row .. end - 1 of a 4-bit GEMV (inlined into _mxfp4_rows / _hifloat4_rows, which pass their
+    format's ``row_sum``, ``block_step`` and ``pair_sums``): x_reg (M, Kp) register order, scales / packed the
+    format's two weight arrays (N, ...), fused (M, 256) from _fused_bytes, x_pairs and paired from
+    _paired_bytes, y32 (M, N). ``block_steps``: steps of a row for _block_sums, or 0 where rows cannot be
+    blocked (an MXFP4 row of an odd number of blocks). A block of rows is summed with fused multiply-adds
+    for two rows of x at once where ``pairs`` and both may (_block_sums_pair: HiFloat4, whose step is
+    costly to decode; MXFP4's cheap step measured 15-22 % slower so at M = 2 and 4), else in BF16 pairs
+    (``pair_sums``: two steps per product instruction) where every one of its rows may be and the number
+    of steps is even, else with fused multiply-adds where every one of its rows may be, else row by row."""
+    blocks = scales.shape[1]
+    m_rows, kp = x_reg.shape
+    kq = x_pairs.shape[1]
+    pair_steps = block_steps // 2 if block_steps % 2 == 0 else 0
+    # borrowed: the rows' loop passes them to inlined functions that loop, each call counting references
+    x_flat, scales_flat, packed_flat = simd.borrowed_flat(x_reg), simd.borrowed_flat(scales), simd.borrowed_flat(packed)
+    xp_flat = simd.flat(x_pairs)
+    scratch = simd.stack_bytes(HALF)
+    lows = np.empty(ROW_BLOCK, dtype=np.int64)
+    highs = np.empty(ROW_BLOCK, dtype=np.int64)
+    while row < end:
+        count = ROW_BLOCK if BLOCK_ROWS and block_steps > 0 and row + ROW_BLOCK <= end else 1
+        for r in range(count):
+            lows[r], highs[r] = _low_byte_range(scales_flat, (row + r) * blocks, blocks)
+        starts = (row * blocks, (row + 1) * blocks, (row + 2) * blocks, (row + 3) * blocks)
+        operands = (scales_flat, packed_flat, np.uint64(ROW_BLOCK * packed.shape[1]))
+        m = 0
+        while m < m_rows:
+            if BLOCK_ROWS:  # a constant: on other CPUs numba prunes the block code before compiling it
+                if count == ROW_BLOCK and _all_fused(fused, m, lows, highs, count):
+                    if pairs and m + 1 < m_rows and _all_fused(fused, m + 1, lows, highs, count):
+                        first, second = _block_sums_pair(block_step, _fma_products, _row_sum_nibbles, _x_step, x_flat,
+                                                         m * kp, (m + 1) * kp, block_steps, operands, starts)
+                        _store_block(y32, m, row, first)
+                        _store_block(y32, m + 1, row, second)
+                        m += 2
+                        continue
+                if count == ROW_BLOCK and pair_steps > 0 and _all_fused(paired, m, lows, highs, count):
+                    _store_block(y32, m, row, pair_sums(xp_flat, m * kq, pair_steps, operands, starts))
+                    m += 1
+                    continue
+                if count == ROW_BLOCK and _all_fused(fused, m, lows, highs, count):
+                    _store_block(y32, m, row, _block_sums(block_step, _fma_products, _row_sum_nibbles, _x_step, x_flat,
+                                                          m * kp, block_steps, operands, starts))
+                    m += 1
+                    continue
+            for r in range(count):
+                b0 = (row + r) * blocks
+                if fused[m, lows[r]] and fused[m, highs[r]]:
+                    y32[m, row + r] = row_sum(_accumulate_fused, x_flat, m * kp, scales_flat, packed_flat, b0, blocks,
+                                              scratch)
+                else:
+                    y32[m, row + r] = row_sum(_accumulate, x_flat, m * kp, scales_flat, packed_flat, b0, blocks,
+                                              scratch)
+            m += 1
+        row += count
+
+
+@numba.njit(**_INLINE)
+def _hifloat4_row(accumulate, x_flat, x0, words_flat, value_flat, b0, blocks, scratch):
+    return _hifloat4_row_sum(accumulate, x_flat, x0, words_flat, value_flat, b0, blocks)
+
+
+@numba.njit(**_INLINE)
+def _pair_rows(step, x_flat, x0, steps, operands, first, second):
+    """The folded sums of two rows of W (weights at ``first`` and ``second``) in BF16 pairs (pair steps
+    ``step``, PAIR_ORDER; x_flat: _paired_bytes's pairs, the x row at x0)."""
+    a0, a1, b0, b1 = simd.f32v_zero(), simd.f32v_zero(), simd.f32v_zero(), simd.f32v_zero()
+    for t in range(steps):
+        x_low, x_high = _x_pair_step(x_flat, x0, t)
+        w0, w1 = step(operands, first, 0, t)
+        a0, a1 = _dot_pairs(a0, a1, x_low, x_high, w0, w1)
+        w0, w1 = step(operands, second, 1, t)
+        b0, b1 = _dot_pairs(b0, b1, x_low, x_high, w0, w1)
+    return _row_sum_nibbles(a0, a1), _row_sum_nibbles(b0, b1)
+
+
+@numba.njit(**_INLINE)
+def _pair_sums(step, x_flat, x0, steps, operands, starts):
+    """The folded sums of a block of rows in BF16 pairs, two rows at a time: HiFloat4's pair look-ups take
+    more registers than a block of four rows leaves (LLVM spilled accumulators every step)."""
+    a, b = _pair_rows(step, x_flat, x0, steps, operands, starts[0], starts[1])
+    c, d = _pair_rows(step, x_flat, x0, steps, operands, starts[2], starts[3])
+    return a, b, c, d
+
+
+# Functions of their own, not inlined into the rows kernels: LLVM compiles two small functions much faster
+# than one large one (a first run's cost, see docs/weight_only.md, 'Kernels').
+@numba.njit(**NJIT_OPTIONS)
+def _hifloat4_pair_sums_bf16(x_flat, x0, steps, operands, starts):
+    return _pair_sums(_hifloat4_pair_step, x_flat, x0, steps, operands, starts)
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _mxfp4_pair_sums_bf16(x_flat, x0, steps, operands, starts):
+    # four rows at once: with the weight streamed from memory, four streams measured 6 % faster than two
+    return _block_sums(_mxfp4_pair_step, _dot_pairs, _row_sum_nibbles, _x_pair_step, x_flat, x0, steps, operands, starts)
+
+
+@numba.njit(**_INLINE)
+def _no_pair_sums(x_flat, x0, steps, operands, starts):
+    """Stands in for a pair kernel where there is none (no row is ever paired there: _paired_bytes)."""
+    zero = np.float32(0.0)
+    return zero, zero, zero, zero
+
+
+# BF16 pairs need AVX512-BF16 (and the HiFloat4 look-ups AVX512-BITALG): elsewhere they are never compiled
+_HIFLOAT4_PAIRS = simd.HAS_AVX512BF16 and simd.HAS_AVX512BITALG
+_hifloat4_pair_sums = _hifloat4_pair_sums_bf16 if _HIFLOAT4_PAIRS else _no_pair_sums
+_mxfp4_pair_sums = _mxfp4_pair_sums_bf16 if simd.HAS_AVX512BF16 else _no_pair_sums
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _mxfp4_rows(x_reg, scales, codes, fused, x_pairs, paired, row, end, y32):
+    """One task of _mxfp4_gemv (a function of its own, so that numba's parallel passes do not analyse it)."""
+    blocks = scales.shape[1]
+    _nibble_rows(_mxfp4_row_sum, _mxfp4_block_step, blocks // 2 if blocks % 2 == 0 else 0, False, _mxfp4_pair_sums,
+                 x_reg, scales, codes, fused, x_pairs, paired, row, end, y32)
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _hifloat4_rows(x_reg, words, value, fused, x_pairs, paired, row, end, y32):
+    """One task of _hifloat4_gemv."""
+    _nibble_rows(_hifloat4_row, _hifloat4_block_step, words.shape[1], True, _hifloat4_pair_sums, x_reg, words, value,
+                 fused, x_pairs, paired, row, end, y32)
+
+
+@numba.njit(**PARALLEL_NJIT_OPTIONS)
+def _mxfp4_gemv(x_reg, scales, codes, fused, x_pairs, paired, y32):
+    """scales (N, K/32) uint8 E8M0, codes (N, K/2) uint8; x_reg (M, Kp) register order; fused, paired:
+    _exact_bytes(x_reg, _MXFP4_EXPONENTS, sources, x_pairs), which fills x_pairs; y32 (M, N). Every row, as
+    _code8_gemv."""
+    n = scales.shape[0]
+    for task in numba.prange((n + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
+        _mxfp4_rows(x_reg, scales, codes, fused, x_pairs, paired, task * _ROWS_PER_TASK,
+                    min(n, (task + 1) * _ROWS_PER_TASK), y32)
+
+
+@numba.njit(**PARALLEL_NJIT_OPTIONS)
+def _hifloat4_gemv(x_reg, words, value, fused, x_pairs, paired, y32):
+    """words (N, K/64) int32 (the scale bytes; or uint32 from _hifloat4_prepared_words, with value in
+    _hifloat4_prepare_values' order), value (N, K/2) uint8; x_reg (M, Kp) register order; fused, paired:
+    _exact_bytes(x_reg, _HIFLOAT4_EXPONENTS, sources, x_pairs), which fills x_pairs; y32 (M, N). Every row, as
+    _code8_gemv."""
+    n = words.shape[0]
+    for task in numba.prange((n + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
+        _hifloat4_rows(x_reg, words, value, fused, x_pairs, paired, task * _ROWS_PER_TASK,
+                       min(n, (task + 1) * _ROWS_PER_TASK), y32)
+
+
