@@ -80,6 +80,19 @@ def test_a_helper_modules_kernels_compile_under_their_familys_notice(tmp_path):
     assert [line.split()[5] for line in notices] == ["weight_only"], done.stderr
 
 
+def test_a_quiet_notice_prints_nothing_and_a_worker_is_quiet(capsys):
+    """A warm-up worker prints no notice at all, not even for a module no family announced (amx: compiled by
+    weight_only's and svd_quant's tasks, whose processes each printed its line)."""
+    notice = type(warm.COMPILE_NOTICE)()
+    dispatcher = next(d for d in warm._dispatchers(warm.importlib.import_module(HIFLOAT8)))
+    notice.quiet = True
+    notice.announce("lowbit.kernels.cpu.amx", dispatcher)
+    assert capsys.readouterr().err == ""
+    notice.quiet = False
+    notice.announce("lowbit.kernels.cpu.amx", dispatcher)
+    assert capsys.readouterr().err.startswith("lowbit: compiling CPU kernels for amx ")
+
+
 def test_a_module_without_numba_kernels_of_its_own_is_never_cold():
     assert not warm.is_cold("lowbit.kernels.cpu._runtime")  # plumbing only, no numba kernel
 
@@ -236,7 +249,7 @@ def test_operators_are_warmed_after_those_whose_kernels_they_share(monkeypatch, 
     assert on_start == [[]]
     notices = capsys.readouterr().err.splitlines()  # every cold family's, up front; the workers print none
     assert [line.split()[5] for line in notices] == [m.rpartition(".")[2] for m in modules], notices
-    assert seen_initargs == [(False, frozenset(m.rpartition(".")[2] for m in modules))]
+    assert seen_initargs == [(False,)]  # not forked here; quiet either way (_worker_setup)
     assert sorted(started) == sorted(needs) and sorted(modules) == sorted(cold)
     assert here and here[0] == started[0]  # this process takes the first task, without a process start-up
     assert modules.index("lowbit.kernels.cpu.mxfp4") < modules.index("lowbit.kernels.cpu.svd_quant")
@@ -305,12 +318,11 @@ import os, sys, torch, numba, lowbit
 from lowbit.kernels.cpu import warm
 
 def in_worker():
-    return torch.get_num_threads(), numba.config.THREADING_LAYER, "hifloat8" in warm.COMPILE_NOTICE.announced
+    return torch.get_num_threads(), numba.config.THREADING_LAYER, warm.COMPILE_NOTICE.quiet
 
 if __name__ == "__main__":
     method = warm._start_method()
     print("buffered here", end=" ")  # left in this process's stdout buffer: the fork must not copy it
-    warm.COMPILE_NOTICE.announced.add("hifloat8")  # as warm_cache announces the cold families
     for start in (method, "spawn"):
         warm._start_method = lambda: start
         pool = warm._worker_pool(1)
@@ -323,8 +335,8 @@ if __name__ == "__main__":
 def test_worker_processes_forked_with_one_torch_thread_and_numba_workqueue_or_spawned(tmp_path):
     """From a fresh `lowbit` process (no thread pool started yet) the warm-up's workers are forked: they
     run torch on one thread (an OpenMP pool of the parent would not exist in them) and numba's own
-    threading layer; spawned ones keep the defaults. Either kind prints no compile notice of a family this
-    process announced, and what this process had buffered on stdout is written once."""
+    threading layer; spawned ones keep the defaults. Either kind prints no compile notice (their parent
+    prints the lines), and what this process had buffered on stdout is written once."""
     script = tmp_path / "workers.py"
     script.write_text(WORKERS)
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)

@@ -121,10 +121,11 @@ class CompileNotice(numba_event.Listener):
     """Prints "lowbit: compiling CPU kernels for <family> (first run only; cached in <dir>)" on stderr the
     first time, in this process, that numba compiles (rather than loads from its on-disk cache) a kernel of
     ``lowbit/kernels/cpu/<family>.py`` or of its private helper modules (family_module); silent when the cache
-    is warm."""
+    is warm. A ``quiet`` notice prints nothing (the warm-up's worker processes: their parent prints)."""
 
     def __init__(self) -> None:
         self.announced: set[str] = set()
+        self.quiet = False
         self._lock = threading.Lock()
 
     def on_start(self, event) -> None:
@@ -138,7 +139,7 @@ class CompileNotice(numba_event.Listener):
         process printed it before; the cache folder is numba dispatcher ``dispatcher``'s."""
         family = module.rpartition(".")[2]
         with self._lock:
-            if family in self.announced:
+            if family in self.announced or self.quiet:
                 return
             self.announced.add(family)
         cache_dir = getattr(getattr(dispatcher, "_cache", None), "_cache_path", None) or "numba's cache"

@@ -195,13 +195,13 @@ def _start_method() -> str:
     return "spawn" if getattr(numba_parallel, "_is_initialized", True) else "fork"
 
 
-def _worker_setup(forked: bool, announced: frozenset[str]) -> None:
-    """Initializer of a warm-up worker: the compile notice lines of the families ``announced`` (printed by
-    the calling process) are not printed again here (they would break into its progress line). A forked
-    worker runs torch on one thread (its OpenMP pool, if the parent started one, does not exist here) and
+def _worker_setup(forked: bool) -> None:
+    """Initializer of a warm-up worker: it prints no compile notice (COMPILE_NOTICE.quiet: the calling process
+    prints the cold families' lines, and a worker's would break into its progress line, or repeat the line of
+    a helper module such as amx that several processes compile). A forked worker runs torch on one thread (its OpenMP pool, if the parent started one, does not exist here) and
     numba's own threading layer (workqueue) rather than OpenMP for any parallel kernel a probe runs; numba
     caches a kernel for every threading layer alike."""
-    COMPILE_NOTICE.announced.update(announced)
+    COMPILE_NOTICE.quiet = True
     if forked:
         torch.set_num_threads(1)
         numba.config.THREADING_LAYER = "workqueue"
@@ -214,7 +214,7 @@ def _worker_pool(workers: int) -> concurrent.futures.ProcessPoolExecutor:
     method = _start_method()
     pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method),
                                                   initializer=_worker_setup,
-                                                  initargs=(method == "fork", frozenset(COMPILE_NOTICE.announced)))
+                                                  initargs=(method == "fork",))
     if method == "spawn":
         return pool
     # CPython forks every worker of a fork pool on its first task, having flushed sys.stdout and sys.stderr
