@@ -72,7 +72,8 @@ def test_a_helper_modules_kernels_compile_under_their_familys_notice(tmp_path):
     """A cold weight-only call compiles kernels of weight_only's private modules: one notice, naming
     weight_only."""
     code = ("import torch, lowbit; from lowbit.formats import mxfp4; "
-            "codes, scales = mxfp4.quantize(torch.ones(4, 64)); lowbit.mxfp4_linear(torch.ones(1, 64, dtype=torch.bfloat16), codes, scales, backend='native')")
+            "codes, scales = mxfp4.quantize(torch.ones(4, 64)); "
+            "lowbit.mxfp4_linear(torch.ones(1, 64, dtype=torch.bfloat16), codes, scales, backend='native')")
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr

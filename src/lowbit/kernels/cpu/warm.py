@@ -198,9 +198,10 @@ def _start_method() -> str:
 def _worker_setup(forked: bool) -> None:
     """Initializer of a warm-up worker: it prints no compile notice (COMPILE_NOTICE.quiet: the calling process
     prints the cold families' lines, and a worker's would break into its progress line, or repeat the line of
-    a helper module such as amx that several processes compile). A forked worker runs torch on one thread (its OpenMP pool, if the parent started one, does not exist here) and
-    numba's own threading layer (workqueue) rather than OpenMP for any parallel kernel a probe runs; numba
-    caches a kernel for every threading layer alike."""
+    a helper module such as amx that several processes compile). A forked worker runs torch on one thread
+    (its OpenMP pool, if the parent started one, does not exist here) and numba's own threading layer
+    (workqueue) rather than OpenMP for any parallel kernel a probe runs; numba caches a kernel for every
+    threading layer alike."""
     COMPILE_NOTICE.quiet = True
     if forked:
         torch.set_num_threads(1)
