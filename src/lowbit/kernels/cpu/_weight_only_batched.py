@@ -1,5 +1,5 @@
 """The batched kernels (GEMV_MAX_M < M <= BATCH_MAX_M): blocks of rows of W decoded once into a small
-buffer and multiplied with every row of x, no torch GEMM (docs/weight_only.md, 'Batched kernel')."""
+buffer and multiplied with every row of x, no torch GEMM (docs/weight_only.md, 'Kernels', CPU batched kernel)."""
 
 from __future__ import annotations
 

@@ -259,7 +259,7 @@ def _mxfp4_last_block(codes, start, scale, scratch):
     return _mxfp4_step(scratch, 0, scale, np.uint8(127))
 
 
-# ---- GEMV kernels: y32 (M, N) <- x (M, Kp, register order) @ W.T in the lane order -------------------------
+# ---- blocks of rows: ROW_BLOCK rows of W summed at once, each in its own lanes -------------------------------------
 # Rows of W are summed ROW_BLOCK at a time where they can be (_block_sums): x is loaded once for all of them
 # and their weights are read as ROW_BLOCK streams at once, which this VM's memory serves faster than one (at
 # N = 12288, K = 8192 on one thread: MXFP4 15 -> 19-21 G weights/s, HiFloat8 9 -> 13). Each row keeps its own
