@@ -726,7 +726,7 @@ def _gemm_bf16(tiles, x: torch.Tensor, bias, out: torch.Tensor) -> None:
     """BF16 x (every decoded weight is a BF16 value): torch's BF16 GEMM (float32 accumulation, one
     rounding to BF16) on tiles decoded to BF16. A BF16 bias goes to F.linear, which adds it to the float32
     sums before that rounding (the same bits as the bias as one more column of W and of x, a column of
-    ones; tests/test_weight_only.py checks this of torch), without the strided K + 1 columns (0.8 ms at
+    ones; tests/test_weight_only_gemm.py checks this of torch), without the strided K + 1 columns (0.8 ms at
     M = 256, N = K = 4096)."""
     k, n = x.shape[1], out.shape[1]
     for r0, tile, _ in tiles:
