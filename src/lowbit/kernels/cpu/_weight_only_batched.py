@@ -14,6 +14,7 @@ from lowbit.kernels.cpu._weight_only_layout import HALF, LANES, _INLINE
 from lowbit.kernels.cpu._weight_only_steps import ROW_BLOCK, _prefetch_ahead, _round_bf16, _round_f16, _row_table
 from lowbit.kernels.cpu._weight_only_tiles import _code8_tile_row, _hifloat4_tile_row, _mxfp4_tile_row, _mxfp8_tile_row
 
+
 # y32 (M, N) <- x (M, Kp) @ W.T, x in the format's register order. Per task, blocks of ROW_BLOCK rows of W are
 # decoded once into a small buffer (the same register order) and multiplied with every row of x, in chunks of K
 # that keep the four rows' chunk in the L1 cache. No torch GEMM and no dense copy of W. The products:

@@ -14,6 +14,7 @@ from lowbit.kernels.cpu import _simd as simd
 from lowbit.kernels.cpu._weight_only_layout import (HALF, LANES, NIBBLE_ORDER, _HIFLOAT4_TABLES, _I32, _INLINE,
                                                     _MXFP4_TABLES, _V16x32, _V32x16, _mask)
 
+
 # ---- HiFloat4 multipliers: 2^(e2 + e3) per lane ------------------------------------------------------------
 # In NIBBLE_ORDER register lane i of either register holds element 2i or 2i + 1: 8-group i // 4, 4-group
 # i // 2. Their flags in the block's little-endian scale word [E6M2, e2, e3 (groups 0-7), e3 (8-15)], flag

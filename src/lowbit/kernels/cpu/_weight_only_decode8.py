@@ -16,6 +16,7 @@ from lowbit.kernels.cpu._runtime import NJIT_OPTIONS
 from lowbit.kernels.cpu._weight_only_layout import (CODE8_HALVES, CODE8_ORDER, HALF, LANES, _E4M3_MAGNITUDES,
                                                     _E4M3_NAN_CODE, _I32, _V16x32, _V8x64, _halves, _make_fold, _mask)
 
+
 # ---- 8-bit codes (HiFloat8, FP8 E4M3): 64 codes -> two F32V in CODE8_ORDER -------------------------------
 # An 8-bit weight is dequantized in x's dtype (docs/weight_only.md, 'Weights'), so one row of W holds at
 # most 256 values: each row's are put in a table first (_fill_row_table), then every code is a look-up. The

@@ -24,6 +24,7 @@ from lowbit.kernels.cpu._weight_only_steps import (BLOCK_ROWS, PAIR_LANES, ROW_B
                                                    _low_byte_range, _mxfp8_row_step, _mxfp8_step, _prefetch_ahead,
                                                    _round_to_x, _row_table, _store_block, _x_pair_step, _x_step)
 
+
 @numba.njit(**_INLINE)
 def _code8_pair_rows(x_flat, x0, steps, codes_flat, table_a, table_b, first, second, ahead, nan_by_minimum):
     """The folded sums of two rows of W (codes at ``first`` and ``second``, their byte tables ``table_a`` and

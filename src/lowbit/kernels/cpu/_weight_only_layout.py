@@ -15,6 +15,7 @@ from lowbit.kernels.cpu import _code8_columns as _columns
 from lowbit.kernels.cpu import _simd as simd
 from lowbit.kernels.cpu._runtime import NJIT_OPTIONS
 
+
 LANES = reference.LANES  # 64 = two F32V
 HALF = simd.LANES  # 32
 GEMV_MAX_M = reference.EXACT_ROWS  # rows of x up to which the bit-exact GEMV path runs

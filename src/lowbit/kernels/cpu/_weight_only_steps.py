@@ -19,6 +19,7 @@ from lowbit.kernels.cpu._weight_only_layout import (BYTE_SHUFFLE_NIBBLES, FOUR_B
                                                     _HIFLOAT4_LOOKUP, _INLINE, _MXFP4_LOOKUP, _NO_EXPONENT,
                                                     _SECOND_BLOCK, _to_4bit_order)
 
+
 # ---- one step: the 64 weights k0 .. k0 + 63 of a row, as two F32V in the format's register order ----------
 
 

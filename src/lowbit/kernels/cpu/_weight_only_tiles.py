@@ -19,6 +19,7 @@ from lowbit.kernels.cpu._weight_only_steps import (ROW_BLOCK, _MXFP8_EXACT_BYTES
                                                    _mxfp4_odd_block, _mxfp4_pair_of_blocks, _mxfp8_row_step,
                                                    _prefetch_ahead, _round_bf16, _round_f16, _row_table)
 
+
 # ---- GEMM tiles: rows r0 .. r0 + R - 1 of W decoded into w32 (R, >= Kp), logical order, float32 or BF16 ---------
 
 

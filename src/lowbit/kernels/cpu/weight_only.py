@@ -77,6 +77,7 @@ from lowbit.kernels.cpu._weight_only_tiles import (_code8_tile, _code8_tile_rows
                                                    _mxfp4_tile, _mxfp4_tile_rows, _mxfp8_tile, _mxfp8_tile_rows)
 from lowbit.kernels.cpu.memory import huge_page_empty, scratch_or_thread
 
+
 # Bytes of one decoded GEMM tile (rows of W in float32 or BF16), decoded into the calling thread's scratch
 # buffer (memory.thread_scratch: kept between calls, no page faults). Large tiles mean fewer, wider GEMM calls
 # and fewer strided copies of their results: at M = 256, 4 tiles of 1024 rows cost 1.5 ms more than one
