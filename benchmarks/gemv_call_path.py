@@ -3,7 +3,7 @@ F.linear of the same shape, as in a model's forward (the F.linear streams its we
 the call's own code and data come back from memory). Per scheme, in one process and interleaved: the deploy
 module (from its second call on, its one kernel call: QuantizedLinearBase._run_one_call); its PreparedCall
 (the path of more rows); ``run_prepared`` (the kernel's entry, output given); the GEMV's one numba call
-(``serial_gemv`` with --threads 1, else ``parallel_gemv`` on numba's threads, views made beforehand); and the
+(``serial_gemv`` with --threads 1, else ``parallel_gemv`` on numba's threads, given the tensors' addresses); and the
 three numba calls it made before (``_gather_x``, ``gemv_sums``, ``_round_into``). For int4-a16w4: the module,
 its bound decode's one numba call, and the full path's operator (WqbmmPlan.run, then the bias add). Median
 of --rounds calls of each, and F.linear's own.
@@ -69,7 +69,8 @@ def main() -> None:
                 return out
 
             def one_call():
-                args = (as_numpy(x), True, kernel.order, n, operands, kernel.x_consts, *bias_bits, as_numpy(out))
+                args = (x.data_ptr(), 1, k, True, kernel.order, n, operands, kernel.x_consts, *bias_bits,
+                        out.data_ptr())
                 if serial:
                     kernel.serial_gemv(*args)
                 else:
@@ -91,16 +92,15 @@ def main() -> None:
 
 
 def int4_cases(module, x: torch.Tensor) -> dict:
-    """An int4-a16w4 layer: the module; its bound decode's one numba call on views made beforehand; the full
-    path's operator (the plan's run with its workspace and output given, then the bias add)."""
+    """An int4-a16w4 layer: the module; its bound decode (one numba call); the full path's operator (the plan's
+    run with its workspace and output given, then the bias add)."""
     decode = module.__dict__["_one_call"][0].bound
     plan = module._plan(1, x.device)
     workspace, y = plan.new_workspace(), torch.empty(1, module.out_features, dtype=x.dtype)
     out = torch.empty_like(y)
-    x_bits, out_bits = as_numpy(x), as_numpy(out)
 
     def one_call():
-        decode(x_bits, out_bits)
+        decode(x, 1, out)
         return out
 
     def plan_run():

@@ -1,12 +1,15 @@
-"""Arrays of the SIMD layer that count no references (simd.borrowed_flat, simd.stack_bytes): the rows' loops of
-the GEMV kernels pass them to inlined functions, so they must be the views and buffers they claim to be."""
+"""Arrays of the SIMD layer that count no references (simd.borrowed_flat, simd.stack_bytes, and the one-call
+kernels' int16_array_at): the rows' loops of the GEMV kernels pass them to inlined functions, so they must be
+the views and buffers they claim to be."""
 
 import numba
 import numpy as np
 import pytest
+import torch
 from numba.core.errors import TypingError
 
 from lowbit.kernels.cpu import _simd as simd
+from lowbit.kernels.cpu._runtime import int16_array_at
 
 
 @numba.njit
@@ -60,3 +63,24 @@ def _scratch_of(count):
 def test_stack_bytes_needs_a_compile_time_size():
     with pytest.raises(TypingError):
         _scratch_of(np.int64(48))
+
+
+def test_int16_array_at_is_the_memory_at_a_tensors_address():
+    """The one-call kernels' view of x and out (_runtime.int16_array_at): a (rows, cols) C-contiguous int16 array
+    over the tensor's memory, read and written in place, from the address of a view with an offset too."""
+    t = torch.arange(24, dtype=torch.int16).reshape(4, 6)
+
+    @numba.njit
+    def total_and_mark(address, rows, cols):
+        a = int16_array_at(address, rows, cols)
+        total = a.sum()
+        a[rows - 1, cols - 1] = -1
+        return total, a.shape[0], a.shape[1], a.strides[0]
+
+    before = int(t.sum())
+    assert total_and_mark(t.data_ptr(), 4, 6) == (before, 4, 6, 12)
+    assert t[3, 5] == -1
+    rows = t[1:3].view(torch.bfloat16)  # two rows from an offset, another 16-bit dtype
+    before = int(t[1:3].sum())
+    assert total_and_mark(rows.data_ptr(), 2, 6) == (before, 2, 6, 12)
+    assert t[2, 5] == -1 and t[3, 5] == -1 and t[1, 0] == 6

@@ -320,10 +320,10 @@ class PreparedCall:
         return out
 
     def _bound_gemv(self, dtype: torch.dtype, k: int, *extra) -> Optional[RecordedCall]:
-        """``f(x_bits, out_bits) -> bool``: the operator on an x of ``dtype`` (FP16 / BF16) and K = ``k`` with at
-        most ``f.max_rows`` rows in one call of its kernel (``kernel.bind_gemv(prepared, N, k, dtype,
-        *extra)``; svd_quant's takes a bias added after it, and returns False where its caller must take its
-        full path), on x's and out's int16 bit patterns ((M, K) and (M, N), C-contiguous), recorded as a run of
+        """``f(x, m, out) -> bool``: the operator on an x of ``dtype`` (FP16 / BF16) and K = ``k`` with at most
+        ``f.max_rows`` rows in one call of its kernel (``kernel.bind_gemv(prepared, N, k, dtype, *extra)``;
+        svd_quant's takes a bias added after it, and returns False where its caller must take its full path),
+        on x (..., K) with M = ``m`` rows and out (..., N) of x's dtype, C-contiguous CPU tensors, recorded as a run of
         the kernel chosen under the current backend setting. Internal: for a caller that checks x itself
         (plain_tensor, plain_context, dtype, K, rows; f checks neither array) and keeps the result while the
         fixed arguments and the backend setting stay as they are (lowbit.quantize's deploy modules). None

@@ -266,12 +266,12 @@ class WqbmmPlan:
 
     def _bound_decode(self, weight: PackedWeight, antiquant_scale: torch.Tensor,
                       antiquant_offset: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None):
-        """``f(x_bits, out_bits) -> bool``, the product of :meth:`run` with this PackedWeight, scale and offset,
-        rounded to the plan's dtype, plus ``bias`` ((N,) of that dtype, or None) rounded again, as ``run(...) +
-        bias``, in one numba call on x's and out's int16 bit patterns ((M, K) and (M, N), C-contiguous, M at most
-        ``f.max_rows``); False where a NaN came out; each call recorded as a run of the operator
-        (``last_backend``). For lowbit.quantize's Int4Linear only, which checks x and makes the output: f does
-        not check the arrays it is given. None where the plan's kernel has no such call (a prepacked MSD
+        """``f(x, m, out) -> bool``, the product of :meth:`run` with this PackedWeight, scale and offset, rounded
+        to the plan's dtype, plus ``bias`` ((N,) of that dtype, or None) rounded again, as ``run(...) + bias``,
+        in one numba call on x (..., K) with M = ``m`` rows (at most ``f.max_rows``) and out (..., N),
+        C-contiguous CPU tensors of that dtype; False where a NaN came out; each call recorded as a run of the
+        operator (``last_backend``). For lowbit.quantize's Int4Linear only, which checks x and makes the
+        output: f does not check the tensors it is given. None where the plan's kernel has no such call (a prepacked MSD
         ``preload`` plan of the CPU native kernel has). It holds copies of the scale, offset and bias: bind
         again after they change. TypeError / DtypeError / DeviceError / ShapeError for operands not of this
         plan."""
@@ -281,7 +281,7 @@ class WqbmmPlan:
 
     def _bound_dequant(self, weight: PackedWeight, antiquant_scale: torch.Tensor,
                        antiquant_offset: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None):
-        """:meth:`_bound_decode` for a prepacked "dequant" plan: ``f(x_bits, out_bits) -> True`` for x of any
+        """:meth:`_bound_decode` for a prepacked "dequant" plan: ``f(x, m, out) -> True`` for x of any
         number of rows (``f.max_rows``), :meth:`run`'s bits plus ``bias`` as ``run(...) + bias``, the GEMM path's
         tile in the calling thread's scratch buffer; for Int4Linear's prefill only. None where the plan's kernel
         has no such call."""

@@ -122,7 +122,7 @@ class QuantizedLinearBase(nn.Module):
     def _run_one_call(self, x: torch.Tensor, sources: tuple, bind: Callable[..., Any], bind_argument: Any,
                       max_rows: Optional[int] = None, slot: str = "_one_call") -> Optional[torch.Tensor]:
         """This layer's output for ``x`` (..., K) of FP16 / BF16 (dtype and K checked by the caller) by a bound
-        kernel call ``f(x_bits, out_bits) -> bool`` on x's and out's int16 bit patterns ((M, K), (M, N)), made
+        kernel call ``f(x, m, out) -> bool`` on x made C-contiguous, its M = ``m`` rows and a new out (..., N), made
         by ``bind(x, sources, bind_argument)`` (None: there is none) and kept while the sources, x's dtype and
         the backend setting stay as they are (SourcesSeen; no function is made per call). One numba call: the
         full path's torch, Python and numba calls cost tens of microseconds each after a model's previous layer
@@ -144,8 +144,7 @@ class QuantizedLinearBase(nn.Module):
         if call is None or m > call.max_rows:
             return None
         out = torch.empty((*x.shape[:-1], n), dtype=x.dtype)
-        x_bits = x.contiguous().view(torch.int16).numpy().reshape(m, k)
-        return out if call(x_bits, out.view(torch.int16).numpy().reshape(m, n)) else None
+        return out if call(x.contiguous(), m, out) else None
 
     def _records_no_graph(self, x: torch.Tensor) -> bool:
         """Whether no op of this layer's call on ``x`` would record an autograd graph: neither x nor the bias

@@ -434,10 +434,10 @@ def _decode_call(work: int, one_call: bool, args: tuple) -> tuple:
 
 class BoundDecode:
     """A prepared weight's decode with a BF16 bias (or none) added as torch adds it, in one numba call, for BF16
-    x of at most ``max_rows`` = GEMV_MAX_M rows: ``f(x_bits, out_bits) -> bool`` on x's and out's int16 bit
-    patterns, (M, K) and (M, N), C-contiguous, not checked here (the caller's: lowbit.ops.library.PreparedCall
-    ._bound_gemv). True where out_bits holds the result; False (out_bits partly written) where a row needs
-    the float32 kernel, the low-rank branch torch's matmuls, or a result is NaN: the caller's full path."""
+    x of at most ``max_rows`` = GEMV_MAX_M rows: ``f(x, m, out) -> bool`` on x (..., K) with M = ``m`` rows and
+    out (..., N), C-contiguous BF16 CPU tensors, not checked here (the caller's: lowbit.ops.library.PreparedCall
+    ._bound_gemv). True where out holds the result; False (out partly written) where a row needs the float32
+    kernel, the low-rank branch torch's matmuls, or a result is NaN: the caller's full path."""
 
     max_rows = GEMV_MAX_M
 
@@ -447,7 +447,8 @@ class BoundDecode:
         self._args = (-(-k // STEP) * STEP, _BF16_QUANTIZER, as_numpy(w), as_numpy(scales), as_numpy(d), as_numpy(u))
         self._bias = _NO_BIAS if bias is None else as_numpy(bias)
 
-    def __call__(self, x_bits: np.ndarray, out_bits: np.ndarray) -> bool:
+    def __call__(self, x: torch.Tensor, m: int, out: torch.Tensor) -> bool:
+        x_bits, out_bits = as_numpy(x).reshape(m, -1), as_numpy(out).reshape(m, -1)
         return bool(_decode_call(self._work, True, (x_bits, *self._args, out_bits, self._bias))[1])
 
 

@@ -53,7 +53,8 @@ from lowbit.kernels.cpu import _simd as simd
 from lowbit.kernels.cpu import _transpose
 from lowbit.kernels.cpu import amx
 from lowbit.kernels.cpu._runtime import (NJIT_OPTIONS, SerialOrParallel, as_numpy, bound_njit, call_in_chunks,
-                                         copy_elements, run_tasks, runs_serially, swap_parallel_chunksize)
+                                         copy_elements, int16_array_at, run_tasks, runs_serially,
+                                         swap_parallel_chunksize)
 from lowbit.kernels.cpu._weight_only_batched import (BATCH_IN_BF16, _code8_batched, _code8_batched_rows, _gather_x_bits,
                                                      _hifloat4_batched, _hifloat4_batched_rows, _mxfp4_batched,
                                                      _mxfp4_batched_rows, _mxfp8_batched, _mxfp8_batched_rows)
@@ -264,27 +265,28 @@ def _gemv_arrays(x_bits, bf16, order, n):
     return x_reg, np.empty((m, n), dtype=np.float32)
 
 
-def _serial_gemv(x_bits, bf16, order, n, operands, x_consts, bias_bits, bias_kind, out_bits):
+def _serial_gemv(x_address, m, k, bf16, order, n, operands, x_consts, bias_bits, bias_kind, out_address):
     """A format's whole GEMV on the calling thread in one numba call (bound per format by _one_call_gemv: its
     rows kernel ``_KERNEL`` and x's per-call operands ``_X_OPERANDS``): x (M, K) FP16 / BF16 bit patterns
-    (int16) gathered into the register order, W's N rows summed, the reference's rounding into out_bits
-    (M, N) int16 (_finish). After
-    a torch op each call from Python, and each torch or numpy call between them, runs with cold caches (tens
-    of microseconds each: docs/weight_only.md, 'One call')."""
-    x_reg, y32 = _gemv_arrays(x_bits, bf16, order, n)
+    at ``x_address`` (int16_array_at) gathered into the register order, W's N rows summed, the reference's
+    rounding into the (M, N) int16 array at ``out_address`` (_finish). After a torch op each call from Python,
+    and each torch or numpy call between them, runs with cold caches (tens of microseconds each:
+    docs/weight_only.md, 'One call')."""
+    x_reg, y32 = _gemv_arrays(int16_array_at(x_address, m, k), bf16, order, n)
     _KERNEL(x_reg, *operands, *_X_OPERANDS(x_reg, operands, x_consts), 0, n, y32)  # noqa: F821 (bound per format)
-    _finish(y32, bias_bits, bias_kind, bf16, out_bits)
+    _finish(y32, bias_bits, bias_kind, bf16, int16_array_at(out_address, m, n))
 
 
-def _parallel_gemv(x_bits, bf16, order, n, operands, x_consts, bias_bits, bias_kind, out_bits, chunksize):
+def _parallel_gemv(x_address, m, k, bf16, order, n, operands, x_consts, bias_bits, bias_kind, out_address,
+                   chunksize):
     """_serial_gemv with the rows in numba's parallel loop: ``_KERNEL`` is the format's parallel GEMV (a call
     of it from here launches the threads as a call from Python would), its loop in chunks of ``chunksize``
     iterations, set and put back in here (call_in_chunks from Python: two more calls after other work)."""
-    x_reg, y32 = _gemv_arrays(x_bits, bf16, order, n)
+    x_reg, y32 = _gemv_arrays(int16_array_at(x_address, m, k), bf16, order, n)
     previous = swap_parallel_chunksize(numba.uintp(chunksize))
     _KERNEL(x_reg, *operands, *_X_OPERANDS(x_reg, operands, x_consts), y32)  # noqa: F821 (bound per format)
     swap_parallel_chunksize(previous)
-    _finish(y32, bias_bits, bias_kind, bf16, out_bits)
+    _finish(y32, bias_bits, bias_kind, bf16, int16_array_at(out_address, m, n))
 
 
 def _one_call_gemv(template, kernel, x_operands):
@@ -304,23 +306,24 @@ def _batched_bits_arrays(x_bits, bf16, order, n):
     return x_reg, np.empty((m, n), dtype=np.float32)
 
 
-def _serial_batched(x_bits, bf16, order, n, operands, bias_bits, bias_kind, out_bits):
+def _serial_batched(x_address, m, k, bf16, order, n, operands, bias_bits, bias_kind, out_address):
     """WeightOnlyLinear._run_batched in one numba call on the calling thread (bound per format by
-    _one_call_batched: its batched rows kernel ``_KERNEL``, and ``_ARRAYS``, x's gather): the same steps, the
-    same bits, without two calls from Python (docs/weight_only.md, 'One call')."""
-    x_reg, y32 = _ARRAYS(x_bits, bf16, order, n)  # noqa: F821 (bound)
+    _one_call_batched: its batched rows kernel ``_KERNEL``, and ``_ARRAYS``, x's gather), x and out as for
+    _serial_gemv: the same steps, the same bits, without two calls from Python (docs/weight_only.md, 'One
+    call')."""
+    x_reg, y32 = _ARRAYS(int16_array_at(x_address, m, k), bf16, order, n)  # noqa: F821 (bound)
     _KERNEL(x_reg, *operands, 0, n, y32)  # noqa: F821 (bound per format)
-    _finish(y32, bias_bits, bias_kind, bf16, out_bits)
+    _finish(y32, bias_bits, bias_kind, bf16, int16_array_at(out_address, m, n))
 
 
-def _parallel_batched(x_bits, bf16, order, n, operands, bias_bits, bias_kind, out_bits):
+def _parallel_batched(x_address, m, k, bf16, order, n, operands, bias_bits, bias_kind, out_address):
     """_serial_batched with the rows of W in numba's parallel loop (``_KERNEL``: the format's parallel batched
     kernel), one task (_BATCH_ROWS_PER_TASK rows of W) per chunk."""
-    x_reg, y32 = _ARRAYS(x_bits, bf16, order, n)  # noqa: F821 (bound)
+    x_reg, y32 = _ARRAYS(int16_array_at(x_address, m, k), bf16, order, n)  # noqa: F821 (bound)
     previous = swap_parallel_chunksize(numba.uintp(1))
     _KERNEL(x_reg, *operands, y32)  # noqa: F821 (bound per format)
     swap_parallel_chunksize(previous)
-    _finish(y32, bias_bits, bias_kind, bf16, out_bits)
+    _finish(y32, bias_bits, bias_kind, bf16, int16_array_at(out_address, m, n))
 
 
 def _one_call_batched(template, kernel):
@@ -371,12 +374,14 @@ class BoundGemv:
     (``serial_gemv`` on the calling thread, or ``parallel_gemv`` on numba's threads, as the kernel's ``run``
     chooses: runs_serially), the batched kernel for more, up to ``max_rows`` = _batch_max_m (``serial_batched``,
     ``parallel_batched``), or, where the GEMM path runs on lowbit's AMX kernel, that kernel up to ``max_rows`` =
-    _amx_max_m (amx.run). ``f(x_bits, out_bits) -> True``: x's and out's int16 bit patterns, (M, K) and (M, N),
-    C-contiguous, not checked here (the caller's: lowbit.ops.library.PreparedCall._bound_gemv)."""
+    _amx_max_m (amx.run). ``f(x, m, out) -> True``: x (..., K) with M = ``m`` rows and out (..., N), C-contiguous
+    CPU tensors of the bound dtype, not checked here (the caller's: lowbit.ops.library.PreparedCall._bound_gemv);
+    the numba call takes their addresses (_runtime.int16_array_at)."""
 
     def __init__(self, kernel: "WeightOnlyLinear", prepared: tuple, n: int, k: int, dtype: torch.dtype) -> None:
         operands, _, bias_bits = prepared
         self._serial, self._parallel = kernel.serial_gemv, kernel.parallel_gemv
+        self._k = k
         self._args = (dtype == torch.bfloat16, kernel.order, n, operands, kernel.x_consts, *bias_bits)
         self._work, self._chunksize = n * k, _gemv_chunksize(n)
         self._batched = kernel.serial_batched, kernel.parallel_batched
@@ -385,22 +390,20 @@ class BoundGemv:
         self._on_tiles = _amx_max_m(k, dtype) > GEMV_MAX_M
         self.max_rows = one_call_max_rows(n, k, dtype)
 
-    def __call__(self, x_bits: np.ndarray, out_bits: np.ndarray) -> bool:
-        m = x_bits.shape[0]
+    def __call__(self, x: torch.Tensor, m: int, out: torch.Tensor) -> bool:
+        k = self._k
         if m > GEMV_MAX_M and self._on_tiles:
             tile_rows, operands, n, width, *bias_bits = self._amx_args
-            amx.run(tile_rows, operands, x_bits, n, width, *bias_bits, out_bits)
+            amx.run(tile_rows, operands, as_numpy(x).reshape(m, k), n, width, *bias_bits, as_numpy(out).reshape(m, n))
             return True
         if m > GEMV_MAX_M:  # as _run's batched path: tasks of _BATCH_ROWS_PER_TASK rows, one at a time
-            if runs_serially(m * self._work, GEMV_ONE_THREAD_WEIGHTS):
-                self._batched[0](x_bits, *self._batched_args, out_bits)
-            else:
-                self._batched[1](x_bits, *self._batched_args, out_bits)
+            batched = self._batched[0 if runs_serially(m * self._work, GEMV_ONE_THREAD_WEIGHTS) else 1]
+            batched(x.data_ptr(), m, k, *self._batched_args, out.data_ptr())
             return True
         if runs_serially(self._work, GEMV_ONE_THREAD_WEIGHTS):
-            self._serial(x_bits, *self._args, out_bits)
+            self._serial(x.data_ptr(), m, k, *self._args, out.data_ptr())
         else:
-            self._parallel(x_bits, *self._args, out_bits, self._chunksize)
+            self._parallel(x.data_ptr(), m, k, *self._args, out.data_ptr(), self._chunksize)
         return True
 
 
@@ -504,8 +507,8 @@ class WeightOnlyLinear(Kernel):
         # Rows in chunks: under numba's TBB layer handed out on demand, so a thread that the OS deschedules on a
         # shared machine does not make the other one wait at the end (OpenMP and workqueue split them evenly
         # up front: docs/architecture.md, 'CPU threads').
-        if one_call and m <= max(GEMV_MAX_M, _batch_max_m(n, k, x.dtype)):
-            self.bind_gemv(prepared, n, k, x.dtype)(x.view(torch.int16).numpy(), out.view(torch.int16).numpy())
+        if one_call and m <= max(GEMV_MAX_M, _batch_max_m(n, k, x.dtype)) and out.is_contiguous():
+            self.bind_gemv(prepared, n, k, x.dtype)(x.contiguous(), m, out)
             return
         if m <= GEMV_MAX_M:
             path, work, chunksize = self._run_gemv, n * k, _gemv_chunksize(n)

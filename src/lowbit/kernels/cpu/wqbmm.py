@@ -51,7 +51,7 @@ from lowbit.formats import wqbmm as reference
 from lowbit.kernels.cpu import _simd as simd
 from lowbit.kernels.cpu import wqbmm_dequant as dequant
 from lowbit.kernels.cpu._runtime import (NJIT_OPTIONS, SerialOrParallel, as_numpy, bound_njit, call_in_chunks,
-                                         runs_serially, swap_parallel_chunksize)
+                                         int16_array_at, runs_serially, swap_parallel_chunksize)
 from lowbit.kernels.wqbmm_kernel import MSD, WqbmmKernel, aligned_offsets
 
 TILE_N = simd.LANES  # columns per register tile (32)
@@ -775,12 +775,14 @@ def _round_and_add_bias(y32, bias32, has_bias, is_bf16, out_bits):
     return no_nan
 
 
-def _decode(x_bits, is_bf16, tiles, scale_bits, offset_bits, has_offset, group_size, bias32, has_bias, out_bits):
+def _decode(x_address, m, k, n, is_bf16, tiles, scale_bits, offset_bits, has_offset, group_size, bias32, has_bias,
+            out_address):
     """Template of the one-call decode (bound by :func:`_decode_kernel`: ``_PRELOAD`` is _preload's serial or
-    parallel dispatcher): out_bits (M, N) <- round(round(x @ W) + bias) for x (M, K) FP16 / BF16 bit
-    patterns, W the prepacked ``tiles``, ``scale_bits`` / ``offset_bits`` (K/G, padded N) in x's dtype;
-    False where a NaN came out (:func:`_round_and_add_bias`)."""
-    m, k = x_bits.shape
+    parallel dispatcher): out (M, N) <- round(round(x @ W) + bias) for x (M, K), both FP16 / BF16 bit
+    patterns at ``x_address`` and ``out_address`` (_runtime.int16_array_at), W the prepacked ``tiles``,
+    ``scale_bits`` / ``offset_bits`` (K/G, padded N) in x's dtype; False where a NaN came out
+    (:func:`_round_and_add_bias`)."""
+    x_bits, out_bits = int16_array_at(x_address, m, k), int16_array_at(out_address, m, n)
     groups = k // group_size
     x32 = np.empty((m, k), dtype=np.float32)
     _widen_rows(x_bits, is_bf16, x32)
@@ -838,10 +840,9 @@ class BoundDecode:
         bits[:, : t.shape[1]] = as_numpy(t.detach())
         return bits.reshape(-1)
 
-    def __call__(self, x_bits: np.ndarray, out_bits: np.ndarray) -> bool:
-        """out_bits (M, N) int16 <- the product for x_bits (M, K) int16 (x's bit patterns, C-contiguous, M at
-        most ``max_rows``, not checked here: the caller's); False where a NaN came out (out_bits then
-        unspecified)."""
-        if runs_serially(x_bits.shape[0] * self.k * self.n, _ONE_THREAD_WORK):
-            return self._serial(x_bits, self.is_bf16, *self.operands, out_bits)
-        return self._parallel(x_bits, self.is_bf16, *self.operands, out_bits)
+    def __call__(self, x: torch.Tensor, m: int, out: torch.Tensor) -> bool:
+        """out (..., N) <- the product for x (..., K) with M = ``m`` rows (C-contiguous CPU tensors of the scales'
+        dtype, M at most ``max_rows``, not checked here: the caller's); False where a NaN came out (out then
+        unspecified). The numba call takes their addresses (_runtime.int16_array_at)."""
+        decode = self._serial if runs_serially(m * self.k * self.n, _ONE_THREAD_WORK) else self._parallel
+        return decode(x.data_ptr(), m, self.k, self.n, self.is_bf16, *self.operands, out.data_ptr())

@@ -284,10 +284,10 @@ def _packed_operands(tiles, scale32, offset32, has_offset: bool, group_size: int
 class BoundDequant:
     """An Int4Linear's prefill ``y.to(dtype) + bias`` after :func:`dequant_packed_into`, with the PackedWeight's
     tiles, the scale, offset and bias fixed: the scale and offset widened once (a copy: its maker makes a new
-    one whenever they change), the GEMM path's tile in the calling thread's scratch buffer. ``f(x_bits,
-    out_bits) -> True``: x's and out's bit patterns, int16 (M, K) and (M, N), C-contiguous, of the scale's
-    dtype, not checked here (the caller's); the bias (N,) of that dtype or None (held as it is, not copied),
-    added by torch in place. The same bits as the operator's path; every row count (``max_rows``)."""
+    one whenever they change), the GEMM path's tile in the calling thread's scratch buffer. ``f(x, m, out) ->
+    True``: x (..., K) with M = ``m`` rows and out (..., N), C-contiguous CPU tensors of the scale's dtype, not
+    checked here (the caller's); the bias (N,) of that dtype or None (held as it is, not copied), added by
+    torch in place. The same bits as the operator's path; every row count (``max_rows``)."""
 
     max_rows = 1 << 62
 
@@ -297,9 +297,9 @@ class BoundDequant:
         self.dtype, self.bias = scale.dtype, None if bias is None else bias.detach()
         self.operands = _packed_operands(tiles, *wide, offset is not None, group_size, scale.dtype)
 
-    def __call__(self, x_bits: np.ndarray, out_bits: np.ndarray) -> bool:
-        x, out = (torch.from_numpy(bits).view(self.dtype) for bits in (x_bits, out_bits))
-        weight_only.run_gemm_path(PACKED_TILE, self.operands, x, None, out)
+    def __call__(self, x: torch.Tensor, m: int, out: torch.Tensor) -> bool:
+        out = out.view(m, -1)
+        weight_only.run_gemm_path(PACKED_TILE, self.operands, x.view(m, -1), None, out)
         if self.bias is not None:
             out.add_(self.bias)
         return True
