@@ -50,7 +50,7 @@ from lowbit.formats.svd_quant import BLOCK, weight_scales
 from lowbit.kernels.cpu import _block_sums, amx, mxfp4
 from lowbit.kernels.cpu import _simd as simd
 from lowbit.kernels.cpu._runtime import (NJIT_OPTIONS, SerialOrParallel, as_numpy, bound_njit, copy_elements,
-                                         kernel_threads, sync_threads)
+                                         int16_array_at, kernel_threads, sync_threads)
 from lowbit.kernels.cpu._weight_only_steps import _low_byte_range, _prefetch_ahead
 from lowbit.kernels.cpu.weight_only import GEMV_MAX_M, GEMV_ONE_THREAD_WEIGHTS, MXFP4_LINEAR, _amx_max_m
 
@@ -417,12 +417,32 @@ def _one_call_decode(product):
     return bound_njit(_decode_template, f"svd_quant_decode_{product.py_func.__name__}", _PRODUCT=product)
 
 
-def _decode_call(work: int, one_call: bool, args: tuple) -> tuple:
-    """_decode_template's result for ``args`` on a weight of ``work`` = N * K weights: compiled (one numba
-    call) where ``one_call``, else run by Python (its three numba calls); product_gemv's serial form below
-    _PRODUCT_SERIAL_WEIGHTS, else its parallel loop, on one thread below _PRODUCT_ONE_THREAD_WEIGHTS."""
-    decode = _one_call_decode(product_gemv.serial if work < _PRODUCT_SERIAL_WEIGHTS else product_gemv.parallel)
-    decode = decode if one_call else decode.py_func
+def _decode_at_template(x_address, m, k, kp, quantizer, codes, scales, d_bits, u_bits, out_address, bias_bits):
+    """``_DECODE`` (a bound _decode_template) on x (M, K) and out (M, N) BF16 bit patterns at these addresses
+    (_runtime.int16_array_at): whether out holds the result. Its numba call takes three ints where two
+    numpy views made in Python cost more after other work (docs/weight_only.md, 'The deploy layer's one
+    call')."""
+    out_bits = int16_array_at(out_address, m, codes.shape[0])
+    return _DECODE(int16_array_at(x_address, m, k), kp, quantizer, codes, scales, d_bits, u_bits,  # noqa: F821
+                   out_bits, bias_bits)[1]
+
+
+def _one_call_decode_at(product):
+    """The numba dispatcher of _decode_at_template over _one_call_decode(``product``)."""
+    return bound_njit(_decode_at_template, f"svd_quant_decode_at_{product.py_func.__name__}",
+                      _DECODE=_one_call_decode(product))
+
+
+def _in_python(product):
+    """_decode_template with ``_PRODUCT`` = ``product``, run by Python (its three numba calls)."""
+    return _one_call_decode(product).py_func
+
+
+def _decode_call(work: int, decode_of, args: tuple):
+    """``decode_of(product)(*args)`` (_one_call_decode, _one_call_decode_at or _in_python) on a weight of
+    ``work`` = N * K weights: product_gemv's serial form below _PRODUCT_SERIAL_WEIGHTS, else its parallel loop,
+    on one thread below _PRODUCT_ONE_THREAD_WEIGHTS."""
+    decode = decode_of(product_gemv.serial if work < _PRODUCT_SERIAL_WEIGHTS else product_gemv.parallel)
     if work < _PRODUCT_SERIAL_WEIGHTS:
         return decode(*args)
     if work < _PRODUCT_ONE_THREAD_WEIGHTS:
@@ -443,13 +463,13 @@ class BoundDecode:
 
     def __init__(self, prepared: tuple, n: int, k: int, bias) -> None:
         w, scales, d, u = prepared
-        self._work = n * k
+        self._work, self._k = n * k, k
         self._args = (-(-k // STEP) * STEP, _BF16_QUANTIZER, as_numpy(w), as_numpy(scales), as_numpy(d), as_numpy(u))
         self._bias = _NO_BIAS if bias is None else as_numpy(bias)
 
     def __call__(self, x: torch.Tensor, m: int, out: torch.Tensor) -> bool:
-        x_bits, out_bits = as_numpy(x).reshape(m, -1), as_numpy(out).reshape(m, -1)
-        return bool(_decode_call(self._work, True, (x_bits, *self._args, out_bits, self._bias))[1])
+        args = (x.data_ptr(), m, self._k, *self._args, out.data_ptr(), self._bias)
+        return bool(_decode_call(self._work, _one_call_decode_at, args))
 
 
 _SMALLEST_NORMAL_SCALE = 2  # below this E8M0 byte, an MXFP4 block's nonzero values are BF16 subnormals
@@ -583,7 +603,7 @@ class SvdQuant(Kernel):
         (m, k), n = x2d.shape, out2d.shape[1]
         args = (as_numpy(x2d), -(-k // STEP) * STEP, _BF16_QUANTIZER, as_numpy(w), as_numpy(scales), as_numpy(d),
                 as_numpy(u), as_numpy(out2d), _NO_BIAS)
-        fell_back, done, y32, fallback = _decode_call(n * k, one_call, args)
+        fell_back, done, y32, fallback = _decode_call(n * k, _one_call_decode if one_call else _in_python, args)
         if fell_back:
             rows = torch.from_numpy(np.flatnonzero(fallback))
             x_deq = torch.empty(m, k, dtype=torch.bfloat16)
