@@ -24,7 +24,7 @@ from numba import types
 from numba.extending import intrinsic
 
 from lowbit.cli.smoke._common import device_name
-from lowbit.kernels.cpu import _simd as simd  # noqa: F401  (initializes LLVM's assembly parser)
+import lowbit.kernels.cpu._simd  # noqa: F401  (initializes LLVM's assembly parser for the inline assembly)
 
 ZERO = "".join(f"vpxorq %zmm{r}, %zmm{r}, %zmm{r}\n" for r in (29, 30, 31))
 

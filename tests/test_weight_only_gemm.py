@@ -246,7 +246,8 @@ def _counting_amx(monkeypatch) -> list:
 @pytest.mark.parametrize("bias_dtype", [None, torch.bfloat16, torch.float32])
 def test_amx_kernel_within_the_order_interval(monkeypatch, fmt, m, n, bias_dtype):
     """BF16 x of GEMV_MAX_M + 1 .. rows on the tiles: M and N on and off the 32-row blocks (a last task of 3
-    rows, N below one panel; blocks of x with at most 16 rows take half the tiles, 18 rows all), K with a short last tile row (HiFloat8, FP8: 319) or an odd 32-block; NaN / Inf
+    rows, N below one panel; blocks of x with at most 16 rows take half the tiles, 18 rows all), K with a short
+    last tile row (HiFloat8, FP8: 319) or an odd 32-block; NaN / Inf
     weights, a non-contiguous x with Inf / NaN, -0 and BF16 subnormals (flushed by the tiles), every bias kind;
     each output within the interval or NaN where the reference is; NaN canonical."""
     calls = _counting_amx(monkeypatch)

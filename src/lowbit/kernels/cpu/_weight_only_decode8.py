@@ -294,10 +294,10 @@ def _both_lanes(builder, data, offset):
 def code8_columns_half(typingctx, codes, index, tables, row, addends):
     """code8_decode_half of 32 re-encoded 8-bit codes ``codes[index : index + 32]`` (uint8) whose column table
     is ``tables[row]`` (``tables``: (R, _code8_columns.TABLE_BYTES) uint8, C-contiguous, or its flat view, a
-    table a row: T's low, then high bytes; _code8_columns.fill_column_table), with ``addends`` = _code8_columns.ADDENDS: per
-    code, T[j] and the addend of its high nibble (one vpshufb each for the low and the high bytes; zero's
-    slot looked up as 0), paired into words and added, widened in CODE8_ORDER. AVX2; codes whose weights the
-    table gives only (rows of _code8_columns.encode_rows's ``fast``)."""
+    table a row: T's low, then high bytes; _code8_columns.fill_column_table), with ``addends`` =
+    _code8_columns.ADDENDS: per code, T[j] and the addend of its high nibble (one vpshufb each for the low and
+    the high bytes; zero's slot looked up as 0), paired into words and added, widened in CODE8_ORDER. AVX2;
+    codes whose weights the table gives only (rows of _code8_columns.encode_rows's ``fast``)."""
 
     def codegen(context, builder, sig, args):
         i8p, i64 = ir.IntType(8).as_pointer(), ir.IntType(64)
