@@ -277,6 +277,46 @@ def test_hifloat4_pairs_decode_every_block_as_the_flag_doublings():
     assert torch.equal(torch.from_numpy(got), _expected_pairs(weights, words.size // 2))
 
 
+@numba.njit
+def _indexed_pair_steps(words, codes, signs, steps, out):
+    """_pair_steps through _hifloat4_indexed_pair_step (operands of _hifloat4_indexed_operands)."""
+    operands = (words, codes, signs, np.uint64(0))
+    for t in range(steps):
+        low, high = wo_gemv4._hifloat4_indexed_pair_step(operands, 0, 0, t)
+        simd.i32v_store(out, 64 * t, low)
+        simd.i32v_store(out, 64 * t + 32, high)
+
+
+@pytest.mark.skipif(not cpu._HIFLOAT4_PAIRS, reason="HiFloat4's BF16 pairs need AVX512-BF16 and BITALG")
+def test_hifloat4_indexed_pairs_equal_the_in_place_pairs():
+    """A weight prepared for the pairs by magnitude index (_hifloat4_indexed_operands) gives the dwords of the
+    in-place pairs of the packed weight bit for bit (tested above against the portable decode), for every E6M2
+    byte (the poisoned 0xFF too: NaN words with their nibble's sign) under every e2 byte and every e3 byte in
+    both halves, with random value bytes; the magnitudes are the 16 values of c * 2^(e2 + e3)."""
+    assert sorted({c << (e2 + e3) for c in range(8) for e2 in (0, 1) for e3 in (0, 1)}) == \
+        wo_decode4.INDEXED_MAGNITUDES.tolist()
+    rng = np.random.default_rng(8)
+    words = _scale_words(rng, 256)
+    value = rng.integers(0, 256, 32 * words.size, dtype=np.uint8)
+    codes = np.empty((1, value.size), dtype=np.uint8)
+    signs = np.empty((1, 2 * words.size), dtype=np.uint32)
+    wo_decode4._hifloat4_indexed_operands(words.reshape(1, -1), value.reshape(1, -1), codes, signs)
+    want, got = (np.empty(32 * words.size, dtype=np.int32) for _ in range(2))
+    _pair_steps(wo_gemv4._hifloat4_pair_step, words, value, words.size // 2, want)
+    _indexed_pair_steps(words, codes.reshape(-1), signs.reshape(-1), words.size // 2, got)
+    assert np.array_equal(got, want)
+
+
+def test_hifloat4_indexed_operands_need_pairs_of_blocks():
+    """_hifloat4_indexed_operands names the shapes it cannot pair (an odd number of blocks, a mismatch)."""
+    words, value = np.zeros((2, 3), dtype=np.int32), np.zeros((2, 96), dtype=np.uint8)
+    with pytest.raises(ValueError, match=r"words \(2, 3\)"):
+        wo_decode4._hifloat4_indexed_operands(words, value, np.empty_like(value), np.empty((2, 6), dtype=np.uint32))
+    with pytest.raises(ValueError, match="signs"):
+        wo_decode4._hifloat4_indexed_operands(words[:, :2], value[:, :64], np.empty((2, 64), dtype=np.uint8),
+                                              np.empty((2, 3), dtype=np.uint32))
+
+
 @pytest.mark.skipif(not simd.HAS_AVX512BF16, reason="the BF16 pairs need AVX512-BF16")
 def test_mxfp4_pairs_give_every_code_under_every_normal_scale_byte():
     """mxfp4_pairs gives the reference's MXFP4 weights as BF16 words in pair order, for every code in every

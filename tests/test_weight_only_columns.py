@@ -469,12 +469,12 @@ def test_mxfp8_prepared_batched_and_gemm_rows_equal_the_operator():
 
 
 def test_hifloat4_prepared_rows_sum_as_the_reference(monkeypatch):
-    """A prepared HiFloat4 weight (on AVX2 CPUs: its scale words and value bytes rearranged,
-    _hifloat4_prepared_operands) of every E6M2 byte (0xFF: a poisoned block, NaN row), random and extreme
-    flag patterns (none set, all set), rows of one narrow scale range (fused multiply-adds) and of wide ones:
-    its float32 sums equal the reference's lane sums (_check_prepared_rows: x specials, non-contiguous x, two
-    threads); at M = 1, 2 (GEMV), 9 (batched) and 300 (GEMM path) it gives the operator's bits for BF16 and
-    FP16 x."""
+    """A prepared HiFloat4 weight (on AVX2 CPUs: its scale words and value bytes rearranged; on CPUs with the
+    BF16 pairs: its magnitude indices and signs beside it, _hifloat4_prepared_operands) of every E6M2 byte
+    (0xFF: a poisoned block, NaN row), random and extreme flag patterns (none set, all set), rows of one narrow
+    scale range (fused multiply-adds) and of wide ones: its float32 sums equal the reference's lane sums
+    (_check_prepared_rows: x specials, non-contiguous x, two threads); at M = 1, 2 (GEMV), 9 (batched) and 300
+    (GEMM path) it gives the operator's bits for BF16 and FP16 x."""
     g = gen(71)
     n, k = 48, 2048  # 32 blocks a row: _low_byte_range's vector loop reads the prepared words
     scale = torch.randint(0, 256, (n, k // 64, 4), generator=g, dtype=torch.uint8)
@@ -483,12 +483,15 @@ def test_hifloat4_prepared_rows_sum_as_the_reference(monkeypatch):
     scale[40, :, 1:], scale[41, :, 1:] = 0x00, 0xFF  # no level flag set; every one
     value = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
     if cpu.BYTE_SHUFFLE_NIBBLES:
-        words, values = cpu.HIFLOAT4_LINEAR.prepare(torch.bfloat16, k, scale, value, None)[0]
+        words, values, _, _ = cpu.HIFLOAT4_LINEAR.prepare(torch.bfloat16, k, scale, value, None)[0]
         assert words.dtype == np.uint32 and values.shape == value.shape
         low = scale[..., 0].numpy()
         for row in (0, 5, 40):  # the E6M2 range of a row, as the GEMV's choice of the fused path reads it
             got = wo_steps._low_byte_range(words.reshape(-1), row * (k // 64), k // 64)
             assert got == (low[row].min(), low[row].max())
+    if cpu._HIFLOAT4_PAIRS:  # the sums below go by magnitude index
+        codes, signs = cpu.HIFLOAT4_LINEAR.prepare(torch.bfloat16, k, scale, value, None)[0][2:]
+        assert codes.shape == value.shape and signs.shape == (n, k // 32)
     x = torch.randn(3, k, generator=g).bfloat16()
     prepared = PreparedCall(ops.HIFLOAT4_LINEAR, (scale, value, None))
     _check_prepared_rows(prepared, cpu.HIFLOAT4_LINEAR, x, (scale, value), reference.hifloat4_weight(scale, value),

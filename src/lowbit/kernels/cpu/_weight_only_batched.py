@@ -274,18 +274,19 @@ def _mxfp4_batched(x_reg, scales, codes, y32):
 
 
 @numba.njit(**NJIT_OPTIONS)
-def _hifloat4_batched_rows(x_reg, words, value, row, end, y32):
-    """Rows row .. end - 1 of W: the serial part of _hifloat4_batched."""
+def _hifloat4_batched_rows(x_reg, words, value, codes, signs, row, end, y32):
+    """Rows row .. end - 1 of W: the serial part of _hifloat4_batched (codes, signs: the GEMV's indexed pairs,
+    unused here)."""
     m_rows, kp = x_reg.shape
     operands = (simd.flat(words), simd.flat(value), words.shape[1])
     _batch_rows(_hifloat4_batch_row, operands, row, end, simd.flat(x_reg), kp, m_rows, y32)
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _hifloat4_batched(x_reg, words, value, y32):
+def _hifloat4_batched(x_reg, words, value, codes, signs, y32):
     n = words.shape[0]
     for task in numba.prange(-(-n // _BATCH_ROWS_PER_TASK)):
-        _hifloat4_batched_rows(x_reg, words, value, task * _BATCH_ROWS_PER_TASK,
+        _hifloat4_batched_rows(x_reg, words, value, codes, signs, task * _BATCH_ROWS_PER_TASK,
                                min(n, (task + 1) * _BATCH_ROWS_PER_TASK), y32)
 
 

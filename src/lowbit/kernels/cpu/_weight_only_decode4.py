@@ -11,6 +11,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from lowbit.kernels.cpu import _simd as simd
+from lowbit.kernels.cpu._runtime import NJIT_OPTIONS
 from lowbit.kernels.cpu._weight_only_layout import (HALF, LANES, NIBBLE_ORDER, _HIFLOAT4_TABLES, _I32, _INLINE,
                                                     _MXFP4_TABLES, _V16x32, _V32x16, _mask)
 
@@ -646,3 +647,140 @@ def hifloat4_pairs(typingctx, value, start, words, block):
     return types.UniTuple(simd.I32V, 2)(value, start, words, block), codegen
 
 
+
+
+# ---- HiFloat4 by magnitude index: a prepared weight's pairs at MXFP4's cost (hifloat4_indexed_pairs) -----
+# A HiFloat4 weight's magnitude c * 2^(e2 + e3) (c in 0..7, e2 + e3 in 0..2) takes exactly 16 values,
+# INDEXED_MAGNITUDES. A weight prepared once for the BF16 pairs (_hifloat4_indexed_operands) stores per
+# element the index of its magnitude in a nibble (codes, in the value bytes' places) and its sign in a bit
+# plane ordered as the pair step's registers (signs); the E6M2 byte stays in the scale word. Row b of
+# _HIFLOAT4_INDEXED_WORDS holds, at index m, the BF16 bits of INDEXED_MAGNITUDES[m] / 4 times E6M2 byte b's
+# scale (the same values as _HIFLOAT4_MAGNITUDES, NaN for the poisoned byte), so a pair step of two blocks
+# looks every weight up in one 32-word table (vpermw, bit 4: the second block) and adds the sign bit under a
+# mask loaded from the bit plane: no flags, no 64-word look-ups (docs/weight_only.md, 'Prepared HiFloat4
+# pairs').
+INDEXED_MAGNITUDES = np.array(sorted({c << level for c in range(8) for level in range(3)}), dtype=np.int64)
+assert len(INDEXED_MAGNITUDES) == 16
+_MAGNITUDE_INDEX = np.zeros(29, dtype=np.uint8)  # c << (e2 + e3) -> its index in INDEXED_MAGNITUDES
+_MAGNITUDE_INDEX[INDEXED_MAGNITUDES] = np.arange(16)
+
+
+def _indexed_words() -> np.ndarray:
+    """(256 * 16,) int16: _HIFLOAT4_INDEXED_WORDS, taken from _HIFLOAT4_MAGNITUDES (index c | e2 << 3 | e3 << 4)
+    at the smallest level of each magnitude."""
+    at = []
+    for magnitude in INDEXED_MAGNITUDES:
+        level = next(level for level in range(3) if magnitude >> level <= 7 and (magnitude >> level) << level
+                     == magnitude)
+        at.append(int(magnitude >> level) | ((0, 1, 3)[level] << 3))  # flags: none, e2, e2 and e3
+    return _HIFLOAT4_MAGNITUDES.reshape(256, HALF)[:, at].reshape(-1).copy()
+
+
+_HIFLOAT4_INDEXED_WORDS = _indexed_words()
+_INDEXED_SIGN_WORDS = 4  # uint32 sign masks per pair step: (low nibbles, high nibbles) x (value bytes half)
+
+
+def _sign_elements() -> np.ndarray:
+    """(4, 32) int64: for sign mask i of a pair step (nibble i // 2, value bytes half i % 2) and bit w, the
+    element of the pair's 128 (64 * block + element in the block) whose sign that bit holds: the weight of word
+    w of the pair step's register (_pair_words' bytes: odd words the first block's, even words the second's;
+    the nibble's element)."""
+    table = np.empty((_INDEXED_SIGN_WORDS, HALF), dtype=np.int64)
+    for i in range(_INDEXED_SIGN_WORDS):
+        nibble, byte_half = divmod(i, 2)
+        for w in range(HALF):
+            table[i, w] = (0 if w % 2 else 64) + 2 * (16 * byte_half + w // 2) + nibble
+    return table
+
+
+_SIGN_ELEMENTS = _sign_elements()
+
+
+def _hifloat4_indexed_operands(words: np.ndarray, value: np.ndarray, codes: np.ndarray, signs: np.ndarray) -> None:
+    """codes, signs <- the operands of hifloat4_indexed_pairs of a HiFloat4 weight: ``words`` (N, B) int32 scale
+    words and ``value`` (N, 32 B) uint8 value bytes (B even) -> ``codes`` (N, 32 B) uint8 (element 2 j's
+    magnitude index in the low nibble of byte j of its block, 2 j + 1's in the high one) and ``signs``
+    (N, 2 B) uint32 (per pair of blocks _INDEXED_SIGN_WORDS masks, bit w of mask i the sign of
+    _SIGN_ELEMENTS[i, w]). ValueError if the shapes do not match or B is odd."""
+    n, blocks = words.shape
+    if blocks % 2 or value.shape != (n, 32 * blocks) or codes.shape != value.shape or signs.shape != (n, 2 * blocks):
+        raise ValueError(f"_hifloat4_indexed_operands: words {words.shape}, value {value.shape}, codes {codes.shape} "
+                         f"and signs {signs.shape} do not make pairs of blocks")
+    _fill_indexed(words, value, codes, signs, _SIGN_ELEMENTS, _MAGNITUDE_INDEX)
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _fill_indexed(words, value, codes, signs, sign_elements, magnitude_index):
+    """_hifloat4_indexed_operands' loops (18 ms for 4096 x 4096 on one thread of an Intel Xeon, where numpy's
+    vectorized form took 100-190 ms)."""
+    n, blocks = words.shape
+    for r in range(n):
+        for b in range(blocks):
+            word = np.uint32(words[r, b])
+            for g in range(16):  # 4-group g: e2 of 8-group g // 2 at bit 15 - g // 2, e3 at bit 23 - g or 39 - g
+                e3_at = 23 - g if g < 8 else 39 - g
+                level = ((word >> np.uint32(15 - g // 2)) & 1) + ((word >> np.uint32(e3_at)) & 1)
+                for j in range(2):  # its two value bytes
+                    at = 32 * b + 2 * g + j
+                    byte = value[r, at]
+                    codes[r, at] = (magnitude_index[(byte & 7) << level]
+                                    | magnitude_index[((byte >> 4) & 7) << level] << 4)
+        for p in range(blocks // 2):
+            for i in range(sign_elements.shape[0]):
+                mask = np.uint32(0)
+                for w in range(sign_elements.shape[1]):
+                    e = sign_elements[i, w]
+                    byte = value[r, 64 * p + e // 2]
+                    mask |= np.uint32((byte >> (4 * (e % 2) + 3)) & 1) << np.uint32(w)
+                signs[r, sign_elements.shape[0] * p + i] = mask
+
+
+def _add_under_mask(builder, a, b, mask):
+    """<32 x i16>: a + b in the words whose bit of ``mask`` (<32 x i1>) is set, else a: one masked vpaddw
+    (inline assembly: LLVM makes the select an addition and a masked move, two instructions)."""
+    v1x32 = ir.VectorType(ir.IntType(1), HALF)
+    return builder.asm(ir.FunctionType(_V16x32, [_V16x32, _V16x32, v1x32]), "vpaddw $2, $1, $0 {$3}", "=v,0,v,^Yk",
+                       [a, b, mask], False)
+
+
+@intrinsic
+def hifloat4_indexed_pairs(typingctx, codes, start, signs, words, block):
+    """The BF16 pairs of the prepared HiFloat4 blocks ``block`` and ``block + 1`` (flat, ``block`` even): scale
+    words at ``words[block]`` (1-D int32 or uint32: the E6M2 byte is the low byte), 64 magnitude-index bytes at
+    ``codes[start]`` (1-D uint8) and the pair's _INDEXED_SIGN_WORDS sign masks at ``signs[2 * block]`` (1-D
+    uint32), from _hifloat4_indexed_operands. Two I32V (low nibbles, high nibbles; PAIR_ORDER), bit for bit
+    hifloat4_pairs' of the packed weight. AVX512-VBMI (one vpermb and one vpermw per 32 words)."""
+
+    def codegen(context, builder, sig, args):
+        vperm = simd.vpermw(builder)
+        i16, i32, i64 = ir.IntType(16), ir.IntType(32), ir.IntType(64)
+        v8x64, v1x32 = ir.VectorType(ir.IntType(8), LANES), ir.VectorType(ir.IntType(1), HALF)
+        raw = builder.load(simd._element_ptr(context, builder, sig.args[0], args[0], args[1], v8x64), align=1)
+        table = builder.bitcast(simd.aligned_constant(builder, "lowbit.hifloat4.indexed", _HIFLOAT4_INDEXED_WORDS),
+                                i16.as_pointer())
+        v16x16 = ir.VectorType(i16, 16)
+
+        def block_row(i):  # the 16 words of block + i's E6M2 byte: 32 bytes at a multiple of 32
+            at = builder.add(args[4], ir.Constant(args[4].type, i))
+            word = builder.load(simd._element_ptr(context, builder, sig.args[3], args[3], at, i32))
+            row = builder.mul(builder.zext(builder.trunc(word, ir.IntType(8)), i64), ir.Constant(i64, 16))
+            return builder.load(builder.bitcast(builder.gep(table, [row]), v16x16.as_pointer()), align=32)
+
+        pair_table = builder.shuffle_vector(block_row(0), block_row(1), _mask(range(HALF)))
+        sign_at = builder.mul(args[4], ir.Constant(args[4].type, 2))
+        block_bits = ir.Constant(_V16x32, [b // 2 for b in _SECOND_STEP])  # bit 4: the second block
+        sign_bit = ir.Constant(_V16x32, [-32768] * HALF)
+        registers = [[], []]
+        for byte_half in (0, 1):
+            words = _pair_words(builder, raw, byte_half)
+            high = builder.lshr(words, ir.Constant(_V16x32, [4] * HALF))
+            for nibble, (register, nibbles) in enumerate(zip(registers, (words, high))):
+                index = builder.or_(builder.and_(nibbles, ir.Constant(_V16x32, [15] * HALF)), block_bits)
+                magnitude = builder.call(vperm, [pair_table, index])
+                at = builder.add(sign_at, ir.Constant(sign_at.type, 2 * nibble + byte_half))
+                mask = builder.bitcast(builder.load(simd._element_ptr(context, builder, sig.args[2], args[2], at, i32)),
+                                       v1x32)
+                register.append(_add_under_mask(builder, magnitude, sign_bit, mask))
+        return context.make_tuple(builder, sig.return_type, _pair_registers(builder, registers))
+
+    return types.UniTuple(simd.I32V, 2)(codes, start, signs, words, block), codegen

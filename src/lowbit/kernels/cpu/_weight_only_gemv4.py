@@ -8,7 +8,7 @@ import numpy as np
 
 from lowbit.kernels.cpu import _simd as simd
 from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS
-from lowbit.kernels.cpu._weight_only_decode4 import hifloat4_pairs, mxfp4_pairs
+from lowbit.kernels.cpu._weight_only_decode4 import hifloat4_indexed_pairs, hifloat4_pairs, mxfp4_pairs
 from lowbit.kernels.cpu._weight_only_layout import (HALF, LANES, _INLINE, _ROWS_PER_TASK, _row_sum_4bit,
                                                     _row_sum_hifloat4, _row_sum_nibbles)
 from lowbit.kernels.cpu._weight_only_steps import (BLOCK_ROWS, ROW_BLOCK, _accumulate, _accumulate_fused, _block_sums,
@@ -75,6 +75,18 @@ def _hifloat4_pair_step(operands, start, r, t):
 
 
 @numba.njit(**_INLINE)
+def _hifloat4_indexed_pair_step(operands, start, r, t):
+    """The pair step of _hifloat4_pair_step from a weight prepared for hifloat4_indexed_pairs: operands (words,
+    codes, signs, ahead: the prefetch distance of the codes), flat."""
+    words_flat, codes_flat, signs_flat, ahead = operands
+    block = np.uint64(start + 2 * t)
+    _prefetch_ahead(codes_flat, np.uint64(32) * block, ahead)  # a pair step reads one cache line of codes
+    if t % 4 == 0:  # and a quarter of one of signs
+        _prefetch_ahead(signs_flat, np.uint64(2) * block, ahead // np.uint64(16))
+    return hifloat4_indexed_pairs(codes_flat, np.uint64(32) * block, signs_flat, words_flat, block)
+
+
+@numba.njit(**_INLINE)
 def _mxfp4_pair_step(operands, start, r, t):
     """MXFP4 pair step t (blocks start + 4t .. start + 4t + 3) of a row as two I32V of BF16 pairs (PAIR_ORDER):
     operands as _mxfp4_block_step's."""
@@ -95,8 +107,8 @@ def _all_fused(fused, m, lows, highs, count):
 
 
 @numba.njit(**_INLINE)
-def _nibble_rows(row_sum, block_step, block_steps, pairs, pair_sums, x_reg, scales, packed, fused, x_pairs, paired,
-                 row, end, y32):
+def _nibble_rows(row_sum, block_step, block_steps, pairs, pair_sums, pair_arrays, x_reg, scales, packed, fused, x_pairs,
+                 paired, row, end, y32):
     """Rows row .. end - 1 of a 4-bit GEMV (inlined into _mxfp4_rows / _hifloat4_rows, which pass their
     format's ``row_sum``, ``block_step`` and ``pair_sums``): x_reg (M, Kp) register order, scales / packed the
     format's two weight arrays (N, ...), fused (M, 256) from _fused_bytes, x_pairs and paired from
@@ -105,7 +117,8 @@ def _nibble_rows(row_sum, block_step, block_steps, pairs, pair_sums, x_reg, scal
     for two rows of x at once where ``pairs`` and both may (_block_sums_pair: HiFloat4, whose step is
     costly to decode; MXFP4's cheap step measured 15-22 % slower so at M = 2 and 4), else in BF16 pairs
     (``pair_sums``: two steps per product instruction) where every one of its rows may be and the number
-    of steps is even, else with fused multiply-adds where every one of its rows may be, else row by row."""
+    of steps is even, else with fused multiply-adds where every one of its rows may be, else row by row.
+    ``pair_arrays``: the format's arrays for ``pair_sums`` beside the weight's (a tuple, maybe empty)."""
     blocks = scales.shape[1]
     m_rows, kp = x_reg.shape
     kq = x_pairs.shape[1]
@@ -134,7 +147,7 @@ def _nibble_rows(row_sum, block_step, block_steps, pairs, pair_sums, x_reg, scal
                         m += 2
                         continue
                 if count == ROW_BLOCK and pair_steps > 0 and _all_fused(paired, m, lows, highs, count):
-                    _store_block(y32, m, row, pair_sums(xp_flat, m * kq, pair_steps, operands, starts))
+                    _store_block(y32, m, row, pair_sums(xp_flat, m * kq, pair_steps, operands, pair_arrays, starts))
                     m += 1
                     continue
                 if count == ROW_BLOCK and _all_fused(fused, m, lows, highs, count):
@@ -185,19 +198,28 @@ def _pair_sums(step, x_flat, x0, steps, operands, starts):
 # Functions of their own, not inlined into the rows kernels: LLVM compiles two small functions much faster
 # than one large one (a first run's cost, see docs/weight_only.md, 'Kernels').
 @numba.njit(**NJIT_OPTIONS)
-def _hifloat4_pair_sums_bf16(x_flat, x0, steps, operands, starts):
+def _hifloat4_pair_sums_bf16(x_flat, x0, steps, operands, pair_arrays, starts):
+    """HiFloat4's BF16 pair sums of a block of rows: by magnitude index, four rows at a time, where the weight
+    was prepared for it (``pair_arrays``: (codes, signs) of _hifloat4_indexed_operands, else empty), else
+    from the packed weight in place, two rows at a time."""
+    codes, signs = pair_arrays
+    if signs.size:
+        words_flat, _, ahead = operands
+        indexed = (words_flat, simd.borrowed_flat(codes), simd.borrowed_flat(signs), ahead)
+        return _block_sums(_hifloat4_indexed_pair_step, _dot_pairs, _row_sum_nibbles, _x_pair_step, x_flat, x0, steps,
+                           indexed, starts)
     return _pair_sums(_hifloat4_pair_step, x_flat, x0, steps, operands, starts)
 
 
 @numba.njit(**NJIT_OPTIONS)
-def _mxfp4_pair_sums_bf16(x_flat, x0, steps, operands, starts):
+def _mxfp4_pair_sums_bf16(x_flat, x0, steps, operands, pair_arrays, starts):
     # four rows at once: with the weight streamed from memory, four streams measured 6 % faster than two
     return _block_sums(_mxfp4_pair_step, _dot_pairs, _row_sum_nibbles, _x_pair_step, x_flat, x0, steps, operands,
                        starts)
 
 
 @numba.njit(**_INLINE)
-def _no_pair_sums(x_flat, x0, steps, operands, starts):
+def _no_pair_sums(x_flat, x0, steps, operands, pair_arrays, starts):
     """Stands in for a pair kernel where there is none (no row is ever paired there: _paired_bytes)."""
     zero = np.float32(0.0)
     return zero, zero, zero, zero
@@ -214,14 +236,14 @@ def _mxfp4_rows(x_reg, scales, codes, fused, x_pairs, paired, row, end, y32):
     """One task of _mxfp4_gemv (a function of its own, so that numba's parallel passes do not analyse it)."""
     blocks = scales.shape[1]
     _nibble_rows(_mxfp4_row_sum, _mxfp4_block_step, blocks // 2 if blocks % 2 == 0 else 0, False, _mxfp4_pair_sums,
-                 x_reg, scales, codes, fused, x_pairs, paired, row, end, y32)
+                 (), x_reg, scales, codes, fused, x_pairs, paired, row, end, y32)
 
 
 @numba.njit(**NJIT_OPTIONS)
-def _hifloat4_rows(x_reg, words, value, fused, x_pairs, paired, row, end, y32):
+def _hifloat4_rows(x_reg, words, value, codes, signs, fused, x_pairs, paired, row, end, y32):
     """One task of _hifloat4_gemv."""
-    _nibble_rows(_hifloat4_row, _hifloat4_block_step, words.shape[1], True, _hifloat4_pair_sums, x_reg, words, value,
-                 fused, x_pairs, paired, row, end, y32)
+    _nibble_rows(_hifloat4_row, _hifloat4_block_step, words.shape[1], True, _hifloat4_pair_sums, (codes, signs), x_reg,
+                 words, value, fused, x_pairs, paired, row, end, y32)
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
@@ -236,14 +258,15 @@ def _mxfp4_gemv(x_reg, scales, codes, fused, x_pairs, paired, y32):
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _hifloat4_gemv(x_reg, words, value, fused, x_pairs, paired, y32):
+def _hifloat4_gemv(x_reg, words, value, codes, signs, fused, x_pairs, paired, y32):
     """words (N, K/64) int32 (the scale bytes; or uint32 from _hifloat4_prepared_words, with value in
-    _hifloat4_prepare_values' order), value (N, K/2) uint8; x_reg (M, Kp) register order; fused, paired:
-    _exact_bytes(x_reg, _HIFLOAT4_EXPONENTS, sources, x_pairs), which fills x_pairs; y32 (M, N). Every row, as
-    _code8_gemv."""
+    _hifloat4_prepare_values' order), value (N, K/2) uint8; codes (N, K/2) uint8 and signs (N, K/32) uint32
+    from _hifloat4_indexed_operands for the BF16 pairs, or both empty; x_reg (M, Kp) register order; fused,
+    paired: _exact_bytes(x_reg, _HIFLOAT4_EXPONENTS, sources, x_pairs), which fills x_pairs; y32 (M, N). Every
+    row, as _code8_gemv."""
     n = words.shape[0]
     for task in numba.prange((n + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
-        _hifloat4_rows(x_reg, words, value, fused, x_pairs, paired, task * _ROWS_PER_TASK,
+        _hifloat4_rows(x_reg, words, value, codes, signs, fused, x_pairs, paired, task * _ROWS_PER_TASK,
                        min(n, (task + 1) * _ROWS_PER_TASK), y32)
 
 

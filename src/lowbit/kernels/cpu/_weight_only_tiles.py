@@ -289,8 +289,9 @@ def _hifloat4_tile_row_any_typed(words_flat, value_flat, row, blocks, w_flat, at
 
 
 @numba.njit(**NJIT_OPTIONS)
-def _hifloat4_tile_rows(words, value, r0, row, end, w32):
-    """Rows row .. end - 1 of the tile: the serial part of _hifloat4_tile."""
+def _hifloat4_tile_rows(words, value, codes, signs, r0, row, end, w32):
+    """Rows row .. end - 1 of the tile: the serial part of _hifloat4_tile (codes, signs: the GEMV's indexed
+    pairs, unused here)."""
     blocks = words.shape[1]
     kp = w32.shape[1]
     w_flat, words_flat, value_flat = simd.flat(w32), simd.flat(words), simd.flat(value)
@@ -299,9 +300,10 @@ def _hifloat4_tile_rows(words, value, r0, row, end, w32):
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _hifloat4_tile(words, value, r0, w32):
+def _hifloat4_tile(words, value, codes, signs, r0, w32):
     rows = w32.shape[0]
     for task in numba.prange((rows + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
-        _hifloat4_tile_rows(words, value, r0, task * _ROWS_PER_TASK, min(rows, (task + 1) * _ROWS_PER_TASK), w32)
+        _hifloat4_tile_rows(words, value, codes, signs, r0, task * _ROWS_PER_TASK,
+                            min(rows, (task + 1) * _ROWS_PER_TASK), w32)
 
 

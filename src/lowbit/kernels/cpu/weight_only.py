@@ -58,7 +58,8 @@ from lowbit.kernels.cpu._runtime import (NJIT_OPTIONS, SerialOrParallel, as_nump
 from lowbit.kernels.cpu._weight_only_batched import (BATCH_IN_BF16, _code8_batched, _code8_batched_rows, _gather_x_bits,
                                                      _hifloat4_batched, _hifloat4_batched_rows, _mxfp4_batched,
                                                      _mxfp4_batched_rows, _mxfp8_batched, _mxfp8_batched_rows)
-from lowbit.kernels.cpu._weight_only_decode4 import PAIR_ORDER, _hifloat4_prepare_values, _hifloat4_prepared_words
+from lowbit.kernels.cpu._weight_only_decode4 import (PAIR_ORDER, _hifloat4_indexed_operands, _hifloat4_prepare_values,
+                                                     _hifloat4_prepared_words)
 from lowbit.kernels.cpu._weight_only_decode8 import (CODE8_COLUMNS, CODE8_PAIR_ORDER, _NOT_BY_COLUMNS, _NO_FAST_ROWS,
                                                      _NO_SLOW_BLOCKS)
 from lowbit.kernels.cpu._weight_only_gemv4 import (_HIFLOAT4_PAIRS, _hifloat4_gemv, _hifloat4_rows, _mxfp4_gemv,
@@ -888,21 +889,32 @@ def _mxfp4_operands(codes, scales, k, dtype):
     return as_numpy(scales), as_numpy(codes)
 
 
+_NO_CODES, _NO_SIGNS = np.empty((0, 0), dtype=np.uint8), np.empty((0, 0), dtype=np.uint32)
+
+
 def _hifloat4_operands(scale, value, k, dtype):
-    words = as_numpy(scale).reshape(scale.shape[0], -1).view(np.int32)  # one little-endian word per block
-    return words, as_numpy(value)
+    """(words, value, codes, signs): the scale words (one little-endian int32 per block) and value bytes as
+    views; codes and signs empty (the GEMV's BF16 pairs decode the packed weight in place)."""
+    words = as_numpy(scale).reshape(scale.shape[0], -1).view(np.int32)
+    return words, as_numpy(value), _NO_CODES, _NO_SIGNS
 
 
 def _hifloat4_prepared_operands(scale, value, k, dtype):
     """_hifloat4_operands of a weight prepared once: on AVX2 CPUs without AVX-512 (the byte-shuffle step),
     copies of its scale words and value bytes rearranged for hifloat4_bf16_step (_hifloat4_prepared_words,
-    _hifloat4_prepare_values: 0.5625 bytes more per weight; the values in huge pages), else views."""
-    words, value_np = _hifloat4_operands(scale, value, k, dtype)
-    if not BYTE_SHUFFLE_NIBBLES:
-        return words, value_np
-    prepared = as_numpy(huge_page_empty(value.shape, value.dtype))
-    _hifloat4_prepare_values(value_np, prepared)
-    return _hifloat4_prepared_words(words), prepared
+    _hifloat4_prepare_values: 0.5625 bytes more per weight; the values in huge pages); where the GEMV sums
+    BF16 pairs (BF16 x, an even number of blocks) the codes and signs of the pairs by magnitude index beside
+    the views (_hifloat4_indexed_operands: 0.625 bytes more per weight, in huge pages); else views."""
+    words, value_np, codes, signs = _hifloat4_operands(scale, value, k, dtype)
+    if BYTE_SHUFFLE_NIBBLES:
+        prepared = as_numpy(huge_page_empty(value.shape, value.dtype))
+        _hifloat4_prepare_values(value_np, prepared)
+        return _hifloat4_prepared_words(words), prepared, codes, signs
+    if _HIFLOAT4_PAIRS and dtype == torch.bfloat16 and words.shape[1] % 2 == 0:
+        codes = as_numpy(huge_page_empty(value.shape, value.dtype))
+        signs = as_numpy(huge_page_empty((words.shape[0], 2 * words.shape[1]), torch.int32)).view(np.uint32)
+        _hifloat4_indexed_operands(words, value_np, codes, signs)
+    return words, value_np, codes, signs
 
 
 _CODE8 = ((_code8_rows, _code8_gemv), (_code8_batched_rows, _code8_batched), (_code8_tile_rows, _code8_tile))
