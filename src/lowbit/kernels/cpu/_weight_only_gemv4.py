@@ -107,18 +107,20 @@ def _all_fused(fused, m, lows, highs, count):
 
 
 @numba.njit(**_INLINE)
-def _nibble_rows(row_sum, block_step, block_steps, pairs, pair_sums, pair_arrays, x_reg, scales, packed, fused, x_pairs,
-                 paired, row, end, y32):
+def _nibble_rows(row_sum, block_step, block_steps, pairs, pair_sums, pair_sums_two_x, pair_arrays, x_reg, scales,
+                 packed, fused, x_pairs, paired, row, end, y32):
     """Rows row .. end - 1 of a 4-bit GEMV (inlined into _mxfp4_rows / _hifloat4_rows, which pass their
-    format's ``row_sum``, ``block_step`` and ``pair_sums``): x_reg (M, Kp) register order, scales / packed the
-    format's two weight arrays (N, ...), fused (M, 256) from _fused_bytes, x_pairs and paired from
-    _paired_bytes, y32 (M, N). ``block_steps``: steps of a row for _block_sums, or 0 where rows cannot be
-    blocked (an MXFP4 row of an odd number of blocks). A block of rows is summed with fused multiply-adds
-    for two rows of x at once where ``pairs`` and both may (_block_sums_pair: HiFloat4, whose step is
-    costly to decode; MXFP4's cheap step measured 15-22 % slower so at M = 2 and 4), else in BF16 pairs
-    (``pair_sums``: two steps per product instruction) where every one of its rows may be and the number
-    of steps is even, else with fused multiply-adds where every one of its rows may be, else row by row.
-    ``pair_arrays``: the format's arrays for ``pair_sums`` beside the weight's (a tuple, maybe empty)."""
+    format's ``row_sum``, ``block_step``, ``pair_sums`` and ``pair_sums_two_x``): x_reg (M, Kp) register order,
+    scales / packed the format's two weight arrays (N, ...), fused (M, 256) from _fused_bytes, x_pairs and
+    paired from _paired_bytes, y32 (M, N). ``block_steps``: steps of a row for _block_sums, or 0 where rows
+    cannot be blocked (an MXFP4 row of an odd number of blocks). Where the number of steps is even, a block
+    of rows is summed in BF16 pairs (two steps per product instruction) for two rows of x at once where
+    every one of its rows may be for both and ``pair_sums_two_x`` does them (MXFP4; HiFloat4 prepared by
+    magnitude index); else with fused multiply-adds for two rows of x at once where ``pairs`` and both may
+    (_block_sums_pair: HiFloat4 in place, whose step is costly to decode; MXFP4's cheap step measured 15-22 %
+    slower so at M = 2 and 4); else in BF16 pairs for one row of x (``pair_sums``), else with fused
+    multiply-adds, where every one of its rows may be; else row by row. ``pair_arrays``: the format's arrays
+    for the pair kernels beside the weight's (a tuple, maybe empty)."""
     blocks = scales.shape[1]
     m_rows, kp = x_reg.shape
     kq = x_pairs.shape[1]
@@ -138,6 +140,16 @@ def _nibble_rows(row_sum, block_step, block_steps, pairs, pair_sums, pair_arrays
         m = 0
         while m < m_rows:
             if BLOCK_ROWS:  # a constant: on other CPUs numba prunes the block code before compiling it
+                both_paired = m + 1 < m_rows and _all_fused(paired, m, lows, highs, count) and _all_fused(
+                    paired, m + 1, lows, highs, count)
+                if count == ROW_BLOCK and pair_steps > 0 and both_paired:
+                    done, first, second = pair_sums_two_x(xp_flat, m * kq, (m + 1) * kq, pair_steps, operands,
+                                                          pair_arrays, starts)
+                    if done:
+                        _store_block(y32, m, row, first)
+                        _store_block(y32, m + 1, row, second)
+                        m += 2
+                        continue
                 if count == ROW_BLOCK and _all_fused(fused, m, lows, highs, count):
                     if pairs and m + 1 < m_rows and _all_fused(fused, m + 1, lows, highs, count):
                         first, second = _block_sums_pair(block_step, _fma_products, _row_sum_nibbles, _x_step, x_flat,
@@ -187,6 +199,34 @@ def _pair_rows(step, x_flat, x0, steps, operands, first, second):
 
 
 @numba.njit(**_INLINE)
+def _pair_rows_two_x(step, x_flat, x0, x1, steps, operands, first, second):
+    """_pair_rows for two rows of x (at x0 and x1): each pair step of W decoded once for both, every (x row,
+    W row) summed with _pair_rows' operations in its order (so its sums, bit for bit). Returns the two rows of
+    W's sums for x0, then for x1."""
+    a0, a1, b0, b1 = simd.f32v_zero(), simd.f32v_zero(), simd.f32v_zero(), simd.f32v_zero()
+    c0, c1, d0, d1 = simd.f32v_zero(), simd.f32v_zero(), simd.f32v_zero(), simd.f32v_zero()
+    for t in range(steps):
+        x_low, x_high = _x_pair_step(x_flat, x0, t)
+        y_low, y_high = _x_pair_step(x_flat, x1, t)
+        w0, w1 = step(operands, first, 0, t)
+        a0, a1 = _dot_pairs(a0, a1, x_low, x_high, w0, w1)
+        c0, c1 = _dot_pairs(c0, c1, y_low, y_high, w0, w1)
+        w0, w1 = step(operands, second, 1, t)
+        b0, b1 = _dot_pairs(b0, b1, x_low, x_high, w0, w1)
+        d0, d1 = _dot_pairs(d0, d1, y_low, y_high, w0, w1)
+    return (_row_sum_nibbles(a0, a1), _row_sum_nibbles(b0, b1)), (_row_sum_nibbles(c0, c1), _row_sum_nibbles(d0, d1))
+
+
+@numba.njit(**_INLINE)
+def _pair_sums_two_x(step, x_flat, x0, x1, steps, operands, starts):
+    """The folded sums of a block of rows in BF16 pairs for two rows of x, two rows of W at a time (four would
+    take 32 vector registers for the accumulators alone): the 4-tuple of x0's, then x1's."""
+    (a, b), (e, f) = _pair_rows_two_x(step, x_flat, x0, x1, steps, operands, starts[0], starts[1])
+    (c, d), (g, h) = _pair_rows_two_x(step, x_flat, x0, x1, steps, operands, starts[2], starts[3])
+    return (a, b, c, d), (e, f, g, h)
+
+
+@numba.njit(**_INLINE)
 def _pair_sums(step, x_flat, x0, steps, operands, starts):
     """The folded sums of a block of rows in BF16 pairs, two rows at a time: HiFloat4's pair look-ups take
     more registers than a block of four rows leaves (LLVM spilled accumulators every step)."""
@@ -197,6 +237,14 @@ def _pair_sums(step, x_flat, x0, steps, operands, starts):
 
 # Functions of their own, not inlined into the rows kernels: LLVM compiles two small functions much faster
 # than one large one (a first run's cost, see docs/weight_only.md, 'Kernels').
+@numba.njit(**_INLINE)
+def _indexed_operands(operands, codes, signs):
+    """_hifloat4_indexed_pair_step's operands from the rows kernel's (words, value, ahead) and the codes and
+    signs of _hifloat4_indexed_operands."""
+    words_flat, _, ahead = operands
+    return words_flat, simd.borrowed_flat(codes), simd.borrowed_flat(signs), ahead
+
+
 @numba.njit(**NJIT_OPTIONS)
 def _hifloat4_pair_sums_bf16(x_flat, x0, steps, operands, pair_arrays, starts):
     """HiFloat4's BF16 pair sums of a block of rows: by magnitude index, four rows at a time, where the weight
@@ -204,10 +252,8 @@ def _hifloat4_pair_sums_bf16(x_flat, x0, steps, operands, pair_arrays, starts):
     from the packed weight in place, two rows at a time."""
     codes, signs = pair_arrays
     if signs.size:
-        words_flat, _, ahead = operands
-        indexed = (words_flat, simd.borrowed_flat(codes), simd.borrowed_flat(signs), ahead)
         return _block_sums(_hifloat4_indexed_pair_step, _dot_pairs, _row_sum_nibbles, _x_pair_step, x_flat, x0, steps,
-                           indexed, starts)
+                           _indexed_operands(operands, codes, signs), starts)
     return _pair_sums(_hifloat4_pair_step, x_flat, x0, steps, operands, starts)
 
 
@@ -216,6 +262,31 @@ def _mxfp4_pair_sums_bf16(x_flat, x0, steps, operands, pair_arrays, starts):
     # four rows at once: with the weight streamed from memory, four streams measured 6 % faster than two
     return _block_sums(_mxfp4_pair_step, _dot_pairs, _row_sum_nibbles, _x_pair_step, x_flat, x0, steps, operands,
                        starts)
+
+
+@numba.njit(**_INLINE)
+def _no_pair_sums_two_x(x_flat, x0, x1, steps, operands, pair_arrays, starts):
+    """Stands in for a two-row pair kernel where there is none: not done."""
+    zero = np.float32(0.0)
+    return False, (zero, zero, zero, zero), (zero, zero, zero, zero)
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _hifloat4_pair_sums_two_x_bf16(x_flat, x0, x1, steps, operands, pair_arrays, starts):
+    """(done, x0's sums, x1's sums): _hifloat4_pair_sums_bf16 for two rows of x where the weight was prepared
+    for the pairs by magnitude index (else not done: the rows kernel sums them with fused multiply-adds)."""
+    codes, signs = pair_arrays
+    if signs.size:
+        first, second = _pair_sums_two_x(_hifloat4_indexed_pair_step, x_flat, x0, x1, steps,
+                                         _indexed_operands(operands, codes, signs), starts)
+        return True, first, second
+    return _no_pair_sums_two_x(x_flat, x0, x1, steps, operands, pair_arrays, starts)
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _mxfp4_pair_sums_two_x_bf16(x_flat, x0, x1, steps, operands, pair_arrays, starts):
+    first, second = _pair_sums_two_x(_mxfp4_pair_step, x_flat, x0, x1, steps, operands, starts)
+    return True, first, second
 
 
 @numba.njit(**_INLINE)
@@ -229,6 +300,8 @@ def _no_pair_sums(x_flat, x0, steps, operands, pair_arrays, starts):
 _HIFLOAT4_PAIRS = simd.HAS_AVX512BF16 and simd.HAS_AVX512BITALG
 _hifloat4_pair_sums = _hifloat4_pair_sums_bf16 if _HIFLOAT4_PAIRS else _no_pair_sums
 _mxfp4_pair_sums = _mxfp4_pair_sums_bf16 if simd.HAS_AVX512BF16 else _no_pair_sums
+_hifloat4_pair_sums_two_x = _hifloat4_pair_sums_two_x_bf16 if _HIFLOAT4_PAIRS else _no_pair_sums_two_x
+_mxfp4_pair_sums_two_x = _mxfp4_pair_sums_two_x_bf16 if simd.HAS_AVX512BF16 else _no_pair_sums_two_x
 
 
 @numba.njit(**NJIT_OPTIONS)
@@ -236,14 +309,14 @@ def _mxfp4_rows(x_reg, scales, codes, fused, x_pairs, paired, row, end, y32):
     """One task of _mxfp4_gemv (a function of its own, so that numba's parallel passes do not analyse it)."""
     blocks = scales.shape[1]
     _nibble_rows(_mxfp4_row_sum, _mxfp4_block_step, blocks // 2 if blocks % 2 == 0 else 0, False, _mxfp4_pair_sums,
-                 (), x_reg, scales, codes, fused, x_pairs, paired, row, end, y32)
+                 _mxfp4_pair_sums_two_x, (), x_reg, scales, codes, fused, x_pairs, paired, row, end, y32)
 
 
 @numba.njit(**NJIT_OPTIONS)
 def _hifloat4_rows(x_reg, words, value, codes, signs, fused, x_pairs, paired, row, end, y32):
     """One task of _hifloat4_gemv."""
-    _nibble_rows(_hifloat4_row, _hifloat4_block_step, words.shape[1], True, _hifloat4_pair_sums, (codes, signs), x_reg,
-                 words, value, fused, x_pairs, paired, row, end, y32)
+    _nibble_rows(_hifloat4_row, _hifloat4_block_step, words.shape[1], True, _hifloat4_pair_sums,
+                 _hifloat4_pair_sums_two_x, (codes, signs), x_reg, words, value, fused, x_pairs, paired, row, end, y32)
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
