@@ -212,12 +212,14 @@ def test_float32_lanes_by_multiply_and_by_shift(zen, monkeypatch):
         assert np.array_equal(out, np.concatenate([bits[0::2] << 16, bits[1::2] << 16]))
 
 
-def test_hifloat4_rows_of_minus_zero_weights_sum_as_the_reference():
-    """The AVX2 step holds -0 weights as +0: rows of -0 weights (alone, among others, under every level
-    flag, poisoned and extreme scale bytes) times x of either sign or zero, with and without a -0 bias, give
-    the reference's bits, by the operator and by a prepared weight (its one-call GEMV)."""
+@pytest.mark.parametrize("k", [192, 256])
+def test_hifloat4_rows_of_minus_zero_weights_sum_as_the_reference(k):
+    """The AVX2 step holds -0 weights as +0, the pairs by magnitude index as -0: rows of -0 weights (alone,
+    among others, under every level flag, poisoned and extreme scale bytes) times x of either sign or zero,
+    with and without a -0 bias, give the reference's bits, by the operator and by a prepared weight (its
+    one-call GEMV; K = 256: an even number of blocks, so pairs of steps)."""
     g = gen(61)
-    n, k = 6, 192
+    n = 6
     value = torch.full((n, k // 2), 0x88, dtype=torch.uint8)  # both nibbles: sign, c = 0
     value[1, ::3] = 0x3B  # +0.75 and -0.75 (times the levels)
     value[2] = torch.randint(0, 256, (k // 2,), generator=g, dtype=torch.uint8)
