@@ -59,20 +59,38 @@ def assert_lane_sums(got, want):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
 def test_pairs_give_the_reference_lane_sums_for_every_code(fmt, m):
     """Every code but the NaN one (HiFloat8's infinities too) at random in 13 rows (a block of four rows in pairs,
-    the short last block row by row), K = 512: the float32 sums are the reference's bit for bit, and the last
-    (odd) row of x was summed in pairs (M = 3: the first two as a pair of rows of x, by multiply and add)."""
+    the short last block row by row), K = 512: the float32 sums are the reference's bit for bit, every row of x
+    summed in pairs (two rows of x together, _code8_pair_sums_two_x; an odd last one alone)."""
     g = gen(1)
     k = 512
     codes = random_codes(13, k, g, ALL_HIF8 if fmt == "hifloat8" else ALL_E4M3)
     scale = torch.rand(13, generator=g) * 1e-2 + 1e-3
     x = torch.randn(m, k, generator=g).bfloat16()
     got, paired = gemv_sums(fmt, x, codes, scale)
-    assert paired[-1]
+    assert all(paired)
     weight = FORMATS[fmt][3](codes, scale, torch.bfloat16).float()
     assert_lane_sums(got, reference.lane_sums(x.float(), weight))
+
+
+@pytest.mark.parametrize("unpaired", [0, 1, 2])
+def test_a_row_of_x_outside_the_pairs_takes_its_partner_to_multiply_and_add(unpaired):
+    """M = 3 where row ``unpaired`` of x holds a subnormal value (no pairs for it): the pair of rows of x it
+    belongs to is summed by multiply and add, the other rows in pairs; the reference's sums for all, and the
+    HiFloat8 rows holding its NaN code sum to NaN for every row of x."""
+    g = gen(8)
+    k = 256
+    codes = random_codes(8, k, g, [c for c in ALL_HIF8 if abs(hifloat8.code_value(c)) < float("inf")])
+    codes[4, 17] = codes[5, 200] = hifloat8.NAN_CODE  # the two rows of W of one pair kernel call
+    x = torch.randn(3, k, generator=g)
+    x[unpaired, 3] = 2.0**-130
+    got, paired = gemv_sums("hifloat8", x.bfloat16(), codes, torch.ones(8))
+    assert paired == [i != unpaired for i in range(3)]
+    assert got[:, 4:6].isnan().all() and not got[:, :4].isnan().any() and not got[:, 6:].isnan().any()
+    weight = reference.hifloat8_weight(codes, torch.ones(8), torch.bfloat16).float()
+    assert_lane_sums(got, reference.lane_sums(x.bfloat16().float(), weight))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -45,12 +45,45 @@ def _code8_pair_rows(x_flat, x0, steps, codes_flat, table_a, table_b, first, sec
         _prefetch_ahead(codes_flat, at + np.uint64(LANES), ahead)
         w0, w1, low_b = code8_pairs(codes_flat, at, table_b, low_b)
         b0, b1 = _dot_pairs(b0, b1, x_low, x_high, w0, w1)
-    sum_a, sum_b = _row_sum_code8_pairs(a0, a1), _row_sum_code8_pairs(b0, b1)
-    if nan_by_minimum and u8p_holds_minimum(low_a):
-        sum_a = np.float32(np.nan)
-    if nan_by_minimum and u8p_holds_minimum(low_b):
-        sum_b = np.float32(np.nan)
-    return sum_a, sum_b
+    return (_nan_where_minimum(_row_sum_code8_pairs(a0, a1), low_a, nan_by_minimum),
+            _nan_where_minimum(_row_sum_code8_pairs(b0, b1), low_b, nan_by_minimum))
+
+
+@numba.njit(**_INLINE)
+def _nan_where_minimum(row_sum, low, nan_by_minimum):
+    """A row's folded pair sum, NaN where ``nan_by_minimum`` and its codes held the code 0x80 (``low``: the
+    running minimum of code8_pairs)."""
+    return np.float32(np.nan) if nan_by_minimum and u8p_holds_minimum(low) else row_sum
+
+
+@numba.njit(**_INLINE)
+def _code8_pair_rows_two_x(x_flat, x0, x1, steps, codes_flat, table_a, table_b, first, second, ahead,
+                           nan_by_minimum):
+    """_code8_pair_rows for two rows of x (their pairs at x_flat[x0:] and x_flat[x1:]): each pair step of W
+    decoded once for both, every (x row, W row) summed with _code8_pair_rows' operations in its order (so its
+    sums, bit for bit). Returns the two rows of W's sums for x0, then for x1."""
+    a0, a1, b0, b1 = simd.f32v_zero(), simd.f32v_zero(), simd.f32v_zero(), simd.f32v_zero()
+    c0, c1, d0, d1 = simd.f32v_zero(), simd.f32v_zero(), simd.f32v_zero(), simd.f32v_zero()
+    low_a, low_b = u8p_largest(), u8p_largest()
+    for t in range(steps):
+        x_low, x_high = _x_pair_step(x_flat, x0, t)
+        y_low, y_high = _x_pair_step(x_flat, x1, t)
+        at = np.uint64(first + PAIR_LANES * t)
+        _prefetch_ahead(codes_flat, at, ahead)
+        _prefetch_ahead(codes_flat, at + np.uint64(LANES), ahead)
+        w0, w1, low_a = code8_pairs(codes_flat, at, table_a, low_a)
+        a0, a1 = _dot_pairs(a0, a1, x_low, x_high, w0, w1)
+        c0, c1 = _dot_pairs(c0, c1, y_low, y_high, w0, w1)
+        at = np.uint64(second + PAIR_LANES * t)
+        _prefetch_ahead(codes_flat, at, ahead)
+        _prefetch_ahead(codes_flat, at + np.uint64(LANES), ahead)
+        w0, w1, low_b = code8_pairs(codes_flat, at, table_b, low_b)
+        b0, b1 = _dot_pairs(b0, b1, x_low, x_high, w0, w1)
+        d0, d1 = _dot_pairs(d0, d1, y_low, y_high, w0, w1)
+    a, b = _row_sum_code8_pairs(a0, a1), _row_sum_code8_pairs(b0, b1)
+    c, d = _row_sum_code8_pairs(c0, c1), _row_sum_code8_pairs(d0, d1)
+    return ((_nan_where_minimum(a, low_a, nan_by_minimum), _nan_where_minimum(b, low_b, nan_by_minimum)),
+            (_nan_where_minimum(c, low_a, nan_by_minimum), _nan_where_minimum(d, low_b, nan_by_minimum)))
 
 
 @numba.njit(**NJIT_OPTIONS)
@@ -64,6 +97,16 @@ def _code8_pair_sums(x_flat, x0, steps, codes_flat, tables, starts, ahead, nan_b
     c, d = _code8_pair_rows(x_flat, x0, steps, codes_flat, tables[2], tables[3], starts[2], starts[3], ahead,
                             nan_by_minimum)
     return a, b, c, d
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _code8_pair_sums_two_x(x_flat, x0, x1, steps, codes_flat, tables, starts, ahead, nan_by_minimum):
+    """_code8_pair_sums for two rows of x (_code8_pair_rows_two_x): the 4-tuple of x0's sums, then x1's."""
+    (a, b), (e, f) = _code8_pair_rows_two_x(x_flat, x0, x1, steps, codes_flat, tables[0], tables[1], starts[0],
+                                            starts[1], ahead, nan_by_minimum)
+    (c, d), (g, h) = _code8_pair_rows_two_x(x_flat, x0, x1, steps, codes_flat, tables[2], tables[3], starts[2],
+                                            starts[3], ahead, nan_by_minimum)
+    return (a, b, c, d), (e, f, g, h)
 
 
 @numba.njit(**_INLINE)
@@ -91,10 +134,16 @@ def _code8_x_row_pairs(step, x_flat, kp, steps, operands, starts, row, y32, m_en
     as for _block_sums; mul + add products): rows 0 .. m_end - 1 of x (``m_end`` even; Kp = ``kp`` apart in
     x_flat) in pairs, each step decoded once for both."""
     for m in range(0, m_end - 1, 2):
-        first, second = _block_sums_pair(step, _add_products, _row_sum_code8, _x_step, x_flat, m * kp, (m + 1) * kp,
-                                         steps, operands, starts)
-        _store_block(y32, m, row, first)
-        _store_block(y32, m + 1, row, second)
+        _code8_x_row_pair(step, x_flat, kp, steps, operands, starts, row, y32, m)
+
+
+@numba.njit(**_INLINE)
+def _code8_x_row_pair(step, x_flat, kp, steps, operands, starts, row, y32, m):
+    """y32[m : m + 2, row : row + ROW_BLOCK] as _code8_x_row_pairs makes them: rows m and m + 1 of x."""
+    first, second = _block_sums_pair(step, _add_products, _row_sum_code8, _x_step, x_flat, m * kp, (m + 1) * kp,
+                                     steps, operands, starts)
+    _store_block(y32, m, row, first)
+    _store_block(y32, m + 1, row, second)
 
 
 @numba.njit(**_INLINE)
@@ -121,6 +170,37 @@ def _code8_pair_block(pairs, m, operands, steps, starts, row, y32):
     _store_block(y32, m, row, _code8_pair_sums(xp_flat, m * kq, steps // 2, codes_flat, tables, starts, ahead,
                                                nan_by_minimum))
     return True
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _code8_pair_block_two_x(pairs, m, operands, steps, starts, row, y32):
+    """_code8_pair_block for rows m and m + 1 of x together (_code8_pair_sums_two_x), where both are
+    _code8_pairable; whether it did."""
+    x_bounds, xp_flat, kq, scale_bits, nan_by_minimum = pairs
+    if not (_code8_pairable(x_bounds, kq, m, scale_bits, row) and _code8_pairable(x_bounds, kq, m + 1, scale_bits,
+                                                                                  row)):
+        return False
+    codes_flat, tables, _, ahead = operands
+    first, second = _code8_pair_sums_two_x(xp_flat, m * kq, (m + 1) * kq, steps // 2, codes_flat, tables, starts,
+                                           ahead, nan_by_minimum)
+    _store_block(y32, m, row, first)
+    _store_block(y32, m + 1, row, second)
+    return True
+
+
+@numba.njit(**_INLINE)
+def _code8_paired_block_rows(pairs, step, x_flat, kp, steps, operands, starts, row, y32):
+    """_code8_block_rows where x's BF16 pairs were made: each pair of rows of x in BF16 pairs where both may be
+    (_code8_pair_block_two_x), else with products of both from one decode (_block_sums_pair); a last, odd row
+    in BF16 pairs where it may be (_code8_pair_block), else alone."""
+    m_rows = y32.shape[0]
+    for m in range(0, m_rows - 1, 2):
+        if not _code8_pair_block_two_x(pairs, m, operands, steps, starts, row, y32):
+            _code8_x_row_pair(step, x_flat, kp, steps, operands, starts, row, y32, m)
+    last = m_rows - 1
+    if m_rows % 2 and not _code8_pair_block(pairs, last, operands, steps, starts, row, y32):
+        _store_block(y32, last, row, _block_sums(step, _add_products, _row_sum_code8, _x_step, x_flat, last * kp,
+                                                 steps, operands, starts))
 
 
 @numba.njit(**_INLINE)
@@ -273,14 +353,13 @@ def _code8_block_step(operands, start, r, t):
 @numba.njit(**NJIT_OPTIONS)
 def _code8_rows_body(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, slow_blocks,
                      column_tables, x_bounds, x_pairs, row, end, y32):
-    """_code8_rows (``x_pairs`` None: numba prunes the pair code) and _code8_rows_paired (x's pairs: a lone row
-    of x may take BF16 pairs, _code8_block_rows)."""
+    """_code8_rows (``x_pairs`` None: numba prunes the pair code) and _code8_rows_paired (x's pairs: rows of x
+    may take BF16 pairs, _code8_paired_block_rows)."""
     k = codes.shape[1]
     kp = x_reg.shape[1]
     codes_flat, x_flat = simd.borrowed_flat(codes), simd.borrowed_flat(x_reg)
     tables = (_row_table(table_like), _row_table(table_like), _row_table(table_like), _row_table(table_like))
     if BLOCK_ROWS and k % LANES == 0:  # blocks of rows (no short last step)
-        m_rows = y32.shape[0]
         if x_pairs is not None:  # views made once, not per block (a view cost about 200 cycles)
             pairs = (x_bounds, simd.borrowed_flat(x_pairs), x_pairs.shape[1], simd.borrowed_flat(scale).view(np.int32),
                      nan_code == _CODE8_NAN_BY_MINIMUM)
@@ -289,10 +368,8 @@ def _code8_rows_body(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like
                 _fill_row_table(magnitudes, scale[row + r], bf16, nan_code, tables[r])
             starts = (row * k, (row + 1) * k, (row + 2) * k, (row + 3) * k)
             operands = (codes_flat, tables, nan_code, np.uint64(ROW_BLOCK * k))
-            if x_pairs is not None and m_rows % 2 and _code8_pair_block(pairs, m_rows - 1, operands, k // LANES,
-                                                                        starts, row, y32):
-                # the last row of x (a lone one) in BF16 pairs; the others in pairs of rows of x
-                _code8_x_row_pairs(_code8_block_step, x_flat, kp, k // LANES, operands, starts, row, y32, m_rows - 1)
+            if x_pairs is not None:
+                _code8_paired_block_rows(pairs, _code8_block_step, x_flat, kp, k // LANES, operands, starts, row, y32)
             else:
                 _code8_block_rows(_code8_block_step, x_flat, kp, k // LANES, operands, starts, row, y32)
             row += ROW_BLOCK
@@ -316,7 +393,7 @@ def _code8_rows(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, kee
 @numba.njit(**NJIT_OPTIONS)
 def _code8_rows_paired(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, slow_blocks,
                        column_tables, x_bounds, x_pairs, row, end, y32):
-    """_code8_rows with a lone row of x in BF16 pairs where _code8_pairable: the rows of the one-call GEMV of a
+    """_code8_rows with rows of x in BF16 pairs where _code8_pairable: the rows of the one-call GEMV of a
     prepared weight (serial_gemv, parallel_gemv), compiled only for it."""
     _code8_rows_body(x_reg, codes, scale, bf16, magnitudes, nan_code, table_like, keep, fast, slow_blocks,
                      column_tables, x_bounds, x_pairs, row, end, y32)
