@@ -473,7 +473,7 @@ def test_hifloat4_prepared_rows_sum_as_the_reference(monkeypatch):
     BF16 pairs: its magnitude indices and signs beside it, _hifloat4_prepared_operands) of every E6M2 byte
     (0xFF: a poisoned block, NaN row), random and extreme flag patterns (none set, all set), rows of one narrow
     scale range (fused multiply-adds) and of wide ones: its float32 sums equal the reference's lane sums
-    (_check_prepared_rows: x specials, non-contiguous x, two threads); at M = 1, 2 (GEMV), 9 (batched) and 300
+    (_check_prepared_rows: x specials, non-contiguous x, two threads); at M = 1-4 (GEMV), 9 (batched) and 300
     (GEMM path) it gives the operator's bits for BF16 and FP16 x."""
     g = gen(71)
     n, k = 48, 2048  # 32 blocks a row: _low_byte_range's vector loop reads the prepared words
@@ -497,6 +497,6 @@ def test_hifloat4_prepared_rows_sum_as_the_reference(monkeypatch):
     _check_prepared_rows(prepared, cpu.HIFLOAT4_LINEAR, x, (scale, value), reference.hifloat4_weight(scale, value),
                          monkeypatch)
     for dtype in (torch.bfloat16, torch.float16):
-        for m in (1, 2, 9, 300):
+        for m in (1, 2, 3, 4, 9, 300):
             x = torch.randn(m, k, generator=g).to(dtype)
             assert_bits(prepared(x), ops.HIFLOAT4_LINEAR(x, scale, value, None, backend="native"))

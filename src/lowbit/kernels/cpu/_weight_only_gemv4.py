@@ -107,20 +107,20 @@ def _all_fused(fused, m, lows, highs, count):
 
 
 @numba.njit(**_INLINE)
-def _nibble_rows(row_sum, block_step, block_steps, pairs, pair_sums, pair_sums_two_x, pair_arrays, x_reg, scales,
-                 packed, fused, x_pairs, paired, row, end, y32):
+def _nibble_rows(row_sum, block_step, block_steps, pairs, pair_sums, pair_sums_two_x, pair_sums_four_x, pair_arrays,
+                 x_reg, scales, packed, fused, x_pairs, paired, row, end, y32):
     """Rows row .. end - 1 of a 4-bit GEMV (inlined into _mxfp4_rows / _hifloat4_rows, which pass their
-    format's ``row_sum``, ``block_step``, ``pair_sums`` and ``pair_sums_two_x``): x_reg (M, Kp) register order,
-    scales / packed the format's two weight arrays (N, ...), fused (M, 256) from _fused_bytes, x_pairs and
-    paired from _paired_bytes, y32 (M, N). ``block_steps``: steps of a row for _block_sums, or 0 where rows
-    cannot be blocked (an MXFP4 row of an odd number of blocks). Where the number of steps is even, a block
-    of rows is summed in BF16 pairs (two steps per product instruction) for two rows of x at once where
-    every one of its rows may be for both and ``pair_sums_two_x`` does them (MXFP4; HiFloat4 prepared by
-    magnitude index); else with fused multiply-adds for two rows of x at once where ``pairs`` and both may
-    (_block_sums_pair: HiFloat4 in place, whose step is costly to decode; MXFP4's cheap step measured 15-22 %
-    slower so at M = 2 and 4); else in BF16 pairs for one row of x (``pair_sums``), else with fused
-    multiply-adds, where every one of its rows may be; else row by row. ``pair_arrays``: the format's arrays
-    for the pair kernels beside the weight's (a tuple, maybe empty)."""
+    format's ``row_sum``, ``block_step`` and pair kernels): x_reg (M, Kp) register order, scales / packed the
+    format's two weight arrays (N, ...), fused (M, 256) from _fused_bytes, x_pairs and paired from
+    _paired_bytes, y32 (M, N). ``block_steps``: steps of a row for _block_sums, or 0 where rows cannot be
+    blocked (an MXFP4 row of an odd number of blocks). Where the number of steps is even, a block of rows is
+    summed in BF16 pairs (two steps per product instruction) for four rows of x at once, else two, where
+    every one of its rows may be for each and ``pair_sums_four_x`` / ``pair_sums_two_x`` do them (MXFP4;
+    HiFloat4 prepared by magnitude index); else with fused multiply-adds for two rows of x at once where
+    ``pairs`` and both may (_block_sums_pair: HiFloat4 in place, whose step is costly to decode; MXFP4's
+    cheap step measured 15-22 % slower so at M = 2 and 4); else in BF16 pairs for one row of x
+    (``pair_sums``), else with fused multiply-adds, where every one of its rows may be; else row by row.
+    ``pair_arrays``: the format's arrays for the pair kernels beside the weight's (a tuple, maybe empty)."""
     blocks = scales.shape[1]
     m_rows, kp = x_reg.shape
     kq = x_pairs.shape[1]
@@ -142,6 +142,13 @@ def _nibble_rows(row_sum, block_step, block_steps, pairs, pair_sums, pair_sums_t
             if BLOCK_ROWS:  # a constant: on other CPUs numba prunes the block code before compiling it
                 both_paired = m + 1 < m_rows and _all_fused(paired, m, lows, highs, count) and _all_fused(
                     paired, m + 1, lows, highs, count)
+                four_paired = both_paired and m + 3 < m_rows and _all_fused(paired, m + 2, lows, highs, count) and (
+                    _all_fused(paired, m + 3, lows, highs, count))
+                xs = (m * kq, (m + 1) * kq, (m + 2) * kq, (m + 3) * kq)
+                if count == ROW_BLOCK and pair_steps > 0 and four_paired and pair_sums_four_x(
+                        xp_flat, xs, pair_steps, operands, pair_arrays, starts, y32, m, row):
+                    m += 4
+                    continue
                 if count == ROW_BLOCK and pair_steps > 0 and both_paired:
                     done, first, second = pair_sums_two_x(xp_flat, m * kq, (m + 1) * kq, pair_steps, operands,
                                                           pair_arrays, starts)
@@ -227,6 +234,35 @@ def _pair_sums_two_x(step, x_flat, x0, x1, steps, operands, starts):
 
 
 @numba.njit(**_INLINE)
+def _pair_row_four_x(step, x_flat, xs, steps, operands, start):
+    """One row of W (weights at ``start``) in BF16 pairs times four rows of x (their pairs at x_flat[xs[i]:]):
+    each pair step decoded once for all four, every (x row, W row) summed as _pair_rows sums it (its bits).
+    Returns the four folded sums."""
+    a0, a1, b0, b1 = simd.f32v_zero(), simd.f32v_zero(), simd.f32v_zero(), simd.f32v_zero()
+    c0, c1, d0, d1 = simd.f32v_zero(), simd.f32v_zero(), simd.f32v_zero(), simd.f32v_zero()
+    for t in range(steps):
+        w0, w1 = step(operands, start, 0, t)
+        x_low, x_high = _x_pair_step(x_flat, xs[0], t)
+        a0, a1 = _dot_pairs(a0, a1, x_low, x_high, w0, w1)
+        x_low, x_high = _x_pair_step(x_flat, xs[1], t)
+        b0, b1 = _dot_pairs(b0, b1, x_low, x_high, w0, w1)
+        x_low, x_high = _x_pair_step(x_flat, xs[2], t)
+        c0, c1 = _dot_pairs(c0, c1, x_low, x_high, w0, w1)
+        x_low, x_high = _x_pair_step(x_flat, xs[3], t)
+        d0, d1 = _dot_pairs(d0, d1, x_low, x_high, w0, w1)
+    return _row_sum_nibbles(a0, a1), _row_sum_nibbles(b0, b1), _row_sum_nibbles(c0, c1), _row_sum_nibbles(d0, d1)
+
+
+@numba.njit(**_INLINE)
+def _pair_sums_four_x(step, x_flat, xs, steps, operands, starts, y32, m, row):
+    """y32[m : m + 4, row : row + ROW_BLOCK]: a block of rows in BF16 pairs for four rows of x (pairs at
+    x_flat[xs[i]:]), one row of W at a time (_pair_row_four_x: eight accumulators)."""
+    for r in range(ROW_BLOCK):
+        y32[m, row + r], y32[m + 1, row + r], y32[m + 2, row + r], y32[m + 3, row + r] = _pair_row_four_x(
+            step, x_flat, xs, steps, operands, starts[r])
+
+
+@numba.njit(**_INLINE)
 def _pair_sums(step, x_flat, x0, steps, operands, starts):
     """The folded sums of a block of rows in BF16 pairs, two rows at a time: HiFloat4's pair look-ups take
     more registers than a block of four rows leaves (LLVM spilled accumulators every step)."""
@@ -284,6 +320,30 @@ def _hifloat4_pair_sums_two_x_bf16(x_flat, x0, x1, steps, operands, pair_arrays,
 
 
 @numba.njit(**NJIT_OPTIONS)
+def _hifloat4_pair_sums_four_x_bf16(x_flat, xs, steps, operands, pair_arrays, starts, y32, m, row):
+    """_pair_sums_four_x of HiFloat4 where the weight was prepared for the pairs by magnitude index, and True;
+    else False (as _hifloat4_pair_sums_two_x_bf16)."""
+    codes, signs = pair_arrays
+    if not signs.size:
+        return False
+    _pair_sums_four_x(_hifloat4_indexed_pair_step, x_flat, xs, steps, _indexed_operands(operands, codes, signs),
+                      starts, y32, m, row)
+    return True
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _mxfp4_pair_sums_four_x_bf16(x_flat, xs, steps, operands, pair_arrays, starts, y32, m, row):
+    _pair_sums_four_x(_mxfp4_pair_step, x_flat, xs, steps, operands, starts, y32, m, row)
+    return True
+
+
+@numba.njit(**_INLINE)
+def _no_pair_sums_four_x(x_flat, xs, steps, operands, pair_arrays, starts, y32, m, row):
+    """Stands in for a four-row pair kernel where there is none: not done."""
+    return False
+
+
+@numba.njit(**NJIT_OPTIONS)
 def _mxfp4_pair_sums_two_x_bf16(x_flat, x0, x1, steps, operands, pair_arrays, starts):
     first, second = _pair_sums_two_x(_mxfp4_pair_step, x_flat, x0, x1, steps, operands, starts)
     return True, first, second
@@ -302,6 +362,8 @@ _hifloat4_pair_sums = _hifloat4_pair_sums_bf16 if _HIFLOAT4_PAIRS else _no_pair_
 _mxfp4_pair_sums = _mxfp4_pair_sums_bf16 if simd.HAS_AVX512BF16 else _no_pair_sums
 _hifloat4_pair_sums_two_x = _hifloat4_pair_sums_two_x_bf16 if _HIFLOAT4_PAIRS else _no_pair_sums_two_x
 _mxfp4_pair_sums_two_x = _mxfp4_pair_sums_two_x_bf16 if simd.HAS_AVX512BF16 else _no_pair_sums_two_x
+_hifloat4_pair_sums_four_x = _hifloat4_pair_sums_four_x_bf16 if _HIFLOAT4_PAIRS else _no_pair_sums_four_x
+_mxfp4_pair_sums_four_x = _mxfp4_pair_sums_four_x_bf16 if simd.HAS_AVX512BF16 else _no_pair_sums_four_x
 
 
 @numba.njit(**NJIT_OPTIONS)
@@ -309,14 +371,16 @@ def _mxfp4_rows(x_reg, scales, codes, fused, x_pairs, paired, row, end, y32):
     """One task of _mxfp4_gemv (a function of its own, so that numba's parallel passes do not analyse it)."""
     blocks = scales.shape[1]
     _nibble_rows(_mxfp4_row_sum, _mxfp4_block_step, blocks // 2 if blocks % 2 == 0 else 0, False, _mxfp4_pair_sums,
-                 _mxfp4_pair_sums_two_x, (), x_reg, scales, codes, fused, x_pairs, paired, row, end, y32)
+                 _mxfp4_pair_sums_two_x, _mxfp4_pair_sums_four_x, (), x_reg, scales, codes, fused, x_pairs, paired, row,
+                 end, y32)
 
 
 @numba.njit(**NJIT_OPTIONS)
 def _hifloat4_rows(x_reg, words, value, codes, signs, fused, x_pairs, paired, row, end, y32):
     """One task of _hifloat4_gemv."""
     _nibble_rows(_hifloat4_row, _hifloat4_block_step, words.shape[1], True, _hifloat4_pair_sums,
-                 _hifloat4_pair_sums_two_x, (codes, signs), x_reg, words, value, fused, x_pairs, paired, row, end, y32)
+                 _hifloat4_pair_sums_two_x, _hifloat4_pair_sums_four_x, (codes, signs), x_reg, words, value, fused,
+                 x_pairs, paired, row, end, y32)
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
