@@ -75,19 +75,20 @@ def test_pairs_give_the_reference_lane_sums_for_every_code(fmt, m):
     assert_lane_sums(got, reference.lane_sums(x.float(), weight))
 
 
-@pytest.mark.parametrize("unpaired", [0, 1, 2])
-def test_a_row_of_x_outside_the_pairs_takes_its_partner_to_multiply_and_add(unpaired):
-    """M = 3 where row ``unpaired`` of x holds a subnormal value (no pairs for it): the pair of rows of x it
-    belongs to is summed by multiply and add, the other rows in pairs; the reference's sums for all, and the
-    HiFloat8 rows holding its NaN code sum to NaN for every row of x."""
+@pytest.mark.parametrize("m, unpaired", [(3, 0), (3, 1), (3, 2), (5, 0), (5, 2), (5, 4)])
+def test_a_row_of_x_outside_the_pairs_takes_its_partner_to_multiply_and_add(m, unpaired):
+    """M = 3 or 5 where row ``unpaired`` of x holds a subnormal value (no pairs for it): four rows of x together
+    in pairs where all four may be, else the pair of rows of x it belongs to by multiply and add and the other
+    pairs in pairs; the reference's sums for all, and the HiFloat8 rows holding its NaN code sum to NaN for
+    every row of x."""
     g = gen(8)
     k = 256
     codes = random_codes(8, k, g, [c for c in ALL_HIF8 if abs(hifloat8.code_value(c)) < float("inf")])
     codes[4, 17] = codes[5, 200] = hifloat8.NAN_CODE  # the two rows of W of one pair kernel call
-    x = torch.randn(3, k, generator=g)
+    x = torch.randn(m, k, generator=g)
     x[unpaired, 3] = 2.0**-130
     got, paired = gemv_sums("hifloat8", x.bfloat16(), codes, torch.ones(8))
-    assert paired == [i != unpaired for i in range(3)]
+    assert paired == [i != unpaired for i in range(m)]
     assert got[:, 4:6].isnan().all() and not got[:, :4].isnan().any() and not got[:, 6:].isnan().any()
     weight = reference.hifloat8_weight(codes, torch.ones(8), torch.bfloat16).float()
     assert_lane_sums(got, reference.lane_sums(x.bfloat16().float(), weight))

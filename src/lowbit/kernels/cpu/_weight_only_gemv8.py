@@ -172,6 +172,49 @@ def _code8_pair_block(pairs, m, operands, steps, starts, row, y32):
     return True
 
 
+@numba.njit(**_INLINE)
+def _code8_pair_row_four_x(x_flat, xs, steps, codes_flat, table, start, ahead, nan_by_minimum):
+    """One row of W (codes at ``start``, byte table ``table``) in BF16 pairs times four rows of x (their pairs at
+    x_flat[xs[i]:]): each pair step decoded once for all four, every (x row, W row) summed as _code8_pair_rows
+    sums it (its bits). Returns the four sums."""
+    a0, a1, b0, b1 = simd.f32v_zero(), simd.f32v_zero(), simd.f32v_zero(), simd.f32v_zero()
+    c0, c1, d0, d1 = simd.f32v_zero(), simd.f32v_zero(), simd.f32v_zero(), simd.f32v_zero()
+    low = u8p_largest()
+    for t in range(steps):
+        at = np.uint64(start + PAIR_LANES * t)
+        _prefetch_ahead(codes_flat, at, ahead)
+        _prefetch_ahead(codes_flat, at + np.uint64(LANES), ahead)
+        w0, w1, low = code8_pairs(codes_flat, at, table, low)
+        x_low, x_high = _x_pair_step(x_flat, xs[0], t)
+        a0, a1 = _dot_pairs(a0, a1, x_low, x_high, w0, w1)
+        x_low, x_high = _x_pair_step(x_flat, xs[1], t)
+        b0, b1 = _dot_pairs(b0, b1, x_low, x_high, w0, w1)
+        x_low, x_high = _x_pair_step(x_flat, xs[2], t)
+        c0, c1 = _dot_pairs(c0, c1, x_low, x_high, w0, w1)
+        x_low, x_high = _x_pair_step(x_flat, xs[3], t)
+        d0, d1 = _dot_pairs(d0, d1, x_low, x_high, w0, w1)
+    return (_nan_where_minimum(_row_sum_code8_pairs(a0, a1), low, nan_by_minimum),
+            _nan_where_minimum(_row_sum_code8_pairs(b0, b1), low, nan_by_minimum),
+            _nan_where_minimum(_row_sum_code8_pairs(c0, c1), low, nan_by_minimum),
+            _nan_where_minimum(_row_sum_code8_pairs(d0, d1), low, nan_by_minimum))
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _code8_pair_block_four_x(pairs, m, operands, steps, starts, row, y32):
+    """_code8_pair_block for rows m .. m + 3 of x together, one row of W at a time (_code8_pair_row_four_x:
+    eight accumulators), where all four are _code8_pairable; whether it did."""
+    x_bounds, xp_flat, kq, scale_bits, nan_by_minimum = pairs
+    for i in range(4):
+        if not _code8_pairable(x_bounds, kq, m + i, scale_bits, row):
+            return False
+    codes_flat, tables, _, ahead = operands
+    xs = (m * kq, (m + 1) * kq, (m + 2) * kq, (m + 3) * kq)
+    for r in range(ROW_BLOCK):
+        y32[m, row + r], y32[m + 1, row + r], y32[m + 2, row + r], y32[m + 3, row + r] = _code8_pair_row_four_x(
+            xp_flat, xs, steps // 2, codes_flat, tables[r], starts[r], ahead, nan_by_minimum)
+    return True
+
+
 @numba.njit(**NJIT_OPTIONS)
 def _code8_pair_block_two_x(pairs, m, operands, steps, starts, row, y32):
     """_code8_pair_block for rows m and m + 1 of x together (_code8_pair_sums_two_x), where both are
@@ -190,13 +233,19 @@ def _code8_pair_block_two_x(pairs, m, operands, steps, starts, row, y32):
 
 @numba.njit(**_INLINE)
 def _code8_paired_block_rows(pairs, step, x_flat, kp, steps, operands, starts, row, y32):
-    """_code8_block_rows where x's BF16 pairs were made: each pair of rows of x in BF16 pairs where both may be
+    """_code8_block_rows where x's BF16 pairs were made: four rows of x in BF16 pairs where all may be
+    (_code8_pair_block_four_x), else each pair of rows of x in BF16 pairs where both may be
     (_code8_pair_block_two_x), else with products of both from one decode (_block_sums_pair); a last, odd row
     in BF16 pairs where it may be (_code8_pair_block), else alone."""
     m_rows = y32.shape[0]
-    for m in range(0, m_rows - 1, 2):
+    m = 0
+    while m + 1 < m_rows:
+        if m + 3 < m_rows and _code8_pair_block_four_x(pairs, m, operands, steps, starts, row, y32):
+            m += 4
+            continue
         if not _code8_pair_block_two_x(pairs, m, operands, steps, starts, row, y32):
             _code8_x_row_pair(step, x_flat, kp, steps, operands, starts, row, y32, m)
+        m += 2
     last = m_rows - 1
     if m_rows % 2 and not _code8_pair_block(pairs, last, operands, steps, starts, row, y32):
         _store_block(y32, last, row, _block_sums(step, _add_products, _row_sum_code8, _x_step, x_flat, last * kp,
