@@ -114,7 +114,7 @@ def _nibble_rows(row_sum, block_step, block_steps, pairs, pair_sums, pair_sums_t
     format's two weight arrays (N, ...), fused (M, 256) from _fused_bytes, x_pairs and paired from
     _paired_bytes, y32 (M, N). ``block_steps``: steps of a row for _block_sums, or 0 where rows cannot be
     blocked (an MXFP4 row of an odd number of blocks). Where the number of steps is even, a block of rows is
-    summed in BF16 pairs (two steps per product instruction) for four rows of x at once, else two, where
+    summed in BF16 pairs (two steps per product instruction) for four or three rows of x at once, else two, where
     every one of its rows may be for each and ``pair_sums_four_x`` / ``pair_sums_two_x`` do them (MXFP4;
     HiFloat4 prepared by magnitude index); else with fused multiply-adds for two rows of x at once where
     ``pairs`` and both may (_block_sums_pair: HiFloat4 in place, whose step is costly to decode; MXFP4's
@@ -142,12 +142,12 @@ def _nibble_rows(row_sum, block_step, block_steps, pairs, pair_sums, pair_sums_t
             if BLOCK_ROWS:  # a constant: on other CPUs numba prunes the block code before compiling it
                 both_paired = m + 1 < m_rows and _all_fused(paired, m, lows, highs, count) and _all_fused(
                     paired, m + 1, lows, highs, count)
-                four_paired = both_paired and m + 3 < m_rows and _all_fused(paired, m + 2, lows, highs, count) and (
-                    _all_fused(paired, m + 3, lows, highs, count))
-                xs = (m * kq, (m + 1) * kq, (m + 2) * kq, (m + 3) * kq)
-                if count == ROW_BLOCK and pair_steps > 0 and four_paired and pair_sums_four_x(
-                        xp_flat, xs, pair_steps, operands, pair_arrays, starts, y32, m, row):
-                    m += 4
+                three_paired = both_paired and m + 2 < m_rows and _all_fused(paired, m + 2, lows, highs, count)
+                x_rows = 4 if three_paired and m + 3 < m_rows and _all_fused(paired, m + 3, lows, highs, count) else 3
+                xs = (m * kq, (m + 1) * kq, (m + 2) * kq, (m + x_rows - 1) * kq)
+                if count == ROW_BLOCK and pair_steps > 0 and three_paired and pair_sums_four_x(
+                        xp_flat, xs, x_rows, pair_steps, operands, pair_arrays, starts, y32, m, row):
+                    m += x_rows
                     continue
                 if count == ROW_BLOCK and pair_steps > 0 and both_paired:
                     done, first, second = pair_sums_two_x(xp_flat, m * kq, (m + 1) * kq, pair_steps, operands,
@@ -254,12 +254,15 @@ def _pair_row_four_x(step, x_flat, xs, steps, operands, start):
 
 
 @numba.njit(**_INLINE)
-def _pair_sums_four_x(step, x_flat, xs, steps, operands, starts, y32, m, row):
-    """y32[m : m + 4, row : row + ROW_BLOCK]: a block of rows in BF16 pairs for four rows of x (pairs at
-    x_flat[xs[i]:]), one row of W at a time (_pair_row_four_x: eight accumulators)."""
+def _pair_sums_four_x(step, x_flat, xs, x_rows, steps, operands, starts, y32, m, row):
+    """y32[m : m + x_rows, row : row + ROW_BLOCK]: a block of rows in BF16 pairs for ``x_rows`` (4 or 3) rows of x
+    (pairs at x_flat[xs[i]:]; for three, xs[3] repeats xs[2] and its sums are dropped), one row of W at a time
+    (_pair_row_four_x: eight accumulators)."""
     for r in range(ROW_BLOCK):
-        y32[m, row + r], y32[m + 1, row + r], y32[m + 2, row + r], y32[m + 3, row + r] = _pair_row_four_x(
-            step, x_flat, xs, steps, operands, starts[r])
+        a, b, c, d = _pair_row_four_x(step, x_flat, xs, steps, operands, starts[r])
+        y32[m, row + r], y32[m + 1, row + r], y32[m + 2, row + r] = a, b, c
+        if x_rows == 4:
+            y32[m + 3, row + r] = d
 
 
 @numba.njit(**_INLINE)
@@ -320,25 +323,25 @@ def _hifloat4_pair_sums_two_x_bf16(x_flat, x0, x1, steps, operands, pair_arrays,
 
 
 @numba.njit(**NJIT_OPTIONS)
-def _hifloat4_pair_sums_four_x_bf16(x_flat, xs, steps, operands, pair_arrays, starts, y32, m, row):
+def _hifloat4_pair_sums_four_x_bf16(x_flat, xs, x_rows, steps, operands, pair_arrays, starts, y32, m, row):
     """_pair_sums_four_x of HiFloat4 where the weight was prepared for the pairs by magnitude index, and True;
     else False (as _hifloat4_pair_sums_two_x_bf16)."""
     codes, signs = pair_arrays
     if not signs.size:
         return False
-    _pair_sums_four_x(_hifloat4_indexed_pair_step, x_flat, xs, steps, _indexed_operands(operands, codes, signs),
-                      starts, y32, m, row)
+    _pair_sums_four_x(_hifloat4_indexed_pair_step, x_flat, xs, x_rows, steps,
+                      _indexed_operands(operands, codes, signs), starts, y32, m, row)
     return True
 
 
 @numba.njit(**NJIT_OPTIONS)
-def _mxfp4_pair_sums_four_x_bf16(x_flat, xs, steps, operands, pair_arrays, starts, y32, m, row):
-    _pair_sums_four_x(_mxfp4_pair_step, x_flat, xs, steps, operands, starts, y32, m, row)
+def _mxfp4_pair_sums_four_x_bf16(x_flat, xs, x_rows, steps, operands, pair_arrays, starts, y32, m, row):
+    _pair_sums_four_x(_mxfp4_pair_step, x_flat, xs, x_rows, steps, operands, starts, y32, m, row)
     return True
 
 
 @numba.njit(**_INLINE)
-def _no_pair_sums_four_x(x_flat, xs, steps, operands, pair_arrays, starts, y32, m, row):
+def _no_pair_sums_four_x(x_flat, xs, x_rows, steps, operands, pair_arrays, starts, y32, m, row):
     """Stands in for a four-row pair kernel where there is none: not done."""
     return False
 

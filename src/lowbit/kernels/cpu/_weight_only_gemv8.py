@@ -200,18 +200,22 @@ def _code8_pair_row_four_x(x_flat, xs, steps, codes_flat, table, start, ahead, n
 
 
 @numba.njit(**NJIT_OPTIONS)
-def _code8_pair_block_four_x(pairs, m, operands, steps, starts, row, y32):
-    """_code8_pair_block for rows m .. m + 3 of x together, one row of W at a time (_code8_pair_row_four_x:
-    eight accumulators), where all four are _code8_pairable; whether it did."""
+def _code8_pair_block_four_x(pairs, m, x_rows, operands, steps, starts, row, y32):
+    """_code8_pair_block for rows m .. m + x_rows - 1 of x together (``x_rows`` 4 or 3: the fourth row of x then
+    repeats the third, its sums dropped), one row of W at a time (_code8_pair_row_four_x: eight accumulators),
+    where all are _code8_pairable; whether it did."""
     x_bounds, xp_flat, kq, scale_bits, nan_by_minimum = pairs
-    for i in range(4):
+    for i in range(x_rows):
         if not _code8_pairable(x_bounds, kq, m + i, scale_bits, row):
             return False
     codes_flat, tables, _, ahead = operands
-    xs = (m * kq, (m + 1) * kq, (m + 2) * kq, (m + 3) * kq)
+    xs = (m * kq, (m + 1) * kq, (m + 2) * kq, (m + x_rows - 1) * kq)
     for r in range(ROW_BLOCK):
-        y32[m, row + r], y32[m + 1, row + r], y32[m + 2, row + r], y32[m + 3, row + r] = _code8_pair_row_four_x(
-            xp_flat, xs, steps // 2, codes_flat, tables[r], starts[r], ahead, nan_by_minimum)
+        a, b, c, d = _code8_pair_row_four_x(xp_flat, xs, steps // 2, codes_flat, tables[r], starts[r], ahead,
+                                            nan_by_minimum)
+        y32[m, row + r], y32[m + 1, row + r], y32[m + 2, row + r] = a, b, c
+        if x_rows == 4:
+            y32[m + 3, row + r] = d
     return True
 
 
@@ -233,21 +237,22 @@ def _code8_pair_block_two_x(pairs, m, operands, steps, starts, row, y32):
 
 @numba.njit(**_INLINE)
 def _code8_paired_block_rows(pairs, step, x_flat, kp, steps, operands, starts, row, y32):
-    """_code8_block_rows where x's BF16 pairs were made: four rows of x in BF16 pairs where all may be
-    (_code8_pair_block_four_x), else each pair of rows of x in BF16 pairs where both may be
-    (_code8_pair_block_two_x), else with products of both from one decode (_block_sums_pair); a last, odd row
+    """_code8_block_rows where x's BF16 pairs were made: four (or a last three) rows of x in BF16 pairs where
+    all may be (_code8_pair_block_four_x), else each pair of rows of x in BF16 pairs where both may be
+    (_code8_pair_block_two_x), else with products of both from one decode (_block_sums_pair); a row left over
     in BF16 pairs where it may be (_code8_pair_block), else alone."""
     m_rows = y32.shape[0]
     m = 0
     while m + 1 < m_rows:
-        if m + 3 < m_rows and _code8_pair_block_four_x(pairs, m, operands, steps, starts, row, y32):
-            m += 4
+        x_rows = min(4, m_rows - m)
+        if x_rows >= 3 and _code8_pair_block_four_x(pairs, m, x_rows, operands, steps, starts, row, y32):
+            m += x_rows
             continue
         if not _code8_pair_block_two_x(pairs, m, operands, steps, starts, row, y32):
             _code8_x_row_pair(step, x_flat, kp, steps, operands, starts, row, y32, m)
         m += 2
     last = m_rows - 1
-    if m_rows % 2 and not _code8_pair_block(pairs, last, operands, steps, starts, row, y32):
+    if m == last and not _code8_pair_block(pairs, last, operands, steps, starts, row, y32):
         _store_block(y32, last, row, _block_sums(step, _add_products, _row_sum_code8, _x_step, x_flat, last * kp,
                                                  steps, operands, starts))
 
