@@ -12,9 +12,10 @@ from lowbit.kernels.cpu._weight_only_decode4 import hifloat4_indexed_pairs, hifl
 from lowbit.kernels.cpu._weight_only_layout import (HALF, LANES, _INLINE, _ROWS_PER_TASK, _row_sum_4bit,
                                                     _row_sum_hifloat4, _row_sum_nibbles)
 from lowbit.kernels.cpu._weight_only_steps import (BLOCK_ROWS, ROW_BLOCK, _accumulate, _accumulate_fused, _block_sums,
-                                                   _block_sums_pair, _dot_pairs, _fma_products, _hifloat4_step,
-                                                   _low_byte_range, _mxfp4_odd_block, _mxfp4_pair_of_blocks,
-                                                   _mxfp4_step, _prefetch_ahead, _store_block, _x_pair_step, _x_step)
+                                                   _block_sums_pair, _dot_pairs, _dot_pairs_four_x, _fma_products,
+                                                   _hifloat4_step, _low_byte_range, _mxfp4_odd_block,
+                                                   _mxfp4_pair_of_blocks, _mxfp4_step, _prefetch_ahead, _store_block,
+                                                   _x_pair_step, _x_step)
 
 
 @numba.njit(**_INLINE)
@@ -238,18 +239,12 @@ def _pair_row_four_x(step, x_flat, xs, steps, operands, start):
     """One row of W (weights at ``start``) in BF16 pairs times four rows of x (their pairs at x_flat[xs[i]:]):
     each pair step decoded once for all four, every (x row, W row) summed as _pair_rows sums it (its bits).
     Returns the four folded sums."""
-    a0, a1, b0, b1 = simd.f32v_zero(), simd.f32v_zero(), simd.f32v_zero(), simd.f32v_zero()
-    c0, c1, d0, d1 = simd.f32v_zero(), simd.f32v_zero(), simd.f32v_zero(), simd.f32v_zero()
+    zero = simd.f32v_zero()
+    accs = (zero, zero, zero, zero, zero, zero, zero, zero)
     for t in range(steps):
         w0, w1 = step(operands, start, 0, t)
-        x_low, x_high = _x_pair_step(x_flat, xs[0], t)
-        a0, a1 = _dot_pairs(a0, a1, x_low, x_high, w0, w1)
-        x_low, x_high = _x_pair_step(x_flat, xs[1], t)
-        b0, b1 = _dot_pairs(b0, b1, x_low, x_high, w0, w1)
-        x_low, x_high = _x_pair_step(x_flat, xs[2], t)
-        c0, c1 = _dot_pairs(c0, c1, x_low, x_high, w0, w1)
-        x_low, x_high = _x_pair_step(x_flat, xs[3], t)
-        d0, d1 = _dot_pairs(d0, d1, x_low, x_high, w0, w1)
+        accs = _dot_pairs_four_x(accs, x_flat, xs, t, w0, w1)
+    a0, a1, b0, b1, c0, c1, d0, d1 = accs
     return _row_sum_nibbles(a0, a1), _row_sum_nibbles(b0, b1), _row_sum_nibbles(c0, c1), _row_sum_nibbles(d0, d1)
 
 

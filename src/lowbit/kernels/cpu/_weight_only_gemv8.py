@@ -20,9 +20,20 @@ from lowbit.kernels.cpu._weight_only_layout import (CODE8_HALVES, HALF, LANES, _
                                                     _ROWS_PER_TASK, _row_sum_code8)
 from lowbit.kernels.cpu._weight_only_steps import (BLOCK_ROWS, PAIR_LANES, ROW_BLOCK, _MXFP8_EXACT_BYTES_BF16,
                                                    _MXFP8_EXACT_BYTES_F16, _accumulate, _add_products, _bits_exponent,
-                                                   _block_sums, _block_sums_pair, _code8_tail, _dot_pairs, _exact,
-                                                   _low_byte_range, _mxfp8_row_step, _mxfp8_step, _prefetch_ahead,
-                                                   _round_to_x, _row_table, _store_block, _x_pair_step, _x_step)
+                                                   _block_sums, _block_sums_pair, _code8_tail, _dot_pairs,
+                                                   _dot_pairs_four_x, _exact, _low_byte_range, _mxfp8_row_step,
+                                                   _mxfp8_step, _prefetch_ahead, _round_to_x, _row_table, _store_block,
+                                                   _x_pair_step, _x_step)
+
+
+@numba.njit(**_INLINE)
+def _code8_pair_step(codes_flat, start, t, table, low, ahead):
+    """Pair step t of the row of codes at ``start`` with its byte ``table`` (code8_pairs: w0, w1 and the running
+    minimum ``low``), after prefetching its two cache lines of codes ``ahead`` codes on (_prefetch_ahead)."""
+    at = np.uint64(start + PAIR_LANES * t)  # unsigned: no negative-index wraparound code
+    _prefetch_ahead(codes_flat, at, ahead)
+    _prefetch_ahead(codes_flat, at + np.uint64(LANES), ahead)
+    return code8_pairs(codes_flat, at, table, low)
 
 
 @numba.njit(**_INLINE)
@@ -35,15 +46,9 @@ def _code8_pair_rows(x_flat, x0, steps, codes_flat, table_a, table_b, first, sec
     low_a, low_b = u8p_largest(), u8p_largest()
     for t in range(steps):
         x_low, x_high = _x_pair_step(x_flat, x0, t)
-        at = np.uint64(first + PAIR_LANES * t)  # unsigned: no negative-index wraparound code
-        _prefetch_ahead(codes_flat, at, ahead)
-        _prefetch_ahead(codes_flat, at + np.uint64(LANES), ahead)
-        w0, w1, low_a = code8_pairs(codes_flat, at, table_a, low_a)
+        w0, w1, low_a = _code8_pair_step(codes_flat, first, t, table_a, low_a, ahead)
         a0, a1 = _dot_pairs(a0, a1, x_low, x_high, w0, w1)
-        at = np.uint64(second + PAIR_LANES * t)
-        _prefetch_ahead(codes_flat, at, ahead)
-        _prefetch_ahead(codes_flat, at + np.uint64(LANES), ahead)
-        w0, w1, low_b = code8_pairs(codes_flat, at, table_b, low_b)
+        w0, w1, low_b = _code8_pair_step(codes_flat, second, t, table_b, low_b, ahead)
         b0, b1 = _dot_pairs(b0, b1, x_low, x_high, w0, w1)
     return (_nan_where_minimum(_row_sum_code8_pairs(a0, a1), low_a, nan_by_minimum),
             _nan_where_minimum(_row_sum_code8_pairs(b0, b1), low_b, nan_by_minimum))
@@ -68,16 +73,10 @@ def _code8_pair_rows_two_x(x_flat, x0, x1, steps, codes_flat, table_a, table_b, 
     for t in range(steps):
         x_low, x_high = _x_pair_step(x_flat, x0, t)
         y_low, y_high = _x_pair_step(x_flat, x1, t)
-        at = np.uint64(first + PAIR_LANES * t)
-        _prefetch_ahead(codes_flat, at, ahead)
-        _prefetch_ahead(codes_flat, at + np.uint64(LANES), ahead)
-        w0, w1, low_a = code8_pairs(codes_flat, at, table_a, low_a)
+        w0, w1, low_a = _code8_pair_step(codes_flat, first, t, table_a, low_a, ahead)
         a0, a1 = _dot_pairs(a0, a1, x_low, x_high, w0, w1)
         c0, c1 = _dot_pairs(c0, c1, y_low, y_high, w0, w1)
-        at = np.uint64(second + PAIR_LANES * t)
-        _prefetch_ahead(codes_flat, at, ahead)
-        _prefetch_ahead(codes_flat, at + np.uint64(LANES), ahead)
-        w0, w1, low_b = code8_pairs(codes_flat, at, table_b, low_b)
+        w0, w1, low_b = _code8_pair_step(codes_flat, second, t, table_b, low_b, ahead)
         b0, b1 = _dot_pairs(b0, b1, x_low, x_high, w0, w1)
         d0, d1 = _dot_pairs(d0, d1, y_low, y_high, w0, w1)
     a, b = _row_sum_code8_pairs(a0, a1), _row_sum_code8_pairs(b0, b1)
@@ -177,22 +176,13 @@ def _code8_pair_row_four_x(x_flat, xs, steps, codes_flat, table, start, ahead, n
     """One row of W (codes at ``start``, byte table ``table``) in BF16 pairs times four rows of x (their pairs at
     x_flat[xs[i]:]): each pair step decoded once for all four, every (x row, W row) summed as _code8_pair_rows
     sums it (its bits). Returns the four sums."""
-    a0, a1, b0, b1 = simd.f32v_zero(), simd.f32v_zero(), simd.f32v_zero(), simd.f32v_zero()
-    c0, c1, d0, d1 = simd.f32v_zero(), simd.f32v_zero(), simd.f32v_zero(), simd.f32v_zero()
+    zero = simd.f32v_zero()
+    accs = (zero, zero, zero, zero, zero, zero, zero, zero)
     low = u8p_largest()
     for t in range(steps):
-        at = np.uint64(start + PAIR_LANES * t)
-        _prefetch_ahead(codes_flat, at, ahead)
-        _prefetch_ahead(codes_flat, at + np.uint64(LANES), ahead)
-        w0, w1, low = code8_pairs(codes_flat, at, table, low)
-        x_low, x_high = _x_pair_step(x_flat, xs[0], t)
-        a0, a1 = _dot_pairs(a0, a1, x_low, x_high, w0, w1)
-        x_low, x_high = _x_pair_step(x_flat, xs[1], t)
-        b0, b1 = _dot_pairs(b0, b1, x_low, x_high, w0, w1)
-        x_low, x_high = _x_pair_step(x_flat, xs[2], t)
-        c0, c1 = _dot_pairs(c0, c1, x_low, x_high, w0, w1)
-        x_low, x_high = _x_pair_step(x_flat, xs[3], t)
-        d0, d1 = _dot_pairs(d0, d1, x_low, x_high, w0, w1)
+        w0, w1, low = _code8_pair_step(codes_flat, start, t, table, low, ahead)
+        accs = _dot_pairs_four_x(accs, x_flat, xs, t, w0, w1)
+    a0, a1, b0, b1, c0, c1, d0, d1 = accs
     return (_nan_where_minimum(_row_sum_code8_pairs(a0, a1), low, nan_by_minimum),
             _nan_where_minimum(_row_sum_code8_pairs(b0, b1), low, nan_by_minimum),
             _nan_where_minimum(_row_sum_code8_pairs(c0, c1), low, nan_by_minimum),
