@@ -97,7 +97,7 @@ def test_a_row_of_x_outside_the_pairs_takes_its_partner_to_multiply_and_add(m, u
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_prepared_weight_on_pairs_equals_the_reference(fmt, threads, monkeypatch):
-    """A prepared weight's call (PreparedCall: the one-call GEMV, whose rows take the pairs; M = 1, 2 and 3; 70
+    """A prepared weight's call (PreparedCall: the one-call GEMV, whose rows take the pairs; M = 1-4; 70
     rows: blocks and a tail) with x holding zeros, a -0 and values across BF16's range, and rows of extreme
     scales: the reference's bits on one thread and two (numba's threads from the smallest weight on)."""
     op = FORMATS[fmt][0]
@@ -112,7 +112,7 @@ def test_a_prepared_weight_on_pairs_equals_the_reference(fmt, threads, monkeypat
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for m in (1, 2, 3):
+        for m in (1, 2, 3, 4):
             x = (torch.randn(m, k, generator=g) * 2.0 ** torch.randint(-30, 30, (m, k), generator=g)).bfloat16()
             x[:, :5] = torch.tensor([0.0, -0.0, 1.0, -3.5, 2.0**-20])
             got = prepared(x)

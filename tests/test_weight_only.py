@@ -492,13 +492,14 @@ def row_bytes(fmt, weight):
 @needs_bf16
 @pytest.mark.parametrize("fmt", PAIRING)
 @pytest.mark.parametrize("m, dtype", [(1, torch.bfloat16), (2, torch.bfloat16), (3, torch.bfloat16),
-                                      (2, torch.float16)])
+                                      (4, torch.bfloat16), (2, torch.float16)])
 def test_bf16_pairs_give_the_reference_lane_sums(fmt, m, dtype):
     """Rows of x that are BF16 values are summed in BF16 pairs (asserted), with Inf, -0 and NaN in x, and equal
-    the reference lane by lane; K = 1152 (MXFP4: 36 blocks, HiFloat4: 18); 3 rows of x: a pair of them and a
-    single one; FP16 x whose values are all BF16 values is paired too. Row 5 of W has a NaN block (scale
-    byte 0xFF: MXFP4 takes it for the largest scale, so that block of four rows goes row by row; a poisoned
-    HiFloat4 block is paired, its weights NaN)."""
+    the reference lane by lane; K = 1152 (MXFP4: 36 blocks, HiFloat4: 18); 2-4 rows of x: taken together where
+    the format's kernels do (MXFP4; HiFloat4 in place takes its rows of x by fused pairs); FP16 x whose values
+    are all BF16 values is paired too. Row 5 of W has a NaN block (scale byte 0xFF: MXFP4 takes it for the
+    largest scale, so that block of four rows goes row by row; a poisoned HiFloat4 block is paired, its
+    weights NaN)."""
     g = gen(40 + m)
     _, quantize, weight_of = FUSING[fmt]
     w = torch.randn(13, 1152, generator=g)

@@ -647,8 +647,6 @@ def hifloat4_pairs(typingctx, value, start, words, block):
     return types.UniTuple(simd.I32V, 2)(value, start, words, block), codegen
 
 
-
-
 # ---- HiFloat4 by magnitude index: a prepared weight's pairs at MXFP4's cost (hifloat4_indexed_pairs) -----
 # A HiFloat4 weight's magnitude c * 2^(e2 + e3) (c in 0..7, e2 + e3 in 0..2) takes exactly 16 values,
 # INDEXED_MAGNITUDES. A weight prepared once for the BF16 pairs (_hifloat4_indexed_operands) stores per
@@ -670,8 +668,7 @@ def _indexed_words() -> np.ndarray:
     at the smallest level of each magnitude."""
     at = []
     for magnitude in INDEXED_MAGNITUDES:
-        level = next(level for level in range(3) if magnitude >> level <= 7 and (magnitude >> level) << level
-                     == magnitude)
+        level = int(magnitude > 7) + int(magnitude > 14)  # 8-14: c = 4..7 doubled; 16-28: quadrupled
         at.append(int(magnitude >> level) | ((0, 1, 3)[level] << 3))  # flags: none, e2, e2 and e3
     return _HIFLOAT4_MAGNITUDES.reshape(256, HALF)[:, at].reshape(-1).copy()
 

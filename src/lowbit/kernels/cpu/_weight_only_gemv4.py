@@ -269,8 +269,6 @@ def _pair_sums(step, x_flat, x0, steps, operands, starts):
     return a, b, c, d
 
 
-# Functions of their own, not inlined into the rows kernels: LLVM compiles two small functions much faster
-# than one large one (a first run's cost, see docs/weight_only.md, 'Kernels').
 @numba.njit(**_INLINE)
 def _indexed_operands(operands, codes, signs):
     """_hifloat4_indexed_pair_step's operands from the rows kernel's (words, value, ahead) and the codes and
@@ -279,6 +277,8 @@ def _indexed_operands(operands, codes, signs):
     return words_flat, simd.borrowed_flat(codes), simd.borrowed_flat(signs), ahead
 
 
+# Functions of their own, not inlined into the rows kernels: LLVM compiles two small functions much faster
+# than one large one (a first run's cost, see docs/weight_only.md, 'Kernels').
 @numba.njit(**NJIT_OPTIONS)
 def _hifloat4_pair_sums_bf16(x_flat, x0, steps, operands, pair_arrays, starts):
     """HiFloat4's BF16 pair sums of a block of rows: by magnitude index, four rows at a time, where the weight
@@ -298,13 +298,6 @@ def _mxfp4_pair_sums_bf16(x_flat, x0, steps, operands, pair_arrays, starts):
                        starts)
 
 
-@numba.njit(**_INLINE)
-def _no_pair_sums_two_x(x_flat, x0, x1, steps, operands, pair_arrays, starts):
-    """Stands in for a two-row pair kernel where there is none: not done."""
-    zero = np.float32(0.0)
-    return False, (zero, zero, zero, zero), (zero, zero, zero, zero)
-
-
 @numba.njit(**NJIT_OPTIONS)
 def _hifloat4_pair_sums_two_x_bf16(x_flat, x0, x1, steps, operands, pair_arrays, starts):
     """(done, x0's sums, x1's sums): _hifloat4_pair_sums_bf16 for two rows of x where the weight was prepared
@@ -315,6 +308,12 @@ def _hifloat4_pair_sums_two_x_bf16(x_flat, x0, x1, steps, operands, pair_arrays,
                                          _indexed_operands(operands, codes, signs), starts)
         return True, first, second
     return _no_pair_sums_two_x(x_flat, x0, x1, steps, operands, pair_arrays, starts)
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _mxfp4_pair_sums_two_x_bf16(x_flat, x0, x1, steps, operands, pair_arrays, starts):
+    first, second = _pair_sums_two_x(_mxfp4_pair_step, x_flat, x0, x1, steps, operands, starts)
+    return True, first, second
 
 
 @numba.njit(**NJIT_OPTIONS)
@@ -336,22 +335,23 @@ def _mxfp4_pair_sums_four_x_bf16(x_flat, xs, x_rows, steps, operands, pair_array
 
 
 @numba.njit(**_INLINE)
-def _no_pair_sums_four_x(x_flat, xs, x_rows, steps, operands, pair_arrays, starts, y32, m, row):
-    """Stands in for a four-row pair kernel where there is none: not done."""
-    return False
-
-
-@numba.njit(**NJIT_OPTIONS)
-def _mxfp4_pair_sums_two_x_bf16(x_flat, x0, x1, steps, operands, pair_arrays, starts):
-    first, second = _pair_sums_two_x(_mxfp4_pair_step, x_flat, x0, x1, steps, operands, starts)
-    return True, first, second
-
-
-@numba.njit(**_INLINE)
 def _no_pair_sums(x_flat, x0, steps, operands, pair_arrays, starts):
     """Stands in for a pair kernel where there is none (no row is ever paired there: _paired_bytes)."""
     zero = np.float32(0.0)
     return zero, zero, zero, zero
+
+
+@numba.njit(**_INLINE)
+def _no_pair_sums_two_x(x_flat, x0, x1, steps, operands, pair_arrays, starts):
+    """Stands in for a two-row pair kernel where there is none: not done."""
+    zero = np.float32(0.0)
+    return False, (zero, zero, zero, zero), (zero, zero, zero, zero)
+
+
+@numba.njit(**_INLINE)
+def _no_pair_sums_four_x(x_flat, xs, x_rows, steps, operands, pair_arrays, starts, y32, m, row):
+    """Stands in for a four-row pair kernel where there is none: not done."""
+    return False
 
 
 # BF16 pairs need AVX512-BF16 (and the HiFloat4 look-ups AVX512-BITALG): elsewhere they are never compiled
