@@ -475,12 +475,18 @@ PAIRING = {name: kernel for name, kernel in (("mxfp4", cpu.MXFP4_LINEAR), ("hifl
            if kernel.pair_sources is not None}
 
 
-def pair_and_fuse_tables(fmt, x):
-    """The GEMV's (fused, paired) (M, 256) tables for x (M, K), K a multiple of 64."""
+def pair_and_fuse_tables(fmt, x, x_pairs=None):
+    """The GEMV's (fused, paired) (M, 256) tables for x (M, K), K a multiple of 64; x's BF16 pairs into
+    ``x_pairs`` where given (see pairs_of_x)."""
     kernel = PAIRING[fmt]
     x_reg = wo_layout._reorder(x.float(), *kernel.split).numpy()
-    x_pairs = np.empty((x.shape[0], -(-x_reg.shape[1] // wo_steps.PAIR_LANES) * wo_steps.PAIR_LANES), dtype=np.int16)
+    x_pairs = pairs_of_x(x) if x_pairs is None else x_pairs
     return wo_steps._exact_bytes(x_reg, kernel.exponents, kernel.pair_sources, x_pairs)
+
+
+def pairs_of_x(x):
+    """An empty array for the BF16 pairs of x (M, K)."""
+    return np.empty((x.shape[0], -(-x.shape[1] // wo_steps.PAIR_LANES) * wo_steps.PAIR_LANES), dtype=np.int16)
 
 
 def row_bytes(fmt, weight):
@@ -494,8 +500,9 @@ def row_bytes(fmt, weight):
 @pytest.mark.parametrize("m, dtype", [(1, torch.bfloat16), (2, torch.bfloat16), (3, torch.bfloat16),
                                       (4, torch.bfloat16), (2, torch.float16)])
 def test_bf16_pairs_give_the_reference_lane_sums(fmt, m, dtype):
-    """Rows of x that are BF16 values are summed in BF16 pairs (asserted), with Inf, -0 and NaN in x, and equal
-    the reference lane by lane; K = 1152 (MXFP4: 36 blocks, HiFloat4: 18); 2-4 rows of x: taken together where
+    """Rows of x that are BF16 values may be summed in BF16 pairs (asserted; a lone row of x with MXFP4 weights
+    is, on AMD Zen only), with Inf, -0 and NaN in x, and equal the reference lane by lane; K = 1152 (MXFP4: 36
+    blocks, HiFloat4: 18); 2-4 rows of x: taken together where
     the format's kernels do (MXFP4; HiFloat4 in place takes its rows of x by fused pairs); FP16 x whose values
     are all BF16 values is paired too. Row 5 of W has a NaN block (scale byte 0xFF: MXFP4 takes it for the
     largest scale, so that block of four rows goes row by row; a poisoned HiFloat4 block is paired, its
@@ -521,20 +528,50 @@ def test_bf16_pairs_give_the_reference_lane_sums(fmt, m, dtype):
 @needs_bf16
 @pytest.mark.parametrize("fmt", PAIRING)
 def test_self_check_probes_run_the_bf16_pairs(fmt):
-    """The operator's self-check (its probes) includes a case summed in BF16 pairs, so that a CPU whose
-    vdpbf16ps added in another order would fail it: one row of x paired with blocks of four weight rows
-    and an even number of steps; that probe's result is the reference's."""
+    """The operator's self-check (its probes) includes a case summed in BF16 pairs on this CPU, so that a CPU
+    whose vdpbf16ps added in another order would fail it: one row of x (MXFP4 on Intel's CPUs, which sum one
+    row with fused multiply-adds: two) paired with blocks of four weight rows and an even number of steps;
+    that probe's result is the reference's."""
     op = OPS[fmt]
+    rows = 2 if fmt == "mxfp4" and not wo_gemv4._MXFP4_ONE_X_PAIRS else 1
     covered = False
     for x, *weight, bias in op.probes():
         steps = x.shape[-1] // cpu.LANES
-        if x.dtype != torch.bfloat16 or x.shape[0] != 1 or weight[0].shape[0] < wo_steps.ROW_BLOCK or steps % 2:
+        if (x.dtype != torch.bfloat16 or x.shape[0] != rows or weight[0].shape[0] < wo_steps.ROW_BLOCK
+                or steps == 0 or steps % 2):
             continue
         _, paired = pair_and_fuse_tables(fmt, x)
-        if paired[0, row_bytes(fmt, weight)].all():
+        if paired[:, row_bytes(fmt, weight)].all():
             native_equals_reference(op, x, *weight, bias)
             covered = True
     assert covered
+
+
+@numba.njit
+def _mxfp4_one_x_pair_sums(x_pairs, scales, codes):
+    """_mxfp4_pair_sums_bf16 on the four rows of (scales, codes) and row 0 of x_pairs."""
+    blocks = scales.shape[1]
+    operands = (scales.ravel(), codes.ravel(), np.uint64(0))
+    starts = (0, blocks, 2 * blocks, 3 * blocks)
+    return wo_gemv4._mxfp4_pair_sums_bf16(x_pairs.ravel(), 0, blocks // 4, operands, (), starts)
+
+
+@needs_bf16
+def test_mxfp4_one_x_pair_sums_equal_the_reference():
+    """The one-row MXFP4 pair kernel, which only AMD Zen CPUs run (others sum one row with fused multiply-adds),
+    called directly on every CPU with the BF16 pairs: a row of x with -0 against four rows of W, the reference's
+    sums bit for bit."""
+    g = gen(43)
+    weight = mxfp4.quantize(torch.randn(4, 1024, generator=g))
+    x = torch.randn(1, 1024, generator=g).bfloat16()
+    x[0, 700] = -0.0
+    x_pairs = pairs_of_x(x)
+    _, paired = pair_and_fuse_tables("mxfp4", x, x_pairs)
+    assert paired[0, row_bytes("mxfp4", weight)].all()  # setup
+    codes, scales = (t.numpy() for t in weight)
+    got = torch.tensor(_mxfp4_one_x_pair_sums(x_pairs, scales, codes)).unsqueeze(0)
+    want = reference.lane_sums(x.float(), reference.mxfp4_weight(*weight))
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
 @needs_bf16

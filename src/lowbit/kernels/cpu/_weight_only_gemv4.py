@@ -108,8 +108,8 @@ def _all_fused(fused, m, lows, highs, count):
 
 
 @numba.njit(**_INLINE)
-def _nibble_rows(row_sum, block_step, block_steps, pairs, pair_sums, pair_sums_two_x, pair_sums_four_x, pair_arrays,
-                 x_reg, scales, packed, fused, x_pairs, paired, row, end, y32):
+def _nibble_rows(row_sum, block_step, block_steps, pairs, one_x_pairs, pair_sums, pair_sums_two_x, pair_sums_four_x,
+                 pair_arrays, x_reg, scales, packed, fused, x_pairs, paired, row, end, y32):
     """Rows row .. end - 1 of a 4-bit GEMV (inlined into _mxfp4_rows / _hifloat4_rows, which pass their
     format's ``row_sum``, ``block_step`` and pair kernels): x_reg (M, Kp) register order, scales / packed the
     format's two weight arrays (N, ...), fused (M, 256) from _fused_bytes, x_pairs and paired from
@@ -120,7 +120,8 @@ def _nibble_rows(row_sum, block_step, block_steps, pairs, pair_sums, pair_sums_t
     HiFloat4 prepared by magnitude index); else with fused multiply-adds for two rows of x at once where
     ``pairs`` and both may (_block_sums_pair: HiFloat4 in place, whose step is costly to decode; MXFP4's
     cheap step measured 15-22 % slower so at M = 2 and 4); else in BF16 pairs for one row of x
-    (``pair_sums``), else with fused multiply-adds, where every one of its rows may be; else row by row.
+    (``pair_sums``) where ``one_x_pairs``, else with fused multiply-adds, where every one of its rows may be;
+    else row by row.
     ``pair_arrays``: the format's arrays for the pair kernels beside the weight's (a tuple, maybe empty)."""
     blocks = scales.shape[1]
     m_rows, kp = x_reg.shape
@@ -166,7 +167,8 @@ def _nibble_rows(row_sum, block_step, block_steps, pairs, pair_sums, pair_sums_t
                         _store_block(y32, m + 1, row, second)
                         m += 2
                         continue
-                if count == ROW_BLOCK and pair_steps > 0 and _all_fused(paired, m, lows, highs, count):
+                if (count == ROW_BLOCK and one_x_pairs and pair_steps > 0
+                        and _all_fused(paired, m, lows, highs, count)):
                     _store_block(y32, m, row, pair_sums(xp_flat, m * kq, pair_steps, operands, pair_arrays, starts))
                     m += 1
                     continue
@@ -336,7 +338,8 @@ def _mxfp4_pair_sums_four_x_bf16(x_flat, xs, x_rows, steps, operands, pair_array
 
 @numba.njit(**_INLINE)
 def _no_pair_sums(x_flat, x0, steps, operands, pair_arrays, starts):
-    """Stands in for a pair kernel where there is none (no row is ever paired there: _paired_bytes)."""
+    """Stands in for a pair kernel where there is none (no row is ever paired there: _paired_bytes) or, for one
+    row of x, where _nibble_rows is told not to use it (``one_x_pairs``)."""
     zero = np.float32(0.0)
     return zero, zero, zero, zero
 
@@ -357,7 +360,11 @@ def _no_pair_sums_four_x(x_flat, xs, x_rows, steps, operands, pair_arrays, start
 # BF16 pairs need AVX512-BF16 (and the HiFloat4 look-ups AVX512-BITALG): elsewhere they are never compiled
 _HIFLOAT4_PAIRS = simd.HAS_AVX512BF16 and simd.HAS_AVX512BITALG
 _hifloat4_pair_sums = _hifloat4_pair_sums_bf16 if _HIFLOAT4_PAIRS else _no_pair_sums
-_mxfp4_pair_sums = _mxfp4_pair_sums_bf16 if simd.HAS_AVX512BF16 else _no_pair_sums
+# One row of x with MXFP4 weights: the BF16 pairs on AMD Zen 4 (0.72-0.81x the fused multiply-adds' time),
+# fused multiply-adds on Intel's Xeons (the pairs 1.2-1.3x their time on an Emerald Rapids, whose vdpbf16ps
+# shares both vector ports with the look-ups: benchmarks/results_weight_only.md).
+_MXFP4_ONE_X_PAIRS = simd.HAS_AVX512BF16 and simd.HOST_IS_AMD_ZEN
+_mxfp4_pair_sums = _mxfp4_pair_sums_bf16 if _MXFP4_ONE_X_PAIRS else _no_pair_sums
 _hifloat4_pair_sums_two_x = _hifloat4_pair_sums_two_x_bf16 if _HIFLOAT4_PAIRS else _no_pair_sums_two_x
 _mxfp4_pair_sums_two_x = _mxfp4_pair_sums_two_x_bf16 if simd.HAS_AVX512BF16 else _no_pair_sums_two_x
 _hifloat4_pair_sums_four_x = _hifloat4_pair_sums_four_x_bf16 if _HIFLOAT4_PAIRS else _no_pair_sums_four_x
@@ -368,15 +375,15 @@ _mxfp4_pair_sums_four_x = _mxfp4_pair_sums_four_x_bf16 if simd.HAS_AVX512BF16 el
 def _mxfp4_rows(x_reg, scales, codes, fused, x_pairs, paired, row, end, y32):
     """One task of _mxfp4_gemv (a function of its own, so that numba's parallel passes do not analyse it)."""
     blocks = scales.shape[1]
-    _nibble_rows(_mxfp4_row_sum, _mxfp4_block_step, blocks // 2 if blocks % 2 == 0 else 0, False, _mxfp4_pair_sums,
-                 _mxfp4_pair_sums_two_x, _mxfp4_pair_sums_four_x, (), x_reg, scales, codes, fused, x_pairs, paired, row,
-                 end, y32)
+    _nibble_rows(_mxfp4_row_sum, _mxfp4_block_step, blocks // 2 if blocks % 2 == 0 else 0, False, _MXFP4_ONE_X_PAIRS,
+                 _mxfp4_pair_sums, _mxfp4_pair_sums_two_x, _mxfp4_pair_sums_four_x, (), x_reg, scales, codes, fused,
+                 x_pairs, paired, row, end, y32)
 
 
 @numba.njit(**NJIT_OPTIONS)
 def _hifloat4_rows(x_reg, words, value, codes, signs, fused, x_pairs, paired, row, end, y32):
     """One task of _hifloat4_gemv."""
-    _nibble_rows(_hifloat4_row, _hifloat4_block_step, words.shape[1], True, _hifloat4_pair_sums,
+    _nibble_rows(_hifloat4_row, _hifloat4_block_step, words.shape[1], True, True, _hifloat4_pair_sums,
                  _hifloat4_pair_sums_two_x, _hifloat4_pair_sums_four_x, (codes, signs), x_reg, words, value, fused,
                  x_pairs, paired, row, end, y32)
 
