@@ -5,7 +5,9 @@ run in a compiled loop; the figure is ns per block, the fastest of five runs of 
 of 64 dependent scalar adds gives the clock (64 cycles). The 4-bit pair step of four rows (512 weights)
 takes 16 vdpbf16ps, 16 vpermw look-ups, 8 vpermb and 8 vpsrlw for the nibbles, and 16 vpternlogq for the
 indices plus 8 vinserti64x4 for the block tables (benchmarks/results_weight_only.md, 'Intel Xeon Emerald
-Rapids: the instruction floor of the 4-bit pair step'). Needs AVX512-BF16 and AVX512-VBMI.
+Rapids: the instruction floor of the 4-bit pair step'). The MXFP4 fused step of four rows (256 weights) takes 8
+byte widenings (vpmovzxbd), 8 vpsrld, 16 vpermd look-ups and 16 FMAs ('MXFP4's lone row of x by fused
+multiply-adds'). Needs AVX512-BF16 and AVX512-VBMI.
 
     PYTHONPATH=src python benchmarks/vector_ports.py [--blocks 200000]
 """
@@ -35,8 +37,8 @@ def _dp(i: int) -> str:
 
 def _op(name: str, i: int) -> str:
     """One instruction writing zmm16 + i % 16 from the zeroed zmm29-31."""
-    sources = {"vpsrlw": "$$4, %zmm29", "vpternlogq": "$$236, %zmm29, %zmm30",
-               "vinserti64x4": "$$1, %ymm29, %zmm30"}.get(name, "%zmm30, %zmm31")
+    sources = {"vpsrlw": "$$4, %zmm29", "vpsrld": "$$4, %zmm29", "vpternlogq": "$$236, %zmm29, %zmm30",
+               "vinserti64x4": "$$1, %ymm29, %zmm30", "vpmovzxbd": "%xmm29"}.get(name, "%zmm30, %zmm31")
     return f"{name} {sources}, %zmm{16 + i % 16}\n"
 
 
@@ -66,6 +68,13 @@ CASES = {
     "the same, tables by subtraction (no vinserti64x4, vpsubusw for vpternlogq)": mix(
         16, vpermw=16, vpermb=8, vpsrlw=8, vpsubusw=16),
     "look-ups and products only (16 vpermw, 16 vdpbf16ps)": mix(16, vpermw=16),
+    "16 vfmadd231ps": mix(0, vfmadd231ps=16),
+    "16 vpermd": mix(0, vpermd=16),
+    "16 vpmovzxbd": mix(0, vpmovzxbd=16),
+    "16 vpsrld": mix(0, vpsrld=16),
+    "16 vfmadd231ps + 16 vpermd": mix(0, vfmadd231ps=16, vpermd=16),
+    "MXFP4 fused step of four rows (256 weights: 16 vfmadd231ps, 16 vpermd, 8 vpmovzxbd, 8 vpsrld)": mix(
+        0, vfmadd231ps=16, vpermd=16, vpmovzxbd=8, vpsrld=8),
 }
 
 
