@@ -529,11 +529,11 @@ def test_bf16_pairs_give_the_reference_lane_sums(fmt, m, dtype):
 @pytest.mark.parametrize("fmt", PAIRING)
 def test_self_check_probes_run_the_bf16_pairs(fmt):
     """The operator's self-check (its probes) includes a case summed in BF16 pairs on this CPU, so that a CPU
-    whose vdpbf16ps added in another order would fail it: one row of x (MXFP4 on Intel's CPUs, which sum one
-    row with fused multiply-adds: two) paired with blocks of four weight rows and an even number of steps;
+    whose vdpbf16ps added in another order would fail it: one row of x (MXFP4 off AMD Zen, which sums up to three
+    rows with fused multiply-adds: four) paired with blocks of four weight rows and an even number of steps;
     that probe's result is the reference's."""
     op = OPS[fmt]
-    rows = 2 if fmt == "mxfp4" and not wo_gemv4._MXFP4_ONE_X_PAIRS else 1
+    rows = wo_gemv4._MXFP4_FUSED_X_ROWS + 1 if fmt == "mxfp4" else 1
     covered = False
     for x, *weight, bias in op.probes():
         steps = x.shape[-1] // cpu.LANES
@@ -554,6 +554,37 @@ def _mxfp4_one_x_pair_sums(x_pairs, scales, codes):
     operands = (scales.ravel(), codes.ravel(), np.uint64(0))
     starts = (0, blocks, 2 * blocks, 3 * blocks)
     return wo_gemv4._mxfp4_pair_sums_bf16(x_pairs.ravel(), 0, blocks // 4, operands, (), starts)
+
+
+@numba.njit
+def _mxfp4_fused_sums(x_reg, x_rows, scales, codes):
+    """_mxfp4_fused_sums_x on the four rows of (scales, codes) and rows 1 .. x_rows of x_reg (row 0 left out)."""
+    blocks = scales.shape[1]
+    kp = x_reg.shape[1]
+    y32 = np.full((x_reg.shape[0], 4), np.float32(-1.0))
+    operands = (scales.ravel(), codes.ravel(), np.uint64(0))
+    xs = (kp, 2 * kp, x_rows * kp)
+    wo_gemv4._mxfp4_fused_sums_x(x_reg.ravel(), xs, x_rows, blocks // 2, operands,
+                                 (0, blocks, 2 * blocks, 3 * blocks), y32, 1, 0)
+    return y32
+
+
+@pytest.mark.skipif(not wo_steps.BLOCK_ROWS, reason="blocks of rows need AVX-512")
+@pytest.mark.parametrize("x_rows", [2, 3])
+def test_mxfp4_fused_rows_of_x_equal_the_reference(x_rows):
+    """The MXFP4 kernel of two or three rows of x with fused multiply-adds (each step decoded once for all), which
+    AMD Zen CPUs never run, called directly on every CPU with blocks of rows: rows 1 .. x_rows of x with -0 against
+    four rows of W, the reference's sums bit for bit, and the rows of y around them untouched."""
+    g = gen(44 + x_rows)
+    weight = mxfp4.quantize(torch.randn(4, 1024, generator=g))
+    x = torch.randn(x_rows + 2, 1024, generator=g).bfloat16()
+    x[1, 700], x[x_rows, 5] = -0.0, -0.0
+    codes, scales = (t.numpy() for t in weight)
+    x_reg = wo_layout._reorder(x.float(), *cpu.MXFP4_LINEAR.split).numpy()
+    got = torch.from_numpy(_mxfp4_fused_sums(x_reg, x_rows, scales, codes))
+    want = reference.lane_sums(x.float(), reference.mxfp4_weight(*weight))
+    assert torch.equal(got[1:x_rows + 1].view(torch.int32), want[1:x_rows + 1].view(torch.int32))
+    assert (got[0] == -1).all() and (got[x_rows + 1:] == -1).all()
 
 
 @needs_bf16

@@ -261,10 +261,10 @@ def _mxfp4_probes():
                    _small_integers((3,), g, torch.float32)))
     probes.append((_small_integers((6, 64), g, torch.bfloat16), codes(3, 64), _block_scales(g, 3, 64, 126, 129),
                    _small_integers((3,), g, torch.bfloat16)))
-    # One and two BF16 rows of x, blocks of four weight rows, an even number of steps: the BF16 pairs where the
-    # CPU has them (docs/weight_only.md, 'BF16 pairs'; one row only on AMD Zen), so that the check covers
-    # vdpbf16ps's order too.
-    for rows in (1, 2):
+    # One and four BF16 rows of x, blocks of four weight rows, an even number of steps: the BF16 pairs where the
+    # CPU has them (docs/weight_only.md, 'BF16 pairs'; one row on AMD Zen, four elsewhere), so that the check
+    # covers vdpbf16ps's order too.
+    for rows in (1, 4):
         probes.append((torch.randn(rows, 512, generator=g).bfloat16(), codes(8, 512),
                        _block_scales(g, 8, 512, 118, 130), None))
     return probes

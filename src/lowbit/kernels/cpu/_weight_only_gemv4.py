@@ -110,20 +110,32 @@ def _all_fused(fused, m, lows, highs, count):
 
 
 @numba.njit(**_INLINE)
-def _nibble_rows(row_sum, block_step, block_steps, pairs, one_x_pairs, pair_sums, pair_sums_two_x, pair_sums_four_x,
-                 pair_arrays, x_reg, scales, packed, fused, x_pairs, paired, row, end, y32):
+def _x_rows_fused(fused, m, rows, lows, highs):
+    """Whether rows m .. m + rows - 1 of x may each use fused multiply-adds with the ROW_BLOCK rows of W whose
+    scale-byte ranges are lows / highs (_all_fused)."""
+    result = True
+    for i in range(rows):
+        result = result and _all_fused(fused, m + i, lows, highs, ROW_BLOCK)
+    return result
+
+
+@numba.njit(**_INLINE)
+def _nibble_rows(row_sum, block_step, block_steps, pairs, fused_x_rows, fused_sums_x, pair_sums, pair_sums_two_x,
+                 pair_sums_four_x, pair_arrays, x_reg, scales, packed, fused, x_pairs, paired, row, end, y32):
     """Rows row .. end - 1 of a 4-bit GEMV (inlined into _mxfp4_rows / _hifloat4_rows, which pass their
     format's ``row_sum``, ``block_step`` and pair kernels): x_reg (M, Kp) register order, scales / packed the
     format's two weight arrays (N, ...), fused (M, 256) from _fused_bytes, x_pairs and paired from
     _paired_bytes, y32 (M, N). ``block_steps``: steps of a row for _block_sums, or 0 where rows cannot be
-    blocked (an MXFP4 row of an odd number of blocks). Where the number of steps is even, a block of rows is
+    blocked (an MXFP4 row of an odd number of blocks). The last two or three rows of x, where at most
+    ``fused_x_rows`` are left and each may fuse with the block, are summed with fused multiply-adds together
+    (``fused_sums_x``: MXFP4 off AMD Zen). Else, where the number of steps is even, a block of rows is
     summed in BF16 pairs (two steps per product instruction) for four or three rows of x at once, else two, where
     every one of its rows may be for each and ``pair_sums_four_x`` / ``pair_sums_two_x`` do them (MXFP4;
     HiFloat4 prepared by magnitude index); else with fused multiply-adds for two rows of x at once where
     ``pairs`` and both may (_block_sums_pair: HiFloat4 in place, whose step is costly to decode; MXFP4's
     cheap step measured 15-22 % slower so at M = 2 and 4); else in BF16 pairs for one row of x
-    (``pair_sums``) where ``one_x_pairs``, else with fused multiply-adds, where every one of its rows may be;
-    else row by row.
+    (``pair_sums``) where ``fused_x_rows`` is 0, else with fused multiply-adds, where every one of its rows may
+    be; else row by row.
     ``pair_arrays``: the format's arrays for the pair kernels beside the weight's (a tuple, maybe empty)."""
     blocks = scales.shape[1]
     m_rows, kp = x_reg.shape
@@ -144,6 +156,12 @@ def _nibble_rows(row_sum, block_step, block_steps, pairs, one_x_pairs, pair_sums
         m = 0
         while m < m_rows:
             if BLOCK_ROWS:  # a constant: on other CPUs numba prunes the block code before compiling it
+                rest = m_rows - m
+                if count == ROW_BLOCK and 1 < rest <= fused_x_rows and _x_rows_fused(fused, m, rest, lows, highs):
+                    fused_sums_x(x_flat, (m * kp, (m + 1) * kp, (m_rows - 1) * kp), rest, block_steps, operands,
+                                 starts, y32, m, row)
+                    m = m_rows
+                    continue
                 both_paired = m + 1 < m_rows and _all_fused(paired, m, lows, highs, count) and _all_fused(
                     paired, m + 1, lows, highs, count)
                 three_paired = both_paired and m + 2 < m_rows and _all_fused(paired, m + 2, lows, highs, count)
@@ -169,7 +187,7 @@ def _nibble_rows(row_sum, block_step, block_steps, pairs, one_x_pairs, pair_sums
                         _store_block(y32, m + 1, row, second)
                         m += 2
                         continue
-                if (count == ROW_BLOCK and one_x_pairs and pair_steps > 0
+                if (count == ROW_BLOCK and fused_x_rows == 0 and pair_steps > 0
                         and _all_fused(paired, m, lows, highs, count)):
                     _store_block(y32, m, row, pair_sums(xp_flat, m * kq, pair_steps, operands, pair_arrays, starts))
                     m += 1
@@ -211,21 +229,22 @@ def _pair_rows(step, x_flat, x0, steps, operands, first, second):
 
 
 @numba.njit(**_INLINE)
-def _pair_rows_two_x(step, x_flat, x0, x1, steps, operands, first, second):
-    """_pair_rows for two rows of x (at x0 and x1): each pair step of W decoded once for both, every (x row,
-    W row) summed with _pair_rows' operations in its order (so its sums, bit for bit). Returns the two rows of
-    W's sums for x0, then for x1."""
+def _rows_two_x(step, product, load_x, x_flat, x0, x1, steps, operands, first, second):
+    """Two rows of W (weights at ``first`` and ``second``, steps ``step``) times two rows of x (at x0 and x1,
+    steps ``load_x``: _x_pair_step with _dot_pairs, or _x_step with _fma_products as ``product``): each step of W
+    decoded once for both rows of x, every (x row, W row) summed with the one-row kernel's operations in its
+    order (so its sums, bit for bit). Returns the two rows of W's sums for x0, then for x1."""
     a0, a1, b0, b1 = simd.f32v_zero(), simd.f32v_zero(), simd.f32v_zero(), simd.f32v_zero()
     c0, c1, d0, d1 = simd.f32v_zero(), simd.f32v_zero(), simd.f32v_zero(), simd.f32v_zero()
     for t in range(steps):
-        x_low, x_high = _x_pair_step(x_flat, x0, t)
-        y_low, y_high = _x_pair_step(x_flat, x1, t)
+        x_low, x_high = load_x(x_flat, x0, t)
+        y_low, y_high = load_x(x_flat, x1, t)
         w0, w1 = step(operands, first, 0, t)
-        a0, a1 = _dot_pairs(a0, a1, x_low, x_high, w0, w1)
-        c0, c1 = _dot_pairs(c0, c1, y_low, y_high, w0, w1)
+        a0, a1 = product(a0, a1, x_low, x_high, w0, w1)
+        c0, c1 = product(c0, c1, y_low, y_high, w0, w1)
         w0, w1 = step(operands, second, 1, t)
-        b0, b1 = _dot_pairs(b0, b1, x_low, x_high, w0, w1)
-        d0, d1 = _dot_pairs(d0, d1, y_low, y_high, w0, w1)
+        b0, b1 = product(b0, b1, x_low, x_high, w0, w1)
+        d0, d1 = product(d0, d1, y_low, y_high, w0, w1)
     return (_row_sum_nibbles(a0, a1), _row_sum_nibbles(b0, b1)), (_row_sum_nibbles(c0, c1), _row_sum_nibbles(d0, d1))
 
 
@@ -233,9 +252,52 @@ def _pair_rows_two_x(step, x_flat, x0, x1, steps, operands, first, second):
 def _pair_sums_two_x(step, x_flat, x0, x1, steps, operands, starts):
     """The folded sums of a block of rows in BF16 pairs for two rows of x, two rows of W at a time (four would
     take 32 vector registers for the accumulators alone): the 4-tuple of x0's, then x1's."""
-    (a, b), (e, f) = _pair_rows_two_x(step, x_flat, x0, x1, steps, operands, starts[0], starts[1])
-    (c, d), (g, h) = _pair_rows_two_x(step, x_flat, x0, x1, steps, operands, starts[2], starts[3])
+    (a, b), (e, f) = _rows_two_x(step, _dot_pairs, _x_pair_step, x_flat, x0, x1, steps, operands, starts[0],
+                                 starts[1])
+    (c, d), (g, h) = _rows_two_x(step, _dot_pairs, _x_pair_step, x_flat, x0, x1, steps, operands, starts[2],
+                                 starts[3])
     return (a, b, c, d), (e, f, g, h)
+
+
+@numba.njit(**_INLINE)
+def _fused_row_three_x(step, x_flat, xs, steps, operands, start):
+    """One row of W (weights at ``start``) times three rows of x (float32, register order, at x_flat[xs[i]:])
+    with fused multiply-adds: each step decoded once for the three, every (x row, W row) summed as the one-row
+    kernel sums it (_block_sums with _fma_products: its bits). Returns the three folded sums."""
+    a0, a1, b0, b1 = simd.f32v_zero(), simd.f32v_zero(), simd.f32v_zero(), simd.f32v_zero()
+    c0, c1 = simd.f32v_zero(), simd.f32v_zero()
+    for t in range(steps):
+        w0, w1 = step(operands, start, 0, t)
+        x_low, x_high = _x_step(x_flat, xs[0], t)
+        a0, a1 = _fma_products(a0, a1, x_low, x_high, w0, w1)
+        x_low, x_high = _x_step(x_flat, xs[1], t)
+        b0, b1 = _fma_products(b0, b1, x_low, x_high, w0, w1)
+        x_low, x_high = _x_step(x_flat, xs[2], t)
+        c0, c1 = _fma_products(c0, c1, x_low, x_high, w0, w1)
+    return _row_sum_nibbles(a0, a1), _row_sum_nibbles(b0, b1), _row_sum_nibbles(c0, c1)
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _mxfp4_fused_sums_x(x_flat, xs, x_rows, steps, operands, starts, y32, m, row):
+    """y32[m : m + x_rows, row : row + ROW_BLOCK]: a block of MXFP4 rows (operands and starts as the block step's)
+    times ``x_rows`` (2 or 3) rows of x (float32 in register order at x_flat[xs[i]:]; xs[2] unused for two)
+    with fused multiply-adds, each step decoded once for every row of x: for two, two rows of W at a time
+    (_rows_two_x); for three, one (_fused_row_three_x: twelve accumulators). A function of its own, as the
+    pair kernels."""
+    if x_rows == 2:
+        for r in range(0, ROW_BLOCK, 2):
+            (a, b), (c, d) = _rows_two_x(_mxfp4_block_step, _fma_products, _x_step, x_flat, xs[0], xs[1], steps,
+                                         operands, starts[r], starts[r + 1])
+            y32[m, row + r], y32[m, row + r + 1], y32[m + 1, row + r], y32[m + 1, row + r + 1] = a, b, c, d
+        return
+    for r in range(ROW_BLOCK):
+        y32[m, row + r], y32[m + 1, row + r], y32[m + 2, row + r] = _fused_row_three_x(
+            _mxfp4_block_step, x_flat, xs, steps, operands, starts[r])
+
+
+@numba.njit(**_INLINE)
+def _no_fused_sums_x(x_flat, xs, x_rows, steps, operands, starts, y32, m, row):
+    """Stands in for _mxfp4_fused_sums_x where _nibble_rows is told not to use it (``fused_x_rows`` below 2)."""
 
 
 @numba.njit(**_INLINE)
@@ -341,7 +403,7 @@ def _mxfp4_pair_sums_four_x_bf16(x_flat, xs, x_rows, steps, operands, pair_array
 @numba.njit(**_INLINE)
 def _no_pair_sums(x_flat, x0, steps, operands, pair_arrays, starts):
     """Stands in for a pair kernel where there is none (no row is ever paired there: _paired_bytes) or, for one
-    row of x, where _nibble_rows is told not to use it (``one_x_pairs``)."""
+    row of x, where _nibble_rows is told not to use it (``fused_x_rows`` above 0)."""
     zero = np.float32(0.0)
     return zero, zero, zero, zero
 
@@ -362,11 +424,13 @@ def _no_pair_sums_four_x(x_flat, xs, x_rows, steps, operands, pair_arrays, start
 # BF16 pairs need AVX512-BF16 (and the HiFloat4 look-ups AVX512-BITALG): elsewhere they are never compiled
 _HIFLOAT4_PAIRS = simd.HAS_AVX512BF16 and simd.HAS_AVX512BITALG
 _hifloat4_pair_sums = _hifloat4_pair_sums_bf16 if _HIFLOAT4_PAIRS else _no_pair_sums
-# One row of x with MXFP4 weights: the BF16 pairs on AMD Zen 4 (0.72-0.81x the fused multiply-adds' time),
-# fused multiply-adds on Intel's Xeons (the pairs 1.2-1.3x their time on an Emerald Rapids, whose vdpbf16ps
-# shares both vector ports with the look-ups: benchmarks/results_weight_only.md).
-_MXFP4_ONE_X_PAIRS = simd.HAS_AVX512BF16 and simd.HOST_IS_AMD_ZEN
-_mxfp4_pair_sums = _mxfp4_pair_sums_bf16 if _MXFP4_ONE_X_PAIRS else _no_pair_sums
+# Rows of x with MXFP4 weights: on AMD Zen 4 one row in BF16 pairs (0.72-0.81x the fused multiply-adds' time);
+# elsewhere (Intel's Xeons) up to three rows with fused multiply-adds, each step decoded once for all (on an
+# Emerald Rapids, whose vdpbf16ps takes both vector ports and runs one per two cycles, one row took 0.8x the
+# pairs' time, two and three rows 0.8x the time of the two- and four-row pairs), four rows in BF16 pairs
+# (benchmarks/results_weight_only.md, 'MXFP4's lone row of x by fused multiply-adds').
+_MXFP4_FUSED_X_ROWS = 0 if simd.HAS_AVX512BF16 and simd.HOST_IS_AMD_ZEN else 3
+_mxfp4_pair_sums = _mxfp4_pair_sums_bf16 if simd.HAS_AVX512BF16 and _MXFP4_FUSED_X_ROWS == 0 else _no_pair_sums
 _hifloat4_pair_sums_two_x = _hifloat4_pair_sums_two_x_bf16 if _HIFLOAT4_PAIRS else _no_pair_sums_two_x
 _mxfp4_pair_sums_two_x = _mxfp4_pair_sums_two_x_bf16 if simd.HAS_AVX512BF16 else _no_pair_sums_two_x
 _hifloat4_pair_sums_four_x = _hifloat4_pair_sums_four_x_bf16 if _HIFLOAT4_PAIRS else _no_pair_sums_four_x
@@ -377,15 +441,15 @@ _mxfp4_pair_sums_four_x = _mxfp4_pair_sums_four_x_bf16 if simd.HAS_AVX512BF16 el
 def _mxfp4_rows(x_reg, scales, codes, fused, x_pairs, paired, row, end, y32):
     """One task of _mxfp4_gemv (a function of its own, so that numba's parallel passes do not analyse it)."""
     blocks = scales.shape[1]
-    _nibble_rows(_mxfp4_row_sum, _mxfp4_block_step, blocks // 2 if blocks % 2 == 0 else 0, False, _MXFP4_ONE_X_PAIRS,
-                 _mxfp4_pair_sums, _mxfp4_pair_sums_two_x, _mxfp4_pair_sums_four_x, (), x_reg, scales, codes, fused,
-                 x_pairs, paired, row, end, y32)
+    _nibble_rows(_mxfp4_row_sum, _mxfp4_block_step, blocks // 2 if blocks % 2 == 0 else 0, False, _MXFP4_FUSED_X_ROWS,
+                 _mxfp4_fused_sums_x, _mxfp4_pair_sums, _mxfp4_pair_sums_two_x, _mxfp4_pair_sums_four_x, (), x_reg,
+                 scales, codes, fused, x_pairs, paired, row, end, y32)
 
 
 @numba.njit(**NJIT_OPTIONS)
 def _hifloat4_rows(x_reg, words, value, codes, signs, fused, x_pairs, paired, row, end, y32):
     """One task of _hifloat4_gemv."""
-    _nibble_rows(_hifloat4_row, _hifloat4_block_step, words.shape[1], True, True, _hifloat4_pair_sums,
+    _nibble_rows(_hifloat4_row, _hifloat4_block_step, words.shape[1], True, 0, _no_fused_sums_x, _hifloat4_pair_sums,
                  _hifloat4_pair_sums_two_x, _hifloat4_pair_sums_four_x, (codes, signs), x_reg, words, value, fused,
                  x_pairs, paired, row, end, y32)
 
