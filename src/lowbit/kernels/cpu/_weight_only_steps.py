@@ -10,7 +10,7 @@ from numba import types
 from numba.extending import overload
 
 from lowbit.kernels.cpu import _simd as simd
-from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, copy_elements
+from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, aligned_empty, copy_elements
 from lowbit.kernels.cpu._weight_only_decode4 import (_hifloat4_scale_levels, hifloat4_bf16_step, hifloat4_words_decode,
                                                      mxfp4_bf16_step)
 from lowbit.kernels.cpu._weight_only_decode8 import CODE8_PAIRS, _by_column_tables, code8_decode
@@ -384,7 +384,7 @@ def _code8_x_operands(x_reg, operands, x_consts):
     codes, bf16, table_like = operands[0], operands[2], operands[5]
     m_rows, kp = x_reg.shape
     if _pairs_for(table_like) and bf16 and codes.shape[1] % PAIR_LANES == 0:
-        x_pairs = np.empty((m_rows, kp), dtype=np.int16)  # Kp = K: a multiple of PAIR_LANES
+        x_pairs = aligned_empty(m_rows, kp, np.int16)  # Kp = K: a multiple of PAIR_LANES
         for m in range(m_rows):
             _fill_x_pairs(x_reg[m].view(np.int32), kp, sources, x_pairs[m])
         return _x_bounds(x_reg), x_pairs
@@ -405,7 +405,7 @@ def _four_bit_x_operands(x_reg, operands, x_consts):
     pair sources, whether the BF16 pair kernels run: else x_pairs has no columns)."""
     exponents, sources, pairs = x_consts
     m, kp = x_reg.shape
-    x_pairs = np.empty((m, -(-kp // PAIR_LANES) * PAIR_LANES if pairs else 0), dtype=np.int16)
+    x_pairs = aligned_empty(m, -(-kp // PAIR_LANES) * PAIR_LANES if pairs else 0, np.int16)
     fused, paired = _exact_bytes(x_reg, exponents, sources, x_pairs)
     return fused, x_pairs, paired
 

@@ -52,8 +52,8 @@ from lowbit.kernels.cpu import _code8_columns as _columns
 from lowbit.kernels.cpu import _simd as simd
 from lowbit.kernels.cpu import _transpose
 from lowbit.kernels.cpu import amx
-from lowbit.kernels.cpu._runtime import (NJIT_OPTIONS, SerialOrParallel, as_numpy, bound_njit, call_in_chunks,
-                                         copy_elements, int16_array_at, run_tasks, runs_serially,
+from lowbit.kernels.cpu._runtime import (NJIT_OPTIONS, SerialOrParallel, aligned_empty, as_numpy, bound_njit,
+                                         call_in_chunks, copy_elements, int16_array_at, run_tasks, runs_serially,
                                          swap_parallel_chunksize)
 from lowbit.kernels.cpu._weight_only_batched import (BATCH_IN_BF16, _code8_batched, _code8_batched_rows, _gather_x_bits,
                                                      _hifloat4_batched, _hifloat4_batched_rows, _mxfp4_batched,
@@ -261,7 +261,7 @@ def _gemv_arrays(x_bits, bf16, order, n):
     """(x_reg, y32) of a one-call GEMV: x (M, K) FP16 / BF16 bit patterns (int16) gathered into the register
     order (M, Kp) float32, and the (M, N) float32 sums' array."""
     m, k = x_bits.shape
-    x_reg = np.empty((m, -(-k // LANES) * LANES), dtype=np.float32)
+    x_reg = aligned_empty(m, -(-k // LANES) * LANES, np.float32)
     _gather_x(x_bits, bf16, order, x_reg)
     return x_reg, np.empty((m, n), dtype=np.float32)
 
@@ -302,7 +302,7 @@ def _batched_bits_arrays(x_bits, bf16, order, n):
     """_gemv_arrays for the batched kernels where BATCH_IN_BF16: x's BF16 bits in the register order (M, Kp)
     (_gather_x_bits), and the (M, N) float32 sums' array."""
     m, k = x_bits.shape
-    x_reg = np.empty((m, -(-k // LANES) * LANES), dtype=np.int16)
+    x_reg = aligned_empty(m, -(-k // LANES) * LANES, np.int16)
     _gather_x_bits(x_bits, order, x_reg)
     return x_reg, np.empty((m, n), dtype=np.float32)
 
@@ -569,11 +569,8 @@ class WeightOnlyLinear(Kernel):
 
     def _run_gemv(self, x: torch.Tensor, operands: tuple, bias, out: torch.Tensor, serial: bool) -> None:
         """The GEMV in three numba calls: x in register order, the lane sums, then the reference's rounding."""
-        (m, k), n = x.shape, out.shape[1]
         bf16 = x.dtype == torch.bfloat16
-        x_reg = np.empty((m, _padded_k(k)), dtype=np.float32)
-        _gather_x(as_numpy(x), bf16, self.order, x_reg)
-        y32 = np.empty((m, n), dtype=np.float32)
+        x_reg, y32 = _gemv_arrays(as_numpy(x), bf16, self.order, out.shape[1])
         self.gemv_sums(x_reg, operands, y32, serial)
         _round_into(y32, bias, bf16, out)
 
@@ -586,15 +583,10 @@ class WeightOnlyLinear(Kernel):
     def _run_batched(self, x: torch.Tensor, operands: tuple, bias, out: torch.Tensor, serial: bool) -> None:
         """GEMV_MAX_M < M <= _batch_max_m: the batched kernel on x in the register order (zero-padded to Kp;
         BF16 bits where BATCH_IN_BF16, else float32), then the reference's rounding."""
-        (m, k), n = x.shape, out.shape[1]
+        n = out.shape[1]
         bf16 = x.dtype == torch.bfloat16
-        if BATCH_IN_BF16:
-            x_reg = np.empty((m, _padded_k(k)), dtype=np.int16)
-            _gather_x_bits(as_numpy(x), self.order, x_reg)
-        else:
-            x_reg = np.empty((m, _padded_k(k)), dtype=np.float32)
-            _gather_x(as_numpy(x), bf16, self.order, x_reg)
-        y32 = np.empty((m, n), dtype=np.float32)
+        arrays = _batched_bits_arrays if BATCH_IN_BF16 else _gemv_arrays
+        x_reg, y32 = arrays(as_numpy(x), bf16, self.order, n)
         run_tasks(self.batched, (x_reg, *operands), n, y32, serial)
         _round_into(y32, bias, bf16, out)
 
