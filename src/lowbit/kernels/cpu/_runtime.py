@@ -279,9 +279,9 @@ def int16_array_at(address, rows, cols):
 def aligned_empty(rows, cols, dtype):
     """An uninitialised C-contiguous (rows, cols) array of ``dtype`` (a numpy scalar type) whose data starts on a
     64-byte boundary: a view into a flat array 64 elements longer, which it keeps alive. numba's and numpy's own
-    arrays start where the allocator puts them (a multiple of 16 bytes), where every 64-byte vector load of a row
-    may straddle two cache lines: the MXFP4 GEMV of three rows of x, which loads x for each row of W, took
-    1.6x the time with its x so placed (docs/weight_only.md, 'Kernels')."""
+    arrays start where the allocator puts them (a multiple of 16 bytes), and off a 64-byte boundary every
+    64-byte vector load of a row straddles two cache lines: the MXFP4 GEMV of three rows of x, which loads x for
+    each row of W, took 1.6x the time with its x so placed (docs/weight_only.md, 'Kernels')."""
     flat = np.empty(rows * cols + 64, dtype=dtype)
     skip = (64 - flat.ctypes.data % 64) % 64 // flat.itemsize
     return flat[skip:skip + rows * cols].reshape(rows, cols)
