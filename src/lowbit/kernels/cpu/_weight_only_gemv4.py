@@ -15,7 +15,7 @@ from lowbit.kernels.cpu._weight_only_steps import (BLOCK_ROWS, ROW_BLOCK, _accum
                                                    _block_sums_pair, _dot_pairs, _dot_pairs_four_x, _fma_products,
                                                    _hifloat4_step, _low_byte_range, _mxfp4_odd_block,
                                                    _mxfp4_pair_of_blocks, _mxfp4_step, _prefetch_ahead, _store_block,
-                                                   _x_pair_step, _x_step)
+                                                   _x_pair_step, _x_row_products, _x_step)
 
 
 @numba.njit(**_INLINE)
@@ -268,12 +268,9 @@ def _fused_row_three_x(step, x_flat, xs, steps, operands, start):
     c0, c1 = simd.f32v_zero(), simd.f32v_zero()
     for t in range(steps):
         w0, w1 = step(operands, start, 0, t)
-        x_low, x_high = _x_step(x_flat, xs[0], t)
-        a0, a1 = _fma_products(a0, a1, x_low, x_high, w0, w1)
-        x_low, x_high = _x_step(x_flat, xs[1], t)
-        b0, b1 = _fma_products(b0, b1, x_low, x_high, w0, w1)
-        x_low, x_high = _x_step(x_flat, xs[2], t)
-        c0, c1 = _fma_products(c0, c1, x_low, x_high, w0, w1)
+        a0, a1 = _x_row_products(_fma_products, _x_step, a0, a1, x_flat, xs[0], t, w0, w1)
+        b0, b1 = _x_row_products(_fma_products, _x_step, b0, b1, x_flat, xs[1], t, w0, w1)
+        c0, c1 = _x_row_products(_fma_products, _x_step, c0, c1, x_flat, xs[2], t, w0, w1)
     return _row_sum_nibbles(a0, a1), _row_sum_nibbles(b0, b1), _row_sum_nibbles(c0, c1)
 
 

@@ -506,18 +506,22 @@ def _dot_pairs(acc0, acc1, x_low, x_high, w0, w1):
 
 
 @numba.njit(**_INLINE)
+def _x_row_products(product, load_x, acc0, acc1, x_flat, x0, t, w0, w1):
+    """A row of x's accumulators (acc0, acc1) += its step t (``load_x`` at x_flat[x0:]: _x_step or _x_pair_step)
+    times one step of W (w0, w1), by ``product`` (_fma_products or _dot_pairs)."""
+    x_low, x_high = load_x(x_flat, x0, t)
+    return product(acc0, acc1, x_low, x_high, w0, w1)
+
+
+@numba.njit(**_INLINE)
 def _dot_pairs_four_x(accs, x_flat, xs, t, w0, w1):
     """Four rows of x's accumulators ``accs`` (eight F32V, two a row) += each row's pair step t (its pairs at
     x_flat[xs[i]:], _x_pair_step) times one pair step of W (w0, w1), by _dot_pairs."""
     a0, a1, b0, b1, c0, c1, d0, d1 = accs
-    x_low, x_high = _x_pair_step(x_flat, xs[0], t)
-    a0, a1 = _dot_pairs(a0, a1, x_low, x_high, w0, w1)
-    x_low, x_high = _x_pair_step(x_flat, xs[1], t)
-    b0, b1 = _dot_pairs(b0, b1, x_low, x_high, w0, w1)
-    x_low, x_high = _x_pair_step(x_flat, xs[2], t)
-    c0, c1 = _dot_pairs(c0, c1, x_low, x_high, w0, w1)
-    x_low, x_high = _x_pair_step(x_flat, xs[3], t)
-    d0, d1 = _dot_pairs(d0, d1, x_low, x_high, w0, w1)
+    a0, a1 = _x_row_products(_dot_pairs, _x_pair_step, a0, a1, x_flat, xs[0], t, w0, w1)
+    b0, b1 = _x_row_products(_dot_pairs, _x_pair_step, b0, b1, x_flat, xs[1], t, w0, w1)
+    c0, c1 = _x_row_products(_dot_pairs, _x_pair_step, c0, c1, x_flat, xs[2], t, w0, w1)
+    d0, d1 = _x_row_products(_dot_pairs, _x_pair_step, d0, d1, x_flat, xs[3], t, w0, w1)
     return a0, a1, b0, b1, c0, c1, d0, d1
 
 
