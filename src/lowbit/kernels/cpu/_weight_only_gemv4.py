@@ -62,8 +62,7 @@ def _hifloat4_block_step(operands, start, r, t):
     """HiFloat4 step t (= block t) of the row whose blocks start at ``start``: operands (words, value, ahead:
     the prefetch distance of the value bytes, see _prefetch_ahead), flat."""
     words_flat, value_flat, ahead = operands
-    if t % 2 == 0:  # a step reads half a cache line of value bytes
-        _prefetch_ahead(value_flat, np.uint64(32 * (start + t)), ahead)
+    _prefetch_ahead(value_flat, np.uint64(32 * (start + t)), ahead)  # at every step: see _mxfp4_block_step
     return _hifloat4_step(words_flat, value_flat, start + t)
 
 
