@@ -9,7 +9,7 @@ result has x's dtype; divisions by the scale are in float32.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -88,6 +88,39 @@ def _mxfp4_fake_quant(x: torch.Tensor) -> torch.Tensor:
         DEQUANTIZE.record("native")
         return out
     return mxfp4_dequantize(*mxfp4_quantize(*args), x.dtype)
+
+
+class MXFP4InputCall:
+    """A deploy layer's bound call ``gemv(x, m, out) -> bool`` (lowbit.ops.library.PreparedCall._bound_gemv) on
+    its input MXFP4 fake-quantized first, as :func:`_mxfp4_fake_quant` does it (the same bits): by the kernel's
+    one-call form (lowbit.kernels.cpu.mxfp4.fake_quantize_small), then ``gemv``. ``max_rows``: gemv's, and x at
+    most the kernel's one-thread size. Made by :func:`mxfp4_input_call`."""
+
+    def __init__(self, gemv: Callable[..., bool], max_rows: int) -> None:
+        from lowbit.kernels.cpu.mxfp4 import fake_quantize_small  # numba: imported on first use
+
+        self._gemv, self._fake_quantize, self.max_rows = gemv, fake_quantize_small, max_rows
+
+    def __call__(self, x: torch.Tensor, m: int, out: torch.Tensor) -> bool:
+        x_q = self._fake_quantize(x, *MXFP4_ACT_RULE)
+        QUANTIZE.record("native")
+        DEQUANTIZE.record("native")
+        return self._gemv(x_q, m, out)
+
+
+def mxfp4_input_call(gemv: Callable[..., bool], dtype: torch.dtype, k: int) -> Optional[MXFP4InputCall]:
+    """``gemv`` (a bound call with ``max_rows``) on MXFP4-fake-quantized x of ``dtype`` and K = ``k``, where
+    :func:`_mxfp4_fake_quant` would take its in-register kernel for such x under the current backend setting
+    (FP16 / BF16, K a multiple of 32, both operators' kernels direct in a plain context, a CPU with AVX512-BW),
+    else None (the caller's full path)."""
+    from lowbit.kernels.cpu import mxfp4 as kernel  # numba: imported on first use
+
+    x = torch.zeros(1, k, dtype=dtype)
+    if (k % 32 or dtype not in (torch.float16, torch.bfloat16) or not kernel.fake_quantizes_in_registers(dtype, 32)
+            or direct_cpu_kernel(QUANTIZE, (x, 32, *MXFP4_ACT_RULE, -1)) is None
+            or direct_cpu_kernel(DEQUANTIZE, (_NO_BYTES, _NO_BYTES, dtype, -1)) is None):
+        return None
+    return MXFP4InputCall(gemv, min(gemv.max_rows, kernel.ONE_THREAD_ELEMENTS // k))
 
 
 def fake_quant_input(x: torch.Tensor, kind: str, scale: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -30,7 +30,8 @@ from lowbit.ops import weight_only
 from lowbit.ops.library import PreparedCall, plain_context, plain_tensor
 from lowbit.ops.svd_quant import SVD_QUANT
 from lowbit.ops.wqbmm import PackedWeight, plan_weight_quant_batch_matmul, weight_quant_batch_matmul
-from lowbit.quantize.activations import ACT_KINDS, STATIC_KINDS, deploy_static_input, fake_quant_input
+from lowbit.quantize.activations import (ACT_KINDS, STATIC_KINDS, deploy_static_input, fake_quant_input,
+                                        mxfp4_input_call)
 from lowbit.quantize.calibration import QuantParams, fake_act_kind, layer_act_kind, make_calibrator, smoothed_weight
 from lowbit.quantize.config import LayerConfig
 from lowbit.quantize.layer_ops import check_layer_input, layer_geometry, run_layer
@@ -299,32 +300,39 @@ class PackedLinear(QuantizedLinearBase):
         return dense.reshape(self.cfg_meta["geometry"]["weight_shape"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # A weight-only layer whose fused kernel took x as it is: an x of the same dtype and K goes straight
-        # to it (the input check, the input transform and the kernel choice passed for that dtype and K; each
-        # costs tens of microseconds after other work: docs/weight_only.md, 'One call'), in one kernel call
-        # for a GEMV's rows (_run_one_call), else by the PreparedCall where it requires no grad. Anything else
+        # A layer whose fused kernel took x as it is (weight-only) or MXFP4-fake-quantized (act kind "mxfp4"): an
+        # x of the same dtype and K goes straight to it (the input check, the input transform and the kernel
+        # choice passed for that dtype and K; each costs tens of microseconds after other work:
+        # docs/weight_only.md, 'One call'), in one kernel call for a GEMV's rows (_run_one_call; after the fake
+        # quant's own call), else, weight-only, by the PreparedCall where it requires no grad. Anything else
         # takes the full path, which also sets this.
-        fast = self.__dict__.get("_fused_input")  # (x dtype, (K,), operator, its two buffers' names)
+        fast = self.__dict__.get("_fused_input")  # (x dtype, (K,), operator, its two buffers' names, act kind)
         if fast is not None and x.dtype is fast[0] and x.shape[-1:] == fast[1]:
             buffers, (first, second) = self._buffers, fast[3]
             sources = (buffers[first], buffers[second], self._parameters.get("bias"))
-            y = self._run_one_call(x, sources, self._bind_fused, fast[2])
+            y = self._run_one_call(x, sources, self._bind_fused, (fast[2], fast[4]))
             if y is not None:
                 return y
-            if self._records_no_graph(x) and x.device == sources[0].device:  # (else the layer's DeviceError)
-                return self.prepared_call(fast[2], sources, self._fused_arguments)(x)
+            if fast[4] == "none" and self._records_no_graph(x) and x.device == sources[0].device:
+                return self.prepared_call(fast[2], sources, self._fused_arguments)(x)  # (else the layer's error)
         return super().forward(x)
 
-    def _bind_fused(self, x: torch.Tensor, sources: tuple, op) -> Any:
-        """The fused operator ``op``'s bound GEMV for x's dtype (_run_one_call's ``bind``)."""
-        return self.prepared_call(op, sources, self._fused_arguments)._bound_gemv(x.dtype, self.in_features)
+    def _bind_fused(self, x: torch.Tensor, sources: tuple, op_and_act: tuple) -> Any:
+        """The fused operator's bound GEMV for x's dtype, after the MXFP4 fake quant of x for the act kind
+        "mxfp4" (activations.mxfp4_input_call): _run_one_call's ``bind``."""
+        op, act = op_and_act
+        gemv = self.prepared_call(op, sources, self._fused_arguments)._bound_gemv(x.dtype, self.in_features)
+        if gemv is None or act == "none":
+            return gemv
+        return mxfp4_input_call(gemv, x.dtype, self.in_features)
 
     def compute(self, x_q):
         fused = self.fused_kernel(x_q.dtype)
         if fused is not None:
             op, names = fused
-            if self.cfg_meta["act_kind"] == "none" and "smooth" not in self._buffers:  # x_q is x
-                self.__dict__["_fused_input"] = (x_q.dtype, (self.in_features,), op, names)
+            act = self.cfg_meta["act_kind"]
+            if act in ("none", "mxfp4") and "smooth" not in self._buffers:  # x_q is x, or x's MXFP4 fake quant
+                self.__dict__["_fused_input"] = (x_q.dtype, (self.in_features,), op, names, act)
             buffers = tuple(self._buffers[name] for name in names)
             return self.prepared_call(op, (*buffers, self.bias), self._fused_arguments)(x_q)
         return run_layer(self.cfg_meta["geometry"], x_q, self.dequantized_weight(), self.bias)

@@ -38,7 +38,8 @@ from lowbit.errors import DeviceError, DtypeError, ShapeError
 from lowbit.formats import mxfp4 as ref
 from lowbit.kernels import mxfp4_tables as tables
 from lowbit.kernels.cpu import _simd as simd
-from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, as_numpy, run_tasks, runs_serially
+from lowbit.kernels.cpu._runtime import (NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, as_numpy, bound_njit, int16_array_at,
+                                         run_tasks, runs_serially)
 from lowbit.kernels.mxfp4_last_axis import LastAxisDequantize, LastAxisQuantize
 
 _ABS_MASK = {torch.bfloat16: 0x7FFF, torch.float16: 0x7FFF, torch.float32: 0x7FFFFFFF}
@@ -584,6 +585,36 @@ def fake_quantize_into(xt, block_size, scale_rule, rounding, scales, out) -> Non
     serial = runs_serially(xt.numel(), ONE_THREAD_ELEMENTS)
     run_tasks((_fake_quantize_range16, _fake_quantize_blocks16), operands, scales.numel(),
               as_numpy(out).reshape(-1).view(np.uint16), serial)
+
+
+def _fake_quantize_at(x_address, out_address, blocks):
+    """The template of fake_quantize_small's call: _fake_quantize_range16 over ``blocks`` blocks of 32 FP16 / BF16
+    elements at ``x_address`` into ``out_address`` (int16_array_at), with the bound tables of one dtype and
+    rule (``_MASK``, ``_SCALE_OF``, ``_THRESHOLDS``, ``_VALUES``: fake_quantizer's)."""
+    elems = int16_array_at(x_address, 1, 32 * blocks).reshape(-1).view(np.uint16)
+    out = int16_array_at(out_address, 1, 32 * blocks).reshape(-1).view(np.uint16)
+    scales = np.empty(blocks, dtype=np.uint8)
+    _fake_quantize_range16(elems, _MASK, _SCALE_OF, _THRESHOLDS, _VALUES, scales, 0, blocks, out)  # noqa: F821
+
+
+@functools.cache
+def _fake_quantize_at_for(dtype: torch.dtype, scale_rule: str, rounding: str):
+    """The numba dispatcher of _fake_quantize_at bound to the tables of ``dtype``, the rule and the rounding."""
+    mask, scale_of, thresholds, values = fake_quantizer(dtype, scale_rule, rounding)
+    name = f"_fake_quantize_at_{str(dtype).removeprefix('torch.')}_{scale_rule}_{rounding}"
+    return bound_njit(_fake_quantize_at, name, _MASK=mask, _SCALE_OF=scale_of, _THRESHOLDS=thresholds,
+                      _VALUES=values)
+
+
+def fake_quantize_small(x: torch.Tensor, scale_rule: str, rounding: str) -> torch.Tensor:
+    """:func:`fake_quantize` of x in blocks of 32 (along its last axis) into a new tensor, in one numba call given
+    the tensors' addresses, on the calling thread (its checks, views and tables cost tens of microseconds after
+    other work, more than the work of a decode step's activation). Not checked: the caller's x is a
+    C-contiguous, aligned FP16 / BF16 CPU tensor of at most ONE_THREAD_ELEMENTS elements, a multiple of 32 in
+    its last axis, where :func:`fake_quantizes_in_registers`."""
+    out = torch.empty_like(x)
+    _fake_quantize_at_for(x.dtype, scale_rule, rounding)(x.data_ptr(), out.data_ptr(), x.numel() // _BLOCK32)
+    return out
 
 
 @functools.cache
