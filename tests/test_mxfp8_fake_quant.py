@@ -83,7 +83,7 @@ def test_both_kernels_every_16_bit_value_and_float32_range(in_registers, monkeyp
     """The kernel with each block in one register (CPUs with AVX512-BW) and the one with per-block arrays
     (elsewhere), each forced: every FP16 / BF16 pattern next to small, unit and large block maxima, and FP32
     blocks over the whole exponent range with zero, NaN and Inf blocks, on the calling thread (8 rows) and in
-    the parallel loop (1024 rows: _ONE_THREAD_ELEMENTS and more)."""
+    the parallel loop (1024 rows: ONE_THREAD_ELEMENTS and more)."""
     monkeypatch.setattr(kernel, "HAS_AVX512BW", in_registers)
     for dtype in (torch.bfloat16, torch.float16):
         for partner in (2.0**-20, 1.0, 30000.0):
@@ -92,7 +92,7 @@ def test_both_kernels_every_16_bit_value_and_float32_range(in_registers, monkeyp
             assert torch.equal(bits(kernel.fake_quantize(x)), bits(reference(x)))
     g = torch.Generator().manual_seed(3)
     x = torch.randn(1024, 64, generator=g) * torch.exp2(torch.randint(-149, 128, (1024, 1), generator=g).float())
-    assert x[:8].numel() < kernel._ONE_THREAD_ELEMENTS <= x.numel()
+    assert x[:8].numel() < kernel.ONE_THREAD_ELEMENTS <= x.numel()
     x[0, :32] = 0.0
     x[2, 5] = float("nan")
     x[3, 7] = float("-inf")

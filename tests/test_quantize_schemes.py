@@ -14,7 +14,7 @@ from lowbit.formats.int4 import quantize_int4_per_group
 from lowbit.formats.wqbmm import dequantize_weight
 import lowbit.kernels.cpu.mxfp4
 from lowbit.kernels.cpu.wqbmm_dequant import packed_is_faster
-from lowbit.quantize.activations import MXFP4InputCall
+from lowbit.quantize.activations import FakeQuantInputCall
 from lowbit.quantize.modules import CalibrationModule, Int4Linear, SVDQuantLinearDeploy, int4_msd_max_rows
 
 # Accuracy floors, derived from the formats rather than fitted: an element format whose top band keeps p
@@ -194,7 +194,7 @@ def test_compiled_deploy_model_gives_the_same_bits(scheme):
     assert torch.equal(torch.compile(model, backend="eager")(x), model(x))
 
 
-@pytest.mark.parametrize("scheme", ["hif8-wo", "mxfp4-wo", "hif4-wo", "mxfp4-w4a4"])
+@pytest.mark.parametrize("scheme", ["hif8-wo", "mxfp4-wo", "hif4-wo", "mxfp4-w4a4", "mxfp8-w8a8"])
 def test_deploy_layer_checks_every_other_input_after_its_fast_path(scheme):
     """Once its fused kernel has taken an x, PackedLinear.forward sends an x of that dtype and K straight to
     it (the same bits as the full path); any other x still gets the layer's errors, and an x that requires
@@ -218,14 +218,15 @@ def test_deploy_layer_checks_every_other_input_after_its_fast_path(scheme):
     assert not y.requires_grad and torch.equal(y.view(torch.int16), want.view(torch.int16))
 
 
+@pytest.mark.parametrize("scheme", ["mxfp4-w4a4", "mxfp8-w8a8"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_mxfp4_w4a4_layer_fake_quantizes_its_input_in_the_one_call(dtype):
-    """An mxfp4-w4a4 layer's fast path: x MXFP4-fake-quantized by the kernel's one-call form, then the bound
-    GEMV (activations.MXFP4InputCall, where the CPU has the in-register fake quant): the full path's bits for
-    1-4 rows of x with NaN, Inf, -0 and a zero block; more rows than the call takes, and the "reference"
-    backend, take the full path, with the same bits."""
+def test_mx_activation_layer_fake_quantizes_its_input_in_the_one_call(scheme, dtype):
+    """An mxfp4-w4a4 / mxfp8-w8a8 layer's fast path: x fake-quantized by its kernel's one-call form, then the
+    bound GEMV (activations.FakeQuantInputCall; MXFP4 where the CPU has the in-register fake quant): the full
+    path's bits for 1-4 rows of x with NaN, Inf, -0 and a zero block; more rows than the call takes, and the
+    "reference" backend, take the full path, with the same bits."""
     model = mlp(dtype)
-    lowbit.quantize_(model, "mxfp4-w4a4")
+    lowbit.quantize_(model, scheme)
     layer = model[0]
     x = inputs(dtype)[:4] * torch.logspace(-3, 3, 128).to(dtype)
     x[0, 3], x[1, 40], x[2, 7], x[3, 64:96] = float("nan"), float("inf"), -0.0, 0.0
@@ -234,8 +235,8 @@ def test_mxfp4_w4a4_layer_fake_quantizes_its_input_in_the_one_call(dtype):
         for rows in (1, 2, 3, 4):
             assert torch.equal(layer(x[:rows]).view(torch.int16), want[:rows].view(torch.int16))
         call = layer.__dict__["_one_call"][0]
-        if lowbit.kernels.cpu.mxfp4.fake_quantizes_in_registers(dtype, 32):
-            assert isinstance(call, MXFP4InputCall) and call.max_rows >= 4
+        if scheme == "mxfp8-w8a8" or lowbit.kernels.cpu.mxfp4.fake_quantizes_in_registers(dtype, 32):
+            assert isinstance(call, FakeQuantInputCall) and call.max_rows >= 4
         many = inputs(dtype, seed=5).repeat(200, 1)[: call.max_rows + 1 if call is not None else 5]
         full = layer.compute(layer.quantize_input(many))
         assert torch.equal(layer(many).view(torch.int16), full.view(torch.int16))

@@ -9,6 +9,7 @@ result has x's dtype; divisions by the scale are in float32.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional
 
 import torch
@@ -90,37 +91,50 @@ def _mxfp4_fake_quant(x: torch.Tensor) -> torch.Tensor:
     return mxfp4_dequantize(*mxfp4_quantize(*args), x.dtype)
 
 
-class MXFP4InputCall:
+class FakeQuantInputCall:
     """A deploy layer's bound call ``gemv(x, m, out) -> bool`` (lowbit.ops.library.PreparedCall._bound_gemv) on
-    its input MXFP4 fake-quantized first, as :func:`_mxfp4_fake_quant` does it (the same bits): by the kernel's
-    one-call form (lowbit.kernels.cpu.mxfp4.fake_quantize_small), then ``gemv``. ``max_rows``: gemv's, and x at
-    most the kernel's one-thread size. Made by :func:`mxfp4_input_call`."""
+    its input fake-quantized first by ``fake_quantize`` (x -> its fake quant in a new tensor, one numba call:
+    the bits of :func:`fake_quant_input` for the layer's kind), recorded as runs of the operators in
+    ``recorded``. ``max_rows``: gemv's, and x at most the fake quant's one-thread size. Made by
+    :func:`fake_quant_input_call`."""
 
-    def __init__(self, gemv: Callable[..., bool], max_rows: int) -> None:
-        from lowbit.kernels.cpu.mxfp4 import fake_quantize_small  # numba: imported on first use
-
-        self._gemv, self._fake_quantize, self.max_rows = gemv, fake_quantize_small, max_rows
+    def __init__(self, gemv: Callable[..., bool], fake_quantize: Callable, recorded: tuple, max_rows: int) -> None:
+        self._gemv, self._fake_quantize, self._recorded, self.max_rows = gemv, fake_quantize, recorded, max_rows
 
     def __call__(self, x: torch.Tensor, m: int, out: torch.Tensor) -> bool:
-        x_q = self._fake_quantize(x, *MXFP4_ACT_RULE)
-        QUANTIZE.record("native")
-        DEQUANTIZE.record("native")
+        x_q = self._fake_quantize(x)
+        for op in self._recorded:
+            op.record("native")
         return self._gemv(x_q, m, out)
 
 
-def mxfp4_input_call(gemv: Callable[..., bool], dtype: torch.dtype, k: int) -> Optional[MXFP4InputCall]:
-    """``gemv`` (a bound call with ``max_rows``) on MXFP4-fake-quantized x of ``dtype`` and K = ``k``, where
-    :func:`_mxfp4_fake_quant` would take its in-register kernel for such x under the current backend setting
-    (FP16 / BF16, K a multiple of 32, both operators' kernels direct in a plain context, a CPU with AVX512-BW),
-    else None (the caller's full path)."""
+def fake_quant_input_call(gemv: Callable[..., bool], kind: str, dtype: torch.dtype,
+                          k: int) -> Optional[FakeQuantInputCall]:
+    """``gemv`` (a bound call with ``max_rows``) on x of ``dtype`` and K = ``k`` fake-quantized by ``kind``
+    ("mxfp4" or "mxfp8") with its kernel's one-call form, where :func:`fake_quant_input` would take that kernel
+    for such x under the current backend setting (FP16 / BF16, K a multiple of 32, a plain context, not the
+    "reference" backend; MXFP4: both operators' kernels direct and a CPU with AVX512-BW), else None (the
+    caller's full path)."""
+    if k % 32 or dtype not in (torch.float16, torch.bfloat16) or not plain_context() or get_backend() == "reference":
+        return None
+    if kind == "mxfp8":
+        from lowbit.kernels.cpu import mxfp8 as kernel  # numba: imported on first use
+
+        return FakeQuantInputCall(gemv, kernel.fake_quantize_small, (), min(gemv.max_rows,
+                                                                            kernel.ONE_THREAD_ELEMENTS // k))
+    if kind != "mxfp4":
+        return None
     from lowbit.kernels.cpu import mxfp4 as kernel  # numba: imported on first use
 
     x = torch.zeros(1, k, dtype=dtype)
-    if (k % 32 or dtype not in (torch.float16, torch.bfloat16) or not kernel.fake_quantizes_in_registers(dtype, 32)
+    if (not kernel.fake_quantizes_in_registers(dtype, 32)
             or direct_cpu_kernel(QUANTIZE, (x, 32, *MXFP4_ACT_RULE, -1)) is None
             or direct_cpu_kernel(DEQUANTIZE, (_NO_BYTES, _NO_BYTES, dtype, -1)) is None):
         return None
-    return MXFP4InputCall(gemv, min(gemv.max_rows, kernel.ONE_THREAD_ELEMENTS // k))
+    fake_quantize = functools.partial(kernel.fake_quantize_small, scale_rule=MXFP4_ACT_RULE[0],
+                                      rounding=MXFP4_ACT_RULE[1])
+    return FakeQuantInputCall(gemv, fake_quantize, (QUANTIZE, DEQUANTIZE),
+                              min(gemv.max_rows, kernel.ONE_THREAD_ELEMENTS // k))
 
 
 def fake_quant_input(x: torch.Tensor, kind: str, scale: Optional[torch.Tensor] = None) -> torch.Tensor:

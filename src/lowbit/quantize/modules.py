@@ -31,7 +31,7 @@ from lowbit.ops.library import PreparedCall, plain_context, plain_tensor
 from lowbit.ops.svd_quant import SVD_QUANT
 from lowbit.ops.wqbmm import PackedWeight, plan_weight_quant_batch_matmul, weight_quant_batch_matmul
 from lowbit.quantize.activations import (ACT_KINDS, STATIC_KINDS, deploy_static_input, fake_quant_input,
-                                        mxfp4_input_call)
+                                        fake_quant_input_call)
 from lowbit.quantize.calibration import QuantParams, fake_act_kind, layer_act_kind, make_calibrator, smoothed_weight
 from lowbit.quantize.config import LayerConfig
 from lowbit.quantize.layer_ops import check_layer_input, layer_geometry, run_layer
@@ -300,9 +300,9 @@ class PackedLinear(QuantizedLinearBase):
         return dense.reshape(self.cfg_meta["geometry"]["weight_shape"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # A layer whose fused kernel took x as it is (weight-only) or MXFP4-fake-quantized (act kind "mxfp4"): an
-        # x of the same dtype and K goes straight to it (the input check, the input transform and the kernel
-        # choice passed for that dtype and K; each costs tens of microseconds after other work:
+        # A layer whose fused kernel took x as it is (weight-only) or MX-fake-quantized (act kinds "mxfp4" and
+        # "mxfp8"): an x of the same dtype and K goes straight to it (the input check, the input transform and
+        # the kernel choice passed for that dtype and K; each costs tens of microseconds after other work:
         # docs/weight_only.md, 'One call'), in one kernel call for a GEMV's rows (_run_one_call; after the fake
         # quant's own call), else, weight-only, by the PreparedCall where it requires no grad. Anything else
         # takes the full path, which also sets this.
@@ -318,20 +318,20 @@ class PackedLinear(QuantizedLinearBase):
         return super().forward(x)
 
     def _bind_fused(self, x: torch.Tensor, sources: tuple, op_and_act: tuple) -> Any:
-        """The fused operator's bound GEMV for x's dtype, after the MXFP4 fake quant of x for the act kind
-        "mxfp4" (activations.mxfp4_input_call): _run_one_call's ``bind``."""
+        """The fused operator's bound GEMV for x's dtype, after x's fake quant for the act kinds "mxfp4" and
+        "mxfp8" (activations.fake_quant_input_call): _run_one_call's ``bind``."""
         op, act = op_and_act
         gemv = self.prepared_call(op, sources, self._fused_arguments)._bound_gemv(x.dtype, self.in_features)
         if gemv is None or act == "none":
             return gemv
-        return mxfp4_input_call(gemv, x.dtype, self.in_features)
+        return fake_quant_input_call(gemv, act, x.dtype, self.in_features)
 
     def compute(self, x_q):
         fused = self.fused_kernel(x_q.dtype)
         if fused is not None:
             op, names = fused
             act = self.cfg_meta["act_kind"]
-            if act in ("none", "mxfp4") and "smooth" not in self._buffers:  # x_q is x, or x's MXFP4 fake quant
+            if act in ("none", "mxfp4", "mxfp8") and "smooth" not in self._buffers:  # x_q is x or its MX fake quant
                 self.__dict__["_fused_input"] = (x_q.dtype, (self.in_features,), op, names, act)
             buffers = tuple(self._buffers[name] for name in names)
             return self.prepared_call(op, (*buffers, self.bias), self._fused_arguments)(x_q)

@@ -30,11 +30,12 @@ from numba.extending import intrinsic
 from lowbit.errors import DeviceError, DtypeError, ShapeError
 from lowbit.formats import mxfp8 as ref
 from lowbit.kernels.cpu import _simd as simd
-from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, SerialOrParallel, as_numpy, runs_serially
+from lowbit.kernels.cpu._runtime import (NJIT_OPTIONS, SerialOrParallel, as_numpy, bound_njit, int16_array_at,
+                                         runs_serially)
 
 BLOCK = ref.BLOCK  # = simd.LANES: one block is one F32V
 _BLOCKS_PER_TASK = 256
-_ONE_THREAD_ELEMENTS = 1 << 16  # smaller inputs: the serial kernels, on the calling thread (no thread wake-up)
+ONE_THREAD_ELEMENTS = 1 << 16  # smaller inputs: the serial kernels, on the calling thread (no thread wake-up)
 _KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _E4M3_MAX_BITS = 0x43E00000  # 448.0, the largest E4M3 value
 _E4M3_MIN_NORMAL_BITS = 0x3C800000  # 2^-6: below it E4M3 is subnormal, a multiple of 2^-9
@@ -212,6 +213,27 @@ def _bits(t: torch.Tensor) -> np.ndarray:
     return as_numpy(t.view(torch.int32) if t.dtype == torch.float32 else t).reshape(-1)
 
 
+def _fake_quantize_at(x_address, out_address, count, kind):
+    """The template of fake_quantize_small's call: ``_FAKE_QUANTIZE`` (a serial kernel above) on the ``count``
+    FP16 / BF16 bit patterns at ``x_address`` into ``out_address`` (int16_array_at)."""
+    x_bits = int16_array_at(x_address, 1, count).reshape(-1)
+    _FAKE_QUANTIZE(x_bits, kind, int16_array_at(out_address, 1, count).reshape(-1))  # noqa: F821 (bound)
+
+
+_fake_quantize_16_at = bound_njit(_fake_quantize_at, "_mxfp8_fake_quantize_at",
+                                  _FAKE_QUANTIZE=(_fake_quantize_in_registers if HAS_AVX512BW else _fake_quantize).serial)
+
+
+def fake_quantize_small(x: torch.Tensor) -> torch.Tensor:
+    """:func:`fake_quantize` of x in one numba call given the tensors' addresses, on the calling thread (its
+    checks and views cost tens of microseconds after other work, more than a decode step's activation). Not
+    checked: the caller's x is a C-contiguous, aligned FP16 / BF16 CPU tensor of at most ONE_THREAD_ELEMENTS
+    elements, a multiple of 32 in its last axis."""
+    out = torch.empty_like(x)
+    _fake_quantize_16_at(x.data_ptr(), out.data_ptr(), x.numel(), _KIND[x.dtype])
+    return out
+
+
 def fake_quantize(x: torch.Tensor) -> torch.Tensor:
     """``mxfp8.dequantize(*mxfp8.quantize(x), x.dtype)`` for a CPU FP16/BF16/FP32 tensor whose last dimension
     is a multiple of 32 (any strides: a contiguous copy is read); a new contiguous tensor of x's shape and
@@ -227,5 +249,5 @@ def fake_quantize(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(x)
     if x.numel():
         kernel = _fake_quantize_in_registers if HAS_AVX512BW else _fake_quantize
-        kernel(_bits(x), _KIND[x.dtype], _bits(out), serial=runs_serially(x.numel(), _ONE_THREAD_ELEMENTS))
+        kernel(_bits(x), _KIND[x.dtype], _bits(out), serial=runs_serially(x.numel(), ONE_THREAD_ELEMENTS))
     return out
