@@ -293,7 +293,8 @@ def test_block_values_in_registers_are_the_codes_decoded(dtype, rounding):
 @pytest.mark.parametrize("rule, rounding", RULE_ROUNDING)
 def test_fake_quantize_in_registers_is_the_reference(dtype, rule, rounding):
     """fake_quantize_into: every 16-bit pattern (NaN and Inf blocks included) and blocks of every magnitude,
-    values and scale bytes equal the reference's quantize then dequantize, on numba's threads and on one."""
+    values and scale bytes equal the reference's quantize then dequantize, on numba's threads and on one; so do
+    the values of its one-call form given the tensors' addresses (fake_quantize_small)."""
     if not cpu_kernels.fake_quantizes_in_registers(dtype, 32):
         pytest.skip("no AVX512-BW on this CPU")
     g = torch.Generator().manual_seed(len(rule) + len(rounding))
@@ -306,6 +307,10 @@ def test_fake_quantize_in_registers_is_the_reference(dtype, rule, rounding):
         cpu_kernels.fake_quantize_into(x, 32, rule, rounding, scales, out)
         codes, want_scales = mxfp4.quantize(x, 32, rule, rounding)
         assert_same([out, scales], [mxfp4.dequantize(codes, want_scales, dtype), want_scales])
+    for x in (patterns.reshape(-1, 512), spread.to(dtype)):  # the one-call form, up to its size
+        assert x.numel() <= cpu_kernels.ONE_THREAD_ELEMENTS
+        assert_same([cpu_kernels.fake_quantize_small(x, rule, rounding)],
+                    [mxfp4.dequantize(*mxfp4.quantize(x, 32, rule, rounding), dtype)])
 
 
 @settings(max_examples=10)

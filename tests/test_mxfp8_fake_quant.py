@@ -24,10 +24,14 @@ def bits(t):
 @pytest.mark.parametrize("partner", [1.0, 100.0, 1e-3, 30000.0, 2.0**-20, 0.0])
 def test_every_16_bit_value_next_to_a_block_maximum(dtype, partner):
     """Every bit pattern of the dtype (NaN and Inf included) in blocks whose last element is ``partner``:
-    every scale the pattern can meet as the block's largest or a smaller element."""
+    every scale the pattern can meet as the block's largest or a smaller element; by fake_quantize and by its
+    one-call form given the tensors' addresses (fake_quantize_small)."""
     x = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype).reshape(-1, 32).clone()
     x[:, 31] = partner
-    assert torch.equal(bits(kernel.fake_quantize(x)), bits(reference(x)))
+    want = bits(reference(x))
+    assert x.numel() <= kernel.ONE_THREAD_ELEMENTS  # the one-call form's size (a deploy layer's fast path)
+    assert torch.equal(bits(kernel.fake_quantize_small(x)), want)  # first: no freed result under its output
+    assert torch.equal(bits(kernel.fake_quantize(x)), want)
 
 
 def test_float32_over_the_whole_exponent_range():

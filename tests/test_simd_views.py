@@ -9,7 +9,7 @@ import torch
 from numba.core.errors import TypingError
 
 from lowbit.kernels.cpu import _simd as simd
-from lowbit.kernels.cpu._runtime import int16_array_at
+from lowbit.kernels.cpu._runtime import aligned_empty, int16_array_at
 
 
 @numba.njit
@@ -84,3 +84,22 @@ def test_int16_array_at_is_the_memory_at_a_tensors_address():
     before = int(t[1:3].sum())
     assert total_and_mark(rows.data_ptr(), 2, 6) == (before, 2, 6, 12)
     assert t[2, 5] == -1 and t[3, 5] == -1 and t[1, 0] == 6
+
+
+def test_aligned_empty_starts_on_a_64_byte_boundary():
+    """_runtime.aligned_empty: a C-contiguous (rows, cols) array of the dtype on a 64-byte boundary, whatever the
+    allocator's offset (arrays allocated between calls move it), zero columns included, from Python and numba."""
+    @numba.njit
+    def made(rows, cols):
+        a = aligned_empty(rows, cols, np.int16)
+        a[:] = 7
+        return a
+
+    for rows, cols in ((1, 4096), (3, 100), (2, 0), (5, 33)):
+        for dtype in (np.float32, np.int16):
+            kept = [np.empty(k, dtype=np.uint8) for k in range(1, 9)]  # moves the allocator's next address
+            a = aligned_empty(rows, cols, dtype)
+            assert a.shape == (rows, cols) and a.dtype == dtype and a.flags.c_contiguous and kept
+            assert a.ctypes.data % 64 == 0
+        b = made(rows, cols)
+        assert b.ctypes.data % 64 == 0 and b.shape == (rows, cols) and (b == 7).all()

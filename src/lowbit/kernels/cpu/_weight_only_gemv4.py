@@ -422,11 +422,11 @@ _HIFLOAT4_PAIRS = simd.HAS_AVX512BF16 and simd.HAS_AVX512BITALG
 _hifloat4_pair_sums = _hifloat4_pair_sums_bf16 if _HIFLOAT4_PAIRS else _no_pair_sums
 # Rows of x with MXFP4 weights: on AMD Zen 4 one row in BF16 pairs (0.72-0.81x the fused multiply-adds' time);
 # elsewhere (Intel's Xeons) up to three rows with fused multiply-adds, each step decoded once for all (on an
-# Emerald Rapids, whose vdpbf16ps takes both vector ports and runs one per two cycles, one row took 0.8x the
-# pairs' time, two and three rows 0.8x the time of the two- and four-row pairs), four rows in BF16 pairs
+# Emerald Rapids, whose vdpbf16ps runs one per two cycles and never beside a look-up, a 4096^2 layer took
+# 0.79-0.81x the pairs' time at M = 1, 0.74-0.76x at M = 2 and 3), four rows in BF16 pairs
 # (benchmarks/results_weight_only.md, 'MXFP4's lone row of x by fused multiply-adds').
 _MXFP4_FUSED_X_ROWS = 0 if simd.HAS_AVX512BF16 and simd.HOST_IS_AMD_ZEN else 3
-_mxfp4_pair_sums = _mxfp4_pair_sums_bf16 if simd.HAS_AVX512BF16 and _MXFP4_FUSED_X_ROWS == 0 else _no_pair_sums
+_mxfp4_pair_sums = _mxfp4_pair_sums_bf16 if _MXFP4_FUSED_X_ROWS == 0 else _no_pair_sums
 _hifloat4_pair_sums_two_x = _hifloat4_pair_sums_two_x_bf16 if _HIFLOAT4_PAIRS else _no_pair_sums_two_x
 _mxfp4_pair_sums_two_x = _mxfp4_pair_sums_two_x_bf16 if simd.HAS_AVX512BF16 else _no_pair_sums_two_x
 _hifloat4_pair_sums_four_x = _hifloat4_pair_sums_four_x_bf16 if _HIFLOAT4_PAIRS else _no_pair_sums_four_x

@@ -220,8 +220,8 @@ def _fake_quantize_at(x_address, out_address, count, kind):
     _FAKE_QUANTIZE(x_bits, kind, int16_array_at(out_address, 1, count).reshape(-1))  # noqa: F821 (bound)
 
 
-_fake_quantize_16_at = bound_njit(_fake_quantize_at, "_mxfp8_fake_quantize_at",
-                                  _FAKE_QUANTIZE=(_fake_quantize_in_registers if HAS_AVX512BW else _fake_quantize).serial)
+_FAKE_QUANTIZE = _fake_quantize_in_registers if HAS_AVX512BW else _fake_quantize  # this CPU's kernel
+_fake_quantize_16_at = bound_njit(_fake_quantize_at, "_mxfp8_fake_quantize_at", _FAKE_QUANTIZE=_FAKE_QUANTIZE.serial)
 
 
 def fake_quantize_small(x: torch.Tensor) -> torch.Tensor:
@@ -248,6 +248,5 @@ def fake_quantize(x: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty_like(x)
     if x.numel():
-        kernel = _fake_quantize_in_registers if HAS_AVX512BW else _fake_quantize
-        kernel(_bits(x), _KIND[x.dtype], _bits(out), serial=runs_serially(x.numel(), ONE_THREAD_ELEMENTS))
+        _FAKE_QUANTIZE(_bits(x), _KIND[x.dtype], _bits(out), serial=runs_serially(x.numel(), ONE_THREAD_ELEMENTS))
     return out
