@@ -53,7 +53,7 @@ def test_serial_and_parallel_versions_agree(dtype, monkeypatch):
         cpu_kernels.DECODE.run(codes, dtype, out=decoded)
         return encoded, decoded.view(torch.int16)
 
-    results = serial_then_parallel(monkeypatch, cpu_kernels, "_ONE_THREAD_ELEMENTS", run)
+    results = serial_then_parallel(monkeypatch, cpu_kernels, "ONE_THREAD_ELEMENTS", run)
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
     assert torch.equal(results[0][0], hifloat8.encode(bits.view(dtype)))
     assert torch.equal(results[0][1], hifloat8.decode(codes, dtype).view(torch.int16))
@@ -100,3 +100,18 @@ def test_both_encoders_every_bit_pattern(encoders, dtype, serial):
         out = torch.empty(patterns.numel(), dtype=torch.uint8)
         kernel(patterns.numpy(), out.numpy(), serial=serial)
         assert torch.equal(out, hifloat8.encode(patterns.view(dtype))), patterns.numel()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_round_trip_in_one_call_every_pattern(dtype):
+    """round_trip_small (a hif8-cast layer's activation in one numba call): every bit pattern of the dtype,
+    shuffled, and short runs with partial vector steps: the reference's decode(encode(x)), bit for bit."""
+    if not cpu_kernels.HAS_AVX512BW:
+        pytest.skip("the one-call round trip runs the AVX512-BW encoders")
+    bits = all_fp16_patterns()[torch.randperm(65536, generator=torch.Generator().manual_seed(3))]
+    assert bits.numel() <= cpu_kernels.ONE_THREAD_ELEMENTS
+    for n in (65536, 4096 + 17, 5):
+        x = bits[:n].view(dtype).reshape(-1, n).clone()
+        got = cpu_kernels.round_trip_small(x)  # first: no freed result under its output
+        assert got.shape == x.shape and got.dtype == dtype
+        assert torch.equal(got.view(torch.int16), hifloat8.decode(hifloat8.encode(x), dtype).view(torch.int16)), n

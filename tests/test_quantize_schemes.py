@@ -218,24 +218,27 @@ def test_deploy_layer_checks_every_other_input_after_its_fast_path(scheme):
     assert not y.requires_grad and torch.equal(y.view(torch.int16), want.view(torch.int16))
 
 
-@pytest.mark.parametrize("scheme", ["mxfp4-w4a4", "mxfp8-w8a8"])
+@pytest.mark.parametrize("scheme", ["mxfp4-w4a4", "mxfp8-w8a8", "hif8-cast"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_mx_activation_layer_fake_quantizes_its_input_in_the_one_call(scheme, dtype):
-    """An mxfp4-w4a4 / mxfp8-w8a8 layer's fast path: x fake-quantized by its kernel's one-call form, then the
-    bound GEMV (activations.FakeQuantInputCall; MXFP4 where the CPU has the in-register fake quant): the full
-    path's bits for 1-4 rows of x with NaN, Inf, -0 and a zero block; more rows than the call takes, and the
+def test_scaleless_activation_layer_fake_quantizes_its_input_in_the_one_call(scheme, dtype):
+    """An mxfp4-w4a4 / mxfp8-w8a8 / hif8-cast layer's fast path: x fake-quantized by its kernels' one-call
+    form, then the bound GEMV (activations.FakeQuantInputCall; MXFP4 where the CPU has the in-register fake
+    quant, HiFloat8 where it has AVX512-BW): the full path's bits for 1-4 rows of x with NaN, Inf, -0, a zero
+    block, values past HiFloat8's largest and below its smallest; more rows than the call takes, and the
     "reference" backend, take the full path, with the same bits."""
     model = mlp(dtype)
     lowbit.quantize_(model, scheme)
     layer = model[0]
     x = inputs(dtype)[:4] * torch.logspace(-3, 3, 128).to(dtype)
     x[0, 3], x[1, 40], x[2, 7], x[3, 64:96] = float("nan"), float("inf"), -0.0, 0.0
+    x[0, 10], x[1, 11], x[2, 12] = 40000.0, -1e-7, 3e-8
     with torch.inference_mode():
         want = layer.compute(layer.quantize_input(x))  # the full path
         for rows in (1, 2, 3, 4):
             assert torch.equal(layer(x[:rows]).view(torch.int16), want[:rows].view(torch.int16))
         call = layer.__dict__["_one_call"][0]
-        if scheme == "mxfp8-w8a8" or lowbit.kernels.cpu.mxfp4.fake_quantizes_in_registers(dtype, 32):
+        if {"mxfp8-w8a8": True, "hif8-cast": lowbit.kernels.cpu._simd.HAS_AVX512BW,
+                "mxfp4-w4a4": lowbit.kernels.cpu.mxfp4.fake_quantizes_in_registers(dtype, 32)}[scheme]:
             assert isinstance(call, FakeQuantInputCall) and call.max_rows >= 4
         many = inputs(dtype, seed=5).repeat(200, 1)[: call.max_rows + 1 if call is not None else 5]
         full = layer.compute(layer.quantize_input(many))

@@ -111,19 +111,21 @@ class FakeQuantInputCall:
 def fake_quant_input_call(gemv: Callable[..., bool], kind: str, dtype: torch.dtype,
                           k: int) -> Optional[FakeQuantInputCall]:
     """``gemv`` (a bound call with ``max_rows``) on x of ``dtype`` and K = ``k`` fake-quantized by ``kind``
-    ("mxfp4" or "mxfp8") with its kernel's one-call form, where :func:`fake_quant_input` would take that kernel
-    for such x under the current backend setting (FP16 / BF16, K a multiple of 32, a plain context, not the
-    "reference" backend; MXFP4: both operators' kernels direct and a CPU with AVX512-BW), else None (the
-    caller's full path)."""
-    if k % 32 or dtype not in (torch.float16, torch.bfloat16) or not plain_context() or get_backend() == "reference":
+    ("hif8_cast", "mxfp4" or "mxfp8") with its kernels' one-call form, where :func:`fake_quant_input` would take
+    those kernels for such x under the current backend setting (FP16 / BF16, a plain context, not the
+    "reference" backend; the MX kinds: K a multiple of 32; HiF8 and MXFP4: both operators' kernels direct and a
+    CPU with AVX512-BW), else None (the caller's full path)."""
+    if dtype not in (torch.float16, torch.bfloat16) or not plain_context() or get_backend() == "reference":
+        return None
+    if kind == "hif8_cast":
+        return _hif8_round_trip_call(gemv, dtype, k)
+    if k % 32 or kind not in ("mxfp4", "mxfp8"):
         return None
     if kind == "mxfp8":
         from lowbit.kernels.cpu import mxfp8 as kernel  # numba: imported on first use
 
         return FakeQuantInputCall(gemv, kernel.fake_quantize_small, (), min(gemv.max_rows,
                                                                             kernel.ONE_THREAD_ELEMENTS // k))
-    if kind != "mxfp4":
-        return None
     from lowbit.kernels.cpu import mxfp4 as kernel  # numba: imported on first use
 
     x = torch.zeros(1, k, dtype=dtype)
@@ -134,6 +136,19 @@ def fake_quant_input_call(gemv: Callable[..., bool], kind: str, dtype: torch.dty
     fake_quantize = functools.partial(kernel.fake_quantize_small, scale_rule=MXFP4_ACT_RULE[0],
                                       rounding=MXFP4_ACT_RULE[1])
     return FakeQuantInputCall(gemv, fake_quantize, (QUANTIZE, DEQUANTIZE),
+                              min(gemv.max_rows, kernel.ONE_THREAD_ELEMENTS // k))
+
+
+def _hif8_round_trip_call(gemv: Callable[..., bool], dtype: torch.dtype, k: int) -> Optional[FakeQuantInputCall]:
+    """fake_quant_input_call for "hif8_cast": HiFloat8's round_trip_small where both operators' kernels are
+    direct for ``dtype`` (hif8_round_trip's full path takes them) on a CPU with AVX512-BW, else None."""
+    from lowbit.kernels.cpu import _simd, hifloat8 as kernel  # numba: imported on first use
+    from lowbit.ops.hifloat8 import DECODE as HIF8_DECODE, ENCODE as HIF8_ENCODE
+
+    if (not _simd.HAS_AVX512BW or direct_cpu_kernel(HIF8_ENCODE, (torch.zeros(1, k, dtype=dtype),)) is None
+            or direct_cpu_kernel(HIF8_DECODE, (_NO_BYTES, dtype)) is None):
+        return None
+    return FakeQuantInputCall(gemv, kernel.round_trip_small, (HIF8_ENCODE, HIF8_DECODE),
                               min(gemv.max_rows, kernel.ONE_THREAD_ELEMENTS // k))
 
 

@@ -300,12 +300,12 @@ class PackedLinear(QuantizedLinearBase):
         return dense.reshape(self.cfg_meta["geometry"]["weight_shape"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # A layer whose fused kernel took x as it is (weight-only) or MX-fake-quantized (act kinds "mxfp4" and
-        # "mxfp8"): an x of the same dtype and K goes straight to it (the input check, the input transform and
-        # the kernel choice passed for that dtype and K; each costs tens of microseconds after other work:
-        # docs/weight_only.md, 'One call'), in one kernel call for a GEMV's rows (_run_one_call; after the fake
-        # quant's own call), else, weight-only, by the PreparedCall where it requires no grad. Anything else
-        # takes the full path, which also sets this.
+        # A layer whose fused kernel took x as it is (weight-only) or fake-quantized without a scale (act kinds
+        # "hif8_cast", "mxfp4" and "mxfp8"): an x of the same dtype and K goes straight to it (the input check,
+        # the input transform and the kernel choice passed for that dtype and K; each costs tens of microseconds
+        # after other work: docs/weight_only.md, 'One call'), in one kernel call for a GEMV's rows
+        # (_run_one_call; after the fake quant's own call), else, weight-only, by the PreparedCall where it
+        # requires no grad. Anything else takes the full path, which also sets this.
         fast = self.__dict__.get("_fused_input")  # (x dtype, (K,), operator, its two buffers' names, act kind)
         if fast is not None and x.dtype is fast[0] and x.shape[-1:] == fast[1]:
             buffers, (first, second) = self._buffers, fast[3]
@@ -318,8 +318,8 @@ class PackedLinear(QuantizedLinearBase):
         return super().forward(x)
 
     def _bind_fused(self, x: torch.Tensor, sources: tuple, op_and_act: tuple) -> Any:
-        """The fused operator's bound GEMV for x's dtype, after x's fake quant for the act kinds "mxfp4" and
-        "mxfp8" (activations.fake_quant_input_call): _run_one_call's ``bind``."""
+        """The fused operator's bound GEMV for x's dtype, after x's fake quant for the act kinds "hif8_cast",
+        "mxfp4" and "mxfp8" (activations.fake_quant_input_call): _run_one_call's ``bind``."""
         op, act = op_and_act
         gemv = self.prepared_call(op, sources, self._fused_arguments)._bound_gemv(x.dtype, self.in_features)
         if gemv is None or act == "none":
@@ -331,7 +331,7 @@ class PackedLinear(QuantizedLinearBase):
         if fused is not None:
             op, names = fused
             act = self.cfg_meta["act_kind"]
-            if act in ("none", "mxfp4", "mxfp8") and "smooth" not in self._buffers:  # x_q is x or its MX fake quant
+            if act in ("none", "hif8_cast", "mxfp4", "mxfp8") and "smooth" not in self._buffers:  # x_q: x's own
                 self.__dict__["_fused_input"] = (x_q.dtype, (self.in_features,), op, names, act)
             buffers = tuple(self._buffers[name] for name in names)
             return self.prepared_call(op, (*buffers, self.bias), self._fused_arguments)(x_q)

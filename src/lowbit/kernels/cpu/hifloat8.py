@@ -65,7 +65,7 @@ from numba.extending import intrinsic
 
 from lowbit.backends import Kernel
 from lowbit.formats import hifloat8 as reference
-from lowbit.kernels.cpu._runtime import SerialOrParallel, as_numpy, runs_serially
+from lowbit.kernels.cpu._runtime import SerialOrParallel, as_numpy, bound_njit, int16_array_at, runs_serially
 from lowbit.kernels.cpu._simd import (HAS_AVX512BW, HAS_AVX512VBMI, prefer_512_bit_vectors, prefetch_span,
                                       store_table_words64)
 
@@ -85,7 +85,7 @@ _PREFETCH_BLOCKS = 2
 # numba's threads costs more than they save there (after a torch op, AMD EPYC Zen 4, 2 threads: 256K FP16
 # elements encode in 95 us serially, 97 us in parallel; benchmarks/results_first_run.md). The self-check's
 # exhaustive probe (2^16 patterns) runs serially too, so a cold start compiles no parallel loop.
-_ONE_THREAD_ELEMENTS = 1 << 18
+ONE_THREAD_ELEMENTS = 1 << 18
 
 
 @numba.njit(inline="always")
@@ -408,7 +408,7 @@ class Encode(Kernel):
     tables with AVX512-BW, else by a table of every bit pattern's code)."""
 
     def run(self, x: torch.Tensor, *, out: torch.Tensor) -> None:
-        serial = runs_serially(x.numel(), _ONE_THREAD_ELEMENTS)
+        serial = runs_serially(x.numel(), ONE_THREAD_ELEMENTS)
         src, dst = as_numpy(x).reshape(-1), as_numpy(out).reshape(-1)
         if HAS_AVX512BW:
             _ENCODERS_BY_TABLE[x.dtype](src, dst, serial=serial)
@@ -421,7 +421,7 @@ class Decode(Kernel):
     look-up: bytes, 64 codes per instruction, with AVX512-VBMI; else one 16-bit word per code)."""
 
     def run(self, codes: torch.Tensor, dtype: torch.dtype | None, *, out: torch.Tensor) -> None:
-        serial = runs_serially(codes.numel(), _ONE_THREAD_ELEMENTS)
+        serial = runs_serially(codes.numel(), ONE_THREAD_ELEMENTS)
         src, dst = as_numpy(codes).reshape(-1), as_numpy(out).reshape(-1)
         if HAS_AVX512VBMI:
             _decode_by_table(src, dst, _byte_table(out.dtype), serial=serial)
@@ -431,3 +431,31 @@ class Decode(Kernel):
 
 ENCODE = Encode()
 DECODE = Decode()
+
+
+def _round_trip_at(x_address, out_address, count):
+    """The template of round_trip_small's call: ``_ENCODE`` (a serial encoder above) of the ``count`` FP16 / BF16
+    bit patterns at ``x_address``, then ``_DECODE`` with ``_DECODE_TABLE`` (a serial decoder above and its table
+    for the same dtype) of those codes into ``out_address`` (int16_array_at)."""
+    codes = np.empty(count, dtype=np.uint8)
+    _ENCODE(int16_array_at(x_address, 1, count).reshape(-1), codes)  # noqa: F821 (bound)
+    _DECODE(codes, int16_array_at(out_address, 1, count).reshape(-1), _DECODE_TABLE)  # noqa: F821 (bound)
+
+
+@functools.cache
+def _round_trip_at_for(dtype: torch.dtype):
+    """The numba dispatcher of _round_trip_at bound to this CPU's kernels for ``dtype`` (FP16 / BF16)."""
+    decode, table = (_decode_by_table, _byte_table(dtype)) if HAS_AVX512VBMI else (_decode_by_words, _word_table(dtype))
+    return bound_njit(_round_trip_at, f"_hifloat8_round_trip_at_{str(dtype).removeprefix('torch.')}",
+                      _ENCODE=_ENCODERS_BY_TABLE[dtype].serial, _DECODE=decode.serial, _DECODE_TABLE=table)
+
+
+def round_trip_small(x: torch.Tensor) -> torch.Tensor:
+    """``decode(encode(x), x.dtype)`` (the HiF8 round trip, as ENCODE then DECODE give it) into a new tensor, in
+    one numba call given the tensors' addresses, on the calling thread (the two operators' checks and views cost
+    tens of microseconds after other work, more than the work of a decode step's activation). Not checked: the
+    caller's x is a C-contiguous FP16 / BF16 CPU tensor of at most ONE_THREAD_ELEMENTS elements, and the CPU
+    has AVX512-BW (its encoders; elsewhere the caller takes the operators)."""
+    out = torch.empty_like(x)
+    _round_trip_at_for(x.dtype)(x.data_ptr(), out.data_ptr(), x.numel())
+    return out
