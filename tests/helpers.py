@@ -97,3 +97,13 @@ class SeenFunctions(_Seen, TorchFunctionMode):
     """A TorchFunctionMode recording the functions it sees."""
 
     __torch_function__ = _Seen._record
+
+
+def force_k_chunk(monkeypatch, m: int, k_chunk: int) -> None:
+    """lowbit's AMX kernel takes K in chunks of ``k_chunk`` columns (a multiple of its TILE_K) for M = ``m``,
+    whatever K (amx.k_chunk_of)."""
+    from lowbit.kernels.cpu import amx  # numba: only for the tests that use it
+
+    monkeypatch.setattr(amx, "CHUNKED_K", 0)
+    monkeypatch.setattr(amx, "X_CHUNK_BYTES", 2 * -(-m // amx.PANEL) * amx.PANEL * k_chunk)
+    assert amx.k_chunk_of(m, 1 << 20) == k_chunk

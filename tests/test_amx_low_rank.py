@@ -13,7 +13,7 @@ import numba
 import pytest
 import torch
 
-from helpers import bits
+from helpers import bits, force_k_chunk
 from lowbit.formats import mxfp4
 from lowbit.kernels.cpu import amx
 from lowbit.kernels.cpu import mxfp4 as mxfp4_kernels
@@ -81,10 +81,14 @@ def _assert_same(got, want):
 @pytest.mark.parametrize("m, n, k, r", [(5, 40, 64, 32), (16, 32, 32, 1), (17, 100, 96, 40), (33, 130, 64, 8),
                                         (40, 257, 128, 64), (64, 64, 300, 70)])
 @pytest.mark.parametrize("threads", ["calling", "numba"])
-def test_low_rank_is_the_formula_where_sums_are_exact(monkeypatch, m, n, k, r, threads):
+@pytest.mark.parametrize("k_chunk", [None, 64], ids=["one-pass", "chunks"])
+def test_low_rank_is_the_formula_where_sums_are_exact(monkeypatch, m, n, k, r, threads, k_chunk):
     """M, N and R on and off the tiles' blocks (half tiles below 17 rows, several tasks past 128 rows of W, R past
-    one tile step), in a scratch full of NaN bits, on the calling thread and on numba's."""
+    one tile step), in a scratch full of NaN bits, on the calling thread and on numba's, K in one pass and in
+    chunks of 64 columns (amx.k_chunk_of, forced here)."""
     monkeypatch.setattr(amx, "ONE_THREAD_PRODUCTS", 1 << 62 if threads == "calling" else 0)
+    if k_chunk is not None:
+        force_k_chunk(monkeypatch, m, k_chunk)
     g = torch.Generator().manual_seed(m * n + r)
     x, w, t, u = _ints(g, m, k), _ints(g, n, k), _ints(g, m, r), _ints(g, r, n)
     scratch = torch.full((amx.scratch_bytes(m, k, cpu._tile_width(k), r),), 0xFF, dtype=torch.uint8)

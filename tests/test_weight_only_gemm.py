@@ -18,7 +18,7 @@ from lowbit.kernels.cpu import weight_only as cpu
 from lowbit.kernels.cpu import memory
 from lowbit.kernels.cpu.memory import thread_scratch
 
-from helpers import needs_two_numba_threads
+from helpers import force_k_chunk, needs_two_numba_threads
 from weight_only_cases import (BATCHED, CPU_KERNELS, GEMM_M, OPS, WEIGHTS, assert_bits, bits, dense_weight, gen,
                                hif8_weight, mxfp4_weight)
 
@@ -287,6 +287,36 @@ def test_amx_kernel_gives_the_same_bits_on_any_thread_count(monkeypatch, fmt):
         monkeypatch.setattr(amx, "ONE_THREAD_PRODUCTS", products)
         outs.append(OPS[fmt](x, *weight, None, backend="native"))
     assert_bits(outs[0], outs[1])
+
+
+@needs_amx
+@pytest.mark.parametrize("fmt", ["mxfp4", "hifloat8"])
+@pytest.mark.parametrize("m", [cpu.GEMV_MAX_M + 1, 45, 70])
+@pytest.mark.parametrize("bias_dtype", [None, torch.bfloat16])
+@pytest.mark.parametrize("products", [1 << 62, 0], ids=["calling", "numba"])
+def test_amx_kernel_in_chunks_of_k_gives_the_one_pass_bits(monkeypatch, fmt, m, bias_dtype, products):
+    """K in chunks (amx.k_chunk_of; forced here below CHUNKED_K) of one tile row, of two, and of three (which
+    do not divide K; HiFloat8's K = 319 ends in a short tile row): the one pass's bits, NaN / Inf / -0 in x and
+    NaN weights included, rows of x on and off the half-tile blocks, in the scratch as earlier calls left it,
+    on the calling thread and on numba's."""
+    monkeypatch.setattr(amx, "ONE_THREAD_PRODUCTS", products)
+    g = gen(m + len(fmt))
+    k = {"hifloat8": 319, "mxfp4": 352}[fmt]
+    weight = WEIGHTS[fmt](300, k, g)
+    if fmt == "hifloat8":
+        weight[0][5, 7] = 0x80
+    else:
+        weight[1][5, 2] = 0xFF
+    x = torch.randn(m, k, generator=g).bfloat16()
+    x[1, 100], x[m - 1, 3], x[2, 200:232] = float("nan"), float("inf"), -0.0
+    bias = None if bias_dtype is None else torch.randn(300, generator=g).to(bias_dtype)
+    want = OPS[fmt](x, *weight, bias, backend="native")
+    assert amx.k_chunk_of(m, k) >= k
+    for k_chunk in (32, 64, 96):
+        force_k_chunk(monkeypatch, m, k_chunk)
+        calls = _counting_amx(monkeypatch)
+        assert_bits(OPS[fmt](x, *weight, bias, backend="native"), want)
+        assert calls == [1]
 
 
 @needs_amx

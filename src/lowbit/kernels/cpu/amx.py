@@ -174,6 +174,7 @@ _store = [_make_tile_op(f"tilestored %tmm{t}, ($0,$1,1)", f"16 rows of 64 bytes 
 _zero = [_make_plain(f"tilezero %tmm{t}", f"tmm{t} <- 0") for t in range(4)]
 _C00, _C01, _C10, _C11 = (_make_plain(f"tdpbf16ps %tmm{b}, %tmm{a}, %tmm{c}", f"tmm{c} += tmm{a} . tmm{b}")
                           for c, a, b in ((0, 4, 6), (1, 4, 7), (2, 5, 6), (3, 5, 7)))
+_load_c00, _load_c01, _load_c10, _load_c11 = _load[:4]
 _load_a0, _load_a1, _load_b0, _load_b1 = _load[4:]
 _store_c00, _store_c01, _store_c10, _store_c11 = _store
 _zero_c00, _zero_c01, _zero_c10, _zero_c11 = _zero
@@ -225,19 +226,28 @@ def _zero_padding(w, rows, k, kp):
 
 
 @numba.njit(**dict(NJIT_OPTIONS, inline="always"))
-def _multiply_panel(w, r0, xt, m0, kp, c32, columns):
-    """c32 (PANEL, PANEL) float32 <- rows r0 .. r0 + PANEL - 1 of ``w`` (decoded W, BF16 bits, rows of kp or
-    more words) times x^T's columns m0 .. m0 + PANEL - 1, on the tiles (configured by the caller); only the first
-    16 columns where ``columns`` (the rows of x left from m0) is at most 16: half the tile loads and products
-    (rows of x past M are zeros, so the other half would be thrown away)."""
+def _multiply_panel(w, r0, xt, m0, k0, k1, c32, columns, accumulate):
+    """c32 (PANEL, PANEL) float32 <- rows r0 .. r0 + PANEL - 1 of ``w`` (decoded W, BF16 bits, rows of k1 or
+    more words) times x^T's columns m0 .. m0 + PANEL - 1 over K's columns k0 .. k1 - 1 (multiples of TILE_K),
+    added to c32's sums where ``accumulate`` (the tiles' order over K, as one call over all of it: the float32
+    sums go out and back exactly), on the tiles (configured by the caller); only the first 16 columns where
+    ``columns`` (the rows of x left from m0) is at most 16: half the tile loads and products (rows of x past M
+    are zeros, so the other half would be thrown away)."""
     w_stride, slab = 2 * w.shape[1], m0 // PANEL
     both = columns > 16
-    _zero_c00()
-    _zero_c10()
-    if both:
-        _zero_c01()
-        _zero_c11()
-    for kk in range(0, kp, TILE_K):
+    if accumulate:
+        _load_c00(c32, 0, 4 * PANEL)
+        _load_c10(c32, 4 * 16 * PANEL, 4 * PANEL)
+        if both:
+            _load_c01(c32, 4 * 16, 4 * PANEL)
+            _load_c11(c32, 4 * (16 * PANEL + 16), 4 * PANEL)
+    else:
+        _zero_c00()
+        _zero_c10()
+        if both:
+            _zero_c01()
+            _zero_c11()
+    for kk in range(k0, k1, TILE_K):
         _load_a0(w, 2 * (r0 * w.shape[1] + kk), w_stride)
         _load_a1(w, 2 * ((r0 + 16) * w.shape[1] + kk), w_stride)
         _load_b0(xt, 4 * PANEL * (slab * xt.shape[1] + kk // 2), 4 * PANEL)
@@ -302,22 +312,25 @@ def _lines(nbytes):
 
 
 @numba.njit(**NJIT_OPTIONS)
-def scratch_layout(m, k, rp, width, slots):
+def scratch_layout(m, k, rp, width, slots, k_chunk):
     """(x^T's bytes, T^T's bytes, one task slot's bytes, total) of _amx_gemm's scratch for M rows of x, K columns,
-    a low-rank branch of ``rp`` (R rounded up to TILE_K; 0: none), decoded rows of ``width`` words and ``slots``
-    task slots (one per thread that may run tasks): x^T (x_pairs) first, then T^T, then per slot a task's decoded
-    rows (SUBPANELS * PANEL rows of ``width``), four blocks of float32 sums, one of words and the task's rows of
-    u^T (SUBPANELS * PANEL rows of ``rp``); each part a whole number of 64-byte lines."""
-    mp = -(-m // PANEL) * PANEL
-    xt, tt = _lines(mp * -(-k // TILE_K) * TILE_K * 2), _lines(mp * rp * 2)
+    a low-rank branch of ``rp`` (R rounded up to TILE_K; 0: none), decoded rows of ``width`` words, ``slots``
+    task slots (one per thread that may run tasks) and chunks of ``k_chunk`` columns of K (k_chunk_of): x^T
+    (x_pairs) first, then T^T, then per slot a task's decoded rows (SUBPANELS * PANEL rows of ``width``), four
+    blocks of float32 sums, one of words, the task's rows of u^T (SUBPANELS * PANEL rows of ``rp``) and, where
+    K takes several chunks, a block of float32 sums per block of the task (SUBPANELS * mp / PANEL); each part a
+    whole number of 64-byte lines."""
+    mp, kp = -(-m // PANEL) * PANEL, -(-k // TILE_K) * TILE_K
+    xt, tt = _lines(mp * kp * 2), _lines(mp * rp * 2)
     slot = (_lines(SUBPANELS * PANEL * width * 2) + _lines(4 * PANEL * PANEL * 4) + _lines(PANEL * PANEL * 2)
-            + _lines(SUBPANELS * PANEL * rp * 2))
+            + _lines(SUBPANELS * PANEL * rp * 2) + (_lines(SUBPANELS * mp * PANEL * 4) if k_chunk < kp else 0))
     return xt, tt, slot, xt + tt + slots * slot
 
 
 @numba.njit(**dict(NJIT_OPTIONS, inline="always"))
-def _task_slot(scratch, at, width, rp):
-    """(decoded rows, four blocks of sums: two of products, two of low-rank sums, one block of words, rows of u^T)
+def _task_slot(scratch, at, width, rp, mp_chunked):
+    """(decoded rows, four blocks of sums: two of products, two of low-rank sums, one block of words, rows of u^T,
+    the blocks' sums between K's chunks: SUBPANELS * mp_chunked / PANEL blocks, none where ``mp_chunked`` is 0)
     in the task slot at byte ``at`` of ``scratch`` (scratch_layout)."""
     rows = SUBPANELS * PANEL
     w_bytes, c_bytes, words_bytes = _lines(rows * width * 2), _lines(4 * PANEL * PANEL * 4), _lines(PANEL * PANEL * 2)
@@ -328,7 +341,10 @@ def _task_slot(scratch, at, width, rp):
     words = scratch[at : at + PANEL * PANEL * 2].view(np.int16)
     at += words_bytes
     ut = scratch[at : at + rows * rp * 2].view(np.int16).reshape((rows, rp))
-    return w, c32, words, ut
+    at += _lines(rows * rp * 2)
+    blocks = SUBPANELS * mp_chunked // PANEL
+    acc = scratch[at : at + blocks * PANEL * PANEL * 4].view(np.float32).reshape((blocks, PANEL, PANEL))
+    return w, c32, words, ut, acc
 
 
 @numba.njit(**NJIT_OPTIONS)
@@ -399,14 +415,16 @@ _LAY_OUT_QUANTIZED = SerialOrParallel(_lay_out, "_amx_lay_out_quantized", _SLAB=
 _lay_out_here = _LAY_OUT.serial
 
 
-def _amx_gemm(operands, x_bits, n, width, bias_bits, bias_kind, t_bits, u_bits, scratch, slots, laid_out,
+def _amx_gemm(operands, x_bits, n, width, bias_bits, bias_kind, t_bits, u_bits, scratch, slots, k_chunk, laid_out,
               out_bits):
     """out_bits (M, N) int16 <- x_bits (M, K) BF16 bits times the (N, K) weight whose rows
     ``_TILE_ROWS(*operands, r0, first, end, w)`` decodes as BF16 bits (the GEMM path's tile decoder, bound by
     _kernels), plus the bias (_bias_values): x^T laid out once (x_pairs), then a task per SUBPANELS panels of
     PANEL rows of W, decoded into a buffer (rows of ``width`` >= the decoder's row) and multiplied on the tiles
-    by every PANEL rows of x, panel after panel (x^T's slabs read again from the cache). Each block's rounding
-    overlaps the next block's products (two buffers of sums). With a low-rank branch (``t_bits`` (M, R) and
+    by every PANEL rows of x, panel after panel (x^T's slabs read again from the cache), over K in chunks of
+    ``k_chunk`` columns (k_chunk_of: a chunk of x^T and of the task's rows stay in the L2 while all of its
+    blocks run; the sums wait in the slot between chunks). Each block's rounding overlaps the next block's
+    products (two buffers of sums, or the block's own). With a low-rank branch (``t_bits`` (M, R) and
     ``u_bits`` (R, N) BF16 bits, R > 0), each task also lays out its rows of u^T and each block gets its sums of
     T u on the tiles: the result is bf16(bf16(T u) + bf16(x W^T)) (no bias then).
     ``scratch``: uint8, scratch_layout's total for ``slots`` slots (1, or numba's largest thread count: a task
@@ -416,7 +434,8 @@ def _amx_gemm(operands, x_bits, n, width, bias_bits, bias_kind, t_bits, u_bits, 
     if _LOW_RANK:  # noqa: F821 (bound: a constant, so that the other formats' kernels compile none of the branch)
         rp = -(-u_bits.shape[0] // TILE_K) * TILE_K
     kp, mp = -(-k // TILE_K) * TILE_K, -(-m // PANEL) * PANEL
-    xt_bytes, tt_bytes, slot_bytes, _ = scratch_layout(m, k, rp, width, slots)
+    xt_bytes, tt_bytes, slot_bytes, _ = scratch_layout(m, k, rp, width, slots, k_chunk)
+    chunked = k_chunk < kp
     if not laid_out:
         _lay_out_here(x_bits, t_bits, rp, scratch, xt_bytes, ())
     xt = scratch[: mp * kp * 2].view(np.int32).reshape((mp // PANEL, kp // 2, PANEL))
@@ -426,7 +445,7 @@ def _amx_gemm(operands, x_bits, n, width, bias_bits, bias_kind, t_bits, u_bits, 
         first = task * SUBPANELS * PANEL
         rows = min(SUBPANELS * PANEL, n - first)
         at = xt_bytes + tt_bytes + _SLOT() * slot_bytes  # noqa: F821 (bound)
-        w, c32, words, ut = _task_slot(scratch, at, width, rp)
+        w, c32, words, ut, acc = _task_slot(scratch, at, width, rp, mp if chunked else 0)
         _TILE_ROWS(*operands, first, 0, rows, w)  # noqa: F821 (bound per format)
         if _LOW_RANK and rp:  # noqa: F821 (bound)
             _low_rank_rows(u_bits, first, rows, ut)
@@ -434,15 +453,21 @@ def _amx_gemm(operands, x_bits, n, width, bias_bits, bias_kind, t_bits, u_bits, 
         _zero_padding(w, rows, k, kp)
         _load_config(_CONFIG)
         blocks = panels * (mp // PANEL)
+        last = (kp - 1) // k_chunk * k_chunk  # the last chunk's first column
+        for k0 in range(0, last, k_chunk):  # every chunk but the last: each block's sums go on in acc
+            for b in range(blocks):
+                _multiply_panel(w, b % panels * PANEL, xt, b // panels * PANEL, k0, k0 + k_chunk, acc[b],
+                                m - b // panels * PANEL, k0 > 0)
         for b in range(blocks + 1):
             if b < blocks:  # its products go to the tiles; the previous block is rounded while they run
                 p, m0 = b % panels, (b // panels) * PANEL
-                _multiply_panel(w, p * PANEL, xt, m0, kp, c32[b % 2], m - m0)
+                _multiply_panel(w, p * PANEL, xt, m0, last, kp, acc[b] if chunked else c32[b % 2], m - m0, chunked)
                 if _LOW_RANK and rp:  # noqa: F821 (bound)
-                    _multiply_panel(ut, p * PANEL, tt, m0, rp, c32[2 + b % 2], m - m0)
+                    _multiply_panel(ut, p * PANEL, tt, m0, 0, rp, c32[2 + b % 2], m - m0, False)
             if b > 0:
                 p, m0 = (b - 1) % panels, ((b - 1) // panels) * PANEL
-                _round_block(c32[(b - 1) % 2], bias32, bias_kind != BIAS_NONE, c32[2 + (b - 1) % 2], rp > 0,
+                sums = acc[b - 1] if chunked else c32[(b - 1) % 2]
+                _round_block(sums, bias32, bias_kind != BIAS_NONE, c32[2 + (b - 1) % 2], rp > 0,
                              first + p * PANEL, min(PANEL, rows - p * PANEL), m0, words, out_bits)
         _release()
 
@@ -482,10 +507,32 @@ def _kernels(tile_rows) -> SerialOrParallel:
     return _KERNELS[name]
 
 
+# K in chunks in _amx_gemm past CHUNKED_K columns (a task's 128 decoded rows of W then take more than 1 MiB), of
+# at most X_CHUNK_BYTES of x^T: a chunk of x^T and of the task's rows stay in a core's L2 (2 MiB on the Intel
+# Xeons here) while every block of the task runs on them; in one pass a task re-read its decoded rows from the
+# L3 for every 32 rows of x. Intel Xeon (480 MiB L3, family 6 model 167), MXFP4, time over F.linear's, one pass
+# / chunks: 12288 x 8192 at M = 256 1.36 / 1.01x, M = 512 1.54 / 0.95-1.0x; 4096 x 11008 at M = 256 1.61 /
+# 1.07x; at K = 4096 one pass was faster (M = 256 0.87 against 1.04-1.07x: benchmarks/results_weight_only.md,
+# 'K in chunks on the AMX tiles').
+CHUNKED_K = 4096
+X_CHUNK_BYTES = 512 << 10
+
+
+def k_chunk_of(m: int, k: int) -> int:
+    """Columns of K per chunk of _amx_gemm's products for M rows of x: all of K (rounded up to TILE_K) up to
+    CHUNKED_K columns or where x^T takes at most X_CHUNK_BYTES, else the most multiples of TILE_K whose rows of
+    x^T do (at least one)."""
+    mp, kp = -(-m // PANEL) * PANEL, -(-k // TILE_K) * TILE_K
+    if kp <= CHUNKED_K or mp * kp * 2 <= X_CHUNK_BYTES:
+        return kp
+    return max(TILE_K, X_CHUNK_BYTES // (2 * mp) // TILE_K * TILE_K)
+
+
 def scratch_bytes(m: int, k: int, width: int, r: int = 0) -> int:
     """Bytes of the scratch :func:`run` uses for M rows of x, K columns, decoded rows of ``width`` words and a
     low-rank branch of rank ``r`` (0: none), whatever numba's thread count (a slot for each of its threads)."""
-    return int(scratch_layout(m, k, -(-r // TILE_K) * TILE_K, width, numba.config.NUMBA_NUM_THREADS)[3])
+    return int(scratch_layout(m, k, -(-r // TILE_K) * TILE_K, width, numba.config.NUMBA_NUM_THREADS,
+                              k_chunk_of(m, k))[3])
 
 
 # Products (M N K) below which a call runs on the calling thread.
@@ -517,10 +564,11 @@ def run(tile_rows, operands: tuple, x_bits: np.ndarray, n: int, width: int, bias
         raise ValueError(f"amx.run: x's fake quant needs K a multiple of {TILE_K}, got {k}")
     serial = runs_serially(m * n * (k + rp), ONE_THREAD_PRODUCTS)
     slots = 1 if serial else numba.config.NUMBA_NUM_THREADS
-    xt_bytes, _, _, nbytes = scratch_layout(m, k, rp, width, slots)
+    k_chunk = k_chunk_of(m, k)
+    xt_bytes, _, _, nbytes = scratch_layout(m, k, rp, width, slots, k_chunk)
     with scratch_or_thread(scratch, nbytes) as buffer:
         scratch = buffer.numpy()
-        args = (operands, x_bits, n, width, bias_bits, bias_kind, *low_rank, scratch, slots)
+        args = (operands, x_bits, n, width, bias_bits, bias_kind, *low_rank, scratch, slots, k_chunk)
         laid_out = fake_quant is not None or not serial  # else the serial kernel lays x out itself
         if laid_out:
             lay_out = _LAY_OUT if fake_quant is None else _LAY_OUT_QUANTIZED
