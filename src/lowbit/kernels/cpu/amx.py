@@ -508,14 +508,16 @@ def _kernels(tile_rows) -> SerialOrParallel:
 
 
 # K in chunks in _amx_gemm past CHUNKED_K columns (a task's 128 decoded rows of W then take more than 1 MiB), of
-# at most X_CHUNK_BYTES of x^T: a chunk of x^T and of the task's rows stay in a core's L2 (2 MiB on the Intel
-# Xeons here) while every block of the task runs on them; in one pass a task re-read its decoded rows from the
-# L3 for every 32 rows of x. Intel Xeon (480 MiB L3, family 6 model 167), MXFP4, time over F.linear's, one pass
-# / chunks: 12288 x 8192 at M = 256 1.36 / 1.01x, M = 512 1.54 / 0.95-1.0x; 4096 x 11008 at M = 256 1.61 /
-# 1.07x; at K = 4096 one pass was faster (M = 256 0.87 against 1.04-1.07x: benchmarks/results_weight_only.md,
-# 'K in chunks on the AMX tiles').
+# at most X_CHUNK_BYTES of x^T: a chunk of x^T and of the task's rows stay in a core's L1 / L2 while every block
+# of the task runs on them; in one pass a task re-read its decoded rows from the L3 for every 32 rows of x.
+# Intel Xeon (480 MiB L3, family 6 model 167), MXFP4 / HiFloat8, time over F.linear's, one pass against chunks of
+# 512 / 256 / 128 KiB of x^T: 4096 x 11008 at M = 256 1.41 / 1.45 against 1.07-1.09 / 1.04-1.08 / 0.95 (MXFP4) and
+# 1.13-1.18 / 1.11-1.15 / 1.04 (HiFloat8); 12288 x 8192 at M = 512 1.31 / 1.29 against 0.95-1.00 / 0.92-0.94 /
+# 0.94 and 0.99-1.04 / 0.97-0.99 / 0.99; M = 16-128 chunks of 128 KiB took 4-19 % less time than one pass; at
+# K = 4096 one pass was as fast or faster (4096^2 at M = 512 0.90 against 1.01x): benchmarks/results_weight_only.md,
+# 'K in chunks on the AMX tiles'.
 CHUNKED_K = 4096
-X_CHUNK_BYTES = 512 << 10
+X_CHUNK_BYTES = 128 << 10
 
 
 def k_chunk_of(m: int, k: int) -> int:
