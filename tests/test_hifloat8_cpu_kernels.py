@@ -85,8 +85,8 @@ def test_both_decoders_every_code_at_every_tail_length(decoder, dtype, serial):
 @pytest.mark.parametrize("encoders", ["table", "patterns"])
 def test_both_encoders_every_bit_pattern(encoders, dtype, serial):
     """The encoders by exponent tables (32 elements per step, AVX512-BW) and by the table of every pattern's
-    code (CPUs without AVX512-BW), called directly: every bit pattern in order (FP16: subnormal and normal blocks) and shuffled,
-    then a length whose last step is short."""
+    code (CPUs without AVX512-BW), called directly: every bit pattern in order (FP16: subnormal and normal
+    blocks) and shuffled, then a length whose last step is short."""
     if encoders == "table" and not cpu_kernels.HAS_AVX512BW:
         pytest.skip("the table encoders need AVX512-BW")
     if encoders == "table":

@@ -449,7 +449,8 @@ class Int4Linear(PackedLinear):
         scale = self._buffers["antiquant_scale"]
         if (x.dtype is self.weight_dtype and x.dtype is scale.dtype and x.shape[-1:] == (self.in_features,)
                 and "smooth" not in self._buffers and self.cfg_meta["act_kind"] == "none"):
-            sources = (self._buffers["weight"], scale, self._buffers.get("antiquant_offset"), self._parameters.get("bias"))
+            sources = (self._buffers["weight"], scale, self._buffers.get("antiquant_offset"),
+                       self._parameters.get("bias"))
             msd_rows = int4_msd_max_rows(x.dtype)
             y = self._run_one_call(x, sources, self._bind_decode, "msd", msd_rows)
             if y is None and x.numel() > msd_rows * self.in_features and _dequant_reads_packed(x.dtype):

@@ -453,22 +453,21 @@ def _amx_gemm(operands, x_bits, n, width, bias_bits, bias_kind, t_bits, u_bits, 
         _zero_padding(w, rows, k, kp)
         _load_config(_CONFIG)
         blocks = panels * (mp // PANEL)
-        last = (kp - 1) // k_chunk * k_chunk  # the last chunk's first column
-        for k0 in range(0, last, k_chunk):  # every chunk but the last: each block's sums go on in acc
-            for b in range(blocks):
-                _multiply_panel(w, b % panels * PANEL, xt, b // panels * PANEL, k0, k0 + k_chunk, acc[b],
-                                m - b // panels * PANEL, k0 > 0)
-        for b in range(blocks + 1):
-            if b < blocks:  # its products go to the tiles; the previous block is rounded while they run
-                p, m0 = b % panels, (b // panels) * PANEL
-                _multiply_panel(w, p * PANEL, xt, m0, last, kp, acc[b] if chunked else c32[b % 2], m - m0, chunked)
-                if _LOW_RANK and rp:  # noqa: F821 (bound)
-                    _multiply_panel(ut, p * PANEL, tt, m0, 0, rp, c32[2 + b % 2], m - m0, False)
-            if b > 0:
-                p, m0 = (b - 1) % panels, ((b - 1) // panels) * PANEL
-                sums = acc[b - 1] if chunked else c32[(b - 1) % 2]
-                _round_block(sums, bias32, bias_kind != BIAS_NONE, c32[2 + (b - 1) % 2], rp > 0,
-                             first + p * PANEL, min(PANEL, rows - p * PANEL), m0, words, out_bits)
+        for k0 in range(0, kp, k_chunk):  # the blocks' sums go on in acc between chunks; the last one rounds them
+            k1 = min(k0 + k_chunk, kp)
+            last = k1 == kp
+            for b in range(blocks + 1 if last else blocks):
+                if b < blocks:  # its products go to the tiles; the previous block is rounded while they run
+                    p, m0 = b % panels, (b // panels) * PANEL
+                    sums = acc[b] if chunked else c32[b % 2]
+                    _multiply_panel(w, p * PANEL, xt, m0, k0, k1, sums, m - m0, k0 > 0)
+                    if last and _LOW_RANK and rp:  # noqa: F821 (bound)
+                        _multiply_panel(ut, p * PANEL, tt, m0, 0, rp, c32[2 + b % 2], m - m0, False)
+                if last and b > 0:
+                    p, m0 = (b - 1) % panels, ((b - 1) // panels) * PANEL
+                    sums = acc[b - 1] if chunked else c32[(b - 1) % 2]
+                    _round_block(sums, bias32, bias_kind != BIAS_NONE, c32[2 + (b - 1) % 2], rp > 0,
+                                 first + p * PANEL, min(PANEL, rows - p * PANEL), m0, words, out_bits)
         _release()
 
 
