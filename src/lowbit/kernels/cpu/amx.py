@@ -9,6 +9,9 @@ tiles on it for every row of x at once:
     C^T (32 rows of W x 32 rows of x) += W panel (A: 2 tiles of 16 rows x 32 K) . x^T (B: 2 tiles of 16 K pairs
     x 16 rows of x, the pair layout tdpbf16ps reads)
 
+Past CHUNKED_K columns a task runs K in chunks (``k_chunk_of``) whose x^T and decoded rows stay in the L2, each
+block's sums kept in the task's buffer between chunks (the one pass's bits).
+
 x^T is laid out once per call (``transpose_pairs``), each C^T block is rounded to BF16 (the bias added first)
 and transposed into the output by the GEMM path's word transpose, every NaN made the canonical one. The sums
 are float32 in AMX's order, with its handling of subnormals (inputs and results flushed to zero), as torch's
