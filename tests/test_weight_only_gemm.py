@@ -296,9 +296,9 @@ def test_amx_kernel_gives_the_same_bits_on_any_thread_count(monkeypatch, fmt):
 @pytest.mark.parametrize("products", [1 << 62, 0], ids=["calling", "numba"])
 def test_amx_kernel_in_chunks_of_k_gives_the_one_pass_bits(monkeypatch, fmt, m, bias_dtype, products):
     """K in chunks (amx.k_chunk_of; forced here below CHUNKED_K) of one tile row, of two, and of three (which
-    do not divide K; HiFloat8's K = 319 ends in a short tile row): the one pass's bits, NaN / Inf / -0 in x and
-    NaN weights included, rows of x on and off the half-tile blocks, in the scratch as earlier calls left it,
-    on the calling thread and on numba's."""
+    do not divide K; HiFloat8's K = 319 ends in a short tile row): the one pass's bits, NaN / Inf / -0 / BF16
+    subnormals in a non-contiguous x and NaN weights included, rows of x on and off the half-tile blocks, in the
+    scratch as earlier calls left it, on the calling thread and on numba's."""
     monkeypatch.setattr(amx, "ONE_THREAD_PRODUCTS", products)
     g = gen(m + len(fmt))
     k = {"hifloat8": 319, "mxfp4": 352}[fmt]
@@ -307,8 +307,8 @@ def test_amx_kernel_in_chunks_of_k_gives_the_one_pass_bits(monkeypatch, fmt, m, 
         weight[0][5, 7] = 0x80
     else:
         weight[1][5, 2] = 0xFF
-    x = torch.randn(m, k, generator=g).bfloat16()
-    x[1, 100], x[m - 1, 3], x[2, 200:232] = float("nan"), float("inf"), -0.0
+    x = torch.randn(m, 2 * k, generator=g).bfloat16()[:, ::2]
+    x[1, 100], x[m - 1, 3], x[2, 200:232], x[0, :8] = float("nan"), float("inf"), -0.0, 2.0**-130
     bias = None if bias_dtype is None else torch.randn(300, generator=g).to(bias_dtype)
     want = OPS[fmt](x, *weight, bias, backend="native")
     assert amx.k_chunk_of(m, k) >= k

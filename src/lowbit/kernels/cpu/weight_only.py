@@ -598,11 +598,13 @@ class WeightOnlyLinear(Kernel):
 # which reads x^T again for every task (Intel Xeon Emerald Rapids, MXFP4 / HiFloat4 / HiFloat8, time over
 # F.linear's: 4096^2 at M = 512 1.00-1.05x either way; 1536 x 384 at M = 768 1.77-1.82x against 1.51-1.71x;
 # benchmarks/results_weight_only.md, 'Intel Xeon Emerald Rapids: lowbit's AMX kernel'). Since the kernel runs
-# a long K in chunks (amx.k_chunk_of), x^T of up to 16 MiB (M = 512 at K = 16384): with x^T of 2 MiB at most,
-# 12288 x 8192 at M = 256 took 1.36x F.linear's time on torch's GEMM, 1.01x on the tiles, 4096 x 11008 at M = 256
-# 1.60 against 1.07x, M = 512 1.80 against 1.13x, 4096^2 at M = 512 0.91 against 0.86x (Intel Xeon, 480 MiB
-# L3, family 6 model 167; benchmarks/results_weight_only.md, 'K in chunks on the AMX tiles'; on the Emerald
-# Rapids the one-pass kernel had taken 1.41-1.49x against 1.06-1.09x at 12288 x 8192, M = 256).
+# a long K in chunks (amx.k_chunk_of), x^T of up to 16 MiB (M = 512 at K = 16384): MXFP4 / HiFloat8 on torch's
+# GEMM against the tiles (chunks of 128 KiB), time over F.linear's: 12288 x 8192 at M = 256 1.23-1.27 / 1.26-1.35
+# against 0.95 / 1.04-1.05x, M = 512 1.74-2.05 / 1.79-2.10 against 0.94 / 0.97-0.99x; 4096 x 11008 at M = 256
+# 1.24-1.31 / 1.26-1.37 against 0.95-0.96 / 1.04x; 4096^2 at M = 512 (one pass) 1.19-1.20 against 0.90-0.96 /
+# 0.95-1.01x (Intel Xeon, 480 MiB L3, family 6 model 167, `benchmarks/amx_gemm.py --x-chunk-kib`;
+# benchmarks/results_weight_only.md, 'K in chunks on the AMX tiles'; on the Emerald Rapids the one-pass kernel
+# had taken 1.41-1.49x against 1.06-1.09x at 12288 x 8192, M = 256).
 AMX_GEMM = amx.AVAILABLE
 AMX_MAX_M = 512
 AMX_X_BYTES = 16 << 20
