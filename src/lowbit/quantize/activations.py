@@ -24,6 +24,7 @@ from lowbit.quantize.elements import e4m3_codes, e4m3_values, hif8_round_trip
 
 ACT_KINDS = ("none", "hif8_cast", "hif8_static", "hif8_token", "hif8_position", "fp8_static", "mxfp8", "mxfp4")
 STATIC_KINDS = ("hif8_static", "fp8_static")
+SCALELESS_KINDS = ("hif8_cast", "mxfp8", "mxfp4")  # fake quant of x alone: fake_quant_input_call's kinds
 # MXFP4 activations: OCP floor shared exponent, ties-away elements (the svd_quant operator's in-kernel rule).
 MXFP4_ACT_RULE = ("floor", "ta")
 
@@ -119,7 +120,7 @@ def fake_quant_input_call(gemv: Callable[..., bool], kind: str, dtype: torch.dty
         return None
     if kind == "hif8_cast":
         return _hif8_round_trip_call(gemv, dtype, k)
-    if k % 32 or kind not in ("mxfp4", "mxfp8"):
+    if k % 32 or kind not in SCALELESS_KINDS:
         return None
     if kind == "mxfp8":
         from lowbit.kernels.cpu import mxfp8 as kernel  # numba: imported on first use

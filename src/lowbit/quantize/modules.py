@@ -30,8 +30,8 @@ from lowbit.ops import weight_only
 from lowbit.ops.library import PreparedCall, plain_context, plain_tensor
 from lowbit.ops.svd_quant import SVD_QUANT
 from lowbit.ops.wqbmm import PackedWeight, plan_weight_quant_batch_matmul, weight_quant_batch_matmul
-from lowbit.quantize.activations import (ACT_KINDS, STATIC_KINDS, deploy_static_input, fake_quant_input,
-                                        fake_quant_input_call)
+from lowbit.quantize.activations import (ACT_KINDS, SCALELESS_KINDS, STATIC_KINDS, deploy_static_input,
+                                        fake_quant_input, fake_quant_input_call)
 from lowbit.quantize.calibration import QuantParams, fake_act_kind, layer_act_kind, make_calibrator, smoothed_weight
 from lowbit.quantize.config import LayerConfig
 from lowbit.quantize.layer_ops import check_layer_input, layer_geometry, run_layer
@@ -331,7 +331,7 @@ class PackedLinear(QuantizedLinearBase):
         if fused is not None:
             op, names = fused
             act = self.cfg_meta["act_kind"]
-            if act in ("none", "hif8_cast", "mxfp4", "mxfp8") and "smooth" not in self._buffers:  # x_q: x's own
+            if (act == "none" or act in SCALELESS_KINDS) and "smooth" not in self._buffers:  # x_q: x's own
                 self.__dict__["_fused_input"] = (x_q.dtype, (self.in_features,), op, names, act)
             buffers = tuple(self._buffers[name] for name in names)
             return self.prepared_call(op, (*buffers, self.bias), self._fused_arguments)(x_q)
