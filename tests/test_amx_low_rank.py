@@ -313,3 +313,66 @@ def test_fake_quant_scales_are_checked():
                 torch.empty(2, 8, dtype=torch.uint8).T, torch.empty(16, dtype=torch.uint8)):
         with pytest.raises(ValueError, match="x_scales"):
             cpu.MXFP4_LINEAR.run_low_rank(x, w, scales, t, u, out=out, x_scales=bad)
+
+
+def _t_pairs_laid_out(x, d):
+    """The layout step of svd_quant's prefill with T made on the tiles (amx.run's ``down``), serially: the T^T
+    pairs it leaves in the scratch (x_pairs' layout of T)."""
+    (m, k), r = x.shape, d.shape[1]
+    fake_quant = (*mxfp4_kernels.fake_quantizer(x.dtype, "floor", "ta"), torch.empty(m, k // 32, dtype=torch.uint8)
+                  .numpy())
+    xt_bytes, _, _, nbytes = amx.scratch_layout(m, k, amx.TILE_K, k + 32, 1, k)
+    scratch = torch.empty(nbytes, dtype=torch.uint8).numpy()
+    dp, rank, tt = amx._t_slab_args(m, amx.TILE_K, scratch, xt_bytes, bits(d).numpy())
+    tt[:] = -1  # what the layout does not write shows
+    amx._LAY_OUT_QUANTIZED.serial(bits(x).numpy(), amx.NO_T, 0, scratch, xt_bytes, (*fake_quant, dp, rank, tt))
+    return torch.from_numpy(tt.copy())
+
+
+@pytest.mark.parametrize("m, k", [(5, 32), (32, 64), (33, 96), (100, 512), (256, 2048), (64, 11008)])
+@pytest.mark.parametrize("r", [1, 8, 17, 32])
+def test_t_on_the_tiles_is_torchs_x_at_d(m, k, r):
+    """T = bf16(x d) summed on the tiles while x is laid out is torch's ``x @ d`` bit for bit (the upstream check
+    compares with torch's L) on random U(-10, 10) data, laid out as x_pairs lays out torch's T: zeros past M and
+    past R, though x holds an infinity (d's zero padding times it would be NaN)."""
+    g = torch.Generator().manual_seed(m + k + r)
+    x = (torch.rand(m, k, generator=g) * 20 - 10).bfloat16()
+    d = (torch.rand(k, r, generator=g) * 20 - 10).bfloat16()
+    x[m - 1, 0] = float("inf")
+    want = torch.full_like(_t_pairs_laid_out(x, d), -1)
+    amx.x_pairs(bits(x @ d).numpy(), want.numpy())
+    assert torch.equal(_t_pairs_laid_out(x, d), want)
+
+
+@pytest.mark.parametrize("r, from_d", [(8, True), (32, True), (64, False)])
+def test_svd_quant_prefill_makes_t_on_the_tiles_up_to_a_rank_of_32(monkeypatch, r, from_d):
+    """The operator hands run_low_rank d (T made on the tiles) for R up to 32, torch's T above (where oneDNN sums
+    in another order); the result is the same formula either way."""
+    calls = []
+    original = cpu.WeightOnlyLinear.run_low_rank
+    monkeypatch.setattr(cpu.WeightOnlyLinear, "run_low_rank",
+                        lambda *a, **kw: calls.append(kw.get("d") is not None) or original(*a, **kw))
+    x, w, s, d, u = op.probe_inputs(70, 96, 256, r, seed=r)
+    got = op.svd_quant(x, w, s, d, u, backend="native")
+    assert calls == [from_d]
+    want, x_scales = torch.empty_like(got), torch.empty(70, 8, dtype=torch.uint8)
+    original(cpu.MXFP4_LINEAR, x, w, cpu_svd.weight_scales(s, 256).contiguous(), x @ d, u, out=want,
+             x_scales=x_scales)
+    assert bits(got).eq(bits(want)).all()
+
+
+def test_t_from_d_is_checked():
+    x, w, s, d, u = op.probe_inputs(8, 40, 64, 4)
+    scales, t, x_scales = cpu_svd.weight_scales(s, 64).contiguous(), x @ d, torch.empty(8, 2, dtype=torch.uint8)
+    out = torch.empty(8, 40, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="give t, or d with x_scales"):
+        cpu.MXFP4_LINEAR.run_low_rank(x, w, scales, t, u, out=out, x_scales=x_scales, d=d)
+    with pytest.raises(ValueError, match="give t, or d with x_scales"):
+        cpu.MXFP4_LINEAR.run_low_rank(x, w, scales, None, u, out=out, d=d)
+    wide_d, wide_u = torch.zeros(64, 33, dtype=torch.bfloat16), torch.zeros(33, 40, dtype=torch.bfloat16)
+    for bad_d, bad_u in ((wide_d, wide_u), (d[:32], u), (d.float(), u)):
+        with pytest.raises(ValueError, match="d "):
+            cpu.MXFP4_LINEAR.run_low_rank(x, w, scales, None, bad_u, out=out, x_scales=x_scales, d=bad_d)
+    with pytest.raises(ValueError, match="takes x's fake quant"):
+        amx.run(cpu._mxfp4_tile_rows, (), bits(x).numpy(), 40, 96, *cpu._bias_bits(None), bits(out).numpy(),
+                low_rank=(amx.NO_T, bits(u).numpy()), down=bits(d).numpy())
