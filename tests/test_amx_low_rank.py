@@ -376,3 +376,39 @@ def test_t_from_d_is_checked():
     with pytest.raises(ValueError, match="takes x's fake quant"):
         amx.run(cpu._mxfp4_tile_rows, (), bits(x).numpy(), 40, 96, *cpu._bias_bits(None), bits(out).numpy(),
                 low_rank=(amx.NO_T, bits(u).numpy()), down=bits(d).numpy())
+
+
+def test_t_on_tiles_is_checked_against_torch_once():
+    """The probe behind T on the tiles: true against torch's matmul here, false against a matmul one BF16 step off
+    in one output; where it fails, the operator hands run_low_rank torch's T."""
+    assert cpu_svd.tiles_sum_t_as_torch()
+
+    def one_step_off(x, d):
+        t = torch.matmul(x, d)
+        bits(t)[3, 5] += 1
+        return t
+
+    assert not cpu_svd.tiles_sum_t_as_torch(one_step_off)
+
+
+def test_svd_quant_keeps_torchs_t_where_the_probe_fails(monkeypatch):
+    monkeypatch.setattr(cpu_svd, "tiles_sum_t_as_torch", lambda: False)
+    calls = []
+    original = cpu.WeightOnlyLinear.run_low_rank
+    monkeypatch.setattr(cpu.WeightOnlyLinear, "run_low_rank",
+                        lambda *a, **kw: calls.append(kw.get("d") is not None) or original(*a, **kw))
+    x, w, s, d, u = op.probe_inputs(70, 96, 256, 32, seed=5)
+    got = op.svd_quant(x, w, s, d, u, backend="native")
+    assert calls == [False]
+    want, x_scales = torch.empty_like(got), torch.empty(70, 8, dtype=torch.uint8)
+    original(cpu.MXFP4_LINEAR, x, w, cpu_svd.weight_scales(s, 256).contiguous(), x @ d, u, out=want,
+             x_scales=x_scales)
+    assert bits(got).eq(bits(want)).all()
+
+
+@pytest.mark.parametrize("m, k, r", [(1, 32, 1), (31, 64, 8), (33, 2048, 32)])
+def test_t_on_tiles_unpacks_t(m, k, r):
+    """amx.t_on_tiles (the probe's T) is T (M, R) itself: torch's x @ d on random data, partial slabs included."""
+    g = torch.Generator().manual_seed(m)
+    x, d = torch.randn(m, k, generator=g).bfloat16(), torch.randn(k, r, generator=g).bfloat16()
+    assert torch.equal(torch.from_numpy(amx.t_on_tiles(bits(x).numpy(), bits(d).numpy())), bits(x @ d))

@@ -421,6 +421,20 @@ def _low_rank_slab(x_bits, dp, r, tt, s):
             tt[s, i, j] = (np.int32(words[j * PANEL + 2 * i]) & 0xFFFF) | (np.int32(words[j * PANEL + 2 * i + 1]) << 16)
 
 
+def t_on_tiles(x_bits: np.ndarray, d_bits: np.ndarray) -> np.ndarray:
+    """T = bf16(x d) (M, R) as BF16 bits (int16), summed as the layout's slabs sum it (:func:`_low_rank_slab`):
+    x_bits (M, K) and d_bits (K, R) int16, C-contiguous, K a multiple of TILE_K, R at most TILE_K. Only where
+    AVAILABLE (a probe and tests compare it with torch's ``x @ d``)."""
+    (m, k), r = x_bits.shape, d_bits.shape[1]
+    slabs = -(-m // PANEL)
+    tt = np.empty((slabs, TILE_K // 2, PANEL), dtype=np.int32)
+    dp = down_pairs(d_bits)
+    for s in range(slabs):
+        _low_rank_slab(x_bits, dp, r, tt, s)
+    pairs = tt.view(np.int16).reshape(slabs, TILE_K // 2, PANEL, 2)  # [s, i, j, h] = T[PANEL s + j, 2 i + h]
+    return pairs.transpose(0, 2, 1, 3).reshape(slabs * PANEL, TILE_K)[:m, :r]
+
+
 @numba.njit(**NJIT_OPTIONS)
 def _quantized_pairs_slab(x_bits, xt, s, mask, scale_of, thr, values, scales, dp, rank, tt):
     """Slab ``s`` of x_pairs' xt for x's MXFP4 fake quant instead of x (blocks of 32 along K, K a multiple of 32;

@@ -38,6 +38,7 @@ copy of the whole weight where a block's values are BF16 subnormals); nothing is
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numba
@@ -509,9 +510,20 @@ def _tiles_sum_as_torch(d: torch.Tensor) -> bool:
 def _t_on_tiles(d: torch.Tensor) -> bool:
     """Whether the AMX kernel sums T = bf16(x d) itself (amx.run's ``down``): for a rank R = d.shape[1] up to a tile
     row (32), where it came out as torch's ``x @ d`` bit for bit on every input compared (random N(0, 1) and
-    U(-10, 10) data, M = 5 to 512, K = 32 to 16384, R = 1 to 32, one and two threads; torch 2.13). At R = 64
-    and 128 oneDNN sums in another order: a few outputs in 10^4 differed by one BF16 step."""
-    return d.shape[1] <= amx.TILE_K
+    U(-10, 10) data, M = 5 to 512, K = 32 to 16384, R = 1 to 32, one and two threads; torch 2.13), and so it does
+    in this process (:func:`tiles_sum_t_as_torch`). At R = 64 and 128 oneDNN sums in another order: a few
+    outputs in 10^4 differed by one BF16 step."""
+    return d.shape[1] <= amx.TILE_K and tiles_sum_t_as_torch()
+
+
+@functools.cache
+def tiles_sum_t_as_torch(matmul=torch.matmul) -> bool:
+    """Whether amx.t_on_tiles gives ``matmul(x, d)`` (torch's) bit for bit on a probe of upstream-style data (U(-10,
+    10), 40 x 2048 x 32, a partial slab of x included): checked once per process, so that a torch whose GEMM sums
+    in another order keeps torch's T and the reference's bits."""
+    generator = torch.Generator().manual_seed(0)
+    x, d = ((torch.rand(*shape, generator=generator) * 20 - 10).bfloat16() for shape in ((40, 2048), (2048, 32)))
+    return bool(np.array_equal(amx.t_on_tiles(as_numpy(x), as_numpy(d)), as_numpy(matmul(x, d))))
 
 
 def _quantized_activation(x2d: torch.Tensor, x_scales: torch.Tensor) -> torch.Tensor:
