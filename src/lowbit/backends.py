@@ -189,6 +189,9 @@ def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.device == b.device and _touches(_memory_span(a), [_memory_span(b)])
 
 
+_NO_CONTEXT = contextlib.nullcontext()
+
+
 def dtype_signature(args: Sequence) -> Optional[tuple[torch.dtype, ...]]:
     """The dtypes of the tensors and the torch.dtype values among ``args``, in order (None for no args):
     what selects a kernel specialization, and the probes of the self-check for a call."""
@@ -446,7 +449,8 @@ class Operator:
         may overlap an input is computed into a temporary and copied in, so every backend gives the same
         result for any ``out``. ``fresh``: ``out`` was just allocated here (contiguous, sharing memory with
         nothing), so it is not checked.
-        Kernels run under ``torch.no_grad()``."""
+        Kernels run under ``torch.no_grad()`` where a tensor requires grad (entering it costs about 10 us after other
+        work, and without such a tensor no torch op inside a kernel records anything)."""
         if any(t.numel() == 0 for t in _as_tuple(out)):
             return
         dense = tuple(dense_aligned(values_resolved(a)) if isinstance(a, torch.Tensor) and i not in self.scratch
@@ -461,8 +465,10 @@ class Operator:
                     t, memory_format=torch.contiguous_format)
                 for t in _as_tuple(out)
             )
-        with torch.no_grad():  # kernels compute values only: torch ops inside them (a GEMM into ``out``) must not
-            # see inputs that require grad (torch refuses out= there); the custom op's own autograd stays
+        # kernels compute values only: torch ops inside them (a GEMM into ``out``) must not see tensors that require
+        # grad (torch refuses out= there); the custom op's own autograd stays
+        grad = any(t.requires_grad for t in (*tensors_of(dense), *targets))
+        with torch.no_grad() if grad else _NO_CONTEXT:
             kernel.run(*dense, out=targets if isinstance(out, tuple) else targets[0])
             for target, t in zip(targets, _as_tuple(out)):
                 if target is not t:
