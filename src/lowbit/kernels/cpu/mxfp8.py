@@ -30,8 +30,8 @@ from numba.extending import intrinsic
 from lowbit.errors import DeviceError, DtypeError, ShapeError
 from lowbit.formats import mxfp8 as ref
 from lowbit.kernels.cpu import _simd as simd
-from lowbit.kernels.cpu._runtime import (NJIT_OPTIONS, SerialOrParallel, as_numpy, bound_njit, int16_array_at,
-                                         runs_serially)
+from lowbit.kernels.cpu._runtime import (NJIT_OPTIONS, SerialOrParallel, as_numpy, bound_njit, copy_elements,
+                                         int16_array_at, runs_serially)
 
 BLOCK = ref.BLOCK  # = simd.LANES: one block is one F32V
 _BLOCKS_PER_TASK = 256
@@ -164,8 +164,8 @@ def _fake_quantize(x_bits, kind, out_bits):
                 simd.f32v_store(values, 0, simd.bf16v_load(x_bits, at))
             elif kind == 1:
                 simd.f32v_store(values, 0, simd.f16v_load(x_bits, at))
-            else:
-                bits[:] = x_bits[at : at + BLOCK]
+            else:  # (element copies: a slice assignment costs seconds of numba's compiling, _runtime.copy_elements)
+                copy_elements(bits, 0, x_bits, at, BLOCK)
             finite = _fake_quant_block(values, bits, subnormal)
             if not finite:
                 values[:] = np.nan
@@ -177,7 +177,7 @@ def _fake_quantize(x_bits, kind, out_bits):
             elif kind == 1:
                 simd.f32v_store_as_f16(out_bits, at, simd.f32v_load(values, 0))
             else:
-                out_bits[at : at + BLOCK] = bits
+                copy_elements(out_bits, at, bits, 0, BLOCK)
 
 
 @SerialOrParallel
