@@ -367,82 +367,13 @@ def _low_rank_rows(u_bits, first, rows, ut):
             ut[i, c] = u_bits[c, first + i] if c < r else 0
 
 
-def down_pairs(d_bits: np.ndarray) -> np.ndarray:
-    """The B operand of :func:`_low_rank_slab`: (K/2, TILE_K) int32 whose row i holds the pairs (d[2i, c], d[2i + 1, c])
-    of d_bits (K, R) int16 (K even, R at most TILE_K), zeros past R."""
-    k, r = d_bits.shape
-    pairs = np.zeros((k // 2, TILE_K, 2), dtype=np.int16)
-    pairs[:, :r, :] = d_bits.reshape(k // 2, 2, r).transpose(0, 2, 1)
-    return pairs.view(np.int32).reshape(k // 2, TILE_K)
-
-
 @numba.njit(**NJIT_OPTIONS)
-def _low_rank_slab(x_bits, dp, r, tt, s):
-    """Slab ``s`` of x_pairs' layout of T = bf16(x d) into ``tt`` (its rows PANEL s .. PANEL s + PANEL - 1; zeros
-    past M and in columns R .. TILE_K - 1), T summed on the tiles: x's rows (A, read in place; the last slab's
-    copied to zero-padded rows) times ``dp`` (B: down_pairs of d (K, R), R = ``r`` at most TILE_K), one pass over
-    K, each sum rounded to BF16 (ties to even; the tiles' sums are never subnormal). For R up to TILE_K that is
-    the order of torch's ``x @ d`` on these CPUs, every bit (docs/svd_quant.md, 'Prefill on AMX tiles'). Flat
-    arrays and element loops: numba compiles it in about 0.5 s (with a slice assignment, 3 s)."""
-    m, k = x_bits.shape
-    first = PANEL * s
-    rows = min(PANEL, m - first)
-    src, at = simd.flat(x_bits), first * k
-    if rows < PANEL:  # a tile reads 16 whole rows: none past x's end
-        src, at = np.zeros(PANEL * k, dtype=np.int16), 0
-        copy_elements(src, 0, simd.flat(x_bits), first * k, rows * k)
-    sums = np.empty(PANEL * PANEL, dtype=np.float32)  # row j: T's row first + j
-    _load_config(_CONFIG)
-    _zero_c00()
-    _zero_c01()
-    _zero_c10()
-    _zero_c11()
-    for kk in range(0, k, TILE_K):
-        _load_a0(src, 2 * (at + kk), 2 * k)
-        _load_a1(src, 2 * (at + 16 * k + kk), 2 * k)
-        _load_b0(dp, 4 * TILE_K * (kk // 2), 4 * TILE_K)
-        _load_b1(dp, 4 * (TILE_K * (kk // 2) + 16), 4 * TILE_K)
-        _C00()
-        _C01()
-        _C10()
-        _C11()
-    _store_c00(sums, 0, 4 * PANEL)
-    _store_c01(sums, 4 * 16, 4 * PANEL)
-    _store_c10(sums, 4 * 16 * PANEL, 4 * PANEL)
-    _store_c11(sums, 4 * (16 * PANEL + 16), 4 * PANEL)
-    _release()
-    words = np.empty(PANEL * PANEL, dtype=np.int16)
-    for j in range(PANEL):  # a row of T is one vector (simd.LANES == PANEL)
-        simd.f32v_store_as_bf16(words, j * PANEL, simd.f32v_load(sums, j * PANEL))
-        for c in range(r, PANEL):  # d's zero padding times an infinity of x would be NaN
-            words[j * PANEL + c] = 0
-    for i in range(tt.shape[1]):
-        for j in range(PANEL):
-            tt[s, i, j] = (np.int32(words[j * PANEL + 2 * i]) & 0xFFFF) | (np.int32(words[j * PANEL + 2 * i + 1]) << 16)
-
-
-def t_on_tiles(x_bits: np.ndarray, d_bits: np.ndarray) -> np.ndarray:
-    """T = bf16(x d) (M, R) as BF16 bits (int16), summed as the layout's slabs sum it (:func:`_low_rank_slab`):
-    x_bits (M, K) and d_bits (K, R) int16, C-contiguous, K a multiple of TILE_K, R at most TILE_K. Only where
-    AVAILABLE (a probe and tests compare it with torch's ``x @ d``)."""
-    (m, k), r = x_bits.shape, d_bits.shape[1]
-    slabs = -(-m // PANEL)
-    tt = np.empty((slabs, TILE_K // 2, PANEL), dtype=np.int32)
-    dp = down_pairs(d_bits)
-    for s in range(slabs):
-        _low_rank_slab(x_bits, dp, r, tt, s)
-    pairs = tt.view(np.int16).reshape(slabs, TILE_K // 2, PANEL, 2)  # [s, i, j, h] = T[PANEL s + j, 2 i + h]
-    return pairs.transpose(0, 2, 1, 3).reshape(slabs * PANEL, TILE_K)[:m, :r]
-
-
-@numba.njit(**NJIT_OPTIONS)
-def _quantized_pairs_slab(x_bits, xt, s, mask, scale_of, thr, values, scales, dp, rank, tt):
+def _quantized_pairs_slab(x_bits, xt, s, mask, scale_of, thr, values, scales):
     """Slab ``s`` of x_pairs' xt for x's MXFP4 fake quant instead of x (blocks of 32 along K, K a multiple of 32;
     lowbit.kernels.cpu.mxfp4.fake_quantize_block16 with ``mask`` .. ``values``), and ``scales`` (M, K/32) uint8
     <- the blocks' scale bytes: 16 rows' blocks quantized into 1 KiB, then transposed as pairs, so the
     quantized x is never written out. Columns of the slab past M are left as they are: each only makes its own
-    column of sums, which is not stored (and with K a multiple of 32 there are no pairs past K). Where ``dp``
-    has rows (down_pairs of d, R = ``rank``), also the slab of T = bf16(x d) into ``tt`` (:func:`_low_rank_slab`)."""
+    column of sums, which is not stored (and with K a multiple of 32 there are no pairs past K)."""
     m, k = x_bits.shape
     pairs, block = xt.shape[1], _transpose.PAIR_BLOCK
     xt_words = xt.view(np.int16)
@@ -463,8 +394,6 @@ def _quantized_pairs_slab(x_bits, xt, s, mask, scale_of, thr, values, scales, dp
             scales[i, b] = _fake_quantize_block(x_flat, i * k + TILE_K * b, mask, scale_of, thr, values, rows, 0)
             for c in range(TILE_K):
                 xt_words[s, (TILE_K * b + c) // 2, 2 * (i - first) + c % 2] = row_words[c]
-    if dp.shape[0]:
-        _low_rank_slab(x_bits, dp, rank, tt, s)
 
 
 def _lay_out(x_bits, t_bits, rp, scratch, xt_bytes, slab_args):
@@ -612,25 +541,11 @@ def scratch_bytes(m: int, k: int, width: int, r: int = 0) -> int:
 
 # Products (M N K) below which a call runs on the calling thread.
 ONE_THREAD_PRODUCTS = 1 << 23
-NO_T = np.zeros((0, 0), dtype=np.int16)  # low_rank's T where ``down`` makes it
-_NO_LOW_RANK = (NO_T, NO_T)
-
-
-_NO_DOWN = (np.zeros((0, TILE_K), dtype=np.int32), 0, np.zeros((0, 0, PANEL), dtype=np.int32))
-
-
-def _t_slab_args(m: int, rp: int, scratch: np.ndarray, tt_at: int, down) -> tuple:
-    """(down_pairs of d, R, T^T's place in ``scratch`` at byte ``tt_at``: (mp / PANEL, rp / 2, PANEL) int32) of
-    _quantized_pairs_slab for T = bf16(x d) from ``down`` (d (K, R) bits), or _NO_DOWN where it is None."""
-    if down is None:
-        return _NO_DOWN
-    mp = -(-m // PANEL) * PANEL
-    tt = scratch[tt_at : tt_at + mp * rp * 2].view(np.int32).reshape((mp // PANEL, rp // 2, PANEL))
-    return down_pairs(down), down.shape[1], tt
+_NO_LOW_RANK = (np.zeros((0, 0), dtype=np.int16), np.zeros((0, 0), dtype=np.int16))
 
 
 def run(tile_rows, operands: tuple, x_bits: np.ndarray, n: int, width: int, bias_bits: np.ndarray, bias_kind: int,
-        out_bits: np.ndarray, scratch=None, low_rank: tuple = _NO_LOW_RANK, fake_quant=None, down=None) -> None:
+        out_bits: np.ndarray, scratch=None, low_rank: tuple = _NO_LOW_RANK, fake_quant=None) -> None:
     """out_bits (M, N) <- x_bits (M, K) times the (N, K) weight that ``tile_rows(*operands, r0, first, end, w)``
     decodes (rows r0 + first .. r0 + end - 1 into rows first .. of ``w``, (rows, width) int16 BF16 bits, columns
     from K on zeros or not written), plus the bias (``bias_bits`` of ``bias_kind``, _bias_values), rounded to
@@ -638,12 +553,9 @@ def run(tile_rows, operands: tuple, x_bits: np.ndarray, n: int, width: int, bias
     (T (M, R), u (R, N)) BF16 bits, C-contiguous, with BIAS_NONE: out = bf16(bf16(T u) + bf16(x W^T)), T u summed
     on the tiles too. ``fake_quant``: none, or (mask, scale_of, thr, values, scales) of
     lowbit.kernels.cpu.mxfp4.fake_quantizer and scales (M, K/32) uint8: x's MXFP4 fake quant takes x's place
-    (laid out straight into x^T; K a multiple of 32) and ``scales`` gets its blocks' scale bytes. ``down``: none,
-    or with a fake quant and a low-rank branch d (K, R) BF16 bits, C-contiguous, R at most TILE_K: T = bf16(x d) is
-    summed on the tiles from x while x^T is laid out (:func:`_low_rank_slab`; low_rank's T is not read then, and
-    may be empty). In one numba call (two with a fake quant), on numba's threads from ONE_THREAD_PRODUCTS on. x^T
-    and the tasks' buffers go in the calling thread's scratch buffer, or in ``scratch`` (uint8, at least
-    :func:`scratch_bytes`) where given.
+    (laid out straight into x^T; K a multiple of 32) and ``scales`` gets its blocks' scale bytes. In one numba
+    call (two with a fake quant), on numba's threads from ONE_THREAD_PRODUCTS on. x^T and the tasks' buffers go
+    in the calling thread's scratch buffer, or in ``scratch`` (uint8, at least :func:`scratch_bytes`) where given.
     Only where AVAILABLE; shapes and dtypes checked by the caller (weight_only.run_gemm_path,
     weight_only.WeightOnlyLinear.run_low_rank)."""
     kernel = _kernels(tile_rows)
@@ -654,9 +566,6 @@ def run(tile_rows, operands: tuple, x_bits: np.ndarray, n: int, width: int, bias
         raise ValueError("amx.run: a low-rank branch takes no bias")
     if fake_quant is not None and k % TILE_K:
         raise ValueError(f"amx.run: x's fake quant needs K a multiple of {TILE_K}, got {k}")
-    if down is not None and (fake_quant is None or down.shape != (k, low_rank[1].shape[0]) or rp != TILE_K):
-        raise ValueError(f"amx.run: d {down.shape} takes x's fake quant and u (R, N) with R at most {TILE_K}; "
-                         f"expected ({k}, R), got u {low_rank[1].shape}")
     serial = runs_serially(m * n * (k + rp), ONE_THREAD_PRODUCTS)
     slots = 1 if serial else numba.config.NUMBA_NUM_THREADS
     k_chunk = k_chunk_of(m, k)
@@ -666,11 +575,8 @@ def run(tile_rows, operands: tuple, x_bits: np.ndarray, n: int, width: int, bias
         args = (operands, x_bits, n, width, bias_bits, bias_kind, *low_rank, scratch, slots, k_chunk)
         laid_out = fake_quant is not None or not serial  # else the serial kernel lays x out itself
         if laid_out:
-            lay_out, slab_args, t_rp = _LAY_OUT, (), rp
-            if fake_quant is not None:
-                lay_out, slab_args = _LAY_OUT_QUANTIZED, (*fake_quant, *_t_slab_args(m, rp, scratch, xt_bytes, down))
-                t_rp = 0 if down is not None else rp  # T laid out by the slabs, else by _lay_out from low_rank's
-            layout_args = (x_bits, low_rank[0], t_rp, scratch, xt_bytes, slab_args)
+            lay_out = _LAY_OUT if fake_quant is None else _LAY_OUT_QUANTIZED
+            layout_args = (x_bits, low_rank[0], rp, scratch, xt_bytes, () if fake_quant is None else fake_quant)
             if serial:
                 lay_out.serial(*layout_args)
             else:

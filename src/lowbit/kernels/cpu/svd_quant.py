@@ -38,7 +38,6 @@ copy of the whole weight where a block's values are BF16 subnormals); nothing is
 
 from __future__ import annotations
 
-import functools
 import math
 
 import numba
@@ -507,25 +506,6 @@ def _tiles_sum_as_torch(d: torch.Tensor) -> bool:
     return r <= amx.TILE_K or r % amx.TILE_K == 0
 
 
-def _t_on_tiles(d: torch.Tensor) -> bool:
-    """Whether the AMX kernel sums T = bf16(x d) itself (amx.run's ``down``): for a rank R = d.shape[1] up to a tile
-    row (32), where it came out as torch's ``x @ d`` bit for bit on every input compared (random N(0, 1) and
-    U(-10, 10) data, M = 5 to 512, K = 32 to 16384, R = 1 to 32, one and two threads; torch 2.13), and so it does
-    in this process (:func:`tiles_sum_t_as_torch`). At R = 64 and 128 oneDNN sums in another order: a few
-    outputs in 10^4 differed by one BF16 step."""
-    return d.shape[1] <= amx.TILE_K and tiles_sum_t_as_torch()
-
-
-@functools.cache
-def tiles_sum_t_as_torch(matmul=torch.matmul) -> bool:
-    """Whether amx.t_on_tiles gives ``matmul(x, d)`` (torch's) bit for bit on a probe of upstream-style data (U(-10,
-    10), 40 x 2048 x 32, a partial slab of x included): checked once per process, so that a torch whose GEMM sums
-    in another order keeps torch's T and the reference's bits."""
-    generator = torch.Generator().manual_seed(0)
-    x, d = ((torch.rand(*shape, generator=generator) * 20 - 10).bfloat16() for shape in ((40, 2048), (2048, 32)))
-    return bool(np.array_equal(amx.t_on_tiles(as_numpy(x), as_numpy(d)), as_numpy(matmul(x, d))))
-
-
 def _quantized_activation(x2d: torch.Tensor, x_scales: torch.Tensor) -> torch.Tensor:
     """deq(MXFP4(x)) (M, K) BF16, and ``x_scales`` (M, K/32) <- the blocks' scale bytes: quantized and
     dequantized in registers where the CPU allows (mxfp4.fake_quantize_into: 0.08 against 0.15 ms on one thread
@@ -600,19 +580,16 @@ class SvdQuant(Kernel):
     def _on_tiles(x2d, w, scales, d, u, out2d, x_scales) -> bool:
         """Prefill on lowbit's AMX kernel where it takes x (GEMV_MAX_M < M <= _amx_max_m) and the rank
         (_tiles_sum_as_torch), and no MXFP4 value of x or W is a BF16 subnormal (the tiles would flush it):
-        x's fake quant laid out straight into the tiles' operand, P, L = T u and the final add in one call
-        (WeightOnlyLinear.run_low_rank), T = bf16(x d) summed on the tiles too up to a rank of 32 (torch's order
-        there: _t_on_tiles), else torch's matmul before. Returns whether ``out2d`` holds the result; ``x_scales``
+        T = x d by torch, then x's fake quant laid out straight into the tiles' operand, P, L = T u and the final
+        add in one call (WeightOnlyLinear.run_low_rank). Returns whether ``out2d`` holds the result; ``x_scales``
         gets x's scale bytes either way where it ran."""
         m, k = x2d.shape
         if not (GEMV_MAX_M < m <= _amx_max_m(k, x2d.dtype) and _tiles_sum_as_torch(d)):
             return False
         if _has_subnormal_values(w, scales):
             return False
-        if _t_on_tiles(d):  # no torch op, so no hand-over of threads between torch's pool and numba's
-            MXFP4_LINEAR.run_low_rank(x2d, w, scales, None, u, out=out2d, x_scales=x_scales, d=d)
-        else:
-            MXFP4_LINEAR.run_low_rank(x2d, w, scales, x2d @ d, u, out=out2d, x_scales=x_scales)
+        t = x2d @ d  # torch's matmul before the numba kernels: one hand-over of threads
+        MXFP4_LINEAR.run_low_rank(x2d, w, scales, t, u, out=out2d, x_scales=x_scales)
         return not _activation_has_subnormal_values(x2d, x_scales)  # else the float32 path redoes it
 
     @staticmethod

@@ -526,38 +526,29 @@ class WeightOnlyLinear(Kernel):
             return
         call_in_chunks(chunksize, path, x, operands, bias, out, False)
 
-    def run_low_rank(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, t: torch.Tensor | None,
-                     u: torch.Tensor, *, out: torch.Tensor, x_scales: torch.Tensor | None = None,
-                     d: torch.Tensor | None = None) -> None:
+    def run_low_rank(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, t: torch.Tensor, u: torch.Tensor,
+                     *, out: torch.Tensor, x_scales: torch.Tensor | None = None) -> None:
         """out (M, N) <- bf16(bf16(t @ u) + bf16(x W^T)) on lowbit's AMX kernel (amx.run with a low-rank branch),
         the sums of both products on the tiles: x (M, K), t (M, R), u (R, N) and out (M, N) BF16, C-contiguous,
         M at most _amx_max_m(K); ``a``, ``b`` the format's weight (validated). With ``x_scales`` ((M, K/32) uint8,
         C-contiguous; K a multiple of 32), x's MXFP4 fake quant (svd_quant's activation quantizer: floor scale,
         ties away) takes x's place, laid out straight into the tiles' operand, and ``x_scales`` gets its scale
-        bytes; then ``t`` may be None and ``d`` (K, R) BF16, C-contiguous, R at most 32, given instead: t =
-        bf16(x d), summed on the tiles from x (amx.run's ``down``). Raises ValueError for a tensor that is not a 2-D
-        CPU one, RuntimeError where the AMX kernel does not take x, ValueError for other shapes, dtypes or
-        layouts."""
-        if (t is None) == (d is None) or (d is not None and x_scales is None):
-            raise ValueError("run_low_rank: give t, or d with x_scales")
-        low = {"t": t} if d is None else {"d": d}
-        given = {"x": x, **low, "u": u, "out": out, **({} if x_scales is None else {"x_scales": x_scales})}
+        bytes. Raises ValueError for a tensor that is not a 2-D CPU one, RuntimeError where the AMX kernel does not
+        take x, ValueError for other shapes, dtypes or layouts."""
+        given = {"x": x, "t": t, "u": u, "out": out, **({} if x_scales is None else {"x_scales": x_scales})}
         for name, v in given.items():
             if v.dim() != 2 or v.device.type != "cpu":
                 raise ValueError(f"run_low_rank: {name} must be a 2-D CPU tensor, got {tuple(v.shape)} on {v.device}")
         (m, k), n = x.shape, out.shape[1]
         if not 0 < m <= _amx_max_m(k, x.dtype):
             raise RuntimeError(f"run_low_rank: lowbit's AMX kernel does not take x {tuple(x.shape)} {x.dtype} here")
-        tensors = {**low, "u": u, "out": out}
+        tensors = {"t": t, "u": u, "out": out}
         if any(v.dtype != torch.bfloat16 or not v.is_contiguous() for v in tensors.values()):
-            raise ValueError("run_low_rank: t or d, u and out must be C-contiguous BF16, got "
+            raise ValueError("run_low_rank: t, u and out must be C-contiguous BF16, got "
                              + ", ".join(f"{name} {tuple(v.shape)} {v.dtype}" for name, v in tensors.items()))
-        (name, low_rank), = low.items()
-        fits = low_rank.shape[0] == (m if d is None else k) and (d is None or low_rank.shape[1] <= amx.TILE_K)
-        if not fits or out.shape[0] != m or u.shape != (low_rank.shape[1], n) or not x.is_contiguous():
-            want = "(M, R)" if d is None else f"(K, R), R <= {amx.TILE_K},"
-            raise ValueError(f"run_low_rank: x {tuple(x.shape)} (C-contiguous), {name} {tuple(low_rank.shape)}, u "
-                             f"{tuple(u.shape)} and out {tuple(out.shape)} do not make (M, K) {want} (R, N) (M, N)")
+        if t.shape[0] != m or out.shape[0] != m or u.shape != (t.shape[1], n) or not x.is_contiguous():
+            raise ValueError(f"run_low_rank: x {tuple(x.shape)} (C-contiguous), t {tuple(t.shape)}, u {tuple(u.shape)}"
+                             f" and out {tuple(out.shape)} do not make (M, K) (M, R) (R, N) (M, N)")
         fake_quant = None
         if x_scales is not None:
             fits = x_scales.dtype == torch.uint8 and x_scales.shape == (m, k // 32) and x_scales.is_contiguous()
@@ -569,10 +560,8 @@ class WeightOnlyLinear(Kernel):
             from lowbit.kernels.cpu.mxfp4 import fake_quantizer
 
             fake_quant = (*fake_quantizer(x.dtype, "floor", "ta"), as_numpy(x_scales))
-        t_bits = amx.NO_T if t is None else as_numpy(t)
-        amx.run(self.tile[0], self._operands(a, b, k, x.dtype), as_numpy(x), n, _tile_width(k), *_bias_bits(None),
-                as_numpy(out), low_rank=(t_bits, as_numpy(u)), fake_quant=fake_quant,
-                down=None if d is None else as_numpy(d))
+        amx.run(self.tile[0], self._operands(a, b, k, x.dtype), as_numpy(x), n, _tile_width(k),
+                *_bias_bits(None), as_numpy(out), low_rank=(as_numpy(t), as_numpy(u)), fake_quant=fake_quant)
 
     def bind_gemv(self, prepared: tuple, n: int, k: int, dtype: torch.dtype) -> "BoundGemv":
         """:class:`BoundGemv` of the weight (N, K) prepared by :meth:`prepare` for x of ``dtype``."""
