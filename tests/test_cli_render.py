@@ -15,7 +15,8 @@ from lowbit.cli.render.summary import quantize_view, verify_view
 
 OPS = ["hifloat4", "hifloat8", "mxfp4", "svd_quant", "wqbmm"]
 ENV = {"amct_ops": None, "cann_home": None, "cpu_threads": 2, "device": "cpu", "device_name": "Test CPU 9000",
-       "lowbit": "0.1.0", "numba": "0.60", "omp_wait_policy": None, "python": "3.11.7", "torch": "2.13.0",
+       "lowbit": "0.1.0", "numba": "0.60", "omp_wait_policy": None,
+       "gomp_spincount": None, "python": "3.11.7", "torch": "2.13.0",
        "torch_npu": None, "triton": None}
 
 

@@ -76,7 +76,8 @@ GOOD_CASE = {"backend": "native", "input_dtype": "float16", "shape_preserved": T
              "device_preserved": True, "matches_reference": True, "max_abs_error": 0.5, "mean_abs_error": 0.1,
              "warning_count": 0, "extra_contracts": ["codes_match_reference"], "codes_match_reference": True}
 GOOD_ENV = {"amct_ops": None, "cann_home": None, "cpu_threads": 2, "device": "cpu", "device_name": "x",
-            "lowbit": "0.1.0", "numba": None, "omp_wait_policy": None, "python": "3.11", "torch": "2.13",
+            "lowbit": "0.1.0", "numba": None, "omp_wait_policy": None,
+            "gomp_spincount": None, "python": "3.11", "torch": "2.13",
             "torch_npu": None, "triton": None}
 GOOD = {"requested_backend": "auto", "hardware_path_verified": True, "environment": GOOD_ENV,
         "ops": [{"op": "hifloat8", "hardware_path_verified": True, "results": [GOOD_CASE]}]}

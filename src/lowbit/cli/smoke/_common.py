@@ -169,4 +169,5 @@ def environment(device: torch.device) -> dict:
         "triton": _dist_version("triton"),
         "cpu_threads": torch.get_num_threads(),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),
     }

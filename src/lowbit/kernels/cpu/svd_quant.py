@@ -67,8 +67,12 @@ INTEGER_PRODUCTS = simd.HAS_VNNI or simd.HAS_AVX2  # else decode runs the float3
 # an Intel Xeon Emerald Rapids (the op, hot loop / each call after an F.linear, one thread against two) 1024 x 1024
 # 0.113 / 0.171 against 0.114 / 0.162 ms, 1536 x 1024 0.163 / 0.258 against 0.158 / 0.235, 1536 x 1536 0.195 /
 # 0.272 against 0.163 / 0.236, 2816 x 2048 0.288 / 0.364 against 0.244 / 0.313 (benchmarks/results_weight_only.md,
-# 'Intel Xeon Emerald Rapids: HiFloat8 and FP8 in BF16 pairs'), so there two threads from 1.5M weights.
-_PRODUCT_ONE_THREAD_WEIGHTS = ((6 << 20 if simd.HOST_IS_AMD_ZEN else 3 << 19) if simd.HAS_VNNI
+# 'Intel Xeon Emerald Rapids: HiFloat8 and FP8 in BF16 pairs'). Those figures were taken with threads that slept
+# at once after each region (OMP_WAIT_POLICY=PASSIVE alone); with the bounded spin that `import lowbit` sets, two
+# threads were faster from 0.5M weights on an Intel Xeon (each call after an F.linear, one thread against two:
+# 512 x 1024 0.135 / 0.104 ms, 1024^2 0.190 / 0.145, 2816 x 2048 0.365 / 0.271; benchmarks/results_weight_only.md,
+# 'The bounded spin'), so two threads from 0.5M weights on Intel. AMD Zen's threshold was not measured again.
+_PRODUCT_ONE_THREAD_WEIGHTS = ((6 << 20 if simd.HOST_IS_AMD_ZEN else 1 << 19) if simd.HAS_VNNI
                                else GEMV_ONE_THREAD_WEIGHTS)
 # Weights below which product_gemv runs its serial version (see SerialOrParallel); from there to
 # _PRODUCT_ONE_THREAD_WEIGHTS its parallel loop on one thread, which is faster there with VNNI (AMD Zen 4: the
