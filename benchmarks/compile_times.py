@@ -4,6 +4,7 @@ that took the most compiling of their own (their callees' compiles subtracted), 
 specializations. Run it with an empty numba cache, or it only loads:
 
     NUMBA_CACHE_DIR=$(mktemp -d) PYTHONPATH=src python benchmarks/compile_times.py [--top 25]
+        [--operators mxfp4_linear,...]
 """
 
 from __future__ import annotations
@@ -47,12 +48,17 @@ class _CompileTimes(event.Listener):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--top", type=int, default=25, help="functions to list")
+    parser.add_argument("--operators", default="", help="comma-separated operator names (default: every one)")
     args = parser.parse_args()
+    names = args.operators.split(",") if args.operators else list(backends.operators())
+    unknown = sorted(set(names) - set(backends.operators()))
+    if unknown:
+        parser.error(f"unknown operators {unknown}; known: {sorted(backends.operators())}")
     times = _CompileTimes()
     event.register("numba:compile", times)
     print(f"CPU: {device_name(torch.device('cpu'))}; each operator's self-check in turn, one process")
     start = time.perf_counter()
-    for name in backends.operators():
+    for name in names:
         began = time.perf_counter()
         failure = warm._warm_operator(name)
         print(f"  {name}: {time.perf_counter() - began:.1f} s" + (f" ({failure})" if failure else ""))

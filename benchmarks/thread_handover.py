@@ -6,11 +6,11 @@
    the OS lets the woken thread wait, the loop takes the serial time or more.
 2. Decode calls (M = 1) of the weight-only layers (--schemes) and of the svd_quant operator (rank 32), each
    after a BF16 F.linear of the same shape, with the kernels' one-thread thresholds set so that they run on one
-   thread, then on two: what the thresholds GEMV_ONE_THREAD_WEIGHTS (weight_only) and
-   _PRODUCT_ONE_THREAD_WEIGHTS (svd_quant) weigh.
+   thread, then on two: what the thresholds GEMV_ONE_THREAD_WEIGHTS (weight_only), _ONE_THREAD_WORK (wqbmm:
+   the int4-a16w4 layer) and _PRODUCT_ONE_THREAD_WEIGHTS (svd_quant) weigh.
 
     PYTHONPATH=src python benchmarks/thread_handover.py [--shapes 512x1024,1024x1024,2816x2048]
-        [--schemes mxfp4-wo,hif8-wo] [--rounds 101]
+        [--schemes mxfp4-wo,hif8-wo,int4-a16w4] [--rounds 101]
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from lowbit.cli.smoke._common import device_name
 from lowbit.formats import mxfp4
 from lowbit.kernels.cpu import svd_quant as svd_kernels
 from lowbit.kernels.cpu import weight_only as weight_only_kernels
+from lowbit.kernels.cpu import wqbmm as wqbmm_kernels
 from lowbit.ops.svd_quant import svd_quant
 
 _ONE, _TWO = 1 << 40, 0  # thresholds: always one thread, always two
@@ -130,7 +131,8 @@ def _one_against_two(name: str, module, attribute: str, call, x, weight, rounds:
 
 
 def layers(shapes: list[tuple[int, int]], schemes: list[str], rounds: int) -> None:
-    saved = weight_only_kernels.GEMV_ONE_THREAD_WEIGHTS, svd_kernels._PRODUCT_ONE_THREAD_WEIGHTS
+    saved = (weight_only_kernels.GEMV_ONE_THREAD_WEIGHTS, wqbmm_kernels._ONE_THREAD_WORK,
+             svd_kernels._PRODUCT_ONE_THREAD_WEIGHTS)
     try:
         for n, k in shapes:
             gen = torch.Generator().manual_seed(0)
@@ -140,20 +142,22 @@ def layers(shapes: list[tuple[int, int]], schemes: list[str], rounds: int) -> No
             with torch.inference_mode():
                 for scheme in schemes:
                     layer = quantized_layer(weight, bias, scheme)[0]
-                    _one_against_two(f"{n}x{k} {scheme}", weight_only_kernels, "GEMV_ONE_THREAD_WEIGHTS",
-                                     lambda: layer(x), x, weight, rounds)
+                    module, threshold = ((wqbmm_kernels, "_ONE_THREAD_WORK") if scheme == "int4-a16w4"
+                                         else (weight_only_kernels, "GEMV_ONE_THREAD_WEIGHTS"))
+                    _one_against_two(f"{n}x{k} {scheme}", module, threshold, lambda: layer(x), x, weight, rounds)
             w, s = mxfp4.dynamic_mx_quant(weight)
             d, u = torch.randn(k, 32, generator=gen).bfloat16(), torch.randn(32, n, generator=gen).bfloat16()
             _one_against_two(f"{n}x{k} svd_quant", svd_kernels, "_PRODUCT_ONE_THREAD_WEIGHTS",
                              lambda: svd_quant(x[None], w, s, d, u), x, weight, rounds)
     finally:
-        weight_only_kernels.GEMV_ONE_THREAD_WEIGHTS, svd_kernels._PRODUCT_ONE_THREAD_WEIGHTS = saved
+        (weight_only_kernels.GEMV_ONE_THREAD_WEIGHTS, wqbmm_kernels._ONE_THREAD_WORK,
+         svd_kernels._PRODUCT_ONE_THREAD_WEIGHTS) = saved
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="512x1024,1024x1024,2816x2048")
-    parser.add_argument("--schemes", default="mxfp4-wo,hif8-wo")
+    parser.add_argument("--schemes", default="mxfp4-wo,hif8-wo,int4-a16w4")
     parser.add_argument("--rounds", type=int, default=101)
     args = parser.parse_args()
     print(f"CPU: {device_name(torch.device('cpu'))}, {torch.get_num_threads()} threads, OMP_WAIT_POLICY="

@@ -92,8 +92,12 @@ GEMM_TILE_BYTES = 64 << 20
 # gain from the second thread sooner (Intel Xeon Emerald Rapids, a converted layer at M = 1 after a BF16 F.linear,
 # one thread against two: MXFP4 / HiFloat8 1536 x 384 0.078 / 0.106 against 0.079 / 0.129 ms, 1024^2 0.085 / 0.115
 # against 0.081 / 0.108, 2048 x 1024 0.151 / 0.202 against 0.126 / 0.180, 1536^2 0.190 / 0.218 against 0.152 /
-# 0.187; benchmarks/results_weight_only.md, 'Intel Xeon Emerald Rapids: HiFloat8 and FP8 in BF16 pairs').
-GEMV_ONE_THREAD_WEIGHTS = 3 << 20 if simd.HOST_IS_AMD_ZEN else 1 << 20
+# 0.187; benchmarks/results_weight_only.md, 'Intel Xeon Emerald Rapids: HiFloat8 and FP8 in BF16 pairs'). With the
+# bounded spin `import lowbit` sets (README, 'Threads'; the figures above are of threads that slept at once), an
+# Intel Xeon ran 512 x 1024 layers faster on two threads (MXFP4 / HiFloat4 / HiFloat8, one thread against two:
+# 43 / 41, 62 / 47, 67 / 54 us) and 256 x 1024 ones no slower (benchmarks/results_weight_only.md, 'The bounded
+# spin'): 0.5M there. AMD Zen's threshold was not measured again.
+GEMV_ONE_THREAD_WEIGHTS = 3 << 20 if simd.HOST_IS_AMD_ZEN else 1 << 19
 _CHUNKS = 32  # prange iterations are handed out in about this many chunks (at least 4 iterations each)
 # Rows of x up to which the batched kernels run: with BF16 products, 32; with float32 ones, 64: beyond, the GEMM
 # path's float32 GEMM caught up (AMD Zen 3, two threads, 4096^2 and 12288 x 8192: batched 0.17-0.20x F.linear's
