@@ -152,7 +152,7 @@ def _nibble_rows(row_sum, block_step, block_steps, pairs, fused_x_rows, fused_su
             lows[r], highs[r] = _low_byte_range(scales_flat, (row + r) * blocks, blocks)
         starts = (row * blocks, (row + 1) * blocks, (row + 2) * blocks, (row + 3) * blocks)
         operands = (scales_flat, packed_flat, np.uint64(ROW_BLOCK * packed.shape[1]))
-        m = 0
+        m = np.int64(0)  # not the literal 0: numba would compile each kernel called with m for it too
         while m < m_rows:
             if BLOCK_ROWS:  # a constant: on other CPUs numba prunes the block code before compiling it
                 rest = m_rows - m

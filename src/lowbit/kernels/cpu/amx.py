@@ -433,7 +433,7 @@ def _amx_gemm(operands, x_bits, n, width, bias_bits, bias_kind, t_bits, u_bits, 
     ``scratch``: uint8, scratch_layout's total for ``slots`` slots (1, or numba's largest thread count: a task
     takes its thread's slot, ``_SLOT()``), x^T and T^T already in it where ``laid_out`` (_lay_out)."""
     m, k = x_bits.shape
-    rp = 0
+    rp = np.int64(0)  # not the literal 0: scratch_layout and _lay_out_here would compile for it a second time
     if _LOW_RANK:  # noqa: F821 (bound: a constant, so that the other formats' kernels compile none of the branch)
         rp = -(-u_bits.shape[0] // TILE_K) * TILE_K
     kp, mp = -(-k // TILE_K) * TILE_K, -(-m // PANEL) * PANEL
