@@ -1,7 +1,9 @@
 """First use of the CPU kernels: the compile notice on stderr (only while numba compiles, once per kernel
 family), cold-cache detection, and the kernel families that `lowbit smoke all` warms in parallel."""
 
+import importlib
 import os
+import pkgutil
 import subprocess
 import sys
 
@@ -12,7 +14,7 @@ import torch
 import lowbit  # noqa: F401  (registers every operator)
 from lowbit.backends import Operator, operators
 from lowbit.kernels.cpu import warm
-from lowbit.kernels.cpu._runtime import family_module
+from lowbit.kernels.cpu._runtime import SerialOrParallel, family_module
 
 HIFLOAT8 = "lowbit.kernels.cpu.hifloat8"
 HIFLOAT4 = "lowbit.kernels.cpu.hifloat4"
@@ -161,13 +163,23 @@ def test_no_kernel_is_compiled_for_a_literal_argument():
         for name in names:
             operators()[name].auto_check_error("cpu")
     literal = []
-    for module_name in warm.families(operators().values()):
-        module = sys.modules[module_name]
-        for value in vars(module).values():
-            if isinstance(value, numba.core.dispatcher.Dispatcher) and value.py_func.__module__ == module_name:
-                literal += [f"{module_name}.{value.__name__}{sig}" for sig in value.signatures
-                            if any(isinstance(t, numba.core.types.Literal) for t in sig)]
+    for dispatcher in _kernel_dispatchers():
+        literal += [f"{dispatcher.py_func.__module__}.{dispatcher.__name__}{sig}" for sig in dispatcher.signatures
+                    if any(isinstance(t, numba.core.types.Literal) for t in sig)]
     assert not literal, literal
+
+
+def _kernel_dispatchers() -> list:
+    """The numba dispatchers of lowbit.kernels.cpu's modules, helper modules included, and of their
+    SerialOrParallel pairs."""
+    import lowbit.kernels.cpu as cpu_package
+
+    found = {}
+    for info in pkgutil.iter_modules(cpu_package.__path__):
+        for value in vars(importlib.import_module(f"{cpu_package.__name__}.{info.name}")).values():
+            pair = (value.serial, value.parallel) if isinstance(value, SerialOrParallel) else (value,)
+            found.update({id(d): d for d in pair if isinstance(d, numba.core.dispatcher.Dispatcher)})
+    return list(found.values())
 
 
 class _PoolStub:
