@@ -232,7 +232,7 @@ def _code8_paired_block_rows(pairs, step, x_flat, kp, steps, operands, starts, r
     (_code8_pair_block_two_x), else with products of both from one decode (_block_sums_pair); a row left over
     in BF16 pairs where it may be (_code8_pair_block), else alone."""
     m_rows = y32.shape[0]
-    m = 0
+    m = np.int64(0)  # not the literal 0: numba would compile the pair kernels called with m for it too
     while m + 1 < m_rows:
         x_rows = min(4, m_rows - m)
         if x_rows >= 3 and _code8_pair_block_four_x(pairs, m, x_rows, operands, steps, starts, row, y32):
