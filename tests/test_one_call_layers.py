@@ -304,6 +304,30 @@ def test_fused_weight_only_layers_run_the_operator_in_one_call(scheme, dtype, th
         module(random_x((rows + 1, K), dtype, 9))
 
 
+def test_more_rows_than_the_one_call_takes_follow_a_change_of_the_layers_tensors():
+    """A layer whose one call is bound sends x of more rows than it takes to the full path at once (before the
+    one call's checks): that path sees a packed weight written in place since."""
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(K, N)).to(torch.bfloat16)
+    lowbit.quantize_(model, "mxfp4-wo")
+    module = model[0]
+    op, names = module.fused_kernel(torch.bfloat16)
+    rows = cpu.one_call_max_rows(N, K, torch.bfloat16)
+    decode, prefill = random_x((1, K), torch.bfloat16, 1), random_x((rows + 1, K), torch.bfloat16, 2)
+    module(decode), module(decode), module(prefill)  # the full path, the bound one call, the PreparedCall
+    assert module._one_call[0] is not None
+    with torch.no_grad():
+        module._buffers[names[1]].bitwise_xor_(0x11)  # the codes, in place
+    want = op(prefill, *[module._buffers[name] for name in names], module.bias)
+    assert torch.equal(bits(module(prefill)), bits(want))
+    int4 = layer(torch.bfloat16)
+    int4(decode)
+    with torch.no_grad():
+        int4.weight.bitwise_xor_(0x11)
+    x = random_x((int4_msd_max_rows(torch.bfloat16) + 1, K), torch.bfloat16, 3)
+    assert torch.equal(bits(int4(x)), bits(full_path(int4, x)))
+
+
 def _rounding_edge_values(dtype, count, seed):
     """float32 values around the rounding edges of ``dtype``: halfway ties (even and odd), just past them,
     subnormals of the dtype, its largest finite value and the first that rounds to Inf, zeros, infinities."""
