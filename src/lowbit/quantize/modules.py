@@ -135,13 +135,15 @@ class QuantizedLinearBase(nn.Module):
             self._check_not_cast()
         k, n = self.in_features, self.out_features
         m = x.numel() // k
+        if not 0 < m <= (max_rows or m):
+            return None
         setting = (x.dtype, get_backend())
         kept = self.__dict__.get(slot)  # (bound call, SourcesSeen, (x dtype, backend setting))
         # More rows than the kept call takes (a bound call's rows depend on N, K and x's dtype only): the full
         # path at once, without this path's checks (a prefill's call; tens of microseconds after other work)
         if kept is not None and kept[2] == setting and kept[0] is not None and m > kept[0].max_rows:
             return None
-        if not (0 < m <= (max_rows or m) and plain_tensor(x) and plain_context()):
+        if not (plain_tensor(x) and plain_context()):
             return None
         if kept is None or kept[2] != setting or not kept[1].unchanged(sources):
             kept = self.__dict__[slot] = (bind(x, sources, bind_argument), SourcesSeen(sources), setting)
