@@ -7,7 +7,7 @@ import numba
 import numpy as np
 
 from lowbit.kernels.cpu import _simd as simd
-from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS
+from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, bound_njit
 from lowbit.kernels.cpu._weight_only_decode4 import hifloat4_indexed_pairs, hifloat4_pairs, mxfp4_pairs
 from lowbit.kernels.cpu._weight_only_layout import (HALF, LANES, _INLINE, _ROWS_PER_TASK, _row_sum_4bit,
                                                     _row_sum_hifloat4, _row_sum_nibbles)
@@ -118,25 +118,30 @@ def _x_rows_fused(fused, m, rows, lows, highs):
     return result
 
 
-@numba.njit(**_INLINE)
-def _nibble_rows(row_sum, block_step, block_steps, pairs, fused_x_rows, fused_sums_x, pair_sums, pair_sums_two_x,
-                 pair_sums_four_x, pair_arrays, x_reg, scales, packed, fused, x_pairs, paired, row, end, y32):
-    """Rows row .. end - 1 of a 4-bit GEMV (inlined into _mxfp4_rows / _hifloat4_rows, which pass their
-    format's ``row_sum``, ``block_step`` and pair kernels): x_reg (M, Kp) register order, scales / packed the
-    format's two weight arrays (N, ...), fused (M, 256) from _fused_bytes, x_pairs and paired from
-    _paired_bytes, y32 (M, N). ``block_steps``: steps of a row for _block_sums, or 0 where rows cannot be
-    blocked (an MXFP4 row of an odd number of blocks). The last two or three rows of x, where at most
-    ``fused_x_rows`` are left and each may fuse with the block, are summed with fused multiply-adds together
-    (``fused_sums_x``: MXFP4 off AMD Zen). Else, where the number of steps is even, a block of rows is
-    summed in BF16 pairs (two steps per product instruction) for four or three rows of x at once, else two, where
-    every one of its rows may be for each and ``pair_sums_four_x`` / ``pair_sums_two_x`` do them (MXFP4;
-    HiFloat4 prepared by magnitude index); else with fused multiply-adds for two rows of x at once where
-    ``pairs`` and both may (_block_sums_pair: HiFloat4 in place, whose step is costly to decode; MXFP4's
-    cheap step measured 15-22 % slower so at M = 2 and 4); else in BF16 pairs for one row of x
-    (``pair_sums``) where ``fused_x_rows`` is 0, else with fused multiply-adds, where every one of its rows may
-    be; else row by row.
-    ``pair_arrays``: the format's arrays for the pair kernels beside the weight's (a tuple, maybe empty)."""
+def _nibble_rows(x_reg, scales, packed, *args):
+    """Rows row .. end - 1 of a 4-bit GEMV: the template of _mxfp4_rows and _hifloat4_rows (bound_njit), whose
+    format is in the bound globals ``_BLOCK_STEPS`` (the steps of a row for _block_sums, or 0 where rows cannot
+    be blocked: an MXFP4 row of an odd number of blocks), ``_ROW_SUM``, ``_BLOCK_STEP``, ``_PAIRS``,
+    ``_FUSED_X_ROWS`` and the kernels ``_FUSED_SUMS_X``, ``_PAIR_SUMS``, ``_PAIR_SUMS_TWO_X``,
+    ``_PAIR_SUMS_FOUR_X``. A template rather than a function inlined into each format's rows kernel: numba
+    copies an inlined function's whole IR, twice, at each call site (3.7 s of compiling for the two formats).
+    x_reg (M, Kp) register order, scales / packed the format's two weight arrays (N, ...); ``args``: the
+    format's arrays for the pair kernels (none for MXFP4; HiFloat4's codes and signs), then fused (M, 256)
+    from _fused_bytes, x_pairs and paired from _paired_bytes, row, end and y32 (M, N).
+    The last two or three rows of x, where at most ``_FUSED_X_ROWS`` are left and each may fuse with the block,
+    are summed with fused multiply-adds together (``_FUSED_SUMS_X``: MXFP4 off AMD Zen). Else, where the number
+    of steps is even, a block of rows is summed in BF16 pairs (two steps per product instruction) for four or
+    three rows of x at once, else two, where every one of its rows may be for each and ``_PAIR_SUMS_FOUR_X`` /
+    ``_PAIR_SUMS_TWO_X`` do them (MXFP4; HiFloat4 prepared by magnitude index); else with fused multiply-adds
+    for two rows of x at once where ``_PAIRS`` and both may (_block_sums_pair: HiFloat4 in place, whose step is
+    costly to decode; MXFP4's cheap step measured 15-22 % slower so at M = 2 and 4); else in BF16 pairs for
+    one row of x (``_PAIR_SUMS``) where ``_FUSED_X_ROWS`` is 0, else with fused multiply-adds, where every one
+    of its rows may be; else row by row."""
+    # the upper-case names (but ROW_BLOCK, BLOCK_ROWS) are the bound globals: no module-level value (flake8 F821)
+    pair_arrays = args[:-6]
+    fused, x_pairs, paired, row, end, y32 = args[-6:]
     blocks = scales.shape[1]
+    block_steps = _BLOCK_STEPS(scales)
     m_rows, kp = x_reg.shape
     kq = x_pairs.shape[1]
     pair_steps = block_steps // 2 if block_steps % 2 == 0 else 0
@@ -156,8 +161,8 @@ def _nibble_rows(row_sum, block_step, block_steps, pairs, fused_x_rows, fused_su
         while m < m_rows:
             if BLOCK_ROWS:  # a constant: on other CPUs numba prunes the block code before compiling it
                 rest = m_rows - m
-                if count == ROW_BLOCK and 1 < rest <= fused_x_rows and _x_rows_fused(fused, m, rest, lows, highs):
-                    fused_sums_x(x_flat, (m * kp, (m + 1) * kp, (m_rows - 1) * kp), rest, block_steps, operands,
+                if count == ROW_BLOCK and 1 < rest <= _FUSED_X_ROWS and _x_rows_fused(fused, m, rest, lows, highs):
+                    _FUSED_SUMS_X(x_flat, (m * kp, (m + 1) * kp, (m_rows - 1) * kp), rest, block_steps, operands,
                                  starts, y32, m, row)
                     m = m_rows
                     continue
@@ -166,12 +171,12 @@ def _nibble_rows(row_sum, block_step, block_steps, pairs, fused_x_rows, fused_su
                 three_paired = both_paired and m + 2 < m_rows and _all_fused(paired, m + 2, lows, highs, count)
                 x_rows = 4 if three_paired and m + 3 < m_rows and _all_fused(paired, m + 3, lows, highs, count) else 3
                 xs = (m * kq, (m + 1) * kq, (m + 2) * kq, (m + x_rows - 1) * kq)
-                if count == ROW_BLOCK and pair_steps > 0 and three_paired and pair_sums_four_x(
+                if count == ROW_BLOCK and pair_steps > 0 and three_paired and _PAIR_SUMS_FOUR_X(
                         xp_flat, xs, x_rows, pair_steps, operands, pair_arrays, starts, y32, m, row):
                     m += x_rows
                     continue
                 if count == ROW_BLOCK and pair_steps > 0 and both_paired:
-                    done, first, second = pair_sums_two_x(xp_flat, m * kq, (m + 1) * kq, pair_steps, operands,
+                    done, first, second = _PAIR_SUMS_TWO_X(xp_flat, m * kq, (m + 1) * kq, pair_steps, operands,
                                                           pair_arrays, starts)
                     if done:
                         _store_block(y32, m, row, first)
@@ -179,30 +184,30 @@ def _nibble_rows(row_sum, block_step, block_steps, pairs, fused_x_rows, fused_su
                         m += 2
                         continue
                 if count == ROW_BLOCK and _all_fused(fused, m, lows, highs, count):
-                    if pairs and m + 1 < m_rows and _all_fused(fused, m + 1, lows, highs, count):
-                        first, second = _block_sums_pair(block_step, _fma_products, _row_sum_nibbles, _x_step, x_flat,
+                    if _PAIRS and m + 1 < m_rows and _all_fused(fused, m + 1, lows, highs, count):
+                        first, second = _block_sums_pair(_BLOCK_STEP, _fma_products, _row_sum_nibbles, _x_step, x_flat,
                                                          m * kp, (m + 1) * kp, block_steps, operands, starts)
                         _store_block(y32, m, row, first)
                         _store_block(y32, m + 1, row, second)
                         m += 2
                         continue
-                if (count == ROW_BLOCK and fused_x_rows == 0 and pair_steps > 0
+                if (count == ROW_BLOCK and _FUSED_X_ROWS == 0 and pair_steps > 0
                         and _all_fused(paired, m, lows, highs, count)):
-                    _store_block(y32, m, row, pair_sums(xp_flat, m * kq, pair_steps, operands, pair_arrays, starts))
+                    _store_block(y32, m, row, _PAIR_SUMS(xp_flat, m * kq, pair_steps, operands, pair_arrays, starts))
                     m += 1
                     continue
                 if count == ROW_BLOCK and _all_fused(fused, m, lows, highs, count):
-                    _store_block(y32, m, row, _block_sums(block_step, _fma_products, _row_sum_nibbles, _x_step, x_flat,
+                    _store_block(y32, m, row, _block_sums(_BLOCK_STEP, _fma_products, _row_sum_nibbles, _x_step, x_flat,
                                                           m * kp, block_steps, operands, starts))
                     m += 1
                     continue
             for r in range(count):
                 b0 = (row + r) * blocks
                 if fused[m, lows[r]] and fused[m, highs[r]]:
-                    y32[m, row + r] = row_sum(_accumulate_fused, x_flat, m * kp, scales_flat, packed_flat, b0, blocks,
+                    y32[m, row + r] = _ROW_SUM(_accumulate_fused, x_flat, m * kp, scales_flat, packed_flat, b0, blocks,
                                               scratch)
                 else:
-                    y32[m, row + r] = row_sum(_accumulate, x_flat, m * kp, scales_flat, packed_flat, b0, blocks,
+                    y32[m, row + r] = _ROW_SUM(_accumulate, x_flat, m * kp, scales_flat, packed_flat, b0, blocks,
                                               scratch)
             m += 1
         row += count
@@ -433,21 +438,31 @@ _hifloat4_pair_sums_four_x = _hifloat4_pair_sums_four_x_bf16 if _HIFLOAT4_PAIRS 
 _mxfp4_pair_sums_four_x = _mxfp4_pair_sums_four_x_bf16 if simd.HAS_AVX512BF16 else _no_pair_sums_four_x
 
 
-@numba.njit(**NJIT_OPTIONS)
-def _mxfp4_rows(x_reg, scales, codes, fused, x_pairs, paired, row, end, y32):
-    """One task of _mxfp4_gemv (a function of its own, so that numba's parallel passes do not analyse it)."""
+@numba.njit(**_INLINE)
+def _mxfp4_block_steps(scales):
+    """_block_sums' steps of an MXFP4 row (two blocks of 32 each), 0 for a row of an odd number of blocks."""
     blocks = scales.shape[1]
-    _nibble_rows(_mxfp4_row_sum, _mxfp4_block_step, blocks // 2 if blocks % 2 == 0 else 0, False, _MXFP4_FUSED_X_ROWS,
-                 _mxfp4_fused_sums_x, _mxfp4_pair_sums, _mxfp4_pair_sums_two_x, _mxfp4_pair_sums_four_x, (), x_reg,
-                 scales, codes, fused, x_pairs, paired, row, end, y32)
+    return blocks // 2 if blocks % 2 == 0 else 0
 
 
-@numba.njit(**NJIT_OPTIONS)
-def _hifloat4_rows(x_reg, words, value, codes, signs, fused, x_pairs, paired, row, end, y32):
-    """One task of _hifloat4_gemv."""
-    _nibble_rows(_hifloat4_row, _hifloat4_block_step, words.shape[1], True, 0, _no_fused_sums_x, _hifloat4_pair_sums,
-                 _hifloat4_pair_sums_two_x, _hifloat4_pair_sums_four_x, (codes, signs), x_reg, words, value, fused,
-                 x_pairs, paired, row, end, y32)
+@numba.njit(**_INLINE)
+def _hifloat4_block_steps(words):
+    """_block_sums' steps of a HiFloat4 row: one per 64-block."""
+    return words.shape[1]
+
+
+# _mxfp4_rows(x_reg, scales, codes, fused, x_pairs, paired, row, end, y32) and
+# _hifloat4_rows(x_reg, words, value, codes, signs, fused, x_pairs, paired, row, end, y32): one task of the GEMV
+# (functions of their own, so that numba's parallel passes do not analyse them)
+_mxfp4_rows = bound_njit(
+    _nibble_rows, "_mxfp4_rows", _BLOCK_STEPS=_mxfp4_block_steps, _ROW_SUM=_mxfp4_row_sum,
+    _BLOCK_STEP=_mxfp4_block_step, _PAIRS=False, _FUSED_X_ROWS=_MXFP4_FUSED_X_ROWS, _FUSED_SUMS_X=_mxfp4_fused_sums_x,
+    _PAIR_SUMS=_mxfp4_pair_sums, _PAIR_SUMS_TWO_X=_mxfp4_pair_sums_two_x, _PAIR_SUMS_FOUR_X=_mxfp4_pair_sums_four_x)
+_hifloat4_rows = bound_njit(
+    _nibble_rows, "_hifloat4_rows", _BLOCK_STEPS=_hifloat4_block_steps, _ROW_SUM=_hifloat4_row,
+    _BLOCK_STEP=_hifloat4_block_step, _PAIRS=True, _FUSED_X_ROWS=0, _FUSED_SUMS_X=_no_fused_sums_x,
+    _PAIR_SUMS=_hifloat4_pair_sums, _PAIR_SUMS_TWO_X=_hifloat4_pair_sums_two_x,
+    _PAIR_SUMS_FOUR_X=_hifloat4_pair_sums_four_x)
 
 
 @numba.njit(**PARALLEL_NJIT_OPTIONS)
