@@ -452,26 +452,39 @@ def _amx_gemm(operands, x_bits, n, width, bias_bits, bias_kind, t_bits, u_bits, 
         _TILE_ROWS(*operands, first, 0, rows, w)  # noqa: F821 (bound per format)
         if _LOW_RANK and rp:  # noqa: F821 (bound)
             _low_rank_rows(u_bits, first, rows, ut)
-        panels = -(-rows // PANEL)
-        _zero_padding(w, rows, k, kp)
-        _load_config(_CONFIG)
-        blocks = panels * (mp // PANEL)
-        for k0 in range(0, kp, k_chunk):  # the blocks' sums go on in acc between chunks; the last one rounds them
-            k1 = min(k0 + k_chunk, kp)
-            last = k1 == kp
-            for b in range(blocks + 1 if last else blocks):
-                if b < blocks:  # its products go to the tiles; the previous block is rounded while they run
-                    p, m0 = b % panels, (b // panels) * PANEL
-                    sums = acc[b] if chunked else c32[b % 2]
-                    _multiply_panel(w, p * PANEL, xt, m0, k0, k1, sums, m - m0, k0 > 0)
-                    if last and _LOW_RANK and rp:  # noqa: F821 (bound)
-                        _multiply_panel(ut, p * PANEL, tt, m0, 0, rp, c32[2 + b % 2], m - m0, False)
-                if last and b > 0:
-                    p, m0 = (b - 1) % panels, ((b - 1) // panels) * PANEL
-                    sums = acc[b - 1] if chunked else c32[(b - 1) % 2]
-                    _round_block(sums, bias32, bias_kind != BIAS_NONE, c32[2 + (b - 1) % 2], rp > 0,
-                                 first + p * PANEL, min(PANEL, rows - p * PANEL), m0, words, out_bits)
-        _release()
+        _task_products(w, ut, xt, tt, c32, acc, words, bias32, bias_kind, first, rows, k, k_chunk, out_bits)
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _task_products(w, ut, xt, tt, c32, acc, words, bias32, bias_kind, first, rows, k, k_chunk, out_bits):
+    """A task's products on the tiles and their rounding into out_bits, after its ``rows`` rows of W from row
+    ``first`` were decoded into ``w`` (and its rows of u^T into ``ut``, R > 0): the half of _amx_gemm that
+    is the same for every format, so compiled once, not once per format's kernel (about 0.7 s each). The
+    task's slot as _task_slot returns it (``acc``: no blocks where K is not chunked); x^T and T^T in ``xt``
+    and ``tt`` (T^T empty: no low-rank branch)."""
+    m = out_bits.shape[0]
+    kp, mp, rp = xt.shape[1] * 2, xt.shape[0] * PANEL, tt.shape[1] * 2
+    chunked = k_chunk < kp
+    panels = -(-rows // PANEL)
+    _zero_padding(w, rows, k, kp)
+    _load_config(_CONFIG)
+    blocks = panels * (mp // PANEL)
+    for k0 in range(0, kp, k_chunk):  # the blocks' sums go on in acc between chunks; the last one rounds them
+        k1 = min(k0 + k_chunk, kp)
+        last = k1 == kp
+        for b in range(blocks + 1 if last else blocks):
+            if b < blocks:  # its products go to the tiles; the previous block is rounded while they run
+                p, m0 = b % panels, (b // panels) * PANEL
+                sums = acc[b] if chunked else c32[b % 2]
+                _multiply_panel(w, p * PANEL, xt, m0, k0, k1, sums, m - m0, k0 > 0)
+                if last and rp:
+                    _multiply_panel(ut, p * PANEL, tt, m0, 0, rp, c32[2 + b % 2], m - m0, False)
+            if last and b > 0:
+                p, m0 = (b - 1) % panels, ((b - 1) // panels) * PANEL
+                sums = acc[b - 1] if chunked else c32[(b - 1) % 2]
+                _round_block(sums, bias32, bias_kind != BIAS_NONE, c32[2 + (b - 1) % 2], rp > 0,
+                             first + p * PANEL, min(PANEL, rows - p * PANEL), m0, words, out_bits)
+    _release()
 
 
 @numba.njit(**dict(NJIT_OPTIONS, inline="always"))
