@@ -2,6 +2,6 @@
 
 import sys
 
-from lowbit.cli.main import main
+from lowbit.cli.main import entry
 
-sys.exit(main())
+sys.exit(entry())
