@@ -287,22 +287,3 @@ def test_end_to_end_bogus_lowbit_backend():
     done = _lowbit("smoke", "hifloat8", "--device", "cpu", "--json", env=env)
     assert done.returncode == 2 and done.stdout == "" and done.stderr.count("\n") == 1
     assert "bogus" in json.loads(done.stderr)["error"]
-
-
-def test_the_console_command_returns_mains_code_and_freezes_the_collector(monkeypatch):
-    """``lowbit`` and ``python -m lowbit`` run cli.main.entry: main's exit code, then the garbage collector
-    frozen, so that the interpreter's exit does not traverse the cycles numba's kernels leave (seconds after a
-    cold smoke)."""
-    import gc
-
-    monkeypatch.setattr(cli, "main", lambda: 3)
-    try:
-        assert cli.entry() == 3
-        assert gc.get_freeze_count() > 0
-    finally:
-        gc.unfreeze()
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with open(os.path.join(root, "pyproject.toml")) as f:
-        assert 'lowbit = "lowbit.cli.main:entry"' in f.read().split("[project.scripts]")[1]
-    with open(os.path.join(root, "src", "lowbit", "__main__.py")) as f:
-        assert "sys.exit(entry())" in f.read()

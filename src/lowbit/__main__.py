@@ -2,6 +2,6 @@
 
 import sys
 
-from lowbit.cli.main import entry
+from lowbit.cli.main import main
 
-sys.exit(entry())
+sys.exit(main())

@@ -10,7 +10,6 @@ unless --debug is given.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import sys
@@ -301,17 +300,5 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_ERROR
 
 
-def entry() -> int:
-    """The ``lowbit`` console command (and ``python -m lowbit``): :func:`main`, then the garbage collector
-    frozen before the interpreter exits. numba's compiled kernels leave millions of objects in reference
-    cycles, and the collections of the interpreter's exit took 1.1-1.4 s after a cold ``lowbit smoke all``
-    (0.25 s frozen; benchmarks/results_first_run.md, 'Forty-fifth session'). By then every file lowbit wrote is
-    closed; the standard streams are still flushed, atexit handlers and weakref finalizers still run; only
-    objects in cycles go without being collected, as the process ends."""
-    code = main()
-    gc.freeze()
-    return code
-
-
 if __name__ == "__main__":
-    sys.exit(entry())
+    sys.exit(main())
