@@ -120,11 +120,12 @@ def _x_rows_fused(fused, m, rows, lows, highs):
 
 def _nibble_rows(x_reg, scales, packed, *args):
     """Rows row .. end - 1 of a 4-bit GEMV: the template of _mxfp4_rows and _hifloat4_rows (bound_njit), whose
-    format is in the bound globals ``_BLOCK_STEPS`` (the steps of a row for _block_sums, or 0 where rows cannot
-    be blocked: an MXFP4 row of an odd number of blocks), ``_ROW_SUM``, ``_BLOCK_STEP``, ``_PAIRS``,
-    ``_FUSED_X_ROWS`` and the kernels ``_FUSED_SUMS_X``, ``_PAIR_SUMS``, ``_PAIR_SUMS_TWO_X``,
-    ``_PAIR_SUMS_FOUR_X``. A template rather than a function inlined into each format's rows kernel: numba
-    copies an inlined function's whole IR, twice, at each call site (3.7 s of compiling for the two formats).
+    format is in the bound globals ``_BLOCK_STEPS`` (of a row's number of blocks: the steps of the row for
+    _block_sums, or 0 where rows cannot be blocked, an MXFP4 row of an odd number of blocks), ``_ROW_SUM``,
+    ``_BLOCK_STEP``, ``_PAIRS``, ``_FUSED_X_ROWS`` and the kernels ``_FUSED_SUMS_X``, ``_PAIR_SUMS``,
+    ``_PAIR_SUMS_TWO_X``, ``_PAIR_SUMS_FOUR_X``. A template rather than a function inlined into each format's
+    rows kernel: numba copies an inlined function's whole IR, twice, at each call site (3.7 s of compiling for
+    the two formats).
     x_reg (M, Kp) register order, scales / packed the format's two weight arrays (N, ...); ``args``: the
     format's arrays for the pair kernels (none for MXFP4; HiFloat4's codes and signs), then fused (M, 256)
     from _fused_bytes, x_pairs and paired from _paired_bytes, row, end and y32 (M, N).
@@ -137,11 +138,11 @@ def _nibble_rows(x_reg, scales, packed, *args):
     costly to decode; MXFP4's cheap step measured 15-22 % slower so at M = 2 and 4); else in BF16 pairs for
     one row of x (``_PAIR_SUMS``) where ``_FUSED_X_ROWS`` is 0, else with fused multiply-adds, where every one
     of its rows may be; else row by row."""
-    # the upper-case names (but ROW_BLOCK, BLOCK_ROWS) are the bound globals: no module-level value (flake8 F821)
+    # the names of an underscore and capitals (_ROW_SUM, ...) are the bound globals: no module-level value (F821)
     pair_arrays = args[:-6]
     fused, x_pairs, paired, row, end, y32 = args[-6:]
     blocks = scales.shape[1]
-    block_steps = _BLOCK_STEPS(scales)
+    block_steps = _BLOCK_STEPS(blocks)
     m_rows, kp = x_reg.shape
     kq = x_pairs.shape[1]
     pair_steps = block_steps // 2 if block_steps % 2 == 0 else 0
@@ -439,16 +440,15 @@ _mxfp4_pair_sums_four_x = _mxfp4_pair_sums_four_x_bf16 if simd.HAS_AVX512BF16 el
 
 
 @numba.njit(**_INLINE)
-def _mxfp4_block_steps(scales):
-    """_block_sums' steps of an MXFP4 row (two blocks of 32 each), 0 for a row of an odd number of blocks."""
-    blocks = scales.shape[1]
+def _mxfp4_block_steps(blocks):
+    """_block_sums' steps of an MXFP4 row of ``blocks`` blocks of 32 (two blocks each), 0 for an odd number."""
     return blocks // 2 if blocks % 2 == 0 else 0
 
 
 @numba.njit(**_INLINE)
-def _hifloat4_block_steps(words):
-    """_block_sums' steps of a HiFloat4 row: one per 64-block."""
-    return words.shape[1]
+def _hifloat4_block_steps(blocks):
+    """_block_sums' steps of a HiFloat4 row of ``blocks`` blocks of 64: one per block."""
+    return blocks
 
 
 # _mxfp4_rows(x_reg, scales, codes, fused, x_pairs, paired, row, end, y32) and

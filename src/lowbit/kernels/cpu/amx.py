@@ -459,7 +459,7 @@ def _amx_gemm(operands, x_bits, n, width, bias_bits, bias_kind, t_bits, u_bits, 
 def _task_products(w, ut, xt, tt, c32, acc, words, bias32, bias_kind, first, rows, k, k_chunk, out_bits):
     """A task's products on the tiles and their rounding into out_bits, after its ``rows`` rows of W from row
     ``first`` were decoded into ``w`` (and its rows of u^T into ``ut``, R > 0): the half of _amx_gemm that
-    is the same for every format, so compiled once, not once per format's kernel (about 0.7 s each). The
+    is the same for every format, so compiled once, not once per format's kernel (about 0.6 s each). The
     task's slot as _task_slot returns it (``acc``: no blocks where K is not chunked); x^T and T^T in ``xt``
     and ``tt`` (T^T empty: no low-rank branch)."""
     m = out_bits.shape[0]

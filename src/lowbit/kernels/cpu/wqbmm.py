@@ -242,8 +242,8 @@ _SERIAL_PREPROCESS_MAX = 1 << 16  # elements of x up to which the pre-process ru
 # 1.2-1.6M weights (1536 x 384: 35-39 us on the calling thread, 49-50 us on two; docs/wqbmm.md, 'Threads').
 # On an Intel Xeon, with the bounded spin `import lowbit` sets (README, 'Threads'), two threads were no slower from
 # 0.26M weights and faster from 0.5M (each call after an F.linear, one thread against two: 256 x 1024 23 / 22 us,
-# 512 x 1024 33 / 28 us, 1024^2 62 / 45 us; benchmarks/results_weight_only.md, 'The bounded spin'): 0.5M there. AMD Zen's threshold was
-# measured with threads that slept at once and not since.
+# 512 x 1024 33 / 28 us, 1024^2 62 / 45 us; benchmarks/results_weight_only.md, 'The bounded spin'): 0.5M there.
+# AMD Zen's threshold was measured with threads that slept at once and not since.
 _ONE_THREAD_WORK = 3 << 19 if simd.HOST_IS_AMD_ZEN else 1 << 19
 _PARALLEL_CHUNK = 4  # prange iterations (32-column tiles) a thread takes at a time (raw-weight blocks: 1)
 
