@@ -1,6 +1,7 @@
 """First use of the CPU kernels: the compile notice on stderr (only while numba compiles, once per kernel
 family), cold-cache detection, and the kernel families that `lowbit smoke all` warms in parallel."""
 
+import gc
 import importlib
 import os
 import pkgutil
@@ -13,6 +14,7 @@ import torch
 
 import lowbit  # noqa: F401  (registers every operator)
 from lowbit.backends import Operator, operators
+from lowbit.collector import COMPILING_THRESHOLDS
 from lowbit.kernels.cpu import warm
 from lowbit.kernels.cpu._runtime import SerialOrParallel, family_module
 
@@ -222,12 +224,13 @@ def test_operators_are_warmed_after_those_whose_kernels_they_share(monkeypatch, 
             names[future] = name
             return future
 
-    seen_initargs = []
+    seen_initargs, seen_thresholds = [], []
 
     class FakeProcesses(FakePool):  # the worker processes: workers - 1 tasks at a time
         def __init__(self, workers, mp_context=None, initializer=None, initargs=()):
             super().__init__(workers)
             seen_initargs.append(initargs)
+            seen_thresholds.append(gc.get_threshold())  # what a forked worker would start with
 
         def submit(self, fn, name):
             assert self.workers == 1 and all(n in ended or n in here for n in started), started
@@ -258,11 +261,13 @@ def test_operators_are_warmed_after_those_whose_kernels_they_share(monkeypatch, 
     on_start = []  # the tasks started when on_start was called: none
     monkeypatch.setattr(warm.COMPILE_NOTICE, "announced", set())
     capsys.readouterr()
+    thresholds = gc.get_threshold()
     modules = warm.warm_cache(operators().values(), workers=2, on_start=lambda: on_start.append(list(started)))
     assert on_start == [[]]
     notices = capsys.readouterr().err.splitlines()  # every cold family's, up front; the workers print none
     assert [line.split()[5] for line in notices] == [m.rpartition(".")[2] for m in modules], notices
     assert seen_initargs == [(False,)]  # not forked here; quiet either way (_worker_setup)
+    assert seen_thresholds == [COMPILING_THRESHOLDS] and gc.get_threshold() == thresholds  # fewer collections
     assert sorted(started) == sorted(needs) and sorted(modules) == sorted(cold)
     assert here and here[0] == started[0]  # this process takes the first task, without a process start-up
     assert modules.index("lowbit.kernels.cpu.mxfp4") < modules.index("lowbit.kernels.cpu.svd_quant")

@@ -39,6 +39,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequenc
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
+from lowbit.collector import fewer_collections
 from lowbit.errors import BackendUnavailable, DeviceError, DtypeError, ShapeError
 
 BACKENDS = ("native", "reference", "auto")
@@ -323,12 +324,13 @@ class Operator:
                 return None
             if key in self._checked:
                 return self._checked[key]
-        try:  # no lock held while kernels run
-            kernel = self.native_kernel(device)
-            probes = list(self.probes())
-            matching = [p for p in probes if dtype_signature(p) == key[1] and kernel.supports(
-                *(a.to(device) if isinstance(a, torch.Tensor) else a for a in p)) is None]
-            error = self._self_check(kernel, device, matching or probes)
+        try:  # no lock held while kernels run; the first runs compile them
+            with fewer_collections():
+                kernel = self.native_kernel(device)
+                probes = list(self.probes())
+                matching = [p for p in probes if dtype_signature(p) == key[1] and kernel.supports(
+                    *(a.to(device) if isinstance(a, torch.Tensor) else a for a in p)) is None]
+                error = self._self_check(kernel, device, matching or probes)
             checked_every = not matching
         except Exception as exc:  # any failure of the probe means: do not trust native here
             error, checked_every = f"{type(exc).__name__}: {exc}", True

@@ -28,6 +28,7 @@ import numba
 import torch
 
 from lowbit.backends import Operator
+from lowbit.collector import fewer_collections
 from lowbit.kernels.cpu._runtime import COMPILE_NOTICE, SerialOrParallel, family_module
 
 DEVICE_TYPE = "cpu"
@@ -258,7 +259,15 @@ def warm_cache(ops: Iterable[Operator], workers: int | None = None,
     for module in order:  # all up front; the workers print none (_worker_setup)
         COMPILE_NOTICE.announce(module, next(d for d in _dispatchers(importlib.import_module(module))
                                              if d.py_func.__module__ == module and _index_path(d)))
-    pending = [name for module in order for name in cold[module]]
+    with fewer_collections():  # entered before the fork: forked workers compile with it too
+        _run_tasks([name for module in order for name in cold[module]], cold, needs, by_name, workers, on_start)
+    return order
+
+
+def _run_tasks(pending: list[str], cold: dict[str, list[str]], needs: dict[str, set[str]],
+               by_name: dict[str, Operator], workers: int, on_start: Callable[[], object] | None) -> None:
+    """:func:`warm_cache`'s tasks ``pending`` (operator names in the order to try them) run by ``workers``
+    processes, this one included."""
     first = {name: names[0] for names in cold.values() for name in names}
     ended: set[str] = set()
     running: dict[concurrent.futures.Future, tuple[str, bool]] = {}  # future: (operator, run by this process)
@@ -290,4 +299,3 @@ def warm_cache(ops: Iterable[Operator], workers: int | None = None,
                         by_name[name].adopt_passed_check(DEVICE_TYPE)
     finally:  # every task has ended, or the pool broke, or an interrupt: the workers exit on their own
         pool.shutdown(wait=False, cancel_futures=True)
-    return order
