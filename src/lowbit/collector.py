@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import threading
 from typing import Iterator
 
 COMPILING_THRESHOLDS = (10_000, 10, 100)  # gc.set_threshold's (young, middle, oldest) while compiling
 
 _lock = threading.Lock()
-_active = 0  # contexts entered and not left, over all threads
+_depth: dict[int, int] = {}  # thread id: the contexts it entered and has not left
 _saved: tuple[int, ...] = ()  # the thresholds the first of them found
 
 
@@ -28,19 +29,40 @@ _saved: tuple[int, ...] = ()  # the thresholds the first of them found
 def fewer_collections() -> Iterator[None]:
     """While any thread is inside (nested or concurrent contexts count once), the garbage collector runs with
     COMPILING_THRESHOLDS where these collect less often than its own thresholds; the last to leave puts back
-    the thresholds the first found (a change made meanwhile by other code is lost). The process state is
-    global: a forked child starts inside the contexts its parent was in when it forked."""
-    global _active, _saved
+    the thresholds the first found (a change made meanwhile by other code is lost). A young threshold of 0
+    (automatic collection off) is left so. A forked child stays inside the contexts its forking thread was in,
+    and only those (the other threads do not exist there)."""
+    global _saved
+    me = threading.get_ident()
     with _lock:
-        if _active == 0:
+        if not _depth:
             _saved = gc.get_threshold()
-            if _saved[0]:  # (a young threshold of 0 turns automatic collection off: left so)
+            if _saved[0]:
                 gc.set_threshold(*(max(ours, theirs) for ours, theirs in zip(COMPILING_THRESHOLDS, _saved)))
-        _active += 1
+        _depth[me] = _depth.get(me, 0) + 1
     try:
         yield
     finally:
         with _lock:
-            _active -= 1
-            if _active == 0:
+            _depth[me] -= 1
+            if not _depth[me]:
+                del _depth[me]
+            if not _depth:
                 gc.set_threshold(*_saved)
+
+
+def _after_fork_in_child() -> None:
+    """A new lock (another thread may have held the parent's as it forked), and only the forking thread's
+    contexts; the thresholds put back where it was in none."""
+    global _lock
+    _lock = threading.Lock()
+    inside = bool(_depth)
+    me = threading.get_ident()
+    for ident in [ident for ident in _depth if ident != me]:
+        del _depth[ident]
+    if inside and not _depth:
+        gc.set_threshold(*_saved)
+
+
+if hasattr(os, "register_at_fork"):  # (not on Windows, which does not fork)
+    os.register_at_fork(after_in_child=_after_fork_in_child)
