@@ -20,7 +20,7 @@ from typing import Iterator
 
 COMPILING_THRESHOLDS = (10_000, 10, 100)  # gc.set_threshold's (young, middle, oldest) while compiling
 
-_lock = threading.Lock()
+_lock = threading.RLock()  # (a collection started under it may run a finalizer that enters a context itself)
 _depth: dict[int, int] = {}  # thread id: the contexts it entered and has not left
 _saved: tuple[int, ...] = ()  # the thresholds the first of them found
 
@@ -35,11 +35,12 @@ def fewer_collections() -> Iterator[None]:
     global _saved
     me = threading.get_ident()
     with _lock:
-        if not _depth:
+        first = not _depth
+        _depth[me] = _depth.get(me, 0) + 1  # before any allocation that may start a collection (and a finalizer)
+        if first:
             _saved = gc.get_threshold()
             if _saved[0]:
                 gc.set_threshold(*(max(ours, theirs) for ours, theirs in zip(COMPILING_THRESHOLDS, _saved)))
-        _depth[me] = _depth.get(me, 0) + 1
     try:
         yield
     finally:
@@ -49,19 +50,21 @@ def fewer_collections() -> Iterator[None]:
                 del _depth[me]
             if not _depth:
                 gc.set_threshold(*_saved)
+                _saved = ()
 
 
 def _after_fork_in_child() -> None:
     """A new lock (another thread may have held the parent's as it forked), and only the forking thread's
-    contexts; the thresholds put back where it was in none."""
-    global _lock
-    _lock = threading.Lock()
-    inside = bool(_depth)
+    contexts; the thresholds put back where it was in none (also where another thread forked halfway through
+    entering or leaving: ``_saved`` is set from before the thresholds are raised until after they are back)."""
+    global _lock, _saved
+    _lock = threading.RLock()
     me = threading.get_ident()
     for ident in [ident for ident in _depth if ident != me]:
         del _depth[ident]
-    if inside and not _depth:
+    if not _depth and _saved:
         gc.set_threshold(*_saved)
+        _saved = ()
 
 
 if hasattr(os, "register_at_fork"):  # (not on Windows, which does not fork)

@@ -259,7 +259,7 @@ def warm_cache(ops: Iterable[Operator], workers: int | None = None,
     for module in order:  # all up front; the workers print none (_worker_setup)
         COMPILE_NOTICE.announce(module, next(d for d in _dispatchers(importlib.import_module(module))
                                              if d.py_func.__module__ == module and _index_path(d)))
-    with fewer_collections():  # entered before the fork: forked workers compile with it too
+    with fewer_collections():  # held between tasks, here and in the workers forked inside it
         _run_tasks([name for module in order for name in cold[module]], cold, needs, by_name, workers, on_start)
     return order
 
