@@ -7,8 +7,10 @@ import os
 import sys
 import threading
 
+import numba
 import pytest
 import torch
+from numba.extending import overload
 
 from lowbit import collector
 from lowbit.backends import Kernel, Operator, TensorSpec
@@ -178,3 +180,35 @@ def test_a_child_forked_while_another_thread_enters_or_leaves_is_left_with_the_t
         worker.join(timeout=60)
         sys.setswitchinterval(interval)
     assert states.count(b"1") == 300, states.count(b"0")
+
+
+def _record_thresholds(value):
+    """Called in numba code: typed once per argument type (its overload below runs then) and compiled to nothing."""
+
+
+_SEEN_WHILE_TYPING = []
+
+
+@overload(_record_thresholds)
+def _record_thresholds_typing(value):
+    _SEEN_WHILE_TYPING.append(gc.get_threshold())
+    return lambda value: None
+
+
+def _compile_in_module(module: str, value) -> None:
+    """Compile (not cached) a numba function of module ``module`` whose typing records gc's thresholds, for an
+    argument of ``value``'s type (a type not seen before, or the overload's typing is not run again)."""
+    def kernel(value):
+        _record_thresholds(value)
+
+    kernel.__module__ = module
+    numba.njit(cache=False)(kernel)(value)
+
+
+def test_a_lowbit_kernel_compiles_with_fewer_collections_wherever_it_first_runs(thresholds):
+    import lowbit.kernels.cpu._runtime  # noqa: F401  (registers the compile listener)
+
+    _SEEN_WHILE_TYPING.clear()
+    _compile_in_module("lowbit.kernels.cpu.toy", 1)
+    _compile_in_module("users_own_module", 1.0)
+    assert _SEEN_WHILE_TYPING == [RAISED, DEFAULT] and gc.get_threshold() == DEFAULT

@@ -1,5 +1,5 @@
-"""Shared plumbing for the numba kernels: thread count, zero-copy numpy views of CPU tensors, and the
-one-line notice on stderr while a kernel family compiles."""
+"""Shared plumbing for the numba kernels: thread count, zero-copy numpy views of CPU tensors, the one-line
+notice on stderr while a kernel family compiles, and fewer garbage collections while it does."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ from llvmlite import ir
 from numba.core import cgutils, types as numba_types
 from numba.core import event as numba_event
 from numba.extending import intrinsic
+
+from lowbit.collector import fewer_collections
 
 # Options every CPU kernel is compiled with: one place to change them.
 NJIT_OPTIONS = dict(nogil=True, cache=True, boundscheck=False)
@@ -152,6 +154,32 @@ class CompileNotice(numba_event.Listener):
 
 COMPILE_NOTICE = CompileNotice()
 numba_event.register("numba:compile", COMPILE_NOTICE)
+
+
+class FewerCollectionsWhileCompiling(numba_event.Listener):
+    """Runs every numba compile of a function of lowbit's modules, from its start to its end, in
+    lowbit.collector.fewer_collections (docs/cli.md, 'First run'): a kernel's first call compiles with fewer
+    garbage collections wherever it happens, not only in a self-check or the warm-up. A compile nested in
+    another (a callee) or of another package's function changes nothing of its own."""
+
+    def __init__(self) -> None:
+        self._open = threading.local()  # .contexts: a stack per thread, one entry (a context or None) per compile
+
+    def on_start(self, event) -> None:
+        stack = self._open.__dict__.setdefault("contexts", [])
+        module = getattr(event.data["dispatcher"].py_func, "__module__", "") or ""
+        context = fewer_collections() if module.split(".")[0] == "lowbit" else None
+        if context is not None:
+            context.__enter__()
+        stack.append(context)
+
+    def on_end(self, event) -> None:
+        context = self._open.contexts.pop()
+        if context is not None:
+            context.__exit__(None, None, None)
+
+
+numba_event.register("numba:compile", FewerCollectionsWhileCompiling())
 
 
 _threads_started = False  # whether _followed_threads started numba's threading layer
