@@ -99,9 +99,10 @@ def test_a_module_without_numba_kernels_of_its_own_is_never_cold():
     assert not warm.is_cold("lowbit.kernels.cpu._runtime")  # plumbing only, no numba kernel
 
 
-def test_one_worker_or_busy_cpus_start_no_process(monkeypatch):
+def test_one_worker_or_spawned_workers_on_busy_cpus_start_no_process(monkeypatch):
     monkeypatch.setattr(warm, "is_cold", lambda module: True)
     monkeypatch.setattr(warm.concurrent.futures, "ProcessPoolExecutor", None)  # would fail if used
+    monkeypatch.setattr(warm, "_start_method", lambda: "spawn")
     assert warm.warm_cache(operators().values(), workers=1) == []
     busy = iter([(100, 1000), (100, 2000)])  # no idle jiffies in the window
     monkeypatch.setattr(warm, "_cpu_times", lambda: next(busy))
@@ -110,6 +111,16 @@ def test_one_worker_or_busy_cpus_start_no_process(monkeypatch):
     monkeypatch.setattr(warm.os, "getloadavg", lambda: (1000.0, 0.0, 0.0))
     assert warm.idle_cpus() == 0
     assert warm.warm_cache(operators().values()) == []
+
+
+def test_forked_workers_take_every_usable_cpu_busy_or_not_spawned_ones_the_idle_cpus(monkeypatch):
+    monkeypatch.setattr(warm.os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
+    monkeypatch.setattr(warm, "_cpu_times", lambda: None)  # no /proc/stat: the load average
+    monkeypatch.setattr(warm.os, "getloadavg", lambda: (2.0, 0.0, 0.0))  # two of the three CPUs busy
+    monkeypatch.setattr(warm, "_start_method", lambda: "fork")
+    assert warm.default_workers() == 3
+    monkeypatch.setattr(warm, "_start_method", lambda: "spawn")
+    assert warm.default_workers() == 1
 
 
 def test_idle_cpus_counts_idle_time_not_the_load_average(monkeypatch):

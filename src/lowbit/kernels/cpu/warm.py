@@ -97,11 +97,26 @@ def _cpu_times() -> tuple[int, int] | None:
     return fields[3] + (fields[4] if len(fields) > 4 else 0), sum(fields[:8])  # idle + iowait; no guest time
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def default_workers() -> int:
+    """The warm-up's compiling processes by default: one per CPU this process may run on where the workers are
+    forked (a fork costs milliseconds, and the scheduler shares busy CPUs among runnable processes, so two
+    compiling processes beside a busy one get 4/3 of a 2-CPU machine where one gets 1: a cold smoke with one
+    or two spinning processes beside it took 42.7-44.0 / 60.2 s with two workers against 53.6-54.8 / 83.4 s in
+    one process, benchmarks/results_first_run.md, 'Forty-sixth session'); else, where each worker is spawned and
+    first imports torch, one per idle CPU (:func:`idle_cpus`)."""
+    return usable_cpus() if _start_method() == "fork" else idle_cpus()
+
+
 def idle_cpus(window: float = 0.1) -> int:
     """The CPUs this process may run on that are idle, rounded up from a quarter (0 or more): measured over
     ``window`` seconds from /proc/stat where there is one, else the CPUs minus the 1-minute load average
     (which also counts sleeping, uninterruptible tasks: a quiet VM here shows 0.9 with its CPUs idle)."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cpus = usable_cpus()
     before = _cpu_times()
     if before is not None:
         time.sleep(window)
@@ -230,10 +245,10 @@ def warm_cache(ops: Iterable[Operator], workers: int | None = None,
     """Compile the CPU kernels of the cold families among ``ops`` in parallel; returns those modules.
 
     One task per operator (its self-check), run by ``workers`` compiling processes at a time, this one
-    included (default: :func:`idle_cpus`, at most one per cold family): a thread of this process takes the
-    first task at once, worker processes the others; nothing is started when fewer than two would run: on
-    CPUs busy with other work, a worker process only adds its start-up to the same compile time
-    (benchmarks/results_first_run.md). A worker process that dies ends the warm-up (the pool takes no more
+    included (default: :func:`default_workers`, at most one per cold family): a thread of this process takes
+    the first task at once, worker processes the others; nothing is started when fewer than two would run
+    (spawned workers on CPUs busy with other work would only add their start-up to the same compile time:
+    benchmarks/results_first_run.md). A worker process that dies ends the warm-up (the pool takes no more
     tasks). A worker's passed self-check is adopted here (Operator.adopt_passed_check): this process loads
     those kernels from the cache when it first runs them, without running the probes again. A task starts
     once its :func:`_prerequisites` have ended; among those ready, the families that others use come first,
@@ -247,7 +262,7 @@ def warm_cache(ops: Iterable[Operator], workers: int | None = None,
     ops = list(ops)
     by_name = {op.name: op for op in ops}
     cold = {module: names for module, names in families(ops).items() if is_cold(module)}
-    workers = min(idle_cpus() if workers is None else workers, len(cold))  # a family's tasks wait for its first
+    workers = min(default_workers() if workers is None else workers, len(cold))  # a family's tasks wait for its first
     if workers < 2:
         return []
     needs = _prerequisites(cold, cpu_kernels(ops))
