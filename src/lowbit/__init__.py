@@ -6,14 +6,14 @@ Operators are also registered as ``torch.ops.lowbit.<name>``. Backends: see :mod
 import os
 import sys
 
-# numba's and torch's OpenMP pools (two copies of libgomp) take turns at every switch between a lowbit kernel
-# and a torch op. Threads that spin long after a region (libgomp's default, milliseconds) kept a CPU from the
-# other pool for as long; threads that sleep at once must be woken for the next region, and on virtual
-# machines whose kernel packs woken threads onto busy vCPUs both pools' threads then ran one after the other
-# on one vCPU. So idle threads spin for a bounded count (about 0.5 ms) and then sleep (PASSIVE: none at all
-# where a pool has more threads than CPUs). Read when OpenMP loads: this only takes effect when lowbit is
-# imported before torch (as in the lowbit command); a value of either variable set by the user is kept. See
-# README, "Threads".
+# numba's parallel loops and torch's ops take turns on one team of OpenMP threads (one libgomp serves both:
+# README, "Threads"), so how its idle threads wait between regions decides what a switch costs. Threads that
+# spin long after a region (libgomp's default, milliseconds) stalled a switch for as long on a 2-vCPU VM;
+# threads that sleep at once must be woken for the next region, and on virtual machines whose kernel packs woken
+# threads onto busy vCPUs a region's threads then ran one after the other on one vCPU. So idle threads spin for
+# a bounded count (about 0.5 ms) and then sleep (PASSIVE: none at all where the team has more threads than
+# CPUs). Read when OpenMP loads: this only takes effect when lowbit is imported before torch (as in the lowbit
+# command); a value of either variable set by the user is kept.
 _WAIT_POLICY = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "50000"}
 if "torch" not in sys.modules and not any(name in os.environ for name in _WAIT_POLICY):
     os.environ.update(_WAIT_POLICY)
