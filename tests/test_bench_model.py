@@ -51,6 +51,30 @@ def test_rows_pair_each_scheme_and_m_with_its_baseline(capsys, fake_clock):
     assert {(tuple(y.shape), y.dtype) for y in fake_clock} == {((1, 64), torch.bfloat16), ((3, 64), torch.bfloat16)}
 
 
+def test_layers_run_in_turn_each_with_its_own_weight_and_times_are_per_layer(capsys, fake_clock, monkeypatch):
+    made, calls = [], []
+    quantized_layer = bench_model.quantized_layer
+
+    def recording(weight, bias, scheme):  # each converted layer counts its calls
+        result = quantized_layer(weight, bias, scheme)
+        made.append(weight)
+        index = len(made) - 1
+        result[0].register_forward_hook(lambda *args: calls.append(index))
+        return result
+
+    monkeypatch.setattr(bench_model, "quantized_layer", recording)
+    code, out, err = run_cli(capsys, "bench", "model", "--shape", "64x256", "--ms", "2", "--repeats", "2",
+                             "--schemes", "mxfp4-wo", "--layers", "3", "--json")
+    assert code == 0, err
+    rows = json.loads(out)
+    assert [r["layers"] for r in rows] == [3, 3]
+    assert rows[0]["ms"] == pytest.approx(2.0 / 3) and rows[1]["ms"] == pytest.approx(1.0)
+    assert rows[1]["x F.linear time"] == 1.5
+    assert len(made) == 3 and not any(torch.equal(made[0], w) for w in made[1:])
+    assert calls == [0, 1, 2] * 3  # a first call each, then one pass per sample (two repeats)
+    assert {(tuple(y.shape), y.dtype) for y in fake_clock} == {((2, 64), torch.bfloat16)}
+
+
 @pytest.mark.parametrize("scheme", bench_model.DATA_FREE)
 def test_quantized_layer_is_the_deploy_module_and_counts_its_packed_tensors(scheme):
     weight = torch.randn(32, 128).to(torch.bfloat16)
@@ -66,6 +90,7 @@ def test_quantized_layer_is_the_deploy_module_and_counts_its_packed_tensors(sche
     (("--schemes", "hif8-w8a8-ofmr"), "hif8-w8a8-ofmr"),  # needs calibration data
     (("--shape", "64"), "64"),
     (("--ms", "0"), "0"),
+    (("--layers", "0"), "0"),
     (("--shape", "63x100", "--schemes", "int4-a16w4"), "K = 100"),
 ])
 def test_bad_options_are_one_line_errors(capsys, fake_clock, argv, message):

@@ -7,6 +7,10 @@ alternately with ``F.linear`` on the BF16 weight (one call of each per sample), 
 processes hits both alike. Each scheme's row gives the median time, the median of the per-sample ratios to
 F.linear, and the bytes of the layer's packed tensors (scales included, from the QuantizeReport) against the
 BF16 weight. The deploy module is timed as it is, whatever kernels it uses.
+
+With ``--layers L`` each sample runs L layers of the shape one after another, each with its own weight, as a
+model's forward does (a BF16 ``F.linear`` per weight, then the L deploy modules): once the L weights exceed the
+caches, every layer reads its weight from memory, as in a model larger than the cache. Times are per layer.
 """
 
 from __future__ import annotations
@@ -33,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ms", type=comma_list(positive_int), default="1,16,256,2048",
                         help="comma-separated row counts M of the input")
     parser.add_argument("--shape", type=dims(2), default="4096x4096", help="NxK of the layer's weight")
+    parser.add_argument("--layers", type=positive_int, default=1,
+                        help="layers of the shape, each with its own weight, run one after another per sample "
+                             "(times per layer)")
 
 
 def quantized_layer(weight: torch.Tensor, bias: torch.Tensor, scheme: str) -> tuple[nn.Module, int, int]:
@@ -60,27 +67,42 @@ def alternating_medians(baseline, candidate, repeats: int, device: torch.device,
     return tuple(statistics.median(column) for column in zip(*samples))
 
 
+def in_turn(calls: list):
+    """A function that makes each of ``calls`` in turn and returns the last one's result."""
+    def run_all():
+        result = None
+        for call in calls:
+            result = call()
+        return result
+    return run_all
+
+
 def run(args: argparse.Namespace) -> list[dict]:
     device = torch.device(args.device)
     n, k = args.shape
     gen = torch.Generator().manual_seed(0)
-    weight = (torch.randn(n, k, generator=gen) / k**0.5).to(torch.bfloat16)
-    bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+    layers = [((torch.randn(n, k, generator=gen) / k**0.5).to(torch.bfloat16),
+               torch.randn(n, generator=gen).to(torch.bfloat16)) for _ in range(args.layers)]
     inputs = {m: torch.randn(m, k, generator=gen).to(torch.bfloat16).to(device) for m in args.ms}
-    weight_d, bias_d = weight.to(device), bias.to(device)
+    on_device = [(weight.to(device), bias.to(device)) for weight, bias in layers]
     rows = []
     with lowbit.use_backend(args.backend), torch.inference_mode():
         for scheme in args.schemes:
-            module, packed_bytes, float_bytes = quantized_layer(weight, bias, scheme)
-            module = module.to(device)
+            converted = [quantized_layer(weight, bias, scheme) for weight, bias in layers]
+            modules = [module.to(device) for module, _, _ in converted]
+            _, packed_bytes, float_bytes = converted[0]
             for m, x in inputs.items():
-                module(x)  # compile, self-check
+                for module in modules:
+                    module(x)  # compile, self-check
                 base, ours, ratio = alternating_medians(
-                    lambda: F.linear(x, weight_d, bias_d), lambda: module(x), args.repeats, device,
+                    in_turn([lambda w=w, b=b: F.linear(x, w, b) for w, b in on_device]),
+                    in_turn([lambda module=module: module(x) for module in modules]), args.repeats, device,
                     min_time=0.05 if m < 64 else 0.0)
-                common = {"scheme": scheme, "M": m, "NxK": f"{n}x{k}"}
-                rows.append({**common, "what": "F.linear bf16", "ms": base * 1e3, "x F.linear time": 1.0,
+                common = {"scheme": scheme, "M": m, "NxK": f"{n}x{k}", "layers": args.layers}
+                rows.append({**common, "what": "F.linear bf16", "ms": base / args.layers * 1e3, "x F.linear time": 1.0,
                              "weight bytes": float_bytes, "x bf16 bytes": 1.0})
-                rows.append({**common, "what": type(module).__name__, "ms": ours * 1e3, "x F.linear time": ratio,
-                             "weight bytes": packed_bytes, "x bf16 bytes": packed_bytes / float_bytes})
+                rows.append({**common, "what": type(modules[0]).__name__, "ms": ours / args.layers * 1e3,
+                             "x F.linear time": ratio, "weight bytes": packed_bytes,
+                             "x bf16 bytes": packed_bytes / float_bytes})
+            del converted, modules
     return rows
