@@ -250,17 +250,55 @@ def _corrupt(directory, how):
         index["weight_map"]["ghost.weight"] = "model-00009-of-00009.safetensors"
     elif how == "escaping shard":
         index["weight_map"]["ghost.weight"] = "../model.safetensors"
+    elif how == "shard named as a side file":  # the side files' copy would overwrite the packed shard
+        (directory / "config.json").unlink()
+        shard.rename(directory / "config.json")
+        index["weight_map"] = {k: "config.json" if v == shard.name else v for k, v in index["weight_map"].items()}
+    elif how in HEADER_EDITS:
+        _edit_header(shard, HEADER_EDITS[how])
     (directory / INDEX_FILE).write_text(json.dumps(index))
+
+
+def _edit_header(shard, edit):
+    """Rewrite the first 2-D weight's entry in ``shard``'s header with ``edit(entry)``, the data unchanged."""
+    data = shard.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    name = next(k for k, v in header.items() if k.endswith(".weight") and len(v["shape"]) == 2)
+    edit(header[name])
+    encoded = json.dumps(header).encode()
+    shard.write_bytes(len(encoded).to_bytes(8, "little") + encoded + data[8 + n :])
+
+
+HEADER_EDITS = {
+    "unknown dtype": lambda e: e.update(dtype="ZZZ"),
+    "boolean in shape": lambda e: e.update(shape=[True, *e["shape"][1:]]),
+    "dtype of other size": lambda e: e.update(dtype="F32" if e["dtype"] != "F32" else "F16"),
+    "huge shape": lambda e: e.update(shape=[1 << 40, 1 << 20]),
+}
 
 
 @pytest.mark.parametrize("how, message", [
     ("truncated", "truncated or corrupt"), ("garbage", "corrupt safetensors header"), ("tiny", "truncated"), ("padded", "the file has"),
     ("unlisted", "does not list it"), ("phantom", "lists tensors no shard holds: ['ghost.weight']"),
-    ("missing shard", "which is missing"), ("escaping shard", "not a file name in the same directory")])
+    ("missing shard", "which is missing"), ("escaping shard", "not a file name in the same directory"),
+    ("shard named as a side file", "'config.json' is not a .safetensors file"),
+    ("unknown dtype", "has unknown dtype 'ZZZ'"), ("boolean in shape", "corrupt safetensors header entry"),
+    ("dtype of other size", "its data_offsets span"), ("huge shape", "needs 18446744073709551616 bits")])
 def test_bad_input_is_refused_before_writing(small_dir, tmp_path, how, message):
     _corrupt(small_dir, how)
     with pytest.raises(CheckpointError, match=message.replace("[", r"\[").replace("]", r"\]")):
         quantize_checkpoint(small_dir, tmp_path / "out", "hif8-wo", workers=1)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_packed_tensor_that_would_take_an_input_tensors_name_is_refused(tmp_path):
+    state = net().state_dict()
+    layer = next(k for k, v in state.items() if k.endswith(".weight") and v.dim() == 2 and "embed" not in k)
+    state[layer.replace(".weight", ".codes")] = torch.zeros(3, dtype=torch.uint8)  # hif8-wo packs codes, scale
+    directory = write_model_dir(state, tmp_path / "in")
+    with pytest.raises(CheckpointError, match="already has .*codes"):
+        quantize_checkpoint(directory, tmp_path / "out", "hif8-wo", workers=1)
     assert not (tmp_path / "out").exists()
 
 

@@ -27,6 +27,11 @@ TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16
                 "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
                 "BOOL": torch.bool}
 DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
+# Bits per element of every dtype name the safetensors format defines (its specification; copied tensors may
+# have any of them): a tensor's byte range must be exactly its elements' bits.
+DTYPE_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E5M2FNUZ": 8, "F8_E4M3FNUZ": 8,
+              "F8_E8M0": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32,
+              "I64": 64, "U64": 64, "F64": 64, "C64": 64, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
 
 
 @dataclass(frozen=True)
@@ -73,8 +78,8 @@ def read_shard(path: Path) -> Shard:
                 raise CheckpointError(f"{path}: truncated or corrupt safetensors file (header of {n} bytes, file "
                                       f"of {stat.st_size})")
             header = json.loads(f.read(n).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path}: corrupt safetensors header ({exc})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise CheckpointError(f"{path}: corrupt safetensors header ({type(exc).__name__}: {exc})") from None
     except OSError as exc:
         raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
     if not isinstance(header, dict):
@@ -85,11 +90,12 @@ def read_shard(path: Path) -> Shard:
     for name, info in header.items():
         try:
             dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
-            valid = isinstance(dtype, str) and all(isinstance(v, int) and v >= 0 for v in (*shape, begin, end))
+            valid = all(type(v) is int and v >= 0 for v in (*shape, begin, end))  # not bool, float or str
         except (KeyError, TypeError, ValueError):
             valid = False
         if not valid or end < begin:
             raise CheckpointError(f"{path}: corrupt safetensors header entry for tensor {name!r}")
+        _check_size(path, name, dtype, shape, end - begin)
         tensors[name] = TensorEntry(dtype, shape, start + begin, start + end)
         spans.append((begin, end, name))
     position = 0
@@ -104,11 +110,23 @@ def read_shard(path: Path) -> Shard:
     return Shard(path, stat.st_size, stat.st_mtime_ns, tensors)
 
 
+def _check_size(path: Path, name: str, dtype: Any, shape: tuple[int, ...], nbytes: int) -> None:
+    """CheckpointError unless ``dtype`` is a safetensors dtype name and ``shape``'s elements take ``nbytes``."""
+    bits = DTYPE_BITS.get(dtype) if isinstance(dtype, str) else None
+    if bits is None:
+        raise CheckpointError(f"{path}: tensor {name!r} has unknown dtype {dtype!r} (safetensors dtypes: "
+                              f"{', '.join(DTYPE_BITS)})")
+    need = math.prod(shape) * bits
+    if need != 8 * nbytes:
+        raise CheckpointError(f"{path}: corrupt safetensors header: tensor {name!r} ({dtype}, shape {list(shape)}) "
+                              f"needs {need} bits, its data_offsets span {nbytes} bytes")
+
+
 def _read_index(path: Path) -> dict[str, str]:
     try:
         index = json.loads(path.read_text())
         weight_map = index["weight_map"]
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError, KeyError, TypeError) as exc:
         raise CheckpointError(f"{path}: not a safetensors index (needs a 'weight_map' object): {exc}") from None
     if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                                    for k, v in weight_map.items()):
@@ -116,6 +134,8 @@ def _read_index(path: Path) -> dict[str, str]:
     for shard in set(weight_map.values()):
         if Path(shard).name != shard or shard in ("", ".", ".."):
             raise CheckpointError(f"{path}: shard {shard!r} is not a file name in the same directory")
+        if not shard.endswith(".safetensors"):
+            raise CheckpointError(f"{path}: shard {shard!r} is not a .safetensors file")
     return weight_map
 
 

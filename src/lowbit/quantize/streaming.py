@@ -105,6 +105,7 @@ def _plan_shard(shard: Shard, all_names: set[str], planner: Planner, scheme: str
     items = [(name, e.dtype, e.shape, e.nbytes, e.element_size) for name, e in copies.items()]
     items += [(f"{layer.name}.{t.key}", t.dtype, t.shape, t.nbytes, t.element_size)
               for layer in layers for t in layer.tensors]
+    _check_unique_outputs(shard, copies, layers, all_names)
     entries, position = {}, 0
     for name, dtype, shape, nbytes, _ in sorted(items, key=lambda i: (-i[4], i[0])):
         entries[name] = (dtype, shape, position, position + nbytes)
@@ -121,6 +122,20 @@ def _plan_shard(shard: Shard, all_names: set[str], planner: Planner, scheme: str
                       list(entries))
 
 
+def _check_unique_outputs(shard: Shard, copies: dict, layers: list, all_names: set[str]) -> None:
+    """CheckpointError where a packed tensor of this shard would take the name of a tensor of the checkpoint
+    (or of another packed tensor): writing it would lose one of the two."""
+    made = {}
+    for layer in layers:
+        for t in layer.tensors:
+            out = f"{layer.name}.{t.key}"
+            other = made.get(out) or (out if out in all_names and out != layer.weight else None)
+            if other is not None:
+                raise CheckpointError(f"{shard.path}: packing {layer.weight!r} makes a tensor {out!r}, but the "
+                                      f"checkpoint already has {other!r}: skip the layer (--skip {layer.name})")
+            made[out] = layer.weight
+
+
 def _write_json(path: Path, obj, **kwargs) -> None:
     write_bytes_atomic(path, json.dumps(obj, **kwargs).encode())
 
@@ -129,7 +144,7 @@ def _load_manifest(out_dir: Path, settings: dict) -> dict:
     """The manifest of an earlier run with the same settings, else a fresh one (nothing reusable)."""
     try:
         manifest = json.loads((out_dir / MANIFEST_FILE).read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         manifest = None
     if not isinstance(manifest, dict) or manifest.get("settings") != settings or not isinstance(
             manifest.get("shards"), dict):
