@@ -148,6 +148,11 @@ def test_backend_names_are_checked():
         lowbit.encode_to_hifloat8(torch.ones(2, dtype=torch.float16), backend="bogus")
     with pytest.raises(ValueError, match="''"):
         lowbit.encode_to_hifloat8(torch.ones(2, dtype=torch.float16), backend="")
+    x = torch.ones(32, dtype=torch.bfloat16)
+    for call in (lambda b: lowbit.encode_to_hifloat8(x, backend=b), lambda b: lowbit.mxfp4_quantize(x, backend=b),
+                 lambda b: lowbit.encode_to_hifloat8(x, out=torch.empty(32, dtype=torch.uint8), backend=b)):
+        with pytest.raises(TypeError, match="backend must be a str .* got int"):
+            call(5)
 
 
 def test_use_backend_is_local_to_the_thread(monkeypatch):

@@ -70,6 +70,7 @@ BAD_DATASETS = [
     ("wqbmm run --dir {d}", "input/meta.json", _remove, ["input_a.bin", "bytes"]),  # missing: sample sizes
     ("wqbmm run --dir {d}", "input/meta.json", _write("{not json"), ["meta.json"]),
     ("wqbmm run --dir {d}", "input/meta.json", _write("[1, 2]"), ["meta.json", "object"]),
+    ("wqbmm run --dir {d}", "input/meta.json", _write("[" * 100000 + "]" * 100000), ["meta.json", "recursion"]),
     ("wqbmm run --dir {d}", "input/meta.json", _meta(group_size=16), ["meta.json", "group size"]),
     ("wqbmm run --dir {d}", "input/meta.json", _meta(n="64"), ["meta.json", "integer"]),
     ("wqbmm run --dir {d}", "input/meta.json", _meta(bogus=1), ["meta.json", "bogus"]),
@@ -108,6 +109,8 @@ BAD_ARGUMENTS = [
     ("verify {f} {f} --error-tol nan", ["--error-tol", "nan"]),
     ("bench mxfp4 --repeats 0", ["--repeats", "'0'"]),
     ("bench mxfp4 --repeats x", ["--repeats", "'x'"]),
+    ("bench hifloat8 --repeats 99999999999999999999999", ["--repeats", "from 1 to 1000000"]),
+    ("bench hifloat8 --plot {t}", ["--plot", "is a directory, expected a file name"]),
     ("bench mxfp4 --device meta --sizes 64 --repeats 1", ["meta"]),
     ("bench all --device meta", ["meta"]),
     ("bench hifloat8 --device bogus --sizes 64", ["bogus"]),
@@ -242,6 +245,13 @@ def test_a_closed_stdout_ends_quietly_with_141():
     finally:
         os.close(write_end)
     assert result.returncode == 141 and result.stderr == ""
+
+
+def test_a_closed_stdout_descriptor_is_one_line_exit_2():
+    result = subprocess.run(f"{sys.executable} -m lowbit smoke hifloat8 >&-", shell=True, stderr=subprocess.PIPE,
+                            text=True, timeout=300)
+    assert result.returncode == 2
+    assert result.stderr == "lowbit smoke: error: standard output is closed: nowhere to write the result\n"
 
 
 def test_help_exits_0(capsys):

@@ -123,3 +123,56 @@ def test_read_tensor_names_the_file(tmp_path):
     path.write_bytes(b"\0" * 6)
     with pytest.raises(files.DatasetError, match="x.bin: 6 bytes, expected 8"):
         files.read_tensor(path, sample.DTYPES["float16"], (2, 2))
+
+
+def test_a_failed_atomic_write_names_the_target_not_the_temporary_file(tmp_path):
+    (tmp_path / "adir").mkdir()
+    with pytest.raises(IsADirectoryError) as caught:  # the rename over a directory fails
+        files.write_bytes_atomic(tmp_path / "adir", b"x")
+    assert f"cannot write {tmp_path / 'adir'}" in str(caught.value) and ".adir." not in str(caught.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adir"]  # the temporary file is gone
+
+    def fail_in_block(tmp):
+        raise PermissionError(13, "Permission denied", str(tmp))
+
+    with pytest.raises(PermissionError, match=f"cannot write {tmp_path / 'x.bin'}: Permission denied"):
+        with files.atomic_path(tmp_path / "x.bin") as tmp:
+            fail_in_block(tmp)
+    with pytest.raises(PermissionError, match="other.bin"):  # an error about another file keeps its name
+        with files.atomic_path(tmp_path / "x.bin"):
+            fail_in_block(tmp_path / "other.bin")
+
+
+def test_save_quantized_errors_name_the_checkpoint(tmp_path, monkeypatch):
+    import lowbit
+    import torch
+    from lowbit.cli.bench.model import quantized_layer
+
+    model = torch.nn.Sequential(quantized_layer(torch.ones(8, 32).bfloat16(), torch.zeros(8).bfloat16(), "hif8-wo")[0])
+
+    def read_only(path, mode):  # a file written into the temporary folder
+        raise OSError(30, "Read-only file system", str(path))
+
+    monkeypatch.setattr(os, "chmod", read_only)
+    with pytest.raises(OSError, match=f"cannot write {tmp_path / 'ckpt'}: Read-only file system"):
+        lowbit.save_quantized(model, tmp_path / "ckpt")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_output_paths_are_checked_when_parsed(tmp_path, monkeypatch):
+    import argparse
+
+    from lowbit.cli import argtypes
+
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(argparse.ArgumentTypeError, match="is a directory, expected a file name"):
+        argtypes.output_file(str(tmp_path / "adir"))
+    with pytest.raises(argparse.ArgumentTypeError, match="exists and is not a directory"):
+        argtypes.output_dir(str(tmp_path / "afile"))
+    assert argtypes.output_file("") == "" and argtypes.output_file("-") == "-"
+    new = str(tmp_path / "new" / "deeper" / "x.png")  # its folders are made when it is written
+    assert argtypes.output_file(new) == new and argtypes.output_dir(str(tmp_path / "new")) == str(tmp_path / "new")
+    monkeypatch.setattr(argtypes.os, "access", lambda path, mode: False)  # (root may write anywhere)
+    with pytest.raises(argparse.ArgumentTypeError, match=f"{tmp_path} is not a directory this process may write in"):
+        argtypes.output_file(new)

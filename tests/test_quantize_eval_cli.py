@@ -121,7 +121,13 @@ def test_eval_perplexity_of_a_causal_lm(tiny_causal_lm_path, tmp_path, capsys):
     (["eval", "--model", "test_quantize_eval_cli:no_linear", "--schemes", "hif8-wo"], "quantized no layer"),
     (["eval", "--model", "test_quantize_eval_cli:nope", "--schemes", "hif8-wo"], "has no function nope"),
     (["eval", "--model", "test_quantize_eval_cli:small_mlp", "--schemes", "hif8-wo,bogus"], "unknown scheme(s) bogus"),
-    (["eval", "--model", "test_quantize_eval_cli:small_mlp", "--sentences", "1"], "--sentences must be >= 2"),
+    (["eval", "--model", "test_quantize_eval_cli:small_mlp", "--sentences", "1"],
+     "argument --sentences: expected an integer >= 2, got '1'"),
+    (["eval", "--model", "test_quantize_eval_cli:small_mlp", "--seqlen", "0"],
+     "argument --seqlen: expected an integer >= 2, got '0'"),
+    (["eval", "--model", "test_quantize_eval_cli:small_mlp", "--plot", "{tmp}"], "is a directory, expected a file name"),
+    (["quantize", "--model", "test_quantize_eval_cli:small_mlp", "--scheme", "hif8-wo", "--out", "{tmp}/c.txt"],
+     "c.txt exists and is not a directory"),
     (["eval", "--model", "test_quantize_eval_cli:small_mlp", "--schemes", "hif8-wo", "--json", "/nonexistent/x.json"],
      "no directory /nonexistent"),
     (["quantize", "--model", "test_quantize_eval_cli:small_mlp", "--scheme", "bogus", "--out", "x"], "unknown scheme"),
@@ -144,6 +150,17 @@ def test_cli_errors_are_one_line_exit_2(argv, message, tmp_path, capsys, request
     assert cli.main(argv) == 2
     err = one_error_line(capsys)
     assert err.startswith(f"lowbit {argv[0]}: error: ") and message.replace("{tmp}", str(tmp_path)) in err
+
+
+@pytest.mark.parametrize("content, message", [
+    ("[]", "expected a JSON object, got list"), ("{", "not a JSON file"),
+    ('{"architectures": 5}', "'architectures' must be a list of class names"),
+    ("[" * 100000 + "]" * 100000, "not a JSON file (RecursionError")])
+def test_a_bad_hugging_face_config_is_named(content, message, tmp_path, capsys):
+    (tmp_path / "config.json").write_text(content)
+    assert cli.main(["eval", "--model", str(tmp_path), "--schemes", "hif8-wo"]) == 2
+    err = one_error_line(capsys)
+    assert f"{tmp_path / 'config.json'}: {message}" in err
 
 
 @pytest.mark.parametrize("command", ["quantize", "eval"])

@@ -4,6 +4,8 @@ one-line usage error naming the argument (exit 2) instead of a failure deep insi
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
 from typing import Callable, Iterable, TypeVar
 
 T = TypeVar("T")
@@ -22,6 +24,12 @@ def _number(text: str, kind: Callable[[str], T], what: str, ok: Callable[[T], bo
 def positive_int(text: str) -> int:
     """An integer >= 1."""
     return _number(text, int, "a positive integer", lambda v: v >= 1)
+
+
+def int_at_least(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
+    """An integer >= ``minimum`` (and <= ``maximum`` where given)."""
+    what = f"an integer from {minimum} to {maximum}" if maximum is not None else f"an integer >= {minimum}"
+    return lambda text: _number(text, int, what, lambda v: v >= minimum and (maximum is None or v <= maximum))
 
 
 def nonnegative_int(text: str) -> int:
@@ -91,3 +99,33 @@ def dims(count: int, sep: str = "x") -> Callable[[str], tuple[int, ...]]:
 
     return parse
 
+
+
+def _writable_place(path: Path, kind: str) -> None:
+    """ArgumentTypeError unless a ``kind`` ("file" or "directory") could be written at ``path``: it is not an
+    existing entry of the other kind, and its nearest existing ancestor is a directory this process may write in
+    (checked before a command's work, so a long run does not fail at its end)."""
+    if kind == "file" and path.is_dir():
+        raise argparse.ArgumentTypeError(f"{path} is a directory, expected a file name")
+    if kind == "directory" and path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{path} exists and is not a directory")
+    parent = path.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {path}: {parent} is not a directory this process may write in")
+
+
+def output_file(text: str) -> str:
+    """A file to write ('' for none, '-' for stdout), checked with :func:`_writable_place`."""
+    if text not in ("", "-"):
+        _writable_place(Path(text), "file")
+    return text
+
+
+def output_dir(text: str) -> str:
+    """A directory to write, checked with :func:`_writable_place`."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a directory name, got ''")
+    _writable_place(Path(text), "directory")
+    return text

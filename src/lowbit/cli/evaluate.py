@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 from lowbit.cli._models import MODEL_HELP, progress, read_text_file
-from lowbit.cli.argtypes import positive_int
+from lowbit.cli.argtypes import int_at_least, output_file, positive_int
 from lowbit.cli.output import json_text, writable_path
 
 DEFAULT_SCHEMES = "hif8-cast,hif8-wo,fp8-wo,hif8-w8a8-minmax,mxfp8-w8a8,mxfp4-wo,hif4-wo,int4-a16w4"
@@ -25,8 +25,6 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from lowbit.evaluation.plot import plot_rows
     from lowbit.toolchain.files import write_bytes_atomic
 
-    if args.sentences < 2:
-        raise ValueError(f"--sentences must be >= 2 (nearest neighbours need another sentence), got {args.sentences}")
     if args.plot:
         from lowbit.evaluation.extras import require
 
@@ -67,15 +65,17 @@ def add_subcommand(subparsers) -> None:
     p.add_argument("--model", default="minilm", help=MODEL_HELP + " (default: minilm)")
     p.add_argument("--schemes", default=DEFAULT_SCHEMES,
                    help=f"comma-separated scheme names, or 'all' (default: {DEFAULT_SCHEMES})")
-    p.add_argument("--sentences", type=int, default=256, help="sentences to embed and compare (default 256)")
+    p.add_argument("--sentences", type=int_at_least(2), default=256,
+                   help="sentences to embed and compare (default 256; nearest neighbours need at least 2)")
     p.add_argument("--calib-sentences", type=positive_int, default=64,
                    help="other sentences fed to schemes that calibrate (default 64)")
     p.add_argument("--text", default="", help="causal LMs: UTF-8 text file to measure perplexity on")
-    p.add_argument("--seqlen", type=int, default=2048, help="perplexity window in tokens (default 2048, as AMCT)")
+    p.add_argument("--seqlen", type=int_at_least(2), default=2048,
+                   help="perplexity window in tokens (default 2048, as AMCT)")
     p.add_argument("--batch-size", type=positive_int, default=32, help="sentences per forward pass (default 32)")
-    p.add_argument("--json", nargs="?", const="-", default="", metavar="FILE",
+    p.add_argument("--json", type=output_file, nargs="?", const="-", default="", metavar="FILE",
                    help="--json: print the rows as JSON instead of the human summary; --json FILE: write them to "
                         "FILE and print the summary")
-    p.add_argument("--plot", default="", metavar="FILE.png",
+    p.add_argument("--plot", type=output_file, default="", metavar="FILE.png",
                    help="write a chart of accuracy vs bits per weight (needs matplotlib)")
     p.set_defaults(func=_cmd_eval)

@@ -18,6 +18,7 @@ EXIT_ERROR = 2  # usage, bad input, bad files, a device or backend that cannot r
 EXIT_INTERRUPTED = 130  # Ctrl-C, as shells report SIGINT
 EXIT_BROKEN_PIPE = 141  # stdout closed by the reader (`| head`), as shells report SIGPIPE
 # lowbit's DtypeError / ShapeError / DeviceError / BackendUnavailable / DatasetError derive from these
+MAX_REPEATS = 1_000_000  # timed samples per case: far more than any benchmark here needs
 EXPECTED_ERRORS = (ValueError, TypeError, OSError, RuntimeError, ImportError, MemoryError)
 
 
@@ -141,14 +142,15 @@ def _smoke_error(error: dict, as_json: bool) -> None:
 
 
 def _add_bench_arguments(parser: argparse.ArgumentParser, module, backend_choices: list[str]) -> None:
-    from lowbit.cli.argtypes import positive_int
+    from lowbit.cli.argtypes import int_at_least, output_file
     from lowbit.cli.output import add_json_flag
 
     parser.add_argument("--backend", choices=backend_choices, default="auto")
     parser.add_argument("--device", default="cpu", help="cpu, cuda:N, npu:N or auto (a device present here)")
-    parser.add_argument("--repeats", type=positive_int, default=7, help="timed samples per case (median reported)")
+    parser.add_argument("--repeats", type=int_at_least(1, MAX_REPEATS), default=7,
+                        help="timed samples per case (median reported)")
     add_json_flag(parser, "the rows")
-    parser.add_argument("--plot", default="", metavar="FILE.png",
+    parser.add_argument("--plot", type=output_file, default="", metavar="FILE.png",
                         help="also write a chart of the rows (throughput against the baselines; needs matplotlib)")
     if module is not None and hasattr(module, "add_arguments"):
         module.add_arguments(parser)
@@ -261,6 +263,9 @@ def main(argv: list[str] | None = None) -> int:
     debug, as_json = "--debug" in argv, "--json" in argv
     words = [a for a in argv if not a.startswith("-")]
     prog, backend = " ".join(["lowbit", *words[:1]]), None  # until the command line is parsed
+    if sys.stdout is None:  # started with file descriptor 1 closed (`lowbit ... >&-`)
+        _report_error(prog, "standard output is closed: nowhere to write the result", as_json=as_json)
+        return EXIT_ERROR
     try:
         import lowbit  # noqa: F401  (a broken environment, e.g. a bad LOWBIT_BACKEND, fails here or below)
         from lowbit.cli.help import overview

@@ -13,7 +13,7 @@ import argparse
 import time
 
 from lowbit.cli._models import MODEL_HELP, progress, read_json_file, read_text_file
-from lowbit.cli.argtypes import positive_int
+from lowbit.cli.argtypes import output_dir, positive_int
 from lowbit.cli.output import add_json_flag, json_text, writable_path
 
 
@@ -102,6 +102,6 @@ def add_subcommand(subparsers) -> None:
     p.add_argument("--batch-size", type=positive_int, default=16,
                    help="calibration samples per forward pass (default 16)")
     p.add_argument("--amct-compat", action="store_true", help="reproduce AMCT's quirks (docs/quantize.md)")
-    p.add_argument("--out", required=True, help="checkpoint directory to write (save_quantized)")
+    p.add_argument("--out", type=output_dir, required=True, help="checkpoint directory to write (save_quantized)")
     add_json_flag(p, "the summary (layers quantized and skipped, bytes, seconds per stage)")
     p.set_defaults(func=_cmd_quantize)

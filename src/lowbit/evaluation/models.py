@@ -87,9 +87,19 @@ def _quiet_transformers():
 
 
 def is_causal_lm_dir(path: Path) -> bool:
-    """Whether ``path/config.json`` names a ``*ForCausalLM`` architecture."""
-    config = json.loads((Path(path) / "config.json").read_text())
-    return any(str(a).endswith("ForCausalLM") for a in config.get("architectures") or [])
+    """Whether ``path/config.json`` names a ``*ForCausalLM`` architecture. ValueError naming the file if it is
+    not a JSON object, or its ``architectures`` not a list of names."""
+    file = Path(path) / "config.json"
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise ValueError(f"{file}: not a JSON file ({type(exc).__name__}: {exc})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{file}: expected a JSON object, got {type(config).__name__}")
+    architectures = config.get("architectures") or []
+    if not (isinstance(architectures, list) and all(isinstance(a, str) for a in architectures)):
+        raise ValueError(f"{file}: 'architectures' must be a list of class names, got {architectures!r}"[:300])
+    return any(a.endswith("ForCausalLM") for a in architectures)
 
 
 def load_hf_dir(path: str | os.PathLike, *, meta: bool = False) -> LoadedModel:

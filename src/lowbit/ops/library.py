@@ -239,7 +239,11 @@ def call(op: Operator, args: Sequence[Any], out: Any = None, backend: Optional[s
     or a tuple of tensors for several outputs; the op validates it, then it is returned). TypeError here
     for an ``out`` of the wrong structure, which the custom op's schema could not name. Without ``out``,
     the Operator is called directly where that is all the custom op would do (:func:`dispatches_plainly`).
-    Arguments of the wrong kind are a TypeError / ValueError naming them (:func:`check_argument_types`)."""
+    Arguments of the wrong kind are a TypeError / ValueError naming them (:func:`check_argument_types`), a
+    ``backend`` that is not a str or None a TypeError (the dispatcher's error would be a RuntimeError)."""
+    if backend is not None and not isinstance(backend, str):
+        raise TypeError(f"{op.name}: backend must be a str (native, reference, auto) or None, got "
+                        f"{type(backend).__name__}")
     check_argument_types(op.name, args)
     if out is None:
         if dispatches_plainly(op.name, args, backend):

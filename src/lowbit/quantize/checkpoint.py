@@ -24,6 +24,7 @@ from torch import nn
 from lowbit.quantize.layer_ops import channel_axis, geometry_mismatch
 from lowbit.quantize.modules import (DEPLOY_CLASSES, CalibrationModule, Int4Linear, QuantizedLinearBase,
                                      replace_layer)
+from lowbit.toolchain.files import named_after
 
 FORMAT_VERSION = 1
 TENSORS_FILE = "model.safetensors"
@@ -83,25 +84,33 @@ def save_quantized(model: nn.Module, directory: PathLike) -> Path:
     tensors = _state_tensors(model)
     target = Path(directory)
     check_replaceable(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    with named_after(target):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
     try:
-        st.save_file(tensors, str(tmp / TENSORS_FILE), metadata={"format": "pt"})
-        (tmp / META_FILE).write_text(json.dumps(meta, indent=1, sort_keys=True))
-        for name in (TENSORS_FILE, META_FILE):
-            os.chmod(tmp / name, 0o644)  # as any file lowbit writes (mkdtemp and safetensors make them private)
-        os.chmod(tmp, 0o755)
-        if target.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent))
-            os.replace(target, old / "checkpoint")
-            os.replace(tmp, target)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, target)
+        with named_after(target, tmp):
+            _write_checkpoint(st, tensors, meta, tmp, target)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
     return target
+
+
+def _write_checkpoint(st, tensors: dict, meta: dict, tmp: Path, target: Path) -> None:
+    """save_quantized's files into the new folder ``tmp``, then ``tmp`` renamed to ``target`` (an old checkpoint
+    there renamed aside first, then deleted)."""
+    st.save_file(tensors, str(tmp / TENSORS_FILE), metadata={"format": "pt"})
+    (tmp / META_FILE).write_text(json.dumps(meta, indent=1, sort_keys=True))
+    for name in (TENSORS_FILE, META_FILE):
+        os.chmod(tmp / name, 0o644)  # as any file lowbit writes (mkdtemp and safetensors make them private)
+    os.chmod(tmp, 0o755)
+    if target.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent))
+        os.replace(target, old / "checkpoint")
+        os.replace(tmp, target)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, target)
 
 
 def check_replaceable(target: Path, what: str = "save_quantized") -> None:

@@ -24,20 +24,37 @@ class DatasetError(ValueError):
 
 
 @contextlib.contextmanager
+def named_after(path: Path | str, temporary: Path | str | None = None) -> Iterator[None]:
+    """Re-raise an OSError about ``temporary`` (a file or folder, or anything inside it; None: any OSError) as
+    the same error about ``path``: the hidden temporary name an atomic write uses means nothing to a user
+    (``cannot write a.png: Read-only file system``, not ``.a.png.x1y2: ...``)."""
+    try:
+        yield
+    except OSError as exc:
+        names = [str(f) for f in (exc.filename, exc.filename2) if f is not None]
+        if exc.errno is None or temporary is not None and not any(n.startswith(str(temporary)) for n in names):
+            raise
+        raise type(exc)(exc.errno, f"cannot write {path}: {exc.strerror}") from None
+
+
+@contextlib.contextmanager
 def atomic_path(path: Path | str) -> Iterator[Path]:
     """Yield a temporary path in ``path``'s folder; when the block succeeds, rename it to ``path``.
 
     For writers that want a file name (torch.profiler's trace export). The folder is created if needed.
-    On an exception the temporary file is removed and ``path`` is untouched.
+    On an exception the temporary file is removed and ``path`` is untouched; an OSError about the temporary
+    file names ``path`` instead (:func:`named_after`).
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with named_after(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     os.close(fd)
     os.chmod(tmp, 0o644)
     try:
-        yield Path(tmp)
-        os.replace(tmp, path)
+        with named_after(path, tmp):
+            yield Path(tmp)
+            os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)

@@ -157,7 +157,7 @@ def read_meta(root: Path | str) -> SampleMeta:
         if not isinstance(fields, dict):
             raise ValueError(f"expected a JSON object, got {type(fields).__name__}")
         return SampleMeta(**fields)
-    except (OSError, UnicodeDecodeError, ValueError, TypeError) as exc:
+    except (OSError, UnicodeDecodeError, ValueError, TypeError, RecursionError) as exc:
         raise DatasetError(f"{path}: not a valid meta.json: {exc}") from exc
 
 
