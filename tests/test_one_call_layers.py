@@ -548,3 +548,71 @@ def test_svdquant_inputs_the_one_call_leaves_to_the_full_path(monkeypatch):
     fp16 = nn.Sequential(nn.Linear(K, N)).to(torch.float16)
     lowbit.quantize_(fp16, "svdquant-r32")
     check(fp16[0], x.half())
+
+
+def _converted(scheme, n=256, k=512, seed=0):
+    from lowbit.cli.bench.model import quantized_layer
+
+    g = torch.Generator().manual_seed(seed)
+    return quantized_layer((torch.randn(n, k, generator=g) / k**0.5).bfloat16(), torch.randn(n, generator=g).bfloat16(),
+                           scheme)[0]
+
+
+def _fresh_result(module, x):
+    """What a layer never called before gives (or raises) with ``module``'s tensors as they are now."""
+    fresh = copy.deepcopy(module)  # deepcopy drops the bound calls
+    try:
+        return fresh(x)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        return type(exc)
+
+
+@pytest.mark.parametrize("scheme", ["mxfp4-wo", "hif8-wo", "int4-a16w4", "svdquant-r32", "mxfp8-w8a8"])
+def test_a_layers_sizes_are_read_only(scheme):
+    module = _converted(scheme)
+    x = torch.randn(3, 512).bfloat16()
+    before = module(x)
+    module(x)  # bound
+    for name, value in (("out_features", 10), ("in_features", 1024), ("in_features", 256)):
+        with pytest.raises(AttributeError, match=f"{name} is fixed by its packed weight"):
+            setattr(module, name, value)
+    assert (module.in_features, module.out_features) == (512, 256) and torch.equal(bits(module(x)), bits(before))
+
+
+@pytest.mark.parametrize("scheme, name, change", [
+    ("mxfp4-wo", "codes", lambda t: t.t()),  # (256, 256): a transposed view at the same address
+    ("hif8-wo", "scale", lambda t: t.as_strided(t.shape, (0,))),  # one value broadcast
+    ("hif8-wo", "bias", lambda t: t.view(torch.float16)),
+    ("mxfp4-wo", "codes", lambda t: t.view(torch.int8)),
+])
+def test_a_view_at_the_same_address_is_seen(scheme, name, change):
+    module = _converted(scheme)
+    x = torch.randn(2, 512).bfloat16()
+    module(x), module(x)
+    tensor = getattr(module, name)
+    tensor.data = change(tensor.data)
+    expected = _fresh_result(module, x)
+    if isinstance(expected, type):
+        with pytest.raises(expected):
+            module(x)
+    else:
+        assert torch.equal(bits(module(x)), bits(expected))
+
+
+@pytest.mark.parametrize("scheme, name", [("hif8-wo", "scale"), ("int4-a16w4", "antiquant_scale"),
+                                          ("int4-a16w4", "bias"), ("hif4-wo", "value"), ("mxfp4-wo", "scales")])
+def test_writes_under_inference_mode_are_seen(scheme, name):
+    x = torch.randn(2, 512).bfloat16()
+    with torch.inference_mode():
+        module = _converted(scheme)  # made under inference mode, as `lowbit bench model` makes them
+        assert not any(t.is_inference() for t in [*module.buffers(), *module.parameters()])
+        before = module(x)
+        module(x)
+        tensor = getattr(module, name)
+        if tensor.is_floating_point():
+            tensor.mul_(2)
+        else:
+            tensor.copy_(tensor.roll(1, 0))
+        after = module(x)
+    assert not torch.equal(bits(after), bits(before))
+    assert torch.equal(bits(after), bits(_fresh_result(module, x)))

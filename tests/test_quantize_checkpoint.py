@@ -196,6 +196,8 @@ def _drop(key):
     ("hif8-wo", lambda layer: layer["tensors"]["codes"].update(shape=[-1, 128]), "described as uint8 \\[-1, 128\\]"),
     ("hif8-wo", lambda layer: layer["tensors"]["codes"].update(shape=[2**40, 2**20]), "the file holds uint8"),
     ("hif8-wo", lambda layer: layer["tensors"].pop("scale"), "invalid description"),
+    ("hif8-wo", lambda layer: layer["tensors"].clear(), "has no packed tensors"),
+    ("hif8-wo", lambda layer: layer.update(in_features=float(layer["in_features"])), "must be integers"),
 ])
 def test_a_layer_description_that_does_not_fit_is_refused_before_the_model_changes(tmp_path, scheme, edit,
                                                                                       message):
@@ -211,6 +213,21 @@ def test_a_layer_description_that_does_not_fit_is_refused_before_the_model_chang
     with pytest.raises(CheckpointError, match=f"quantization.json: layer 'mlp.0' .*{message}"):
         lowbit.load_quantized(path, model)
     _assert_untouched(model, before)
+
+
+def test_an_activation_scale_that_would_broadcast_the_output_is_refused(tmp_path):
+    """An act_scale of shape (1, 1, 1, 1) made every output of the layer 4-D."""
+    st = pytest.importorskip("safetensors.torch")
+    path = _saved(tmp_path, "hif8-wo")
+    tensors = st.load_file(str(path / TENSORS_FILE))
+    tensors["mlp.0.act_scale"] = torch.ones(1, 1, 1, 1)
+    st.save_file(tensors, str(path / TENSORS_FILE), metadata={"format": "pt"})
+    meta = json.loads((path / META_FILE).read_text())
+    meta["layers"]["mlp.0"]["act_kind"] = "hif8_static"
+    meta["layers"]["mlp.0"]["tensors"]["act_scale"] = {"shape": [1, 1, 1, 1], "dtype": "float32"}
+    (path / META_FILE).write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="layer 'mlp.0' .*the layer computes"):
+        lowbit.load_quantized(path, Net())
 
 
 def test_conv_layers_round_trip_through_the_dry_run(tmp_path):

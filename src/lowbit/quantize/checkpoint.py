@@ -204,6 +204,9 @@ def _check_description(name: str, layer: dict, geometry: dict, tensors: dict[str
     its geometry, its format line with its weight format, its packed tensors' shapes and dtypes with the file's
     (so nothing is allocated from a size the file does not hold)."""
     n, *rest = geometry["weight_shape"]
+    if not all(type(layer[key]) is int for key in ("in_features", "out_features")):  # not 384.0 or true
+        raise ValueError(f"in_features / out_features must be integers, got {layer['in_features']!r} / "
+                         f"{layer['out_features']!r}")
     if [layer["out_features"], layer["in_features"]] != [n, math.prod(rest)]:
         raise ValueError(f"in_features / out_features {layer['in_features']} / {layer['out_features']} do not fit "
                          f"the weight shape {geometry['weight_shape']}")
@@ -229,7 +232,7 @@ def _dry_run(module: QuantizedLinearBase, geometry: dict) -> None:
         x = torch.empty(1, per_group * geometry["groups"], dilation[0] * (kh - 1) + 1, dilation[1] * (kw - 1) + 1,
                         device="meta", dtype=dtype)
     y = module(x)
-    if y.shape[channel_axis(geometry)] != geometry["weight_shape"][0]:
+    if y.dim() != x.dim() or y.shape[0] != x.shape[0] or y.shape[channel_axis(geometry)] != geometry["weight_shape"][0]:
         raise ValueError(f"the layer computes {tuple(y.shape)} from {tuple(x.shape)}")
 
 

@@ -61,13 +61,43 @@ class QuantizedLinearBase(nn.Module):
                  cfg_meta: dict, tensors: dict[str, torch.Tensor], bias: Optional[torch.Tensor],
                  huge_pages: bool = True):
         super().__init__()
-        self.layer_name, self.in_features, self.out_features = name, in_features, out_features
+        self.layer_name, self._features = name, (in_features, out_features)
         self.weight_dtype, self.cfg_meta = weight_dtype, dict(cfg_meta)
         for key, value in tensors.items():
             self.register_buffer(key, value)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         if huge_pages:
             self.use_huge_pages()
+        else:
+            self._own_versioned_tensors()
+
+    @property
+    def in_features(self) -> int:
+        """K, fixed by the packed weight (read-only: the kernels bound to this layer size x and y by it)."""
+        return self._features[0]
+
+    @in_features.setter
+    def in_features(self, value) -> None:
+        self._refuse_resize("in_features", value)
+
+    @property
+    def out_features(self) -> int:
+        """N, fixed by the packed weight (read-only, as :attr:`in_features`)."""
+        return self._features[1]
+
+    @out_features.setter
+    def out_features(self, value) -> None:
+        self._refuse_resize("out_features", value)
+
+    def _refuse_resize(self, name: str, value) -> None:
+        raise AttributeError(f"layer {self.layer_name!r}: {name} is fixed by its packed weight "
+                             f"({getattr(self, name)}), cannot set it to {value!r}; quantize a new layer instead")
+
+    def __setstate__(self, state: dict) -> None:
+        if "in_features" in state:  # pickled while the sizes were plain attributes
+            state = dict(state)
+            state["_features"] = (state.pop("in_features"), state.pop("out_features"))
+        super().__setstate__(state)
 
     def _floating_dtypes(self) -> dict[str, torch.dtype]:
         """The dtype of each floating-point buffer and of the bias, by name."""
@@ -80,6 +110,7 @@ class QuantizedLinearBase(nn.Module):
         # (_check_not_cast); casting back forgets it. A device move keeps the dtypes.
         made = self.__dict__.get("_dtypes_made") or self._floating_dtypes()
         module = super()._apply(fn, *args, **kwargs)
+        self._own_versioned_tensors()
         if self._floating_dtypes() != made:
             self.__dict__["_dtypes_made"] = made
         else:
@@ -101,8 +132,22 @@ class QuantizedLinearBase(nn.Module):
         OS offers them (lowbit.kernels.cpu.memory): the decode kernels stream them faster. Done at
         construction (unless ``huge_pages=False``: :meth:`from_meta`'s placeholders) and by load_quantized
         after it assigns the checkpoint's tensors."""
-        for key, value in self.packed_tensors().items():
-            self._buffers[key] = huge_page_copy(value)
+        with torch.inference_mode(False):  # normal tensors, with version counters (_own_versioned_tensors)
+            for key, value in self.packed_tensors().items():
+                self._buffers[key] = huge_page_copy(value)
+        self._own_versioned_tensors()
+
+    def _own_versioned_tensors(self) -> None:
+        """Replace each buffer or parameter that is an inference tensor (one made under torch.inference_mode,
+        which has no version counter, so that SourcesSeen could not see it written in place and the kernels
+        bound to it would go on reading the old values) by a normal copy."""
+        with torch.inference_mode(False):
+            for key, value in self._buffers.items():
+                if value is not None and value.is_inference():
+                    self._buffers[key] = value.clone()
+            for key, value in self._parameters.items():
+                if value is not None and value.is_inference():
+                    self._parameters[key] = nn.Parameter(value.clone(), requires_grad=False)
 
     def packed_tensors(self) -> dict[str, torch.Tensor]:
         return dict(self.named_buffers(recurse=False))
@@ -220,6 +265,8 @@ class QuantizedLinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_not_cast()
+        if not self._buffers:  # (a checkpoint's description without tensors)
+            raise ValueError(f"layer {self.layer_name!r} has no packed tensors")
         check_layer_input(self.layer_name, self.cfg_meta["geometry"], x, self.weight_dtype,
                           next(iter(self._buffers.values())).device)
         if self._records_no_graph(x):  # no torch.no_grad(): its grad-mode switches cost tens of microseconds
@@ -243,12 +290,13 @@ FUSED_LINEAR = {
 
 class SourcesSeen:
     """What a cache made from ``tensors`` (each a tensor or None) depends on, cheap to check on every call
-    (three attribute reads a tensor: each read costs microseconds after other work has evicted the caches,
-    docs/weight_only.md, 'One call'): each the same object, at the same address and of the same shape (a
-    device move, ``.data =`` or share_memory_ changes them), with the same version counter (bumped by every
-    in-place write, such as load_state_dict's copy). An inference tensor has no version counter: a write in
-    place to one, possible only under torch.inference_mode, is not seen here (load_state_dict drops the
-    deploy modules' caches itself)."""
+    (a few attribute reads a tensor: each read costs microseconds after other work has evicted the caches,
+    docs/weight_only.md, 'One call'): each the same object, at the same address, of the same shape and dtype
+    and still contiguous (a device move, ``.data =`` or share_memory_ changes them; ``.data =`` a transposed,
+    broadcast or reinterpreted view at the same address too), with the same version counter (bumped by every
+    in-place write, such as load_state_dict's copy). An inference tensor has no version counter: the deploy
+    modules keep none (QuantizedLinearBase._own_versioned_tensors), and load_state_dict drops their caches
+    itself."""
 
     def __init__(self, tensors: tuple) -> None:
         self.tensors = tensors
@@ -258,7 +306,7 @@ class SourcesSeen:
 
     @staticmethod
     def _read_places(tensors: tuple) -> tuple:
-        return tuple(None if t is None else (t.data_ptr(), t.shape) for t in tensors)
+        return tuple(None if t is None else (t.data_ptr(), t.shape, t.dtype, t.is_contiguous()) for t in tensors)
 
     def unchanged(self, tensors: tuple) -> bool:
         """Whether ``tensors`` are the ones seen, at the same addresses and shapes, unwritten since. One loop,
@@ -266,7 +314,7 @@ class SourcesSeen:
         if len(tensors) != len(self.tensors):
             return False
         for t, seen, place in zip(tensors, self.tensors, self._places):
-            if t is not seen or (t is not None and (t.data_ptr(), t.shape) != place):
+            if t is not seen or (t is not None and (t.data_ptr(), t.shape, t.dtype, t.is_contiguous()) != place):
                 return False
         for t, version in zip(self._versioned, self._versions):
             if t._version != version:
