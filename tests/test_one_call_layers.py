@@ -616,3 +616,13 @@ def test_writes_under_inference_mode_are_seen(scheme, name):
         after = module(x)
     assert not torch.equal(bits(after), bits(before))
     assert torch.equal(bits(after), bits(_fresh_result(module, x)))
+
+
+def test_an_int4_scale_of_another_dtype_is_named():
+    module = _converted("int4-a16w4")
+    x = torch.randn(2, 512).bfloat16()
+    module(x), module(x)
+    module.antiquant_scale.data = module.antiquant_scale.data.double()
+    with pytest.raises(lowbit.DtypeError, match="layer '0': antiquant_scale must be float16 or bfloat16, got "
+                                                "torch.float64"):
+        module(x)

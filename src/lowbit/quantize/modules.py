@@ -529,6 +529,9 @@ class Int4Linear(PackedLinear):
         return bind(self._current_packed(plan), scale, offset, bias)
 
     def compute(self, x_q):
+        if self.antiquant_scale.dtype not in (torch.float16, torch.bfloat16):  # x is cast to it: name the scale
+            raise DtypeError(f"layer {self.layer_name!r}: antiquant_scale must be float16 or bfloat16, got "
+                             f"{self.antiquant_scale.dtype}")
         x2 = x_q.reshape(-1, self.in_features).to(self.antiquant_scale.dtype)
         offset = self._buffers.get("antiquant_offset")
         dequant = x2.shape[0] > int4_msd_max_rows(x2.dtype) and x2.device.type == "cpu"
