@@ -51,6 +51,17 @@ def int4_compute_dtype(weight_dtype: torch.dtype) -> torch.dtype:
 _CALL_SLOTS = ("_prepared", "_one_call", "_prefill_call")
 
 
+def _fixed_size(index: int, name: str, letter: str) -> property:
+    """A read-only size of a deploy layer, item ``index`` of its ``_features``: fixed by the packed weight (the
+    kernels bound to the layer size x and y by it); setting it is an AttributeError naming the layer."""
+
+    def refuse(self, value) -> None:
+        raise AttributeError(f"layer {self.layer_name!r}: {name} is fixed by its packed weight "
+                             f"({self._features[index]}), cannot set it to {value!r}; quantize a new layer instead")
+
+    return property(lambda self: self._features[index], refuse, doc=f"{letter}, fixed by the packed weight (read-only)")
+
+
 class QuantizedLinearBase(nn.Module):
     """Packed tensors as buffers (names as in the checkpoint), the original bias Parameter, and the
     metadata to rebuild the module from a checkpoint (:meth:`quant_meta`, :meth:`from_meta`)."""
@@ -71,27 +82,8 @@ class QuantizedLinearBase(nn.Module):
         else:
             self._own_versioned_tensors()
 
-    @property
-    def in_features(self) -> int:
-        """K, fixed by the packed weight (read-only: the kernels bound to this layer size x and y by it)."""
-        return self._features[0]
-
-    @in_features.setter
-    def in_features(self, value) -> None:
-        self._refuse_resize("in_features", value)
-
-    @property
-    def out_features(self) -> int:
-        """N, fixed by the packed weight (read-only, as :attr:`in_features`)."""
-        return self._features[1]
-
-    @out_features.setter
-    def out_features(self, value) -> None:
-        self._refuse_resize("out_features", value)
-
-    def _refuse_resize(self, name: str, value) -> None:
-        raise AttributeError(f"layer {self.layer_name!r}: {name} is fixed by its packed weight "
-                             f"({getattr(self, name)}), cannot set it to {value!r}; quantize a new layer instead")
+    in_features = _fixed_size(0, "in_features", "K")
+    out_features = _fixed_size(1, "out_features", "N")
 
     def __setstate__(self, state: dict) -> None:
         if "in_features" in state:  # pickled while the sizes were plain attributes
