@@ -101,6 +101,7 @@ BAD_ARGUMENTS = [
     ("wqbmm run --dir {t}/missing", ["missing", "input_a.bin"]),
     ("wqbmm run --dir {t} --template bogus", ["--template", "bogus"]),
     ("wqbmm profile --dir {t} --repeats 0", ["--repeats", "'0'"]),
+    ("wqbmm profile --dir {t} --repeats 1000001", ["--repeats", "from 1 to 1000000"]),
     ("wqbmm profile --dir {t} --backends native,,reference", ["--backends"]),
     ("wqbmm profile --dir {t} --backends bogus", ["--backends", "bogus"]),
     ("verify {t}/a.bin {t}/b.bin", ["a.bin"]),

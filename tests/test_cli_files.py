@@ -143,6 +143,19 @@ def test_a_failed_atomic_write_names_the_target_not_the_temporary_file(tmp_path)
             fail_in_block(tmp_path / "other.bin")
 
 
+def test_a_full_disk_names_the_target(tmp_path, monkeypatch):
+    def full(self, data):  # a write's error names no file
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(files.Path, "write_bytes", full)
+    with pytest.raises(OSError, match=f"cannot write {tmp_path / 'x.bin'}: No space left on device"):
+        files.write_bytes_atomic(tmp_path / "x.bin", b"x")
+    monkeypatch.undo()
+    (tmp_path / "file").write_text("x")  # a folder on the way is a file: named too
+    with pytest.raises(OSError, match=f"cannot write {tmp_path / 'file' / 'x.bin'}: .*{tmp_path / 'file'}"):
+        files.write_bytes_atomic(tmp_path / "file" / "x.bin", b"x")
+
+
 def test_save_quantized_errors_name_the_checkpoint(tmp_path, monkeypatch):
     import lowbit
     import torch

@@ -626,3 +626,22 @@ def test_an_int4_scale_of_another_dtype_is_named():
     with pytest.raises(lowbit.DtypeError, match="layer '0': antiquant_scale must be float16 or bfloat16, got "
                                                 "torch.float64"):
         module(x)
+
+
+def test_a_state_dict_assigned_under_inference_mode_is_owned_and_a_trainable_bias_stays_trainable():
+    x = torch.randn(2, 512).bfloat16()
+    module, other = _converted("hif8-wo", seed=0), _converted("hif8-wo", seed=1)
+    module(x), module(x)
+    with torch.inference_mode():
+        state = {k: v.clone() for k, v in other.state_dict().items()}  # inference tensors
+        module.load_state_dict(state, assign=True)
+        assert not any(t.is_inference() for t in [*module.buffers(), *module.parameters()])
+        assert torch.equal(bits(module(x)), bits(other(x)))
+        module.scale.mul_(2)
+        assert torch.equal(bits(module(x)), bits(_fresh_result(module, x)))
+    module.bias.requires_grad_(True)
+    bias = module.bias
+    with torch.inference_mode():  # a cast there and back makes new tensors: normal ones, the same Parameter
+        module.to(torch.float32).to(torch.bfloat16)
+    assert module.bias is bias and module.bias.requires_grad
+    assert not any(t.is_inference() for t in [*module.buffers(), *module.parameters()])

@@ -71,6 +71,7 @@ def one_of(choices: Iterable[str]) -> Callable[[str], str]:
     return parse
 
 
+MAX_REPEATS = 1_000_000  # timed samples per case: far more than any benchmark here needs
 MAX_ELEMENTS = 1 << 40  # far beyond any memory here, and within torch's int64 sizes
 
 
@@ -105,14 +106,18 @@ def _writable_place(path: Path, kind: str) -> None:
     """ArgumentTypeError unless a ``kind`` ("file" or "directory") could be written at ``path``: it is not an
     existing entry of the other kind, and its nearest existing ancestor is a directory this process may write in
     (checked before a command's work, so a long run does not fail at its end)."""
-    if kind == "file" and path.is_dir():
-        raise argparse.ArgumentTypeError(f"{path} is a directory, expected a file name")
-    if kind == "directory" and path.exists() and not path.is_dir():
-        raise argparse.ArgumentTypeError(f"{path} exists and is not a directory")
-    parent = path.absolute().parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+    try:
+        if kind == "file" and path.is_dir():
+            raise argparse.ArgumentTypeError(f"{path} is a directory, expected a file name")
+        if kind == "directory" and path.exists() and not path.is_dir():
+            raise argparse.ArgumentTypeError(f"{path} exists and is not a directory")
+        parent = path.absolute().parent
+        while not parent.exists():
+            parent = parent.parent
+        writable = parent.is_dir() and os.access(parent, os.W_OK | os.X_OK)
+    except OSError as exc:  # a folder on the way this process may not search
+        raise argparse.ArgumentTypeError(f"cannot write {path}: {exc.strerror or exc}") from None
+    if not writable:
         raise argparse.ArgumentTypeError(f"cannot write {path}: {parent} is not a directory this process may write in")
 
 

@@ -18,7 +18,6 @@ EXIT_ERROR = 2  # usage, bad input, bad files, a device or backend that cannot r
 EXIT_INTERRUPTED = 130  # Ctrl-C, as shells report SIGINT
 EXIT_BROKEN_PIPE = 141  # stdout closed by the reader (`| head`), as shells report SIGPIPE
 # lowbit's DtypeError / ShapeError / DeviceError / BackendUnavailable / DatasetError derive from these
-MAX_REPEATS = 1_000_000  # timed samples per case: far more than any benchmark here needs
 EXPECTED_ERRORS = (ValueError, TypeError, OSError, RuntimeError, ImportError, MemoryError)
 
 
@@ -142,7 +141,7 @@ def _smoke_error(error: dict, as_json: bool) -> None:
 
 
 def _add_bench_arguments(parser: argparse.ArgumentParser, module, backend_choices: list[str]) -> None:
-    from lowbit.cli.argtypes import int_at_least, output_file
+    from lowbit.cli.argtypes import MAX_REPEATS, int_at_least, output_file
     from lowbit.cli.output import add_json_flag
 
     parser.add_argument("--backend", choices=backend_choices, default="auto")

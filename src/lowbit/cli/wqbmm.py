@@ -12,7 +12,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from lowbit import backends
-from lowbit.cli.argtypes import comma_list, nonnegative_float, one_of, positive_int, seed
+from lowbit.cli.argtypes import MAX_REPEATS, comma_list, int_at_least, nonnegative_float, one_of, positive_int, seed
 from lowbit.cli.output import add_json_flag, json_text
 from lowbit.cli.render import emit
 from lowbit.cli.render.progress import steps
@@ -155,7 +155,7 @@ def add_subcommands(subparsers) -> None:
     prof.add_argument("--dir", default=".")
     prof.add_argument("--backends", type=comma_list(one_of(backend_choices)), default="native,reference",
                       help="comma-separated backends")
-    prof.add_argument("--repeats", type=positive_int, default=7)
+    prof.add_argument("--repeats", type=int_at_least(1, MAX_REPEATS), default=7)
     add_json_flag(prof, "the rows")
     prof.set_defaults(func=_cmd_profile)
 

@@ -101,8 +101,8 @@ class QuantizedLinearBase(nn.Module):
         # it was quantized for: such a cast is remembered (the dtypes as made) and refused at the next call
         # (_check_not_cast); casting back forgets it. A device move keeps the dtypes.
         made = self.__dict__.get("_dtypes_made") or self._floating_dtypes()
-        module = super()._apply(fn, *args, **kwargs)
-        self._own_versioned_tensors()
+        with torch.inference_mode(False):  # the new tensors normal ones (_own_versioned_tensors), not copied twice
+            module = super()._apply(fn, *args, **kwargs)
         if self._floating_dtypes() != made:
             self.__dict__["_dtypes_made"] = made
         else:
@@ -137,9 +137,9 @@ class QuantizedLinearBase(nn.Module):
             for key, value in self._buffers.items():
                 if value is not None and value.is_inference():
                     self._buffers[key] = value.clone()
-            for key, value in self._parameters.items():
+            for key, value in self._parameters.items():  # (a new Parameter: an inference one's data cannot be set)
                 if value is not None and value.is_inference():
-                    self._parameters[key] = nn.Parameter(value.clone(), requires_grad=False)
+                    self._parameters[key] = nn.Parameter(value.clone(), requires_grad=value.requires_grad)
 
     def packed_tensors(self) -> dict[str, torch.Tensor]:
         return dict(self.named_buffers(recurse=False))
@@ -170,7 +170,7 @@ class QuantizedLinearBase(nn.Module):
         that keeps the bound call (one of _CALL_SLOTS; Int4Linear keeps its prefill's apart from its decode's)."""
         if "_dtypes_made" in self.__dict__:
             self._check_not_cast()
-        k, n = self.in_features, self.out_features
+        k, n = self._features  # (not the properties: this runs on every decode call)
         m = x.numel() // k
         if not 0 < m <= (max_rows or m):
             return None
@@ -197,9 +197,11 @@ class QuantizedLinearBase(nn.Module):
         return not x.requires_grad and (bias is None or not bias.requires_grad)
 
     def _load_from_state_dict(self, *args, **kwargs):
-        # written in place: SourcesSeen misses it for inference tensors
+        # written in place: SourcesSeen misses it for inference tensors; with assign=True under inference_mode
+        # the state dict's inference tensors become the buffers
         self.__dict__.update(dict.fromkeys(_CALL_SLOTS))
         super()._load_from_state_dict(*args, **kwargs)
+        self._own_versioned_tensors()
 
     def __getstate__(self) -> dict:
         """Pickling and copying leave out the prepared and the bound calls (views and copies of this module's
@@ -493,13 +495,14 @@ class Int4Linear(PackedLinear):
         # plan's per-call work: 0.1-0.2 ms of a small layer's call); anything else, and a NaN result of the
         # decode (torch's NaN bit patterns), takes the full path.
         scale = self._buffers["antiquant_scale"]
-        if (x.dtype is self.weight_dtype and x.dtype is scale.dtype and x.shape[-1:] == (self.in_features,)
+        k = self._features[0]  # (not the property: this runs on every decode call)
+        if (x.dtype is self.weight_dtype and x.dtype is scale.dtype and x.shape[-1:] == (k,)
                 and "smooth" not in self._buffers and self.cfg_meta["act_kind"] == "none"):
             sources = (self._buffers["weight"], scale, self._buffers.get("antiquant_offset"),
                        self._parameters.get("bias"))
             msd_rows = int4_msd_max_rows(x.dtype)
             y = self._run_one_call(x, sources, self._bind_decode, "msd", msd_rows)
-            if y is None and x.numel() > msd_rows * self.in_features and _dequant_reads_packed(x.dtype):
+            if y is None and x.numel() > msd_rows * k and _dequant_reads_packed(x.dtype):
                 y = self._run_one_call(x, sources, self._bind_decode, "dequant", slot="_prefill_call")
             if y is not None:
                 return y
@@ -555,7 +558,7 @@ class SVDQuantLinearDeploy(QuantizedLinearBase):
         # A BF16 x of a BF16 Linear layer: the operator's decode and the bias add in one numba call, where it
         # gives the full path's bits (_run_one_call; BoundDecode); anything else takes the full path.
         if (x.dtype is torch.bfloat16 and self.weight_dtype is torch.bfloat16
-                and x.shape[-1:] == (self.in_features,) and self.cfg_meta["geometry"]["type"] == "Linear"):
+                and x.shape[-1:] == self._features[:1] and self.cfg_meta["geometry"]["type"] == "Linear"):
             buffers = self._buffers
             sources = (buffers["w"], buffers["s"], buffers["down"], buffers["up"], self._parameters.get("bias"))
             y = self._run_one_call(x, sources, self._bind_decode, None)

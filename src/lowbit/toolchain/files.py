@@ -27,14 +27,18 @@ class DatasetError(ValueError):
 def named_after(path: Path | str, temporary: Path | str | None = None) -> Iterator[None]:
     """Re-raise an OSError about ``temporary`` (a file or folder, or anything inside it; None: any OSError) as
     the same error about ``path``: the hidden temporary name an atomic write uses means nothing to a user
-    (``cannot write a.png: Read-only file system``, not ``.a.png.x1y2: ...``)."""
+    (``cannot write a.png: Read-only file system``, not ``.a.png.x1y2: ...``). Another file the error names
+    (a folder on the way) stays in the message; the original error is chained."""
     try:
         yield
     except OSError as exc:
         names = [str(f) for f in (exc.filename, exc.filename2) if f is not None]
-        if exc.errno is None or temporary is not None and not any(n.startswith(str(temporary)) for n in names):
+        is_temporary = [temporary is not None and n.startswith(str(temporary)) for n in names]
+        if exc.errno is None or temporary is not None and not any(is_temporary):
             raise
-        raise type(exc)(exc.errno, f"cannot write {path}: {exc.strerror}") from None
+        others = [n for n, tmp in zip(names, is_temporary) if not tmp and n != str(path)]
+        where = f" ({', '.join(others)})" if others else ""
+        raise type(exc)(exc.errno, f"cannot write {path}: {exc.strerror}{where}") from exc
 
 
 @contextlib.contextmanager
@@ -63,7 +67,7 @@ def atomic_path(path: Path | str) -> Iterator[Path]:
 
 def write_bytes_atomic(path: Path | str, data: bytes) -> None:
     """Write ``data`` to ``path`` through a temporary file in the same folder and ``os.replace``."""
-    with atomic_path(path) as tmp:
+    with atomic_path(path) as tmp, named_after(path):  # (a full disk's error names no file)
         tmp.write_bytes(data)
 
 
