@@ -13,7 +13,6 @@ import torch
 
 from lowbit import backends
 from lowbit.cli import main as cli
-from lowbit.toolchain.files import DatasetError
 
 SMALL = ["--m", "2", "--n", "64", "--k", "64", "--group-size", "32"]
 
@@ -219,10 +218,13 @@ def test_bad_lowbit_backend_variable_smoke_exit_2_json(capsys, monkeypatch):
     assert code == 2 and out == "" and err.startswith("lowbit info: error: LOWBIT_BACKEND='bogus'")
 
 
-def test_debug_reraises_before_or_after_the_command(tmp_path):
+def test_debug_shows_the_traceback_before_or_after_the_command_and_keeps_exit_2(tmp_path, capsys):
+    """(--debug re-raised: the process then exited 1, which for verify and smoke means "failed".)"""
     for argv in (["--debug", "wqbmm", "run"], ["wqbmm", "run", "--debug"]):
-        with pytest.raises(DatasetError, match="input_a.bin"):
-            cli.main([*argv, "--dir", str(tmp_path)])
+        assert cli.main([*argv, "--dir", str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert "Traceback (most recent call last)" in err and "DatasetError" in err
+        assert err.strip().splitlines()[-1].startswith("lowbit wqbmm run: error: ") and "input_a.bin" in err
 
 
 @pytest.mark.parametrize("argv", [["--debug", "smoke", "all", "--device", "npu"],

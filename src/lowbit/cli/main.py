@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import sys
+import traceback
 
 EXIT_ERROR = 2  # usage, bad input, bad files, a device or backend that cannot run here
 EXIT_INTERRUPTED = 130  # Ctrl-C, as shells report SIGINT
@@ -292,15 +293,15 @@ def main(argv: list[str] | None = None) -> int:
         _report_error(prog, "interrupted", backend, as_json)
         return EXIT_INTERRUPTED
     except EXPECTED_ERRORS as exc:  # bad input, bad files, a device or backend that cannot run here
-        if debug:
-            raise
+        if debug:  # the traceback, then the same line and exit code (an uncaught error would exit 1: "failed")
+            traceback.print_exc()
         _report_error(prog, _one_line(exc), backend, as_json)
         return EXIT_ERROR
     except Exception as exc:  # a bug: still one line, and the way to see more
         if debug:
-            raise
-        _report_error(prog, f"internal error: {type(exc).__name__}: {_one_line(exc)} (rerun with --debug)", backend,
-                      as_json)
+            traceback.print_exc()
+        _report_error(prog, f"internal error: {type(exc).__name__}: {_one_line(exc)}"
+                      + ("" if debug else " (rerun with --debug)"), backend, as_json)
         return EXIT_ERROR
 
 
