@@ -300,3 +300,19 @@ def test_end_to_end_bogus_lowbit_backend():
     done = _lowbit("smoke", "hifloat8", "--device", "cpu", "--json", env=env)
     assert done.returncode == 2 and done.stdout == "" and done.stderr.count("\n") == 1
     assert "bogus" in json.loads(done.stderr)["error"]
+
+
+def test_a_ctrl_c_while_the_command_loads_is_one_line_exit_130():
+    """A Ctrl-C in the second the lowbit command spends importing printed a traceback of the imports."""
+    script = ("import os, signal, sys; sys.argv[0] = os.path.join('bin', 'lowbit'); import lowbit; "
+              "os.kill(os.getpid(), signal.SIGINT); print('not reached')")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert (result.returncode, result.stdout, result.stderr) == (130, "", "lowbit: error: interrupted\n")
+    script = ("import os, signal, sys; sys.argv[0] = os.path.join('bin', 'lowbit'); from lowbit.cli.main import main; "
+              "code = main(['--help']); print(signal.getsignal(signal.SIGINT) is signal.default_int_handler, code)")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip().endswith("True 0")
+    result = subprocess.run([sys.executable, "-c", "import signal, lowbit; "
+                             "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.stdout == "True\n"  # a program that imports lowbit keeps Python's own handler

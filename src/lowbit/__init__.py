@@ -18,6 +18,21 @@ _WAIT_POLICY = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "50000"}
 if "torch" not in sys.modules and not any(name in os.environ for name in _WAIT_POLICY):
     os.environ.update(_WAIT_POLICY)
 
+
+def _interrupted_while_loading(signum, frame) -> None:
+    """The lowbit command's Ctrl-C before its main() runs (the imports below take about a second): its one
+    line and exit code 130, as main() reports an interrupt (docs/cli.md), not a traceback of the imports."""
+    os.write(2, b"lowbit: error: interrupted\n")
+    os._exit(130)
+
+
+if os.path.basename(sys.argv[0] if getattr(sys, "argv", None) else "") == "lowbit":  # the console script
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, _interrupted_while_loading)  # put back by lowbit.cli.main.main
+
 from importlib.metadata import PackageNotFoundError, version  # noqa: E402
 
 from lowbit.backends import (  # noqa: E402

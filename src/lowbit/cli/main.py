@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import traceback
 
@@ -259,6 +260,9 @@ def _report_error(prog: str, message: str, backend: str | None = None, as_json: 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the ``lowbit`` command line ``argv`` (default: sys.argv[1:]); returns the exit code."""
+    loading = getattr(sys.modules.get("lowbit"), "_interrupted_while_loading", None)
+    if loading is not None and signal.getsignal(signal.SIGINT) is loading:  # from here on, main() reports it
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     debug, as_json = "--debug" in argv, "--json" in argv
     words = [a for a in argv if not a.startswith("-")]
