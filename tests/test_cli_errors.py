@@ -304,15 +304,17 @@ def test_end_to_end_bogus_lowbit_backend():
 
 def test_a_ctrl_c_while_the_command_loads_is_one_line_exit_130():
     """A Ctrl-C in the second the lowbit command spends importing printed a traceback of the imports."""
-    script = ("import os, signal, sys; sys.argv[0] = os.path.join('bin', 'lowbit'); import lowbit; "
-              "os.kill(os.getpid(), signal.SIGINT); print('not reached')")
+    start = "import os, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "  # (as a terminal)
+    as_command = start + "sys.argv[0] = os.path.join('bin', 'lowbit'); "
+    script = as_command + "import lowbit; os.kill(os.getpid(), signal.SIGINT); print('not reached')"
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert (result.returncode, result.stdout, result.stderr) == (130, "", "lowbit: error: interrupted\n")
-    script = ("import os, signal, sys; sys.argv[0] = os.path.join('bin', 'lowbit'); from lowbit.cli.main import main; "
-              "code = main(['--help']); print(signal.getsignal(signal.SIGINT) is signal.default_int_handler, code)")
+    script = as_command + ("from lowbit.cli.main import main; code = main(['--help']); "
+                           "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler, code)")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and result.stdout.strip().endswith("True 0")
-    result = subprocess.run([sys.executable, "-c", "import signal, lowbit; "
-                             "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)"],
-                            capture_output=True, text=True, timeout=300)
-    assert result.stdout == "True\n"  # a program that imports lowbit keeps Python's own handler
+    for prefix in (start, as_command + "signal.signal(signal.SIGINT, signal.SIG_IGN); "):
+        script = prefix + ("before = signal.getsignal(signal.SIGINT); import lowbit; "
+                           "print(signal.getsignal(signal.SIGINT) is before)")
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+        assert result.stdout == "True\n"  # a program importing lowbit, and an ignored SIGINT (nohup), keep theirs

@@ -460,3 +460,34 @@ def test_a_converted_model_under_torch_compile_gives_the_eager_bits_in_and_out_o
     assert torch.equal(compiled(x), want)
     with torch.inference_mode():
         assert torch.equal(compiled(x), want)
+
+
+@pytest.mark.parametrize("scheme", ["hif8-w8a8-minmax", "hif8-wo", "int4-a16w4"])
+def test_a_model_between_quantize_and_convert_and_every_scheme_can_be_copied_and_pickled(scheme):
+    """The schemes' configs were read-only MappingProxyType mappings, which neither deepcopy nor pickle take."""
+    assert copy.deepcopy(lowbit.SCHEMES[scheme]) == lowbit.SCHEMES[scheme]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(128, 64))
+    lowbit.quantize(model, scheme)
+    clones = [copy.deepcopy(model), pickle.loads(pickle.dumps(model))]
+    x = torch.randn(4, 128)
+    for m in (model, *clones):  # the same calibration batch (where the scheme takes one), then convert
+        m(x)
+        lowbit.convert(m)
+    assert all(torch.equal(clone(x), model(x)) for clone in clones)
+
+
+def test_a_failed_calibration_starts_over_and_an_empty_batch_is_refused():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64))
+    lowbit.quantize(model, "hif8-w8a8-minmax")
+    with pytest.raises(lowbit.ShapeError, match="layer '0': a calibration batch needs elements, got shape \\(0, 64\\)"):
+        model(torch.randn(0, 64))
+    bad = torch.randn(2, 64)
+    bad[0, 0] = float("nan")
+    with pytest.raises(RuntimeError, match="layer '0': .*not finite.*; the layer's calibration starts over \\(1 calls\\)"):
+        model(bad)
+    assert not model[0].calibrated and model[0].calls == 0
+    model(torch.randn(2, 64))  # a good batch calibrates it: it was stuck counting calls past batch_num
+    lowbit.convert(model)
+    assert type(model[0]).__name__ == "PackedLinear"

@@ -30,7 +30,8 @@ if os.path.basename(sys.argv[0] if getattr(sys, "argv", None) else "") == "lowbi
     import signal
     import threading
 
-    if threading.current_thread() is threading.main_thread():
+    python_handles_it = signal.getsignal(signal.SIGINT) is signal.default_int_handler  # not ignored (nohup, &)
+    if threading.current_thread() is threading.main_thread() and python_handles_it:
         signal.signal(signal.SIGINT, _interrupted_while_loading)  # put back by lowbit.cli.main.main
 
 from importlib.metadata import PackageNotFoundError, version  # noqa: E402

@@ -12,7 +12,6 @@ from __future__ import annotations
 import fnmatch
 import warnings
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Any, Mapping, Optional
 
 AMCT_WEIGHT_TYPES = ("int8", "int4", "hifloat8", "float8_e4m3fn", "mxfp4_e2m1", "float4_e2m1", "mxfp8_e4m3fn")
@@ -62,12 +61,34 @@ class InputSpec:
 NO_INPUTS = InputSpec()
 
 
+class FrozenMapping(Mapping):
+    """A read-only mapping that, unlike types.MappingProxyType, can be pickled and deep-copied: a model between
+    quantize and convert holds its layers' configs (deepcopy, pickle and torch.save of it failed)."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items: Mapping = ()) -> None:
+        self._items = dict(items)
+
+    def __getitem__(self, key):
+        return self._items[key]
+
+    def __iter__(self):
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __repr__(self) -> str:
+        return f"FrozenMapping({self._items!r})"
+
+
 @dataclass(frozen=True)
 class AlgorithmSpec:
     """One algorithm by name and its options (a read-only mapping)."""
 
     name: str
-    options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    options: Mapping[str, Any] = field(default_factory=lambda: FrozenMapping({}))
 
 
 @dataclass(frozen=True)
@@ -238,7 +259,7 @@ def _algorithm_options(name: str, options: Any, amct_compat: bool) -> Mapping[st
     else:
         known = ()
     _reject_unknown(f"algorithm {name!r} options", options, known)
-    return MappingProxyType(dict(options))
+    return FrozenMapping(options)
 
 
 def parse_algorithms(algorithm: Any, amct_compat: bool) -> tuple[AlgorithmSpec, ...]:

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from lowbit.backends import get_backend
-from lowbit.errors import DtypeError
+from lowbit.errors import DtypeError, ShapeError
 from lowbit.kernels.cpu.memory import huge_page_copy
 from lowbit.nn.svd_quant import svd_quant_decompose
 from lowbit.ops import weight_only
@@ -666,6 +666,18 @@ class CalibrationModule(nn.Module):
             raise type(exc)(f"layer {self.layer_name!r}: {exc}") from exc
         self._calibrator = None
 
+    def _finish_or_start_over(self) -> None:
+        """_finish after the last calibration call; where it fails (a NaN in the data, no usable scale), the
+        layer's calibration starts over with a new calibrator and the error says so: the layer was left with
+        every call counted and no scales, calibrating for ever and returning float outputs."""
+        try:
+            self._finish()
+        except (RuntimeError, ValueError) as exc:
+            self._calibrator = make_calibrator(self.weight, self.bias, self.layer_config, self.geometry)
+            self.calls = 0
+            calls = self.layer_config.batch_num
+            raise type(exc)(f"{exc}; the layer's calibration starts over ({calls} calls)") from exc
+
     def _deploy_equivalent(self) -> QuantizedLinearBase:
         if self._fake is None:
             self.__dict__["_fake"] = self.to_deploy()  # built once, reused by convert
@@ -687,11 +699,14 @@ class CalibrationModule(nn.Module):
         check_layer_input(self.layer_name, self.geometry, x, self.weight.dtype, self.weight.device)
         with torch.no_grad():
             if not self.calibrated:
+                if x.numel() == 0:  # (the observers' reductions failed with torch's errors, or counted it)
+                    raise ShapeError(f"layer {self.layer_name!r}: a calibration batch needs elements, got shape "
+                                     f"{tuple(x.shape)}")
                 y = run_layer(self.geometry, x, self.weight, self.bias)
                 self._calibrator.observe(x, y)
                 self.calls += 1
                 if self.calls == self.layer_config.batch_num:
-                    self._finish()
+                    self._finish_or_start_over()
                 return y
             fake = self._deploy_equivalent()
             if self._fake_weight is None:  # svdquant: the operator is the fake quant

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Mapping
 
+from lowbit.quantize.config import FrozenMapping
+
 
 @dataclass(frozen=True)
 class Scheme:
@@ -33,7 +35,7 @@ def _cfg(weights: dict, inputs: dict | None, algorithm: Any, skip: tuple[str, ..
 
 def _freeze(d: Any) -> Any:
     if isinstance(d, dict):
-        return MappingProxyType({k: _freeze(v) for k, v in d.items()})
+        return FrozenMapping({k: _freeze(v) for k, v in d.items()})
     if isinstance(d, list):
         return tuple(d)
     return d
