@@ -491,3 +491,22 @@ def test_a_failed_calibration_starts_over_and_an_empty_batch_is_refused():
     model(torch.randn(2, 64))  # a good batch calibrates it: it was stuck counting calls past batch_num
     lowbit.convert(model)
     assert type(model[0]).__name__ == "PackedLinear"
+
+
+@pytest.mark.parametrize("scheme", ["hif8-wo", "int4-a16w4", "hif8-w8a8-minmax"])
+@pytest.mark.parametrize("called_before", [False, True])
+def test_weights_changed_after_quantize_are_refused_not_used_stale(scheme, called_before):
+    """(The fake quant and convert used the scales and packed weight of the old weights, without an error.)"""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(128, 64))
+    lowbit.quantize(model, scheme)
+    x = torch.randn(2, 128)
+    if called_before:
+        model(x)
+    model.load_state_dict(nn.Sequential(nn.Linear(128, 64)).state_dict())
+    with pytest.raises(RuntimeError, match="layer '0': its weight or bias changed after lowbit.quantize"):
+        model(x)
+    calibrated = model[0].calibrated  # (else convert names the calls missing first)
+    with pytest.raises(RuntimeError, match="its weight or bias changed" if calibrated else "not calibrated"):
+        lowbit.convert(model)
+    assert isinstance(model[0], CalibrationModule)  # convert replaced nothing

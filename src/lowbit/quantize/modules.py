@@ -652,8 +652,26 @@ class CalibrationModule(nn.Module):
         self._params: Optional[QuantParams] = None
         self.__dict__["_fake"] = None  # deploy-equivalent module, kept out of the module tree (no state_dict)
         self._fake_weight: Optional[torch.Tensor] = None
+        self.__dict__["_weights_seen"] = SourcesSeen((self.weight, self.bias))  # (not pickled: __getstate__)
         if not self._calibrator.needs_data:
             self._finish()
+
+    def _check_weights_unchanged(self) -> None:
+        """RuntimeError naming the layer where its weight or bias changed after quantize (a load_state_dict, a
+        write in place, a move or cast): the scales, and the packed weight the fake quant had already built,
+        belong to the old one, and were used silently."""
+        seen = self.__dict__.get("_weights_seen")
+        if seen is not None and not seen.unchanged((self.weight, self.bias)):
+            raise RuntimeError(f"layer {self.layer_name!r}: its weight or bias changed after lowbit.quantize (a "
+                               "load_state_dict, a write in place, a move or a cast), whose scales were made from "
+                               "the old ones: load the weights, move or cast the model before quantizing it")
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_weights_seen"}  # (addresses: not copied)
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self.__dict__["_weights_seen"] = SourcesSeen((self.weight, self.bias))
 
     @property
     def calibrated(self) -> bool:
@@ -691,11 +709,13 @@ class CalibrationModule(nn.Module):
         if not self.calibrated:
             raise RuntimeError(f"layer {self.layer_name!r} is not calibrated ({self.calls} of "
                                f"{self.layer_config.batch_num} calibration calls)")
+        self._check_weights_unchanged()
         if self._fake is not None:
             return self._fake
         return build_deploy(self.layer_name, self.geometry, self.weight, self.bias, self.layer_config, self._params)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_weights_unchanged()
         check_layer_input(self.layer_name, self.geometry, x, self.weight.dtype, self.weight.device)
         with torch.no_grad():
             if not self.calibrated:
