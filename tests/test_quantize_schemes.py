@@ -510,3 +510,12 @@ def test_weights_changed_after_quantize_are_refused_not_used_stale(scheme, calle
     with pytest.raises(RuntimeError, match="its weight or bias changed" if calibrated else "not calibrated"):
         lowbit.convert(model)
     assert isinstance(model[0], CalibrationModule)  # convert replaced nothing
+
+
+def test_a_second_quantize_reports_the_layers_already_quantized():
+    model = nn.Sequential(nn.Linear(128, 64), nn.Linear(64, 32))
+    lowbit.quantize_(model, "hif8-wo")
+    for call, scheme in ((lowbit.quantize_, "mxfp4-wo"), (lowbit.quantize, "hif8-w8a8-minmax")):
+        report = call(model, scheme)
+        assert [(layer.name, layer.status, layer.reason) for layer in report.layers.values()] == [
+            (name, "skipped", "already quantized by lowbit (PackedLinear)") for name in ("0", "1")]

@@ -15,6 +15,7 @@ from torch import nn
 from lowbit.errors import ShapeError
 from lowbit.quantize.combinations import FLOAT_DTYPES, check_combination, comb_name, select_algorithm, table
 from lowbit.quantize.config import AlgorithmSpec, InputSpec, LayerConfig, QuantConfig, WeightSpec
+from lowbit.quantize.modules import CalibrationModule, QuantizedLinearBase
 from lowbit.quantize.report import LayerReport
 from lowbit.quantize.weight_formats import WEIGHT_FORMATS
 
@@ -91,6 +92,9 @@ def _is_candidate(module: nn.Module, amct_compat: bool) -> bool:
     return isinstance(module, (nn.Linear, nn.Conv2d)) or type(module).__name__ == "FP8Linear"
 
 
+LOWBIT_LAYERS = (CalibrationModule, QuantizedLinearBase)  # a layer lowbit.quantize already replaced
+
+
 def _skip(name: str, module: nn.Module, reason: str) -> LayerReport:
     size = weight_nbytes(module) if isinstance(getattr(module, "weight", None), torch.Tensor) else 0
     return LayerReport(name, type(module).__name__, "skipped", reason=reason, bytes_before=size, bytes_after=size)
@@ -113,6 +117,9 @@ def select_layers(model: nn.Module, config: QuantConfig, scheme: str = "") -> Se
     for n, m in model.named_modules(remove_duplicate=False):
         names_of.setdefault(id(m), []).append(n)
     for name, module in model.named_modules():
+        if isinstance(module, LOWBIT_LAYERS):  # (a second quantize returned an empty report, silently)
+            skipped.append(_skip(name, module, f"already quantized by lowbit ({type(module).__name__})"))
+            continue
         if not _is_candidate(module, compat):
             continue
         if id(module) in read_directly:
