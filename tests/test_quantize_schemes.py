@@ -519,3 +519,31 @@ def test_a_second_quantize_reports_the_layers_already_quantized():
         report = call(model, scheme)
         assert [(layer.name, layer.status, layer.reason) for layer in report.layers.values()] == [
             (name, "skipped", "already quantized by lowbit (PackedLinear)") for name in ("0", "1")]
+
+
+def _fp16_layer(scheme, big):
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 8).half()
+    if big:
+        with torch.no_grad():
+            linear.weight[0, 0] = 60000  # the block's E8M0 scale rounds up: 65536, not an FP16 value
+    model = nn.Sequential(linear)
+    lowbit.quantize(model, scheme)
+    return model
+
+
+def test_fp16_mxfp4_weights_that_are_not_fp16_values_take_the_fake_quants_path():
+    """(The fused kernel summed 65536 in float32: a finite output where fake quant and the dequantize path give
+    -Inf.)"""
+    x = torch.randn(3, 64).half()
+    model = _fp16_layer("mxfp4-wo", big=True)
+    fake = model(x)
+    lowbit.convert(model)
+    assert torch.isinf(fake[:, 0]).all() and torch.equal(model(x), fake) and torch.equal(model(x), fake)
+    assert model[0].__dict__.get("_fused_input") is None
+    normal = _fp16_layer("mxfp4-wo", big=False)
+    normal_fake = normal(x)
+    lowbit.convert(normal)
+    assert torch.equal(normal(x), normal_fake) and normal[0].__dict__["_fused_input"] is not None  # fused
+    normal[0].load_state_dict(model[0].state_dict())  # now holding the 65536 weight: the check runs again
+    assert torch.equal(normal(x), fake) and normal[0].__dict__.get("_fused_input") is None

@@ -206,7 +206,7 @@ class QuantizedLinearBase(nn.Module):
     def __getstate__(self) -> dict:
         """Pickling and copying leave out the prepared and the bound calls (views and copies of this module's
         tensors) and the fused kernel's input kind (PackedLinear.forward)."""
-        return {**self.__dict__, **dict.fromkeys(_CALL_SLOTS), "_fused_input": None}
+        return {**self.__dict__, **dict.fromkeys(_CALL_SLOTS), "_fused_input": None, "_fp16_values": None}
 
     def packed_nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.packed_tensors().values())
@@ -316,6 +316,7 @@ class SourcesSeen:
         return True
 
 
+_FOUR_BIT = ("mxfp4_e2m1", "hifloat4")  # fused formats whose weights an FP16 layer may not hold exactly
 _ROW_SCALED = ("hifloat8", "float8_e4m3fn")  # 8-bit codes with a per-row (or per-tensor) FP32 scale
 _IN_WEIGHT_DTYPE = (*_ROW_SCALED, "mxfp8_e4m3fn")  # fake quant rounds these weights to the weight's dtype
 
@@ -338,7 +339,29 @@ class PackedLinear(QuantizedLinearBase):
             return None
         if self.cfg_meta["weight_type"] in _IN_WEIGHT_DTYPE and dtype != self.weight_dtype:
             return None  # the kernel dequantizes in x's dtype, fake quant in the weight's
+        if self._weights_may_leave_fp16() and not self._weights_are_fp16_values():
+            return None
         return FUSED_LINEAR.get(self.cfg_meta["weight_type"])
+
+    def _weights_may_leave_fp16(self) -> bool:
+        """Whether this is an FP16 layer with MXFP4 or HiFloat4 weights, which need not be FP16 values: near the
+        FP16 maximum a block scale that rounds up makes them overflow (60000 -> 65536), below 2^-24 they fall
+        under FP16's subnormals. Fake quant rounds such weights to FP16 (Inf, or another value); the fused
+        kernel would sum them exactly in float32 (docs/quantize.md, "Fake quant vs deploy")."""
+        return self.weight_dtype is torch.float16 and self.cfg_meta["weight_type"] in _FOUR_BIT
+
+    def _weights_are_fp16_values(self) -> bool:
+        """Whether every weight decodes to an FP16 value (NaN included), decoding them in float32 once per
+        state of the packed buffers (kept with a SourcesSeen of them)."""
+        sources = tuple(self.packed_tensors().values())
+        kept = self.__dict__.get("_fp16_values")
+        if kept is None or not kept[0].unchanged(sources):
+            fmt = WEIGHT_FORMATS[self.cfg_meta["weight_type"]]
+            tensors = {k: v for k, v in self.packed_tensors().items() if k not in ("smooth", "act_scale")}
+            w32 = fmt.decode(tensors, torch.float32, self.cfg_meta.get("group_size"))
+            exact = bool(((w32.half().float() == w32) | w32.isnan()).all())
+            kept = self.__dict__["_fp16_values"] = (SourcesSeen(sources), exact)
+        return kept[1]
 
     def dequantized_weight(self) -> torch.Tensor:
         """The weight (its original shape and dtype), decoded from the packed buffers (not cached)."""
@@ -354,7 +377,9 @@ class PackedLinear(QuantizedLinearBase):
         # after other work: docs/weight_only.md, 'One call'), in one kernel call for a GEMV's rows
         # (_run_one_call; after the fake quant's own call), else, weight-only, by the PreparedCall where it
         # requires no grad. Anything else takes the full path, which also sets this.
-        fast = self.__dict__.get("_fused_input")  # (x dtype, (K,), operator, its two buffers' names, act kind)
+        fast = self.__dict__.get("_fused_input")  # (x dtype, (K,), operator, buffers' names, act kind, FP16 check)
+        if fast is not None and fast[5] and not self._weights_are_fp16_values():  # (the buffers changed)
+            fast = self.__dict__["_fused_input"] = None
         if fast is not None and x.dtype is fast[0] and x.shape[-1:] == fast[1]:
             buffers, (first, second) = self._buffers, fast[3]
             sources = (buffers[first], buffers[second], self._parameters.get("bias"))
@@ -380,7 +405,8 @@ class PackedLinear(QuantizedLinearBase):
             op, names = fused
             act = self.cfg_meta["act_kind"]
             if (act == "none" or act in SCALELESS_KINDS) and "smooth" not in self._buffers:  # x_q: x's own
-                self.__dict__["_fused_input"] = (x_q.dtype, (self.in_features,), op, names, act)
+                self.__dict__["_fused_input"] = (x_q.dtype, (self.in_features,), op, names, act,
+                                                 self._weights_may_leave_fp16())
             buffers = tuple(self._buffers[name] for name in names)
             return self.prepared_call(op, (*buffers, self.bias), self._fused_arguments)(x_q)
         return run_layer(self.cfg_meta["geometry"], x_q, self.dequantized_weight(), self.bias)
