@@ -623,8 +623,8 @@ def test_an_int4_scale_of_another_dtype_is_named():
     x = torch.randn(2, 512).bfloat16()
     module(x), module(x)
     module.antiquant_scale.data = module.antiquant_scale.data.double()
-    with pytest.raises(lowbit.DtypeError, match="layer '0': antiquant_scale must be float16 or bfloat16, got "
-                                                "torch.float64"):
+    with pytest.raises(lowbit.DtypeError, match="layer '0': tensor 'antiquant_scale' is float64 \\(4, 256\\); it "
+                                                "was made bfloat16 \\(4, 256\\)"):
         module(x)
 
 
@@ -645,3 +645,16 @@ def test_a_state_dict_assigned_under_inference_mode_is_owned_and_a_trainable_bia
         module.to(torch.float32).to(torch.bfloat16)
     assert module.bias is bias and module.bias.requires_grad
     assert not any(t.is_inference() for t in [*module.buffers(), *module.parameters()])
+
+
+@pytest.mark.parametrize("scheme", ["hif8-wo", "mxfp4-wo", "int4-a16w4", "svdquant-r32", "fp8-wo"])
+def test_functional_call_with_a_packed_tensor_of_another_shape_is_named(scheme):
+    """(A 0-d scale was broadcast silently, or failed with an IndexError or torch's own errors.)"""
+    module = _converted(scheme)
+    x = torch.randn(2, 512).bfloat16()
+    expected = module(x)
+    module(x)  # bound
+    for name, t in module.packed_tensors().items():
+        with pytest.raises(lowbit.ShapeError, match=f"layer '0': tensor '{name}' is .* \\(\\); it was made"):
+            torch.func.functional_call(module, {name: t.reshape(-1)[:1].reshape(())}, (x,))
+    assert torch.equal(bits(module(x)), bits(expected))

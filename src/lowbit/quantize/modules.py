@@ -81,6 +81,7 @@ class QuantizedLinearBase(nn.Module):
             self.use_huge_pages()
         else:
             self._own_versioned_tensors()
+        self._record_tensors()
 
     in_features = _fixed_size(0, "in_features", "K")
     out_features = _fixed_size(1, "out_features", "N")
@@ -153,9 +154,27 @@ class QuantizedLinearBase(nn.Module):
             prepared, seen = kept
             if prepared.op is op and seen.unchanged(sources):
                 return prepared
+        self._check_tensors()
         prepared = PreparedCall(op, sources if arguments is None else arguments(*sources))
         self.__dict__["_prepared"] = (prepared, SourcesSeen(sources))
         return prepared
+
+    def _record_tensors(self) -> None:
+        """Remember each packed buffer's shape and dtype as made, for :meth:`_check_tensors`."""
+        self.__dict__["_made_as"] = {k: (tuple(t.shape), t.dtype) for k, t in self.packed_tensors().items()}
+
+    def _check_tensors(self) -> None:
+        """ShapeError / DtypeError naming the layer and the tensor where a packed buffer no longer has the shape
+        or dtype it was made with (a ``.data`` assignment, torch.func.functional_call with other tensors): the
+        kernels would read it in its old layout, or broadcast it. (Casts are refused before: _check_not_cast;
+        the bias may be replaced by one that broadcasts, which the full path adds as torch does.)"""
+        for name, (shape, dtype) in self.__dict__.get("_made_as", {}).items():
+            t = self._buffers.get(name)
+            if t is None or tuple(t.shape) != shape or t.dtype != dtype:
+                held = "missing" if t is None else f"{str(t.dtype).removeprefix('torch.')} {tuple(t.shape)}"
+                error = DtypeError if t is not None and tuple(t.shape) == shape else ShapeError
+                raise error(f"layer {self.layer_name!r}: tensor {name!r} is {held}; it was made "
+                            f"{str(dtype).removeprefix('torch.')} {shape}")
 
     def _run_one_call(self, x: torch.Tensor, sources: tuple, bind: Callable[..., Any], bind_argument: Any,
                       max_rows: Optional[int] = None, slot: str = "_one_call") -> Optional[torch.Tensor]:
@@ -183,6 +202,7 @@ class QuantizedLinearBase(nn.Module):
         if not (plain_tensor(x) and plain_context()):
             return None
         if kept is None or kept[2] != setting or not kept[1].unchanged(sources):
+            self._check_tensors()
             kept = self.__dict__[slot] = (bind(x, sources, bind_argument), SourcesSeen(sources), setting)
         call = kept[0]
         if call is None or m > call.max_rows:
@@ -261,6 +281,7 @@ class QuantizedLinearBase(nn.Module):
         self._check_not_cast()
         if not self._buffers:  # (a checkpoint's description without tensors)
             raise ValueError(f"layer {self.layer_name!r} has no packed tensors")
+        self._check_tensors()
         check_layer_input(self.layer_name, self.cfg_meta["geometry"], x, self.weight_dtype,
                           next(iter(self._buffers.values())).device)
         if self._records_no_graph(x):  # no torch.no_grad(): its grad-mode switches cost tens of microseconds
@@ -550,9 +571,6 @@ class Int4Linear(PackedLinear):
         return bind(self._current_packed(plan), scale, offset, bias)
 
     def compute(self, x_q):
-        if self.antiquant_scale.dtype not in (torch.float16, torch.bfloat16):  # x is cast to it: name the scale
-            raise DtypeError(f"layer {self.layer_name!r}: antiquant_scale must be float16 or bfloat16, got "
-                             f"{self.antiquant_scale.dtype}")
         x2 = x_q.reshape(-1, self.in_features).to(self.antiquant_scale.dtype)
         offset = self._buffers.get("antiquant_offset")
         dequant = x2.shape[0] > int4_msd_max_rows(x2.dtype) and x2.device.type == "cpu"
