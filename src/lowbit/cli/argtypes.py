@@ -101,7 +101,6 @@ def dims(count: int, sep: str = "x") -> Callable[[str], tuple[int, ...]]:
     return parse
 
 
-
 def _writable_place(path: Path, kind: str) -> None:
     """ArgumentTypeError unless a ``kind`` ("file" or "directory") could be written at ``path``: it is not an
     existing entry of the other kind, and its nearest existing ancestor is a directory this process may write in

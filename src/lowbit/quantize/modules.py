@@ -373,23 +373,24 @@ class PackedLinear(QuantizedLinearBase):
 
     def _weights_are_fp16_values(self) -> bool:
         """Whether every weight decodes to an FP16 value (NaN included), decoding them in float32 once per
-        state of the packed buffers (kept with a SourcesSeen of them)."""
-        sources = tuple(self.packed_tensors().values())
+        state of the fused kernel's two weight buffers (kept with a SourcesSeen of them: a check per call)."""
+        sources = tuple(self._buffers[name] for name in FUSED_LINEAR[self.cfg_meta["weight_type"]][1])
         kept = self.__dict__.get("_fp16_values")
         if kept is None or not kept[0].unchanged(sources):
-            fmt = WEIGHT_FORMATS[self.cfg_meta["weight_type"]]
-            tensors = {k: v for k, v in self.packed_tensors().items() if k not in ("smooth", "act_scale")}
-            w32 = fmt.decode(tensors, torch.float32, self.cfg_meta.get("group_size"))
+            w32 = self._decoded_weight(torch.float32)
             exact = bool(((w32.half().float() == w32) | w32.isnan()).all())
             kept = self.__dict__["_fp16_values"] = (SourcesSeen(sources), exact)
         return kept[1]
 
-    def dequantized_weight(self) -> torch.Tensor:
-        """The weight (its original shape and dtype), decoded from the packed buffers (not cached)."""
+    def _decoded_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight as its format decodes it from the packed buffers into ``dtype``, (N, K) (not cached)."""
         fmt = WEIGHT_FORMATS[self.cfg_meta["weight_type"]]
         tensors = {k: v for k, v in self.packed_tensors().items() if k not in ("smooth", "act_scale")}
-        dense = fmt.decode(tensors, self.weight_dtype, self.cfg_meta.get("group_size"))
-        return dense.reshape(self.cfg_meta["geometry"]["weight_shape"])
+        return fmt.decode(tensors, dtype, self.cfg_meta.get("group_size"))
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The weight (its original shape and dtype), decoded from the packed buffers (not cached)."""
+        return self._decoded_weight(self.weight_dtype).reshape(self.cfg_meta["geometry"]["weight_shape"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # A layer whose fused kernel took x as it is (weight-only) or fake-quantized without a scale (act kinds

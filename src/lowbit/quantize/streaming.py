@@ -105,7 +105,7 @@ def _plan_shard(shard: Shard, all_names: set[str], planner: Planner, scheme: str
     items = [(name, e.dtype, e.shape, e.nbytes, e.element_size) for name, e in copies.items()]
     items += [(f"{layer.name}.{t.key}", t.dtype, t.shape, t.nbytes, t.element_size)
               for layer in layers for t in layer.tensors]
-    _check_unique_outputs(shard, copies, layers, all_names)
+    _check_unique_outputs(shard, layers, all_names)
     entries, position = {}, 0
     for name, dtype, shape, nbytes, _ in sorted(items, key=lambda i: (-i[4], i[0])):
         entries[name] = (dtype, shape, position, position + nbytes)
@@ -122,7 +122,7 @@ def _plan_shard(shard: Shard, all_names: set[str], planner: Planner, scheme: str
                       list(entries))
 
 
-def _check_unique_outputs(shard: Shard, copies: dict, layers: list, all_names: set[str]) -> None:
+def _check_unique_outputs(shard: Shard, layers: list, all_names: set[str]) -> None:
     """CheckpointError where a packed tensor of this shard would take the name of a tensor of the checkpoint
     (or of another packed tensor): writing it would lose one of the two."""
     made = {}
