@@ -36,9 +36,9 @@ def _operands(seed, m, k, n, g, dtype, with_offset, specials):
     return x, weight, scale, offset
 
 
-def _decoded(weight, scale, offset, g, dtype, c0, width, bf16_tile):
+def _decoded(weight, scale, offset, g, dtype, c0, width, bf16_tile, serial):
     """The kernel's tile of columns c0 .. c0 + width, as values of ``dtype`` (BF16 x: a BF16 tile, or, without
-    ``bf16_tile``, the float32 tile of CPUs without BF16 hardware)."""
+    ``bf16_tile``, the float32 tile of CPUs without BF16 hardware), by its serial or its parallel form."""
     k, n = weight.shape[0], 2 * weight.shape[1]
     np_ = dequant.padded_columns(n)
     scale32 = torch.zeros(k // g, np_)
@@ -49,19 +49,20 @@ def _decoded(weight, scale, offset, g, dtype, c0, width, bf16_tile):
     args = (as_numpy(weight), scale32.numpy(), offset32.numpy(), offset is not None, g, c0)
     if dtype == torch.bfloat16 and bf16_tile:
         tile = torch.full((k, width), -1, dtype=torch.int16)
-        dequant._decode_tile_bf16(*args, tile.numpy())
+        dequant._decode_tile_bf16(*args, tile.numpy(), serial=serial)
         return tile.view(torch.bfloat16)
     tile = torch.full((k, width), -1.0)
-    (dequant._decode_tile_bf16_as_f32 if dtype == torch.bfloat16 else dequant._decode_tile_f16)(*args, tile.numpy())
+    decode = dequant._decode_tile_bf16_as_f32 if dtype == torch.bfloat16 else dequant._decode_tile_f16
+    decode(*args, tile.numpy(), serial=serial)
     return tile
 
 
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), g=st.sampled_from([32, 64, 96, 128]), groups=st.integers(1, 3),
        n=st.sampled_from([2, 34, 64, 130, 200]), first_step=st.integers(0, 6), bf16=st.booleans(),
-       with_offset=st.booleans(), specials=st.booleans(), bf16_tile=st.booleans())
+       with_offset=st.booleans(), specials=st.booleans(), bf16_tile=st.booleans(), serial=st.booleans())
 def test_tiles_are_the_reference_dequantized_weight(seed, g, groups, n, first_step, bf16, with_offset, specials,
-                                                     bf16_tile):
+                                                     bf16_tile, serial):
     """Any tile (starting at any decode step, a short last step included; BF16 or float32 for BF16 x) holds
     round_D((W + offset) * scale) exactly; NaN where the reference has NaN."""
     dtype = torch.bfloat16 if bf16 else torch.float16
@@ -69,7 +70,7 @@ def test_tiles_are_the_reference_dequantized_weight(seed, g, groups, n, first_st
     _, weight, scale, offset = _operands(seed, 2, k, n, g, dtype, with_offset, specials)
     c0 = min(first_step * 32, dequant.padded_columns(n) - 32)
     width = n - c0
-    tile = _decoded(weight, scale, offset, g, dtype, c0, width, bf16_tile)
+    tile = _decoded(weight, scale, offset, g, dtype, c0, width, bf16_tile, serial)
     want = ref.dequantize_weight(weight, scale, offset, g)[:, c0:].to(tile.dtype)
     assert torch.equal(tile.isnan(), want.isnan())
     keep = ~want.isnan()

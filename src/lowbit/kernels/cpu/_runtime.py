@@ -19,6 +19,7 @@ from numba.core import cgutils, types as numba_types
 from numba.core import event as numba_event
 from numba.extending import intrinsic
 
+import lowbit.kernels.cpu as cpu_package
 from lowbit.collector import fewer_collections
 
 # Options every CPU kernel is compiled with: one place to change them.
@@ -183,15 +184,22 @@ numba_event.register("numba:compile", FewerCollectionsWhileCompiling())
 
 
 _threads_started = False  # whether _followed_threads started numba's threading layer
+def parallel_loops_allowed() -> bool:
+    """Whether the kernels may run numba's parallel loops here: not in a child forked after lowbit's import
+    (lowbit.kernels.cpu.parallel_loops), where each runs its serial form whatever the thread count."""
+    return cpu_package.parallel_loops
 
 
 def _followed_threads() -> int:
-    """torch.get_num_threads() capped by numba's pool: the numba thread count that follows torch's.
+    """torch.get_num_threads() capped by numba's pool: the numba thread count that follows torch's; 1 where
+    parallel loops may not run (:func:`parallel_loops_allowed`).
 
     Starting numba's OpenMP threading layer (on the first call) resets the process's OpenMP thread
     count, which is torch's too; torch's setting is read first and put back.
     """
     global _threads_started
+    if not cpu_package.parallel_loops:
+        return 1
     wanted = torch.get_num_threads()
     if not _threads_started:
         numba.get_num_threads()  # launches numba's threading layer if it is not running yet

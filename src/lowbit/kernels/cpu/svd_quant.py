@@ -50,7 +50,7 @@ from lowbit.formats.svd_quant import BLOCK, weight_scales
 from lowbit.kernels.cpu import _block_sums, amx, mxfp4
 from lowbit.kernels.cpu import _simd as simd
 from lowbit.kernels.cpu._runtime import (NJIT_OPTIONS, SerialOrParallel, as_numpy, bound_njit, copy_elements,
-                                         int16_array_at, kernel_threads, sync_threads)
+                                         int16_array_at, kernel_threads, parallel_loops_allowed, sync_threads)
 from lowbit.kernels.cpu._weight_only_steps import _low_byte_range, _prefetch_ahead
 from lowbit.kernels.cpu.weight_only import GEMV_MAX_M, GEMV_ONE_THREAD_WEIGHTS, MXFP4_LINEAR, _amx_max_m
 
@@ -444,11 +444,11 @@ def _in_python(product):
 
 def _decode_call(work: int, decode_of, args: tuple):
     """``decode_of(product)(*args)`` (_one_call_decode, _one_call_decode_at or _in_python) on a weight of
-    ``work`` = N * K weights: product_gemv's serial form below _PRODUCT_SERIAL_WEIGHTS, else its parallel loop,
-    on one thread below _PRODUCT_ONE_THREAD_WEIGHTS."""
-    decode = decode_of(product_gemv.serial if work < _PRODUCT_SERIAL_WEIGHTS else product_gemv.parallel)
-    if work < _PRODUCT_SERIAL_WEIGHTS:
-        return decode(*args)
+    ``work`` = N * K weights: product_gemv's serial form below _PRODUCT_SERIAL_WEIGHTS or where parallel loops
+    may not run (parallel_loops_allowed), else its parallel loop, on one thread below _PRODUCT_ONE_THREAD_WEIGHTS."""
+    if work < _PRODUCT_SERIAL_WEIGHTS or not parallel_loops_allowed():
+        return decode_of(product_gemv.serial)(*args)
+    decode = decode_of(product_gemv.parallel)
     if work < _PRODUCT_ONE_THREAD_WEIGHTS:
         with kernel_threads(work, _PRODUCT_ONE_THREAD_WEIGHTS):
             return decode(*args)

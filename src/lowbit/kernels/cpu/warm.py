@@ -27,6 +27,7 @@ from typing import Callable, Iterable, Optional
 import numba
 import torch
 
+import lowbit.kernels.cpu as cpu_package
 from lowbit.backends import Operator
 from lowbit.collector import fewer_collections
 from lowbit.kernels.cpu._runtime import COMPILE_NOTICE, SerialOrParallel, family_module
@@ -216,12 +217,13 @@ def _worker_setup(forked: bool) -> None:
     prints the cold families' lines, and a worker's would break into its progress line, or repeat the line of
     a helper module such as amx that several processes compile). A forked worker runs torch on one thread
     (its OpenMP pool, if the parent started one, does not exist here) and numba's own threading layer
-    (workqueue) rather than OpenMP for any parallel kernel a probe runs; numba caches a kernel for every
-    threading layer alike."""
+    (workqueue, which starts here) rather than OpenMP for any parallel kernel a probe runs, so it may run
+    them (lowbit.kernels.cpu.parallel_loops); numba caches a kernel for every threading layer alike."""
     COMPILE_NOTICE.quiet = True
     if forked:
         torch.set_num_threads(1)
         numba.config.THREADING_LAYER = "workqueue"
+        cpu_package.parallel_loops = True
 
 
 def _worker_pool(workers: int) -> concurrent.futures.ProcessPoolExecutor:

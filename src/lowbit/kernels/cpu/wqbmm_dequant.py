@@ -28,7 +28,8 @@ from numba.extending import overload
 from lowbit.formats import wqbmm as reference
 from lowbit.kernels.cpu import _int4_tiles, weight_only
 from lowbit.kernels.cpu import _simd as simd
-from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, as_numpy, copy_elements, sync_threads
+from lowbit.kernels.cpu._runtime import (NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, SerialOrParallel, as_numpy, copy_elements,
+                                         parallel_loops_allowed, sync_threads)
 from lowbit.kernels.cpu.weight_only import canonical_nan_bf16
 
 TILE_BYTES = 64 << 20  # the dense tile's budget: a whole 4096 x 4096 BF16 weight (32 MiB) is one tile
@@ -99,20 +100,15 @@ def _decode_tile(store, weight, scale32, offset32, has_offset, group_size, c0, t
                     copy_elements(t_flat, row * t + c - c0, tail_out, 0, count)
 
 
+def _decode_tile_of(weight, scale32, offset32, has_offset, group_size, c0, tile):
+    """_decode_tile with the store ``_STORE`` (a bound global)."""
+    _decode_tile(_STORE, weight, scale32, offset32, has_offset, group_size, c0, tile)  # noqa: F821
+
+
 # One kernel per tile dtype (a function passed from Python would keep numba from caching the kernel).
-@numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _decode_tile_bf16(weight, scale32, offset32, has_offset, group_size, c0, tile):
-    _decode_tile(_store_bf16, weight, scale32, offset32, has_offset, group_size, c0, tile)
-
-
-@numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _decode_tile_f16(weight, scale32, offset32, has_offset, group_size, c0, tile):
-    _decode_tile(_store_f16_as_f32, weight, scale32, offset32, has_offset, group_size, c0, tile)
-
-
-@numba.njit(**PARALLEL_NJIT_OPTIONS)
-def _decode_tile_bf16_as_f32(weight, scale32, offset32, has_offset, group_size, c0, tile):
-    _decode_tile(_store_bf16_as_f32, weight, scale32, offset32, has_offset, group_size, c0, tile)
+_decode_tile_bf16 = SerialOrParallel(_decode_tile_of, "_decode_tile_bf16", _STORE=_store_bf16)
+_decode_tile_f16 = SerialOrParallel(_decode_tile_of, "_decode_tile_f16", _STORE=_store_f16_as_f32)
+_decode_tile_bf16_as_f32 = SerialOrParallel(_decode_tile_of, "_decode_tile_bf16_as_f32", _STORE=_store_bf16_as_f32)
 
 
 # ---- the tiles of a PackedWeight, in the (N, K) orientation (docs/wqbmm.md, 'Dequant on a PackedWeight') ----
@@ -326,7 +322,7 @@ def dequant_into(x: torch.Tensor, weight: torch.Tensor, antiquant_scale: torch.T
         width = min(columns, n - c0)
         tile = view("tile", tile_dtype, (k, width))
         sync_threads()
-        decode(*arrays, c0, as_numpy(tile))
+        decode(*arrays, c0, as_numpy(tile), serial=not parallel_loops_allowed())
         if bf16_tile:
             torch.mm(x, tile, out=out if width == n else out[:, c0 : c0 + width])
         else:
