@@ -179,6 +179,18 @@ def test_other_wrong_arguments_are_named():
         lowbit.encode_to_hifloat8(torch.randn(4, 64).half().to_sparse())
 
 
+def test_a_model_without_quantized_layers_is_not_saved(tmp_path):
+    """A float model (never quantized, or every layer skipped) is refused before anything is written."""
+    with pytest.raises(ValueError, match="no layer quantized by lowbit"):
+        lowbit.save_quantized(nn.Sequential(nn.Linear(64, 32)), tmp_path / "q")
+    shared = nn.Linear(64, 64)
+    model = nn.Sequential(shared, nn.ReLU(), shared)  # a layer used twice is skipped
+    assert lowbit.quantize_(model, "hif8-wo").quantized == []
+    with pytest.raises(ValueError, match="no layer quantized by lowbit"):
+        lowbit.save_quantized(model, tmp_path / "q")
+    assert not (tmp_path / "q").exists()
+
+
 def test_verify_with_infinite_tolerances_or_a_directory(tmp_path, capsys):
     import numpy as np
 

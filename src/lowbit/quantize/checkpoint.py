@@ -72,7 +72,8 @@ def save_quantized(model: nn.Module, directory: PathLike) -> Path:
     directory is replaced only when it is empty or holds just such a checkpoint: ValueError for any other
     (a model's own directory, a folder of other files), which is left as it was.
 
-    The model must be converted (RuntimeError naming the layers still calibrating). Returns the path."""
+    The model must be converted (RuntimeError naming the layers still calibrating) and hold at least one
+    quantized layer (ValueError: a float checkpoint is not what this function is for). Returns the path."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"save_quantized: model must be an nn.Module, got {type(model).__name__}")
     st = _safetensors_torch()
@@ -80,6 +81,9 @@ def save_quantized(model: nn.Module, directory: PathLike) -> Path:
     if calibrating:
         raise RuntimeError(f"save_quantized: call lowbit.convert(model) first; calibration modules: {calibrating}")
     layers = {n: m.quant_meta() for n, m in model.named_modules() if isinstance(m, QuantizedLinearBase)}
+    if not layers:
+        raise ValueError("save_quantized: the model has no layer quantized by lowbit (quantize and convert it "
+                         "first; a quantize report that skipped every layer says why)")
     meta = {"format_version": FORMAT_VERSION, "lowbit_version": _lowbit_version(), "layers": layers}
     tensors = _state_tensors(model)
     target = Path(directory)
