@@ -210,6 +210,17 @@ def test_importing_lowbit_imports_no_kernel_toolkit():
     assert result.stdout.strip() == "[]"
 
 
+def test_the_package_exports_only_its_api_and_subpackages():
+    """``dir(lowbit)`` shows the names of __all__ and lowbit's own subpackages, not the modules and helpers its
+    __init__ uses (os, sys, importlib's version)."""
+    import types
+
+    public = {name for name in dir(lowbit) if not name.startswith("_")}
+    modules = {name for name in public if isinstance(getattr(lowbit, name), types.ModuleType)}
+    assert public - modules <= set(lowbit.__all__), sorted(public - modules - set(lowbit.__all__))
+    assert all(getattr(lowbit, name).__name__ == f"lowbit.{name}" for name in modules), sorted(modules)
+
+
 class _WrongFor(_Native):
     """A native kernel that is right except for inputs of ``dtype``; records the dtypes it ran."""
 

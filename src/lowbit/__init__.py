@@ -3,8 +3,8 @@
 Operators are also registered as ``torch.ops.lowbit.<name>``. Backends: see :mod:`lowbit.backends`.
 """
 
-import os
-import sys
+import os as _os
+import sys as _sys
 
 # numba's parallel loops and torch's ops take turns on one team of OpenMP threads (one libgomp serves both:
 # README, "Threads"), so how its idle threads wait between regions decides what a switch costs. Threads that
@@ -15,18 +15,18 @@ import sys
 # CPUs). Read when OpenMP loads: this only takes effect when lowbit is imported before torch (as in the lowbit
 # command); a value of either variable set by the user is kept.
 _WAIT_POLICY = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "50000"}
-if "torch" not in sys.modules and not any(name in os.environ for name in _WAIT_POLICY):
-    os.environ.update(_WAIT_POLICY)
+if "torch" not in _sys.modules and not any(name in _os.environ for name in _WAIT_POLICY):
+    _os.environ.update(_WAIT_POLICY)
 
 
 def _interrupted_while_loading(signum, frame) -> None:
     """The lowbit command's Ctrl-C before its main() runs (the imports below take about a second): its one
     line and exit code 130, as main() reports an interrupt (docs/cli.md), not a traceback of the imports."""
-    os.write(2, b"lowbit: error: interrupted\n")
-    os._exit(130)
+    _os.write(2, b"lowbit: error: interrupted\n")
+    _os._exit(130)
 
 
-if os.path.basename(sys.argv[0] if getattr(sys, "argv", None) else "") == "lowbit":  # the console script
+if _os.path.basename(_sys.argv[0] if getattr(_sys, "argv", None) else "") == "lowbit":  # the console script
     import signal
     import threading
 
@@ -34,7 +34,7 @@ if os.path.basename(sys.argv[0] if getattr(sys, "argv", None) else "") == "lowbi
     if threading.current_thread() is threading.main_thread() and python_handles_it:
         signal.signal(signal.SIGINT, _interrupted_while_loading)  # put back by lowbit.cli.main.main
 
-from importlib.metadata import PackageNotFoundError, version  # noqa: E402
+from importlib.metadata import PackageNotFoundError as _PackageNotFoundError, version as _version  # noqa: E402
 
 from lowbit.backends import (  # noqa: E402
     BackendUnavailable,
@@ -68,8 +68,8 @@ from lowbit.quantize import (  # noqa: E402
 )
 
 try:
-    __version__ = version("lowbit")
-except PackageNotFoundError:  # running from a source tree without installation
+    __version__ = _version("lowbit")
+except _PackageNotFoundError:  # running from a source tree without installation
     __version__ = "0+unknown"
 
 __all__ = [
