@@ -624,6 +624,35 @@ def test_writes_under_inference_mode_are_seen(scheme, name):
     assert torch.equal(bits(after), bits(_fresh_result(module, x)))
 
 
+@pytest.mark.parametrize("scheme, name", [("hif4-wo", "value"), ("hif8-wo", "scale"), ("hif8-wo", "codes"),
+                                          ("int4-a16w4", "weight")])
+def test_a_write_that_ends_while_a_cache_is_made_is_seen_at_the_next_call(scheme, name, monkeypatch):
+    """Another thread's in-place write ending while a call copies or packs the tensors (hif4's indexed codes,
+    hif8's scales and codes, int4's PackedWeight): the caches record the versions before they read, so the
+    next call makes them again, not the copy of a half-written tensor for good."""
+    module = _converted(scheme)
+    x = torch.randn(1, 512).bfloat16()
+    tensor = getattr(module, name)
+    owner, method = (lowbit.WqbmmPlan, "pack_weight") if scheme == "int4-a16w4" else (PreparedCall, "_bound_gemv")
+    original, written = getattr(owner, method), []
+
+    def then_written(*args, **kwargs):
+        result = original(*args, **kwargs)
+        if not written:  # the write ends after the cache read the tensor
+            written.append(True)
+            with torch.no_grad():
+                tensor.copy_(tensor.roll(1, 0))
+        return result
+
+    monkeypatch.setattr(owner, method, then_written)
+    if scheme == "int4-a16w4":
+        module.prepack()  # (load_quantized's call; the layer packed its weight when it was made)
+    module(x), module(x)
+    assert written
+    expected = _fresh_result(module, x)
+    assert torch.equal(bits(module(x)), bits(expected)) and torch.equal(bits(module(x)), bits(expected))
+
+
 def test_an_int4_scale_of_another_dtype_is_named():
     module = _converted("int4-a16w4")
     x = torch.randn(2, 512).bfloat16()

@@ -155,8 +155,9 @@ class QuantizedLinearBase(nn.Module):
             if prepared.op is op and seen.unchanged(sources):
                 return prepared
         self._check_tensors()
+        seen = SourcesSeen(sources)  # before the copies: a write meanwhile makes the next call prepare again
         prepared = PreparedCall(op, sources if arguments is None else arguments(*sources))
-        self.__dict__["_prepared"] = (prepared, SourcesSeen(sources))
+        self.__dict__["_prepared"] = (prepared, seen)
         return prepared
 
     def _record_tensors(self) -> None:
@@ -203,7 +204,8 @@ class QuantizedLinearBase(nn.Module):
             return None
         if kept is None or kept[2] != setting or not kept[1].unchanged(sources):
             self._check_tensors()
-            kept = self.__dict__[slot] = (bind(x, sources, bind_argument), SourcesSeen(sources), setting)
+            seen = SourcesSeen(sources)  # before bind reads (and may copy) them: see SourcesSeen
+            kept = self.__dict__[slot] = (bind(x, sources, bind_argument), seen, setting)
         call = kept[0]
         if call is None or m > call.max_rows:
             return None
@@ -311,7 +313,9 @@ class SourcesSeen:
     broadcast or reinterpreted view at the same address too), with the same version counter (bumped by every
     in-place write, such as load_state_dict's copy). An inference tensor has no version counter: the deploy
     modules keep none (QuantizedLinearBase._own_versioned_tensors), and load_state_dict drops their caches
-    itself."""
+    itself. Made before the cache is built from the tensors: torch bumps a version when a write ends, so a
+    write in another thread while the cache reads them is seen at the next call, not recorded as current.
+    Not seen: writes through ``t.data`` (an alias with a version counter of its own)."""
 
     def __init__(self, tensors: tuple) -> None:
         self.tensors = tensors
@@ -377,9 +381,10 @@ class PackedLinear(QuantizedLinearBase):
         sources = tuple(self._buffers[name] for name in FUSED_LINEAR[self.cfg_meta["weight_type"]][1])
         kept = self.__dict__.get("_fp16_values")
         if kept is None or not kept[0].unchanged(sources):
+            seen = SourcesSeen(sources)  # before reading them: a write meanwhile makes the next call look again
             w32 = self._decoded_weight(torch.float32)
             exact = bool(((w32.half().float() == w32) | w32.isnan()).all())
-            kept = self.__dict__["_fp16_values"] = (SourcesSeen(sources), exact)
+            kept = self.__dict__["_fp16_values"] = (seen, exact)
         return kept[1]
 
     def _decoded_weight(self, dtype: torch.dtype) -> torch.Tensor:
@@ -519,9 +524,10 @@ class Int4Linear(PackedLinear):
         """(Re)build the kernel-layout PackedWeight from the ``weight`` buffer on its device with ``plan`` (by
         default the plan of one row under the current backend setting), in huge pages on the CPU as the
         buffers; returns it."""
+        seen = SourcesSeen((self.weight,))  # before packing: a write meanwhile makes the next call pack again
         packed = (plan or self._plan(1, self.weight.device)).pack_weight(self.weight)
         packed = dataclasses.replace(packed, data=huge_page_copy(packed.data))
-        self.__dict__["_packed_state"] = (packed, SourcesSeen((self.weight,)))
+        self.__dict__["_packed_state"] = (packed, seen)
         return packed
 
     def _current_packed(self, plan) -> PackedWeight:
