@@ -19,6 +19,7 @@ import re
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
+from torch.autograd import forward_ad
 
 from lowbit import backends
 from lowbit.backends import Kernel, Operator, same_bits
@@ -161,7 +162,8 @@ def _plain_argument(arg: Any, kind: str) -> bool:
 def plain_context() -> bool:
     """Whether nothing would intercept or record a custom op's call here: torch.compile, torch.jit tracing,
     the profiler, a TorchFunctionMode or TorchDispatchMode (user modes and torch's own: fake tensors,
-    functionalization, proxy tracing), functorch transforms (vmap, grad, functionalize). Six flag reads: this
+    functionalization, proxy tracing), functorch transforms (vmap, grad, functionalize), a forward-mode AD
+    level (torch.autograd.forward_ad.dual_level: x may carry a tangent). Seven flag reads: this
     runs on every direct call, where reading the thread-local dispatch key set (a new Python object) cost
     about 30 us more after other work had evicted the caches (docs/weight_only.md, 'One call'). Not seen:
     torch's Python dispatcher and functionalization switched on without a mode, machinery of torch.compile
@@ -169,7 +171,8 @@ def plain_context() -> bool:
     gives the dispatcher's result)."""
     return not (torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled()
                 or torch._C._get_tracing_state() is not None or torch._C._autograd._profiler_enabled()
-                or torch._C._len_torch_dispatch_stack() or torch._C._are_functorch_transforms_active())
+                or torch._C._len_torch_dispatch_stack() or torch._C._are_functorch_transforms_active()
+                or forward_ad._current_level >= 0)
 
 
 def plain_tensor(arg: Any) -> bool:
@@ -245,6 +248,9 @@ def call(op: Operator, args: Sequence[Any], out: Any = None, backend: Optional[s
         raise TypeError(f"{op.name}: backend must be a str (native, reference, auto) or None, got "
                         f"{type(backend).__name__}")
     check_argument_types(op.name, args)
+    if forward_ad._current_level >= 0 and any(isinstance(a, torch.Tensor) and forward_ad.unpack_dual(a).tangent
+                                              is not None for a in args):
+        raise RuntimeError(f"{op.name} has no forward-mode derivative (a tangent of its input would be dropped)")
     if out is None:
         if dispatches_plainly(op.name, args, backend):
             return op(*args, backend=backend)

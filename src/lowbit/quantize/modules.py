@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
+from torch.autograd import forward_ad
 
 from lowbit.backends import get_backend
 from lowbit.errors import DtypeError, ShapeError
@@ -49,6 +50,21 @@ def int4_compute_dtype(weight_dtype: torch.dtype) -> torch.dtype:
 # A deploy module's caches in its __dict__ (not module attributes: absent from modules pickled before them), dropped
 # by load_state_dict and left out of pickles and copies: its PreparedCall and its bound kernel calls
 _CALL_SLOTS = ("_prepared", "_one_call", "_prefill_call")
+
+
+def refuse_unsupported_transforms(layer_name: str, x: torch.Tensor) -> None:
+    """RuntimeError naming the layer under a transform that would record or differentiate it wrongly without
+    an error: torch.jit.trace (its graph would keep the path and kernel chosen for the example's rows and
+    values, and calibration would run on the example), and a derivative through the layer by torch.func
+    (grad, vjp, jvp, jacrev) or forward-mode AD (the layer has none: they came out as zeros or None). Called
+    where a layer's call leaves its one-call path (which these never take: plain_context, plain_tensor)."""
+    if torch._C._get_tracing_state() is not None:
+        raise RuntimeError(f"layer {layer_name!r}: torch.jit.trace cannot record a lowbit layer (its path "
+                           "depends on the rows and values of x); use torch.compile or torch.export")
+    if (torch._C._are_functorch_transforms_active() and torch._C._functorch.is_gradtrackingtensor(x)
+            or forward_ad._current_level >= 0 and forward_ad.unpack_dual(x).tangent is not None):
+        raise RuntimeError(f"layer {layer_name!r}: a quantized layer has no derivative (torch.func's grad, vjp "
+                           "and jvp and forward-mode AD through it would give zeros)")
 
 
 def _fixed_size(index: int, name: str, letter: str) -> property:
@@ -279,7 +295,12 @@ class QuantizedLinearBase(nn.Module):
     def compute(self, x_q: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def __prepare_scriptable__(self):
+        raise RuntimeError(f"layer {self.layer_name!r}: torch.jit.script cannot compile a lowbit layer; use "
+                           "torch.compile or torch.export")
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        refuse_unsupported_transforms(self.layer_name, x)
         self._check_not_cast()
         if not self._buffers:  # (a checkpoint's description without tensors)
             raise ValueError(f"layer {self.layer_name!r} has no packed tensors")
@@ -414,6 +435,7 @@ class PackedLinear(QuantizedLinearBase):
             if y is not None:
                 return y
             if fast[4] == "none" and self._records_no_graph(x) and x.device == sources[0].device:
+                refuse_unsupported_transforms(self.layer_name, x)
                 return self.prepared_call(fast[2], sources, self._fused_arguments)(x)  # (else the layer's error)
         return super().forward(x)
 
@@ -586,7 +608,7 @@ class Int4Linear(PackedLinear):
         # or a mode, which take the custom op whole (not the plan's Python and numpy): MSD's bits, as the
         # PackedWeight's; dequant's within the same interval (torch's GEMM in the other orientation: a few
         # outputs differ in the last bit from the PackedWeight's, docs/quantize.md)
-        if plain_context() and (not dequant or _dequant_reads_packed(x2.dtype)):
+        if plain_context() and plain_tensor(x2) and (not dequant or _dequant_reads_packed(x2.dtype)):
             plan = self._plan(x2.shape[0], self.weight.device, "dequant" if dequant else "msd")
             y = plan.run(x2, self._current_packed(plan), self.antiquant_scale, offset)
         else:
@@ -765,7 +787,10 @@ class CalibrationModule(nn.Module):
             return self._fake
         return build_deploy(self.layer_name, self.geometry, self.weight, self.bias, self.layer_config, self._params)
 
+    __prepare_scriptable__ = QuantizedLinearBase.__prepare_scriptable__
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        refuse_unsupported_transforms(self.layer_name, x)
         self._check_weights_unchanged()
         check_layer_input(self.layer_name, self.geometry, x, self.weight.dtype, self.weight.device)
         with torch.no_grad():
