@@ -92,3 +92,4 @@ def test_a_tensor_subclass_stays_one_and_sees_the_operators(scheme, rows):
     assert type(y) is Tagged and Tagged.seen
     if scheme != "int4-a16w4" or rows <= 12:  # int4's prefill under a subclass: the one-shot operator's dequant
         assert torch.equal(bits(y.as_subclass(torch.Tensor)), bits(layer(x)))
+

@@ -15,6 +15,7 @@ import math
 import os
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any, Iterator, Union
 
@@ -275,25 +276,41 @@ def _check_no_meta_left(model: nn.Module, expected: dict, built: dict) -> None:
                                   "which keeps buffers real)")
 
 
+_on_meta = threading.local()  # .depth: how many parameters_on_meta blocks this thread is in
+_patch = {"blocks": 0, "register": None}  # blocks open in all threads; nn.Module's own register_parameter
+_patch_lock = threading.Lock()
+
+
+def _register_on_meta(module, name, param):
+    """nn.Module.register_parameter while a parameters_on_meta block is open somewhere: in a thread inside
+    one, the parameter is moved to the meta device first."""
+    if getattr(_on_meta, "depth", 0) and param is not None and param.device.type != "meta":
+        param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+    _patch["register"](module, name, param)
+
+
 @contextlib.contextmanager
 def parameters_on_meta() -> Iterator[None]:
-    """While active, each parameter a module registers is moved to the meta device as it is registered, so
-    at most one parameter is ever materialized; buffers stay real (a model computes non-persistent ones,
-    such as rotary frequencies or position ids, in its constructor, and a checkpoint does not hold them).
-    Build the skeleton for :func:`load_quantized` under it. Patches ``nn.Module.register_parameter`` for
-    the duration: not thread-safe."""
-    register = nn.Module.register_parameter
-
-    def register_on_meta(module, name, param):
-        if param is not None and param.device.type != "meta":
-            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-        register(module, name, param)
-
-    nn.Module.register_parameter = register_on_meta
+    """While active, each parameter a module registers in this thread is moved to the meta device as it is
+    registered, so at most one parameter is ever materialized; buffers stay real (a model computes
+    non-persistent ones, such as rotary frequencies or position ids, in its constructor, and a checkpoint does
+    not hold them). Build the skeleton for :func:`load_quantized` under it. Patches
+    ``nn.Module.register_parameter`` while any thread has a block open (other threads' modules are left as
+    they are); blocks may nest and overlap across threads, and the last to end puts it back."""
+    with _patch_lock:
+        if _patch["blocks"] == 0:
+            _patch["register"] = nn.Module.register_parameter
+            nn.Module.register_parameter = _register_on_meta
+        _patch["blocks"] += 1
+    _on_meta.depth = getattr(_on_meta, "depth", 0) + 1
     try:
         yield
     finally:
-        nn.Module.register_parameter = register
+        _on_meta.depth -= 1
+        with _patch_lock:
+            _patch["blocks"] -= 1
+            if _patch["blocks"] == 0:
+                nn.Module.register_parameter = _patch["register"]
 
 
 def load_quantized(directory: PathLike, model: nn.Module) -> nn.Module:

@@ -17,6 +17,7 @@ vs the dequantized weight; docs/quantize.md, "Fake quant vs deploy").
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Any, Callable, Optional
 
 import torch
@@ -711,6 +712,9 @@ def build_deploy(name: str, geometry: dict, weight: torch.Tensor, bias: Optional
         return module
 
 
+_CALIBRATING = threading.RLock()  # a calibration call, and the first fake-quant module, one thread at a time
+
+
 class CalibrationModule(nn.Module):
     """AMCT's quant op for a Linear (or, with OFMR, Conv2d) layer; see the module docstring. ``weight`` /
     ``bias`` are the original Parameters; ``calibrated`` tells whether the scales are fixed."""
@@ -769,11 +773,27 @@ class CalibrationModule(nn.Module):
             calls = self.layer_config.batch_num
             raise type(exc)(f"{exc}; the layer's calibration starts over ({calls} calls)") from exc
 
+    def _calibration_call(self, x: torch.Tensor) -> torch.Tensor:
+        """A calibration call: the float output, x and it observed, the call counted, the scales made at the
+        last one (under _CALIBRATING)."""
+        if x.numel() == 0:  # (the observers' reductions failed with torch's errors, or counted it)
+            raise ShapeError(f"layer {self.layer_name!r}: a calibration batch needs elements, got shape "
+                             f"{tuple(x.shape)}")
+        y = run_layer(self.geometry, x, self.weight, self.bias)
+        self._calibrator.observe(x, y)
+        self.calls += 1
+        if self.calls == self.layer_config.batch_num:
+            self._finish_or_start_over()
+        return y
+
     def _deploy_equivalent(self) -> QuantizedLinearBase:
         if self._fake is None:
-            self.__dict__["_fake"] = self.to_deploy()  # built once, reused by convert
-            if isinstance(self._fake, PackedLinear):
-                self._fake_weight = PackedLinear.dequantized_weight(self._fake)  # cached fake-quant weight
+            with _CALIBRATING:  # built once, reused by convert
+                if self._fake is None:
+                    fake = self.to_deploy()
+                    if isinstance(fake, PackedLinear):
+                        self._fake_weight = PackedLinear.dequantized_weight(fake)  # cached fake-quant weight
+                    self.__dict__["_fake"] = fake
         return self._fake
 
     def to_deploy(self) -> QuantizedLinearBase:
@@ -795,15 +815,9 @@ class CalibrationModule(nn.Module):
         check_layer_input(self.layer_name, self.geometry, x, self.weight.dtype, self.weight.device)
         with torch.no_grad():
             if not self.calibrated:
-                if x.numel() == 0:  # (the observers' reductions failed with torch's errors, or counted it)
-                    raise ShapeError(f"layer {self.layer_name!r}: a calibration batch needs elements, got shape "
-                                     f"{tuple(x.shape)}")
-                y = run_layer(self.geometry, x, self.weight, self.bias)
-                self._calibrator.observe(x, y)
-                self.calls += 1
-                if self.calls == self.layer_config.batch_num:
-                    self._finish_or_start_over()
-                return y
+                with _CALIBRATING:  # calls from several threads: each counted once, none past the last
+                    if not self.calibrated:
+                        return self._calibration_call(x)
             fake = self._deploy_equivalent()
             if self._fake_weight is None:  # svdquant: the operator is the fake quant
                 return fake.compute(fake.quantize_input(x, deploy=False))

@@ -1,0 +1,69 @@
+"""lowbit from several Python threads at once, as a server calls it: calibration, the meta-device skeleton."""
+
+import copy
+import threading
+
+import torch
+from torch import nn
+
+import lowbit
+from helpers import bits
+
+
+def test_calibration_calls_from_several_threads_are_each_counted_once():
+    """A server calibrating on live traffic: more calls than batch_num from several threads. Each call is a
+    calibration call or a fake-quant one, none fails, and the layer calibrates as on one thread."""
+    for trial in range(5):
+        torch.manual_seed(trial)
+        model = nn.Sequential(*[nn.Linear(256, 256, dtype=torch.bfloat16) for _ in range(4)])
+        reference = copy.deepcopy(model)
+        config = "hif8-w8a8-minmax"  # batch_num 1
+        lowbit.quantize(model, config)
+        lowbit.quantize(reference, config)
+        x = torch.randn(8, 256, dtype=torch.bfloat16)
+        errors = []
+
+        def calls():
+            try:
+                for _ in range(3):
+                    model(x)
+            except Exception as exc:  # noqa: BLE001 (collected for the assertion)
+                errors.append(exc)
+
+        threads = [threading.Thread(target=calls) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        reference(x)
+        assert errors == [] and [m.calls for m in model] == [m.calls for m in reference] == [1] * 4
+        assert torch.equal(bits(model(x)), bits(reference(x)))
+
+
+def test_parameters_on_meta_is_per_thread_and_overlapping_blocks_put_torch_back():
+    """Thread A opens a block, B opens one, A ends, B ends: modules made inside a block (in its thread) have
+    meta parameters, those made outside (any thread) real ones, during and after; nn.Module is torch's again."""
+    original = nn.Module.register_parameter
+    steps = [threading.Event() for _ in range(4)]
+    made = {}
+
+    def block(name, enter_after, entered, leave_after, left):
+        if enter_after is not None:
+            steps[enter_after].wait(10)
+        with lowbit.parameters_on_meta():
+            made[name] = nn.Linear(4, 4)
+            steps[entered].set()
+            steps[leave_after].wait(10)
+        steps[left].set()
+
+    a = threading.Thread(target=block, args=("a", None, 0, 1, 2))
+    b = threading.Thread(target=block, args=("b", 0, 1, 2, 3))
+    a.start(), b.start()
+    steps[0].wait(10)
+    made["outside, during"] = nn.Linear(4, 4)
+    a.join(10), b.join(10)
+    steps[3].wait(10)
+    made["after"] = nn.Linear(4, 4)
+    assert {name: m.weight.device.type for name, m in made.items()} == {
+        "a": "meta", "b": "meta", "outside, during": "cpu", "after": "cpu"}
+    assert nn.Module.register_parameter is original
