@@ -93,3 +93,30 @@ def test_a_tensor_subclass_stays_one_and_sees_the_operators(scheme, rows):
     if scheme != "int4-a16w4" or rows <= 12:  # int4's prefill under a subclass: the one-shot operator's dequant
         assert torch.equal(bits(y.as_subclass(torch.Tensor)), bits(layer(x)))
 
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("scheme", ["mxfp4-wo", "hif4-wo", "svdquant-r32", "mxfp8-w8a8"])
+def test_an_exported_layer_gives_the_eager_bits(scheme, dtype):
+    """torch.export runs the layer on fake tensors: no cache reads their data (torch's 'Cannot access data
+    pointer of Tensor' before), an FP16 4-bit layer takes its dequantize path (the weights' values are
+    unknown; the same bits where the fused kernel applies)."""
+    g = torch.Generator().manual_seed(0)
+    weight = (torch.randn(64, 128, generator=g) / 128**0.5).to(dtype)
+    layer = quantized_layer(weight, torch.randn(64, generator=g).to(dtype), scheme)[0]
+    x = torch.randn(3, 128, generator=g).to(dtype)
+    exported = torch.export.export(layer, (x,)).module()
+    assert torch.equal(bits(exported(x)), bits(layer(x)))
+
+
+def test_a_calibrating_model_is_not_exported_and_a_calibrated_one_is():
+    """torch.export stands fake tensors for the weights: a calibrating layer says it is calibrating (the
+    identity check said its weights had changed), a calibrated one exports with the eager bits."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32, dtype=torch.bfloat16))
+    lowbit.quantize(model, "hif8-w8a8-minmax")  # batch_num 1
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"layer '0' is calibrating \(0 of 1 calls\)"):
+        torch.export.export(model, (x,))
+    model(x)
+    assert torch.equal(bits(torch.export.export(model, (x,)).module()(x)), bits(model(x)))

@@ -301,8 +301,10 @@ class PreparedCall:
 
     def __init__(self, op: Operator, fixed: Sequence[Optional[torch.Tensor]]) -> None:
         self.op = op
-        self.fixed = tuple(None if t is None else backends.dense_aligned(t) for t in fixed)
-        self._plain = all(t is None or plain_tensor(t) for t in self.fixed)
+        self._plain = all(t is None or plain_tensor(t) for t in fixed)
+        # (aligned where the kernels read them: fake tensors under torch.export have no data to align)
+        aligned = (None if t is None else backends.dense_aligned(t) for t in fixed) if self._plain else fixed
+        self.fixed = tuple(aligned)
         self._prepared: dict[tuple, Any] = {}  # (x dtype, K) -> the kernel's prepare() result
         # (x dtype, x shape, backend) -> (output spec, backend name, kernel, prepared or None): the operator's
         # checks and its kernel choice for an x of that kind, made once (the fixed arguments do not change)

@@ -53,6 +53,12 @@ def int4_compute_dtype(weight_dtype: torch.dtype) -> torch.dtype:
 _CALL_SLOTS = ("_prepared", "_one_call", "_prefill_call")
 
 
+def _storage_backed(tensors: tuple) -> bool:
+    """Whether each of ``tensors`` (or None) is a torch.Tensor or nn.Parameter itself, with data a cache can
+    read, not a subclass such as torch.export's fake tensors or functionalization's wrappers."""
+    return all(t is None or type(t) in (torch.Tensor, nn.Parameter) for t in tensors)
+
+
 def refuse_unsupported_transforms(layer_name: str, x: torch.Tensor) -> None:
     """RuntimeError naming the layer under a transform that would record or differentiate it wrongly without
     an error: torch.jit.trace (its graph would keep the path and kernel chosen for the example's rows and
@@ -171,6 +177,8 @@ class QuantizedLinearBase(nn.Module):
             prepared, seen = kept
             if prepared.op is op and seen.unchanged(sources):
                 return prepared
+        if not _storage_backed(sources):  # fake or functional tensors (torch.export): the operator, not kept
+            return PreparedCall(op, sources if arguments is None else arguments(*sources))
         self._check_tensors()
         seen = SourcesSeen(sources)  # before the copies: a write meanwhile makes the next call prepare again
         prepared = PreparedCall(op, sources if arguments is None else arguments(*sources))
@@ -401,6 +409,8 @@ class PackedLinear(QuantizedLinearBase):
         """Whether every weight decodes to an FP16 value (NaN included), decoding them in float32 once per
         state of the fused kernel's two weight buffers (kept with a SourcesSeen of them: a check per call)."""
         sources = tuple(self._buffers[name] for name in FUSED_LINEAR[self.cfg_meta["weight_type"]][1])
+        if not _storage_backed(sources):  # values unknown (torch.export's fake tensors): the dequantize path
+            return False
         kept = self.__dict__.get("_fp16_values")
         if kept is None or not kept[0].unchanged(sources):
             seen = SourcesSeen(sources)  # before reading them: a write meanwhile makes the next call look again
@@ -738,6 +748,12 @@ class CalibrationModule(nn.Module):
         write in place, a move or cast): the scales, and the packed weight the fake quant had already built,
         belong to the old one, and were used silently."""
         seen = self.__dict__.get("_weights_seen")
+        if not _storage_backed((self.weight, self.bias)):  # torch.export's fake tensors stand for them
+            if not self.calibrated:
+                raise RuntimeError(f"layer {self.layer_name!r} is calibrating ({self.calls} of "
+                                   f"{self.layer_config.batch_num} calls): trace or export the model after its "
+                                   "calibration")
+            return
         if seen is not None and not seen.unchanged((self.weight, self.bias)):
             raise RuntimeError(f"layer {self.layer_name!r}: its weight or bias changed after lowbit.quantize (a "
                                "load_state_dict, a write in place, a move or a cast), whose scales were made from "
