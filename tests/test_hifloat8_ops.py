@@ -256,6 +256,16 @@ def test_torch_compile():
     assert torch.equal(bits(compiled(x)), bits(round_trip(x)))
 
 
+def test_torch_compile_fullgraph_with_out():
+    """out= under fullgraph=True: the output checks (negative bit, inference tensor) are not traced."""
+    def encode_into(x):
+        return lowbit.encode_to_hifloat8(x, out=torch.empty(x.shape, dtype=torch.uint8))
+
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    for backend in ("eager", "inductor"):
+        assert torch.equal(torch.compile(encode_into, fullgraph=True, backend=backend)(x), encode_into(x))
+
+
 def test_torch_compile_inductor():
     compiled = torch.compile(lambda x: lowbit.encode_to_hifloat8(x.abs()), fullgraph=True)
     x = torch.randn(33).to(torch.bfloat16)
