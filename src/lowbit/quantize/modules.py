@@ -139,6 +139,8 @@ class QuantizedLinearBase(nn.Module):
         if made is not None:
             now = self._floating_dtypes()
             cast = ", ".join(f"{name} {made[name]} -> {now[name]}" for name in made if now.get(name) != made[name])
+            if not cast:  # cast back meanwhile (another thread): nothing to refuse
+                return
             raise DtypeError(f"layer {self.layer_name!r}: its tensors were cast after quantization ({cast}): "
                              "model.half(), .float() or .to(dtype) cast a converted layer's scales and factors "
                              f"too; it takes {self.weight_dtype} inputs: cast the model before quantizing it")
