@@ -79,6 +79,18 @@ def test_dequantize_every_scale_and_code_byte(kernel, dtype):
     assert_same([dequantize_with(KERNELS[kernel], codes, scales, dtype)], [mxfp4.dequantize(codes, scales, dtype)])
 
 
+@pytest.mark.parametrize("dtype, pattern", [(torch.bfloat16, 0x7FC0), (torch.float16, 0x7E00)])
+@pytest.mark.parametrize("blocks", [1, 16, 17, 33])
+def test_a_nan_block_dequantizes_to_the_quiet_nan_wherever_it_sits(dtype, pattern, blocks):
+    """torch's float64 -> BF16 conversion writes 0xFFFF in its vector part and 0x7FC0 in its scalar tail: the
+    reference's NaN bits depended on the block's position (and on the thread count) until they were fixed."""
+    codes = torch.zeros(3, blocks, dtype=torch.uint8)
+    scales = torch.full((3, blocks), 0xFF, dtype=torch.uint8)
+    for backend in ("reference", "native"):
+        y = lowbit.mxfp4_dequantize(codes, scales, dtype, backend=backend)
+        assert set(y.view(torch.int16).flatten().tolist()) == {pattern}, backend
+
+
 @pytest.mark.parametrize("kernel", KERNELS, ids=list(KERNELS))
 def test_float64_output_is_the_references_job(kernel):
     codes, scales = torch.zeros(2, 16, dtype=torch.uint8), torch.full((2, 1), 254, dtype=torch.uint8)

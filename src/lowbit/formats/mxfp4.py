@@ -22,6 +22,7 @@ import math
 
 import torch
 
+from lowbit.dtypes import QUIET_NAN_BITS
 from lowbit.errors import DtypeError, ShapeError, check_int
 
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # codes 0..7; code | 0x8 is the negative
@@ -206,8 +207,8 @@ def dequantize(
 
     codes/scales: uint8 (or torch's float4_e2m1fn_x2 / float8_e8m0fnu views), same shape except along
     ``axis``, where ``2 * codes.shape[axis]`` must be a multiple of ``scales.shape[axis]`` (the block size
-    is their ratio). A NaN scale (0xFF) gives NaN for its whole block. Result shape: codes' shape with
-    ``shape[axis] * 2``; dtype FP16/BF16/FP32/FP64 (values outside the FP16 range become +-Inf there).
+    is their ratio). A NaN scale (0xFF) gives NaN for its whole block (the quiet NaN, 0x7FC0 in BF16 and
+    0x7E00 in FP16). Result shape: codes' shape with ``shape[axis] * 2``; dtype FP16/BF16/FP32/FP64 (values outside the FP16 range become +-Inf there).
     """
     codes, scales = byte_view(codes), byte_view(scales)
     _, block_size, axis = dequantized_shape(codes, scales, dtype, axis)
@@ -218,8 +219,11 @@ def dequantize(
     values = values.reshape(*ct.shape[:-1], n_blocks, block_size)
     scale = torch.exp2(st.to(torch.float64) - E8M0_BIAS)
     scale = torch.where(st == E8M0_NAN, math.nan, scale)
-    out = (values * scale.unsqueeze(-1)).flatten(-2)
-    return out.to(dtype).movedim(-1, axis).contiguous()
+    out = (values * scale.unsqueeze(-1)).flatten(-2).to(dtype)
+    if dtype in QUIET_NAN_BITS:  # one NaN pattern wherever the block sits (torch's vector and scalar paths differ)
+        nan = torch.tensor(QUIET_NAN_BITS[dtype], dtype=torch.int16, device=out.device).view(dtype)
+        out = torch.where(out.isnan(), nan, out)
+    return out.movedim(-1, axis).contiguous()
 
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:

@@ -29,12 +29,12 @@ from typing import Optional
 
 import torch
 
-from lowbit.dtypes import bit_view
+from lowbit.dtypes import QUIET_NAN_BITS, bit_view
 from lowbit.formats import hifloat4, hifloat8, mxfp4, mxfp8
 
 LANES = 64  # summation lanes along K
 EXACT_ROWS = 4  # every kernel gives the reference's bits for x with up to this many rows (decoding)
-NAN_BITS = {torch.bfloat16: 0x7FC0, torch.float16: 0x7E00}  # canonical quiet NaN of each output dtype
+NAN_BITS = QUIET_NAN_BITS  # the canonical NaN of each output dtype
 _FP32_UNIT_ROUNDOFF = 2.0**-24
 _FP32_MIN_SUBNORMAL = 2.0**-149
 _FP32_MIN_NORMAL = 2.0**-126
