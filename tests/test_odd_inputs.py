@@ -69,6 +69,10 @@ def test_outputs_that_share_memory_with_each_other_are_a_shape_error():
         lowbit.mxfp4_quantize(x, out=(buf[:128].view(4, 32), buf[120:128].view(4, 2)))
     with pytest.raises(ShapeError, match=r"hifloat4_pack: out\[0\] and out\[1\] share memory"):
         lowbit.hifloat4_pack(x, out=(buf[112:128].view(4, 1, 4), buf[:128].view(4, 32)))
+    strided = torch.zeros(4, 64, dtype=torch.uint8)  # scales on bytes 0 and 2 of each row of codes
+    for backend in ("native", "reference"):
+        with pytest.raises(ShapeError, match=r"mxfp4_quantize: out\[0\] and out\[1\] share memory"):
+            lowbit.mxfp4_quantize(x, out=(strided[:, :32], strided[:, 0:4:2]), backend=backend)
     want = lowbit.mxfp4_quantize(x)
     rows = torch.zeros(4, 34, dtype=torch.uint8)  # each row's codes then its scales: interleaved, apart
     pairs = torch.zeros(4, 64, dtype=torch.uint8)

@@ -190,6 +190,32 @@ def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.device == b.device and _touches(_memory_span(a), [_memory_span(b)])
 
 
+def share_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` have a byte of memory in common (exact: interleaved views of one buffer, such
+    as a row's even and odd columns, share none). Where both are strided and their spans meet, it marks ``a``'s
+    bytes over the span, which costs memory and time in their elements: for outputs, which are written anyway."""
+    if not overlaps(a, b):
+        return False
+    if a.is_contiguous() and b.is_contiguous():  # each covers its whole span
+        return True
+    (a0, a1), (b0, b1) = _memory_span(a), _memory_span(b)
+    base = min(a0, b0)
+    marked = torch.zeros(max(a1, b1) - base, dtype=torch.bool, device=a.device)
+    marked[_byte_offsets(a, base)] = True
+    return bool(marked[_byte_offsets(b, base)].any())
+
+
+def _byte_offsets(t: torch.Tensor, base: int) -> torch.Tensor:
+    """The offsets from address ``base`` of every byte of every element of ``t`` (int64, flat)."""
+    size = t.element_size()
+    offsets = torch.full((1,) * t.dim(), t.data_ptr() - base, dtype=torch.int64, device=t.device)
+    for axis, (count, stride) in enumerate(zip(t.shape, t.stride())):
+        shape = [1] * t.dim()
+        shape[axis] = count
+        offsets = offsets + (torch.arange(count, device=t.device) * (stride * size)).view(shape)
+    return (offsets.reshape(-1, 1) + torch.arange(size, device=t.device)).reshape(-1)
+
+
 _NO_CONTEXT = contextlib.nullcontext()
 
 
@@ -440,11 +466,11 @@ class Operator:
                 raise ShapeError(f"{self.name}: {label} has elements that may share memory (strides {t.stride()} "
                                  f"for shape {tuple(t.shape)}, e.g. from expand or as_strided); pass a tensor with "
                                  "its own memory per element")
-        # Outputs sharing memory: certain for two contiguous ones whose ranges meet (strided ones that only
-        # interleave, such as a row's codes and scales in one buffer, are computed into temporaries by run_into)
-        dense = [i for i, t in enumerate(outs) if t.is_contiguous() and not (is_fake(t) or t.device.type == "meta")]
-        for i, j in itertools.combinations(dense, 2):
-            if overlaps(outs[i], outs[j]):
+        # Outputs sharing memory: the later one's copy-in (run_into) would overwrite the earlier's. Strided ones
+        # that only interleave, such as a row's codes and scales in one buffer, share none and are allowed.
+        real = [i for i, t in enumerate(outs) if not (is_fake(t) or t.device.type == "meta")]
+        for i, j in itertools.combinations(real, 2):
+            if share_bytes(outs[i], outs[j]):
                 raise ShapeError(f"{self.name}: out[{i}] and out[{j}] share memory; pass separate tensors")
 
     def run_into(self, args: Sequence, out: Any, backend: Optional[str] = None, fresh: bool = False) -> None:
