@@ -81,6 +81,23 @@ def test_resized_or_replaced_packed_data_is_refused(backend):
         plan.run(x, packed, scale)
 
 
+@pytest.mark.parametrize("backend", ["native", "reference"])
+def test_a_packed_weight_relabelled_for_another_plan_is_refused(backend):
+    """(K, N) = (128, 128) and (256, 64) pack to the same byte count: a PackedWeight of the first relabelled
+    with dataclasses.replace ran on a plan of the second and gave another weight's numbers."""
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randint(0, 256, (128, 64), dtype=torch.uint8, generator=g)
+    x, scale = torch.randn(2, 256, generator=g).half(), (torch.randn(8, 64, generator=g) / 8).half()
+    first = wq.plan_weight_quant_batch_matmul(2, 128, 128, group_size=32, backend=backend, prepacked=True)
+    second = wq.plan_weight_quant_batch_matmul(2, 256, 64, group_size=32, backend=backend, prepacked=True)
+    packed = first.pack_weight(weight)
+    with pytest.raises(ValueError, match=r"packed for shape \(128, 64\), group_size 32.*not as its fields say"):
+        second.run(x, dataclasses.replace(packed, shape=(256, 32)), scale)
+    copied = dataclasses.replace(packed, data=packed.data.clone())  # another tensor: taken as its fields say
+    assert torch.equal(bits(first.run(x[:, :128], copied, scale[:4].repeat(1, 2))),
+                       bits(first.run(x[:, :128], packed, scale[:4].repeat(1, 2))))
+
+
 def test_kernel_objects_check_the_packed_weight_themselves():
     """No path reaches numba code with a wrong-size weight: the check is in the kernel's run."""
     x, weight, scale = _operands()

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from lowbit import backends, kernels
 from lowbit.backends import TensorSpec
@@ -179,6 +180,11 @@ def weight_quant_batch_matmul(
 # ---- two-stage API -------------------------------------------------------------------------------------
 
 
+# Each pack_weight result's data -> (shape, group_size, backend) as packed: a PackedWeight whose fields were
+# changed afterwards (dataclasses.replace) is refused, not read in another layout of the same byte count.
+_PACKED_AS = WeakIdKeyDictionary()
+
+
 @dataclass(frozen=True)
 class PackedWeight:
     """A weight in a plan kernel's layout, from :meth:`WqbmmPlan.pack_weight` (like torch's
@@ -188,8 +194,9 @@ class PackedWeight:
     one more copy of the packed weight (CPU native: K * ceil(N / 32) * 16 bytes; reference, CUDA: K * N / 2).
     ``data``: the kernel layout; ``shape``: the source (K, N/2); ``group_size``, ``device``, ``backend``:
     of the plan that packed it (a plan only runs its own backend's, group size's and device's packing).
-    ``data`` itself is checked by the kernel on every run (dtype, device, shape, contiguity), so a
-    hand-made or altered PackedWeight gives a clear error, never a wrong read.
+    ``data`` itself is checked by the kernel on every run (dtype, device, shape, contiguity), and fields
+    changed after pack_weight (dataclasses.replace) are refused, so an altered PackedWeight gives a clear error,
+    never a wrong read; one made by hand (or loaded) is taken as its fields say.
     """
 
     data: torch.Tensor
@@ -235,6 +242,7 @@ class WqbmmPlan:
                 f"{_OP}: the plan needs a weight of shape (K, N/2) = {expected}, got {tuple(weight.shape)}"
             )
         data = self.kernel.pack_weight(weight.contiguous(), self.group_size)
+        _PACKED_AS[data] = (expected, self.group_size, self.backend)
         return PackedWeight(data, expected, self.group_size, self.device, self.backend)
 
     def _check_on_plan(self, name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
@@ -253,6 +261,11 @@ class WqbmmPlan:
             if self.prepacked:
                 raise ValueError(f"{_OP}: this plan was made with prepacked=True: pass plan.pack_weight(weight)")
             return weight
+        packed_as = _PACKED_AS.get(weight.data)
+        if packed_as is not None and packed_as != (tuple(weight.shape), weight.group_size, weight.backend):
+            raise ValueError(f"{_OP}: this PackedWeight's data was packed for shape {packed_as[0]}, group_size "
+                             f"{packed_as[1]}, backend {packed_as[2]!r}, not as its fields say (changed after "
+                             "pack_weight): pack the weight with the plan that runs it")
         if weight.device != self.device:
             raise DeviceError(f"{_OP}: the weight was packed on {weight.device} but the plan is for {self.device}")
         if tuple(weight.shape) != (self.k, self.n // 2):
