@@ -120,3 +120,43 @@ def test_a_calibrating_model_is_not_exported_and_a_calibrated_one_is():
         torch.export.export(model, (x,))
     model(x)
     assert torch.equal(bits(torch.export.export(model, (x,)).module()(x)), bits(model(x)))
+
+
+def test_a_gradient_of_a_head_over_a_quantized_layer_is_computed():
+    """torch.func wraps every argument, the data x too: only an x being differentiated is refused, so the
+    gradients of a trainable head over a frozen quantized layer (per sample too) are torch's."""
+    torch.manual_seed(0)
+    backbone = nn.Sequential(nn.Linear(128, 64))
+    lowbit.quantize_(backbone, "hif8-wo")
+    head = nn.Linear(64, 1)
+    params = {k: v.detach() for k, v in head.named_parameters()}
+    x, y = torch.randn(8, 128), torch.randn(8, 1)
+
+    def loss(p, x, y):
+        return ((torch.func.functional_call(head, p, (backbone(x),)) - y) ** 2).mean()
+
+    features = backbone(x)
+    weight = params["weight"].clone().requires_grad_()
+    ((features @ weight.t() + params["bias"] - y) ** 2).mean().backward()
+    assert torch.allclose(grad(loss)(params, x, y)["weight"], weight.grad)
+    per_sample = vmap(grad(loss), in_dims=(None, 0, 0))(params, x.unsqueeze(1), y.unsqueeze(1))
+    assert per_sample["weight"].shape == (8, 1, 64)
+
+
+def test_a_weight_of_a_parameter_subclass_calibrates():
+    """Only torch.export's fake tensors stand for weights whose data cannot be read; a Parameter subclass
+    (a user's own) is a weight like any other."""
+
+    class Tagged(nn.Parameter):
+        pass
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32))
+    model[0].weight = Tagged(model[0].weight.detach())
+    reference = nn.Sequential(nn.Linear(64, 32))
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(2, 64)
+    for m in (model, reference):
+        lowbit.quantize(m, "hif8-w8a8-minmax")
+        m(x)
+    assert torch.equal(bits(model(x)), bits(reference(x)))

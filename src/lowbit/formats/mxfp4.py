@@ -208,7 +208,8 @@ def dequantize(
     codes/scales: uint8 (or torch's float4_e2m1fn_x2 / float8_e8m0fnu views), same shape except along
     ``axis``, where ``2 * codes.shape[axis]`` must be a multiple of ``scales.shape[axis]`` (the block size
     is their ratio). A NaN scale (0xFF) gives NaN for its whole block (the quiet NaN, 0x7FC0 in BF16 and
-    0x7E00 in FP16). Result shape: codes' shape with ``shape[axis] * 2``; dtype FP16/BF16/FP32/FP64 (values outside the FP16 range become +-Inf there).
+    0x7E00 in FP16). Result shape: codes' shape with ``shape[axis] * 2``; dtype FP16/BF16/FP32/FP64 (values
+    outside the FP16 range become +-Inf there).
     """
     codes, scales = byte_view(codes), byte_view(scales)
     _, block_size, axis = dequantized_shape(codes, scales, dtype, axis)

@@ -261,7 +261,7 @@ class WqbmmPlan:
             if self.prepacked:
                 raise ValueError(f"{_OP}: this plan was made with prepacked=True: pass plan.pack_weight(weight)")
             return weight
-        packed_as = _PACKED_AS.get(weight.data)
+        packed_as = _PACKED_AS.get(weight.data) if isinstance(weight.data, torch.Tensor) else None
         if packed_as is not None and packed_as != (tuple(weight.shape), weight.group_size, weight.backend):
             raise ValueError(f"{_OP}: this PackedWeight's data was packed for shape {packed_as[0]}, group_size "
                              f"{packed_as[1]}, backend {packed_as[2]!r}, not as its fields say (changed after "

@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.autograd import forward_ad
 
 from lowbit.backends import get_backend
@@ -54,21 +55,25 @@ _CALL_SLOTS = ("_prepared", "_one_call", "_prefill_call")
 
 
 def _storage_backed(tensors: tuple) -> bool:
-    """Whether each of ``tensors`` (or None) is a torch.Tensor or nn.Parameter itself, with data a cache can
-    read, not a subclass such as torch.export's fake tensors or functionalization's wrappers."""
-    return all(t is None or type(t) in (torch.Tensor, nn.Parameter) for t in tensors)
+    """Whether each of ``tensors`` (or None) has data a cache can read: not one of torch.export's fake tensors
+    (or a functional wrapper of one)."""
+    return not any(t is not None and is_fake(t) for t in tensors)
 
 
 def refuse_unsupported_transforms(layer_name: str, x: torch.Tensor) -> None:
     """RuntimeError naming the layer under a transform that would record or differentiate it wrongly without
     an error: torch.jit.trace (its graph would keep the path and kernel chosen for the example's rows and
     values, and calibration would run on the example), and a derivative through the layer by torch.func
-    (grad, vjp, jvp, jacrev) or forward-mode AD (the layer has none: they came out as zeros or None). Called
+    (grad, vjp, jvp, jacrev of x; torch.func wraps every argument, so an x it does not differentiate passes)
+    or forward-mode AD (the layer has none: they came out as zeros or None). Called
     where a layer's call leaves its one-call path (which these never take: plain_context, plain_tensor)."""
     if torch._C._get_tracing_state() is not None:
         raise RuntimeError(f"layer {layer_name!r}: torch.jit.trace cannot record a lowbit layer (its path "
                            "depends on the rows and values of x); use torch.compile or torch.export")
-    if (torch._C._are_functorch_transforms_active() and torch._C._functorch.is_gradtrackingtensor(x)
+    if not isinstance(x, torch.Tensor):
+        return  # (the layer's input check names it)
+    differentiated = x.requires_grad and torch._C._functorch.is_gradtrackingtensor(x)
+    if (torch._C._are_functorch_transforms_active() and differentiated
             or forward_ad._current_level >= 0 and forward_ad.unpack_dual(x).tangent is not None):
         raise RuntimeError(f"layer {layer_name!r}: a quantized layer has no derivative (torch.func's grad, vjp "
                            "and jvp and forward-mode AD through it would give zeros)")

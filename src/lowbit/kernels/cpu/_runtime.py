@@ -183,11 +183,13 @@ class FewerCollectionsWhileCompiling(numba_event.Listener):
 numba_event.register("numba:compile", FewerCollectionsWhileCompiling())
 
 
-_threads_started = False  # whether _followed_threads started numba's threading layer
 def parallel_loops_allowed() -> bool:
     """Whether the kernels may run numba's parallel loops here: not in a child forked after lowbit's import
     (lowbit.kernels.cpu.parallel_loops), where each runs its serial form whatever the thread count."""
     return cpu_package.parallel_loops
+
+
+_threads_started = False  # whether _followed_threads started numba's threading layer
 
 
 def _followed_threads() -> int:
