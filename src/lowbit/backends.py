@@ -192,17 +192,65 @@ def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def share_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` and ``b`` have a byte of memory in common (exact: interleaved views of one buffer, such
-    as a row's even and odd columns, share none). Where both are strided and their spans meet, it marks ``a``'s
-    bytes over the span, which costs memory and time in their elements: for outputs, which are written anyway."""
+    as a row's even and odd columns, share none). Rows of contiguous elements (codes and scales side by side in
+    one buffer's rows) are compared by arithmetic on their row strides; other strided layouts whose spans meet
+    by marking bytes, which costs memory and time in their elements (for outputs, which are written anyway)."""
     if not overlaps(a, b):
         return False
     if a.is_contiguous() and b.is_contiguous():  # each covers its whole span
         return True
+    rows = _rows(a), _rows(b)
+    if None not in rows:
+        return _rows_meet(*rows)
+    return _marked_share(a, b)
+
+
+def _marked_share(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """share_bytes by marking ``a``'s bytes over the span both may touch (memory and time in their elements)."""
     (a0, a1), (b0, b1) = _memory_span(a), _memory_span(b)
     base = min(a0, b0)
     marked = torch.zeros(max(a1, b1) - base, dtype=torch.bool, device=a.device)
     marked[_byte_offsets(a, base)] = True
     return bool(marked[_byte_offsets(b, base)].any())
+
+
+def _rows(t: torch.Tensor) -> Optional[tuple[int, int, int, int]]:
+    """(first byte, rows, row stride, row length) in bytes where ``t`` is rows of contiguous elements a
+    single stride apart (any layout a ``view(-1, t.shape[-1])`` takes), else None."""
+    if t.dim() == 0:
+        return None
+    try:
+        rows = t.view(-1, t.shape[-1])
+    except RuntimeError:  # leading dimensions that do not collapse into one stride
+        return None
+    if rows.shape[1] > 1 and rows.stride(1) != 1:
+        return None
+    size = t.element_size()
+    return t.data_ptr(), rows.shape[0], rows.stride(0) * size, rows.shape[1] * size
+
+
+def _rows_meet(a: tuple[int, int, int, int], b: tuple[int, int, int, int]) -> bool:
+    """Whether row ``i`` of ``a`` and row ``j`` of ``b`` (_rows) share a byte for some i, j: with one row stride
+    S, row j - i = k of b starts d + kS after a row of a (d = b's first byte - a's), and they meet where
+    -len_b < d + kS < len_a, k in [-(rows_a - 1), rows_b - 1]."""
+    (a0, rows_a, stride_a, len_a), (b0, rows_b, stride_b, len_b) = a, b
+    d = b0 - a0
+    if rows_a == 1 and rows_b == 1:
+        return -len_b < d < len_a
+    if rows_a > 1 and rows_b > 1 and stride_a != stride_b:
+        return _meet_by_rows(a, b)
+    stride = stride_a if rows_a > 1 else stride_b  # > 0: outputs' elements are apart (_elements_apart)
+    low = max(-(rows_a - 1), (-len_b - d) // stride + 1)  # the smallest k with d + kS > -len_b
+    high = min(rows_b - 1, -((d - len_a) // stride) - 1)  # the largest k with d + kS < len_a
+    return low <= high
+
+
+def _meet_by_rows(a: tuple[int, int, int, int], b: tuple[int, int, int, int]) -> bool:
+    """_rows_meet for row strides that differ: each row of the one with fewer rows against the other's rows."""
+    if a[1] > b[1]:
+        a, b = b, a
+    a0, rows_a, stride_a, len_a = a
+    return any(_rows_meet((a0 + i * stride_a, 1, stride_a, len_a), b) for i in range(rows_a))
 
 
 def _byte_offsets(t: torch.Tensor, base: int) -> torch.Tensor:
