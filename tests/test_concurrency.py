@@ -83,3 +83,42 @@ def test_a_layer_cast_and_cast_back_by_another_thread_meanwhile_computes():
     layer.float()
     with pytest.raises(lowbit.DtypeError, match=r"\(bias torch.bfloat16 -> torch.float32\)"):
         layer(x)
+
+
+def test_the_fp16_check_looks_again_after_a_write_that_ends_while_it_decodes(monkeypatch):
+    """An FP16 4-bit layer's check that its weights are FP16 values (PackedLinear._weights_are_fp16_values)
+    records the buffers' versions before it decodes them: a write that ends meanwhile is looked at again."""
+    from lowbit.cli.bench.model import quantized_layer
+    from lowbit.quantize.modules import PackedLinear
+
+    layer = quantized_layer(torch.randn(32, 64).half(), torch.randn(32).half(), "mxfp4-wo")[0]
+    decoded, original = [], PackedLinear._decoded_weight
+
+    def decode_then_written(self, dtype):
+        weights = original(self, dtype)
+        decoded.append(dtype)
+        if len(decoded) == 1:  # another thread's write ends after the decode read the scales
+            with torch.no_grad():
+                self.scales.add_(0)
+        return weights
+
+    monkeypatch.setattr(PackedLinear, "_decoded_weight", decode_then_written)
+    layer._weights_are_fp16_values(), layer._weights_are_fp16_values(), layer._weights_are_fp16_values()
+    assert len(decoded) == 2
+
+
+def test_warm_up_workers_forked_on_numbas_workqueue_run_parallel_loops(monkeypatch):
+    """A child forked after import runs every kernel on its thread (lowbit.kernels.cpu.parallel_loops), but the
+    warm-up's workers, forked before numba's threads start and switched to its workqueue layer, may run
+    parallel loops: their probes compile the parallel kernels the parent will load."""
+    import numba
+
+    import lowbit.kernels.cpu as cpu_package
+    from lowbit.kernels.cpu import warm
+
+    monkeypatch.setattr(cpu_package, "parallel_loops", False)  # as in a forked child
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    monkeypatch.setattr(numba.config, "THREADING_LAYER", numba.config.THREADING_LAYER)
+    monkeypatch.setattr(warm.COMPILE_NOTICE, "quiet", warm.COMPILE_NOTICE.quiet)
+    warm._worker_setup(True)
+    assert cpu_package.parallel_loops and numba.config.THREADING_LAYER == "workqueue"
