@@ -160,3 +160,18 @@ def test_a_weight_of_a_parameter_subclass_calibrates():
         lowbit.quantize(m, "hif8-w8a8-minmax")
         m(x)
     assert torch.equal(bits(model(x)), bits(reference(x)))
+
+
+@pytest.mark.parametrize("scheme, dtype", [(s, torch.bfloat16) for s in [*SCHEMES, "hif4-wo", "fp8-wo", "mxfp4-w4a4"]]
+                         + [("mxfp4-wo", torch.float16), ("hif4-wo", torch.float16), ("int4-a16w4", torch.float32)])
+def test_a_converted_layer_compiles_whole(scheme, dtype):
+    """torch.compile(fullgraph=True): no cache, data pointer or backend setting is read while dynamo traces
+    (the operators as traced; an FP16 4-bit layer takes its dequantize path), with the eager bits."""
+    torch._dynamo.reset()  # (one compiled forward per layer: dynamo's recompile limit counts them together)
+    g = torch.Generator().manual_seed(0)
+    weight = (torch.randn(64, 128, generator=g) / 11).to(dtype)
+    layer = quantized_layer(weight, torch.randn(64, generator=g).to(dtype), scheme)[0]
+    compiled = torch.compile(layer, fullgraph=True, backend="eager", dynamic=False)
+    for rows in (1, 40):
+        x = torch.randn(rows, 128, generator=g).to(dtype)
+        assert torch.equal(bits(compiled(x)), bits(layer(x)))

@@ -301,7 +301,7 @@ class PreparedCall:
 
     def __init__(self, op: Operator, fixed: Sequence[Optional[torch.Tensor]]) -> None:
         self.op = op
-        self._plain = all(t is None or plain_tensor(t) for t in fixed)
+        self._plain = not torch.compiler.is_compiling() and all(t is None or plain_tensor(t) for t in fixed)
         # (aligned where the kernels read them: fake tensors under torch.export have no data to align)
         aligned = (None if t is None else backends.dense_aligned(t) for t in fixed) if self._plain else fixed
         self.fixed = tuple(aligned)

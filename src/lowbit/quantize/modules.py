@@ -179,13 +179,13 @@ class QuantizedLinearBase(nn.Module):
         """``op`` bound to its arguments after x, made from ``sources`` (this module's tensors or None) by
         ``arguments(*sources)`` (default: the sources themselves): kept between calls, made again after any
         source is replaced or written (load_state_dict, a device move, huge pages)."""
+        if torch.compiler.is_compiling() or not _storage_backed(sources):  # the operator as traced, not kept
+            return PreparedCall(op, sources if arguments is None else arguments(*sources))
         kept = self.__dict__.get("_prepared")  # not an nn.Module attribute: absent from older pickled modules
         if kept is not None:
             prepared, seen = kept
             if prepared.op is op and seen.unchanged(sources):
                 return prepared
-        if not _storage_backed(sources):  # fake or functional tensors (torch.export): the operator, not kept
-            return PreparedCall(op, sources if arguments is None else arguments(*sources))
         self._check_tensors()
         seen = SourcesSeen(sources)  # before the copies: a write meanwhile makes the next call prepare again
         prepared = PreparedCall(op, sources if arguments is None else arguments(*sources))
@@ -226,13 +226,12 @@ class QuantizedLinearBase(nn.Module):
         m = x.numel() // k
         if not 0 < m <= (max_rows or m):
             return None
+        if not (plain_context() and plain_tensor(x)):  # (first: torch.compile traces none of what follows)
+            return None
         setting = (x.dtype, get_backend())
         kept = self.__dict__.get(slot)  # (bound call, SourcesSeen, (x dtype, backend setting))
-        # More rows than the kept call takes (a bound call's rows depend on N, K and x's dtype only): the full
-        # path at once, without this path's checks (a prefill's call; tens of microseconds after other work)
+        # More rows than the kept call takes (a bound call's rows depend on N, K and x's dtype only): the full path
         if kept is not None and kept[2] == setting and kept[0] is not None and m > kept[0].max_rows:
-            return None
-        if not (plain_tensor(x) and plain_context()):
             return None
         if kept is None or kept[2] != setting or not kept[1].unchanged(sources):
             self._check_tensors()
@@ -416,7 +415,7 @@ class PackedLinear(QuantizedLinearBase):
         """Whether every weight decodes to an FP16 value (NaN included), decoding them in float32 once per
         state of the fused kernel's two weight buffers (kept with a SourcesSeen of them: a check per call)."""
         sources = tuple(self._buffers[name] for name in FUSED_LINEAR[self.cfg_meta["weight_type"]][1])
-        if not _storage_backed(sources):  # values unknown (torch.export's fake tensors): the dequantize path
+        if torch.compiler.is_compiling() or not _storage_backed(sources):  # values not read: the dequantize path
             return False
         kept = self.__dict__.get("_fp16_values")
         if kept is None or not kept[0].unchanged(sources):
