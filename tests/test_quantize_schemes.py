@@ -485,7 +485,8 @@ def test_a_failed_calibration_starts_over_and_an_empty_batch_is_refused():
         model(torch.randn(0, 64))
     bad = torch.randn(2, 64)
     bad[0, 0] = float("nan")
-    with pytest.raises(RuntimeError, match="layer '0': .*not finite.*; the layer's calibration starts over \\(1 calls\\)"):
+    starts_over = "layer '0': .*not finite.*; the layer's calibration starts over \\(1 calls\\)"
+    with pytest.raises(RuntimeError, match=starts_over):
         model(bad)
     assert not model[0].calibrated and model[0].calls == 0
     model(torch.randn(2, 64))  # a good batch calibrates it: it was stuck counting calls past batch_num
