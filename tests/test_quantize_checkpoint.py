@@ -187,7 +187,18 @@ def _drop(key):
     ("hif8-wo", _set("weight_type", "mxfp4_e2m1"), "contradicts its format"),
     ("hif8-wo", _set("kind", "int4"), "invalid description"),
     ("hif8-wo", _set("kind", "svdquant"), "invalid description"),
-    ("hif8-wo", _drop("act_kind"), "KeyError: 'act_kind'"),
+    ("hif8-wo", _drop("act_kind"), "act_kind None contradicts its format"),
+    ("hif8-w8a8-minmax", _set("act_kind", "none"), "act_kind 'none' contradicts its format"),  # ran weight-only
+    ("hif8-w8a8-minmax", _set("act_kind", "mxfp8"), "act_kind 'mxfp8' contradicts its format"),
+    ("hif8-w8a8-minmax", _set("fake_act_kind", "hif8_position"), "fake_act_kind 'hif8_position' contradicts"),
+    ("hif8-w8a8-minmax", _set("algorithm", "quantile"), "algorithm 'quantile' contradicts its format"),
+    ("hif8-w8a8-minmax", _set("format", "hifloat8 w channel / weight-only (minmax)"), "act_kind 'hif8_static' contr"),
+    ("hif8-w8a8-minmax", _set("format", "hifloat8 w channel"), "is not a layer format of lowbit"),
+    ("hif8-w8a8-minmax", lambda layer: layer.update(act_kind="none", fake_act_kind="none",
+                                                    format="hifloat8 w channel / weight-only (minmax)"),
+     "stores an act_scale, which activation kind 'none' does not read"),
+    ("int4-a16w4", _set("kind", "packed"), "kind 'packed' contradicts weight_type 'int4'"),  # ran, other numbers
+    ("int4-a16w4", _set("format", "int4 w group 64 / weight-only (minmax)"), "group_size 128 contradicts its form"),
     ("hif8-wo", _set("act_kind", "hif8_static"), "invalid description"),  # no act_scale stored
     ("hif8-wo", _set("act_kind", "hif8_position"), "invalid description"),
     ("int4-a16w4", _set("group_size", "128"), "invalid description"),
@@ -218,16 +229,36 @@ def test_a_layer_description_that_does_not_fit_is_refused_before_the_model_chang
 def test_an_activation_scale_that_would_broadcast_the_output_is_refused(tmp_path):
     """An act_scale of shape (1, 1, 1, 1) made every output of the layer 4-D."""
     st = pytest.importorskip("safetensors.torch")
-    path = _saved(tmp_path, "hif8-wo")
+    path = _saved(tmp_path, "hif8-w8a8-minmax")
     tensors = st.load_file(str(path / TENSORS_FILE))
     tensors["mlp.0.act_scale"] = torch.ones(1, 1, 1, 1)
     st.save_file(tensors, str(path / TENSORS_FILE), metadata={"format": "pt"})
     meta = json.loads((path / META_FILE).read_text())
-    meta["layers"]["mlp.0"]["act_kind"] = "hif8_static"
     meta["layers"]["mlp.0"]["tensors"]["act_scale"] = {"shape": [1, 1, 1, 1], "dtype": "float32"}
     (path / META_FILE).write_text(json.dumps(meta))
     with pytest.raises(CheckpointError, match="layer 'mlp.0' .*the layer computes"):
         lowbit.load_quantized(path, Net())
+
+
+@pytest.mark.parametrize("amct_compat", [False, True])
+def test_per_token_activations_round_trip_through_the_dry_run(tmp_path, amct_compat):
+    """Dynamic per-token HiF8 activations (and AMCT's static per-position fake quant beside them): the dry
+    run's scale check read the values of meta tensors, and every such checkpoint failed to load."""
+    torch.manual_seed(0)
+    config = {"batch_num": 1, "algorithm": "quantile",
+              "quant_cfg": {"weights": {"type": "hifloat8", "symmetric": True, "strategy": "tensor"},
+                            "inputs": {"type": "hifloat8", "symmetric": True, "strategy": "token"}}}
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 16)).bfloat16()
+    x = torch.randn(2, 5, 64, dtype=torch.bfloat16)
+    lowbit.quantize(model, config, amct_compat=amct_compat)
+    with torch.no_grad():
+        model(x)
+    lowbit.convert(model)
+    lowbit.save_quantized(model, tmp_path / "t")
+    with torch.device("meta"):
+        skeleton_ = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 16)).bfloat16()
+    loaded = lowbit.load_quantized(tmp_path / "t", skeleton_)
+    assert torch.equal(loaded(x), model(x))
 
 
 def test_conv_layers_round_trip_through_the_dry_run(tmp_path):

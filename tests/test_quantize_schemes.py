@@ -198,7 +198,7 @@ def test_compiled_deploy_model_gives_the_same_bits(scheme):
 def test_deploy_layer_checks_every_other_input_after_its_fast_path(scheme):
     """Once its fused kernel has taken an x, PackedLinear.forward sends an x of that dtype and K straight to
     it (the same bits as the full path); any other x still gets the layer's errors, and an x that requires
-    grad the full path (no graph)."""
+    grad the full path (its output in the graph, whose backward raises)."""
     model = mlp(torch.bfloat16)
     lowbit.quantize_(model, scheme)
     layer = model[0]
@@ -215,7 +215,7 @@ def test_deploy_layer_checks_every_other_input_after_its_fast_path(scheme):
     with pytest.raises(lowbit.DtypeError, match="layer '0'"):
         layer(x.half())
     y = layer(x.clone().requires_grad_())
-    assert not y.requires_grad and torch.equal(y.view(torch.int16), want.view(torch.int16))
+    assert y.requires_grad and torch.equal(y.detach().view(torch.int16), want.view(torch.int16))
 
 
 @pytest.mark.parametrize("scheme", ["mxfp4-w4a4", "mxfp8-w8a8", "hif8-cast"])
@@ -522,6 +522,59 @@ def test_a_second_quantize_reports_the_layers_already_quantized():
             (name, "skipped", "already quantized by lowbit (PackedLinear)") for name in ("0", "1")]
 
 
+@pytest.mark.parametrize("flow", ["quantize_", "quantize-convert"])
+def test_forward_hooks_move_to_the_quantized_layer(flow):
+    """A layer's forward hooks were dropped with the module it replaced: a pre-hook scaling x by 10 and a hook
+    adding 100 to y silently stopped running. They now run on the quantized layer, and their handles remove
+    them there."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 16))
+    x = torch.randn(3, 64)
+    handles = [model[0].register_forward_pre_hook(lambda module, args: (args[0] * 10,)),
+               model[2].register_forward_hook(lambda module, args, kwargs, y: y + 100, with_kwargs=True)]
+    reference = model(x)
+    if flow == "quantize_":
+        lowbit.quantize_(model, "hif8-wo")
+    else:
+        lowbit.quantize(model, "hif8-w8a8-minmax")
+        model(x)
+        lowbit.convert(model)
+    assert not isinstance(model[0], nn.Linear) and not isinstance(model[2], nn.Linear)
+    y = model(x)
+    assert (y - reference).abs().max() < 0.1 * reference.abs().max()
+    for handle in handles:
+        handle.remove()
+    assert model(x).abs().max() < 50 and not model[0]._forward_pre_hooks and not model[2]._forward_hooks
+
+
+class _Doubled(nn.Linear):
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+class _Plain(nn.Linear):
+    pass
+
+
+def test_layers_whose_computation_or_hooks_a_quantized_layer_would_lose_are_skipped_with_the_reason():
+    """An nn.Linear subclass with its own forward was replaced by a plain quantized layer (its output halved,
+    silently); backward and state-dict hooks would be lost the same way. A subclass that only inherits is
+    quantized."""
+    model = nn.Sequential(_Doubled(64, 64), _Plain(64, 64), nn.Linear(64, 64), nn.Linear(64, 64),
+                          nn.Conv2d(4, 4, 1))
+    model[2].register_full_backward_hook(lambda module, grad_in, grad_out: None)
+    model[3].register_state_dict_post_hook(lambda module, state_dict, prefix, local_metadata: None)
+    report = lowbit.quantize_(model, "hif8-wo")
+    assert {name: (layer.status, layer.reason) for name, layer in report.layers.items()} == {
+        "0": ("skipped", "its class _Doubled overrides Linear's forward, which the quantized layer would not "
+                         "compute"),
+        "1": ("converted", ""),
+        "2": ("skipped", "it has backward hooks, which a quantized layer cannot keep (remove them to quantize it)"),
+        "3": ("skipped", "it has state-dict hooks, which a quantized layer cannot keep (remove them to quantize "
+                         "it)")}
+    assert type(model[0]) is _Doubled and not isinstance(model[1], nn.Linear)
+
+
 def _fp16_layer(scheme, big):
     torch.manual_seed(0)
     linear = nn.Linear(64, 8).half()
@@ -548,3 +601,19 @@ def test_fp16_mxfp4_weights_that_are_not_fp16_values_take_the_fake_quants_path()
     assert torch.equal(normal(x), normal_fake) and normal[0].__dict__["_fused_input"] is not None  # fused
     normal[0].load_state_dict(model[0].state_dict())  # now holding the 65536 weight: the check runs again
     assert torch.equal(normal(x), fake) and normal[0].__dict__.get("_fused_input") is None
+
+
+def test_per_position_scales_of_another_sequence_length_are_refused_naming_the_layer():
+    """AMCT's static per-position activation scales (compat mode, Quantile, 'token'): a call of another sequence
+    length raised a ShapeError without the layer's name."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64)).bfloat16()
+    config = {"batch_num": 1, "algorithm": "quantile",
+              "quant_cfg": {"weights": {"type": "hifloat8", "symmetric": True, "strategy": "tensor"},
+                            "inputs": {"type": "hifloat8", "symmetric": True, "strategy": "token"}}}
+    lowbit.quantize(model, config, amct_compat=True)
+    with torch.no_grad():
+        model(torch.randn(2, 5, 64, dtype=torch.bfloat16))
+    with pytest.raises(lowbit.ShapeError, match="layer '0': static per-position activation scales were calibrated "
+                                                "for sequence length 5, got input shape \\(1, 7, 64\\)"):
+        model(torch.randn(1, 7, 64, dtype=torch.bfloat16))

@@ -143,6 +143,36 @@ def test_a_gradient_of_a_head_over_a_quantized_layer_is_computed():
     assert per_sample["weight"].shape == (8, 1, 64)
 
 
+@pytest.mark.parametrize("scheme", [*SCHEMES, "calibrating", "calibrated"])
+@pytest.mark.parametrize("needs_grad", ["x", "bias"])
+def test_a_backward_pass_through_a_layer_is_refused_not_dropped(scheme, needs_grad):
+    """loss.backward() through a layer whose x (or bias) required grad: the output came out detached (computed
+    under torch.no_grad), so the gradients before the layer were silently None. Now the backward raises, naming
+    the layer; without grad mode, or with nothing that requires grad, the output is as before."""
+    if scheme in ("calibrating", "calibrated"):
+        layer = nn.Sequential(nn.Linear(512, 256)).bfloat16()
+        lowbit.quantize(layer, "hif8-w8a8-minmax")
+        if scheme == "calibrated":
+            with torch.no_grad():
+                layer(torch.randn(2, 512).bfloat16())
+        layer = layer[0]
+    else:
+        layer = _layer(scheme)
+    x = torch.randn(3, 512).bfloat16()
+    with torch.no_grad():
+        expected = layer(x)
+    if needs_grad == "x":
+        x.requires_grad_()
+    else:
+        layer.bias.requires_grad_()
+    y = layer(x)
+    assert y.requires_grad and (scheme == "calibrating" or torch.equal(bits(y.detach()), bits(expected)))
+    with pytest.raises(RuntimeError, match="layer '0': a quantized layer has no derivative"):
+        y.float().sum().backward()
+    with torch.no_grad():
+        assert not layer(x).requires_grad
+
+
 def test_a_weight_of_a_parameter_subclass_calibrates():
     """Only torch.export's fake tensors stand for weights whose data cannot be read; a Parameter subclass
     (a user's own) is a weight like any other."""

@@ -27,11 +27,14 @@ def process_scale(scale: torch.Tensor, offset: Optional[torch.Tensor] = None,
                   bits: Optional[int] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """AMCT's scale sanitising: ``s < FLT_EPSILON`` (also negative) -> 1.0, and its offset -> -2^(bits-1).
 
-    RuntimeError if a scale, its reciprocal or an offset is not finite (NaN input)."""
+    RuntimeError if a scale, its reciprocal or an offset is not finite (NaN input); not checked on the meta
+    device (a checkpoint's dry run: lowbit.quantize.checkpoint), which holds no values."""
     tiny = scale < FLT_EPSILON
     scale = torch.where(tiny, torch.ones_like(scale), scale)
     if offset is not None:
         offset = torch.where(tiny, torch.full_like(offset, -(2 ** (bits - 1))), offset)
+    if scale.is_meta:
+        return scale, offset
     if not bool(torch.isfinite(scale).all() and torch.isfinite(1 / scale).all()):
         raise RuntimeError(f"quantization scale is not finite: {scale.flatten()[:8].tolist()}")
     if offset is not None and not bool(torch.isfinite(offset).all()):

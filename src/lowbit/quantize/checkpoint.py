@@ -13,6 +13,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -22,6 +23,7 @@ from typing import Any, Iterator, Union
 import torch
 from torch import nn
 
+from lowbit.quantize.activations import STATIC_KINDS, act_kind
 from lowbit.quantize.layer_ops import channel_axis, geometry_mismatch
 from lowbit.quantize.modules import (DEPLOY_CLASSES, CalibrationModule, Int4Linear, QuantizedLinearBase,
                                      replace_layer)
@@ -215,14 +217,46 @@ def _check_description(name: str, layer: dict, geometry: dict, tensors: dict[str
     if [layer["out_features"], layer["in_features"]] != [n, math.prod(rest)]:
         raise ValueError(f"in_features / out_features {layer['in_features']} / {layer['out_features']} do not fit "
                          f"the weight shape {geometry['weight_shape']}")
-    described_format = str(layer.get("format", layer["weight_type"])).split(" ", 1)[0]
-    if described_format != layer["weight_type"]:
-        raise ValueError(f"weight_type {layer['weight_type']!r} contradicts its format {layer['format']!r}")
+    _check_settings(layer)
     for key, spec in layer["tensors"].items():
         stored = tensors.get(f"{name}.{key}")
         if stored is None or list(stored.shape) != spec["shape"] or str(stored.dtype) != f"torch.{spec['dtype']}":
             held = "nothing" if stored is None else f"{str(stored.dtype).removeprefix('torch.')} {list(stored.shape)}"
             raise ValueError(f"tensor {key!r} is described as {spec['dtype']} {spec['shape']}, the file holds {held}")
+
+
+# A layer's format line (LayerConfig.describe), e.g. "int4 w group 32 / weight-only (minmax)".
+_FORMAT = re.compile(r"(?P<weights>\S+) w \S+(?: (?P<group>\d+))? / (?:weight-only|(?P<inputs>\S+) a (?P<strategy>\S+)) "
+                     r"\((?P<algorithm>\S+)\)")
+
+
+def _check_settings(layer: dict) -> None:
+    """ValueError where a layer's settings contradict its format line or one another: its kind, weight type,
+    group size, algorithm and activation kinds, and an activation scale stored for a layer that reads none."""
+    algorithm, weight_type = layer.get("algorithm"), layer["weight_type"]
+    kind = "svdquant" if algorithm == "svdquant" else "int4" if weight_type == "int4" else "packed"
+    if layer["kind"] != kind:
+        raise ValueError(f"kind {layer['kind']!r} contradicts weight_type {weight_type!r} and algorithm "
+                         f"{algorithm!r} (kind {kind!r})")
+    deploy_kind, fake_kind = layer.get("act_kind"), layer.get("fake_act_kind", layer.get("act_kind"))
+    if "format" in layer:
+        match = _FORMAT.fullmatch(str(layer["format"]))
+        if match is None:
+            raise ValueError(f"format {layer['format']!r} is not a layer format of lowbit")
+        inputs = match["inputs"]
+        described = {"weight_type": match["weights"], "group_size": int(match["group"]) if match["group"] else None,
+                     "algorithm": match["algorithm"],
+                     "act_kind": "none" if inputs is None else act_kind(inputs, match["strategy"], None, algorithm)}
+        for key, value in described.items():
+            if layer.get(key) != value:
+                raise ValueError(f"{key} {layer.get(key)!r} contradicts its format {layer['format']!r}")
+        position = (deploy_kind, fake_kind, layer.get("amct_compat"), algorithm) == (
+            "hif8_token", "hif8_position", True, "quantile")  # AMCT's static per-position fake quant
+        if fake_kind != deploy_kind and not position:
+            raise ValueError(f"fake_act_kind {fake_kind!r} contradicts its format {layer['format']!r}")
+    scaled = deploy_kind in STATIC_KINDS or fake_kind in (*STATIC_KINDS, "hif8_position")
+    if "act_scale" in layer["tensors"] and not scaled:
+        raise ValueError(f"it stores an act_scale, which activation kind {deploy_kind!r} does not read")
 
 
 def _dry_run(module: QuantizedLinearBase, geometry: dict) -> None:

@@ -10,7 +10,8 @@
   tensors (buffers) and compute with lowbit's operators; :meth:`compute` is the one weight -> output step.
 
 Inputs: (..., K) in the weight's dtype; outputs (..., N) in x's dtype. No gradient flows (all forwards run
-under ``torch.no_grad``, as AMCT's). Fake quant equals deploy bit for bit except Int4Linear (MSD numerics
+under ``torch.no_grad``, as AMCT's; where x or a parameter requires grad in grad mode, the output's backward
+raises: run_without_derivative). Fake quant equals deploy bit for bit except Int4Linear (MSD numerics
 vs the dequantized weight; docs/quantize.md, "Fake quant vs deploy").
 """
 
@@ -77,6 +78,32 @@ def refuse_unsupported_transforms(layer_name: str, x: torch.Tensor) -> None:
             or forward_ad._current_level >= 0 and forward_ad.unpack_dual(x).tangent is not None):
         raise RuntimeError(f"layer {layer_name!r}: a quantized layer has no derivative (torch.func's grad, vjp "
                            "and jvp and forward-mode AD through it would give zeros)")
+
+
+class _NoDerivative(torch.autograd.Function):
+    """A layer's output in an autograd graph whose backward raises: the layer has no derivative, and an output
+    computed under torch.no_grad dropped the gradients of x and of the layer's parameters without an error."""
+
+    @staticmethod
+    def forward(ctx, run, layer_name, *inputs):
+        ctx.layer_name = layer_name
+        return run()
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(f"layer {ctx.layer_name!r}: a quantized layer has no derivative; a backward pass "
+                           "through it would drop the gradients of its input (run it under torch.no_grad() or "
+                           "torch.inference_mode(), or keep the layers that need gradients in floating point)")
+
+
+def run_without_derivative(layer_name: str, run: Callable[[], torch.Tensor], tensors: tuple) -> torch.Tensor:
+    """``run()`` under torch.no_grad: where grad mode is on and one of ``tensors`` (x, the layer's parameters;
+    None allowed) requires grad, its output joins their graph with a backward that raises (_NoDerivative)."""
+    needing = [t for t in tensors if t is not None and t.requires_grad]
+    if needing and torch.is_grad_enabled():
+        return _NoDerivative.apply(run, layer_name, *needing)
+    with torch.no_grad():
+        return run()
 
 
 def _fixed_size(index: int, name: str, letter: str) -> property:
@@ -216,10 +243,10 @@ class QuantizedLinearBase(nn.Module):
         by ``bind(x, sources, bind_argument)`` (None: there is none) and kept while the sources, x's dtype and
         the backend setting stay as they are (SourcesSeen; no function is made per call). One numba call: the
         full path's torch, Python and numba calls cost tens of microseconds each after a model's previous layer
-        (docs/weight_only.md, 'One call'). None
-        (the caller's full path) where x is not plain (plain_tensor, plain_context: no grad, no mode, CPU),
-        has no rows or more than ``max_rows`` and ``f.max_rows``, or f returned False. ``slot``: the attribute
-        that keeps the bound call (one of _CALL_SLOTS; Int4Linear keeps its prefill's apart from its decode's)."""
+        (docs/weight_only.md, 'One call'). None (the caller's full path) where x is not plain (plain_tensor,
+        plain_context: no grad, no mode, CPU), the bias requires grad, x has no rows or more than ``max_rows``
+        and ``f.max_rows``, or f returned False. ``slot``: the attribute that keeps the bound call (one of
+        _CALL_SLOTS; Int4Linear keeps its prefill's apart from its decode's)."""
         if "_dtypes_made" in self.__dict__:
             self._check_not_cast()
         k, n = self._features  # (not the properties: this runs on every decode call)
@@ -227,6 +254,9 @@ class QuantizedLinearBase(nn.Module):
         if not 0 < m <= (max_rows or m):
             return None
         if not (plain_context() and plain_tensor(x)):  # (first: torch.compile traces none of what follows)
+            return None
+        bias = self._parameters.get("bias")
+        if bias is not None and bias.requires_grad:  # the full path puts the output in its graph
             return None
         setting = (x.dtype, get_backend())
         kept = self.__dict__.get(slot)  # (bound call, SourcesSeen, (x dtype, backend setting))
@@ -305,7 +335,10 @@ class QuantizedLinearBase(nn.Module):
         scale = self._buffers.get("act_scale")
         if npu_rounding and kind in STATIC_KINDS:
             return deploy_static_input(xs, kind, scale, x.dtype)
-        return fake_quant_input(xs, kind, scale).to(x.dtype)
+        try:
+            return fake_quant_input(xs, kind, scale).to(x.dtype)
+        except ShapeError as exc:  # (per-position scales of another sequence length)
+            raise ShapeError(f"layer {self.layer_name!r}: {exc}") from None
 
     def compute(self, x_q: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -324,8 +357,8 @@ class QuantizedLinearBase(nn.Module):
                           next(iter(self._buffers.values())).device)
         if self._records_no_graph(x):  # no torch.no_grad(): its grad-mode switches cost tens of microseconds
             return self.compute(self.quantize_input(x))  # after other ops (docs/weight_only.md, 'One call')
-        with torch.no_grad():
-            return self.compute(self.quantize_input(x))
+        return run_without_derivative(self.layer_name, lambda: self.compute(self.quantize_input(x)),
+                                      (x, self._parameters.get("bias")))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.cfg_meta.get('format', '')}"
@@ -679,14 +712,24 @@ def _call_the_module(module, args):
     return None
 
 
+# A module's forward hooks (with their handles' dictionaries) move to the module that replaces it.
+_FORWARD_HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+                  "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
 def replace_layer(model: nn.Module, name: str, new: nn.Module) -> None:
-    """Put ``new`` at ``name`` in ``model``. Inside an ``nn.TransformerEncoderLayer`` it gets a forward pre-hook
-    that does nothing: torch's fused encoder path (eval mode) reads ``linear1.weight`` and the like directly
-    and is not taken for a layer with hooks, so the quantized module's own forward runs; an enclosing
-    ``nn.TransformerEncoder`` gets ``use_nested_tensor = False`` for the same reason (its padding-mask path)."""
+    """Put ``new`` at ``name`` in ``model``. The module there hands ``new`` its forward hooks (the same
+    dictionaries, so their handles still remove them; selection skips modules with other hooks). Inside an
+    ``nn.TransformerEncoderLayer`` it gets a forward pre-hook that does nothing: torch's fused encoder path
+    (eval mode) reads ``linear1.weight`` and the like directly and is not taken for a layer with hooks, so the
+    quantized module's own forward runs; an enclosing ``nn.TransformerEncoder`` gets ``use_nested_tensor =
+    False`` for the same reason (its padding-mask path)."""
     parent_name, _, child = name.rpartition(".")
     parent = model.get_submodule(parent_name)
-    if isinstance(parent, nn.TransformerEncoderLayer):
+    old = getattr(parent, child)
+    for attribute in _FORWARD_HOOKS:
+        setattr(new, attribute, getattr(old, attribute))
+    if isinstance(parent, nn.TransformerEncoderLayer) and _call_the_module not in new._forward_pre_hooks.values():
         new.register_forward_pre_hook(_call_the_module)
     parts = name.split(".")
     for depth in range(len(parts)):  # an encoder stack's nested-tensor path reads layers[0].linear1.weight too
@@ -835,15 +878,18 @@ class CalibrationModule(nn.Module):
         refuse_unsupported_transforms(self.layer_name, x)
         self._check_weights_unchanged()
         check_layer_input(self.layer_name, self.geometry, x, self.weight.dtype, self.weight.device)
-        with torch.no_grad():
-            if not self.calibrated:
-                with _CALIBRATING:  # calls from several threads: each counted once, none past the last
-                    if not self.calibrated:
-                        return self._calibration_call(x)
-            fake = self._deploy_equivalent()
-            if self._fake_weight is None:  # svdquant: the operator is the fake quant
-                return fake.compute(fake.quantize_input(x, deploy=False))
-            return run_layer(self.geometry, fake.quantize_input(x, deploy=False), self._fake_weight, self.bias)
+        return run_without_derivative(self.layer_name, lambda: self._output(x), (x, self.weight, self.bias))
+
+    def _output(self, x: torch.Tensor) -> torch.Tensor:
+        """A calibration call's float output, or after calibration the fake quant's."""
+        if not self.calibrated:
+            with _CALIBRATING:  # calls from several threads: each counted once, none past the last
+                if not self.calibrated:
+                    return self._calibration_call(x)
+        fake = self._deploy_equivalent()
+        if self._fake_weight is None:  # svdquant: the operator is the fake quant
+            return fake.compute(fake.quantize_input(x, deploy=False))
+        return run_layer(self.geometry, fake.quantize_input(x, deploy=False), self._fake_weight, self.bias)
 
     def extra_repr(self) -> str:
         state = "calibrated" if self.calibrated else f"calibrating {self.calls}/{self.layer_config.batch_num}"

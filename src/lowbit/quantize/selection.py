@@ -93,6 +93,25 @@ def _is_candidate(module: nn.Module, amct_compat: bool) -> bool:
 
 
 LOWBIT_LAYERS = (CalibrationModule, QuantizedLinearBase)  # a layer lowbit.quantize already replaced
+# Hooks a replaced layer cannot keep: it has no derivative and another state dict (forward hooks move with it:
+# modules.replace_layer).
+_KEPT_OUT_HOOKS = {"backward": ("_backward_hooks", "_backward_pre_hooks"),
+                   "state-dict": ("_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+                                  "_load_state_dict_post_hooks")}
+
+
+def _unreplaceable_reason(module: nn.Module) -> Optional[str]:
+    """Why the quantized module could not stand in for ``module``: a class that computes something else in its
+    own forward (an nn.Linear / nn.Conv2d subclass overriding it), or hooks that would be lost; else None."""
+    for base in (nn.Linear, nn.Conv2d):
+        if isinstance(module, base) and any(getattr(type(module), f) is not getattr(base, f)
+                                            for f in ("forward", "_conv_forward") if hasattr(base, f)):
+            return (f"its class {type(module).__name__} overrides {base.__name__}'s forward, which the quantized "
+                    "layer would not compute")
+    for kind, attributes in _KEPT_OUT_HOOKS.items():
+        if any(getattr(module, a, None) for a in attributes):
+            return f"it has {kind} hooks, which a quantized layer cannot keep (remove them to quantize it)"
+    return None
 
 
 def _skip(name: str, module: nn.Module, reason: str) -> LayerReport:
@@ -129,6 +148,10 @@ def select_layers(model: nn.Module, config: QuantConfig, scheme: str = "") -> Se
         if len(names_of[id(module)]) > 1:
             skipped.append(_skip(name, module, f"the same module is registered as {names_of[id(module)]}: "
                                                "replacing it under one name would leave the others float"))
+            continue
+        unreplaceable = _unreplaceable_reason(module)
+        if unreplaceable is not None:
+            skipped.append(_skip(name, module, unreplaceable))
             continue
         if 0 in module.weight.shape:
             skipped.append(_skip(name, module, f"empty weight {tuple(module.weight.shape)}"))
