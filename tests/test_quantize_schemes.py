@@ -617,3 +617,13 @@ def test_per_position_scales_of_another_sequence_length_are_refused_naming_the_l
     with pytest.raises(lowbit.ShapeError, match="layer '0': static per-position activation scales were calibrated "
                                                 "for sequence length 5, got input shape \\(1, 7, 64\\)"):
         model(torch.randn(1, 7, 64, dtype=torch.bfloat16))
+
+
+def test_a_lazy_layer_not_yet_initialized_is_skipped_with_the_reason():
+    """An uninitialized nn.LazyLinear raised torch's error about uninitialized parameters, naming no layer."""
+    model = nn.Sequential(nn.LazyLinear(32), nn.Linear(32, 16))
+    report = lowbit.quantize_(model, "hif8-wo")
+    assert (report.layers["0"].status, report.layers["0"].reason) == (
+        "skipped", "its weight is not initialized yet (a lazy module: run the model once before quantizing it)")
+    model(torch.randn(2, 64))
+    assert lowbit.quantize_(model, "hif8-wo").layers["0"].status == "converted"

@@ -115,7 +115,9 @@ def _unreplaceable_reason(module: nn.Module) -> Optional[str]:
 
 
 def _skip(name: str, module: nn.Module, reason: str) -> LayerReport:
-    size = weight_nbytes(module) if isinstance(getattr(module, "weight", None), torch.Tensor) else 0
+    weight = getattr(module, "weight", None)
+    measurable = isinstance(weight, torch.Tensor) and not isinstance(weight, nn.parameter.UninitializedParameter)
+    size = weight_nbytes(module) if measurable else 0
     return LayerReport(name, type(module).__name__, "skipped", reason=reason, bytes_before=size, bytes_after=size)
 
 
@@ -148,6 +150,10 @@ def select_layers(model: nn.Module, config: QuantConfig, scheme: str = "") -> Se
         if len(names_of[id(module)]) > 1:
             skipped.append(_skip(name, module, f"the same module is registered as {names_of[id(module)]}: "
                                                "replacing it under one name would leave the others float"))
+            continue
+        if isinstance(module.weight, nn.parameter.UninitializedParameter):
+            skipped.append(_skip(name, module, "its weight is not initialized yet (a lazy module: run the model "
+                                               "once before quantizing it)"))
             continue
         unreplaceable = _unreplaceable_reason(module)
         if unreplaceable is not None:
