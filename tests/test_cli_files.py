@@ -156,6 +156,23 @@ def test_a_full_disk_names_the_target(tmp_path, monkeypatch):
         files.write_bytes_atomic(tmp_path / "file" / "x.bin", b"x")
 
 
+def test_a_temporary_file_that_cannot_be_made_is_not_named_and_the_cli_line_has_no_errno(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """mkstemp failing (a folder this process may not write in, as root under /sys) named the hidden temporary
+    file, and the command's line began with [Errno 13]."""
+    real = files.tempfile.mkstemp
+
+    def refused(dir, prefix):
+        raise PermissionError(13, "Permission denied", os.path.join(dir, prefix + "8elxhp1f"))
+
+    monkeypatch.setattr(files.tempfile, "mkstemp", refused)
+    with pytest.raises(PermissionError) as caught:
+        files.write_bytes_atomic(tmp_path / "x.png", b"x")
+    assert str(caught.value) == f"[Errno 13] cannot write {tmp_path / 'x.png'}: Permission denied"
+    assert cli._one_line(caught.value) == f"cannot write {tmp_path / 'x.png'}: Permission denied"
+    monkeypatch.setattr(files.tempfile, "mkstemp", real)
+
+
 def test_save_quantized_errors_name_the_checkpoint(tmp_path, monkeypatch):
     import lowbit
     import torch

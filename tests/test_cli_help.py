@@ -4,7 +4,10 @@ import shlex
 
 import pytest
 
+import lowbit
+
 from lowbit.cli import help as cli_help
+from lowbit.cli import main as cli
 from lowbit.cli.main import build_parser
 
 
@@ -38,3 +41,7 @@ def test_overview_lists_every_command_once_with_its_help():
     assert commands[:3] == ["info", "smoke", "bench"] and "verify" in commands and "eval" in commands
     assert len(commands) == len(set(commands))
     assert "  smoke  " in text and "lowbit COMMAND --help" in text
+
+
+def test_version_prints_lowbits_version(capsys):
+    assert cli.main(["--version"]) == 0 and capsys.readouterr().out == f"lowbit {lowbit.__version__}\n"

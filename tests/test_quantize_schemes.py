@@ -443,8 +443,9 @@ def test_convert_and_quantize_underscore_report_progress_per_layer():
     model = nn.Sequential(nn.Linear(64, 32)).to(torch.bfloat16)
     lowbit.quantize(model, "hif8-w8a8-minmax")
     model(torch.randn(4, 64, dtype=torch.bfloat16))
-    lowbit.convert(model, progress=seen.append)
+    report = lowbit.convert(model, progress=seen.append)
     assert seen == ["0"]
+    assert report.scheme == "hif8-w8a8-minmax" and str(report).startswith("convert (hif8-w8a8-minmax)")
 
 
 @pytest.mark.parametrize("scheme", ["int4-a16w4", "mxfp4-wo", "svdquant-r32"])

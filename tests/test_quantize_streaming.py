@@ -4,6 +4,7 @@ completed shards, and refuses bad input with clear errors before writing anythin
 
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -290,6 +291,23 @@ def test_bad_input_is_refused_before_writing(small_dir, tmp_path, how, message):
     with pytest.raises(CheckpointError, match=message.replace("[", r"\[").replace("]", r"\]")):
         quantize_checkpoint(small_dir, tmp_path / "out", "hif8-wo", workers=1)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("missing", ["safetensors", "tqdm"])
+def test_a_missing_models_extra_is_named_before_anything_is_written(small_dir, tmp_path, monkeypatch, missing):
+    """Without safetensors quantize-checkpoint failed with "No module named 'safetensors'" after making the
+    output folder, and load_quantized called an intact file truncated or corrupt."""
+    model = nn.Sequential(nn.Linear(64, 64))
+    lowbit.quantize_(model, "hif8-wo")
+    lowbit.save_quantized(model, tmp_path / "ckpt")
+    for module in ([missing, f"{missing}.torch"] if missing == "safetensors" else [missing]):
+        monkeypatch.setitem(sys.modules, module, None)  # import raises ImportError
+    with pytest.raises(ModuleNotFoundError, match=f"'{missing}' package: pip install 'lowbit\\[models\\]'"):
+        quantize_checkpoint(small_dir, tmp_path / "out", "hif8-wo", workers=1, progress=True)
+    assert not (tmp_path / "out").exists()
+    if missing == "safetensors":
+        with pytest.raises(ModuleNotFoundError, match="need the 'safetensors' package"):
+            lowbit.load_quantized(tmp_path / "ckpt", nn.Sequential(nn.Linear(64, 64)))
 
 
 def test_a_packed_tensor_that_would_take_an_input_tensors_name_is_refused(tmp_path):

@@ -196,6 +196,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``lowbit`` parser (imports lowbit's operators)."""
+    import lowbit
     from lowbit import backends
     from lowbit.cli import bench, evaluate, quantize, quantize_checkpoint, smoke, wqbmm
     from lowbit.cli.help import add_examples, subcommand_parsers
@@ -205,6 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="lowbit", description="bit-exact low-bit formats and quantized operators for PyTorch: "
                                                 "check this machine, benchmark, quantize, evaluate")
     parser.add_argument("--debug", action="store_true", help="on an error, show the traceback")
+    parser.add_argument("--version", action="version", version=f"lowbit {lowbit.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     info = sub.add_parser("info", help="versions, devices and the backend serving each operator")
@@ -243,8 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _one_line(exc: BaseException) -> str:
     """The error's message on one line; for a file error ``FILE: reason`` (no errno noise)."""
-    if isinstance(exc, OSError) and exc.filename and exc.strerror:
-        return f"{exc.filename}: {exc.strerror}"
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.filename}: {exc.strerror}" if exc.filename else exc.strerror
     text = " ".join(str(exc).split("\n")).strip()
     return text or type(exc).__name__
 

@@ -107,7 +107,9 @@ def convert(model: nn.Module, *, progress: Optional[Callable[[str], object]] = N
     if missing:
         raise RuntimeError(f"convert: layers not calibrated yet (run forward passes first): {', '.join(missing)}")
     deployed = _deploy_modules(pending, progress)
-    report = QuantizeReport("convert", "", any(m.layer_config.amct_compat for _, m in pending))
+    schemes = {m.layer_config.scheme for _, m in pending}  # the scheme quantize was given, if one named it
+    report = QuantizeReport("convert", schemes.pop() if len(schemes) == 1 else "",
+                            any(m.layer_config.amct_compat for _, m in pending))
     for name, calib, deploy in deployed:
         replace_layer(model, name, deploy)
         report.add(_deployed_report(name, calib, deploy))

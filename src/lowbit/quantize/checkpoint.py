@@ -40,7 +40,8 @@ class CheckpointError(ValueError, RuntimeError):
     message names the file and the tensor or layer. Raised before the model is changed."""
 
 
-def _safetensors_torch():
+def safetensors_torch():
+    """safetensors.torch; ModuleNotFoundError naming the extra that installs it."""
     try:
         import safetensors.torch
     except ImportError as exc:  # pragma: no cover - depends on the environment
@@ -79,7 +80,7 @@ def save_quantized(model: nn.Module, directory: PathLike) -> Path:
     quantized layer (ValueError: a float checkpoint is not what this function is for). Returns the path."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"save_quantized: model must be an nn.Module, got {type(model).__name__}")
-    st = _safetensors_torch()
+    st = safetensors_torch()
     calibrating = [n for n, m in model.named_modules() if isinstance(m, CalibrationModule)]
     if calibrating:
         raise RuntimeError(f"save_quantized: call lowbit.convert(model) first; calibration modules: {calibrating}")
@@ -153,8 +154,9 @@ def _read_meta(path: Path) -> dict[str, Any]:
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
     if not path.is_file():
         raise CheckpointError(f"load_quantized: missing file {path}")
+    st = safetensors_torch()  # (a missing package is not a corrupt file)
     try:
-        return _safetensors_torch().load_file(str(path))
+        return st.load_file(str(path))
     except Exception as exc:  # safetensors raises its own SafetensorError (not exported as a stable type)
         raise CheckpointError(f"load_quantized: cannot read {path} (truncated or corrupt?): {exc}") from None
 

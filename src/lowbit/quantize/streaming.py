@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Iterator, Optional, Union
 
 from lowbit.errors import check_int
-from lowbit.quantize.checkpoint import FORMAT_VERSION, META_FILE, CheckpointError
+from lowbit.quantize.checkpoint import FORMAT_VERSION, META_FILE, CheckpointError, safetensors_torch
 from lowbit.quantize.shard_io import INDEX_FILE, Shard, encode_header, model_shards, read_shard
 from lowbit.quantize.stream_plan import Planner
 from lowbit.quantize.stream_worker import CopyTask, QuantizeTask, init_worker, run_indexed
@@ -191,15 +191,19 @@ def _mapper(workers: int) -> Iterator:
         pool.join()
 
 
-def _progress_bar(total: int, enabled: bool):
-    if not enabled:
-        return contextlib.nullcontext(None)
+def _tqdm():
     try:
         from tqdm import tqdm
     except ImportError:  # pragma: no cover - depends on the environment
         raise ModuleNotFoundError("the progress bar needs the 'tqdm' package: pip install 'lowbit[models]' "
                                   "(or turn the progress bar off)") from None
-    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="quantize-checkpoint")
+    return tqdm
+
+
+def _progress_bar(total: int, enabled: bool):
+    if not enabled:
+        return contextlib.nullcontext(None)
+    return _tqdm()(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="quantize-checkpoint")
 
 
 def _write_shards(todo: list[_ShardPlan], out_dir: Path, manifest: dict, workers: int, progress: bool,
@@ -263,10 +267,14 @@ def quantize_checkpoint(in_dir: PathLike, out_dir: PathLike, scheme: str, *, ski
     quantized). ``workers``: processes (default ``min(cpu count, 4)``; at most one per CPU and per tensor to
     write; 1 runs in this process).
     ``progress``: a progress bar on stderr (needs tqdm). Rerunning after an interruption keeps the shards
-    already written. Errors, raised before anything is written: ValueError (unknown scheme, one that needs
+    already written. Errors, raised before anything is written: ModuleNotFoundError (safetensors, or tqdm for
+    the progress bar, missing: the ``models`` extra), ValueError (unknown scheme, one that needs
     calibration or quantizes whole tensors, ``out_dir`` inside ``in_dir`` or not an earlier output),
     CheckpointError (missing, truncated or corrupt input shard or index)."""
     in_dir, out_dir = Path(in_dir), Path(out_dir)
+    safetensors_torch()  # the packages the writing needs, before anything is written
+    if progress:
+        _tqdm()
     if isinstance(skip, str) or not all(isinstance(s, str) and s for s in skip):
         raise ValueError(f"skip must be a sequence of non-empty strings, got {skip!r}")
     skip = tuple(skip)

@@ -27,13 +27,18 @@ class DatasetError(ValueError):
 def named_after(path: Path | str, temporary: Path | str | None = None) -> Iterator[None]:
     """Re-raise an OSError about ``temporary`` (a file or folder, or anything inside it; None: any OSError) as
     the same error about ``path``: the hidden temporary name an atomic write uses means nothing to a user
-    (``cannot write a.png: Read-only file system``, not ``.a.png.x1y2: ...``). Another file the error names
-    (a folder on the way) stays in the message; the original error is chained."""
+    (``cannot write a.png: Read-only file system``, not ``.a.png.x1y2: ...``). Without ``temporary``, a name
+    in ``path``'s folder that starts as atomic_path's temporary names do (a failed mkstemp) counts as one.
+    Another file the error names (a folder on the way) stays in the message; the original error is chained."""
     try:
         yield
     except OSError as exc:
         names = [str(f) for f in (exc.filename, exc.filename2) if f is not None]
-        is_temporary = [temporary is not None and n.startswith(str(temporary)) for n in names]
+        if temporary is None:
+            hidden = Path(path).parent / f".{Path(path).name}."
+            is_temporary = [n.startswith(str(hidden)) for n in names]
+        else:
+            is_temporary = [n.startswith(str(temporary)) for n in names]
         if exc.errno is None or temporary is not None and not any(is_temporary):
             raise
         others = [n for n, tmp in zip(names, is_temporary) if not tmp and n != str(path)]
