@@ -5,6 +5,7 @@ completed shards, and refuses bad input with clear errors before writing anythin
 import json
 import os
 import sys
+import threading
 
 import pytest
 import torch
@@ -291,6 +292,25 @@ def test_bad_input_is_refused_before_writing(small_dir, tmp_path, how, message):
     with pytest.raises(CheckpointError, match=message.replace("[", r"\[").replace("]", r"\]")):
         quantize_checkpoint(small_dir, tmp_path / "out", "hif8-wo", workers=1)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_worker_that_dies_ends_the_run_with_an_error_not_a_hang():
+    """A worker killed mid-task (the out-of-memory killer's SIGKILL) left multiprocessing.Pool waiting for its
+    lost task for ever."""
+    outcome = []
+
+    def run():
+        try:
+            with streaming._mapper(2) as mapper:
+                list(mapper(os._exit, [3, 3, 3]))  # each task ends its worker abruptly
+        except RuntimeError as exc:
+            outcome.append(str(exc))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(120)
+    assert not thread.is_alive(), "the run hung"
+    assert outcome and outcome[0].startswith("a worker process died")
 
 
 @pytest.mark.parametrize("missing", ["safetensors", "tqdm"])

@@ -15,6 +15,10 @@ import contextlib
 import json
 import os
 import shutil
+import signal
+import threading
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
@@ -177,18 +181,50 @@ def _fsync(path: Path, flags: int = os.O_RDONLY) -> None:
 
 
 @contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """Ctrl-C ignored in the block (on the main thread; elsewhere nothing changes): processes spawned in it
+    start with it ignored, so one pressed while they import torch prints no traceback from them."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@contextlib.contextmanager
 def _mapper(workers: int) -> Iterator:
-    """``map`` in this process for one worker, else a spawned pool's ``imap_unordered`` (stopped on exit)."""
+    """``map`` in this process for one worker, else ``mapper(f, jobs)`` yielding ``f(job)`` from spawned worker
+    processes as they finish; RuntimeError if a worker dies (a multiprocessing.Pool waited for its lost task
+    for ever). The workers are stopped on exit, their running tasks too."""
     if workers == 1:
         yield map
         return
     threads = max(1, (os.cpu_count() or 1) // workers)
-    pool = get_context("spawn").Pool(workers, initializer=init_worker, initargs=(threads,))
+    executor = ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=init_worker,
+                                   initargs=(threads,))
+
+    def mapper(f, jobs):
+        with _sigint_ignored():
+            futures = [executor.submit(f, job) for job in jobs]
+        try:
+            for future in as_completed(futures):
+                yield future.result()
+        except BrokenProcessPool:
+            raise RuntimeError("a worker process died (killed by a signal, e.g. by the out-of-memory killer); "
+                               "the shards already written are kept: run the command again to resume") from None
+
     try:
-        yield lambda f, jobs: pool.imap_unordered(f, jobs, chunksize=1)
+        yield mapper
     finally:
-        pool.terminate()
-        pool.join()
+        processes = list((executor._processes or {}).values())  # (no public way to stop running tasks)
+        executor.shutdown(wait=False, cancel_futures=True)
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            process.join()
 
 
 def _tqdm():
