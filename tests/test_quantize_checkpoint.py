@@ -169,6 +169,9 @@ def test_unknown_format_version_and_corrupt_json(tmp_path):
     (path / META_FILE).write_text("{not json")
     with pytest.raises(CheckpointError, match="not valid JSON"):
         lowbit.load_quantized(path, skeleton())
+    (path / META_FILE).write_text('{"format_version": ' + "9" * 5000 + "}")  # json's bare ValueError
+    with pytest.raises(CheckpointError, match="not valid JSON \\(ValueError: Exceeds the limit"):
+        lowbit.load_quantized(path, skeleton())
 
 
 def _set(key, value):
@@ -349,3 +352,17 @@ def test_a_hugging_face_skeleton_built_under_parameters_on_meta_loads(minilm_pat
     ids = torch.tensor([[101, 2023, 2003, 1037, 6251, 102]])
     with torch.no_grad():
         assert torch.equal(loaded(ids).last_hidden_state, model(ids).last_hidden_state)
+
+
+def test_the_working_directory_is_refused_as_a_checkpoint_and_nothing_is_left(tmp_path, monkeypatch):
+    """save_quantized(model, ".") in an empty working directory failed renaming it ([Errno 16], naming a
+    temporary folder) and left a hidden folder beside it."""
+    model, _ = quantized("hif8-wo")
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    for target in (".", "..", str(tmp_path / "here")):
+        with pytest.raises(ValueError, match="is the working directory \\(or holds it\\), which cannot be replaced"):
+            lowbit.save_quantized(model, target)
+    assert [p.name for p in tmp_path.iterdir()] == ["here"] and not any((tmp_path / "here").iterdir())
+    lowbit.save_quantized(model, "checkpoint")
+    assert sorted(p.name for p in (tmp_path / "here" / "checkpoint").iterdir()) == sorted([META_FILE, TENSORS_FILE])

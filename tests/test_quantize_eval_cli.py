@@ -208,3 +208,26 @@ def test_text_on_an_encoder_is_refused(minilm_path, tmp_path, capsys):
     corpus.write_text("some text")
     assert cli.main(["eval", "--model", str(minilm_path), "--schemes", "hif8-wo", "--text", str(corpus)]) == 2
     assert "is not a causal LM" in one_error_line(capsys)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "a layer missing"])
+def test_a_damaged_model_directory_is_refused_naming_it(tiny_causal_lm_path, tmp_path, capsys, damage):
+    """A truncated weight file was an "internal error" naming no file; tensors missing from it were filled at
+    random by transformers (its warning silenced), quantized and evaluated with exit 0."""
+    import shutil
+
+    st = pytest.importorskip("safetensors.torch")
+    directory = tmp_path / "damaged"
+    shutil.copytree(tiny_causal_lm_path, directory)
+    weights = directory / "model.safetensors"
+    if damage == "truncated":
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+        message = "a weight file is truncated or corrupt"
+    else:
+        tensors = st.load_file(str(weights))
+        st.save_file({k: v for k, v in tensors.items() if ".layers.1." not in k}, str(weights),
+                     metadata={"format": "pt"})
+        message = "the weight files lack or mis-shape 9 tensors the model needs"
+    assert cli.main(["quantize", "--model", str(directory), "--scheme", "hif8-wo", "--out", str(tmp_path / "q")]) == 2
+    assert f"error: {directory}: {message}" in capsys.readouterr().err
+    assert not (tmp_path / "q").exists()

@@ -258,17 +258,24 @@ def _corrupt(directory, how):
         index["weight_map"] = {k: "config.json" if v == shard.name else v for k, v in index["weight_map"].items()}
     elif how in HEADER_EDITS:
         _edit_header(shard, HEADER_EDITS[how])
+    elif how == "metadata not strings":  # safetensors itself refused it, in the worker, after writing began
+        _edit_header(shard, lambda e: None, lambda header: header.update(__metadata__={"format": 5}))
+    elif how == "integer of 5000 digits":  # json raises a bare ValueError for it
+        _edit_header(shard, lambda e: e.update(shape=["DIGITS", *e["shape"][1:]]),
+                     encode=lambda text: text.replace('"DIGITS"', "9" * 5000))
     (directory / INDEX_FILE).write_text(json.dumps(index))
 
 
-def _edit_header(shard, edit):
-    """Rewrite the first 2-D weight's entry in ``shard``'s header with ``edit(entry)``, the data unchanged."""
+def _edit_header(shard, edit, edit_header=lambda header: None, encode=lambda text: text):
+    """Rewrite the first 2-D weight's entry in ``shard``'s header with ``edit(entry)`` (and the header with
+    ``edit_header``, its JSON text with ``encode``), the data unchanged."""
     data = shard.read_bytes()
     n = int.from_bytes(data[:8], "little")
     header = json.loads(data[8 : 8 + n])
     name = next(k for k, v in header.items() if k.endswith(".weight") and len(v["shape"]) == 2)
     edit(header[name])
-    encoded = json.dumps(header).encode()
+    edit_header(header)
+    encoded = encode(json.dumps(header)).encode()
     shard.write_bytes(len(encoded).to_bytes(8, "little") + encoded + data[8 + n :])
 
 
@@ -286,7 +293,9 @@ HEADER_EDITS = {
     ("missing shard", "which is missing"), ("escaping shard", "not a file name in the same directory"),
     ("shard named as a side file", "'config.json' is not a .safetensors file"),
     ("unknown dtype", "has unknown dtype 'ZZZ'"), ("boolean in shape", "corrupt safetensors header entry"),
-    ("dtype of other size", "its data_offsets span"), ("huge shape", "needs 18446744073709551616 bits")])
+    ("dtype of other size", "its data_offsets span"), ("huge shape", "needs 18446744073709551616 bits"),
+    ("metadata not strings", "__metadata__ must map names to strings"),
+    ("integer of 5000 digits", "corrupt safetensors header \\(ValueError: Exceeds the limit")])
 def test_bad_input_is_refused_before_writing(small_dir, tmp_path, how, message):
     _corrupt(small_dir, how)
     with pytest.raises(CheckpointError, match=message.replace("[", r"\[").replace("]", r"\]")):

@@ -42,7 +42,7 @@ def read_json_file(path: str, what: str) -> dict:
     """A JSON object from ``path``; ValueError naming the file when it is not valid JSON or not an object."""
     try:
         value = json.loads(read_text_file(path, what))
-    except (json.JSONDecodeError, RecursionError) as exc:
+    except (ValueError, RecursionError) as exc:  # (JSONDecodeError, the integer digits limit)
         raise ValueError(f"{what} {path} is not valid JSON: {type(exc).__name__}: {exc}") from None
     if not isinstance(value, dict):
         raise ValueError(f"{what} {path} must hold a JSON object, got {type(value).__name__}")

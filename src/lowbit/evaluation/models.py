@@ -92,7 +92,7 @@ def is_causal_lm_dir(path: Path) -> bool:
     file = Path(path) / "config.json"
     try:
         config = json.loads(file.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+    except (ValueError, RecursionError) as exc:  # (JSONDecodeError, UnicodeDecodeError, integer digits limit)
         raise ValueError(f"{file}: not a JSON file ({type(exc).__name__}: {exc})") from None
     if not isinstance(config, dict):
         raise ValueError(f"{file}: expected a JSON object, got {type(config).__name__}")
@@ -117,9 +117,29 @@ def load_hf_dir(path: str | os.PathLike, *, meta: bool = False) -> LoadedModel:
         with parameters_on_meta():
             model = auto.from_config(config, torch_dtype=torch.float32)
     else:
-        model = auto.from_pretrained(path, local_files_only=True, torch_dtype=torch.float32)
+        model = _pretrained(auto, path)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
     return LoadedModel(model.eval(), "causal-lm" if causal else "encoder", str(path), tokenizer=tokenizer)
+
+
+def _pretrained(auto, path: Path):
+    """``auto.from_pretrained`` of ``path`` (float32); ValueError naming the directory where a weight file is
+    truncated or corrupt, or where tensors the model needs are missing or of another shape (transformers would
+    fill them at random, and lowbit silences its warning)."""
+    from safetensors import SafetensorError
+
+    try:
+        model, info = auto.from_pretrained(path, local_files_only=True, torch_dtype=torch.float32,
+                                           output_loading_info=True)
+    except SafetensorError as exc:
+        raise ValueError(f"{path}: a weight file is truncated or corrupt ({exc})") from None
+    missing = sorted(info["missing_keys"]) + sorted(str(k[0]) if isinstance(k, tuple) else str(k)
+                                                    for k in info["mismatched_keys"])
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ValueError(f"{path}: the weight files lack or mis-shape {len(missing)} tensors the model needs "
+                         f"(transformers would initialize them at random): {shown}")
+    return model
 
 
 def load_callable(spec: str) -> LoadedModel:

@@ -124,7 +124,10 @@ def _write_checkpoint(st, tensors: dict, meta: dict, tmp: Path, target: Path) ->
 def check_replaceable(target: Path, what: str = "save_quantized") -> None:
     """ValueError (its message starting with ``what``) unless ``target`` is missing, an empty directory or a
     directory holding only a checkpoint of :func:`save_quantized` (its two files): nothing else is ever
-    deleted by replacing it."""
+    deleted by replacing it; nor the working directory, which a rename cannot replace (it stays in use)."""
+    if target.resolve() in (Path.cwd().resolve(), *Path.cwd().resolve().parents):
+        raise ValueError(f"{what}: {target} is the working directory (or holds it), which cannot be replaced; "
+                         "name a directory inside it, such as ./checkpoint")
     if not target.exists():
         return
     if not target.is_dir():
@@ -141,7 +144,7 @@ def _read_meta(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"load_quantized: missing file {path}")
     try:
         meta = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # (JSONDecodeError, UnicodeDecodeError, integer digits)
         raise CheckpointError(f"load_quantized: {path} is not valid JSON ({type(exc).__name__}: {exc})") from None
     if not isinstance(meta, dict) or "format_version" not in meta or not isinstance(meta.get("layers"), dict):
         raise CheckpointError(f"load_quantized: {path} is not a lowbit quantization file")

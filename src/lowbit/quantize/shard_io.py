@@ -78,13 +78,16 @@ def read_shard(path: Path) -> Shard:
                 raise CheckpointError(f"{path}: truncated or corrupt safetensors file (header of {n} bytes, file "
                                       f"of {stat.st_size})")
             header = json.loads(f.read(n).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+    except (ValueError, RecursionError) as exc:  # (JSONDecodeError, UnicodeDecodeError, integer digits limit)
         raise CheckpointError(f"{path}: corrupt safetensors header ({type(exc).__name__}: {exc})") from None
     except OSError as exc:
         raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
-    header.pop("__metadata__", None)
+    metadata = header.pop("__metadata__", {})
+    if not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
+        raise CheckpointError(f"{path}: corrupt safetensors header (__metadata__ must map names to strings, as "
+                              "safetensors reads it)")
     start = 8 + n
     tensors, spans = {}, []
     for name, info in header.items():
@@ -126,7 +129,7 @@ def _read_index(path: Path) -> dict[str, str]:
     try:
         index = json.loads(path.read_text())
         weight_map = index["weight_map"]
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError, KeyError, TypeError) as exc:
+    except (OSError, ValueError, RecursionError, KeyError, TypeError) as exc:  # ValueError: JSON and digits
         raise CheckpointError(f"{path}: not a safetensors index (needs a 'weight_map' object): {exc}") from None
     if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                                    for k, v in weight_map.items()):
