@@ -366,3 +366,32 @@ def test_the_working_directory_is_refused_as_a_checkpoint_and_nothing_is_left(tm
     assert [p.name for p in tmp_path.iterdir()] == ["here"] and not any((tmp_path / "here").iterdir())
     lowbit.save_quantized(model, "checkpoint")
     assert sorted(p.name for p in (tmp_path / "here" / "checkpoint").iterdir()) == sorted([META_FILE, TENSORS_FILE])
+
+
+def test_a_skeleton_layer_a_quantized_layer_would_not_replace_faithfully_is_refused(tmp_path):
+    """load_quantized replaced an nn.Linear subclass with its own forward (or with backward hooks) silently,
+    where quantize skips such a layer."""
+
+    class Doubled(nn.Linear):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32))
+    lowbit.quantize_(model, "hif8-wo")
+    path = lowbit.save_quantized(model, tmp_path / "ckpt")
+    hooked = nn.Sequential(nn.Linear(64, 32))
+    hooked[0].register_full_backward_hook(lambda module, grad_in, grad_out: None)
+    for skeleton_ in (nn.Sequential(Doubled(64, 32)), hooked):
+        with pytest.raises(CheckpointError, match="layer '0', which in the model cannot be replaced: "):
+            lowbit.load_quantized(path, skeleton_)
+        assert isinstance(skeleton_[0], nn.Linear)
+
+
+def test_the_working_directory_check_survives_a_deleted_working_directory(tmp_path, monkeypatch):
+    model, _ = quantized("hif8-wo")
+    (tmp_path / "gone").mkdir()
+    monkeypatch.chdir(tmp_path / "gone")
+    (tmp_path / "gone").rmdir()
+    lowbit.save_quantized(model, tmp_path / "ckpt")
+    assert (tmp_path / "ckpt" / META_FILE).is_file()

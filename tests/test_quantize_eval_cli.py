@@ -231,3 +231,23 @@ def test_a_damaged_model_directory_is_refused_naming_it(tiny_causal_lm_path, tmp
     assert cli.main(["quantize", "--model", str(directory), "--scheme", "hif8-wo", "--out", str(tmp_path / "q")]) == 2
     assert f"error: {directory}: {message}" in capsys.readouterr().err
     assert not (tmp_path / "q").exists()
+
+
+def test_an_encoder_without_its_pooler_loads(minilm_path, tmp_path):
+    """A masked-LM checkpoint has no pooler, which lowbit never reads (last_hidden_state): its absence is not
+    a missing tensor; any other is."""
+    import shutil
+
+    from lowbit.evaluation.models import load_hf_dir
+
+    st = pytest.importorskip("safetensors.torch")
+    directory = tmp_path / "no-pooler"
+    shutil.copytree(minilm_path, directory)
+    tensors = st.load_file(str(directory / "model.safetensors"))
+    st.save_file({k: v for k, v in tensors.items() if not k.startswith("pooler.")},
+                 str(directory / "model.safetensors"), metadata={"format": "pt"})
+    assert load_hf_dir(directory).kind == "encoder"
+    st.save_file({k: v for k, v in tensors.items() if not k.startswith(("pooler.", "encoder.layer.5.output"))},
+                 str(directory / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="lack or mis-shape 4 tensors .*encoder.layer.5.output.LayerNorm.bias"):
+        load_hf_dir(directory)

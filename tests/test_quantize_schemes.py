@@ -531,21 +531,33 @@ def test_forward_hooks_move_to_the_quantized_layer(flow):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 16))
     x = torch.randn(3, 64)
-    handles = [model[0].register_forward_pre_hook(lambda module, args: (args[0] * 10,)),
-               model[2].register_forward_hook(lambda module, args, kwargs, y: y + 100, with_kwargs=True)]
-    reference = model(x)
+    calls = []
+
+    def scale_input(module, args):
+        calls.append(("pre", type(module).__name__))
+        return (args[0] * 10,)
+
+    def shift_output(module, args, kwargs, y):
+        calls.append(("post", type(module).__name__))
+        return y + 100
+
+    handles = [model[0].register_forward_pre_hook(scale_input),
+               model[2].register_forward_hook(shift_output, with_kwargs=True)]
     if flow == "quantize_":
         lowbit.quantize_(model, "hif8-wo")
     else:
         lowbit.quantize(model, "hif8-w8a8-minmax")
         model(x)
         lowbit.convert(model)
-    assert not isinstance(model[0], nn.Linear) and not isinstance(model[2], nn.Linear)
+    calls.clear()
     y = model(x)
-    assert (y - reference).abs().max() < 0.1 * reference.abs().max()
+    assert calls == [("pre", type(model[0]).__name__), ("post", type(model[2]).__name__)]
+    assert not isinstance(model[0], nn.Linear) and not isinstance(model[2], nn.Linear)
     for handle in handles:
         handle.remove()
-    assert model(x).abs().max() < 50 and not model[0]._forward_pre_hooks and not model[2]._forward_hooks
+    plain = model(x)
+    assert torch.equal(y, model[2](model[1](model[0](x * 10))) + 100) and not torch.equal(y, plain + 100)
+    assert len(calls) == 2 and not model[0]._forward_pre_hooks and not model[2]._forward_hooks
 
 
 class _Doubled(nn.Linear):
@@ -562,9 +574,10 @@ def test_layers_whose_computation_or_hooks_a_quantized_layer_would_lose_are_skip
     silently); backward and state-dict hooks would be lost the same way. A subclass that only inherits is
     quantized."""
     model = nn.Sequential(_Doubled(64, 64), _Plain(64, 64), nn.Linear(64, 64), nn.Linear(64, 64),
-                          nn.Conv2d(4, 4, 1))
+                          nn.Conv2d(4, 4, 1), torch.nn.utils.weight_norm(nn.Linear(64, 64)))
     model[2].register_full_backward_hook(lambda module, grad_in, grad_out: None)
     model[3].register_state_dict_post_hook(lambda module, state_dict, prefix, local_metadata: None)
+    model[4].register_full_backward_hook(lambda module, grad_in, grad_out: None)  # not a candidate: not listed
     report = lowbit.quantize_(model, "hif8-wo")
     assert {name: (layer.status, layer.reason) for name, layer in report.layers.items()} == {
         "0": ("skipped", "its class _Doubled overrides Linear's forward, which the quantized layer would not "
@@ -572,7 +585,9 @@ def test_layers_whose_computation_or_hooks_a_quantized_layer_would_lose_are_skip
         "1": ("converted", ""),
         "2": ("skipped", "it has backward hooks, which a quantized layer cannot keep (remove them to quantize it)"),
         "3": ("skipped", "it has state-dict hooks, which a quantized layer cannot keep (remove them to quantize "
-                         "it)")}
+                         "it)"),
+        "5": ("skipped", "a WeightNorm hook recomputes its weight before each call (remove it, e.g. with "
+                         "torch.nn.utils.remove_weight_norm, to quantize the layer)")}
     assert type(model[0]) is _Doubled and not isinstance(model[1], nn.Linear)
 
 

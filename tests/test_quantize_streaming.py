@@ -260,6 +260,10 @@ def _corrupt(directory, how):
         _edit_header(shard, HEADER_EDITS[how])
     elif how == "metadata not strings":  # safetensors itself refused it, in the worker, after writing began
         _edit_header(shard, lambda e: None, lambda header: header.update(__metadata__={"format": 5}))
+    elif how == "metadata a list":
+        _edit_header(shard, lambda e: None, lambda header: header.update(__metadata__=["pt"]))
+    elif how == "metadata null":  # safetensors reads it as no metadata: quantized as any other
+        _edit_header(shard, lambda e: None, lambda header: header.update(__metadata__=None))
     elif how == "integer of 5000 digits":  # json raises a bare ValueError for it
         _edit_header(shard, lambda e: e.update(shape=["DIGITS", *e["shape"][1:]]),
                      encode=lambda text: text.replace('"DIGITS"', "9" * 5000))
@@ -295,6 +299,7 @@ HEADER_EDITS = {
     ("unknown dtype", "has unknown dtype 'ZZZ'"), ("boolean in shape", "corrupt safetensors header entry"),
     ("dtype of other size", "its data_offsets span"), ("huge shape", "needs 18446744073709551616 bits"),
     ("metadata not strings", "__metadata__ must map names to strings"),
+    ("metadata a list", "__metadata__ must map names to strings"),
     ("integer of 5000 digits", "corrupt safetensors header \\(ValueError: Exceeds the limit")])
 def test_bad_input_is_refused_before_writing(small_dir, tmp_path, how, message):
     _corrupt(small_dir, how)
@@ -319,7 +324,7 @@ def test_a_worker_that_dies_ends_the_run_with_an_error_not_a_hang():
     thread.start()
     thread.join(120)
     assert not thread.is_alive(), "the run hung"
-    assert outcome and outcome[0].startswith("a worker process died")
+    assert outcome and outcome[0].startswith("a worker process exited unexpectedly")
 
 
 @pytest.mark.parametrize("missing", ["safetensors", "tqdm"])
@@ -337,6 +342,12 @@ def test_a_missing_models_extra_is_named_before_anything_is_written(small_dir, t
     if missing == "safetensors":
         with pytest.raises(ModuleNotFoundError, match="need the 'safetensors' package"):
             lowbit.load_quantized(tmp_path / "ckpt", nn.Sequential(nn.Linear(64, 64)))
+
+
+def test_null_metadata_is_no_metadata(small_dir, tmp_path):
+    _corrupt(small_dir, "metadata null")
+    quantize_checkpoint(small_dir, tmp_path / "out", "hif8-wo", workers=1)
+    assert (tmp_path / "out" / META_FILE).is_file()
 
 
 def test_a_packed_tensor_that_would_take_an_input_tensors_name_is_refused(tmp_path):

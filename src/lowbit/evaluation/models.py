@@ -117,15 +117,15 @@ def load_hf_dir(path: str | os.PathLike, *, meta: bool = False) -> LoadedModel:
         with parameters_on_meta():
             model = auto.from_config(config, torch_dtype=torch.float32)
     else:
-        model = _pretrained(auto, path)
+        model = _pretrained(auto, path, encoder=not causal)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
     return LoadedModel(model.eval(), "causal-lm" if causal else "encoder", str(path), tokenizer=tokenizer)
 
 
-def _pretrained(auto, path: Path):
+def _pretrained(auto, path: Path, encoder: bool):
     """``auto.from_pretrained`` of ``path`` (float32); ValueError naming the directory where a weight file is
     truncated or corrupt, or where tensors the model needs are missing or of another shape (transformers would
-    fill them at random, and lowbit silences its warning)."""
+    fill them at random, and lowbit silences its warning; an ``encoder``'s pooler may be missing)."""
     from safetensors import SafetensorError
 
     try:
@@ -133,8 +133,9 @@ def _pretrained(auto, path: Path):
                                            output_loading_info=True)
     except SafetensorError as exc:
         raise ValueError(f"{path}: a weight file is truncated or corrupt ({exc})") from None
-    missing = sorted(info["missing_keys"]) + sorted(str(k[0]) if isinstance(k, tuple) else str(k)
-                                                    for k in info["mismatched_keys"])
+    # An encoder's pooler, which a masked-LM checkpoint lacks, is never read (its last_hidden_state is)
+    missing = sorted(k for k in info["missing_keys"] if not (encoder and k.startswith("pooler.")))
+    missing += sorted(str(k[0]) if isinstance(k, tuple) else str(k) for k in info["mismatched_keys"])
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ValueError(f"{path}: the weight files lack or mis-shape {len(missing)} tensors the model needs "

@@ -27,6 +27,7 @@ from lowbit.quantize.activations import STATIC_KINDS, act_kind
 from lowbit.quantize.layer_ops import channel_axis, geometry_mismatch
 from lowbit.quantize.modules import (DEPLOY_CLASSES, CalibrationModule, Int4Linear, QuantizedLinearBase,
                                      replace_layer)
+from lowbit.quantize.selection import unreplaceable_reason
 from lowbit.toolchain.files import named_after
 
 FORMAT_VERSION = 1
@@ -125,7 +126,11 @@ def check_replaceable(target: Path, what: str = "save_quantized") -> None:
     """ValueError (its message starting with ``what``) unless ``target`` is missing, an empty directory or a
     directory holding only a checkpoint of :func:`save_quantized` (its two files): nothing else is ever
     deleted by replacing it; nor the working directory, which a rename cannot replace (it stays in use)."""
-    if target.resolve() in (Path.cwd().resolve(), *Path.cwd().resolve().parents):
+    try:
+        here = Path.cwd().resolve()
+    except OSError:  # the working directory was deleted: the target cannot be it
+        here = None
+    if here is not None and target.resolve() in (here, *here.parents):
         raise ValueError(f"{what}: {target} is the working directory (or holds it), which cannot be replaced; "
                          "name a directory inside it, such as ./checkpoint")
     if not target.exists():
@@ -199,6 +204,8 @@ def _deploy_modules(model: nn.Module, layers: dict, meta_path: Path,
                                   "description") from None
         target = modules.get(name)
         problem = "is missing" if target is None else geometry_mismatch(geometry, target, has_bias)
+        if not problem and unreplaceable_reason(target) is not None:
+            problem = f"cannot be replaced: {unreplaceable_reason(target)}"
         if problem:
             raise CheckpointError(f"load_quantized: {meta_path} lists layer {name!r}, which in the model {problem}")
         try:

@@ -10,8 +10,8 @@
   tensors (buffers) and compute with lowbit's operators; :meth:`compute` is the one weight -> output step.
 
 Inputs: (..., K) in the weight's dtype; outputs (..., N) in x's dtype. No gradient flows (all forwards run
-under ``torch.no_grad``, as AMCT's; where x or a parameter requires grad in grad mode, the output's backward
-raises: run_without_derivative). Fake quant equals deploy bit for bit except Int4Linear (MSD numerics
+under ``torch.no_grad``, as AMCT's; where x requires grad in grad mode, the output's backward raises:
+run_without_derivative). Fake quant equals deploy bit for bit except Int4Linear (MSD numerics
 vs the dequantized weight; docs/quantize.md, "Fake quant vs deploy").
 """
 
@@ -81,27 +81,27 @@ def refuse_unsupported_transforms(layer_name: str, x: torch.Tensor) -> None:
 
 
 class _NoDerivative(torch.autograd.Function):
-    """A layer's output in an autograd graph whose backward raises: the layer has no derivative, and an output
-    computed under torch.no_grad dropped the gradients of x and of the layer's parameters without an error."""
+    """A layer's output in x's autograd graph with a backward that raises: the layer has no derivative, and an
+    output computed under torch.no_grad cut the gradients of everything before the layer without an error."""
 
     @staticmethod
-    def forward(ctx, run, layer_name, *inputs):
+    def forward(ctx, run, layer_name, x):
         ctx.layer_name = layer_name
         return run()
 
     @staticmethod
     def backward(ctx, *grads):
-        raise RuntimeError(f"layer {ctx.layer_name!r}: a quantized layer has no derivative; a backward pass "
-                           "through it would drop the gradients of its input (run it under torch.no_grad() or "
-                           "torch.inference_mode(), or keep the layers that need gradients in floating point)")
+        raise RuntimeError(f"layer {ctx.layer_name!r}: a quantized layer has no derivative, so no gradient reaches "
+                           "the tensors its input was computed from (freeze them with requires_grad_(False), run "
+                           "the model under torch.no_grad(), or keep that layer in floating point)")
 
 
-def run_without_derivative(layer_name: str, run: Callable[[], torch.Tensor], tensors: tuple) -> torch.Tensor:
-    """``run()`` under torch.no_grad: where grad mode is on and one of ``tensors`` (x, the layer's parameters;
-    None allowed) requires grad, its output joins their graph with a backward that raises (_NoDerivative)."""
-    needing = [t for t in tensors if t is not None and t.requires_grad]
-    if needing and torch.is_grad_enabled():
-        return _NoDerivative.apply(run, layer_name, *needing)
+def run_without_derivative(layer_name: str, run: Callable[[], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``run()`` under torch.no_grad (the layer's own parameters get no gradient, as AMCT's layers); where grad
+    mode is on and x requires grad, the output joins x's graph with a backward that raises (_NoDerivative).
+    Under torch.func's transforms (whose derivatives of x refuse_unsupported_transforms refuses) no graph."""
+    if x.requires_grad and torch.is_grad_enabled() and not torch._C._are_functorch_transforms_active():
+        return _NoDerivative.apply(run, layer_name, x)
     with torch.no_grad():
         return run()
 
@@ -243,10 +243,10 @@ class QuantizedLinearBase(nn.Module):
         by ``bind(x, sources, bind_argument)`` (None: there is none) and kept while the sources, x's dtype and
         the backend setting stay as they are (SourcesSeen; no function is made per call). One numba call: the
         full path's torch, Python and numba calls cost tens of microseconds each after a model's previous layer
-        (docs/weight_only.md, 'One call'). None (the caller's full path) where x is not plain (plain_tensor,
-        plain_context: no grad, no mode, CPU), the bias requires grad, x has no rows or more than ``max_rows``
-        and ``f.max_rows``, or f returned False. ``slot``: the attribute that keeps the bound call (one of
-        _CALL_SLOTS; Int4Linear keeps its prefill's apart from its decode's)."""
+        (docs/weight_only.md, 'One call'). None
+        (the caller's full path) where x is not plain (plain_tensor, plain_context: no grad, no mode, CPU),
+        has no rows or more than ``max_rows`` and ``f.max_rows``, or f returned False. ``slot``: the attribute
+        that keeps the bound call (one of _CALL_SLOTS; Int4Linear keeps its prefill's apart from its decode's)."""
         if "_dtypes_made" in self.__dict__:
             self._check_not_cast()
         k, n = self._features  # (not the properties: this runs on every decode call)
@@ -254,9 +254,6 @@ class QuantizedLinearBase(nn.Module):
         if not 0 < m <= (max_rows or m):
             return None
         if not (plain_context() and plain_tensor(x)):  # (first: torch.compile traces none of what follows)
-            return None
-        bias = self._parameters.get("bias")
-        if bias is not None and bias.requires_grad:  # the full path puts the output in its graph
             return None
         setting = (x.dtype, get_backend())
         kept = self.__dict__.get(slot)  # (bound call, SourcesSeen, (x dtype, backend setting))
@@ -357,8 +354,7 @@ class QuantizedLinearBase(nn.Module):
                           next(iter(self._buffers.values())).device)
         if self._records_no_graph(x):  # no torch.no_grad(): its grad-mode switches cost tens of microseconds
             return self.compute(self.quantize_input(x))  # after other ops (docs/weight_only.md, 'One call')
-        return run_without_derivative(self.layer_name, lambda: self.compute(self.quantize_input(x)),
-                                      (x, self._parameters.get("bias")))
+        return run_without_derivative(self.layer_name, lambda: self.compute(self.quantize_input(x)), x)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.cfg_meta.get('format', '')}"
@@ -878,7 +874,7 @@ class CalibrationModule(nn.Module):
         refuse_unsupported_transforms(self.layer_name, x)
         self._check_weights_unchanged()
         check_layer_input(self.layer_name, self.geometry, x, self.weight.dtype, self.weight.device)
-        return run_without_derivative(self.layer_name, lambda: self._output(x), (x, self.weight, self.bias))
+        return run_without_derivative(self.layer_name, lambda: self._output(x), x)
 
     def _output(self, x: torch.Tensor) -> torch.Tensor:
         """A calibration call's float output, or after calibration the fake quant's."""

@@ -100,7 +100,7 @@ _KEPT_OUT_HOOKS = {"backward": ("_backward_hooks", "_backward_pre_hooks"),
                                   "_load_state_dict_post_hooks")}
 
 
-def _unreplaceable_reason(module: nn.Module) -> Optional[str]:
+def unreplaceable_reason(module: nn.Module) -> Optional[str]:
     """Why the quantized module could not stand in for ``module``: a class that computes something else in its
     own forward (an nn.Linear / nn.Conv2d subclass overriding it), or hooks that would be lost; else None."""
     for base in (nn.Linear, nn.Conv2d):
@@ -111,6 +111,10 @@ def _unreplaceable_reason(module: nn.Module) -> Optional[str]:
     for kind, attributes in _KEPT_OUT_HOOKS.items():
         if any(getattr(module, a, None) for a in attributes):
             return f"it has {kind} hooks, which a quantized layer cannot keep (remove them to quantize it)"
+    for hook in module._forward_pre_hooks.values():
+        if type(hook).__module__.startswith("torch.nn.utils"):  # weight_norm, spectral_norm: they make its weight
+            return (f"a {type(hook).__name__} hook recomputes its weight before each call (remove it, e.g. with "
+                    "torch.nn.utils.remove_weight_norm, to quantize the layer)")
     return None
 
 
@@ -155,10 +159,6 @@ def select_layers(model: nn.Module, config: QuantConfig, scheme: str = "") -> Se
             skipped.append(_skip(name, module, "its weight is not initialized yet (a lazy module: run the model "
                                                "once before quantizing it)"))
             continue
-        unreplaceable = _unreplaceable_reason(module)
-        if unreplaceable is not None:
-            skipped.append(_skip(name, module, unreplaceable))
-            continue
         if 0 in module.weight.shape:
             skipped.append(_skip(name, module, f"empty weight {tuple(module.weight.shape)}"))
             continue
@@ -168,6 +168,10 @@ def select_layers(model: nn.Module, config: QuantConfig, scheme: str = "") -> Se
         conv = type(module).__name__ == "Conv2d" if compat else isinstance(module, nn.Conv2d)
         if conv and algorithm.name != "ofmr":
             continue  # AMCT: only OFMR quantizes Conv2d layers
+        unreplaceable = unreplaceable_reason(module)
+        if unreplaceable is not None:
+            skipped.append(_skip(name, module, unreplaceable))
+            continue
         if conv and module.padding_mode != "zeros":
             skipped.append(_skip(name, module, f"Conv2d padding_mode {module.padding_mode!r} (AMCT needs 'zeros')"))
             continue

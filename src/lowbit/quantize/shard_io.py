@@ -84,7 +84,7 @@ def read_shard(path: Path) -> Shard:
         raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
-    metadata = header.pop("__metadata__", {})
+    metadata = header.pop("__metadata__", None) or {}  # (null: safetensors reads it as no metadata)
     if not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
         raise CheckpointError(f"{path}: corrupt safetensors header (__metadata__ must map names to strings, as "
                               "safetensors reads it)")

@@ -182,8 +182,9 @@ def _fsync(path: Path, flags: int = os.O_RDONLY) -> None:
 
 @contextlib.contextmanager
 def _sigint_ignored() -> Iterator[None]:
-    """Ctrl-C ignored in the block (on the main thread; elsewhere nothing changes): processes spawned in it
-    start with it ignored, so one pressed while they import torch prints no traceback from them."""
+    """Ctrl-C ignored in the block (on the main thread; elsewhere nothing changes): on POSIX, processes spawned
+    in it start with it ignored, so one pressed while they import torch prints no traceback from them (one
+    pressed in the block itself is lost; the block only submits the tasks)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -213,13 +214,16 @@ def _mapper(workers: int) -> Iterator:
             for future in as_completed(futures):
                 yield future.result()
         except BrokenProcessPool:
-            raise RuntimeError("a worker process died (killed by a signal, e.g. by the out-of-memory killer); "
-                               "the shards already written are kept: run the command again to resume") from None
+            raise RuntimeError("a worker process exited unexpectedly (killed by a signal, such as the out-of-memory "
+                               "killer's?); the shards already written are kept: run the command again to "
+                               "resume") from None
 
     try:
         yield mapper
     finally:
-        processes = list((executor._processes or {}).values())  # (no public way to stop running tasks)
+        # No public way to stop running tasks before Python 3.14's terminate_workers: the executor's processes
+        # (a dict attribute since 3.2; checked on 3.10-3.13)
+        processes = list((getattr(executor, "_processes", None) or {}).values())
         executor.shutdown(wait=False, cancel_futures=True)
         for process in processes:
             process.terminate()
