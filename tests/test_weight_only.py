@@ -98,21 +98,25 @@ def _hifloat4_steps(step, words, value, out):
 
 
 @numba.njit
-def _levels_both_ways(words, weights, by_masks, by_multipliers):
+def _levels_every_way(words, weights, by_masks, by_multipliers, by_halves):
     for block in range(words.size):
         w0, w1 = simd.f32v_load(weights, 64 * block), simd.f32v_load(weights, 64 * block + 32)
         word = np.uint32(words[block])
         a0, a1 = wo_decode4._hifloat4_levels(w0, w1, word)
         b0, b1 = wo_decode4._hifloat4_levels_by_multipliers(w0, w1, word)
+        levels = wo_decode4.hifloat4_level_multipliers(word)
         simd.f32v_store(by_masks, 64 * block, a0)
         simd.f32v_store(by_masks, 64 * block + 32, a1)
         simd.f32v_store(by_multipliers, 64 * block, b0)
         simd.f32v_store(by_multipliers, 64 * block + 32, b1)
+        simd.f32v_store(by_halves, 64 * block, simd.f32v_mul(w0, levels))
+        simd.f32v_store(by_halves, 64 * block + 32, simd.f32v_mul(w1, levels))
 
 
 def test_hifloat4_levels_by_multipliers_equal_the_masked_doublings():
-    """The AVX2 form of HiFloat4's e2 / e3 levels (a multiply by 1, 2 or 4 per lane from _LEVEL_MULTIPLIERS)
-    gives the doublings under lane masks bit for bit, for every e2 byte and every e3 byte in both halves
+    """The AVX2 form of HiFloat4's e2 / e3 levels (a multiply by 1, 2 or 4 per lane from _LEVEL_MULTIPLIERS) and
+    the AVX-512 one (hifloat4_level_multipliers, 16 lanes at a time) give the doublings under lane masks bit for
+    bit, for every e2 byte and every e3 byte in both halves
     (each paired with random others), on weights with zeros of both signs, NaN, Inf and extreme magnitudes."""
     rng = np.random.default_rng(8)
     flags = np.arange(256, dtype=np.uint32)
@@ -121,9 +125,10 @@ def test_hifloat4_levels_by_multipliers_equal_the_masked_doublings():
     special = np.array([0.0, -0.0, np.nan, np.inf, -np.inf, 2.0**-126, 3.0 * 2.0**125, -1.75], dtype=np.float32)
     weights = np.where(rng.random(64 * words.size) < 0.2, rng.choice(special, 64 * words.size),
                        rng.standard_normal(64 * words.size)).astype(np.float32)
-    by_masks, by_multipliers = np.empty_like(weights), np.empty_like(weights)
-    _levels_both_ways(words, weights, by_masks, by_multipliers)
+    by_masks, by_multipliers, by_halves = np.empty_like(weights), np.empty_like(weights), np.empty_like(weights)
+    _levels_every_way(words, weights, by_masks, by_multipliers, by_halves)
     assert np.array_equal(by_masks.view(np.uint32), by_multipliers.view(np.uint32))
+    assert np.array_equal(by_masks.view(np.uint32), by_halves.view(np.uint32))
 
 
 def _scale_words(rng, e6m2_bytes):

@@ -80,6 +80,31 @@ def _hifloat4_levels(w0, w1, word):
 _hifloat4_scale_levels = _hifloat4_levels if simd.HAS_AVX512F else _hifloat4_levels_by_multipliers
 
 
+# ---- HiFloat4 multipliers from two tables, 16 lanes at a time ----------------------------------------------
+# Lanes 0-15 of NIBBLE_ORDER (value bytes 0-15) take their e3 flags from byte 2 of the scale word and their
+# e2 flags from the high nibble of byte 1; lanes 16-31 from byte 3 and the low nibble of byte 1, in the same
+# pattern (lane j of a half: e3 bit 7 - j // 2 of its byte, e2 bit 3 - j // 4 of its nibble). So one table of
+# 2^e3 per e3 byte (16 KiB) and one of 2^e2 per e2 nibble (1 KiB) serve both halves; their product is each
+# lane's 2^(e2 + e3), exact.
+def _half_multipliers(bits: int, group: int) -> np.ndarray:
+    """(2^bits * 16,) float32: row v holds, for lane j of a half, 2 if bit bits - 1 - j // group of v is set."""
+    key, lane = np.arange(1 << bits)[:, None], np.arange(HALF // 2)[None, :]
+    return np.where((key >> (bits - 1 - lane // group)) & 1, 2.0, 1.0).astype(np.float32).reshape(-1)
+
+
+_E3_HALF_MULTIPLIERS = _half_multipliers(8, 2)
+_E2_HALF_MULTIPLIERS = _half_multipliers(4, 4)
+
+
+@numba.njit(**_INLINE)
+def hifloat4_level_multipliers(word):
+    """F32V: each NIBBLE_ORDER lane's 2^(e2 + e3) for the scale word ``word`` (uint32), from the two tables
+    above; equal to the lanes _hifloat4_levels doubles (a test compares them for every flag)."""
+    e3 = simd.f32v_load_halves(_E3_HALF_MULTIPLIERS, 16 * np.int64((word >> 16) & 0xFF), 16 * np.int64(word >> 24))
+    e2 = simd.f32v_load_halves(_E2_HALF_MULTIPLIERS, np.int64((word >> 8) & 0xF0), 16 * np.int64((word >> 8) & 0xF))
+    return simd.f32v_mul(e3, e2)
+
+
 # ---- HiFloat4 with AVX512-BW: every weight of a block from one 64-word table, no multiplier -----------------
 # A block's weight is (-1)^s c/4 times the E6M2 scale times 2^(e2 + e3): at most six significant bits inside
 # float32's normal range, so a BF16 value (checked below). Table row b (64 words) holds, at index
