@@ -26,7 +26,8 @@ Decoding (docs/weight_only.md, 'Weights'):
   precomputed for all 256 scale bytes) indexed by the nibbles (vpermps with AVX-512; with AVX2, an 8-entry
   vpermps on its sign-symmetric half, simd.lookup16_signed).
 * HiFloat4: the block's 16-entry table (signed c/4 times the E6M2 scale: exact) indexed by the nibbles,
-  doubled per lane where the e2 or e3 flag is set (exact; a multiply by 2 under the flags' lane mask).
+  doubled per lane where the e2 or e3 flag is set (exact: a multiply by 2 under the flags' lane mask, or by
+  each lane's 2^(e2 + e3) from a table); on AMD Zen with AVX512-BW, the block's 64-word table.
 
 This module holds the kernel objects (WeightOnlyLinear and the five operators' instances), the choice of
 path, the GEMV's input and output in numba, and the GEMM path. The private modules below it, each depending
