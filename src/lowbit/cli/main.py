@@ -223,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     smoke_parser.set_defaults(func=_cmd_smoke)
 
     bench_parser = sub.add_parser("bench", help="throughput against baselines measured in the same run")
-    bench_sub = bench_parser.add_subparsers(dest="op", required=True)
+    bench_sub = bench_parser.add_subparsers(dest="op", required=True, metavar="OPERATOR")
     modules = bench.benches()
     for name, module in [("all", None), *modules.items()]:
         p = bench_sub.add_parser(name, help=f"benchmark {name}")

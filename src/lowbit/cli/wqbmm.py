@@ -137,7 +137,7 @@ def add_subcommands(subparsers) -> None:
     """Add ``wqbmm`` (gen-data, run, profile, example) and ``verify`` to the ``lowbit`` parser."""
     backend_choices = list(backends.BACKENDS)
     wqbmm = subparsers.add_parser("wqbmm", help="the ops-nn WeightQuantBatchMatmul sample flow")
-    sub = wqbmm.add_subparsers(dest="wqbmm_command", required=True)
+    sub = wqbmm.add_subparsers(dest="wqbmm_command", required=True, metavar="COMMAND")
 
     gen = sub.add_parser("gen-data", help="inputs and golden as the sample's gen_data.py")
     gen.add_argument("--dir", default=".")
