@@ -251,3 +251,21 @@ def test_an_encoder_without_its_pooler_loads(minilm_path, tmp_path):
                  str(directory / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match="lack or mis-shape 4 tensors .*encoder.layer.5.output.LayerNorm.bias"):
         load_hf_dir(directory)
+
+
+def test_a_model_function_beside_the_command_is_found_and_its_errors_are_named(tmp_path, monkeypatch, capsys):
+    """`lowbit quantize --model mymodel:build` in the folder of mymodel.py: "No module named 'mymodel'" (the
+    console script's sys.path lacks the working directory); a function that raised printed only its message."""
+    import sys
+
+    (tmp_path / "lowbit_user_model_x.py").write_text(
+        "import torch\n"
+        "def build():\n    return torch.nn.Sequential(torch.nn.Linear(64, 32)), torch.randn(4, 64)\n"
+        "def bad():\n    raise RuntimeError('user bug')\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "lowbit_user_model_x", raising=False)
+    assert cli.main(["quantize", "--model", "lowbit_user_model_x:build", "--scheme", "hif8-wo", "--out", "q"]) == 0
+    assert (tmp_path / "q").is_dir()
+    assert cli.main(["quantize", "--model", "lowbit_user_model_x:bad", "--scheme", "hif8-wo", "--out", "q2"]) == 2
+    assert "error: lowbit_user_model_x:bad() raised RuntimeError: user bug" in capsys.readouterr().err

@@ -19,6 +19,7 @@ import io
 import json
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,15 +147,26 @@ def _pretrained(auto, path: Path, encoder: bool):
 def load_callable(spec: str) -> LoadedModel:
     """``package.module:function`` -> ``function()``, which must return ``(torch.nn.Module, torch.Tensor)``.
 
-    ValueError for a malformed spec or a missing function; ImportError from the import; TypeError naming
-    what the function returned when it is not that pair."""
+    The module is looked for on ``sys.path`` and then in the working directory (a file beside the command,
+    as ``python -m`` would find it). ValueError for a malformed spec or a missing function; ImportError from the
+    import; RuntimeError naming ``spec`` where the function raises (chained); TypeError naming what the function
+    returned when it is not that pair."""
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise ValueError(f"--model must be 'minilm', a model directory or 'module:function', got {spec!r}")
-    module = importlib.import_module(module_name)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name != module_name.split(".")[0] or os.getcwd() in sys.path:
+            raise
+        sys.path.append(os.getcwd())
+        module = importlib.import_module(module_name)
     if not callable(getattr(module, attr, None)):
         raise ValueError(f"{spec}: module {module_name} has no function {attr}")
-    result = getattr(module, attr)()
+    try:
+        result = getattr(module, attr)()
+    except Exception as exc:
+        raise RuntimeError(f"{spec}() raised {type(exc).__name__}: {exc}") from exc
     if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], nn.Module)
             and isinstance(result[1], torch.Tensor)):
         got = type(result).__name__ if not isinstance(result, tuple) else \
