@@ -643,3 +643,17 @@ def test_a_lazy_layer_not_yet_initialized_is_skipped_with_the_reason():
         "skipped", "its weight is not initialized yet (a lazy module: run the model once before quantizing it)")
     model(torch.randn(2, 64))
     assert lowbit.quantize_(model, "hif8-wo").layers["0"].status == "converted"
+
+
+def test_hooks_a_deploy_module_cannot_keep_added_since_quantize_make_convert_refuse():
+    """A state-dict or backward hook registered on a calibrating layer was dropped by convert silently."""
+    model = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 16))
+    lowbit.quantize(model, "hif8-w8a8-minmax")
+    handle = model[1].register_state_dict_post_hook(lambda module, state_dict, prefix, local_metadata: None)
+    model(torch.randn(3, 64))
+    with pytest.raises(RuntimeError, match="convert: layers a deploy module cannot replace: 1 \\(it has state-dict "
+                                           "hooks"):
+        lowbit.convert(model)
+    assert isinstance(model[0], CalibrationModule) and isinstance(model[1], CalibrationModule)
+    handle.remove()
+    assert lowbit.convert(model).layers["1"].status == "converted"

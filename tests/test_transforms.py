@@ -221,3 +221,6 @@ def test_a_converted_layer_compiles_whole(scheme, dtype):
     for rows in (1, 40):
         x = torch.randn(rows, 128, generator=g).to(dtype)
         assert torch.equal(bits(compiled(x)), bits(layer(x)))
+    # an x that requires grad (a model run without no_grad): dynamo traced the functorch check and the raising
+    # backward; while compiling the output is detached
+    assert torch.equal(bits(compiled(x.clone().requires_grad_()).detach()), bits(layer(x)))

@@ -248,6 +248,19 @@ def test_hifloat4_word_tables_decode_every_block_as_the_flag_doublings():
     assert np.array_equal(by_words.view(np.uint32), by_flags.view(np.uint32))
 
 
+def test_hifloat4_multiplied_step_decodes_every_block_as_the_flag_doublings():
+    """The AVX-512 step off AMD Zen (16-entry float32 tables times each lane's 2^(e2 + e3), the fused step's
+    decode there) gives the portable one's weights, bit for bit (_every_block_both_ways), and is the one this
+    CPU uses unless it is AMD Zen."""
+    if not simd.HAS_AVX512BW:
+        pytest.skip("no AVX512-BW on this CPU")
+    by_levels, by_flags = _every_block_both_ways(wo_steps._hifloat4_step_multiplied, 6)
+    assert np.isnan(by_flags).sum() == 256 * 64
+    assert np.array_equal(by_levels.view(np.uint32), by_flags.view(np.uint32))
+    expected = wo_steps._hifloat4_step_words if simd.HOST_IS_AMD_ZEN else wo_steps._hifloat4_step_multiplied
+    assert wo_steps._hifloat4_step is expected
+
+
 @numba.njit
 def _pair_steps(pair_step, scales, codes, steps, out):
     """Pair steps 0 .. steps - 1 of a flat row through ``pair_step`` (the format's, no prefetch); each step's

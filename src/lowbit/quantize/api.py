@@ -16,7 +16,7 @@ from lowbit.quantize.config import QuantConfig
 from lowbit.quantize.modules import CalibrationModule, QuantizedLinearBase, replace_layer
 from lowbit.quantize.report import LayerReport, QuantizeReport
 from lowbit.quantize.schemes import AMCT_DEFAULT_CONFIG, get_scheme, thaw
-from lowbit.quantize.selection import select_layers, weight_nbytes
+from lowbit.quantize.selection import select_layers, unreplaceable_reason, weight_nbytes
 
 ConfigLike = Union[Mapping[str, Any], QuantConfig, str, None]
 
@@ -99,13 +99,17 @@ def _deploy_modules(pending, progress: Optional[Callable[[str], object]]) -> lis
 def convert(model: nn.Module, *, progress: Optional[Callable[[str], object]] = None) -> QuantizeReport:
     """Replace every calibration module of ``model`` by its deployable packed module, in place.
 
-    RuntimeError naming every layer that is not calibrated yet (fewer forward calls than ``batch_num``);
-    the model is then unchanged. ``progress(layer name)`` is called as each layer is packed."""
+    RuntimeError naming every layer that is not calibrated yet (fewer forward calls than ``batch_num``), or
+    that got hooks a deploy module cannot keep since quantize (selection.unreplaceable_reason); the model is
+    then unchanged. ``progress(layer name)`` is called as each layer is packed."""
     _check_model("convert", model)
     pending = [(n, m) for n, m in model.named_modules() if isinstance(m, CalibrationModule)]
     missing = [f"{n} ({m.calls}/{m.layer_config.batch_num} calls)" for n, m in pending if not m.calibrated]
     if missing:
         raise RuntimeError(f"convert: layers not calibrated yet (run forward passes first): {', '.join(missing)}")
+    unreplaceable = [f"{n} ({unreplaceable_reason(m)})" for n, m in pending if unreplaceable_reason(m) is not None]
+    if unreplaceable:  # hooks added since quantize
+        raise RuntimeError(f"convert: layers a deploy module cannot replace: {', '.join(unreplaceable)}")
     deployed = _deploy_modules(pending, progress)
     schemes = {m.layer_config.scheme for _, m in pending}  # the scheme quantize was given, if one named it
     report = QuantizeReport("convert", schemes.pop() if len(schemes) == 1 else "",

@@ -71,8 +71,8 @@ def refuse_unsupported_transforms(layer_name: str, x: torch.Tensor) -> None:
     if torch._C._get_tracing_state() is not None:
         raise RuntimeError(f"layer {layer_name!r}: torch.jit.trace cannot record a lowbit layer (its path "
                            "depends on the rows and values of x); use torch.compile or torch.export")
-    if not isinstance(x, torch.Tensor):
-        return  # (the layer's input check names it)
+    if not isinstance(x, torch.Tensor) or torch.compiler.is_compiling():
+        return  # (the layer's input check names it; dynamo traces no functorch or forward-AD state)
     differentiated = x.requires_grad and torch._C._functorch.is_gradtrackingtensor(x)
     if (torch._C._are_functorch_transforms_active() and differentiated
             or forward_ad._current_level >= 0 and forward_ad.unpack_dual(x).tangent is not None):
@@ -99,8 +99,10 @@ class _NoDerivative(torch.autograd.Function):
 def run_without_derivative(layer_name: str, run: Callable[[], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     """``run()`` under torch.no_grad (the layer's own parameters get no gradient, as AMCT's layers); where grad
     mode is on and x requires grad, the output joins x's graph with a backward that raises (_NoDerivative).
-    Under torch.func's transforms (whose derivatives of x refuse_unsupported_transforms refuses) no graph."""
-    if x.requires_grad and torch.is_grad_enabled() and not torch._C._are_functorch_transforms_active():
+    No graph under torch.func's transforms (whose derivatives of x refuse_unsupported_transforms refuses) and
+    while torch.compile traces (dynamo would trace the raising backward: the output is detached there)."""
+    if (x.requires_grad and torch.is_grad_enabled() and not torch._C._are_functorch_transforms_active()
+            and not torch.compiler.is_compiling()):
         return _NoDerivative.apply(run, layer_name, x)
     with torch.no_grad():
         return run()

@@ -73,7 +73,7 @@ def _hifloat4_step_multiplied(words, value, block):
 
 
 # A HiFloat4 block as this CPU decodes it fastest, in HIFLOAT4_ORDER: on an Intel Xeon with 480 MiB of L3 the
-# multiplied step took 13-15 cycles per 64 weights where the 64-word tables took 16-18 (benchmarks/
+# multiplied step took 13.0-13.4 cycles per 64 weights where the 64-word tables took 15.9-16.4 (benchmarks/
 # results_weight_only.md, 'HiFloat4 by level multipliers'); AMD Zen 4 keeps the word tables it was tuned with.
 _hifloat4_step = (_hifloat4_step_multiplied if simd.HAS_AVX512BW and not simd.HOST_IS_AMD_ZEN else
                   _hifloat4_step_words if simd.HAS_AVX512BW else
