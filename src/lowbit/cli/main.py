@@ -146,7 +146,7 @@ def _add_bench_arguments(parser: argparse.ArgumentParser, module, backend_choice
     from lowbit.cli.argtypes import MAX_REPEATS, int_at_least, output_file
     from lowbit.cli.output import add_json_flag
 
-    parser.add_argument("--backend", choices=backend_choices, default="auto")
+    parser.add_argument("--backend", choices=backend_choices, default="auto", help="default: auto")
     parser.add_argument("--device", default="cpu", help="cpu, cuda:N, npu:N or auto (a device present here)")
     parser.add_argument("--repeats", type=int_at_least(1, MAX_REPEATS), default=7,
                         help="timed samples per case (median reported)")
@@ -217,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     checks = smoke.checks()
     smoke_parser = sub.add_parser("smoke", help="verdict on whether each operator's hardware path works here")
     smoke_parser.add_argument("op", nargs="?", default="all", choices=["all", *checks], help="operator (default: all)")
-    smoke_parser.add_argument("--backend", choices=backend_choices, default="auto")
+    smoke_parser.add_argument("--backend", choices=backend_choices, default="auto", help="default: auto")
     smoke_parser.add_argument("--device", default="auto", help="cpu, cuda:N, npu:N or auto (default)")
     add_json_flag(smoke_parser, "the report (docs/smoke_report.schema.json)")
     smoke_parser.set_defaults(func=_cmd_smoke)

@@ -140,28 +140,30 @@ def add_subcommands(subparsers) -> None:
     sub = wqbmm.add_subparsers(dest="wqbmm_command", required=True, metavar="COMMAND")
 
     gen = sub.add_parser("gen-data", help="inputs and golden as the sample's gen_data.py")
-    gen.add_argument("--dir", default=".")
+    gen.add_argument("--dir", default=".", help="the sample's folder: input/ and output/ (the golden) are made there "
+                                                "(default: .)")
     _add_size_flags(gen)
     gen.set_defaults(func=_cmd_gen_data)
 
     run = sub.add_parser("run", help="input/ -> output/output_z.bin")
-    run.add_argument("--dir", default=".")
-    run.add_argument("--template", choices=list(TEMPLATES), default="preload")
-    run.add_argument("--algorithm", choices=list(ALGORITHMS), default="msd")
-    run.add_argument("--backend", choices=backend_choices, default=None)
+    run.add_argument("--dir", default=".", help="the sample's folder: reads input/, writes output/ (default: .)")
+    run.add_argument("--template", choices=list(TEMPLATES), default="preload", help="default: preload")
+    run.add_argument("--algorithm", choices=list(ALGORITHMS), default="msd", help="default: msd")
+    run.add_argument("--backend", choices=backend_choices, default=None, help="default: the process default")
     run.set_defaults(func=_cmd_run)
 
     prof = sub.add_parser("profile", help="per-template, per-backend timing and torch.profiler traces")
-    prof.add_argument("--dir", default=".")
+    prof.add_argument("--dir", default=".", help="the sample's folder: reads input/ (default: .)")
     prof.add_argument("--backends", type=comma_list(one_of(backend_choices)), default="native,reference",
                       help="comma-separated backends")
-    prof.add_argument("--repeats", type=int_at_least(1, MAX_REPEATS), default=7)
+    prof.add_argument("--repeats", type=int_at_least(1, MAX_REPEATS), default=7,
+                      help="timed calls per case (median reported; default: 7)")
     add_json_flag(prof, "the rows")
     prof.set_defaults(func=_cmd_profile)
 
     ex = sub.add_parser("example", help="run.sh: gen-data, run, verify, profile for both templates")
-    ex.add_argument("--dir", default=".")
-    ex.add_argument("--backend", choices=backend_choices, default=None)
+    ex.add_argument("--dir", default=".", help="the sample's folder (default: .)")
+    ex.add_argument("--backend", choices=backend_choices, default=None, help="default: the process default")
     _add_output_flags(ex, "the report (sizes, each template's verdict, the timings)")
     _add_size_flags(ex)
     ex.set_defaults(func=_cmd_example)
