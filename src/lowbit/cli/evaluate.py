@@ -65,7 +65,7 @@ def add_subcommand(subparsers) -> None:
     p.add_argument("--model", default="minilm", help=MODEL_HELP + " (default: minilm)")
     p.add_argument("--schemes", default=DEFAULT_SCHEMES,
                    help=f"comma-separated scheme names, or 'all' (default: {DEFAULT_SCHEMES})")
-    p.add_argument("--sentences", type=int_at_least(2), default=256,
+    p.add_argument("--sentences", type=int_at_least(2), default=256,  # (run.DEFAULT_SENTENCES)
                    help="sentences to embed and compare (default 256; nearest neighbours need at least 2)")
     p.add_argument("--calib-sentences", type=positive_int, default=64,
                    help="other sentences fed to schemes that calibrate (default 64)")

@@ -17,8 +17,10 @@ from lowbit.cli.argtypes import output_dir, positive_int
 from lowbit.cli.output import add_json_flag, json_text, writable_path
 
 
-def _calibration_sentences(args: argparse.Namespace) -> list[str]:
-    """Non-empty lines of --calib-text, or the built-in calibration sentences."""
+def _calibration_sentences(args: argparse.Namespace, encoder: bool) -> list[str]:
+    """Non-empty lines of --calib-text, or the built-in calibration sentences ``lowbit eval`` calibrates on by
+    default (for an encoder, those after its 256 evaluation sentences), so its numbers are this checkpoint's."""
+    from lowbit.evaluation.run import DEFAULT_SENTENCES
     from lowbit.evaluation.text import evaluation_and_calibration_sentences
 
     if args.calib_text:
@@ -27,7 +29,7 @@ def _calibration_sentences(args: argparse.Namespace) -> list[str]:
         if not lines:
             raise ValueError(f"--calib-text {args.calib_text} has no non-empty line")
         return lines
-    return evaluation_and_calibration_sentences(0, args.calib_sentences)[1]
+    return evaluation_and_calibration_sentences(DEFAULT_SENTENCES if encoder else 0, args.calib_sentences)[1]
 
 
 def _cmd_quantize(args: argparse.Namespace) -> int:
@@ -51,7 +53,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         raise ValueError(f"--calib-text: {args.model} is a module:function model, which calibrates on the "
                          "batch its function returns; leave --calib-text out")
     if config is not None or scheme_api.needs_calibration(args.scheme) or args.amct_compat:
-        sentences = _calibration_sentences(args) if loaded.kind != "callable" else []
+        sentences = _calibration_sentences(args, loaded.kind == "encoder") if loaded.kind != "callable" else []
         bar = progress(len(sentences), "calibrate", "sentence")
         calibrate = calibrator(loaded, sentences, args.batch_size, bar)
     start = time.perf_counter()
@@ -99,8 +101,9 @@ def add_subcommand(subparsers) -> None:
                                                      "(default: built-in sentences)")
     p.add_argument("--calib-sentences", type=positive_int, default=64,
                    help="built-in calibration sentences (default 64)")
-    p.add_argument("--batch-size", type=positive_int, default=16,
-                   help="calibration samples per forward pass (default 16)")
+    p.add_argument("--batch-size", type=positive_int, default=1,
+                   help="calibration samples per forward pass (default 1: no padding; larger batches are padded, "
+                        "and the padding reaches the activation statistics); every pass counts")
     p.add_argument("--amct-compat", action="store_true", help="reproduce AMCT's quirks (docs/quantize.md)")
     p.add_argument("--out", type=output_dir, required=True, help="checkpoint directory to write (save_quantized)")
     add_json_flag(p, "the summary (layers quantized and skipped, bytes, seconds per stage)")

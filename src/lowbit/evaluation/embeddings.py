@@ -68,11 +68,15 @@ def sqnr_db(reference: torch.Tensor, test: torch.Tensor) -> float:
 def compare_embeddings(reference: torch.Tensor, test: torch.Tensor) -> dict:
     """How well ``test`` (n, d) reproduces ``reference`` (n, d), n >= 2: ``mean_cosine`` (mean over rows of
     the cosine similarity of matching rows), ``nn_agreement`` (fraction of rows whose nearest other row is
-    the same in both) and ``sqnr_db``. ShapeError when the shapes differ or n < 2."""
+    the same in both) and ``sqnr_db``, and ``nonfinite_outputs``: whether either holds a NaN or an infinity,
+    when the three are NaN (argmax takes a NaN for the largest similarity: the agreement meant nothing).
+    ShapeError when the shapes differ or n < 2."""
     if reference.shape != test.shape or reference.dim() != 2 or reference.shape[0] < 2:
         raise ShapeError(f"need two (n >= 2, d) tensors of one shape, got {tuple(reference.shape)} "
                          f"and {tuple(test.shape)}")
+    if not (torch.isfinite(reference).all() and torch.isfinite(test).all()):
+        return {"mean_cosine": math.nan, "nn_agreement": math.nan, "sqnr_db": math.nan, "nonfinite_outputs": True}
     cosine = F.cosine_similarity(reference.to(torch.float64), test.to(torch.float64), dim=1)
     agreement = (nearest_neighbours(reference) == nearest_neighbours(test)).to(torch.float64).mean()
     return {"mean_cosine": float(cosine.mean()), "nn_agreement": float(agreement),
-            "sqnr_db": sqnr_db(reference, test)}
+            "sqnr_db": sqnr_db(reference, test), "nonfinite_outputs": False}

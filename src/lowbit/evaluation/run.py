@@ -37,17 +37,19 @@ def checkpoint_bytes(model: nn.Module) -> int:
         return scheme_api.directory_bytes(out)
 
 
-def calibrator(loaded: LoadedModel, sentences: list[str], batch_size: int,
-               progress=None) -> Callable[[nn.Module], None]:
-    """``calibrate(model)``: forward passes that feed a model in calibration mode, over ``sentences`` in
-    padded batches (a causal LM without a pad token pads with its EOS token), or for a ``module:function``
-    model over its input batch. ``progress``: optional tqdm-like, ``update(n)`` per batch of n sentences."""
+def calibrator(loaded: LoadedModel, sentences: list[str], batch_size: int = 1,
+               progress=None) -> scheme_api.Calibration:
+    """The forward passes that feed a model in calibration mode (:class:`schemes.Calibration`, which counts
+    them): over ``sentences``, ``batch_size`` at a time (default one: no padding reaches the activation
+    observers; larger batches are padded, a causal LM without a pad token with its EOS token), or for a
+    ``module:function`` model over its input batch. ``progress``: optional tqdm-like, ``update(n)`` per batch
+    of n sentences."""
     if loaded.kind == "callable":
         def calibrate_on_inputs(model: nn.Module) -> None:
             with torch.no_grad():
                 model(loaded.inputs)
 
-        return calibrate_on_inputs
+        return scheme_api.Calibration(calibrate_on_inputs, 1)
     if loaded.tokenizer.pad_token is None:
         loaded.tokenizer.pad_token = loaded.tokenizer.eos_token
 
@@ -55,18 +57,40 @@ def calibrator(loaded: LoadedModel, sentences: list[str], batch_size: int,
         for _ in run_text(model, loaded.tokenizer, sentences, batch_size=batch_size, progress=progress):
             pass
 
-    return calibrate
+    return scheme_api.Calibration(calibrate, -(-len(sentences) // batch_size))
 
 
 def _outputs(loaded: LoadedModel, model: nn.Module, sentences: list[str], batch_size: int) -> torch.Tensor:
     """What is compared with float: sentence embeddings, or a callable model's outputs flattened per sample."""
     if loaded.kind == "callable":
         with torch.no_grad():
-            return model(loaded.inputs).reshape(loaded.inputs.shape[0], -1).to(torch.float32)
+            out = model(loaded.inputs)
+        if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):  # (a ModelOutput's to_tuple too)
+            out = out[0]
+        elif not isinstance(out, torch.Tensor) and hasattr(out, "to_tuple"):
+            out = out.to_tuple()[0]
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"{loaded.source}: the model returned {type(out).__name__}; lowbit compares a tensor "
+                            "(or the first tensor of a tuple)")
+        return out.reshape(loaded.inputs.shape[0], -1).to(torch.float32)
     return sentence_embeddings(model, loaded.tokenizer, sentences, batch_size=batch_size)
 
 
-def evaluate_schemes(loaded: LoadedModel, schemes: list[str], *, sentences: int = 256, calib_sentences: int = 64,
+DEFAULT_SENTENCES = 256  # an encoder's evaluation sentences (``lowbit eval --sentences``)
+
+
+def _check_seqlen(loaded: LoadedModel, seqlen: int) -> None:
+    """ValueError where a perplexity window is longer than the positions the model was made for (learned
+    positions fail with an IndexError; rotary ones compute past the trained context)."""
+    config = getattr(loaded.model, "config", None)
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if isinstance(limit, int) and seqlen > limit:
+        raise ValueError(f"--seqlen {seqlen} exceeds the {limit} positions of {loaded.source} "
+                         f"(max_position_embeddings); give --seqlen {limit} or less")
+
+
+def evaluate_schemes(loaded: LoadedModel, schemes: list[str], *, sentences: int = DEFAULT_SENTENCES,
+                     calib_sentences: int = 64,
                      tokens: torch.Tensor | None = None, seqlen: int = AMCT_SEQLEN, batch_size: int = 32,
                      progress: Callable[[str], object] | None = None) -> list[dict]:
     """One row per scheme (see docs/evaluation.md for every key), quantizing a deep copy of ``loaded.model``.
@@ -78,9 +102,11 @@ def evaluate_schemes(loaded: LoadedModel, schemes: list[str], *, sentences: int 
     scheme_api.check_names(schemes)
     if loaded.kind == "causal-lm" and tokens is None:
         raise ValueError(f"{loaded.source} is a causal LM: give a text file to measure perplexity on")
+    if loaded.kind == "causal-lm":
+        _check_seqlen(loaded, seqlen)
     evaluation, calib = evaluation_and_calibration_sentences(
         0 if loaded.kind != "encoder" else sentences, calib_sentences)
-    calibrate = calibrator(loaded, calib, batch_size)
+    calibrate = calibrator(loaded, calib)  # a sentence a pass: --batch-size is the evaluation's only
     rows = []
     if loaded.kind == "causal-lm":
         reference = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -34,14 +35,27 @@ def needs_calibration(scheme: str) -> bool:
     return bool(lowbit.SCHEMES[scheme].needs_calibration)
 
 
+@dataclass(frozen=True)
+class Calibration:
+    """``run(model)`` makes ``passes`` forward passes over the calibration data (lowbit.evaluation.run.calibrator)."""
+
+    run: Callable[[nn.Module], None]
+    passes: int
+
+    def __call__(self, model: nn.Module) -> None:
+        self.run(model)
+
+
 def quantize_model(model: nn.Module, *, scheme: str | None = None, config: Mapping[str, Any] | None = None,
                    calibrate: Callable[[nn.Module], None] | None = None, amct_compat: bool = False,
                    progress: Callable[[str], object] | None = None) -> lowbit.QuantizeReport:
     """Quantize ``model`` in place with a named ``scheme`` or an AMCT-schema ``config`` (exactly one).
 
     A data-free scheme goes through :func:`lowbit.quantize_`; otherwise :func:`lowbit.quantize`, then
-    ``calibrate(model)`` (forward passes; required, ValueError if None), then :func:`lowbit.convert`. A config
-    is always calibrated when ``calibrate`` is given. Returns the per-layer report of every candidate layer
+    ``calibrate(model)`` (forward passes; required, ValueError if None), then :func:`lowbit.convert`. A named
+    scheme calibrated by a :class:`Calibration` takes its ``passes`` as ``batch_num``, so every pass counts (the
+    schemes' own batch_num is 1: only the first pass did); a config keeps its own. A config is always
+    calibrated when ``calibrate`` is given. Returns the per-layer report of every candidate layer
     (skipped ones from the quantize stage, converted ones from convert). ``progress(layer name)`` as each
     layer is packed. Errors of the API propagate.
     """
@@ -51,7 +65,9 @@ def quantize_model(model: nn.Module, *, scheme: str | None = None, config: Mappi
         return lowbit.quantize_(model, scheme, progress=progress)
     if scheme is not None and calibrate is None:
         raise ValueError(f"scheme {scheme} needs calibration data")
-    first = lowbit.quantize(model, scheme if scheme is not None else config, amct_compat=amct_compat)
+    if scheme is not None and isinstance(calibrate, Calibration):
+        config = {**lowbit.SCHEMES[scheme].config, "batch_num": calibrate.passes}
+    first = lowbit.quantize(model, config if config is not None else scheme, amct_compat=amct_compat)
     if calibrate is not None:
         calibrate(model)
     converted = lowbit.convert(model, progress=progress)

@@ -120,7 +120,8 @@ def eval_view(rows: list[dict]) -> Group:
     """The human view of ``lowbit eval`` rows: the table (metrics to fixed decimals), then the verdict."""
     if not rows:
         return Group(verdict("no schemes evaluated", "warn"))
-    return Group(rows_table(rows, digits=EVAL_DIGITS, headers=EVAL_HEADERS), eval_verdict(rows))
+    return Group(rows_table(rows, skip=("nonfinite_outputs",), digits=EVAL_DIGITS, headers=EVAL_HEADERS),
+                 eval_verdict(rows))  # (non-finite outputs show as nan metrics)
 
 
 def profile_view(rows: list[dict]) -> Group:
