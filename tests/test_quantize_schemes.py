@@ -574,7 +574,8 @@ def test_layers_whose_computation_or_hooks_a_quantized_layer_would_lose_are_skip
     silently); backward and state-dict hooks would be lost the same way. A subclass that only inherits is
     quantized."""
     model = nn.Sequential(_Doubled(64, 64), _Plain(64, 64), nn.Linear(64, 64), nn.Linear(64, 64),
-                          nn.Conv2d(4, 4, 1), torch.nn.utils.weight_norm(nn.Linear(64, 64)))
+                          nn.Conv2d(4, 4, 1), torch.nn.utils.weight_norm(nn.Linear(64, 64)),
+                          torch.nn.utils.parametrizations.spectral_norm(nn.Linear(64, 64)))
     model[2].register_full_backward_hook(lambda module, grad_in, grad_out: None)
     model[3].register_state_dict_post_hook(lambda module, state_dict, prefix, local_metadata: None)
     model[4].register_full_backward_hook(lambda module, grad_in, grad_out: None)  # not a candidate: not listed
@@ -587,7 +588,10 @@ def test_layers_whose_computation_or_hooks_a_quantized_layer_would_lose_are_skip
         "3": ("skipped", "it has state-dict hooks, which a quantized layer cannot keep (remove them to quantize "
                          "it)"),
         "5": ("skipped", "a WeightNorm hook recomputes its weight before each call (remove it, e.g. with "
-                         "torch.nn.utils.remove_weight_norm, to quantize the layer)")}
+                         "torch.nn.utils.remove_weight_norm, to quantize the layer)"),
+        "6": ("skipped", "its weight is parametrized (torch.nn.utils.parametrize), which a quantized layer would "
+                         "freeze (remove the parametrizations, e.g. with parametrize.remove_parametrizations, to "
+                         "quantize it)")}
     assert type(model[0]) is _Doubled and not isinstance(model[1], nn.Linear)
 
 

@@ -11,6 +11,7 @@ from typing import Optional
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from lowbit.errors import ShapeError
 from lowbit.quantize.combinations import FLOAT_DTYPES, check_combination, comb_name, select_algorithm, table
@@ -108,6 +109,9 @@ def unreplaceable_reason(module: nn.Module) -> Optional[str]:
                                             for f in ("forward", "_conv_forward") if hasattr(base, f)):
             return (f"its class {type(module).__name__} overrides {base.__name__}'s forward, which the quantized "
                     "layer would not compute")
+    if parametrize.is_parametrized(module):
+        return ("its weight is parametrized (torch.nn.utils.parametrize), which a quantized layer would freeze "
+                "(remove the parametrizations, e.g. with parametrize.remove_parametrizations, to quantize it)")
     for kind, attributes in _KEPT_OUT_HOOKS.items():
         if any(getattr(module, a, None) for a in attributes):
             return f"it has {kind} hooks, which a quantized layer cannot keep (remove them to quantize it)"
