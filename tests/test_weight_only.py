@@ -104,18 +104,18 @@ def _levels_every_way(words, weights, by_masks, by_multipliers, by_halves):
         word = np.uint32(words[block])
         a0, a1 = wo_decode4._hifloat4_levels(w0, w1, word)
         b0, b1 = wo_decode4._hifloat4_levels_by_multipliers(w0, w1, word)
-        levels = wo_decode4.hifloat4_level_multipliers(word)
+        c0, c1 = wo_decode4._hifloat4_levels_by_halves(w0, w1, word)
         simd.f32v_store(by_masks, 64 * block, a0)
         simd.f32v_store(by_masks, 64 * block + 32, a1)
         simd.f32v_store(by_multipliers, 64 * block, b0)
         simd.f32v_store(by_multipliers, 64 * block + 32, b1)
-        simd.f32v_store(by_halves, 64 * block, simd.f32v_mul(w0, levels))
-        simd.f32v_store(by_halves, 64 * block + 32, simd.f32v_mul(w1, levels))
+        simd.f32v_store(by_halves, 64 * block, c0)
+        simd.f32v_store(by_halves, 64 * block + 32, c1)
 
 
 def test_hifloat4_levels_by_multipliers_equal_the_masked_doublings():
     """The AVX2 form of HiFloat4's e2 / e3 levels (a multiply by 1, 2 or 4 per lane from _LEVEL_MULTIPLIERS) and
-    the AVX-512 one (hifloat4_level_multipliers, 16 lanes at a time) give the doublings under lane masks bit for
+    the AVX-512 one (_hifloat4_levels_by_halves, 16 lanes at a time) give the doublings under lane masks bit for
     bit, for every e2 byte and every e3 byte in both halves
     (each paired with random others), on weights with zeros of both signs, NaN, Inf and extreme magnitudes."""
     rng = np.random.default_rng(8)

@@ -61,12 +61,15 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 def add_subcommand(subparsers) -> None:
     """Add ``eval`` to the ``lowbit`` parser."""
+    from lowbit.evaluation.run import DEFAULT_SENTENCES  # (lowbit's modules only: no third-party import)
+
     p = subparsers.add_parser("eval", help="accuracy of quantization schemes on a real model vs float")
     p.add_argument("--model", default="minilm", help=MODEL_HELP + " (default: minilm)")
     p.add_argument("--schemes", default=DEFAULT_SCHEMES,
                    help=f"comma-separated scheme names, or 'all' (default: {DEFAULT_SCHEMES})")
-    p.add_argument("--sentences", type=int_at_least(2), default=256,  # (run.DEFAULT_SENTENCES)
-                   help="sentences to embed and compare (default 256; nearest neighbours need at least 2)")
+    p.add_argument("--sentences", type=int_at_least(2), default=DEFAULT_SENTENCES,
+                   help=f"sentences to embed and compare (default {DEFAULT_SENTENCES}; nearest neighbours need at "
+                        "least 2)")
     p.add_argument("--calib-sentences", type=positive_int, default=64,
                    help="other sentences fed to schemes that calibrate (default 64)")
     p.add_argument("--text", default="", help="causal LMs: UTF-8 text file to measure perplexity on")

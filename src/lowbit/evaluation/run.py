@@ -65,10 +65,10 @@ def _outputs(loaded: LoadedModel, model: nn.Module, sentences: list[str], batch_
     if loaded.kind == "callable":
         with torch.no_grad():
             out = model(loaded.inputs)
-        if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):  # (a ModelOutput's to_tuple too)
+        if not isinstance(out, torch.Tensor) and hasattr(out, "to_tuple"):  # a Hugging Face ModelOutput
+            out = out.to_tuple()
+        if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
             out = out[0]
-        elif not isinstance(out, torch.Tensor) and hasattr(out, "to_tuple"):
-            out = out.to_tuple()[0]
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"{loaded.source}: the model returned {type(out).__name__}; lowbit compares a tensor "
                             "(or the first tensor of a tuple)")

@@ -107,7 +107,8 @@ def convert(model: nn.Module, *, progress: Optional[Callable[[str], object]] = N
     missing = [f"{n} ({m.calls}/{m.layer_config.batch_num} calls)" for n, m in pending if not m.calibrated]
     if missing:
         raise RuntimeError(f"convert: layers not calibrated yet (run forward passes first): {', '.join(missing)}")
-    unreplaceable = [f"{n} ({unreplaceable_reason(m)})" for n, m in pending if unreplaceable_reason(m) is not None]
+    reasons = {n: unreplaceable_reason(m) for n, m in pending}
+    unreplaceable = [f"{n} ({reason})" for n, reason in reasons.items() if reason is not None]
     if unreplaceable:  # hooks added since quantize
         raise RuntimeError(f"convert: layers a deploy module cannot replace: {', '.join(unreplaceable)}")
     deployed = _deploy_modules(pending, progress)

@@ -26,7 +26,7 @@ from torch import nn
 from lowbit.quantize.activations import STATIC_KINDS, act_kind
 from lowbit.quantize.layer_ops import channel_axis, geometry_mismatch
 from lowbit.quantize.modules import (DEPLOY_CLASSES, CalibrationModule, Int4Linear, QuantizedLinearBase,
-                                     replace_layer)
+                                     deploy_class, replace_layer)
 from lowbit.quantize.selection import unreplaceable_reason
 from lowbit.toolchain.files import named_after
 
@@ -204,8 +204,8 @@ def _deploy_modules(model: nn.Module, layers: dict, meta_path: Path,
                                   "description") from None
         target = modules.get(name)
         problem = "is missing" if target is None else geometry_mismatch(geometry, target, has_bias)
-        if not problem and unreplaceable_reason(target) is not None:
-            problem = f"cannot be replaced: {unreplaceable_reason(target)}"
+        if not problem and (reason := unreplaceable_reason(target)) is not None:
+            problem = f"cannot be replaced: {reason}"
         if problem:
             raise CheckpointError(f"load_quantized: {meta_path} lists layer {name!r}, which in the model {problem}")
         try:
@@ -246,7 +246,7 @@ def _check_settings(layer: dict) -> None:
     """ValueError where a layer's settings contradict its format line or one another: its kind, weight type,
     group size, algorithm and activation kinds, and an activation scale stored for a layer that reads none."""
     algorithm, weight_type = layer.get("algorithm"), layer["weight_type"]
-    kind = "svdquant" if algorithm == "svdquant" else "int4" if weight_type == "int4" else "packed"
+    kind = deploy_class(weight_type, algorithm).kind
     if layer["kind"] != kind:
         raise ValueError(f"kind {layer['kind']!r} contradicts weight_type {weight_type!r} and algorithm "
                          f"{algorithm!r} (kind {kind!r})")

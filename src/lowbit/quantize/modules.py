@@ -705,6 +705,14 @@ class SVDQuantLinearDeploy(QuantizedLinearBase):
 DEPLOY_CLASSES = {c.kind: c for c in (PackedLinear, Int4Linear, SVDQuantLinearDeploy)}
 
 
+def deploy_class(weight_type: str, algorithm: str) -> type[QuantizedLinearBase]:
+    """The deploy module of a layer of ``weight_type`` quantized by ``algorithm``: SVDQuantLinearDeploy for
+    svdquant, Int4Linear for int4 weights, else PackedLinear."""
+    if algorithm == "svdquant":
+        return SVDQuantLinearDeploy
+    return Int4Linear if weight_type == "int4" else PackedLinear
+
+
 def _call_the_module(module, args):
     """A forward pre-hook that changes nothing (see :func:`replace_layer`)."""
     return None
@@ -749,10 +757,11 @@ def build_deploy(name: str, geometry: dict, weight: torch.Tensor, bias: Optional
                 "act_kind": layer_act_kind(cfg), "fake_act_kind": fake_act_kind(cfg), "algorithm": cfg.algorithm.name,
                 "amct_compat": cfg.amct_compat,
                 "geometry": geometry}
-        if cfg.algorithm.name == "svdquant":
+        cls = deploy_class(spec.type, cfg.algorithm.name)
+        if cls is SVDQuantLinearDeploy:
             ws, s, d, u = svd_quant_decompose(w, cfg.algorithm.options.get("rank", 32))
             tensors = {"w": ws, "s": s, "down": d, "up": u}
-            return SVDQuantLinearDeploy(name, k, n, w.dtype, meta, tensors, bias)
+            return cls(name, k, n, w.dtype, meta, tensors, bias)
         if params.smooth is not None:
             w = smoothed_weight(w, params.smooth)
         compute_dtype = int4_compute_dtype(weight.dtype)
@@ -762,7 +771,6 @@ def build_deploy(name: str, geometry: dict, weight: torch.Tensor, bias: Optional
             tensors["smooth"] = params.smooth
         if params.act_scale is not None:
             tensors["act_scale"] = params.act_scale
-        cls = Int4Linear if spec.type == "int4" else PackedLinear
         module = cls(name, k, n, weight.dtype, meta, tensors, bias)
         if isinstance(module, Int4Linear):
             module.prepack()

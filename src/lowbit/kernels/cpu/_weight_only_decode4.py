@@ -97,12 +97,13 @@ _E2_HALF_MULTIPLIERS = _half_multipliers(4, 4)
 
 
 @numba.njit(**_INLINE)
-def hifloat4_level_multipliers(word):
-    """F32V: each NIBBLE_ORDER lane's 2^(e2 + e3) for the scale word ``word`` (uint32), from the two tables
-    above; equal to the lanes _hifloat4_levels doubles (a test compares them for every flag)."""
+def _hifloat4_levels_by_halves(w0, w1, word):
+    """_hifloat4_levels by multiplying with each lane's 2^(e2 + e3) from the two tables above (exact; a test
+    compares them for every flag byte)."""
     e3 = simd.f32v_load_halves(_E3_HALF_MULTIPLIERS, 16 * np.int64((word >> 16) & 0xFF), 16 * np.int64(word >> 24))
     e2 = simd.f32v_load_halves(_E2_HALF_MULTIPLIERS, np.int64((word >> 8) & 0xF0), 16 * np.int64((word >> 8) & 0xF))
-    return simd.f32v_mul(e3, e2)
+    levels = simd.f32v_mul(e3, e2)
+    return simd.f32v_mul(w0, levels), simd.f32v_mul(w1, levels)
 
 
 # ---- HiFloat4 with AVX512-BW: every weight of a block from one 64-word table, no multiplier -----------------

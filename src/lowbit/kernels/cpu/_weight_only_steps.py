@@ -11,9 +11,8 @@ from numba.extending import overload
 
 from lowbit.kernels.cpu import _simd as simd
 from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, aligned_empty, copy_elements
-from lowbit.kernels.cpu._weight_only_decode4 import (_hifloat4_scale_levels, hifloat4_bf16_step,
-                                                     hifloat4_level_multipliers, hifloat4_words_decode,
-                                                     mxfp4_bf16_step)
+from lowbit.kernels.cpu._weight_only_decode4 import (_hifloat4_levels_by_halves, _hifloat4_scale_levels,
+                                                     hifloat4_bf16_step, hifloat4_words_decode, mxfp4_bf16_step)
 from lowbit.kernels.cpu._weight_only_decode8 import CODE8_PAIRS, _by_column_tables, code8_decode
 from lowbit.kernels.cpu._weight_only_layout import (BYTE_SHUFFLE_NIBBLES, FOUR_BIT_ORDER, HALF, HIFLOAT4_ORDER, LANES,
                                                     NIBBLE_ORDER, _E4M3_NAN_CODE, _E8M0_SCALES, _FIRST_BLOCK,
@@ -40,13 +39,19 @@ def _mxfp4_step(codes, start, scale_a, scale_b):
 
 
 @numba.njit(**_INLINE)
-def _hifloat4_step_flags(words, value, block):
+def _hifloat4_step_tables(levels, words, value, block):
     """HiFloat4: block ``block`` (flat index): scale word ``words[block]``, 32 value bytes at 32 * block;
-    16-entry float32 tables, then the flags' doublings (any CPU)."""
+    16-entry float32 tables, then ``levels(w0, w1, word)`` applies the flags' powers of two."""
     word = np.uint32(words[np.uint64(block)])
     table = 16 * np.int64(word & 0xFF)
     w0, w1 = _nibble_step(simd.f32v_load_halves(_HIFLOAT4_LOOKUP, table, table), value, 32 * block)
-    return _hifloat4_scale_levels(w0, w1, word)
+    return levels(w0, w1, word)
+
+
+@numba.njit(**_INLINE)
+def _hifloat4_step_flags(words, value, block):
+    """The tables, then the flags' doublings (any CPU)."""
+    return _hifloat4_step_tables(_hifloat4_scale_levels, words, value, block)
 
 
 @numba.njit(**_INLINE)
@@ -63,13 +68,9 @@ def _hifloat4_step_shuffled(words, value, block):
 
 @numba.njit(**_INLINE)
 def _hifloat4_step_multiplied(words, value, block):
-    """The same from the 16-entry float32 tables, then one multiply per register by each lane's 2^(e2 + e3)
-    (hifloat4_level_multipliers; AVX-512)."""
-    word = np.uint32(words[np.uint64(block)])
-    table = 16 * np.int64(word & 0xFF)
-    w0, w1 = _nibble_step(simd.f32v_load_halves(_HIFLOAT4_LOOKUP, table, table), value, 32 * block)
-    levels = hifloat4_level_multipliers(word)
-    return simd.f32v_mul(w0, levels), simd.f32v_mul(w1, levels)
+    """The tables, then one multiply per register by each lane's 2^(e2 + e3) (_hifloat4_levels_by_halves;
+    AVX-512)."""
+    return _hifloat4_step_tables(_hifloat4_levels_by_halves, words, value, block)
 
 
 # A HiFloat4 block as this CPU decodes it fastest, in HIFLOAT4_ORDER: on an Intel Xeon with 480 MiB of L3 the
