@@ -1239,24 +1239,56 @@ class _BFloat(ir.Type):
         return hash("bfloat")
 
 
+def _flushed(builder, bits):
+    """float32 lanes (``bits``: their <LANES x i32>) with subnormals replaced by zero of the same sign."""
+    exponent = builder.and_(bits, ir.Constant(_VI32, [0x7F800000] * LANES))
+    subnormal = builder.icmp_unsigned("==", exponent, ir.Constant(_VI32, [0] * LANES))
+    return builder.bitcast(builder.select(subnormal, builder.and_(bits, ir.Constant(_VI32, [-(1 << 31)] * LANES)),
+                                          bits), _VF32)
+
+
+def _dot_bf16_portable(builder, acc, a, b):
+    """vdpbf16ps's definition in plain LLVM IR (CPUs without AVX512-BF16): inputs flushed, the odd words'
+    product added first, then the even words', each product and sum rounded to nearest even and flushed."""
+    def bits(value):
+        return builder.bitcast(value, _VI32)
+
+    def words(value, odd):  # BF16 word as the upper half of a float32
+        return (builder.and_(value, ir.Constant(_VI32, [-(1 << 16)] * LANES)) if odd
+                else builder.shl(value, ir.Constant(_VI32, [16] * LANES)))
+
+    total = _flushed(builder, bits(acc))
+    for odd in (True, False):
+        product = builder.fmul(_flushed(builder, words(a, odd)), _flushed(builder, words(b, odd)))
+        total = _flushed(builder, bits(builder.fadd(total, _flushed(builder, bits(product)))))
+    return total
+
+
+def _dot_bf16_instruction(builder, acc, a, b):
+    """The same by vdpbf16ps on each half (AVX512-BF16)."""
+    half = LANES // 2
+    v_bf16 = ir.VectorType(_BFloat(), 2 * half)
+    v_f32 = ir.VectorType(ir.FloatType(), half)
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v_f32, [v_f32, v_bf16, v_bf16]),
+                                        "llvm.x86.avx512bf16.dpbf16ps.512")
+    halves = []
+    for h in range(2):
+        lanes = ir.Constant(ir.VectorType(_I32, half), list(range(h * half, (h + 1) * half)))
+        acc_h, a_h, b_h = (builder.shuffle_vector(v, v, lanes) for v in (acc, a, b))
+        halves.append(builder.call(fn, [acc_h, builder.bitcast(a_h, v_bf16), builder.bitcast(b_h, v_bf16)]))
+    return builder.shuffle_vector(halves[0], halves[1], ir.Constant(_VI32, list(range(LANES))))
+
+
 @intrinsic
 def f32v_dot_bf16(typingctx, acc, a, b):
-    """``acc`` (F32V) plus, per lane i, ``a_lo * b_lo + a_hi * b_hi`` where lane i of the I32V ``a`` and ``b``
-    holds two BF16 values (vdpbf16ps on each half: AVX512-BF16 CPUs only, see HAS_AVX512BF16; subnormal
-    inputs and results are flushed to zero, the sum rounded to nearest even)."""
+    """``acc`` (F32V) plus, per lane i, ``a_hi * b_hi``, then plus ``a_lo * b_lo``, where lane i of the I32V
+    ``a`` and ``b`` holds two BF16 values (lo: the low word): vdpbf16ps's definition (subnormal inputs and
+    results flushed to zero, each addition rounded to nearest even). The instruction on AVX512-BF16 CPUs
+    (HAS_AVX512BF16), the same arithmetic in portable IR elsewhere: kernels that hold it in steps they never
+    take there still compile (LLVM aborts the process on the instruction's intrinsic for a CPU without it)."""
 
     def codegen(context, builder, sig, args):
-        half = LANES // 2
-        v_bf16 = ir.VectorType(_BFloat(), 2 * half)
-        v_f32 = ir.VectorType(ir.FloatType(), half)
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v_f32, [v_f32, v_bf16, v_bf16]),
-                                            "llvm.x86.avx512bf16.dpbf16ps.512")
-        halves = []
-        for h in range(2):
-            lanes = ir.Constant(ir.VectorType(_I32, half), list(range(h * half, (h + 1) * half)))
-            acc_h, a_h, b_h = (builder.shuffle_vector(v, v, lanes) for v in args)
-            halves.append(builder.call(fn, [acc_h, builder.bitcast(a_h, v_bf16), builder.bitcast(b_h, v_bf16)]))
-        return builder.shuffle_vector(halves[0], halves[1], ir.Constant(_VI32, list(range(LANES))))
+        return (_dot_bf16_instruction if HAS_AVX512BF16 else _dot_bf16_portable)(builder, *args)
 
     return F32V(acc, a, b), codegen
 

@@ -61,8 +61,8 @@ from lowbit.kernels.cpu._weight_only_batched import (BATCH_IN_BF16, _code8_batch
                                                      _mxfp4_batched_rows, _mxfp8_batched, _mxfp8_batched_rows)
 from lowbit.kernels.cpu._weight_only_decode4 import (PAIR_ORDER, _hifloat4_indexed_operands, _hifloat4_prepare_values,
                                                      _hifloat4_prepared_words)
-from lowbit.kernels.cpu._weight_only_decode8 import (CODE8_COLUMNS, CODE8_PAIR_ORDER, _NOT_BY_COLUMNS, _NO_FAST_ROWS,
-                                                     _NO_SLOW_BLOCKS)
+from lowbit.kernels.cpu._weight_only_decode8 import (CODE8_COLUMNS, CODE8_PAIR_ORDER, CODE8_PAIRS, _NOT_BY_COLUMNS,
+                                                     _NO_FAST_ROWS, _NO_SLOW_BLOCKS)
 from lowbit.kernels.cpu._weight_only_gemv4 import (_HIFLOAT4_PAIRS, _hifloat4_gemv, _hifloat4_rows, _mxfp4_gemv,
                                                    _mxfp4_rows)
 from lowbit.kernels.cpu._weight_only_gemv8 import (_code8_gemv, _code8_gemv_paired, _code8_rows, _code8_rows_paired,
@@ -921,7 +921,8 @@ def _hifloat4_prepared_operands(scale, value, k, dtype):
 
 
 _CODE8 = ((_code8_rows, _code8_gemv), (_code8_batched_rows, _code8_batched), (_code8_tile_rows, _code8_tile))
-_CODE8_PAIRED = (_code8_rows_paired, _code8_gemv_paired)
+# The one-call GEMV's rows with x's BF16 pairs, compiled only where they may run (CODE8_PAIRS)
+_CODE8_PAIRED = (_code8_rows_paired, _code8_gemv_paired) if CODE8_PAIRS else _CODE8[0]
 HIFLOAT8_LINEAR = WeightOnlyLinear(*_CODE8, CODE8_SPLIT, _hifloat8_operands, pair_order=CODE8_PAIR_ORDER,
                                   prepared_operands=_hifloat8_prepared_operands, one_call_gemv=_CODE8_PAIRED)
 FLOAT8_E4M3FN_LINEAR = WeightOnlyLinear(*_CODE8, CODE8_SPLIT, _float8_operands, pair_order=CODE8_PAIR_ORDER,
