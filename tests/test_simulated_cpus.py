@@ -52,8 +52,8 @@ def test_a_simulated_cpu_is_what_numba_compiles_for_and_lowbit_sees(tmp_path):
              "codegen = cpu_target.target_context.codegen(); "
              "print(codegen._get_host_cpu_name(), '+avx512vbmi' in codegen._get_host_cpu_features().split(','), "
              "_simd.HAS_AVX512VBMI, _simd.HAS_AVX512BF16)")
-    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path), "PYTHONPATH": os.pathsep.join(
-        [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    path = [str(Path(__file__).parent), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path), "PYTHONPATH": os.pathsep.join(path)}
     done = subprocess.run([sys.executable, "-c", probe, cpu], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == [cpu, "False", "False", "False"]
