@@ -68,3 +68,21 @@ def tiny_causal_lm_path(tmp_path_factory):
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def pytest_collection_finish(session):
+    """Start the simulated CPUs' runs of the collected tests/test_simulated_cpus.py cases in the background (they
+    compile beside the rest of the suite; see tests/simulated_cpu.py)."""
+    import simulated_cpu
+
+    if session.config.option.collectonly:
+        return
+    cpus = [item.callspec.params["cpu"] for item in session.items
+            if getattr(item, "originalname", None) == "test_every_kernel_compiles_and_runs_on_an_older_cpu"]
+    simulated_cpu.start_runs([cpu for cpu in cpus if simulated_cpu.simulatable(cpu)])
+
+
+def pytest_sessionfinish(session):
+    import simulated_cpu
+
+    simulated_cpu.stop_runs()

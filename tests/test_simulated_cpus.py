@@ -5,7 +5,8 @@ with the native kernels (every operator against its reference) and `lowbit bench
 together, the batched kernel and the GEMM tiles; its times are not checked). A kernel holding an instruction
 its CPU lacks made LLVM abort the whole process: every HiFloat8 and FP8 layer on an Intel Xeon Ice Lake,
 whose kernels had only ever been compiled on CPUs with AVX512-BF16 (docs/weight_only.md, 'BF16 pairs').
-A CPU is simulated where this host has the features it keeps and one it lacks (else skipped)."""
+A CPU is simulated where this host has the features it keeps and one it lacks (else skipped). The runs start in
+the background as soon as the session has collected these tests (tests/conftest.py, simulated_cpu.start_runs)."""
 
 import json
 import os
@@ -18,24 +19,15 @@ import pytest
 import simulated_cpu
 from lowbit.cli.bench import model as bench_model
 
-HELPER = str(Path(__file__).with_name("simulated_cpu.py"))
-
-
-def run_as(cpu, cache, *args):
-    env = {**os.environ, "NUMBA_CACHE_DIR": str(cache)}
-    return subprocess.run([sys.executable, HELPER, cpu, *args], env=env, capture_output=True, text=True, timeout=1200)
-
 
 @pytest.mark.parametrize("cpu", list(simulated_cpu.SIMULATED))
-def test_every_kernel_compiles_and_runs_on_an_older_cpu(cpu, tmp_path):
+def test_every_kernel_compiles_and_runs_on_an_older_cpu(cpu):
     if not simulated_cpu.simulatable(cpu):
         pytest.skip(f"this CPU cannot simulate {cpu} (lacks a feature it keeps, or is no newer)")
-    smoke = run_as(cpu, tmp_path, "smoke", "all", "--backend", "native", "--json")
+    smoke, bench = simulated_cpu.result(cpu)
     assert smoke.returncode == 0, smoke.stderr[-3000:]
     report = json.loads(smoke.stdout)
     assert report["hardware_path_verified"] is True, smoke.stdout[-3000:]
-    bench = run_as(cpu, tmp_path, "bench", "model", "--shape", "64x256", "--ms", "1,3,16,256", "--repeats", "1",
-                   "--json")
     assert bench.returncode == 0, bench.stderr[-3000:]
     rows = json.loads(bench.stdout)
     assert {row["what"] for row in rows[1::2]} >= {"PackedLinear", "Int4Linear", "SVDQuantLinearDeploy"}
