@@ -8,7 +8,7 @@ kernel holds an instruction its target lacks: this finds such a kernel without t
 
 :func:`start_runs` runs the checks of tests/test_simulated_cpus.py in the background, one CPU after another, from
 the moment the test session has collected them (tests/conftest.py): each compiles every kernel anew (about 1.5
-minutes of CPU), and the rest of the suite, mostly one thread, leaves a CPU idle for them.
+minutes of CPU), and the rest of the suite does not keep every CPU busy.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import concurrent.futures
 import os
 import runpy
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -75,24 +76,34 @@ _lock = threading.Lock()
 
 
 def _run_as(cpu: str, cache: str, args: tuple) -> subprocess.CompletedProcess:
-    """``lowbit ARGS`` as ``cpu`` with numba's cache in ``cache`` (a subprocess, killed by :func:`stop_runs`)."""
+    """``lowbit ARGS`` as ``cpu`` with numba's cache in ``cache``: a subprocess in a session of its own, so that
+    a kill (a timeout, :func:`stop_runs`) ends its warm-up workers too."""
     env = {**os.environ, "NUMBA_CACHE_DIR": cache}
     command = [sys.executable, str(Path(__file__).resolve()), cpu, *args]
     with _lock:
         if _stopped.is_set():
             raise RuntimeError("the simulated-CPU runs were stopped")
-        process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   start_new_session=True)
         _running.append(process)
     try:
         out, err = process.communicate(timeout=RUN_TIMEOUT)
     except subprocess.TimeoutExpired:
-        process.kill()
+        _kill(process)
         out, err = process.communicate()
         err += f"\n(killed after {RUN_TIMEOUT} s)"
     finally:
         with _lock:
             _running.remove(process)
     return subprocess.CompletedProcess(command, process.returncode, out, err)
+
+
+def _kill(process: subprocess.Popen) -> None:
+    """Kill ``process`` and the processes of its session (it leads one: start_new_session)."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:  # already ended
+        pass
 
 
 def _smoke_then_bench(cpu: str) -> tuple:
@@ -138,7 +149,7 @@ def stop_runs() -> None:
     with _lock:
         _stopped.set()
         for process in _running:
-            process.kill()
+            _kill(process)
     for folder in _folders:
         shutil.rmtree(folder, ignore_errors=True)
 

@@ -157,6 +157,53 @@ def test_lookup16_signed_every_index_in_every_lane(lowering):
         _every_lookup16_index(simd.lookup16_signed, table, simd.signed_tables(table))
 
 
+_TEST_TABLE = np.arange(48, dtype=np.float32) - 7.5  # three rows of 16
+_test_table_halves = simd.aligned_table_halves("lowbit.test.table", _TEST_TABLE)
+
+
+def _load_halves(first, second):
+    out = np.empty(simd.LANES, dtype=np.float32)
+    simd.f32v_store(out, 0, _test_table_halves(first, second))
+    return out
+
+
+def test_aligned_table_halves_reads_the_rows_from_a_64_byte_aligned_constant():
+    """Each half is the table's 16 floats at its offset, and the table is a module constant aligned to 64 bytes
+    (numba's own array constants are aligned to 4: a row then straddles two cache lines)."""
+    load = numba.njit(_load_halves)  # not cached: its LLVM IR can be inspected
+    for first, second in ((0, 0), (16, 32), (32, 0), (8, 24)):
+        assert np.array_equal(load(first, second), np.concatenate([_TEST_TABLE[first:first + 16],
+                                                                   _TEST_TABLE[second:second + 16]]))
+    (module,) = load.inspect_llvm().values()
+    (definition,) = [line for line in module.splitlines() if line.startswith("@lowbit.test.table")]
+    assert definition.endswith("align 64")
+    with pytest.raises(TypeError, match="float32"):
+        simd.aligned_table_halves("lowbit.test.ints", np.arange(16, dtype=np.int32))
+
+
+@pytest.mark.parametrize("steps", ["mxfp4", "hifloat4"])
+def test_the_4bit_steps_read_their_tables_aligned(steps):
+    """The float32 tables of the MXFP4 and HiFloat4 steps (and HiFloat4's level multipliers) are loaded through
+    aligned_table_halves, as the same values as the tables."""
+    from lowbit.kernels.cpu import _weight_only_decode4 as wo_decode4
+
+    pairs = {"mxfp4": [(wo_steps._mxfp4_table_halves, wo_layout._MXFP4_LOOKUP)],
+             "hifloat4": [(wo_steps._hifloat4_table_halves, wo_layout._HIFLOAT4_LOOKUP),
+                          (wo_decode4._e3_multiplier_halves, wo_decode4._E3_HALF_MULTIPLIERS),
+                          (wo_decode4._e2_multiplier_halves, wo_decode4._E2_HALF_MULTIPLIERS)]}[steps]
+    for loader, table in pairs:
+        @numba.njit
+        def read(first, second):
+            out = np.empty(simd.LANES, dtype=np.float32)
+            simd.f32v_store(out, 0, loader(first, second))
+            return out
+
+        rows = table.size // 16
+        for first, second in ((0, 16 * (rows - 1)), (16 * (rows // 2), 16 * (rows // 3))):
+            assert np.array_equal(read(first, second).view(np.uint32),
+                                  np.concatenate([table[first:first + 16], table[second:second + 16]]).view(np.uint32))
+
+
 @numba.njit
 def _telescope_in_place(table):
     simd.telescope_byte_tables(table)

@@ -780,6 +780,30 @@ def f32v_load_halves(typingctx, arr, first, second):
     return F32V(arr, first, second), codegen
 
 
+def aligned_table_halves(name: str, table: np.ndarray):
+    """An intrinsic ``load(first, second)``: :func:`f32v_load_halves` of the 1-D float32 ``table`` kept as a
+    64-byte-aligned constant of each module that uses it (:func:`aligned_constant`, global ``name``). numba's
+    own array constants are aligned to their element only: where a module's strings come first, every 16-float
+    row of such a table straddles two cache lines, and each load of it is a split load. ``first`` and
+    ``second`` are element offsets (integers; multiples of 16 keep a row within one line), not checked."""
+    if table.dtype != np.float32 or table.ndim != 1:
+        raise TypeError(f"aligned_table_halves: need a 1-D float32 table, got {table.dtype} of shape {table.shape}")
+
+    @intrinsic
+    def load(typingctx, first, second):
+        def codegen(context, builder, sig, args):
+            base = builder.bitcast(aligned_constant(builder, name, table), ir.FloatType().as_pointer())
+            half = ir.VectorType(ir.FloatType(), LANES // 2)
+            low, high = (builder.load(builder.bitcast(builder.gep(base, [context.cast(builder, value, kind, types.intp)]),
+                                                      half.as_pointer()), align=4)
+                         for value, kind in zip(args, sig.args))
+            return builder.shuffle_vector(low, high, ir.Constant(_VI32, list(range(LANES))))
+
+        return F32V(first, second), codegen
+
+    return load
+
+
 @intrinsic
 def f32v_load_quarters(typingctx, arr, first, second, third, fourth):
     """F32V of four runs of LANES / 4 float32 of a 1-D C-contiguous float32 array, at elements ``first``,

@@ -94,14 +94,16 @@ def _half_multipliers(bits: int, group: int) -> np.ndarray:
 
 _E3_HALF_MULTIPLIERS = _half_multipliers(8, 2)
 _E2_HALF_MULTIPLIERS = _half_multipliers(4, 4)
+_e3_multiplier_halves = simd.aligned_table_halves("lowbit.hifloat4.e3_multipliers", _E3_HALF_MULTIPLIERS)
+_e2_multiplier_halves = simd.aligned_table_halves("lowbit.hifloat4.e2_multipliers", _E2_HALF_MULTIPLIERS)
 
 
 @numba.njit(**_INLINE)
 def _hifloat4_levels_by_halves(w0, w1, word):
     """_hifloat4_levels by multiplying with each lane's 2^(e2 + e3) from the two tables above (exact; a test
     compares them for every flag byte)."""
-    e3 = simd.f32v_load_halves(_E3_HALF_MULTIPLIERS, 16 * np.int64((word >> 16) & 0xFF), 16 * np.int64(word >> 24))
-    e2 = simd.f32v_load_halves(_E2_HALF_MULTIPLIERS, np.int64((word >> 8) & 0xF0), 16 * np.int64((word >> 8) & 0xF))
+    e3 = _e3_multiplier_halves(16 * np.int64((word >> 16) & 0xFF), 16 * np.int64(word >> 24))
+    e2 = _e2_multiplier_halves(np.int64((word >> 8) & 0xF0), 16 * np.int64((word >> 8) & 0xF))
     levels = simd.f32v_mul(e3, e2)
     return simd.f32v_mul(w0, levels), simd.f32v_mul(w1, levels)
 

@@ -21,6 +21,9 @@ from lowbit.kernels.cpu._weight_only_layout import (BYTE_SHUFFLE_NIBBLES, FOUR_B
 
 
 # ---- one step: the 64 weights k0 .. k0 + 63 of a row, as two F32V in the format's register order ----------
+# The 16-entry tables are read from 64-byte-aligned copies (simd.aligned_table_halves: one cache line a row)
+_mxfp4_table_halves = simd.aligned_table_halves("lowbit.mxfp4.lookup", _MXFP4_LOOKUP)
+_hifloat4_table_halves = simd.aligned_table_halves("lowbit.hifloat4.lookup", _HIFLOAT4_LOOKUP)
 
 
 @numba.njit(**_INLINE)
@@ -34,7 +37,7 @@ def _nibble_step(tables, packed, start):
 @numba.njit(**_INLINE)
 def _mxfp4_step(codes, start, scale_a, scale_b):
     """MXFP4: two blocks (their 32 code bytes at ``codes[start]``) with E8M0 bytes ``scale_a``, ``scale_b``."""
-    tables = simd.f32v_load_halves(_MXFP4_LOOKUP, 16 * np.int64(scale_a), 16 * np.int64(scale_b))
+    tables = _mxfp4_table_halves(16 * np.int64(scale_a), 16 * np.int64(scale_b))
     return _nibble_step(tables, codes, start)
 
 
@@ -44,7 +47,7 @@ def _hifloat4_step_tables(levels, words, value, block):
     16-entry float32 tables, then ``levels(w0, w1, word)`` applies the flags' powers of two."""
     word = np.uint32(words[np.uint64(block)])
     table = 16 * np.int64(word & 0xFF)
-    w0, w1 = _nibble_step(simd.f32v_load_halves(_HIFLOAT4_LOOKUP, table, table), value, 32 * block)
+    w0, w1 = _nibble_step(_hifloat4_table_halves(table, table), value, 32 * block)
     return levels(w0, w1, word)
 
 
