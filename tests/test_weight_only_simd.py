@@ -7,6 +7,7 @@ import torch
 
 from lowbit.formats import weight_only as reference
 from lowbit.kernels.cpu import _simd as simd
+from lowbit.kernels.cpu import _weight_only_batched as wo_batched
 from lowbit.kernels.cpu import _weight_only_decode8 as wo_decode8
 from lowbit.kernels.cpu import _weight_only_layout as wo_layout
 from lowbit.kernels.cpu import _weight_only_steps as wo_steps
@@ -202,6 +203,23 @@ def test_the_4bit_steps_read_their_tables_aligned(steps):
         for first, second in ((0, 16 * (rows - 1)), (16 * (rows // 2), 16 * (rows // 3))):
             assert np.array_equal(read(first, second).view(np.uint32),
                                   np.concatenate([table[first:first + 16], table[second:second + 16]]).view(np.uint32))
+
+
+@numba.njit
+def _batch_buffer_of(kp, rows):
+    return wo_batched._batch_buffer(kp, rows)
+
+
+@pytest.mark.parametrize("kp", [64, 4096, 8192])
+def test_the_batched_kernels_row_buffer_starts_on_a_64_byte_boundary(kp):
+    """numba aligns its arrays to 32 bytes (a 64 KiB one landed 32 bytes off a 64-byte boundary every time), and
+    the batched products then split every 64-byte load of W across two cache lines (1.55x their time)."""
+    for rows in (1, 3, wo_steps.ROW_BLOCK):
+        for _ in range(4):
+            w = _batch_buffer_of(kp, rows)
+            assert w.ctypes.data % 64 == 0
+            assert w.size == wo_steps.ROW_BLOCK * kp and w.dtype == wo_batched._BATCH_WEIGHT
+            assert not w[rows * kp :].any()
 
 
 @numba.njit

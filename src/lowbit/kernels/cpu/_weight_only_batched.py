@@ -142,8 +142,13 @@ def _gather_x_bits(x_bits, order, x_reg):
 
 @numba.njit(**_INLINE)
 def _batch_buffer(kp, rows):
-    """A ROW_BLOCK * Kp row buffer (_BATCH_WEIGHT) whose rows from ``rows`` on are zeros."""
-    w = np.empty(ROW_BLOCK * kp, dtype=_BATCH_WEIGHT)
+    """A ROW_BLOCK * Kp row buffer (_BATCH_WEIGHT) whose rows from ``rows`` on are zeros, starting on a 64-byte
+    boundary: numba aligns an array to 32 bytes (a 64 KiB one landed at 32 mod 64 every time), and every 64-byte
+    load of a row then straddles two cache lines."""
+    size = ROW_BLOCK * kp
+    raw = np.empty(size + 64, dtype=_BATCH_WEIGHT)
+    skip = (64 - raw.ctypes.data % 64) % 64 // raw.itemsize
+    w = raw[skip : skip + size]
     w[rows * kp :] = 0
     return w
 
