@@ -766,16 +766,23 @@ f32n_load = _make_load(_VF32N, F32N, "NARROW float32 lanes from a 1-D C-contiguo
 f32n_store = _make_store(_VF32N, "Store NARROW float32 lanes into a 1-D C-contiguous float32 array at element ``index``.")
 
 
+_F32_HALF = ir.VectorType(ir.FloatType(), LANES // 2)
+
+
+def _joined_halves(builder, pointers):
+    """F32V of the LANES / 2 float32 at each of the two ``pointers`` (to _F32_HALF), in that order."""
+    low, high = (builder.load(pointer, align=4) for pointer in pointers)
+    return builder.shuffle_vector(low, high, ir.Constant(_VI32, list(range(LANES))))
+
+
 @intrinsic
 def f32v_load_halves(typingctx, arr, first, second):
     """F32V of LANES / 2 float32 at element ``first`` of a 1-D C-contiguous float32 array, then LANES / 2
     at element ``second``."""
 
     def codegen(context, builder, sig, args):
-        half = ir.VectorType(ir.FloatType(), LANES // 2)
-        low, high = (builder.load(_element_ptr(context, builder, sig.args[0], args[0], index, half), align=4)
-                     for index in args[1:])
-        return builder.shuffle_vector(low, high, ir.Constant(_VI32, list(range(LANES))))
+        return _joined_halves(builder, [_element_ptr(context, builder, sig.args[0], args[0], index, _F32_HALF)
+                                        for index in args[1:]])
 
     return F32V(arr, first, second), codegen
 
@@ -793,11 +800,9 @@ def aligned_table_halves(name: str, table: np.ndarray):
     def load(typingctx, first, second):
         def codegen(context, builder, sig, args):
             base = builder.bitcast(aligned_constant(builder, name, table), ir.FloatType().as_pointer())
-            half = ir.VectorType(ir.FloatType(), LANES // 2)
-            low, high = (builder.load(builder.bitcast(builder.gep(base, [context.cast(builder, value, kind, types.intp)]),
-                                                      half.as_pointer()), align=4)
-                         for value, kind in zip(args, sig.args))
-            return builder.shuffle_vector(low, high, ir.Constant(_VI32, list(range(LANES))))
+            offsets = [context.cast(builder, value, kind, types.intp) for value, kind in zip(args, sig.args)]
+            return _joined_halves(builder, [builder.bitcast(builder.gep(base, [offset]), _F32_HALF.as_pointer())
+                                            for offset in offsets])
 
         return F32V(first, second), codegen
 

@@ -8,7 +8,7 @@ import numpy as np
 
 from lowbit.kernels.cpu import _code8_columns as _columns
 from lowbit.kernels.cpu import _simd as simd
-from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS
+from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, PARALLEL_NJIT_OPTIONS, aligned_empty
 from lowbit.kernels.cpu._weight_only_decode8 import _by_column_tables, _fill_row_table, code8_columns_half
 from lowbit.kernels.cpu._weight_only_layout import HALF, LANES, _INLINE
 from lowbit.kernels.cpu._weight_only_steps import ROW_BLOCK, _prefetch_ahead, _round_bf16, _round_f16, _row_table
@@ -143,12 +143,9 @@ def _gather_x_bits(x_bits, order, x_reg):
 @numba.njit(**_INLINE)
 def _batch_buffer(kp, rows):
     """A ROW_BLOCK * Kp row buffer (_BATCH_WEIGHT) whose rows from ``rows`` on are zeros, starting on a 64-byte
-    boundary: numba aligns an array to 32 bytes (a 64 KiB one landed at 32 mod 64 every time), and every 64-byte
-    load of a row then straddles two cache lines."""
-    size = ROW_BLOCK * kp
-    raw = np.empty(size + 64, dtype=_BATCH_WEIGHT)
-    skip = (64 - raw.ctypes.data % 64) % 64 // raw.itemsize
-    w = raw[skip : skip + size]
+    boundary (aligned_empty: a numba array of 64 KiB landed 32 bytes off one every time, and every 64-byte load
+    of a row then straddled two cache lines)."""
+    w = aligned_empty(ROW_BLOCK, kp, _BATCH_WEIGHT).reshape(ROW_BLOCK * kp)
     w[rows * kp :] = 0
     return w
 
