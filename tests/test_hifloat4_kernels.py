@@ -115,6 +115,46 @@ def test_kernel_tile_edges_when_the_quant_dim_is_not_last(kernel):
         assert_kernel_equals_reference(kernel, x, 1)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_numba_tiles_transposed_in_registers(dtype):
+    """Full tiles (32 columns) go through the register transposes: quant dims of 64 and 128 rows, column counts
+    that are a multiple of the tile and that leave a narrower last tile, zero / NaN / Inf / -0.0 and heavy-tailed
+    blocks; out of place and in place."""
+    g = torch.Generator().manual_seed(9)
+    for outer, rows, columns in ((1, 64, 32), (3, 128, 64), (2, 64, 96 + 7)):
+        x = torch.randn(outer, rows, columns, generator=g) * torch.exp2(torch.randn(outer, 1, columns, generator=g) * 8)
+        flat = x.view(-1)
+        flat[torch.randperm(flat.numel(), generator=g)[:8]] = torch.tensor(
+            [0.0, -0.0, float("nan"), float("inf"), float("-inf"), -0.0, 1e-30, -3.0])
+        x[:, :64, 5] = 0.0
+        x = x.to(dtype)
+        assert_kernel_equals_reference(cpu_kernels.FAKE_QUANT, x, 1)
+        in_place = x.clone()
+        cpu_kernels.FAKE_QUANT.run(in_place, 1, out=in_place)
+        assert torch.equal(bits(in_place), bits(hifloat4.fake_quant(x, 1)))
+
+
+@pytest.mark.parametrize("dtype", [np.int16, np.int32])
+def test_numba_tile_transpose_keeps_every_bit_pattern(dtype):
+    """dst[dst_at + r * dst_stride + c] == src[src_at + c * src_stride + r] for r, c < 32, any bits (NaN patterns
+    not made canonical), odd offsets and strides; nothing else in dst written."""
+    rng = np.random.default_rng(3)
+    info = np.iinfo(dtype)
+    src = rng.integers(info.min, info.max, size=40 * 77 + 5, endpoint=True, dtype=dtype)
+    src[:64] = np.arange(0x7F80, 0x7FC0).astype(dtype)  # BF16 infinity and NaN payloads
+    dst = np.zeros(33 * 45 + 3, dtype=dtype)
+    _transpose_32_of(src, 5, 77, dst, 3, 45)
+    expected = np.zeros_like(dst)
+    for r in range(32):
+        expected[3 + r * 45:3 + r * 45 + 32] = src[5 + np.arange(32) * 77 + r]
+    assert np.array_equal(dst, expected)
+
+
+@numba.njit
+def _transpose_32_of(src, src_at, src_stride, dst, dst_at, dst_stride):
+    cpu_kernels._transpose_32(src, src_at, src_stride, dst, dst_at, dst_stride)
+
+
 def test_numba_element_code_is_exhaustively_the_reference_rounding():
     """The numba element code (bf16 rounding by a magic add, clamp before rounding) against
     min(floor(4 * bf16(w) + 0.5), 7) for every fp32 w within 2^16 ulps of each code threshold (n - 0.5) / 4

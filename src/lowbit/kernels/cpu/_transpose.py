@@ -1,7 +1,8 @@
 """Blocks of the transpose of a matrix of BF16 bit patterns, every NaN made the canonical one, for the CPU
 GEMM path's last step where torch computed y^T = W x^T (weight_only.transpose_bf16; docs/weight_only.md,
-'CPU GEMM'); and ``transpose_pairs``, the same rounds on 16 x 16 pairs of words (32-bit elements, no NaN
-handling): x^T in the AMX tiles' pair layout (lowbit.kernels.cpu.amx).
+'CPU GEMM'); ``transpose_words``, the same without NaN handling (HiFloat4 fake quant's tiles,
+lowbit.kernels.cpu.hifloat4); and ``transpose_pairs``, the same rounds on 16 x 16 pairs of words (32-bit
+elements, no NaN handling): x^T in the AMX tiles' pair layout (lowbit.kernels.cpu.amx), HiFloat4's FP32 tiles.
 
 Blocks of 32 x 32 words are transposed in registers: 32 rows of 32 words, then five rounds that each swap one
 bit of the row index with the same bit of the column index (rows i and i + b exchange the second half of
@@ -81,14 +82,15 @@ def _row_pointer(context, builder, array_type, array, at, stride, row, vector_ty
     return simd._element_ptr(context, builder, array_type, array, at, vector_type)
 
 
-def _make_transpose_block(streaming: bool):
+def _make_transpose_block(streaming: bool, canonical_nan: bool = True):
     """The block intrinsic; ``streaming``: its stores non-temporal (every destination row 64-byte aligned),
-    so that an output the cache does not hold is written without being read first."""
+    so that an output the cache does not hold is written without being read first; ``canonical_nan``: every
+    BF16 NaN stored as the canonical one (else every word as it was)."""
 
     @intrinsic
     def transpose_block(typingctx, src, src_at, src_stride, dst, dst_at, dst_stride):
         """dst[dst_at + r * dst_stride + c] <- src[src_at + c * src_stride + r] for r, c < BLOCK, NaN canonical
-        (``src`` and ``dst``: 1-D int16 arrays)."""
+        where the maker says so (``src`` and ``dst``: 1-D int16 arrays)."""
         if not all(isinstance(a, types.Array) and a.dtype == types.int16 for a in (src, dst)):
             return None
 
@@ -104,9 +106,10 @@ def _make_transpose_block(streaming: bool):
             magnitude, infinity = ir.Constant(_ROW, [0x7FFF] * BLOCK), ir.Constant(_ROW, [0x7F80] * BLOCK)
             nan = ir.Constant(_ROW, [int(reference.NAN_BITS[torch.bfloat16])] * BLOCK)
             for r, row in enumerate(rows):
-                is_nan = builder.icmp_unsigned(">", builder.and_(row, magnitude), infinity)
+                if canonical_nan:
+                    row = builder.select(builder.icmp_unsigned(">", builder.and_(row, magnitude), infinity), nan, row)
                 at = pointer(sig.args[3], args[3], dst_at, dst_stride, r)
-                store = builder.store(builder.select(is_nan, nan, row), at, align=64 if streaming else 1)
+                store = builder.store(row, at, align=64 if streaming else 1)
                 if streaming:
                     store.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)]))
             return context.get_dummy_value()
@@ -118,6 +121,7 @@ def _make_transpose_block(streaming: bool):
 
 transpose_block = _make_transpose_block(streaming=False)
 transpose_block_streaming = _make_transpose_block(streaming=True)
+transpose_words = _make_transpose_block(streaming=False, canonical_nan=False)  # every bit pattern kept
 
 
 @intrinsic

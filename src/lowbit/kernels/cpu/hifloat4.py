@@ -46,9 +46,10 @@ from lowbit.backends import Kernel
 from lowbit.dtypes import SAME_WIDTH_INT
 from lowbit.formats import hifloat4 as ref
 from lowbit.formats.hifloat4 import BLOCK
-from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, SerialOrParallel, as_numpy, runs_serially
+from lowbit.kernels.cpu import _transpose
+from lowbit.kernels.cpu._runtime import NJIT_OPTIONS, SerialOrParallel, aligned_empty, as_numpy, runs_serially
 from lowbit.kernels.cpu._hifloat4_blocks import BLOCK_FAKE_QUANT, BLOCK_MAXIMUM
-from lowbit.kernels.cpu._simd import HAS_AVX2, HAS_AVX512BW, HAS_F16C, flat, prefer_512_bit_vectors
+from lowbit.kernels.cpu._simd import HAS_AVX2, HAS_AVX512BW, HAS_F16C, flat, prefer_512_bit_vectors, prefetch
 
 _BLOCKS_PER_TASK = 256  # blocks per parallel task
 # Inputs of fewer blocks run the kernels' serial versions on the calling thread (see SerialOrParallel): waking
@@ -375,34 +376,79 @@ def _fake_quant_rows_typed(src, dst, first, last, work, mag_mask, inf_mag, shift
 
 
 @numba.njit(**NJIT_OPTIONS)
+def _transpose_32(src, src_at, src_stride, dst, dst_at, dst_stride):
+    """dst[dst_at + r * dst_stride + c] <- src[src_at + c * src_stride + r] for r, c < 32 (1-D int16 or int32
+    arrays of the same type, offsets and strides in elements): one 32 x 32 block of words, or four 16 x 16 blocks
+    of 32-bit elements, transposed in registers (lowbit.kernels.cpu._transpose)."""
+    src_words, dst_words = src.view(np.int16), dst.view(np.int16)
+    if src.itemsize == 2:
+        _transpose.transpose_words(src_words, src_at, src_stride, dst_words, dst_at, dst_stride)
+        return
+    for r in range(0, _BLOCKS_PER_TILE, _transpose.PAIR_BLOCK):
+        for c in range(0, _BLOCKS_PER_TILE, _transpose.PAIR_BLOCK):
+            _transpose.transpose_pairs(src_words, 2 * (src_at + c * src_stride + r), 2 * src_stride,
+                                       dst_words, 2 * (dst_at + r * dst_stride + c), 2 * dst_stride)
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _tile_start(t, tiles_per_row, inner):
+    """The flat index of tile ``t``'s first element in an (outer, L, inner) tensor (see _fake_quant_tiles)."""
+    return (t // tiles_per_row) * BLOCK * inner + (t % tiles_per_row) * _BLOCKS_PER_TILE
+
+
+@numba.njit(**NJIT_OPTIONS)
+def _prefetch_tile(src, dst, base, inner):
+    """Prefetch the first cache line of each of a tile's 64 rows in ``src`` and in ``dst``: the 64 strided rows
+    are more streams than the hardware prefetchers follow (on an Intel Xeon Ice Lake, without it the fake quant
+    with the quant dim first took about 1.1x the time, its tiles in and out alone on one thread 1.8x:
+    benchmarks/results_hifloat4.md, 'Intel Xeon Ice Lake: tiles in registers')."""
+    for i in range(BLOCK):
+        prefetch(src, base + i * inner)
+        prefetch(dst, base + i * inner)
+
+
+@numba.njit(**NJIT_OPTIONS)
 def _fake_quant_tiles(src, dst, first, last, inner, mag_mask, inf_mag, shift, widen, kind, nan_bits, work_like):
-    """Fake-quant tiles first..last-1 of an (outer, L, inner) tensor, inner > 1.
+    """Fake-quant tiles first..last-1 of an (outer, L, inner) tensor, inner > 1 (``src``, ``dst``: flat).
 
     Tile t covers 64 rows along the quant dim and up to _BLOCKS_PER_TILE neighbouring columns (one block
     per column). It is copied, transposed, into a scratch tile with each block contiguous, quantized block by
     block as in the quant-dim-last case, and copied back: reading a block's 64 elements in place would
-    hit one cache set per element when ``inner`` is a power of two.
+    hit one cache set per element when ``inner`` is a power of two. Full tiles are transposed in registers
+    (32 x 32 elements at a time), a last narrower one element by element; the scratch tiles start on a
+    64-byte boundary, so that no 64-byte load of a block straddles two cache lines.
     """
     work = _task_work(work_like)
-    tile_in = np.empty((_BLOCKS_PER_TILE, BLOCK), src.dtype)
-    tile_out = np.empty((_BLOCKS_PER_TILE, BLOCK), dst.dtype)
+    tile_in = aligned_empty(_BLOCKS_PER_TILE, BLOCK, src.dtype)
+    tile_out = aligned_empty(_BLOCKS_PER_TILE, BLOCK, dst.dtype)
+    tile_in_flat, tile_out_flat = flat(tile_in), flat(tile_out)
+    scratch_row = np.int64(BLOCK)  # not the literal: each literal argument compiles a specialization of its own
     tiles_per_row = (inner + _BLOCKS_PER_TILE - 1) // _BLOCKS_PER_TILE
     prefer_512_bit_vectors()
     for t in range(first, last):
-        column = (t % tiles_per_row) * _BLOCKS_PER_TILE
-        width = min(_BLOCKS_PER_TILE, inner - column)
-        base = (t // tiles_per_row) * BLOCK * inner + column
-        for i in range(BLOCK):
-            row = src[base + i * inner:base + i * inner + width]
-            for c in range(width):
-                tile_in[c, i] = row[c]
+        if t + 1 < last and inner >= _BLOCKS_PER_TILE:  # narrower tiles: one contiguous run, prefetched by the CPU
+            _prefetch_tile(src, dst, _tile_start(t + 1, tiles_per_row, inner), inner)
+        base = _tile_start(t, tiles_per_row, inner)
+        width = min(_BLOCKS_PER_TILE, inner - base % inner)
+        if width == _BLOCKS_PER_TILE:
+            for half in range(0, BLOCK, _BLOCKS_PER_TILE):
+                _transpose_32(src, base + half * inner, inner, tile_in_flat, half, scratch_row)
+        else:
+            for i in range(BLOCK):
+                row = src[base + i * inner:base + i * inner + width]
+                for c in range(width):
+                    tile_in[c, i] = row[c]
         # np.int64(0), not 0: a literal argument would compile a second specialization of _fake_quant_rows
         _fake_quant_rows(tile_in, tile_out, np.int64(0), width, work, mag_mask, inf_mag, shift, widen, kind,
                          nan_bits)
-        for i in range(BLOCK):
-            row = dst[base + i * inner:base + i * inner + width]
-            for c in range(width):
-                row[c] = tile_out[c, i]
+        if width == _BLOCKS_PER_TILE:
+            for half in range(0, BLOCK, _BLOCKS_PER_TILE):
+                _transpose_32(tile_out_flat, half, scratch_row, dst, base + half * inner, inner)
+        else:
+            for i in range(BLOCK):
+                row = dst[base + i * inner:base + i * inner + width]
+                for c in range(width):
+                    row[c] = tile_out[c, i]
 
 
 @SerialOrParallel
