@@ -177,6 +177,8 @@ def _elements_apart(t: torch.Tensor) -> bool:
     """Whether no two elements of ``t`` can share memory: with its dimensions of size > 1 in ascending |stride|,
     each stride exceeds the span of the smaller ones (conservative: a few exotic layouts whose elements are
     apart fail it too)."""
+    if t.is_contiguous():  # dense: every element at its own offset
+        return True
     reach = 0  # the largest offset, in elements, that the dimensions so far reach
     for stride, size in sorted((abs(st), sz) for sz, st in zip(t.shape, t.stride()) if sz > 1):
         if stride <= reach:
@@ -295,6 +297,12 @@ _ALIGNMENT = 16  # bytes: kernels view their tensors as wider words (two BF16 as
 def _aligned(t: torch.Tensor) -> bool:
     """Whether ``t``'s first element lies at a multiple of ALIGNMENT bytes in memory."""
     return t.data_ptr() % _ALIGNMENT == 0
+
+
+def is_dense_aligned(t: torch.Tensor) -> bool:
+    """Whether a kernel can read or write ``t``'s memory as its values, as :func:`dense_aligned` and
+    :func:`values_resolved` would leave it: contiguous, aligned, without a negative or conjugate bit."""
+    return t.is_contiguous() and _aligned(t) and not (t.is_neg() or t.is_conj())
 
 
 def dense_aligned(t: torch.Tensor) -> torch.Tensor:
@@ -491,10 +499,11 @@ class Operator:
         """Fresh output tensor(s) for ``args`` on their device (validates ``args``)."""
         return self._allocate(args, self.device_of(args))
 
-    def check_out(self, args: Sequence, out: Any) -> None:
+    def check_out(self, args: Sequence, out: Any, specs: Optional[Sequence[TensorSpec]] = None) -> None:
         """Validate a caller's ``out``: a tensor (a tuple of them for several outputs) of the output
-        dtypes and shapes on the inputs' device. DtypeError / ShapeError / DeviceError / TypeError."""
-        specs = self.outputs(*args)
+        dtypes and shapes on the inputs' device (``specs``: ``self.outputs(*args)`` where the caller has them).
+        DtypeError / ShapeError / DeviceError / TypeError."""
+        specs = self.outputs(*args) if specs is None else specs
         device = self.device_of(args)
         outs = out if isinstance(out, (tuple, list)) else (out,)
         if len(outs) != len(specs) or not all(isinstance(t, torch.Tensor) for t in outs):
@@ -516,6 +525,8 @@ class Operator:
                                  "its own memory per element")
         # Outputs sharing memory: the later one's copy-in (run_into) would overwrite the earlier's. Strided ones
         # that only interleave, such as a row's codes and scales in one buffer, share none and are allowed.
+        if len(outs) == 1:  # (is_fake alone costs some 30 us after other work)
+            return
         real = [i for i, t in enumerate(outs) if not (is_fake(t) or t.device.type == "meta")]
         for i, j in itertools.combinations(real, 2):
             if share_bytes(outs[i], outs[j]):

@@ -23,7 +23,8 @@ reads it directly for ``preload`` at M <= 16 and repacks it into the workspace o
 ``plan.pack_weight(weight)`` returns an explicit :class:`PackedWeight` snapshot that later runs use as it is.
 Every path runs through ``MATMUL`` (validation, kernel selection, ``last_backend`` after execution), and
 the kernel's ``run`` checks a packed weight and a workspace against its own needs before any kernel code
-(lowbit.kernels.wqbmm_kernel).
+(lowbit.kernels.wqbmm_kernel). A plan's decode step of few rows with a PackedWeight on the CPU kernel runs
+its one-call decode after the same checks (``WqbmmPlan._decoded``).
 """
 
 from __future__ import annotations
@@ -352,7 +353,41 @@ class WqbmmPlan:
         sizes = (math.prod(x.shape[:-1]), x.shape[-1], spec.shape[-1])
         if sizes != (self.m, self.k, self.n):
             raise ShapeError(f"{_OP}: the plan is for (M, K, N) = {(self.m, self.k, self.n)}, got {sizes}")
+        if prepacked and self.m and self.k and self.n:
+            y = self._decoded(args, spec, out)
+            if y is not None:
+                return y
         return MATMUL(*args, out=out, backend=self.backend)
+
+    def _decoded(self, args: tuple, spec: TensorSpec, out: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """:meth:`run`'s result for validated ``args`` with a PackedWeight through the kernel's one-call decode
+        (``decode_into``: the CPU native MSD ``preload`` kernel, few rows; out, workspace and packed weight
+        checked here as MATMUL checks them), or None where it does not apply: another kernel, more rows,
+        operands or an ``out`` that MATMUL would copy first (not contiguous, not aligned, overlapping), or a NaN
+        in the result. Skips MATMUL's per-call Python path (docs/wqbmm.md, 'Two-stage API')."""
+        decode_into = getattr(self.kernel, "decode_into", None)
+        x, data, scale, offset, group_size, _, _, workspace, _ = args
+        operands = (x, scale) if offset is None else (x, scale, offset)
+        if (decode_into is None or self.backend != "native" or self.algorithm != MSD or self.template != "preload"
+                or not all(backends.is_dense_aligned(t) for t in operands)):
+            return None
+        if out is None:
+            target = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
+        else:
+            MATMUL.check_out(args, out, (spec,))
+            if not backends.is_dense_aligned(out) or any(backends.overlaps(out, t) for t in (*operands, data)):
+                return None
+            target = out
+        self.kernel._check_weight(data, self.device, self.kernel.packed_shape(self.k, self.n, self.group_size),
+                                  "packed weight")  # as the kernel's run checks them
+        if workspace is not None:
+            nbytes = self.kernel.workspace_nbytes(self.m, self.k, self.n, self.group_size, "preload", True, MSD)
+            self.kernel._check_workspace(workspace, nbytes, self.device, {
+                "x": x, "weight": data, "antiquant_scale": scale, "antiquant_offset": offset, "out": target})
+        if not decode_into(x, self.m, data, scale, offset, group_size, workspace, target):
+            return None
+        MATMUL.record(self.backend)
+        return target
 
 
 _MAX_ELEMENTS = 2**62  # a tensor's size in bytes must fit in int64 (torch's storage sizes)

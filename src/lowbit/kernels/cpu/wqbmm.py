@@ -52,6 +52,7 @@ from lowbit.kernels.cpu import _simd as simd
 from lowbit.kernels.cpu import wqbmm_dequant as dequant
 from lowbit.kernels.cpu._runtime import (NJIT_OPTIONS, SerialOrParallel, as_numpy, bound_njit, call_in_chunks,
                                          int16_array_at, runs_serially, swap_parallel_chunksize)
+from lowbit.kernels.cpu.memory import thread_scratch
 from lowbit.kernels.wqbmm_kernel import MSD, WqbmmKernel, aligned_offsets
 
 TILE_N = simd.LANES  # columns per register tile (32)
@@ -729,6 +730,32 @@ class WeightQuantBatchMatmul(WqbmmKernel):
         return BoundDecode(tiles, antiquant_scale, antiquant_offset, bias, group_size, antiquant_scale.shape[1])
 
     @staticmethod
+    def decode_into(x: torch.Tensor, m: int, tiles: torch.Tensor, antiquant_scale: torch.Tensor,
+                    antiquant_offset: torch.Tensor | None, group_size: int, workspace: torch.Tensor | None,
+                    out: torch.Tensor) -> bool:
+        """``out`` (..., N) <- the MSD ``preload`` product of x (..., K) with M = ``m`` rows and the packed
+        ``tiles`` in one numba call (:func:`_decode`), as :meth:`run` computes it, for a plan's run of few rows;
+        False, ``out`` unspecified, where that call does not apply (M above :func:`decode_rows`, N not a whole
+        number of TILE_N-column tiles) or a NaN came out (run then computes it). x, scale, offset and out
+        C-contiguous CPU tensors of one dtype (FP16 / BF16), tiles from :meth:`pack_weight`, ``workspace``
+        (None: the thread's scratch buffer) of at least :meth:`workspace_nbytes` bytes for a prepacked
+        ``preload`` call, sharing no memory with the others: all checked by the caller."""
+        k, n = x.shape[-1], out.shape[-1]
+        if m > decode_rows(k) or padded_n(n) != n:
+            return False
+        parts = _decode_parts(m, k, n, group_size)
+        scale_bits = as_numpy(antiquant_scale).reshape(-1)
+        offset_bits = scale_bits if antiquant_offset is None else as_numpy(antiquant_offset).reshape(-1)
+        operands = (as_numpy(tiles), scale_bits, offset_bits, antiquant_offset is not None, group_size, _NO_BIAS, False)
+        decode = _decode_kernel(runs_serially(m * k * n, _ONE_THREAD_WORK))
+        if workspace is not None:
+            return decode(x.data_ptr(), m, k, n, x.dtype == torch.bfloat16, *operands, out.data_ptr(),
+                          as_numpy(workspace), parts)
+        with thread_scratch(int(parts[-1])) as scratch:  # as run without a workspace
+            return decode(x.data_ptr(), m, k, n, x.dtype == torch.bfloat16, *operands, out.data_ptr(),
+                          as_numpy(scratch), parts)
+
+    @staticmethod
     def bind_dequant(tiles: torch.Tensor, antiquant_scale: torch.Tensor, antiquant_offset: torch.Tensor | None,
                      bias: torch.Tensor | None, group_size: int) -> "dequant.BoundDequant":
         """:class:`~lowbit.kernels.cpu.wqbmm_dequant.BoundDequant`, the dequant algorithm's counterpart of
@@ -780,21 +807,24 @@ def _round_and_add_bias(y32, bias32, has_bias, is_bf16, out_bits):
 
 
 def _decode(x_address, m, k, n, is_bf16, tiles, scale_bits, offset_bits, has_offset, group_size, bias32, has_bias,
-            out_address):
+            out_address, scratch, parts):
     """Template of the one-call decode (bound by :func:`_decode_kernel`: ``_PRELOAD`` is _preload's serial or
     parallel dispatcher): out (M, N) <- round(round(x @ W) + bias) for x (M, K), both FP16 / BF16 bit
     patterns at ``x_address`` and ``out_address`` (_runtime.int16_array_at), W the prepacked ``tiles``,
-    ``scale_bits`` / ``offset_bits`` (K/G, padded N) in x's dtype; False where a NaN came out
-    (:func:`_round_and_add_bias`)."""
+    ``scale_bits`` / ``offset_bits`` (K/G, padded N) in x's dtype; the scratch arrays at the byte offsets
+    ``parts`` (:func:`_decode_parts`) of ``scratch`` (uint8), or of a new array where ``scratch`` is empty; False
+    where a NaN came out (:func:`_round_and_add_bias`)."""
     x_bits, out_bits = int16_array_at(x_address, m, k), int16_array_at(out_address, m, n)
-    groups = k // group_size
-    x32 = np.empty((m, k), dtype=np.float32)
+    groups, npad = k // group_size, scale_bits.size // (k // group_size)
+    if scratch.size == 0:
+        scratch = np.empty(parts[5], dtype=np.uint8)
+    x32 = scratch[parts[0]:parts[0] + 4 * m * k].view(np.float32).reshape(m, k)
     _widen_rows(x_bits, is_bf16, x32)
-    a_i8 = np.empty((m, 3, k), dtype=np.int8)
-    a_max = np.empty((m, groups), dtype=np.float32)
-    a_sum = np.empty((m, 3, groups), dtype=np.int32)
+    a_i8 = scratch[parts[1]:parts[1] + 3 * m * k].view(np.int8).reshape(m, 3, k)
+    a_max = scratch[parts[2]:parts[2] + 4 * m * groups].view(np.float32).reshape(m, groups)
+    a_sum = scratch[parts[3]:parts[3] + 12 * m * groups].view(np.int32).reshape(m, 3, groups)
     _msd_preprocess_serial(x32, group_size, a_i8, a_max, a_sum)
-    y32 = np.empty((m, scale_bits.size // groups), dtype=np.float32)
+    y32 = scratch[parts[4]:parts[4] + 4 * m * npad].view(np.float32).reshape(m, npad)
     previous = numba.uintp(0)
     if _CHUNK:  # noqa: F821 (bound: 0 in the serial form, whose branches numba prunes: it has no parallel loop)
         previous = swap_parallel_chunksize(numba.uintp(_CHUNK))  # noqa: F821
@@ -805,9 +835,31 @@ def _decode(x_address, m, k, n, is_bf16, tiles, scale_bits, offset_bits, has_off
     return _round_and_add_bias(y32, bias32, has_bias, is_bf16, out_bits)
 
 
+_DECODE_BUFFERS = ("x32", "a_i8", "a_max", "a_sum", "y32")
+_NO_SCRATCH = np.empty(0, dtype=np.uint8)  # _decode allocates its own
+_NO_BIAS = np.zeros(0, dtype=np.float32)  # with has_bias False: not read
+
+
+@functools.lru_cache(maxsize=256)
+def _decode_parts(m: int, k: int, n: int, group_size: int) -> np.ndarray:
+    """int64 [byte offsets of x32, a_i8, a_max, a_sum and y32, total bytes] of the workspace layout of an MSD
+    ``preload`` call with a prepacked weight (:class:`WorkspaceLayout`): where :func:`_decode` finds its scratch
+    arrays in such a workspace, or in an array it makes."""
+    layout = WorkspaceLayout.build(m, k, n, group_size, "preload", prepacked=True)
+    parts = np.array([layout.offsets[name][0] for name in _DECODE_BUFFERS] + [layout.nbytes], dtype=np.int64)
+    parts.flags.writeable = False
+    return parts
+
+
 _msd_preprocess_serial = _msd_preprocess.serial
 
 
+def decode_rows(k: int) -> int:
+    """The most rows of x (M) the one-call decode takes for K = ``k``: x is pre-processed on the calling thread."""
+    return max(1, _SERIAL_PREPROCESS_MAX // k)
+
+
+@functools.cache  # looked up on every decode_into
 def _decode_kernel(serial: bool):
     """The numba dispatcher of :func:`_decode` with the serial or the parallel preload (its loop in chunks of
     _PARALLEL_CHUNK)."""
@@ -835,8 +887,9 @@ class BoundDecode:
         self.operands = (self.tiles, self.scale_bits, self.offset_bits, offset is not None, group_size, self.bias32,
                          bias is not None)
         self.is_bf16 = self.dtype == torch.bfloat16
-        self.max_rows = max(1, _SERIAL_PREPROCESS_MAX // self.k)  # x pre-processed on the calling thread
+        self.max_rows = decode_rows(self.k)
         self._serial, self._parallel = _decode_kernel(True), _decode_kernel(False)  # compiled on first use
+        self.group_size = group_size
 
     @staticmethod
     def _padded_bits(t: torch.Tensor, npad: int) -> np.ndarray:
@@ -849,4 +902,5 @@ class BoundDecode:
         dtype, M at most ``max_rows``, not checked here: the caller's); False where a NaN came out (out then
         unspecified). The numba call takes their addresses (_runtime.int16_array_at)."""
         decode = self._serial if runs_serially(m * self.k * self.n, _ONE_THREAD_WORK) else self._parallel
-        return decode(x.data_ptr(), m, self.k, self.n, self.is_bf16, *self.operands, out.data_ptr())
+        return decode(x.data_ptr(), m, self.k, self.n, self.is_bf16, *self.operands, out.data_ptr(), _NO_SCRATCH,
+                      _decode_parts(m, self.k, self.n, self.group_size))
