@@ -6,7 +6,7 @@ import torch
 from lowbit.formats import mxfp4
 from lowbit.formats import svd_quant as ref
 from lowbit.errors import DtypeError, ShapeError
-from lowbit.nn.svd_quant import SVDQuantLinear, svd_quant_decompose
+from lowbit.nn.svd_quant import SVDQuantLinear, low_rank_factors, svd_quant_decompose
 
 
 def sqnr_db(signal: torch.Tensor, approx: torch.Tensor) -> float:
@@ -90,3 +90,43 @@ def test_decompose_refuses_non_finite_weights(capfd, bad, count):
     with pytest.raises(ValueError, match=f"holds {count} non-finite"):
         svd_quant_decompose(weight, rank=4)
     assert capfd.readouterr().err == ""
+
+
+def _truncated_svd(w64, rank):
+    """d, u of the rank-``rank`` truncated SVD by LAPACK's full SVD, signs as low_rank_factors sets them."""
+    left, singular, right_t = torch.linalg.svd(w64.T, full_matrices=False)
+    root = singular[:rank].sqrt()
+    d, u = left[:, :rank] * root, root[:, None] * right_t[:rank]
+    sign = torch.where(u.gather(1, u.abs().argmax(dim=1, keepdim=True)) < 0, -1.0, 1.0).to(torch.float64)
+    return d * sign.T, u * sign
+
+
+@pytest.mark.parametrize("n, k, rank", [(96, 160, 32), (160, 96, 32), (64, 64, 64), (40, 256, 1), (192, 256, 32)])
+def test_low_rank_factors_are_the_truncated_svd(n, k, rank):
+    """The Gram-matrix eigendecomposition gives the full SVD's factors to float64 rounding, and the same BF16
+    factors; the largest entry of each row of u is positive."""
+    gen = torch.Generator().manual_seed(n + k + rank)
+    weight = lowrank_weight(n, k, seed=rank) if (n, k) == (192, 256) else torch.randn(n, k, generator=gen) * 0.02
+    w64 = weight.to(torch.bfloat16).to(torch.float64)
+    d, u = low_rank_factors(w64, rank)
+    want_d, want_u = _truncated_svd(w64, rank)
+    assert d.shape == (k, rank) and u.shape == (rank, n) and d.dtype == u.dtype == torch.float64
+    assert torch.allclose(d, want_d, rtol=0, atol=1e-11) and torch.allclose(u, want_u, rtol=0, atol=1e-11)
+    assert torch.equal(d.to(torch.bfloat16), want_d.to(torch.bfloat16))
+    assert torch.equal(u.to(torch.bfloat16), want_u.to(torch.bfloat16))
+    assert (u.gather(1, u.abs().argmax(dim=1, keepdim=True)) > 0).all()
+
+
+def test_low_rank_factors_of_a_weight_of_lower_rank_are_zero_beyond_it():
+    """Components whose singular value is zero (here rank 2 of 8 asked for, exact in float64; and a zero
+    weight) are zero in d and u, never NaN, and the product is the weight."""
+    gen = torch.Generator().manual_seed(5)
+    w64 = (torch.randint(-3, 4, (48, 2), generator=gen) @ torch.randint(-3, 4, (2, 64), generator=gen)).double()
+    d, u = low_rank_factors(w64, 8)
+    assert not (d.isnan().any() or u.isnan().any())
+    assert d[:, 2:].eq(0).all() and u[2:].eq(0).all()
+    assert torch.allclose((d @ u).T, w64, rtol=0, atol=1e-12)
+    d, u = low_rank_factors(torch.zeros(32, 64, dtype=torch.float64), 4)
+    assert d.eq(0).all() and u.eq(0).all()
+    w, s, d16, u16 = svd_quant_decompose(torch.zeros(32, 64), rank=4)
+    assert d16.eq(0).all() and u16.eq(0).all() and w.eq(0).all()

@@ -22,6 +22,31 @@ from lowbit.ops.mxfp4 import dynamic_mx_quant
 from lowbit.ops.svd_quant import svd_quant
 
 
+def low_rank_factors(w64: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(d, u)`` float64, d (K, rank) = U_r sqrt(S_r) and u (rank, N) = sqrt(S_r) V_r^T for the float64 weight
+    ``w64`` (N, K) (finite, 1 <= rank <= min(N, K)), where W^T = U S V^T: the rank-``rank`` truncated SVD.
+
+    Computed from the symmetric eigendecomposition of the Gram matrix of W's shorter side (W W^T or W^T W,
+    float64), whose top eigenvalues are S_r^2: the factors of LAPACK's full SVD to float64 rounding, in a
+    fraction of its time (docs/svd_quant.md, 'svd_quant_decompose'). Each component's sign makes the
+    largest-magnitude entry of its row of u positive (a full SVD's signs depend on the LAPACK build). A
+    component whose singular value is below sqrt(eps * max(N, K)) (about 1e-7) times the largest, where the Gram
+    matrix's rounding leaves only noise, is zero in d and u: a weight of lower rank than ``rank``."""
+    n, k = w64.shape
+    values, vectors = torch.linalg.eigh(w64 @ w64.T if n <= k else w64.T @ w64)  # ascending
+    top = vectors[:, -rank:].flip(1)  # unit eigenvectors by descending eigenvalue: V_r (N <= K) or U_r
+    singular = values[-rank:].flip(0).clamp(min=0).sqrt()
+    # below the Gram matrix's rounding (relative eps * size in S^2): zero, as LAPACK's would be to that precision
+    tiny = singular <= singular[0] * (torch.finfo(torch.float64).eps * max(n, k)) ** 0.5
+    root = torch.where(tiny, 1.0, singular.sqrt())
+    if n <= k:
+        d, u = (w64.T @ top) / root, (top * root).T  # W^T V_r = U_r S_r
+    else:
+        d, u = top * root, ((w64 @ top) / root).T  # W U_r = V_r S_r
+    sign = torch.where(u.gather(1, u.abs().argmax(dim=1, keepdim=True)) < 0, -1.0, 1.0).to(torch.float64)
+    return (d * sign.T).masked_fill(tiny, 0.0), (u * sign).masked_fill(tiny[:, None], 0.0)
+
+
 def svd_quant_decompose(weight: torch.Tensor, rank: int = 32) -> tuple[torch.Tensor, ...]:
     """Split ``weight`` (N, K) float into ``(w, s, d, u)`` for :func:`lowbit.ops.svd_quant.svd_quant`.
 
@@ -48,10 +73,8 @@ def svd_quant_decompose(weight: torch.Tensor, rank: int = 32) -> tuple[torch.Ten
     if non_finite:
         raise ValueError(f"svd_quant_decompose: the weight holds {non_finite} non-finite (NaN or Inf) "
                          f"element(s) of {w64.numel()}; it has no SVD")
-    left, singular, right_t = torch.linalg.svd(w64.T, full_matrices=False)  # W^T = left diag(S) right_t
-    root = singular[:rank].sqrt()
-    d = (left[:, :rank] * root).to(torch.bfloat16).contiguous()  # LAPACK's factors are column-major
-    u = (root[:, None] * right_t[:rank]).to(torch.bfloat16).contiguous()
+    d64, u64 = low_rank_factors(w64, rank)
+    d, u = d64.to(torch.bfloat16).contiguous(), u64.to(torch.bfloat16).contiguous()
     residual = w64 - (d.to(torch.float64) @ u.to(torch.float64)).T
     w, s = dynamic_mx_quant(residual.to(torch.float32), BLOCK, "round")
     return w, s, d, u
