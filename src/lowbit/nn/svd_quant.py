@@ -4,9 +4,10 @@
     w, s = dynamic_mx_quant(Res, 32, "round"):   w (N, K/2), s (N, ceil(K/64), 2) uint8
 
 so that ``F.linear(x, W) ~= svd_quant(x, w, s, d, u) = x @ d @ u + Q(x) @ Q(R)^T``. The low-rank factors
-are the rank-``rank`` truncated SVD of W (computed in float64): W^T = U S V^T, d = U_r sqrt(S_r),
-u = sqrt(S_r) V_r^T. No activation smoothing and no iterative refinement (the SVDQuant paper and
-deepcompressor add both); this is the decomposition the upstream operator consumes.
+are the rank-``rank`` truncated SVD of W (computed in float64, from the eigendecomposition of a Gram matrix:
+:func:`low_rank_factors`): W^T = U S V^T, d = U_r sqrt(S_r), u = sqrt(S_r) V_r^T. No activation smoothing
+and no iterative refinement (the SVDQuant paper and deepcompressor add both); this is the decomposition the
+upstream operator consumes.
 """
 
 from __future__ import annotations
