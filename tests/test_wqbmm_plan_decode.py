@@ -129,3 +129,15 @@ def test_a_reused_plan_allocates_no_tensor(decodes):
     assert _allocated_bytes(lambda: plan.run(x, packed, scale, out=out, workspace=workspace)) == 0
     assert _allocated_bytes(lambda: plan.run(x, packed, scale, out=out)) == 0  # the thread's scratch buffer
     assert all(decodes) and len(decodes) == 3
+
+
+def test_the_warm_up_compiles_the_decode_after_the_self_check(decodes, monkeypatch):
+    """The warm-up task of the operator runs its native kernel's compile_more, which runs the one-call decode
+    (so that a warm-up worker compiles it, not the smoke's main process)."""
+    from lowbit.kernels.cpu import warm
+
+    calls = []
+    compile_more = cpu.WeightQuantBatchMatmul.compile_more
+    monkeypatch.setattr(cpu.WeightQuantBatchMatmul, "compile_more", lambda self: calls.append(compile_more(self)))
+    assert warm._warm_operator(wq.MATMUL.name) is None
+    assert len(calls) == 1 and decodes == [True]

@@ -81,11 +81,17 @@ def _family_bytes(module_name: str) -> int:
 
 def _warm_operator(name: str) -> Optional[str]:
     """A warm-up task, in a worker process or this one: run the CPU self-check of operator ``name`` (compiling
-    and caching its kernels); returns its answer (None: passed)."""
+    and caching its kernels), then, where it passed, its native kernel's ``compile_more()`` if it has one (paths
+    its callers take that the self-check does not run); returns the self-check's answer (None: passed)."""
     import lowbit  # noqa: F401  (registers every operator)
     from lowbit.backends import operators
 
-    return operators()[name].auto_check_error(DEVICE_TYPE)
+    op = operators()[name]
+    error = op.auto_check_error(DEVICE_TYPE)
+    compile_more = getattr(op.native_kernel(DEVICE_TYPE), "compile_more", None) if error is None else None
+    if compile_more is not None:
+        compile_more()
+    return error
 
 
 def _cpu_times() -> tuple[int, int] | None:

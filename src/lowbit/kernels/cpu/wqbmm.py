@@ -755,6 +755,15 @@ class WeightQuantBatchMatmul(WqbmmKernel):
             return decode(x.data_ptr(), m, k, n, x.dtype == torch.bfloat16, *operands, out.data_ptr(),
                           as_numpy(scratch), parts)
 
+    def compile_more(self) -> None:
+        """Compile (and cache) :meth:`decode_into`'s serial kernel, which a prepacked plan's run of few rows
+        calls and the operator's self-check does not: the warm-up calls this after the self-check passed, so
+        that the kernel compiles in a warm-up worker beside the other families (lowbit.kernels.cpu.warm)."""
+        k, n, group_size = 64, TILE_N, 64
+        tiles = self.pack_weight(torch.zeros(k, n // 2, dtype=torch.uint8), group_size)
+        x, scale = torch.zeros(1, k, dtype=torch.float16), torch.ones(1, n, dtype=torch.float16)
+        self.decode_into(x, 1, tiles, scale, None, group_size, None, torch.empty(1, n, dtype=x.dtype))
+
     @staticmethod
     def bind_dequant(tiles: torch.Tensor, antiquant_scale: torch.Tensor, antiquant_offset: torch.Tensor | None,
                      bias: torch.Tensor | None, group_size: int) -> "dequant.BoundDequant":
