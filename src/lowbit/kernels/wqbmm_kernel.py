@@ -98,22 +98,34 @@ class WqbmmKernel(Kernel):
             return
         if not out.is_contiguous():
             raise ShapeError(f"{self.name}: out must be contiguous, got strides {out.stride()}")
-        self._check_weight(weight, x.device, self.packed_shape(k, n, group_size) if prepacked else (k, n // 2),
-                           "packed weight" if prepacked else "weight")
-        nbytes = self.workspace_nbytes(m, k, n, group_size, template, prepacked, algorithm)
+        nbytes = self.check_weight_and_workspace(x, weight, antiquant_scale, antiquant_offset, group_size, algorithm,
+                                                 template, workspace, prepacked, out)
         args = (x.reshape(m, k).contiguous(), weight, antiquant_scale.contiguous(),
                 None if antiquant_offset is None else antiquant_offset.contiguous(), group_size, algorithm,
                 template)
         if workspace is not None:
-            operands = {"x": x, "weight": weight, "antiquant_scale": antiquant_scale,
-                        "antiquant_offset": antiquant_offset, "out": out}
-            self._check_workspace(workspace, nbytes, x.device, operands)
             self._compute(*args, workspace, out.view(m, n), prepacked)
         elif x.device.type == "cpu":  # the thread's scratch buffer: kept between calls, no page faults
             with thread_scratch(nbytes) as scratch:
                 self._compute(*args, scratch, out.view(m, n), prepacked)
         else:
             self._compute(*args, torch.empty(nbytes, dtype=torch.uint8, device=x.device), out.view(m, n), prepacked)
+
+    def check_weight_and_workspace(self, x, weight, antiquant_scale, antiquant_offset, group_size, algorithm,
+                                   template, workspace, prepacked, out) -> int:
+        """The workspace bytes of a call with these operands (``out`` (..., N) of M rows, not empty), after
+        checking the weight (raw, or ``prepacked`` in :meth:`pack_weight`'s layout) and, where given, the
+        workspace (uint8 on x's device, contiguous 1-D, large and aligned enough, sharing no memory with an
+        operand). TypeError / DtypeError / DeviceError / ShapeError."""
+        k, n = x.shape[-1], out.shape[-1]
+        self._check_weight(weight, x.device, self.packed_shape(k, n, group_size) if prepacked else (k, n // 2),
+                           "packed weight" if prepacked else "weight")
+        nbytes = self.workspace_nbytes(out.numel() // n, k, n, group_size, template, prepacked, algorithm)
+        if workspace is not None:
+            operands = {"x": x, "weight": weight, "antiquant_scale": antiquant_scale,
+                        "antiquant_offset": antiquant_offset, "out": out}
+            self._check_workspace(workspace, nbytes, x.device, operands)
+        return nbytes
 
     @staticmethod
     def _check_bytes(what: str, t: torch.Tensor, device: torch.device) -> None:

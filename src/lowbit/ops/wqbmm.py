@@ -378,12 +378,8 @@ class WqbmmPlan:
             if not backends.is_dense_aligned(out) or any(backends.overlaps(out, t) for t in (*operands, data)):
                 return None
             target = out
-        self.kernel._check_weight(data, self.device, self.kernel.packed_shape(self.k, self.n, self.group_size),
-                                  "packed weight")  # as the kernel's run checks them
-        if workspace is not None:
-            nbytes = self.kernel.workspace_nbytes(self.m, self.k, self.n, self.group_size, "preload", True, MSD)
-            self.kernel._check_workspace(workspace, nbytes, self.device, {
-                "x": x, "weight": data, "antiquant_scale": scale, "antiquant_offset": offset, "out": target})
+        self.kernel.check_weight_and_workspace(x, data, scale, offset, group_size, MSD, "preload", workspace, True,
+                                               target)
         if not decode_into(x, self.m, data, scale, offset, group_size, workspace, target):
             return None
         MATMUL.record(self.backend)

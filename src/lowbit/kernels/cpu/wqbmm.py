@@ -38,6 +38,7 @@ AVX512-BW in an L1 scratch while row pairs stream by: RAW_ROWS_STREAMED), and po
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from dataclasses import dataclass
@@ -748,12 +749,9 @@ class WeightQuantBatchMatmul(WqbmmKernel):
         offset_bits = scale_bits if antiquant_offset is None else as_numpy(antiquant_offset).reshape(-1)
         operands = (as_numpy(tiles), scale_bits, offset_bits, antiquant_offset is not None, group_size, _NO_BIAS, False)
         decode = _decode_kernel(runs_serially(m * k * n, _ONE_THREAD_WORK))
-        if workspace is not None:
+        with contextlib.nullcontext(workspace) if workspace is not None else thread_scratch(int(parts[-1])) as scratch:
             return decode(x.data_ptr(), m, k, n, x.dtype == torch.bfloat16, *operands, out.data_ptr(),
-                          as_numpy(workspace), parts)
-        with thread_scratch(int(parts[-1])) as scratch:  # as run without a workspace
-            return decode(x.data_ptr(), m, k, n, x.dtype == torch.bfloat16, *operands, out.data_ptr(),
-                          as_numpy(scratch), parts)
+                          as_numpy(scratch), parts)  # (no workspace: the thread's scratch buffer, as run takes)
 
     def compile_more(self) -> None:
         """Compile (and cache) :meth:`decode_into`'s serial kernel, which a prepacked plan's run of few rows
