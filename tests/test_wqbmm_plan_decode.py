@@ -1,6 +1,8 @@
 """A prepacked plan's run of few rows through the CPU kernel's one-call decode (WqbmmPlan._decoded): the same bits
 as the operator and the reference, the operator's checks, and the cases where the operator's own path runs."""
 
+import random
+
 import pytest
 import torch
 
@@ -141,3 +143,59 @@ def test_the_warm_up_compiles_the_decode_after_the_self_check(decodes, monkeypat
     monkeypatch.setattr(cpu.WeightQuantBatchMatmul, "compile_more", lambda self: calls.append(compile_more(self)))
     assert warm._warm_operator(wq.MATMUL.name) is None
     assert len(calls) == 1 and decodes == [True]
+
+
+
+def _odd_view(t: torch.Tensor, rng: random.Random, bad: bool = False) -> torch.Tensor:
+    """``t``'s values in a random layout: as is, rows strided, at an odd offset or column-major; where ``bad``,
+    another dtype or one column short instead (an error to expect)."""
+    if bad:
+        return t.to(torch.float32) if rng.random() < 0.5 else t[:, :-1]
+    kind = rng.choice(["as is", "strided", "odd offset", "column-major"])
+    if kind == "strided":
+        return torch.stack([t, torch.zeros_like(t)], dim=1).flatten(0, 1)[::2]
+    if kind == "odd offset":
+        flat = torch.empty(t.numel() + 1, dtype=t.dtype)
+        flat[1:] = t.reshape(-1)
+        return flat[1:].view(t.shape)
+    return t.t().contiguous().t() if kind == "column-major" else t
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_layouts_of_every_operand_give_the_reference_or_an_error(seed):
+    """One operand of each run in a random layout (x, scale, offset or out: see _odd_view; out also overlapping
+    x), fresh or reused workspaces, packed or raw weights, and in a quarter of the runs one operand wrong
+    (dtype, shape, a short or strided workspace): each run gives the reference's bits, or, exactly where an
+    operand is wrong, a ValueError, TypeError or RuntimeError; never a crash or other bits."""
+    rng = random.Random(seed)
+    for _ in range(24):
+        m, n, dtype = rng.choice([1, 2, 3, cpu.decode_rows(K)]), rng.choice([32, 64, 96]), rng.choice([torch.float16,
+                                                                                                      torch.bfloat16])
+        plan, x, packed, weight, scale, offset = _plan_and_operands(m, n, dtype, rng.random() < 0.3, rng.randrange(99),
+                                                                    prepacked=rng.random() < 0.5)
+        want = ref.wqbmm_msd(x, weight, scale, offset, G)
+        names = ["x", "scale", "out"] + ([] if offset is None else ["offset"])
+        odd = rng.choice(names)
+        bad = rng.choice(names + ["workspace"]) if rng.random() < 0.25 else None
+        x, scale = _odd_view(x, rng, bad == "x") if "x" in (odd, bad) else x, (
+            _odd_view(scale, rng, bad == "scale") if "scale" in (odd, bad) else scale)
+        if offset is not None and "offset" in (odd, bad):
+            offset = _odd_view(offset, rng, bad == "offset")
+        out = rng.choice([None, torch.empty(m, n, dtype=dtype)])
+        if "out" in (odd, bad):
+            overlapping = x.reshape(-1)[:m * n].view(m, n) if x.is_contiguous() and x.numel() >= m * n else None
+            out = _odd_view(torch.empty(m, n, dtype=dtype), rng, bad == "out") if bad == "out" or overlapping is None \
+                or rng.random() < 0.7 else overlapping
+        workspace = rng.choice([None, plan.new_workspace()])
+        if bad == "workspace":
+            workspace = rng.choice([plan.new_workspace()[:16],
+                                    torch.empty(2 * plan.workspace_nbytes + 2, dtype=torch.uint8)[1::2]])
+        run = lambda: plan.run(x, packed if plan.prepacked else rng.choice([packed, weight]), scale, offset,  # noqa
+                               out=out, workspace=workspace)
+        if bad:
+            with pytest.raises((ValueError, TypeError, RuntimeError), match=bad if bad not in ("x", "scale") else None):
+                run()
+            continue
+        got = run()
+        assert got is out or out is None
+        assert torch.equal(bits(got), bits(want))
