@@ -1,7 +1,7 @@
 """lowbit.kernels.cpu.memory. Packed weights in memory advised for huge pages: same values, 2 MiB aligned,
 independent of the source, alive as long as any view; deploy modules put their large buffers there at
-convert and at load, and compute the same bits. The per-thread scratch buffer: kept between calls, grown on
-demand, one per thread."""
+convert and at load, and compute the same bits. Large outputs of allocating calls advised for huge pages, in
+torch's own memory. The per-thread scratch buffer: kept between calls, grown on demand, one per thread."""
 
 import gc
 import importlib
@@ -13,7 +13,9 @@ import torch
 from torch import nn
 
 import lowbit
-from lowbit.kernels.cpu.memory import HUGE_PAGE, huge_page_copy, huge_page_empty, thread_scratch
+from lowbit.kernels.cpu import memory
+from lowbit.kernels.cpu.memory import (FRESH_OUTPUT_BYTES, HUGE_PAGE, huge_page_copy, huge_page_empty, output_empty,
+                                       thread_scratch)
 
 MIB3 = 3 << 20
 advised = pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no MADV_HUGEPAGE on this platform")
@@ -64,6 +66,48 @@ def test_empty_has_the_shape_and_dtype_in_huge_pages_where_large_enough(shape, m
     monkeypatch.setattr(mmap, "mmap", lambda *args, **kwargs: (_ for _ in ()).throw(OSError(12, "no memory")))
     refused = huge_page_empty(shape, torch.int16)
     assert refused.shape == shape and refused.dtype == torch.int16 and refused.is_contiguous()
+
+
+def _advised_for_huge_pages(address: int) -> bool:
+    """Whether the mapping holding ``address`` is advised for huge pages ("hg" among its VmFlags in
+    /proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(bound, 16) for bound in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "VmFlags:":
+                return "hg" in line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+smaps = pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE") or not __import__("os").path.exists(
+    "/proc/self/smaps"), reason="needs Linux's MADV_HUGEPAGE and /proc/self/smaps")
+
+
+@smaps
+@pytest.mark.parametrize("nbytes", [FRESH_OUTPUT_BYTES, FRESH_OUTPUT_BYTES + 4 * HUGE_PAGE + 12,
+                                    FRESH_OUTPUT_BYTES - 2])
+def test_an_output_of_fresh_memory_is_advised_for_huge_pages_a_smaller_one_is_not(nbytes):
+    out = output_empty((nbytes // 2,), torch.float16)
+    assert out.shape == (nbytes // 2,) and out.dtype == torch.float16 and out.is_contiguous()
+    assert out.untyped_storage().resizable()  # torch's own memory, not a mapping of lowbit's
+    inside = -(-out.data_ptr() // HUGE_PAGE) * HUGE_PAGE  # the first whole huge page inside it
+    assert _advised_for_huge_pages(inside) == (nbytes >= FRESH_OUTPUT_BYTES)
+    out.fill_(1.5)  # writable
+    assert out[-1] == 1.5
+
+
+@smaps
+def test_an_allocating_call_puts_a_large_output_in_huge_pages_with_the_out_calls_bits():
+    codes = lowbit.encode_to_hifloat8(torch.randn(FRESH_OUTPUT_BYTES // 2 // 1024, 1024).bfloat16())
+    decoded = lowbit.decode_from_hifloat8(codes, torch.bfloat16)
+    assert _advised_for_huge_pages(-(-decoded.data_ptr() // HUGE_PAGE) * HUGE_PAGE)
+    into = torch.empty_like(decoded)
+    lowbit.decode_from_hifloat8(codes, out=into)
+    assert torch.equal(decoded.view(torch.int16), into.view(torch.int16))
 
 
 def test_small_and_non_cpu_tensors_are_returned_as_they_are():
@@ -136,3 +180,21 @@ def test_thread_scratch_rejects_a_negative_size():
     with pytest.raises(ValueError, match="nbytes must be >= 0, got -1"):
         with thread_scratch(-1):
             pass
+
+
+def test_an_output_while_torch_traces_is_a_fake_tensor_of_any_size(monkeypatch):
+    """Under torch.compile's fake tensors (an operator's fake implementation) and a default device, an output of
+    fresh-memory size is made without touching memory: a fake tensor (no advice for an address it does not
+    have), or a CPU tensor."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    advised_ranges = []
+    monkeypatch.setattr(memory, "_madvise", lambda: lambda *args: advised_ranges.append(args))
+    with FakeTensorMode():
+        fake = output_empty((FRESH_OUTPUT_BYTES,), torch.uint8)
+        codes = lowbit.encode_to_hifloat8(torch.empty(FRESH_OUTPUT_BYTES // 1024, 1024, dtype=torch.bfloat16))
+    assert type(fake).__name__ == "FakeTensor" and fake.shape == (FRESH_OUTPUT_BYTES,)
+    assert codes.shape == (FRESH_OUTPUT_BYTES // 1024, 1024) and codes.dtype == torch.uint8
+    assert advised_ranges == []
+    with torch.device("meta"):
+        assert output_empty((4,), torch.uint8).device.type == "cpu"

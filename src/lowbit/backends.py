@@ -41,6 +41,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from lowbit.collector import fewer_collections
 from lowbit.errors import BackendUnavailable, DeviceError, DtypeError, ShapeError
+from lowbit.kernels.cpu.memory import output_empty
 
 BACKENDS = ("native", "reference", "auto")
 ENV_VAR = "LOWBIT_BACKEND"
@@ -492,7 +493,8 @@ class Operator:
         return devices.pop()
 
     def _allocate(self, args: Sequence, device: torch.device) -> Any:
-        outs = tuple(torch.empty(s.shape, dtype=s.dtype, device=device) for s in self.outputs(*args))
+        outs = tuple(output_empty(s.shape, s.dtype) if device.type == "cpu" else
+                     torch.empty(s.shape, dtype=s.dtype, device=device) for s in self.outputs(*args))
         return outs if len(outs) > 1 else outs[0]
 
     def new_outputs(self, *args: Any) -> Any:

@@ -23,6 +23,7 @@ from torch.autograd import forward_ad
 
 from lowbit import backends
 from lowbit.backends import Kernel, Operator, same_bits
+from lowbit.kernels.cpu.memory import output_empty
 
 _LIB = torch.library.Library("lowbit", "FRAGMENT")
 _ARGUMENTS: dict[str, list] = {}  # custom op name -> its schema's arguments (read once, at definition)
@@ -213,7 +214,7 @@ def run_direct(op: Operator, args: tuple, shape: Sequence[int], dtype: torch.dty
     kernel = direct_cpu_kernel(op, args)
     if kernel is None:
         return None
-    out = torch.empty(shape, dtype=dtype)
+    out = output_empty(shape, dtype)
     if out.numel():
         kernel.run(*(backends.dense_aligned(a) if isinstance(a, torch.Tensor) else a for a in args), out=out)
     op.record("native")
@@ -322,7 +323,7 @@ class PreparedCall:
                 return torch.empty(spec.shape, dtype=spec.dtype)
             plan = self._plan(kind, spec, x)
         spec, name, kernel, prepared = plan
-        out = torch.empty(spec.shape, dtype=spec.dtype)
+        out = output_empty(spec.shape, spec.dtype)
         # No torch.no_grad() (2-4 us): nothing here requires grad (plain_tensor), so no op records a graph.
         if prepared is not None:
             kernel.run_prepared(x, prepared, out=out)

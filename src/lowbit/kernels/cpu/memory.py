@@ -1,18 +1,23 @@
 """CPU memory for the kernels: tensors advised for transparent huge pages, for weights that the decode
-kernels stream, and a per-thread scratch buffer kept between calls, for temporaries too large to allocate
-afresh on every call.
+kernels stream and for large outputs, and a per-thread scratch buffer kept between calls, for temporaries too
+large to allocate afresh on every call.
 
 A GEMV reads every byte of its weight once per call; with 4 KiB pages that is a TLB miss every 4 KiB per
 stream. Backed by 2 MiB pages the same read is faster (benchmarks/results_weight_only.md, 'Huge pages').
+A large output is fresh memory on every call, and its first writes fault its pages in: 2 MiB ones cost
+fewer faults (:func:`output_empty`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import math
 import mmap
+import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Optional
 
 import torch
@@ -63,6 +68,47 @@ def _huge_page_tensor(shape: Sequence[int], dtype: torch.dtype) -> Optional[torc
         pass
     # storage of exactly nbytes (torch.save and deepcopy copy whole storages), holding a reference to region
     return torch.frombuffer(region, dtype=torch.uint8, offset=offset, count=nbytes).view(dtype).view(tuple(shape))
+
+
+# glibc's malloc gives every allocation above its mmap threshold (which grows up to 32 MiB on 64-bit Linux)
+# a mapping of its own and unmaps it when freed: a tensor of at least this many bytes is fresh memory on every
+# call, its 4 KiB pages faulted in by the first writes. Smaller ones reuse memory malloc keeps, already
+# faulted in (advising those would cost more than it saves: benchmarks/RESULTS.md, 'Allocating calls in
+# huge pages').
+FRESH_OUTPUT_BYTES = 32 << 20
+
+
+def output_empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """``torch.empty(shape, dtype=dtype)`` on the CPU, for an output that a kernel writes in full. Where it has
+    at least FRESH_OUTPUT_BYTES, the 2 MiB pages inside it are advised for transparent huge pages (Linux
+    ``madvise(MADV_HUGEPAGE)``) before anything writes to it, so the kernel's first writes fault in 2 MiB
+    pages instead of 4 KiB ones (an allocating call of 64M elements: 0.5-0.8x the time on an Intel Xeon Ice
+    Lake). The memory is torch's own, as torch.empty allocates it (unlike huge_page_empty's mapping); without
+    transparent huge pages nothing changes."""
+    out = torch.empty(tuple(shape), dtype=dtype, device="cpu")
+    if type(out) is not torch.Tensor:  # a fake tensor (torch.compile's tracing): no memory, maybe symbolic sizes
+        return out
+    nbytes = out.numel() * out.element_size()
+    advise = _madvise()
+    if nbytes >= FRESH_OUTPUT_BYTES and advise is not None:
+        start = -(-out.data_ptr() // HUGE_PAGE) * HUGE_PAGE  # the whole huge pages inside the tensor's memory
+        end = (out.data_ptr() + nbytes) // HUGE_PAGE * HUGE_PAGE
+        if end > start:
+            advise(start, end - start, mmap.MADV_HUGEPAGE)  # a failure (no huge pages) leaves ordinary pages
+    return out
+
+
+@functools.cache
+def _madvise() -> Optional[Callable[[int, int, int], int]]:
+    """libc's ``madvise`` (Linux with MADV_HUGEPAGE), or None."""
+    if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return None
+    try:
+        advise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    advise.argtypes, advise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return advise
 
 
 class _ThreadScratch(threading.local):
