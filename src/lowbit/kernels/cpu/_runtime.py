@@ -325,9 +325,35 @@ def aligned_empty(rows, cols, dtype):
     return flat[skip:skip + rows * cols].reshape(rows, cols)
 
 
+# numpy's type strings of the dtypes kernels view (FP16 / BF16 as their int16 bit patterns: _BITS_VIEW)
+_TYPESTRS = {torch.bool: "|b1", torch.uint8: "|u1", torch.int8: "|i1", torch.int16: "<i2", torch.int32: "<i4",
+             torch.int64: "<i8", torch.uint16: "<u2", torch.uint32: "<u4", torch.uint64: "<u8", torch.float32: "<f4",
+             torch.float64: "<f8"}
+
+
+class _TensorMemory:
+    """A tensor's memory described to numpy (``__array_interface__``); the array made from it keeps this object,
+    and so the tensor, alive."""
+
+    __slots__ = ("__array_interface__", "tensor")
+
+    def __init__(self, t: torch.Tensor, typestr: str) -> None:
+        self.tensor = t
+        strides = None if t.is_contiguous() else tuple(stride * t.element_size() for stride in t.stride())
+        self.__array_interface__ = {"data": (t.data_ptr(), False), "shape": tuple(t.shape), "typestr": typestr,
+                                    "strides": strides, "version": 3}
+
+
 def as_numpy(t: torch.Tensor) -> np.ndarray:
-    """A numpy view sharing memory with a CPU tensor; FP16/BF16 are viewed as int16 bit patterns."""
+    """A numpy view sharing memory with a CPU tensor; FP16/BF16 are viewed as int16 bit patterns. Unlike
+    ``t.numpy()``, it leaves the tensor's storage resizable: torch marks a storage that ``numpy()`` exported as
+    not resizable for good, and a failed ``resize_`` then leaves the tensor's new sizes over its old memory (a
+    later read crashes), so a caller's tensor passed to a kernel would change under the caller. RuntimeError,
+    as ``numpy()`` raises it, for a tensor that requires grad or has the negative or conjugate bit."""
     if not t.is_cpu:
         raise ValueError(f"numba kernels need CPU tensors, got device {t.device}")
-    view_dtype = _BITS_VIEW.get(t.dtype)
-    return (t if view_dtype is None else t.view(view_dtype)).numpy()
+    view = t if (view_dtype := _BITS_VIEW.get(t.dtype)) is None else t.view(view_dtype)
+    typestr = _TYPESTRS.get(view.dtype)
+    if typestr is None or view.requires_grad or view.is_neg() or view.is_conj() or not view.numel():
+        return view.numpy()  # (its errors; an empty tensor has no memory to share)
+    return np.asarray(_TensorMemory(view, typestr))

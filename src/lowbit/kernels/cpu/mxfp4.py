@@ -491,7 +491,7 @@ class Dequantize(LastAxisDequantize):
                     codes.numel() // scales.numel())  # pairs per block
         serial = runs_serially(out.numel(), ONE_THREAD_ELEMENTS)
         run_tasks((_dequantize_range, _dequantize_blocks), operands, scales.numel(),
-                  out.view(-1).view(pair_dtype).numpy().view(_UNSIGNED[pair_dtype]), serial)
+                  as_numpy(out.view(-1).view(pair_dtype)).view(_UNSIGNED[pair_dtype]), serial)
 
 
 def fake_quantize(x: torch.Tensor, block_size: int, scale_rule: str, rounding: str, *, out: torch.Tensor) -> None:
@@ -638,16 +638,16 @@ def _quantize_blocks_of(xt, block_size, scale_rule, rounding, codes, scales, deq
     else:
         out_word = _PAIRS[dequantized.dtype][0]
         table = _dequant_pair_table(dequantized.dtype)
-        out_pairs = dequantized.view(-1).view(out_word).numpy().view(_UNSIGNED[out_word])
+        out_pairs = as_numpy(dequantized.view(-1).view(out_word)).view(_UNSIGNED[out_word])
     if block_size == _BLOCK32 and xt.element_size() == 2:  # MX's blocks of FP16 / BF16: the vector path
-        operands = (xt.reshape(-1).view(torch.int16).numpy().view(np.uint16), np.uint16(_ABS_MASK[xt.dtype]),
-                    _scale_bytes(xt.dtype, scale_rule), _padded_thresholds(xt.dtype, rounding), codes.view(-1).numpy(),
-                    scales.view(-1).numpy(), table)
+        operands = (as_numpy(xt.reshape(-1).view(torch.int16)).view(np.uint16), np.uint16(_ABS_MASK[xt.dtype]),
+                    _scale_bytes(xt.dtype, scale_rule), _padded_thresholds(xt.dtype, rounding),
+                    as_numpy(codes.view(-1)), as_numpy(scales.view(-1)), table)
         run_tasks((_quantize_range16, _quantize_blocks16), operands, scales.numel(), out_pairs, serial)
         return
-    operands = (xt.reshape(-1).view(pair_dtype).numpy().view(_UNSIGNED[pair_dtype]),
-                *quantize_constants(xt.dtype, scale_rule, rounding), block_size // 2, codes.view(-1).numpy(),
-                scales.view(-1).numpy(), table)
+    operands = (as_numpy(xt.reshape(-1).view(pair_dtype)).view(_UNSIGNED[pair_dtype]),
+                *quantize_constants(xt.dtype, scale_rule, rounding), block_size // 2, as_numpy(codes.view(-1)),
+                as_numpy(scales.view(-1)), table)
     run_tasks((_quantize_range, _quantize_blocks), operands, scales.numel(), out_pairs, serial)
 
 

@@ -890,7 +890,7 @@ class BoundDecode:
         self.offset_bits = self.scale_bits if offset is None else self._padded_bits(offset, npad)
         self.bias32 = np.zeros(npad, dtype=np.float32)
         if bias is not None:
-            self.bias32[:n] = bias.detach().float().numpy()  # the layer's bias may require grad: values only
+            self.bias32[:n] = as_numpy(bias.detach().float())  # the layer's bias may require grad: values only
         self.operands = (self.tiles, self.scale_bits, self.offset_bits, offset is not None, group_size, self.bias32,
                          bias is not None)
         self.is_bf16 = self.dtype == torch.bfloat16
